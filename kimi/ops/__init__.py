@@ -1,0 +1,1 @@
+"""Numerical kernels of the model, each beside its pure-PyTorch reference."""

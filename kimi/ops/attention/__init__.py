@@ -1,0 +1,82 @@
+"""Softmax attention that can also report, per head, the largest scaled logit (for QK-Clip).
+
+    attention(q, k, v, causal=True, scale=None, cu_seqlens=None, return_max_logits=False)
+
+q [B, Tq, H, Dqk], k [B, Tk, Hkv, Dqk], v [B, Tk, Hkv, Dv] (H a multiple of Hkv; Dv may differ from Dqk)
+-> o [B, Tq, H, Dv], or (o, max_logits [B, H] fp32) with return_max_logits. scale defaults to Dqk ** -0.5.
+With a causal mask the queries are the last Tq key positions (decoding with a cache). cu_seqlens: offsets
+[N + 1] of documents packed along T (B = 1, Tq = Tk); no token attends across a boundary.
+
+This is the CPU/PyTorch path: SDPA for the output and, only when asked, a query-chunked pass for the max
+logits (SDPA does not expose its row maxima). A fused Triton path that gets them for free comes later
+behind this same function.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .reference import attention_mask, naive_attention
+
+# Elements of one [B, H, chunk, Tk] fp32 score block in the max-logit pass: bounds its memory (64 MiB).
+_MAX_LOGIT_BLOCK = 1 << 24
+
+
+@torch.no_grad()
+def _max_logits(q, k, scale, mask) -> torch.Tensor:
+    """Max over allowed pairs of q.k * scale per (batch, head), scores built a few query rows at a time.
+
+    It is a statistic for the optimizer, not part of the loss, hence no_grad.
+    """
+    B, Tq, H, _ = q.shape
+    Tk = k.shape[1]
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # bf16 logits are too coarse
+    k = k.repeat_interleave(H // k.shape[2], dim=2).to(dtype)
+    rows = max(1, _MAX_LOGIT_BLOCK // max(1, B * H * Tk))
+    out = torch.full((B, H), float("-inf"), device=q.device, dtype=dtype)
+    for start in range(0, Tq, rows):
+        scores = torch.einsum("bqhd,bkhd->bhqk", q[:, start : start + rows].to(dtype), k) * scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask[start : start + rows], float("-inf"))
+        out = torch.maximum(out, scores.amax(dim=(-2, -1)))
+    return out.float()
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    return_max_logits: bool = False,
+):
+    B, Tq, H, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    if H % Hkv != 0:
+        raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({Hkv})")
+    if cu_seqlens is not None and B != 1:
+        raise ValueError(f"cu_seqlens packs documents along T and needs B == 1, got B = {B}")
+    scale = D**-0.5 if scale is None else scale
+    # SDPA's own is_causal aligns queries top-left, which is only right when Tq == Tk; otherwise (or with
+    # documents) pass the explicit mask. A single query at the end of the keys sees everything: no mask.
+    use_is_causal = causal and cu_seqlens is None and Tq == Tk
+    mask = None
+    if not use_is_causal and (cu_seqlens is not None or (causal and Tq > 1)):
+        mask = attention_mask(Tq, Tk, causal, cu_seqlens, q.device)
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        is_causal=use_is_causal,
+        scale=scale,
+        enable_gqa=H != Hkv,
+    ).transpose(1, 2)
+    if not return_max_logits:
+        return o
+    if mask is None and causal and Tq > 1:
+        mask = attention_mask(Tq, Tk, causal, None, q.device)
+    return o, _max_logits(q, k, scale, mask)
+
+
+__all__ = ["attention", "naive_attention"]

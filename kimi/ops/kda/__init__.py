@@ -1,0 +1,115 @@
+"""Kimi Delta Attention ops with flash-linear-attention's calling convention, so implementations swap freely.
+
+    chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              cu_seqlens=None, backend=None) -> (o, final_state)
+    fused_recurrent_kda(...same...) -> (o, final_state)
+
+q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K], log-space decay already activated (<= 0);
+beta: [B, T, H]; states: [B, H, K, V] in fp32 (fp64 for fp64 inputs). scale defaults to K ** -0.5 and
+multiplies q; q and k are not normalised here (the layer does that). o has v's dtype and shape.
+
+With cu_seqlens (offsets [N + 1] into T) B must be 1 and the N packed sequences are independent: the state
+restarts at every boundary, initial_state and final_state are [N, H, K, V].
+"""
+
+import torch
+
+from .chunk import chunk_kda_torch
+from .naive import naive_recurrent_kda
+
+# Every backend computes (o, final_state) for a batch of equal-length sequences from a validated,
+# possibly-None initial state; packing (cu_seqlens) is handled once, here, for all of them.
+_CHUNK_BACKENDS = {"naive": naive_recurrent_kda, "chunk": chunk_kda_torch}
+_RECURRENT_BACKENDS = {"naive": naive_recurrent_kda, "recurrent": naive_recurrent_kda}
+
+
+def _pick_backend(backend: str | None, backends: dict, default: str, op: str):
+    """Resolve a backend name to its function. A device-specific default (a Triton path on CUDA) goes here."""
+    name = default if backend is None else backend
+    if name not in backends:
+        raise ValueError(f"{op}: unknown backend {backend!r}; allowed: {sorted(backends)}")
+    return backends[name]
+
+
+def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    if g.shape != q.shape:
+        raise ValueError(f"g must have q's shape {tuple(q.shape)}, got {tuple(g.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
+    if beta.shape != q.shape[:3]:
+        raise ValueError(f"beta must be [B, T, H] = [{B}, {T}, {H}], got {tuple(beta.shape)}")
+    n = B
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens packs sequences along T and needs B == 1, got B = {B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1], got {cu_seqlens}")
+        offsets = cu_seqlens.tolist()
+        if offsets[0] != 0 or offsets[-1] != T or any(a > b for a, b in zip(offsets, offsets[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 to T = {T}, got {offsets}")
+        n = len(offsets) - 1
+    if initial_state is not None and initial_state.shape != (n, H, K, v.shape[-1]):
+        what = "N (sequences in cu_seqlens)" if cu_seqlens is not None else "B"
+        expected, got = [n, H, K, v.shape[-1]], tuple(initial_state.shape)
+        raise ValueError(f"initial_state must be [{what}, H, K, V] = {expected}, got {got}")
+
+
+def _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    _check(q, k, v, g, beta, initial_state, cu_seqlens)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if cu_seqlens is None:
+        o, state = fn(q, k, v, g, beta, scale, initial_state)
+    else:
+        # Each packed sequence runs alone: simple and exact; a Triton backend would take cu_seqlens itself.
+        offsets = cu_seqlens.tolist()
+        outputs, states = [], []
+        for i, (start, end) in enumerate(zip(offsets, offsets[1:])):
+            part = (x[:, start:end] for x in (q, k, v, g, beta))
+            o_i, s_i = fn(*part, scale, None if initial_state is None else initial_state[i : i + 1])
+            outputs.append(o_i)
+            states.append(s_i)
+        o, state = torch.cat(outputs, dim=1), torch.cat(states, dim=0)
+    return o, state if output_final_state else None
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA over whole sequences (training, prefill). backend: "chunk" (default) or "naive"."""
+    fn = _pick_backend(backend, _CHUNK_BACKENDS, "chunk", "chunk_kda")
+    return _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA token by token (decoding: usually T = 1, state carried). backend: "recurrent" or "naive"."""
+    fn = _pick_backend(backend, _RECURRENT_BACKENDS, "recurrent", "fused_recurrent_kda")
+    return _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+
+__all__ = ["chunk_kda", "fused_recurrent_kda", "naive_recurrent_kda"]
