@@ -1,0 +1,10 @@
+"""Single-device model code: KDA and MLA token mixers, SwiGLU MLPs, residual streams, the full model."""
+
+from .cache import InferenceCache, KDACache, MLACache
+from .kda import KDA
+from .mla import MLA
+from .mlp import SwiGLU
+from .norm import RMSNorm
+from .transformer import Block, KimiModel
+
+__all__ = ["KimiModel", "Block", "KDA", "MLA", "SwiGLU", "RMSNorm", "InferenceCache", "KDACache", "MLACache"]

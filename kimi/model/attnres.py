@@ -1,0 +1,124 @@
+"""Residual streams: how a sublayer's input is formed from what came before it (ALGORITHMS.md section 2).
+
+Every sublayer (each token mixer and each MLP) is a layer. The model runs, for every sublayer l,
+
+    h_l = stream.mix(query_l);  stream.push(f_l(h_l))        and finally  h = stream.mix(final_query)
+
+with one of three streams:
+
+* StandardStream: the pre-norm residual, h = v_0 + sum of all outputs (queries unused).
+* FullAttnResStream: every output is a source; h_l = sum_i softmax_i(w_l . RMSNorm(v_i)) v_i, per token.
+* BlockAttnResStream: sources are the completed block sums b_0 (= embedding), b_1, ..., plus the running
+  partial sum of the current block once it holds at least one output.
+
+A stream object is exactly "the set of sources still needed" downstream: under pipeline parallelism the
+completed blocks and the partial sum are what crosses a stage boundary (`sources()` lists them in order).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .norm import rms_norm
+
+
+def depth_weights(query: torch.Tensor, sources: Sequence[torch.Tensor], eps: float) -> torch.Tensor:
+    """Softmax over sources of query . RMSNorm(v_i), per token: [N, *batch] fp32 (fp64 for fp64 input).
+
+    The key norm has no learnable weight. The paper's pseudocode passes an RMSNorm module, but a per-layer
+    weight gamma would be redundant: w . (gamma * n(v)) = (w * gamma) . n(v), so the pseudo-query already
+    spans every such scaling, and with w initialised to zero gamma would get no gradient at the start
+    anyway. No 1/sqrt(d) and no temperature either: the query's norm is the temperature, learned.
+    """
+    keys = rms_norm(torch.stack(list(sources)), eps)  # normalised only to score; values stay raw
+    return (keys @ query.to(keys.dtype)).softmax(dim=0)
+
+
+def depth_attention(query: torch.Tensor | None, sources: Sequence[torch.Tensor], eps: float) -> torch.Tensor:
+    """sum_i softmax_i(query . RMSNorm(v_i)) v_i, mixed in fp32 and returned in the sources' dtype.
+
+    query None is allowed with a single source (weight 1 whatever the query: the model gives the very first
+    sublayer no query because its gradient would be identically zero).
+    """
+    if query is None:
+        if len(sources) != 1:
+            raise ValueError(f"a sublayer without a pseudo-query must have exactly 1 source, got {len(sources)}")
+        return sources[0]
+    weights = depth_weights(query, sources, eps)
+    values = torch.stack(list(sources)).to(weights.dtype)
+    return (weights.unsqueeze(-1) * values).sum(dim=0).to(sources[0].dtype)
+
+
+class StandardStream:
+    """Pre-norm residual: one running hidden state."""
+
+    def __init__(self, embedding: torch.Tensor):
+        self.hidden = embedding
+
+    def sources(self) -> list[torch.Tensor]:
+        return [self.hidden]
+
+    def mix(self, query: torch.Tensor | None) -> torch.Tensor:
+        return self.hidden
+
+    def push(self, output: torch.Tensor) -> None:
+        self.hidden = self.hidden + output
+
+
+class FullAttnResStream:
+    """Full AttnRes: the embedding and every sublayer output so far are sources (O(L d) per token)."""
+
+    def __init__(self, embedding: torch.Tensor, eps: float):
+        self.outputs = [embedding]
+        self.eps = eps
+
+    def sources(self) -> list[torch.Tensor]:
+        return list(self.outputs)
+
+    def mix(self, query: torch.Tensor | None) -> torch.Tensor:
+        return depth_attention(query, self.outputs, self.eps)
+
+    def push(self, output: torch.Tensor) -> None:
+        self.outputs.append(output)
+
+
+class BlockAttnResStream:
+    """Block AttnRes with `block_size` sublayers per block (O(N d) per token for N blocks).
+
+    Sublayer i (1-based) of block n sees [b_0, ..., b_{n-1}] and, when i >= 2, the partial sum
+    b_n^{i-1} of the block's first i - 1 outputs. A block's sum joins `blocks` when its last sublayer
+    has pushed; a trailing incomplete block still counts (as the partial) for the final aggregation.
+    """
+
+    def __init__(self, embedding: torch.Tensor, block_size: int, eps: float):
+        self.blocks = [embedding]
+        self.partial: torch.Tensor | None = None
+        self.filled = 0  # outputs summed into `partial`
+        self.block_size = block_size
+        self.eps = eps
+
+    def sources(self) -> list[torch.Tensor]:
+        return self.blocks + ([] if self.partial is None else [self.partial])
+
+    def mix(self, query: torch.Tensor | None) -> torch.Tensor:
+        return depth_attention(query, self.sources(), self.eps)
+
+    def push(self, output: torch.Tensor) -> None:
+        self.partial = output if self.partial is None else self.partial + output
+        self.filled += 1
+        if self.filled == self.block_size:
+            self.blocks.append(self.partial)
+            self.partial, self.filled = None, 0
+
+
+def make_stream(residual: str, embedding: torch.Tensor, block_size: int, eps: float):
+    """The stream for a `ModelConfig.residual` mode, starting from the token embedding v_0."""
+    if residual == "standard":
+        return StandardStream(embedding)
+    if residual == "attnres_full":
+        return FullAttnResStream(embedding, eps)
+    if residual == "attnres_block":
+        return BlockAttnResStream(embedding, block_size, eps)
+    raise ValueError(f"unknown residual mode {residual!r}")

@@ -1,0 +1,142 @@
+"""Kimi Delta Attention layer (Kimi Linear, arXiv 2510.26692; ALGORITHMS.md section 1).
+
+    q, k, v = SiLU(ShortConv(W_q x)), SiLU(ShortConv(W_k x)), SiLU(ShortConv(W_v x))   heads of K = V dims
+    q, k    = L2-normalised per head
+    g       = -exp(A_log[h]) * softplus(W_f_up W_f_down x + dt_bias)     per-channel log decay, <= 0
+    beta    = sigmoid(W_b x)                                              one per head
+    o       = W_o( sigmoid(W_g_up W_g_down x + b_g) * RMSNorm_per_head(KDA(q, k, v, g, beta)) )
+
+Head counts come from tensor shapes, so a tensor-parallel shard (a slice of heads) runs this same code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kimi.config import ModelConfig
+from kimi.ops.attention.reference import segment_ids
+from kimi.ops.kda import chunk_kda, fused_recurrent_kda
+
+from .cache import KDACache
+from .norm import RMSNorm
+
+# Below one chunk (64 tokens) the chunked form has nothing to parallelise: step the recurrence instead.
+_RECURRENT_MAX_T = 64
+
+
+class ShortConv(nn.Module):
+    """Depthwise causal conv1d over time (no bias): y_t = sum_j w[:, j] * x_{t - (K-1) + j}.
+
+    Written as K shifted multiply-adds rather than F.conv1d so that one mask per tap can stop packed
+    documents (cu_seqlens) from reading their predecessor's last tokens.
+    """
+
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__()
+        # nn.Conv1d's depthwise layout [C, 1, K]: being 3-D also keeps it out of Muon's "2-D matrix" group.
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+
+    def reset_parameters(self) -> None:
+        # nn.Conv1d's default for a depthwise kernel (fan_in = K): keeps the output scale of the input.
+        bound = 1 / math.sqrt(self.weight.shape[-1])
+        nn.init.uniform_(self.weight, -bound, bound)
+
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, prev: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, C]; prev: the (K-1) inputs before x ([B, K-1, C], zeros when None).
+
+        Returns (y [B, T, C], the last K-1 inputs, i.e. the `prev` of the next call).
+        """
+        B, T, C = x.shape
+        K = self.weight.shape[-1]
+        if prev is None:
+            prev = x.new_zeros(B, K - 1, C)
+        xp = torch.cat([prev, x], dim=1)
+        doc_pos = None
+        if cu_seqlens is not None:  # position of each token inside its own document
+            doc_pos = torch.arange(T, device=x.device) - cu_seqlens[segment_ids(cu_seqlens, T)]
+        y = torch.zeros_like(x)
+        for j in range(K):
+            tap = xp[:, j : j + T] * self.weight[:, 0, j]
+            lag = K - 1 - j  # this tap reads x_{t - lag}
+            if doc_pos is not None and lag > 0:
+                tap = tap * (doc_pos >= lag).to(x.dtype)[None, :, None]
+            y = y + tap
+        return y, xp[:, xp.shape[1] - (K - 1) :]
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    xf = x.double() if x.dtype == torch.float64 else x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class KDA(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, H, K = cfg.d_model, cfg.kda_num_heads, cfg.kda_head_dim
+        self.head_dim = K
+        self.q_proj = nn.Linear(d, H * K, bias=False)
+        self.k_proj = nn.Linear(d, H * K, bias=False)
+        self.v_proj = nn.Linear(d, H * K, bias=False)
+        self.q_conv = ShortConv(H * K, cfg.conv_size)
+        self.k_conv = ShortConv(H * K, cfg.conv_size)
+        self.v_conv = ShortConv(H * K, cfg.conv_size)
+        self.f_proj_down = nn.Linear(d, K, bias=False)  # low-rank gate: d -> head_dim -> H*K
+        self.f_proj_up = nn.Linear(K, H * K, bias=False)
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.dt_bias = nn.Parameter(torch.empty(H * K))
+        self.b_proj = nn.Linear(d, H, bias=False)
+        self.g_proj_down = nn.Linear(d, K, bias=False)  # low-rank output gate, bias on the up-projection
+        self.g_proj_up = nn.Linear(K, H * K, bias=True)
+        self.o_norm = RMSNorm(K, eps=1e-5)  # one weight over each head's V channels, shared by the heads
+        self.o_proj = nn.Linear(H * K, d, bias=False)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.f_proj_down, self.f_proj_up, self.b_proj,
+                    self.g_proj_down, self.g_proj_up):
+            nn.init.normal_(lin.weight, std=std)
+        nn.init.zeros_(self.g_proj_up.bias)
+        nn.init.normal_(self.o_proj.weight, std=out_std)
+        for conv in (self.q_conv, self.k_conv, self.v_conv):
+            conv.reset_parameters()
+        self.o_norm.reset_parameters()
+        with torch.no_grad():
+            # Decay rates exp(A_log) spread over [1, 16] so heads start with different memory lengths.
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+            # Mamba's dt init: softplus(dt_bias) = dt ~ logU(1e-3, 1e-1); dt_bias = dt + log(1 - exp(-dt)).
+            dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp()
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache: KDACache | None = None
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        if cache is not None and cu_seqlens is not None:
+            raise ValueError("KDA decoding with a cache takes one sequence per batch row, not cu_seqlens")
+        conv_prev = {} if cache is None else cache.conv
+        qkv = []
+        for name, proj, conv in (("q", self.q_proj, self.q_conv), ("k", self.k_proj, self.k_conv),
+                                 ("v", self.v_proj, self.v_conv)):
+            y, tail = conv(proj(x), cu_seqlens, conv_prev.get(name))
+            if cache is not None:
+                cache.conv[name] = tail
+            qkv.append(F.silu(y).view(B, T, -1, self.head_dim))
+        q, k, v = qkv
+        q, k = l2_normalize(q), l2_normalize(k)
+        # Gates in fp32 (fp64 in fp64 models): they are summed over a chunk and exponentiated.
+        gdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        f = self.f_proj_up(self.f_proj_down(x)).to(gdt) + self.dt_bias.to(gdt)
+        g = -self.A_log.to(gdt).exp()[:, None] * F.softplus(f).view(B, T, -1, self.head_dim)
+        beta = torch.sigmoid(self.b_proj(x).to(gdt))
+        kda = fused_recurrent_kda if cache is not None and T <= _RECURRENT_MAX_T else chunk_kda
+        o, state = kda(q, k, v, g, beta, initial_state=None if cache is None else cache.state,
+                       output_final_state=cache is not None, cu_seqlens=cu_seqlens)
+        if cache is not None:
+            cache.state = state
+        gate = torch.sigmoid(self.g_proj_up(self.g_proj_down(x))).view(B, T, -1, self.head_dim)
+        return self.o_proj((self.o_norm(o) * gate).reshape(B, T, -1))

@@ -1,0 +1,105 @@
+"""Multi-head Latent Attention (DeepSeek-V2 style MLA, as used by Kimi Linear).
+
+Per token x (width d), H heads read from tensor shapes (so a tensor-parallel shard of the head-sized
+projections runs the same code):
+
+    q      = W_q x                         or, with q_lora_rank > 0, W_uq RMSNorm(W_dq x)
+    [c, r] = W_dkv x                       c: kv_lora_rank latent, r: qk_rope_head_dim shared rotary key
+    c      = RMSNorm(c)                    (this normalised latent is what the decoding cache stores)
+    [k_nope_h | v_h] = (W_ukv c)_h         per head
+    q_h = [q_nope_h | RoPE(q_rope_h)],  k_h = [k_nope_h | RoPE(r)]   (one rotary key shared by all heads)
+    o = W_o concat_h softmax(q_h k_h^T / sqrt(nope + rope), causal) v_h
+
+Row layout of the head-sized weights (QK-Clip scales these rows per head; nn.Linear rows = outputs):
+  * query projection (W_q, or W_uq with q_lora): head h owns rows [h*(nope+rope), (h+1)*(nope+rope)),
+    its first `nope` rows are q_nope, the next `rope` rows q_rope.
+  * KV up-projection W_ukv (`wkv_b`): head h owns rows [h*(nope+v), (h+1)*(nope+v)), first `nope` rows
+    k_nope, then `v` rows of values.
+  * W_dkv (`wkv_a`): rows [0, kv_lora_rank) the latent, the last `rope` rows the shared rotary key, which
+    QK-Clip never touches.
+qk_rope_head_dim = 0 is NoPE (Kimi Linear's default); RoPE uses the half-split rotation (NeoX style).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kimi.config import ModelConfig
+from kimi.ops.attention import attention
+
+from .cache import MLACache
+from .norm import RMSNorm
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate x [B, T, H, R] by angle position * theta^(-2i/R) on channel pairs (i, i + R/2), in fp32."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float64) / half)
+    angles = positions.to(torch.float64)[:, None] * inv_freq  # fp64 keeps large positions exact
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    cos, sin = (f(angles).to(dtype)[None, :, None, :] for f in (torch.cos, torch.sin))
+    x1, x2 = x.to(dtype).split(half, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, H = cfg.d_model, cfg.mla_num_heads
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank, self.rope_theta = cfg.kv_lora_rank, cfg.rope_theta
+        qk = self.nope + self.rope
+        if cfg.q_lora_rank > 0:
+            self.wq_a = nn.Linear(d, cfg.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.wq_b = nn.Linear(cfg.q_lora_rank, H * qk, bias=False)
+        else:
+            self.wq = nn.Linear(d, H * qk, bias=False)
+        self.wkv_a = nn.Linear(d, self.kv_lora_rank + self.rope, bias=False)
+        self.kv_norm = RMSNorm(self.kv_lora_rank, cfg.norm_eps)
+        self.wkv_b = nn.Linear(self.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
+        self.wo = nn.Linear(H * self.v_dim, d, bias=False)
+        # When set (by the trainer, for QK-Clip), every forward records its per-head max scaled logit.
+        self.track_max_logits = False
+        self.max_logits: torch.Tensor | None = None
+
+    @property
+    def q_proj(self) -> nn.Linear:
+        """The projection whose rows are per-head [q_nope | q_rope] (see the module docstring)."""
+        return self.wq_b if hasattr(self, "wq_a") else self.wq
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for lin in (self.q_proj, self.wkv_a, self.wkv_b):
+            nn.init.normal_(lin.weight, std=std)
+        nn.init.normal_(self.wo.weight, std=out_std)
+        self.kv_norm.reset_parameters()
+        if hasattr(self, "wq_a"):
+            nn.init.normal_(self.wq_a.weight, std=std)
+            self.q_norm.reset_parameters()
+
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache: MLACache | None = None
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
+        q = q.view(B, T, -1, self.nope + self.rope)
+        c_kv, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        c_kv = self.kv_norm(c_kv)
+        if self.rope > 0:
+            # RoPE scores depend only on position differences, and packed documents never attend across
+            # a boundary, so global positions are as good as per-document ones under cu_seqlens.
+            start = 0 if cache is None else cache.length
+            positions = torch.arange(start, start + T, device=x.device)
+            q = torch.cat([q[..., : self.nope], apply_rope(q[..., self.nope :], positions, self.rope_theta)], -1)
+            k_rope = apply_rope(k_rope.unsqueeze(2), positions, self.rope_theta).squeeze(2)
+        if cache is not None:
+            c_kv, k_rope = cache.append(c_kv, k_rope)
+        kv = self.wkv_b(c_kv).view(B, c_kv.shape[1], -1, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        out = attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, return_max_logits=self.track_max_logits)
+        if self.track_max_logits:
+            out, max_logits = out
+            self.max_logits = max_logits.amax(dim=0).detach()
+        return self.wo(out.reshape(B, T, -1))
