@@ -1,0 +1,139 @@
+"""Training metrics: the console progress line, ``metrics.jsonl``, wandb, MFU and the loss-curve PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from kimi.config import LoggingConfig
+
+# Dense bf16 tensor-core peak per device (FLOP/s), from the vendors' datasheets (no sparsity).
+_CUDA_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "4090": 165e12}
+
+
+def measure_cpu_peak_flops(size: int = 512, seconds: float = 0.3) -> float:
+    """Achieved fp32 matmul FLOP/s of this CPU with torch's current thread count: a practical ceiling
+    for MFU on machines with no datasheet number at hand."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm up
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        n += 1
+    return 2 * size**3 * n / (time.perf_counter() - t0)
+
+
+def peak_flops(device: torch.device, configured: Optional[float]) -> float:
+    if configured:
+        return float(configured)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in _CUDA_PEAK_BF16.items():
+            if key in name:
+                return value
+        return 100e12
+    return measure_cpu_peak_flops()
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def format_count(x: float) -> str:
+    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.1f}{unit}"
+    return f"{x:.0f}"
+
+
+class MetricsLogger:
+    """Writes one JSON object per logged step to ``metrics.jsonl`` and mirrors it to wandb.
+
+    On resume the file is appended to after dropping the entries past the resumed step, so the file always
+    describes one continuous run."""
+
+    def __init__(self, run_dir: Path, cfg: LoggingConfig, config_dict: Dict[str, Any], resume_step: int = 0,
+                 enabled: bool = True):
+        self.enabled = enabled
+        self.path = Path(run_dir) / cfg.metrics_file
+        self.history: List[Dict[str, Any]] = []
+        self._wandb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            kept = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            kept = [r for r in kept if r.get("step", 0) <= resume_step] if resume_step else []
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            self.history = kept
+        if cfg.wandb.mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name,
+                                     mode=cfg.wandb.mode, dir=str(run_dir), config=config_dict,
+                                     resume="allow", id=_wandb_id(run_dir))
+
+    def log(self, record: Dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in record.items()}
+        self.history.append(record)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+    def plot(self, out: Path) -> Optional[Path]:
+        """Train and validation loss against step, as a PNG (matplotlib, no display needed)."""
+        train = [(r["step"], r["loss"]) for r in self.history if "loss" in r]
+        val = [(r["step"], r["val_loss"]) for r in self.history if "val_loss" in r]
+        if not train and not val:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+        if train:
+            ax.plot(*zip(*train), label="train loss", lw=1.2)
+        if val:
+            ax.plot(*zip(*val), "o-", label="validation loss", lw=1.5)
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out)
+        plt.close(fig)
+        return Path(out)
+
+
+def _wandb_id(run_dir: Path) -> str:
+    """A stable id per run directory, so a resumed run continues the same wandb run."""
+    import hashlib
+
+    return hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+
+
+def progress_line(step: int, max_steps: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float,
+                  mfu: Optional[float], eta_s: float) -> str:
+    parts = [f"step {step:>{len(str(max_steps))}}/{max_steps}", f"loss {loss:.4f}", f"lr {lr:.2e}",
+             f"gnorm {grad_norm:.3f}", f"{format_count(tokens_per_s)} tok/s"]
+    if mfu is not None and math.isfinite(mfu):
+        parts.append(f"MFU {100 * mfu:.1f}%")
+    parts.append(f"ETA {format_duration(eta_s)}")
+    return " | ".join(parts)

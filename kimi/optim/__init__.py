@@ -1,0 +1,33 @@
+"""Optimizer factory. AdamW today; MuonClip (Muon on hidden matrices + QK-Clip) plugs in here next."""
+
+from __future__ import annotations
+
+from typing import Iterable, Tuple
+
+import torch
+
+from kimi.config import OptimConfig
+from kimi.optim.schedules import build_scheduler, lr_multiplier
+
+__all__ = ["build_optimizer", "build_scheduler", "lr_multiplier", "weight_decay_groups"]
+
+
+def weight_decay_groups(named_params: Iterable[Tuple[str, torch.nn.Parameter]], weight_decay: float):
+    """Decay tensors with two or more dims (matrices, embeddings, conv kernels); never norms, biases,
+    A_log, dt_bias or AttnRes queries, whose scale is meaningful and which pulling to zero would damage."""
+    decay, no_decay = [], []
+    for _, p in named_params:
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    if cfg.name == "adamw":
+        groups = weight_decay_groups(model.named_parameters(), cfg.weight_decay)
+        fused = all(p.is_cuda for g in groups for p in g["params"])
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused or None)
+    raise ValueError(f"optim.name={cfg.name!r} is not available; choose one of: adamw")

@@ -1,0 +1,299 @@
+"""The training loop: data -> model -> loss -> optimizer, with evaluation, checkpoints and metrics.
+
+``Trainer(cfg).fit()`` is all ``train.py`` does. The order of work in ``__init__`` is deliberate: validate
+the whole config first (no data is downloaded for a run whose config cannot work), then data, model,
+optimizer, and finally resume from the newest complete checkpoint in ``<run_dir>/checkpoints``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from kimi import checkpoint
+from kimi.config import Config, ConfigError, validate
+from kimi.data import Batch, TokenLoader, prepare
+from kimi.data.pack import open_tokens
+from kimi.metrics import MetricsLogger, peak_flops, progress_line
+from kimi.model import KimiModel
+from kimi.optim import build_optimizer, build_scheduler
+
+
+def to_config(cfg: Union[Config, DictConfig, Dict[str, Any]]) -> Config:
+    """A typed :class:`Config` from a Hydra DictConfig, a plain dict, or a Config (returned as is)."""
+    if isinstance(cfg, Config):
+        return cfg
+    merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    return OmegaConf.to_object(merged)
+
+
+def config_dict(cfg: Config) -> Dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device='cuda' is invalid: no CUDA device is visible; use trainer.device=cpu")
+    return torch.device(name)
+
+
+def check_world_size(cfg: Config) -> None:
+    p = cfg.parallel
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    product = p.dp_replicate * p.dp_shard * p.tp * p.pp
+    if product != world:
+        raise ConfigError(
+            f"parallel.dp_replicate*dp_shard*tp*pp = {product} but {world} process(es) were launched; "
+            "make the product equal the number of processes (torchrun --nproc_per_node ...)")
+    if product > 1:
+        raise ConfigError(
+            f"parallel degrees {p.dp_replicate}x{p.dp_shard}x{p.tp}x{p.pp} (dp_replicate x dp_shard x tp x pp) "
+            "are not available yet: this version trains in one process; keep all parallel.* at 1")
+
+
+class Trainer:
+    def __init__(self, cfg: Union[Config, DictConfig, Dict[str, Any]]):
+        self.cfg = cfg = to_config(cfg)
+        validate(cfg)
+        check_world_size(cfg)
+        t = cfg.trainer
+        self.run_dir = Path(t.run_dir)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.device = resolve_device(t.device)
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        torch.manual_seed(t.seed)
+
+        self.data = prepare(cfg.data)
+        tok = self.data.tokenizer
+        self._resolve_vocab(tok.vocab_size)
+        train_tokens = open_tokens(self.data.train_path, tok.sha256)
+        val_tokens = open_tokens(self.data.val_path, tok.sha256)
+        self.loader = TokenLoader(train_tokens, t.micro_batch_size, t.seq_len, t.seed, tok.eos_id)
+        val_loader = TokenLoader(val_tokens, t.micro_batch_size, t.seq_len, t.seed, tok.eos_id, shuffle=False)
+        # A fixed set of validation windows (the first ones, in order), so evaluations are comparable.
+        n_val = min(t.eval_batches, val_loader.batches_per_epoch)
+        self.val_batches: List[Batch] = [val_loader.next_batch() for _ in range(n_val)]
+
+        self.model = KimiModel(cfg.model).to(self.device)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
+        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if t.precision == "bf16"
+                         else nullcontext())
+        self.flops_per_token = self.model.flops_per_token(t.seq_len)
+        self.step = 0
+        self._stop_signal: Optional[str] = None
+        self._last_val: Optional[float] = None
+        self._resume()
+        self.metrics = MetricsLogger(self.run_dir, cfg.logging, config_dict(cfg), resume_step=self.step)
+
+    # ---- setup helpers -------------------------------------------------------------------------------
+    def _resolve_vocab(self, tokenizer_vocab: int) -> None:
+        m = self.cfg.model
+        if m.vocab_size is None:
+            mult = m.pad_vocab_multiple
+            m.vocab_size = (tokenizer_vocab + mult - 1) // mult * mult
+        elif m.vocab_size < tokenizer_vocab:
+            raise ConfigError(f"model.vocab_size={m.vocab_size} is invalid: the tokenizer has {tokenizer_vocab} "
+                              "tokens; set model.vocab_size >= that, or null to follow the tokenizer")
+
+    def _data_identity(self) -> Dict[str, Any]:
+        # The run dir keeps its own copy of the tokenizer so `python -m kimi.generate` needs only the run.
+        tok_copy = self.run_dir / "tokenizer.model"
+        if not tok_copy.exists():
+            shutil.copyfile(self.data.tokenizer.path, tok_copy)
+        return {"tokenizer_sha256": self.data.tokenizer.sha256, "tokenizer_path": str(tok_copy.resolve()),
+                "data_dir": str(self.data.data_dir)}
+
+    def _resume(self) -> None:
+        if not self.cfg.trainer.resume:
+            return
+        for c in checkpoint.list_checkpoints(self.ckpt_dir):
+            if not c.complete:
+                print(f"[kimi] skipping incomplete checkpoint {c.path} (no {checkpoint.COMPLETE} marker)", flush=True)
+        latest = checkpoint.latest_complete(self.ckpt_dir)
+        if latest is None:
+            return
+        saved = checkpoint.read_trainer_state(latest.path)
+        self._check_compatible(saved, latest.path)
+        state = checkpoint.load(latest.path, self.model, self.optimizer, self.scheduler, self.loader)
+        self.step = int(state["step"])
+        print(f"[kimi] resumed from {latest.path} at step {self.step}", flush=True)
+
+    def _check_compatible(self, saved: Dict[str, Any], path: Path) -> None:
+        """Refuse to resume into a different model or tokenizer: the weights would not load, or would
+        silently be fed other token ids."""
+        old_model, new_model = saved["config"].get("model", {}), config_dict(self.cfg)["model"]
+        diff = {k: (old_model.get(k), v) for k, v in new_model.items() if old_model.get(k) != v and k != "name"}
+        if diff:
+            lines = ", ".join(f"model.{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+            raise ConfigError(f"cannot resume from {path}: the model differs ({lines}). Use the same model "
+                              "settings, another run dir (hydra.run.dir=...), or trainer.resume=false")
+        old_tok = saved["extra"].get("tokenizer_sha256")
+        if old_tok and old_tok != self.data.tokenizer.sha256:
+            raise ConfigError(f"cannot resume from {path}: it was trained with tokenizer {old_tok[:12]}, this run "
+                              f"uses {self.data.tokenizer.sha256[:12]}; use the original data/tokenizer settings")
+
+    # ---- the loop ------------------------------------------------------------------------------------
+    def _forward_loss(self, batch: Batch) -> torch.Tensor:
+        ids = batch.input_ids.to(self.device, non_blocking=True)
+        labels = batch.labels.to(self.device, non_blocking=True)
+        cu_seqlens = None
+        if self.cfg.data.varlen:  # packed documents: one long row, sequences delimited by cu_seqlens
+            cu_seqlens = batch.cu_seqlens.to(self.device)
+            ids, labels = ids.reshape(1, -1), labels.reshape(1, -1)
+        with self.autocast:
+            logits = self.model(ids, cu_seqlens=cu_seqlens)
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+    def train_step(self) -> Dict[str, float]:
+        self.model.train()
+        accum = self.cfg.trainer.grad_accum_steps
+        total = torch.zeros((), device=self.device)
+        for _ in range(accum):
+            loss = self._forward_loss(self.loader.next_batch())
+            (loss / accum).backward()
+            total += loss.detach()
+        loss = total / accum
+        if not torch.isfinite(loss):
+            last = checkpoint.latest_complete(self.ckpt_dir)
+            where = f"; the last complete checkpoint is {last.path}" if last else ""
+            raise FloatingPointError(
+                f"loss is {loss.item()} at step {self.step + 1}: stopping before the update{where}. "
+                "Try a lower optim.lr, more optim.warmup_steps or trainer.precision=fp32")
+        clip = self.cfg.optim.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        return {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        losses = [self._forward_loss(b).item() for b in self.val_batches]
+        return sum(losses) / len(losses)
+
+    def save_checkpoint(self) -> Path:
+        t0 = time.time()
+        path = checkpoint.save(self.ckpt_dir, self.step, self.model, self.optimizer, self.scheduler, self.loader,
+                               config_dict(self.cfg), self._data_identity(), keep=self.cfg.trainer.keep_checkpoints)
+        print(f"[kimi] saved checkpoint {path} ({time.time() - t0:.1f}s)", flush=True)
+        return path
+
+    def _on_signal(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self._stop_signal is not None:  # second signal: the user really wants out now
+            raise KeyboardInterrupt(f"second {name}")
+        self._stop_signal = name
+        print(f"\n[kimi] {name} received: finishing step {self.step + 1}, saving a checkpoint, then exiting "
+              f"(send it again to exit at once)", flush=True)
+
+    def fit(self) -> Dict[str, Any]:
+        t, cfg = self.cfg.trainer, self.cfg
+        self._print_banner()
+        old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            result = self._loop()
+        finally:
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+            self.metrics.close()
+        if cfg.logging.plot and self.metrics.history:
+            png = self.metrics.plot(self.run_dir / "loss_curve.png")
+            if png:
+                print(f"[kimi] loss curve: {png}", flush=True)
+        if result["finished"] and t.sample_tokens > 0:
+            result["sample"] = self.sample(t.sample_prompt, t.sample_tokens)
+            print(f"[kimi] sample (step {self.step}):\n{t.sample_prompt}{result['sample']}\n", flush=True)
+        return result
+
+    def _loop(self) -> Dict[str, Any]:
+        t = self.cfg.trainer
+        if self.step >= t.max_steps:
+            print(f"[kimi] run already complete at step {self.step} (trainer.max_steps={t.max_steps}); raise "
+                  "trainer.max_steps to train further or use a new hydra.run.dir", flush=True)
+            return {"finished": True, "step": self.step, "val_loss": None}
+        peak = peak_flops(self.device, t.peak_flops)
+        tokens_per_step = t.micro_batch_size * t.seq_len * t.grad_accum_steps
+        start_step, t_start = self.step, time.perf_counter()
+        t_window, window_steps, losses = time.perf_counter(), 0, []
+        last_saved = None
+        while self.step < t.max_steps:
+            out = self.train_step()
+            losses.append(out["loss"])
+            window_steps += 1
+            record: Dict[str, Any] = {}
+            if self.step % t.log_every == 0 or self.step == t.max_steps:
+                dt = time.perf_counter() - t_window
+                tps = window_steps * tokens_per_step / dt
+                mfu = tps * self.flops_per_token / peak
+                done = self.step - start_step
+                eta = (time.perf_counter() - t_start) / done * (t.max_steps - self.step)
+                print(progress_line(self.step, t.max_steps, out["loss"], out["lr"], out["grad_norm"], tps, mfu, eta),
+                      flush=True)
+                record = {"step": self.step, "loss": sum(losses) / len(losses), "lr": out["lr"],
+                          "grad_norm": out["grad_norm"], "tokens_per_s": tps, "mfu": mfu,
+                          "tokens": self.step * tokens_per_step}
+                t_window, window_steps, losses = time.perf_counter(), 0, []
+            if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps:
+                t_eval = time.perf_counter()
+                self._last_val = val = self.evaluate()
+                record.update(step=self.step, val_loss=val, val_ppl=math.exp(min(val, 50.0)))
+                print(f"[kimi] step {self.step}: validation loss {val:.4f}, perplexity {math.exp(min(val, 50)):.2f}",
+                      flush=True)
+                t_window += time.perf_counter() - t_eval  # keep throughput about training only
+            if record:
+                self.metrics.log(record)
+            stop = self._stop_signal is not None or (t.stop_at_step and self.step >= t.stop_at_step)
+            if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or self.step == t.max_steps or stop:
+                t_ck = time.perf_counter()
+                last_saved = self.save_checkpoint()
+                t_window += time.perf_counter() - t_ck
+            if stop:
+                why = self._stop_signal or f"trainer.stop_at_step={t.stop_at_step}"
+                print(f"[kimi] stopped at step {self.step} ({why}); checkpoint {last_saved}. Run the same command "
+                      "again to resume.", flush=True)
+                return {"finished": False, "step": self.step, "val_loss": self._last_val}
+        return {"finished": True, "step": self.step, "val_loss": self._last_val}
+
+    @torch.no_grad()
+    def sample(self, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int = 50) -> str:
+        from kimi.generate import generate
+
+        tok = self.data.tokenizer
+        g = torch.Generator(device=self.device).manual_seed(self.cfg.trainer.seed)
+        self.model.eval()
+        ids = generate(self.model, tok.encode(prompt), max_new_tokens, temperature=temperature, top_k=top_k,
+                       eos_id=tok.eos_id, generator=g)
+        return tok.decode(list(ids))
+
+    def _print_banner(self) -> None:
+        m, t = self.cfg.model, self.cfg.trainer
+        from kimi.config import mla_layer_indices
+
+        mla = set(mla_layer_indices(m))
+        pattern = "".join("M" if i in mla else "K" for i in range(m.num_layers))
+        n = self.model.num_params()
+        n_emb = n - self.model.num_params(exclude_embedding=True)
+        print(f"[kimi] model {m.name}: {n / 1e6:.2f}M parameters ({n_emb / 1e6:.2f}M embedding), blocks {pattern} "
+              f"(K=KDA, M=MLA), residual={m.residual}, vocab {m.vocab_size}, "
+              f"{self.flops_per_token / 1e6:.1f} MFLOP/token (train)", flush=True)
+        print(f"[kimi] data {self.cfg.data.name}: {self.data.train_meta['num_tokens']:,} train / "
+              f"{self.data.val_meta['num_tokens']:,} val tokens; batch {t.micro_batch_size}x{t.seq_len}"
+              f"x{t.grad_accum_steps} = {t.micro_batch_size * t.seq_len * t.grad_accum_steps:,} tokens/step; "
+              f"device {self.device}; run dir {self.run_dir}", flush=True)

@@ -1,0 +1,171 @@
+"""End-to-end trainer behaviour on a tiny model and a small generated corpus (CPU, fp32, offline)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from kimi import checkpoint
+from kimi.config import ConfigError, register_configs
+from kimi.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+register_configs()
+
+TINY = [
+    "model.d_model=32", "model.num_layers=2", "model.mla_every=2", "model.kda_num_heads=2", "model.kda_head_dim=16",
+    "model.mla_num_heads=2", "model.kv_lora_rank=16", "model.qk_nope_head_dim=16", "model.v_head_dim=16",
+    "model.mlp_hidden=64", "model.attnres_block_size=2",
+    "trainer.micro_batch_size=4", "trainer.seq_len=32", "trainer.eval_batches=2", "trainer.log_every=1",
+    "trainer.sample_tokens=0", "trainer.threads=1", "optim.warmup_steps=2", "optim.lr=1e-2",
+    "logging.wandb.mode=disabled", "data=files", "data.tokenizer.vocab_size=384", "data.val_fraction=0.1",
+]
+
+
+def make_corpus(path: Path, docs: int = 24, sentences: int = 60) -> Path:
+    """Deterministic English-like documents with enough structure for a model to learn quickly."""
+    import random
+
+    rng = random.Random(0)
+    subj = ["the king", "a fool", "my lord", "the queen", "this knave", "sweet juliet", "the ghost"]
+    verb = ["loves", "fears", "follows", "betrays", "speaks to", "remembers", "dreams of"]
+    obj = ["the crown", "his brother", "the night", "a letter", "the sea", "her father", "the stars"]
+    path.mkdir(parents=True, exist_ok=True)
+    for d in range(docs):
+        lines = [f"{rng.choice(subj).capitalize()} {rng.choice(verb)} {rng.choice(obj)}." for _ in range(sentences)]
+        (path / f"doc{d:02d}.txt").write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+
+
+def make_cfg(run_dir: Path, corpus: Path, cache_dir: Path, *overrides: str):
+    files = ",".join(str(p) for p in sorted(corpus.glob("*.txt")))
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=[f"trainer.run_dir={run_dir}", f"data.data_files=[{files}]",
+                                            f"data.cache_dir={cache_dir}", *TINY, *overrides])
+
+
+def read_metrics(run_dir: Path):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_loss_falls_over_30_steps(tmp_path, corpus, cache_dir):
+    run = tmp_path / "run"
+    cfg = make_cfg(run, corpus, cache_dir, "trainer.max_steps=30", "trainer.eval_every=10")
+    result = Trainer(cfg).fit()
+    rows = read_metrics(run)
+    losses = [r["loss"] for r in rows if "loss" in r]
+    vals = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(losses) == 30 and result["finished"]
+    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5, losses
+    assert vals[-1] < vals[0] - 0.5, vals
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s"):
+        assert key in rows[-1]
+    assert (run / "loss_curve.png").stat().st_size > 1000
+    assert checkpoint.latest_complete(run / "checkpoints").step == 30
+
+
+def test_resume_equals_uninterrupted(tmp_path, corpus, cache_dir):
+    common = ["trainer.max_steps=20", "trainer.eval_every=0", "trainer.checkpoint_every=0"]
+    full = Trainer(make_cfg(tmp_path / "full", corpus, cache_dir, *common))
+    full.fit()
+
+    run = tmp_path / "split"
+    first = Trainer(make_cfg(run, corpus, cache_dir, *common, "trainer.stop_at_step=10"))
+    assert first.fit()["finished"] is False
+    assert checkpoint.latest_complete(run / "checkpoints").step == 10
+    # A half-written later checkpoint (no COMPLETE marker) must be ignored on resume.
+    broken = checkpoint.step_dir(run / "checkpoints", 15)
+    broken.mkdir()
+    (broken / ".metadata").write_bytes(b"truncated")
+    second = Trainer(make_cfg(run, corpus, cache_dir, *common))
+    assert second.step == 10
+    second.fit()
+
+    a = [r["loss"] for r in read_metrics(tmp_path / "full") if "loss" in r]
+    b = [r["loss"] for r in read_metrics(run) if "loss" in r]
+    assert len(a) == len(b) == 20
+    assert a == b  # bit-exact per-step losses
+    for (name, p), q in zip(full.model.state_dict().items(), second.model.state_dict().values()):
+        assert torch.equal(p, q), name
+    assert full.optimizer.state_dict()["state"][0]["exp_avg"].equal(second.optimizer.state_dict()["state"][0]["exp_avg"])
+
+
+def test_resume_refuses_a_different_model(tmp_path, corpus, cache_dir):
+    run = tmp_path / "run"
+    Trainer(make_cfg(run, corpus, cache_dir, "trainer.max_steps=2", "trainer.eval_every=0")).fit()
+    with pytest.raises(ConfigError, match="model.d_model"):
+        Trainer(make_cfg(run, corpus, cache_dir, "trainer.max_steps=4", "model.d_model=48"))
+
+
+def test_sigterm_saves_and_exits(tmp_path, corpus, cache_dir):
+    run = tmp_path / "run"
+    trainer = Trainer(make_cfg(run, corpus, cache_dir, "trainer.max_steps=50", "trainer.eval_every=0"))
+    calls = {"n": 0}
+
+    def send_sigterm(module, args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer.model.register_forward_pre_hook(send_sigterm)
+    result = trainer.fit()
+    assert result == {"finished": False, "step": 3, "val_loss": None}
+    assert checkpoint.latest_complete(run / "checkpoints").step == 3
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_nan_loss_names_the_step(tmp_path, corpus, cache_dir):
+    trainer = Trainer(make_cfg(tmp_path / "run", corpus, cache_dir, "trainer.max_steps=5", "trainer.eval_every=0"))
+    calls = {"n": 0}
+
+    def poison(module, args, output):
+        calls["n"] += 1
+        return output * float("nan") if calls["n"] == 4 else output
+
+    trainer.model.register_forward_hook(poison)
+    with pytest.raises(FloatingPointError, match="at step 4"):
+        trainer.fit()
+
+
+def test_bad_values_fail_before_any_work(tmp_path, corpus):
+    cache = tmp_path / "untouched-cache"
+    for override, key in [("model.residual=sideways", "model.residual"),
+                          ("optim.warmup_steps=500", "optim.warmup_steps"),
+                          ("trainer.seq_len=0", "trainer.seq_len"),
+                          ("model.mla_layers=[7]", "model.mla_layers"),
+                          ("parallel.tp=2", "parallel")]:
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            Trainer(make_cfg(tmp_path / "run", corpus, cache, "trainer.max_steps=5", override))
+    assert not cache.exists()
+
+
+def test_cli_unknown_key_names_itself(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "trainer.max_stepz=3",
+                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "max_stepz" in proc.stderr and "TrainerConfig" in proc.stderr, proc.stderr
