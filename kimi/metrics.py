@@ -79,7 +79,9 @@ class MetricsLogger:
 
             self._wandb = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name,
                                      mode=cfg.wandb.mode, dir=str(run_dir), config=config_dict,
-                                     resume="allow", id=_wandb_id(run_dir))
+                                     resume="allow", id=_wandb_id(run_dir),
+                                     # our own progress line already says everything wandb would print
+                                     settings=wandb.Settings(quiet=True, console="off"))
 
     def log(self, record: Dict[str, Any]) -> None:
         if not self.enabled:

@@ -231,6 +231,8 @@ class Trainer:
         peak = peak_flops(self.device, t.peak_flops)
         tokens_per_step = t.micro_batch_size * t.seq_len * t.grad_accum_steps
         start_step, t_start = self.step, time.perf_counter()
+        if self.step == 0 and t.eval_every:  # the starting point of the validation curve
+            self._validate_and_report({"step": 0})
         t_window, window_steps, losses = time.perf_counter(), 0, []
         last_saved = None
         while self.step < t.max_steps:
@@ -252,10 +254,7 @@ class Trainer:
                 t_window, window_steps, losses = time.perf_counter(), 0, []
             if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps:
                 t_eval = time.perf_counter()
-                self._last_val = val = self.evaluate()
-                record.update(step=self.step, val_loss=val, val_ppl=math.exp(min(val, 50.0)))
-                print(f"[kimi] step {self.step}: validation loss {val:.4f}, perplexity {math.exp(min(val, 50)):.2f}",
-                      flush=True)
+                record = self._validate_and_report({**record, "step": self.step}, log=False)
                 t_window += time.perf_counter() - t_eval  # keep throughput about training only
             if record:
                 self.metrics.log(record)
@@ -270,6 +269,15 @@ class Trainer:
                       "again to resume.", flush=True)
                 return {"finished": False, "step": self.step, "val_loss": self._last_val}
         return {"finished": True, "step": self.step, "val_loss": self._last_val}
+
+    def _validate_and_report(self, record: Dict[str, Any], log: bool = True) -> Dict[str, Any]:
+        self._last_val = val = self.evaluate()
+        ppl = math.exp(min(val, 50.0))
+        print(f"[kimi] step {self.step}: validation loss {val:.4f}, perplexity {ppl:.2f}", flush=True)
+        record = {**record, "val_loss": val, "val_ppl": ppl}
+        if log:
+            self.metrics.log(record)
+        return record
 
     @torch.no_grad()
     def sample(self, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int = 50) -> str:

@@ -6,23 +6,12 @@ import pytest
 import torch
 
 from kimi.config import ModelConfig
+from helpers import tiny_model_cfg
 from kimi.model import KimiModel
 from kimi.model.attnres import BlockAttnResStream, FullAttnResStream, depth_attention, depth_weights
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny ops on a shared 2-core box spend more time syncing threads than computing.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def tiny_cfg(**kw) -> ModelConfig:
-    base = dict(vocab_size=61, d_model=32, num_layers=3, mla_layers=[1], kda_num_heads=2, kda_head_dim=16,
-                mla_num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, v_head_dim=16, mlp_hidden=48)
-    return ModelConfig(**{**base, **kw})
+tiny_cfg = tiny_model_cfg
 
 
 def expected_sources(v: list, layer: int, block_size: int) -> list:

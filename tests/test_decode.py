@@ -5,26 +5,18 @@ import torch
 
 import kimi.model.kda as kda_module
 from kimi.config import ModelConfig
+from helpers import tiny_model_cfg
 from kimi.generate import generate
 from kimi.model import KimiModel
 
 MODES = ["standard", "attnres_full", "attnres_block"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tiny_cfg(**kw) -> ModelConfig:
     # KDA, MLA (with RoPE and a compressed query), KDA, MLA: both caches, both positions of MLA.
-    base = dict(vocab_size=61, d_model=32, num_layers=4, mla_every=2, kda_num_heads=2, kda_head_dim=16,
-                mla_num_heads=2, kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                v_head_dim=8, mlp_hidden=48, conv_size=4, attnres_block_size=3)
-    return ModelConfig(**{**base, **kw})
+    base = dict(num_layers=4, mla_layers=None, mla_every=2, q_lora_rank=12, qk_rope_head_dim=8, v_head_dim=8,
+                conv_size=4, attnres_block_size=3)
+    return tiny_model_cfg(**{**base, **kw})
 
 
 def decode_in_pieces(model, ids, pieces):

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kimi.ops.kda import chunk_kda, fused_recurrent_kda
+from kimi.ops.kda.chunk import chunk_kda_torch
 from kimi.ops.kda.recurrent import kda_step
 
 F64 = torch.float64
@@ -45,15 +46,10 @@ def run_with_grads(fn, inputs, seed=1):
     return o, state, torch.autograd.grad(loss, leaves)
 
 
-@pytest.mark.parametrize(
-    "T, K, V, gate_min, with_h0",
-    [(1, 16, 16, 5.0, False), (63, 16, 32, 5.0, True), (64, 32, 16, 5.0, True), (65, 16, 16, 20.0, True),
-     (130, 32, 24, 5.0, True), (130, 16, 16, 20.0, False)],
-)
-def test_chunk_matches_naive_fp64(T, K, V, gate_min, with_h0):
-    inputs = make_inputs(2, T, 2, K, V, gate_min, initial_state=with_h0, seed=T)
+def assert_matches_naive_fp64(fn, inputs):
+    """Outputs, final state and every gradient of fn within 1e-10 of the token-by-token reference."""
     o_ref, s_ref, grads_ref = run_with_grads(lambda *a, **kw: chunk_kda(*a, **kw, backend="naive"), inputs)
-    o, s, grads = run_with_grads(lambda *a, **kw: chunk_kda(*a, **kw, backend="chunk"), inputs)
+    o, s, grads = run_with_grads(fn, inputs)
     assert o.dtype == F64 and s.dtype == F64
     assert rel(o, o_ref) < 1e-10
     assert rel(s, s_ref) < 1e-10
@@ -61,8 +57,20 @@ def test_chunk_matches_naive_fp64(T, K, V, gate_min, with_h0):
         assert rel(a, b) < 1e-10, name
 
 
-def test_chunk_fp32_matches_naive_fp64():
-    inputs = make_inputs(2, 130, 2, 32, 32, gate_min=5.0)
+@pytest.mark.parametrize(
+    "T, K, V, gate_min, with_h0",
+    [(1, 16, 16, 5.0, False), (63, 16, 32, 5.0, True), (64, 32, 16, 5.0, True), (65, 16, 16, 20.0, True),
+     (130, 32, 24, 5.0, True), (130, 16, 16, 20.0, False)],
+)
+def test_chunk_matches_naive_fp64(T, K, V, gate_min, with_h0):
+    inputs = make_inputs(2, T, 2, K, V, gate_min, initial_state=with_h0, seed=T)
+    assert_matches_naive_fp64(lambda *a, **kw: chunk_kda(*a, **kw, backend="chunk"), inputs)
+
+
+# With gates down to -20 an exponential factored on the wrong side of its anchor overflows fp32.
+@pytest.mark.parametrize("gate_min", [5.0, 20.0])
+def test_chunk_fp32_matches_naive_fp64(gate_min):
+    inputs = make_inputs(2, 130, 2, 32, 32, gate_min=gate_min)
     o_ref, s_ref, grads_ref = run_with_grads(lambda *a, **kw: chunk_kda(*a, **kw, backend="naive"), inputs)
     o, s, grads = run_with_grads(chunk_kda, [x.float() for x in inputs])
     assert o.dtype == torch.float32 and s.dtype == torch.float32
@@ -70,6 +78,23 @@ def test_chunk_fp32_matches_naive_fp64():
     assert rel(s.double(), s_ref) < 1e-5
     for name, a, b in zip("q k v g beta h0".split(), grads, grads_ref):
         assert rel(a.double(), b) < 1e-5, name
+
+
+@pytest.mark.parametrize("T", [15, 16, 17, 33, 48, 65])
+def test_chunk_exact_across_sub_chunk_boundaries(T):
+    """Lengths just before, at and past sub-chunk (16) and chunk (64) ends, where the zero-padded tail meets
+    the anchors, under strong decay."""
+    assert_matches_naive_fp64(chunk_kda, make_inputs(1, T, 2, 16, 8, gate_min=20.0, seed=T))
+
+
+@pytest.mark.parametrize("chunk_size", [4, 16, 24, 32])
+def test_chunk_sizes_nest_sub_chunks(chunk_size):
+    """Other chunk lengths anchor at fewer levels (32: 16 and 4; 16, 24: 4; 4: none) and stay exact."""
+
+    def fn(q, k, v, g, beta, initial_state, output_final_state):
+        return chunk_kda_torch(q, k, v, g, beta, q.shape[-1] ** -0.5, initial_state, chunk_size=chunk_size)
+
+    assert_matches_naive_fp64(fn, make_inputs(1, 70, 2, 16, 8, gate_min=20.0, seed=chunk_size))
 
 
 def test_zero_token_leaves_state_unchanged():

@@ -14,14 +14,6 @@ from kimi.ops.attention.reference import naive_attention
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def mla_cfg(**kw) -> ModelConfig:
     base = dict(d_model=32, mla_num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=0,
                 v_head_dim=8, rope_theta=100.0)

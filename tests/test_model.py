@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kimi.config import ModelConfig
+from helpers import tiny_model_cfg
 from kimi.model import KDA, KimiModel
 from kimi.model.kda import ShortConv
 
@@ -15,19 +16,8 @@ PATTERNS = {"all_kda": dict(mla_layers=None, mla_every=0), "all_mla": dict(mla_l
             "mixed": dict(mla_layers=[1])}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tiny_cfg(**kw) -> ModelConfig:
-    base = dict(vocab_size=61, d_model=32, num_layers=3, mla_layers=[1], kda_num_heads=2, kda_head_dim=16,
-                mla_num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=8,
-                mlp_hidden=48, attnres_block_size=2)
-    return ModelConfig(**{**base, **kw})
+    return tiny_model_cfg(**{**dict(qk_rope_head_dim=8, v_head_dim=8, attnres_block_size=2), **kw})
 
 
 @pytest.mark.parametrize("residual", MODES)

@@ -155,7 +155,7 @@ def test_nan_loss_names_the_step(tmp_path, corpus, cache_dir):
 def test_bad_values_fail_before_any_work(tmp_path, corpus):
     cache = tmp_path / "untouched-cache"
     for override, key in [("model.residual=sideways", "model.residual"),
-                          ("optim.warmup_steps=500", "optim.warmup_steps"),
+                          ("optim.lr=-1", "optim.lr"),
                           ("trainer.seq_len=0", "trainer.seq_len"),
                           ("model.mla_layers=[7]", "model.mla_layers"),
                           ("parallel.tp=2", "parallel")]:
@@ -169,3 +169,28 @@ def test_cli_unknown_key_names_itself(tmp_path):
                            f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "max_stepz" in proc.stderr and "TrainerConfig" in proc.stderr, proc.stderr
+
+
+def test_generate_cli_samples_from_a_run(tmp_path, corpus, cache_dir, capsys):
+    from kimi.generate import load_from_checkpoint, main
+
+    run = tmp_path / "run"
+    trainer = Trainer(make_cfg(run, corpus, cache_dir, "trainer.max_steps=3", "trainer.eval_every=0"))
+    trainer.fit()
+    model, tok, step = load_from_checkpoint(str(run))
+    assert step == 3 and tok.sha256 == trainer.data.tokenizer.sha256
+    for (name, p), q in zip(trainer.model.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(p, q), name
+    main([f"run={run}", "prompt=The king", "max_new_tokens=8", "seed=1"])
+    out = capsys.readouterr().out
+    assert "step 3 checkpoint" in out and "The king" in out
+    with pytest.raises(SystemExit, match="unknown keys"):
+        main([f"run={run}", "tokens=3"])
+
+
+@pytest.mark.parametrize("extra", [["data.varlen=true"], ["trainer.precision=bf16"], ["trainer.grad_accum_steps=2"],
+                                   ["optim.schedule=wsd", "model.residual=standard"]])
+def test_training_variants_run(tmp_path, corpus, cache_dir, extra):
+    result = Trainer(make_cfg(tmp_path / "run", corpus, cache_dir, "trainer.max_steps=3", "trainer.eval_every=3",
+                              *extra)).fit()
+    assert result["finished"] and result["val_loss"] is not None and result["val_loss"] < 7.0

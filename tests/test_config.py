@@ -1,0 +1,66 @@
+"""The Hydra config tree: presets compose, sizes are what their names say, bad values name their key."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from kimi.config import Config, ConfigError, ModelConfig, mla_layer_indices, register_configs, validate
+from kimi.model import KimiModel
+
+ROOT = Path(__file__).resolve().parents[1]
+register_configs()
+
+
+def compose_cfg(*overrides: str) -> Config:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["trainer.run_dir=unused", *overrides])
+    return OmegaConf.to_object(cfg)
+
+
+@pytest.mark.parametrize("preset,low,high", [("tiny", 1e6, 3e6), ("small", 110e6, 140e6), ("1b", 0.9e9, 1.3e9)])
+def test_presets_have_their_advertised_size(preset, low, high):
+    cfg = compose_cfg(f"model={preset}")
+    validate(cfg)
+    m = cfg.model
+    m.vocab_size = {"tiny": 2048}.get(preset, 32000)
+    with torch.device("meta"):  # no memory, no init cost: only shapes
+        n = KimiModel(m).num_params()
+    assert low <= n <= high, f"{preset}: {n / 1e6:.1f}M"
+    assert mla_layer_indices(m) == [i for i in range(m.num_layers) if i % 4 == 3]  # 3:1 KDA:MLA
+
+
+def test_defaults_are_the_documented_ones():
+    cfg = compose_cfg()
+    assert (cfg.model.name, cfg.data.name, cfg.optim.name) == ("tiny", "shakespeare", "adamw")
+    assert cfg.model.residual == "attnres_block" and cfg.model.qk_rope_head_dim == 0  # NoPE MLA
+    assert cfg.logging.wandb.mode == "offline"
+
+
+def test_unknown_key_is_rejected_by_the_schema():
+    with pytest.raises(Exception, match="kda_heads"):
+        compose_cfg("model.kda_heads=8")
+
+
+@pytest.mark.parametrize("field,value,key", [
+    ("residual", "attnres_half", "model.residual"),
+    ("qk_rope_head_dim", 3, "model.qk_rope_head_dim"),
+    ("attnres_block_size", 0, "model.attnres_block_size"),
+    ("mla_layers", [0, 9], "model.mla_layers"),
+    ("kda_num_heads", 0, "model.kda_num_heads"),
+])
+def test_impossible_model_values_name_their_key(field, value, key):
+    cfg = Config()
+    setattr(cfg.model, field, value)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as err:
+        validate(cfg)
+    assert "invalid" in str(err.value)
+
+
+def test_mla_pattern_helpers():
+    assert mla_layer_indices(ModelConfig(num_layers=8, mla_every=4)) == [3, 7]
+    assert mla_layer_indices(ModelConfig(num_layers=3, mla_every=0)) == []
+    assert mla_layer_indices(ModelConfig(num_layers=3, mla_every=1)) == [0, 1, 2]
+    assert mla_layer_indices(ModelConfig(num_layers=5, mla_layers=[4, 1])) == [1, 4]
