@@ -19,6 +19,9 @@ SCHEDULES = ("cosine", "wsd", "constant")
 PRECISIONS = ("fp32", "bf16")
 WANDB_MODES = ("offline", "online", "disabled")
 DATA_SOURCES = ("shakespeare", "hf", "files")
+OPTIMIZERS = ("adamw", "muonclip")
+NS_DTYPES = ("fp32", "bf16")
+ADJUST_LR_FNS = ("match_rms_adamw", "original")
 
 
 @dataclass
@@ -93,6 +96,16 @@ class OptimConfig:
     warmup_steps: int = 30
     min_lr_ratio: float = 0.1  # final lr as a fraction of lr (cosine and wsd)
     decay_fraction: float = 0.2  # wsd: fraction of max_steps spent decaying
+    # MuonClip only (kimi/optim/muonclip.py); lr, weight_decay, betas and eps above serve its AdamW family.
+    momentum: float = 0.95  # Muon momentum
+    nesterov: bool = True
+    ns_steps: int = 5  # Newton-Schulz iterations
+    ns_dtype: str = "fp32"  # fp32 | bf16: dtype of the Newton-Schulz matmuls (bf16 on GPU)
+    # Muon's lr scale: match_rms_adamw (0.2 sqrt(max(A,B))) | original (sqrt(max(1,A/B)))
+    adjust_lr_fn: str = "match_rms_adamw"
+    # fnmatch patterns over parameter names that force a family; null keeps the default (embed, lm_head)
+    adamw_patterns: Optional[List[str]] = None
+    muon_patterns: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -213,7 +226,7 @@ def validate(cfg: Config) -> None:
     _check(d.num_proc >= 1, "data.num_proc", d.num_proc, "must be >= 1")
     _check(d.tokenizer.vocab_size >= 260, "data.tokenizer.vocab_size", d.tokenizer.vocab_size,
            "must be >= 260: 256 byte-fallback pieces, 3 special pieces, and the text's characters")
-    _check(o.name in ("adamw",), "optim.name", o.name, "choose one of adamw")
+    _check(o.name in OPTIMIZERS, "optim.name", o.name, f"choose one of {'|'.join(OPTIMIZERS)}")
     _check(o.lr > 0, "optim.lr", o.lr, "must be > 0")
     _check(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
     _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", list(o.betas),
@@ -223,6 +236,11 @@ def validate(cfg: Config) -> None:
     _check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
     _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
     _check(0 < o.decay_fraction <= 1, "optim.decay_fraction", o.decay_fraction, "must be in (0, 1]")
+    _check(0 <= o.momentum < 1, "optim.momentum", o.momentum, "must be in [0, 1) (0.95 in Muon)")
+    _check(o.ns_steps >= 1, "optim.ns_steps", o.ns_steps, "must be >= 1 (5 in Muon)")
+    _check(o.ns_dtype in NS_DTYPES, "optim.ns_dtype", o.ns_dtype, f"choose one of {'|'.join(NS_DTYPES)}")
+    _check(o.adjust_lr_fn in ADJUST_LR_FNS, "optim.adjust_lr_fn", o.adjust_lr_fn,
+           f"choose one of {'|'.join(ADJUST_LR_FNS)}")
     for key in ("max_steps", "micro_batch_size", "seq_len", "grad_accum_steps", "eval_batches", "log_every"):
         _check(getattr(t, key) > 0, f"trainer.{key}", getattr(t, key), "must be a positive integer")
     for key in ("eval_every", "checkpoint_every", "sample_tokens", "threads", "stop_at_step"):

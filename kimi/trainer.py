@@ -305,3 +305,6 @@ class Trainer:
               f"{self.data.val_meta['num_tokens']:,} val tokens; batch {t.micro_batch_size}x{t.seq_len}"
               f"x{t.grad_accum_steps} = {t.micro_batch_size * t.seq_len * t.grad_accum_steps:,} tokens/step; "
               f"device {self.device}; run dir {self.run_dir}", flush=True)
+        if hasattr(self.optimizer, "routing_table"):  # MuonClip: which parameters Muon and AdamW each update
+            print(f"[kimi] optimizer {self.cfg.optim.name} parameter routing:\n{self.optimizer.routing_table()}",
+                  flush=True)

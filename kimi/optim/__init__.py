@@ -1,4 +1,4 @@
-"""Optimizer factory. AdamW today; MuonClip (Muon on hidden matrices + QK-Clip) plugs in here next."""
+"""Optimizer factory: AdamW, or MuonClip (Muon on hidden matrices, AdamW on the rest; see muonclip.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from typing import Iterable, Tuple
 import torch
 
 from kimi.config import OptimConfig
+from kimi.optim.muonclip import DEFAULT_ADAMW_PATTERNS, MuonClip
 from kimi.optim.schedules import build_scheduler, lr_multiplier
 
-__all__ = ["build_optimizer", "build_scheduler", "lr_multiplier", "weight_decay_groups"]
+__all__ = ["MuonClip", "build_optimizer", "build_scheduler", "lr_multiplier", "weight_decay_groups"]
 
 
 def weight_decay_groups(named_params: Iterable[Tuple[str, torch.nn.Parameter]], weight_decay: float):
@@ -30,4 +31,12 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
         groups = weight_decay_groups(model.named_parameters(), cfg.weight_decay)
         fused = all(p.is_cuda for g in groups for p in g["params"])
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused or None)
-    raise ValueError(f"optim.name={cfg.name!r} is not available; choose one of: adamw")
+    if cfg.name == "muonclip":
+        patterns = DEFAULT_ADAMW_PATTERNS if cfg.adamw_patterns is None else tuple(cfg.adamw_patterns)
+        return MuonClip(model.named_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                        momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
+                        adjust_lr_fn=cfg.adjust_lr_fn,
+                        ns_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.ns_dtype],
+                        betas=tuple(cfg.betas), adamw_eps=cfg.eps, adamw_patterns=patterns,
+                        muon_patterns=tuple(cfg.muon_patterns))
+    raise ValueError(f"optim.name={cfg.name!r} is not available; choose one of: adamw, muonclip")
