@@ -106,6 +106,8 @@ class OptimConfig:
     # fnmatch patterns over parameter names that force a family; null keeps the default (embed, lm_head)
     adamw_patterns: Optional[List[str]] = None
     muon_patterns: List[str] = field(default_factory=list)
+    # QK-Clip threshold on each MLA head's max scaled logit (K2: 100); 0 disables QK-Clip
+    qk_clip_tau: float = 100.0
 
 
 @dataclass
@@ -241,6 +243,7 @@ def validate(cfg: Config) -> None:
     _check(o.ns_dtype in NS_DTYPES, "optim.ns_dtype", o.ns_dtype, f"choose one of {'|'.join(NS_DTYPES)}")
     _check(o.adjust_lr_fn in ADJUST_LR_FNS, "optim.adjust_lr_fn", o.adjust_lr_fn,
            f"choose one of {'|'.join(ADJUST_LR_FNS)}")
+    _check(o.qk_clip_tau >= 0, "optim.qk_clip_tau", o.qk_clip_tau, "must be >= 0 (100 in K2; 0 disables QK-Clip)")
     for key in ("max_steps", "micro_batch_size", "seq_len", "grad_accum_steps", "eval_batches", "log_every"):
         _check(getattr(t, key) > 0, f"trainer.{key}", getattr(t, key), "must be a positive integer")
     for key in ("eval_every", "checkpoint_every", "sample_tokens", "threads", "stop_at_step"):

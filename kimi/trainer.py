@@ -251,6 +251,10 @@ class Trainer:
                 record = {"step": self.step, "loss": sum(losses) / len(losses), "lr": out["lr"],
                           "grad_norm": out["grad_norm"], "tokens_per_s": tps, "mfu": mfu,
                           "tokens": self.step * tokens_per_step}
+                stats = getattr(self.optimizer, "qk_clip_stats", None)
+                if stats:  # MuonClip's QK-Clip: worst head over layers, mean fraction of heads clipped
+                    record["qk_max_logit"] = max(s["max_logit"] for s in stats.values())
+                    record["qk_clipped_frac"] = sum(s["clipped_frac"] for s in stats.values()) / len(stats)
                 t_window, window_steps, losses = time.perf_counter(), 0, []
             if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps:
                 t_eval = time.perf_counter()

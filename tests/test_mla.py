@@ -92,7 +92,7 @@ def test_qk_clip_row_layout():
     layer.track_max_logits = True
     x = torch.randn(1, 9, 32, dtype=F64)
     layer(x)
-    before = layer.max_logits.clone()
+    before = layer.consume_max_logits()  # max_logits is a running max until consumed
     qk, kv = layer.nope + layer.rope, layer.nope + layer.v_dim
     with torch.no_grad():
         layer.q_proj.weight[0:qk] *= 0.5

@@ -1,5 +1,6 @@
 """MuonClip's single-device core: Newton-Schulz against fp64, Muon against torch.optim.Muon, AdamW against
-torch.optim.AdamW, routing of the model's parameters, state round trips and a loss that goes down."""
+torch.optim.AdamW, routing of the model's parameters, state round trips, a loss that goes down, and QK-Clip
+(clipped heads bounded by tau, everything else bit-identical to an unclipped step)."""
 
 import copy
 import fnmatch
@@ -12,10 +13,13 @@ from helpers import tiny_model_cfg
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from kimi.config import OptimConfig
+from kimi.model.mla import MLA
 from kimi.model.transformer import KimiModel
+from kimi.ops.attention import attention
 from kimi.ops.newton_schulz import newton_schulz, newton_schulz_reference
 from kimi.optim import build_optimizer, weight_decay_groups
 from kimi.optim.muonclip import DEFAULT_ADAMW_PATTERNS, MuonClip
+from kimi.optim.qk_clip import QKClipSpec, RowRule, apply_qk_clip
 
 SHAPES = [(48, 48), (32, 80), (80, 32)]  # square, wide, tall
 
@@ -178,3 +182,125 @@ def test_training_decreases_the_loss():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     losses = _train(model, opt, sched, 8, _batch())
     assert losses[-1] < 0.7 * losses[0], losses
+
+
+# QK-Clip ------------------------------------------------------------------------------------------------
+
+TAU = 5.0
+
+
+def _inflated_mla(rope: int, q_lora: int):
+    """A 4-head MLA whose heads 0 and 2 have 20x query rows, so their max logits exceed TAU and 1, 3's don't."""
+    cfg = tiny_model_cfg(mla_num_heads=4, qk_rope_head_dim=rope, q_lora_rank=q_lora, v_head_dim=8, rope_theta=100.0)
+    layer = MLA(cfg).double()
+    layer.init_weights(0.1, 0.1)
+    qk = layer.nope + layer.rope
+    with torch.no_grad():
+        for h in (0, 2):
+            layer.q_proj.weight[h * qk : (h + 1) * qk] *= 20.0
+    return layer
+
+
+def _max_logits(layer, x):
+    layer.track_max_logits = True
+    layer(x)
+    return layer.consume_max_logits()
+
+
+@pytest.mark.parametrize("rope,q_lora", [(8, 0), (0, 0), (8, 12)])
+def test_qk_clip_bounds_clipped_heads_and_leaves_the_rest(rope, q_lora):
+    torch.manual_seed(rope + q_lora)
+    layer = _inflated_mla(rope, q_lora)
+    x = torch.randn(2, 13, 32, dtype=torch.float64)
+    before = _max_logits(layer, x)
+    clipped = before > TAU
+    assert clipped.tolist() == [True, False, True, False], before
+
+    plain = copy.deepcopy(layer)
+    for m in (layer, plain):
+        m.track_max_logits = True
+        m(x).square().mean().backward()
+    kw = dict(lr=1e-4, weight_decay=0.1)
+    spec = layer.qk_clip_spec("mla")
+    opt = MuonClip(layer.named_parameters(prefix="mla"), qk_clip_tau=TAU, qk_clip_specs=[spec], **kw)
+    MuonClip(plain.named_parameters(prefix="mla"), **kw).step()
+    opt.step()
+
+    after = _max_logits(layer, x)
+    assert (after[clipped] <= TAU * (1 + 1e-3)).all(), after
+    stats = opt.qk_clip_stats["mla"]
+    assert stats["clipped_frac"] == 0.5 and stats["max_logit"] == pytest.approx(before.max().item(), rel=1e-3)
+
+    qk, kv = layer.nope + layer.rope, layer.nope + layer.v_dim
+    gamma = TAU / _max_logits(plain, x).double()  # plain got the same update, so these are the logits clipped
+    for h in range(4):
+        q, q_ref = (m.q_proj.weight[h * qk : (h + 1) * qk] for m in (layer, plain))
+        k, k_ref = (m.wkv_b.weight[h * kv : h * kv + layer.nope] for m in (layer, plain))
+        if clipped[h]:
+            torch.testing.assert_close(q[: layer.nope], q_ref[: layer.nope] * gamma[h].sqrt())
+            torch.testing.assert_close(q[layer.nope :], q_ref[layer.nope :] * gamma[h])
+            torch.testing.assert_close(k, k_ref * gamma[h].sqrt())
+        else:
+            assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+        # values and everything outside the q/k rows: bit-identical to the update without clipping
+        v, v_ref = (m.wkv_b.weight[h * kv + layer.nope : (h + 1) * kv] for m in (layer, plain))
+        assert torch.equal(v, v_ref)
+    for name in ("wkv_a", "wo") + (("wq_a",) if q_lora else ()):
+        assert torch.equal(getattr(layer, name).weight, getattr(plain, name).weight), name
+
+
+def test_qk_clip_plain_multi_head_rule():
+    """Hand-made 2-head attention: q and k rows of a clipped head both scale by sqrt(gamma)."""
+    torch.manual_seed(0)
+    d, head_dim = 8, 4
+    wq, wk = (0.3 * torch.randn(2 * head_dim, d, dtype=torch.float64) for _ in range(2))
+    wq[:head_dim] *= 10.0
+    x = torch.randn(1, 6, d, dtype=torch.float64)
+
+    def logits():
+        q, k = (x @ wq.T).view(1, 6, 2, head_dim), (x @ wk.T).view(1, 6, 2, head_dim)
+        return attention(q, k, k, causal=True, return_max_logits=True)[1][0]
+
+    s_max = logits()
+    assert s_max[0] > TAU > s_max[1]
+    rows = [RowRule(n, head_dim, ((0, head_dim, 0.5),)) for n in ("wq", "wk")]
+    wq0, wk0 = wq.clone(), wk.clone()
+    stats = apply_qk_clip({"wq": wq, "wk": wk}, [QKClipSpec("attn", 2, rows, lambda: s_max)], TAU)
+    g = (TAU / s_max[0].double()).sqrt()
+    torch.testing.assert_close(wq[:head_dim], wq0[:head_dim] * g)
+    torch.testing.assert_close(wk[:head_dim], wk0[:head_dim] * g)
+    assert torch.equal(wq[head_dim:], wq0[head_dim:]) and torch.equal(wk[head_dim:], wk0[head_dim:])
+    torch.testing.assert_close(logits()[0], torch.tensor(TAU, dtype=torch.float32))
+    assert stats == {"attn": {"max_logit": pytest.approx(s_max.max().item()), "clipped_frac": 0.5}}
+
+
+def test_mla_keeps_the_running_max_until_consumed():
+    torch.manual_seed(1)
+    layer = _inflated_mla(8, 0)
+    x1, x2 = torch.randn(2, 1, 3, 32, dtype=torch.float64)
+    m1, m2 = _max_logits(layer, x1), _max_logits(layer, x2)
+    assert not torch.equal(torch.maximum(m1, m2), m1) and not torch.equal(torch.maximum(m1, m2), m2)
+    layer(x1)
+    layer(x2)
+    assert torch.equal(layer.consume_max_logits(), torch.maximum(m1, m2))
+    assert layer.max_logits is None and layer.consume_max_logits() is None
+    with torch.no_grad():  # evaluation and generation never feed an update, so they are not recorded
+        layer(x1)
+    assert layer.max_logits is None
+
+
+def test_build_optimizer_wires_qk_clip_into_the_model():
+    model = KimiModel(tiny_model_cfg())
+    opt = build_optimizer(model, OptimConfig(name="muonclip", qk_clip_tau=1e-3))  # tiny tau: every head clips
+    names = dict(model.named_parameters())
+    assert [s.layer for s in opt.qk_clip_specs] == ["blocks.1.mixer"]
+    assert all(r.param in names for s in opt.qk_clip_specs for r in s.rows)
+    assert all(m.track_max_logits for m in model.mla_modules())
+    ids = _batch()
+    F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
+    opt.step()
+    assert opt.qk_clip_stats["blocks.1.mixer"]["clipped_frac"] == 1.0
+    assert model.mla_modules()[0].max_logits is None  # consumed by the step
+
+    off = build_optimizer(KimiModel(tiny_model_cfg()), OptimConfig(name="muonclip", qk_clip_tau=0))
+    assert off.qk_clip_specs == [] and off.qk_clip_stats == {}

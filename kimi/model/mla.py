@@ -27,6 +27,7 @@ from torch import nn
 
 from kimi.config import ModelConfig
 from kimi.ops.attention import attention
+from kimi.optim.qk_clip import QKClipSpec, RowRule
 
 from .cache import MLACache
 from .norm import RMSNorm
@@ -60,7 +61,8 @@ class MLA(nn.Module):
         self.kv_norm = RMSNorm(self.kv_lora_rank, cfg.norm_eps)
         self.wkv_b = nn.Linear(self.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(H * self.v_dim, d, bias=False)
-        # When set (by the trainer, for QK-Clip), every forward records its per-head max scaled logit.
+        # When set (by build_optimizer, for QK-Clip), every forward that builds a graph keeps the running
+        # per-head max scaled logit [H] fp32 over forwards (micro-batches) until consume_max_logits().
         self.track_max_logits = False
         self.max_logits: torch.Tensor | None = None
 
@@ -68,6 +70,22 @@ class MLA(nn.Module):
     def q_proj(self) -> nn.Linear:
         """The projection whose rows are per-head [q_nope | q_rope] (see the module docstring)."""
         return self.wq_b if hasattr(self, "wq_a") else self.wq
+
+    def consume_max_logits(self) -> torch.Tensor | None:
+        """The running max since the last call (None if no recorded forward), and forget it."""
+        out, self.max_logits = self.max_logits, None
+        return out
+
+    def qk_clip_spec(self, prefix: str) -> QKClipSpec:
+        """QK-Clip rows of this layer (layout in the module docstring); prefix is the module's qualified name,
+        so the parameter names are those of model.named_parameters()."""
+        H = self.wkv_b.weight.shape[0] // (self.nope + self.v_dim)
+        q_name = "wq_b" if hasattr(self, "wq_a") else "wq"
+        q_segments = tuple(seg for seg in ((0, self.nope, 0.5), (self.nope, self.rope, 1.0)) if seg[1] > 0)
+        rows = [RowRule(f"{prefix}.{q_name}.weight", self.nope + self.rope, q_segments)]
+        if self.nope > 0:
+            rows.append(RowRule(f"{prefix}.wkv_b.weight", self.nope + self.v_dim, ((0, self.nope, 0.5),)))
+        return QKClipSpec(prefix, H, rows, self.consume_max_logits)
 
     def init_weights(self, std: float, out_std: float) -> None:
         for lin in (self.q_proj, self.wkv_a, self.wkv_b):
@@ -98,8 +116,13 @@ class MLA(nn.Module):
         kv = self.wkv_b(c_kv).view(B, c_kv.shape[1], -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
-        out = attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, return_max_logits=self.track_max_logits)
-        if self.track_max_logits:
+        # Only forwards that build a graph feed an update, so only they count: evaluation and generation
+        # run under no_grad and must not clip the next step. (Recomputed forwards of activation
+        # checkpointing record the same values again, which a max ignores.)
+        record = self.track_max_logits and torch.is_grad_enabled()
+        out = attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, return_max_logits=record)
+        if record:
             out, max_logits = out
-            self.max_logits = max_logits.amax(dim=0).detach()
+            step_max = max_logits.amax(dim=0).detach()
+            self.max_logits = step_max if self.max_logits is None else torch.maximum(self.max_logits, step_max)
         return self.wo(out.reshape(B, T, -1))

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from kimi.config import ModelConfig, mla_layer_indices
+from kimi.optim.qk_clip import QKClipSpec
 
 from .attnres import make_stream
 from .cache import InferenceCache, KDACache, MLACache
@@ -96,8 +97,12 @@ class KimiModel(nn.Module):
         return qs + ([self.final_query] if self.final_query is not None else [])
 
     def mla_modules(self) -> list[MLA]:
-        """The MLA layers (the trainer sets their `track_max_logits` and reads `max_logits` for QK-Clip)."""
+        """The MLA layers (build_optimizer sets their `track_max_logits` for QK-Clip)."""
         return [b.mixer for b in self.blocks if isinstance(b.mixer, MLA)]
+
+    def qk_clip_specs(self) -> list[QKClipSpec]:
+        """One QK-Clip spec per MLA layer, named as in self.named_parameters(); KDA has no softmax logits."""
+        return [m.qk_clip_spec(name) for name, m in self.named_modules() if isinstance(m, MLA)]
 
     def new_cache(self) -> InferenceCache:
         """An empty decoding state; the first forward with it (the prefill) fills it."""

@@ -1,7 +1,8 @@
 """MuonClip: Muon on hidden weight matrices, AdamW on everything else, in one torch optimizer.
 
 Math and sources: ALGORITHMS.md section 3. This is the single-device core; the distributed owner-compute
-and QK-Clip plug into :meth:`MuonClip._muon_step` and :meth:`MuonClip.step` where their comments say.
+plugs into :meth:`MuonClip._muon_step` where its comment says. QK-Clip (kimi/optim/qk_clip.py) runs at the
+end of :meth:`MuonClip.step` over the specs the model exports (KimiModel.qk_clip_specs()).
 
 Routing (first rule that matches wins):
   1. name matches ``muon_patterns`` -> Muon (must have 2+ dims; a 3-D weight is a batch of matrices)
@@ -24,6 +25,7 @@ import torch
 
 from kimi.config import ADJUST_LR_FNS
 from kimi.ops.newton_schulz import DEFAULT_COEFFICIENTS, newton_schulz
+from kimi.optim.qk_clip import QKClipSpec, apply_qk_clip
 
 DEFAULT_ADAMW_PATTERNS = ("*embed*", "*lm_head*")
 
@@ -63,6 +65,10 @@ class MuonClip(torch.optim.Optimizer):
     mu B, as torch.optim.Muon keeps them: B = (1 - mu) M and G' = (1 - mu) (G + mu M) for ALGORITHMS.md's
     M = mu M + G, the same update since Newton-Schulz normalises its input, and bf16 results bit-identical
     to torch.optim.Muon's (with M itself, bf16 rounds 20x larger inputs differently: 1.5e-2 apart).
+
+    QK-Clip: after the update, the rows named by ``qk_clip_specs`` (over the same parameter names) are
+    scaled per head by min(1, tau / S_max) with ``qk_clip_tau`` = tau; per-layer stats of the last step are
+    in ``self.qk_clip_stats``. With no specs nothing is clipped.
     """
 
     def __init__(
@@ -81,6 +87,8 @@ class MuonClip(torch.optim.Optimizer):
         adamw_eps: float = 1e-8,
         adamw_patterns: Sequence[str] = DEFAULT_ADAMW_PATTERNS,
         muon_patterns: Sequence[str] = (),
+        qk_clip_tau: float = 100.0,
+        qk_clip_specs: Sequence[QKClipSpec] = (),
     ) -> None:
         from kimi.optim import weight_decay_groups  # here: kimi.optim imports this module first
 
@@ -94,6 +102,8 @@ class MuonClip(torch.optim.Optimizer):
             raise ValueError(f"adjust_lr_fn={adjust_lr_fn!r}: choose one of {'|'.join(ADJUST_LR_FNS)}")
         if not (len(betas) == 2 and all(0 <= b < 1 for b in betas)):
             raise ValueError(f"betas={betas} must be two numbers in [0, 1)")
+        if not qk_clip_tau > 0:
+            raise ValueError(f"qk_clip_tau={qk_clip_tau} must be > 0")
 
         named = list(params)
         if not all(isinstance(x, tuple) and isinstance(x[0], str) for x in named):
@@ -111,6 +121,13 @@ class MuonClip(torch.optim.Optimizer):
             groups.append({"params": [(name_of[id(p)], p) for p in g["params"]], "family": "adamw",
                            "weight_decay": g["weight_decay"], "betas": tuple(betas), "eps": adamw_eps})
         super().__init__([g for g in groups if g["params"]], {"lr": lr, "weight_decay": weight_decay})
+
+        self.qk_clip_tau, self.qk_clip_specs = qk_clip_tau, list(qk_clip_specs)
+        self._params_by_name = dict(named)
+        missing = [r.param for s in self.qk_clip_specs for r in s.rows if r.param not in self._params_by_name]
+        if missing:
+            raise ValueError(f"qk_clip_specs name parameters this optimizer does not update: {missing}")
+        self.qk_clip_stats: dict = {}  # {layer: {"max_logit", "clipped_frac"}} of the last step
 
     def routing_table(self) -> str:
         """One line per parameter (name, shape, family, weight decay) and a per-family total."""
@@ -137,8 +154,10 @@ class MuonClip(torch.optim.Optimizer):
                 self._muon_step(group)
             else:
                 self._adamw_step(group)
-        # QK-Clip goes here: after every update, rescale the q/k rows of each softmax-attention head whose
-        # max logit of this step's forward exceeded tau (ALGORITHMS.md section 3).
+        # After the update (ALGORITHMS.md section 3). Distributed: the specs' max logits must be max-reduced
+        # over data-parallel ranks before this, so every replica scales alike.
+        if self.qk_clip_specs:
+            self.qk_clip_stats = apply_qk_clip(self._params_by_name, self.qk_clip_specs, self.qk_clip_tau)
         return loss
 
     def _muon_step(self, group) -> None:
