@@ -25,6 +25,7 @@ import torch
 
 from kimi.config import ADJUST_LR_FNS
 from kimi.ops.newton_schulz import DEFAULT_COEFFICIENTS, newton_schulz
+from kimi.optim.groups import weight_decay_groups
 from kimi.optim.qk_clip import QKClipSpec, apply_qk_clip
 
 DEFAULT_ADAMW_PATTERNS = ("*embed*", "*lm_head*")
@@ -90,8 +91,6 @@ class MuonClip(torch.optim.Optimizer):
         qk_clip_tau: float = 100.0,
         qk_clip_specs: Sequence[QKClipSpec] = (),
     ) -> None:
-        from kimi.optim import weight_decay_groups  # here: kimi.optim imports this module first
-
         if lr < 0 or weight_decay < 0:
             raise ValueError(f"lr={lr} and weight_decay={weight_decay} must be >= 0")
         if not 0 <= momentum < 1:
