@@ -1,7 +1,13 @@
 """Shared test setup."""
 
-import pytest
-import torch
+import os
+
+# Triton kernels run on CPU tensors only under the interpreter, which must be chosen before triton is
+# first imported (ENVIRONMENT.md). With a GPU the suite still tests the interpreted kernels on CPU tensors.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -18,7 +18,7 @@ from kimi.model.transformer import KimiModel
 from kimi.ops.attention import attention
 from kimi.ops.newton_schulz import newton_schulz, newton_schulz_reference
 from kimi.optim import build_optimizer, weight_decay_groups
-from kimi.optim.muonclip import DEFAULT_ADAMW_PATTERNS, MuonClip
+from kimi.optim.muonclip import DEFAULT_ADAMW_PATTERNS, MuonClip, RowSplit, update_scale
 from kimi.optim.qk_clip import QKClipSpec, RowRule, apply_qk_clip
 
 SHAPES = [(48, 48), (32, 80), (80, 32)]  # square, wide, tall
@@ -304,3 +304,36 @@ def test_build_optimizer_wires_qk_clip_into_the_model():
 
     off = build_optimizer(KimiModel(tiny_model_cfg()), OptimConfig(name="muonclip", qk_clip_tau=0))
     assert off.qk_clip_specs == [] and off.qk_clip_stats == {}
+
+
+def test_fused_weight_is_orthogonalised_per_logical_matrix():
+    """Two heads of [2 key rows | 3 value rows]: keys and values are orthogonalised (and scaled) as two
+    matrices, each against the fp64 reference, not as one 10-row matrix."""
+    g = torch.Generator().manual_seed(4)
+    w0, grad = torch.randn(10, 6, generator=g) * 0.1, torch.randn(10, 6, generator=g)
+    split, lr, mu = RowSplit(5, ((0, 2), (2, 3))), 0.1, 0.95
+    fused, whole = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    for p, splits in ((fused, {"w": split}), (whole, None)):
+        p.grad = grad.clone()
+        MuonClip([("w", p)], lr=lr, weight_decay=0.0, momentum=mu, splits=splits).step()
+    update = grad.lerp(grad * (1 - mu), mu)  # first Nesterov step from an empty buffer
+    expected = w0.clone().view(2, 5, 6)
+    for rows in (slice(0, 2), slice(2, 5)):
+        block = update.view(2, 5, 6)[:, rows].reshape(-1, 6)
+        ortho = newton_schulz_reference(block).float().view(2, -1, 6)
+        expected[:, rows] -= lr * update_scale("match_rms_adamw", *block.shape) * ortho
+    assert rel(fused.detach() - w0, expected.view(10, 6) - w0) < 1e-5
+    assert rel(whole.detach() - w0, expected.view(10, 6) - w0) > 1e-2  # the split is not a no-op here
+    with pytest.raises(ValueError, match="tile"):
+        RowSplit(5, ((0, 2), (3, 2)))
+    with pytest.raises(ValueError, match="splits\\['w'\\]"):
+        MuonClip([("w", torch.nn.Parameter(torch.zeros(9, 6)))], splits={"w": split})
+
+
+def test_model_fused_weights_reach_the_optimizer():
+    model = KimiModel(tiny_model_cfg(q_lora_rank=16, qk_rope_head_dim=8))
+    opt = build_optimizer(model, OptimConfig(name="muonclip"))
+    prefix = "blocks.1.mixer."
+    assert opt.splits == {prefix + "wq_b.weight": RowSplit(24, ((0, 16), (16, 8))),
+                          prefix + "wkv_b.weight": RowSplit(32, ((0, 16), (16, 16))),
+                          prefix + "wkv_a.weight": RowSplit(24, ((0, 16), (16, 8)))}

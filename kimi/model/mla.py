@@ -27,6 +27,7 @@ from torch import nn
 
 from kimi.config import ModelConfig
 from kimi.ops.attention import attention
+from kimi.optim.muonclip import RowSplit
 from kimi.optim.qk_clip import QKClipSpec, RowRule
 
 from .cache import MLACache
@@ -86,6 +87,15 @@ class MLA(nn.Module):
         if self.nope > 0:
             rows.append(RowRule(f"{prefix}.wkv_b.weight", self.nope + self.v_dim, ((0, self.nope, 0.5),)))
         return QKClipSpec(prefix, H, rows, self.consume_max_logits)
+
+    def muon_splits(self, prefix: str) -> dict[str, RowSplit]:
+        """Fused weights that hold several of DeepSeek-V2's matrices, for Muon to orthogonalise one by one:
+        the query projection [W_uq; W_qr] and W_ukv = [W_uk; W_uv] per head, W_dkv = [W_dkv; W_kr]."""
+        q_name = "wq_b" if hasattr(self, "wq_a") else "wq"
+        fused = {f"{q_name}.weight": (self.nope, self.rope), "wkv_b.weight": (self.nope, self.v_dim),
+                 "wkv_a.weight": (self.kv_lora_rank, self.rope)}
+        return {f"{prefix}.{name}": RowSplit(a + b, ((0, a), (a, b))) for name, (a, b) in fused.items()
+                if a > 0 and b > 0}
 
     def init_weights(self, std: float, out_std: float) -> None:
         for lin in (self.q_proj, self.wkv_a, self.wkv_b):

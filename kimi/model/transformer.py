@@ -104,6 +104,14 @@ class KimiModel(nn.Module):
         """One QK-Clip spec per MLA layer, named as in self.named_parameters(); KDA has no softmax logits."""
         return [m.qk_clip_spec(name) for name, m in self.named_modules() if isinstance(m, MLA)]
 
+    def muon_splits(self) -> dict:
+        """Fused weights that Muon orthogonalises per logical matrix (MLA's; see MLA.muon_splits)."""
+        splits = {}
+        for name, m in self.named_modules():
+            if isinstance(m, MLA):
+                splits.update(m.muon_splits(name))
+        return splits
+
     def new_cache(self) -> InferenceCache:
         """An empty decoding state; the first forward with it (the prefill) fills it."""
         return InferenceCache([MLACache() if isinstance(b.mixer, MLA) else KDACache() for b in self.blocks])

@@ -31,5 +31,6 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
                         adjust_lr_fn=cfg.adjust_lr_fn,
                         ns_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.ns_dtype],
                         betas=tuple(cfg.betas), adamw_eps=cfg.eps, adamw_patterns=patterns,
-                        muon_patterns=tuple(cfg.muon_patterns), **clip)
+                        muon_patterns=tuple(cfg.muon_patterns),
+                        splits=model.muon_splits() if hasattr(model, "muon_splits") else None, **clip)
     raise ValueError(f"optim.name={cfg.name!r} is not available; choose one of: adamw, muonclip")

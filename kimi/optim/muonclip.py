@@ -1,8 +1,11 @@
 """MuonClip: Muon on hidden weight matrices, AdamW on everything else, in one torch optimizer.
 
-Math and sources: ALGORITHMS.md section 3. This is the single-device core; the distributed owner-compute
-plugs into :meth:`MuonClip._muon_step` where its comment says. QK-Clip (kimi/optim/qk_clip.py) runs at the
-end of :meth:`MuonClip.step` over the specs the model exports (KimiModel.qk_clip_specs()).
+Math and sources: ALGORITHMS.md section 3. Parameters may be plain tensors (one process, or replicated over
+the process group) or DTensors laid out by FSDP2 and/or tensor parallelism: kimi/optim/owners.py plans who
+holds which block, and each Muon matrix is orthogonalised once per step, by one owner rank. QK-Clip
+(kimi/optim/qk_clip.py) runs at the end of :meth:`MuonClip.step` over the specs the model exports
+(KimiModel.qk_clip_specs()); fused projections are orthogonalised per logical matrix (RowSplit,
+KimiModel.muon_splits()).
 
 Routing (first rule that matches wins):
   1. name matches ``muon_patterns`` -> Muon (must have 2+ dims; a 3-D weight is a batch of matrices)
@@ -18,14 +21,17 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Iterable, Sequence, Tuple
+from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from kimi.config import ADJUST_LR_FNS
 from kimi.ops.newton_schulz import DEFAULT_COEFFICIENTS, newton_schulz
 from kimi.optim.groups import weight_decay_groups
+from kimi.optim.owners import ParamPlan, Router, build_plans, like_param, local_tensor
 from kimi.optim.qk_clip import QKClipSpec, apply_qk_clip
 
 DEFAULT_ADAMW_PATTERNS = ("*embed*", "*lm_head*")
@@ -56,6 +62,39 @@ def route(name: str, p: torch.Tensor, adamw_patterns: Sequence[str], muon_patter
     return "muon" if p.ndim == 2 else "adamw"
 
 
+@dataclass(frozen=True)
+class RowSplit:
+    """A fused weight holding several logical matrices by rows, orthogonalised one by one.
+
+    As in RowRule, head h owns rows [h * stride, (h + 1) * stride); segment (offset, length) picks rows
+    [offset, offset + length) of every head, and the segments of all heads together are one logical matrix
+    (MLA's wkv_b = [W_uk; W_uv] per head: keys and values are two matrices, as in DeepSeek-V2, whose
+    singular values have nothing to do with each other). Segments must tile a head's rows.
+    """
+
+    stride: int
+    segments: Tuple[Tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        ends = [0]
+        for offset, length in self.segments:
+            if offset != ends[-1] or length <= 0:
+                raise ValueError(f"RowSplit segments {self.segments} must tile [0, {self.stride}) in order")
+            ends.append(offset + length)
+        if ends[-1] != self.stride:
+            raise ValueError(f"RowSplit segments {self.segments} must tile [0, {self.stride}) in order")
+
+    def split(self, u: torch.Tensor) -> List[torch.Tensor]:
+        heads = u.view(-1, self.stride, u.shape[-1])
+        return [heads[:, o : o + n].reshape(-1, u.shape[-1]) for o, n in self.segments]
+
+    def join(self, blocks: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        heads = out.view(-1, self.stride, out.shape[-1])
+        for (o, n), b in zip(self.segments, blocks):
+            heads[:, o : o + n] = b.view(heads.shape[0], n, -1)
+        return out
+
+
 class MuonClip(torch.optim.Optimizer):
     """One optimizer with a param group per family ("muon", then AdamW with and without decay).
 
@@ -69,7 +108,16 @@ class MuonClip(torch.optim.Optimizer):
 
     QK-Clip: after the update, the rows named by ``qk_clip_specs`` (over the same parameter names) are
     scaled per head by min(1, tau / S_max) with ``qk_clip_tau`` = tau; per-layer stats of the last step are
-    in ``self.qk_clip_stats``. With no specs nothing is clipped.
+    in ``self.qk_clip_stats``. With no specs nothing is clipped. ``splits`` names fused weights to
+    orthogonalise per logical matrix.
+
+    Distributed: ``process_group`` (default: the world, when torch.distributed is initialised) is the set of
+    ranks holding blocks of the same parameters; plain tensors are taken as replicated over it with
+    gradients already averaged (DDP), DTensors as laid out by their placements. Every rank calls step(),
+    state_dict() and load_state_dict() together. A parameter without a gradient is skipped on one process
+    and treated as a zero gradient on several (the ranks must not disagree about it). Under pipeline
+    parallelism pass the ranks of one stage. ``step_stats`` counts the last step's Newton-Schulz matrices on
+    this rank, collectives and bytes sent.
     """
 
     def __init__(
@@ -90,6 +138,8 @@ class MuonClip(torch.optim.Optimizer):
         muon_patterns: Sequence[str] = (),
         qk_clip_tau: float = 100.0,
         qk_clip_specs: Sequence[QKClipSpec] = (),
+        splits: Mapping[str, RowSplit] | None = None,
+        process_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         if lr < 0 or weight_decay < 0:
             raise ValueError(f"lr={lr} and weight_decay={weight_decay} must be >= 0")
@@ -126,7 +176,21 @@ class MuonClip(torch.optim.Optimizer):
         missing = [r.param for s in self.qk_clip_specs for r in s.rows if r.param not in self._params_by_name]
         if missing:
             raise ValueError(f"qk_clip_specs name parameters this optimizer does not update: {missing}")
+        self.splits = dict(splits or {})
+        for name, split in self.splits.items():
+            p = self._params_by_name.get(name)
+            if p is None or family[name] != "muon" or p.ndim != 2 or p.shape[0] % split.stride:
+                got = None if p is None else tuple(p.shape)
+                raise ValueError(f"splits[{name!r}]: must name a 2-D Muon weight whose rows are a multiple "
+                                 f"of {split.stride}, got {got}")
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            process_group = dist.group.WORLD
+        self.process_group = process_group
+        self._plans: dict[int, ParamPlan] | None = None  # by id(param), built at the first collective call
+        self._router = Router(process_group)
+        self._stepped = False  # the same on every rank: they step together
         self.qk_clip_stats: dict = {}  # {layer: {"max_logit", "clipped_frac"}} of the last step
+        self.step_stats: dict = {}
 
     def routing_table(self) -> str:
         """One line per parameter (name, shape, family, weight decay) and a per-family total."""
@@ -142,66 +206,224 @@ class MuonClip(torch.optim.Optimizer):
         lines.append(", ".join(f"{f}: {k} tensors, {c:,} params" for f, (k, c) in totals.items()))
         return "\n".join(lines)
 
+    # ---- layout -------------------------------------------------------------------------------------
+
+    @property
+    def _distributed(self) -> bool:
+        return self._router.world > 1
+
+    def _members(self, family: str) -> List[Tuple[dict, torch.Tensor, ParamPlan]]:
+        """(group, param, plan) of one family, in param-group order: the same order on every rank."""
+        if self._plans is None:
+            named = [(n, p) for g in self.param_groups for n, p in zip(g["param_names"], g["params"])]
+            muon = [g["family"] == "muon" for g in self.param_groups for _ in g["params"]]
+            plans = build_plans(named, muon, self.process_group)
+            self._plans = {id(p): plan for (_, p), plan in zip(named, plans)}
+        return [(g, p, self._plans[id(p)]) for g in self.param_groups if g["family"] == family
+                for p in g["params"]]
+
+    def _grad_block(self, p: torch.Tensor, plan: ParamPlan) -> Optional[torch.Tensor]:
+        if plan.local is None:
+            return None
+        if p.grad is None:
+            return torch.zeros(plan.local_piece().shape, dtype=plan.dtype, device=plan.device)
+        return local_tensor(p.grad)
+
+    # ---- step ---------------------------------------------------------------------------------------
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            if group["family"] == "muon":
-                self._muon_step(group)
-            else:
-                self._adamw_step(group)
-        # After the update (ALGORITHMS.md section 3). Distributed: the specs' max logits must be max-reduced
-        # over data-parallel ranks before this, so every replica scales alike.
+        router = self._router
+        collectives, sent = router.collectives, router.bytes_sent
+        # One process keeps torch's rule (no gradient: no update); several must move in lockstep.
+        keep = (lambda p: True) if self._distributed else (lambda p: p.grad is not None)
+        muon = [m for m in self._members("muon") if keep(m[1])]
+        adamw = [m for m in self._members("adamw") if keep(m[1])]
+        # 1. Gradient blocks of each Muon matrix travel to its owner (one all_to_all).
+        grads = router.route([(plan, "to_owner", self._grad_block(p, plan)) for _, p, plan in muon])
+        # 2. Owners: momentum, one Newton-Schulz per logical matrix (batched by shape), the scaled update.
+        updates, ns_count = self._orthogonalise(muon, grads)
+        # 3. AdamW on the blocks this rank keeps.
+        kept = [self._adamw_block(group, p, plan) for group, p, plan in adamw]
+        # 4. Update blocks to every holder of a Muon matrix, new AdamW values to replicas (one all_to_all).
+        back = router.route([(plan, "from_owner", u) for (_, _, plan), (u, _) in zip(muon, updates)]
+                            + [(plan, "from_keeper", b) for (_, _, plan), b in zip(adamw, kept)])
+        for (group, p, plan), block in zip(muon, back[: len(muon)]):
+            if block is not None:
+                local = local_tensor(p)
+                local.mul_(1 - group["lr"] * group["weight_decay"])
+                local.add_(block, alpha=-group["lr"] * self._scale_of(group, plan))
+        for (_, p, plan), block in zip(adamw, back[len(muon) :]):
+            if block is not None and plan.keepers[plan.local] != router.rank:
+                local_tensor(p).copy_(block)
+        # 5. QK-Clip, after the update (ALGORITHMS.md section 3).
         if self.qk_clip_specs:
-            self.qk_clip_stats = apply_qk_clip(self._params_by_name, self.qk_clip_specs, self.qk_clip_tau)
+            self._qk_clip()
+        self._stepped = True
+        self.step_stats = {"ns_matrices": ns_count, "collectives": router.collectives - collectives,
+                           "bytes_sent": router.bytes_sent - sent}
         return loss
 
-    def _muon_step(self, group) -> None:
-        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-        # Matrices of one shape are orthogonalised in one batched call: fewer, larger matmuls.
-        buckets = defaultdict(list)
-        for p in group["params"]:
-            if p.grad is None:
+    def _logical_shapes(self, plan: ParamPlan) -> List[Tuple[int, int]]:
+        split = self.splits.get(plan.name)
+        if split is None:
+            return [tuple(plan.shape[-2:])]
+        heads = plan.shape[0] // split.stride
+        return [(heads * n, plan.shape[1]) for _, n in split.segments]
+
+    def _scale_of(self, group: dict, plan: ParamPlan) -> float:
+        """The lr multiplier every holder applies: that of the first logical matrix (owners pre-scale the
+        others by their ratio to it, so an unsplit matrix is updated exactly as torch.optim.Muon does)."""
+        return update_scale(group["adjust_lr_fn"], *self._logical_shapes(plan)[0])
+
+    def _orthogonalise(self, muon, grads) -> Tuple[List[Tuple[Optional[torch.Tensor], float]], int]:
+        results: List[Tuple[Optional[torch.Tensor], float]] = [(None, 1.0)] * len(muon)
+        buckets = defaultdict(list)  # (shape, dtype, ns settings) -> [(member, logical matrix index, matrix)]
+        for n, ((group, p, plan), g) in enumerate(zip(muon, grads)):
+            if g is None:  # not the owner
                 continue
             state = self.state[p]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - mu)
-            update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-            buckets[(p.shape, p.dtype, p.device)].append((p, update))
-        # Distributed owner-compute replaces this loop: each full matrix goes to one owner rank, is
-        # orthogonalised there, and the update shards come back; momentum above stays shard-local.
-        for (shape, _, _), items in buckets.items():
+                state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
+            buf, mu = state["momentum_buffer"], group["momentum"]
+            buf.lerp_(g, 1 - mu)
+            update = g.lerp(buf, mu) if group["nesterov"] else buf
+            split = self.splits.get(plan.name)
+            mats = split.split(update) if split is not None else [update]
+            settings = (group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"])
+            for j, m in enumerate(mats):
+                buckets[(tuple(m.shape), m.dtype, settings)].append((n, j, m))
+            results[n] = ([None] * len(mats), 1.0)
+        count = 0
+        for (shape, _, (steps, coefficients, eps, ns_dtype)), items in buckets.items():
             rows, cols = shape[-2], shape[-1]
-            stacked = torch.stack([u for _, u in items]).reshape(-1, rows, cols)
-            ortho = newton_schulz(stacked, group["ns_steps"], group["ns_coefficients"], group["eps"],
-                                  group["ns_dtype"]).reshape(len(items), *shape)
-            step_size = lr * update_scale(group["adjust_lr_fn"], rows, cols)
-            for (p, _), o in zip(items, ortho):
-                p.mul_(1 - lr * wd)
-                p.add_(o, alpha=-step_size)
+            stacked = torch.stack([m for _, _, m in items]).reshape(-1, rows, cols)
+            ortho = newton_schulz(stacked, steps, coefficients, eps, ns_dtype).reshape(len(items), *shape)
+            count += stacked.shape[0]
+            for (n, j, _), o in zip(items, ortho):
+                results[n][0][j] = o
+        for n, ((group, p, plan), (mats, _)) in enumerate(zip(muon, results)):
+            if mats is None:
+                continue
+            split = self.splits.get(plan.name)
+            if split is None:
+                results[n] = (mats[0], 1.0)
+                continue
+            ref = self._scale_of(group, plan)
+            shapes = self._logical_shapes(plan)
+            scaled = [m * (update_scale(group["adjust_lr_fn"], *s) / ref) for m, s in zip(mats, shapes)]
+            full = torch.empty(plan.shape, dtype=plan.dtype, device=plan.device)
+            results[n] = (split.join(scaled, full), ref)
+        return results, count
 
-    def _adamw_step(self, group) -> None:
+    def _adamw_block(self, group, p, plan: ParamPlan) -> Optional[torch.Tensor]:
+        """Update this rank's block of an AdamW parameter if it keeps it; returns the block (or None)."""
+        state = self.state[p]
+        if "step" not in state:
+            # step as a float tensor, as torch.optim.AdamW keeps it, so checkpoint tooling treats it alike
+            state["step"] = torch.tensor(0.0)
+        state["step"] += 1
+        if plan.local is None or plan.keepers[plan.local] != self._router.rank:
+            return None
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
-        for p in group["params"]:
-            if p.grad is None:
+        local, grad = local_tensor(p), self._grad_block(p, plan)
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(local, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(local, memory_format=torch.preserve_format)
+        t = state["step"].item()
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        local.mul_(1 - lr * wd)
+        m.lerp_(grad, 1 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
+        local.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
+        return local
+
+    def _qk_clip(self) -> None:
+        s_max = [spec.max_logits() for spec in self.qk_clip_specs]
+        if self._distributed:
+            # Every replica must scale alike: the max over the ranks' micro-batches (-inf: none recorded).
+            full = torch.stack([torch.full((spec.num_heads,), float("-inf")) if s is None else s.float().cpu()
+                                for spec, s in zip(self.qk_clip_specs, s_max)])
+            device = next(iter(self._plans.values())).device
+            full = full.to(device)
+            dist.all_reduce(full, op=dist.ReduceOp.MAX, group=self.process_group)
+            self._router.collectives += 1
+            s_max = [None if torch.isneginf(row).all() else row for row in full]
+        blocks, rows = {}, {}
+        for name in {r.param for spec in self.qk_clip_specs for r in spec.rows}:
+            p = self._params_by_name[name]
+            piece = self._plans[id(p)].local_piece() if self._plans else None
+            blocks[name] = local_tensor(p)
+            rows[name] = (0 if piece is None else piece.offset[0], p.shape[0])
+        self.qk_clip_stats = apply_qk_clip(blocks, self.qk_clip_specs, self.qk_clip_tau, s_max, rows)
+
+    # ---- state --------------------------------------------------------------------------------------
+
+    def state_dict(self):
+        """torch's format, each state tensor laid out like its parameter (a DTensor for a DTensor), so
+        torch.distributed.checkpoint can reload it under another layout. Collective when distributed."""
+        if not self._distributed or not self._stepped:
+            return super().state_dict()
+        internal, self.state = self.state, self._export_state()
+        try:
+            return super().state_dict()
+        finally:
+            self.state = internal
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        self._stepped = bool(state_dict["state"])
+        if self._distributed:
+            self.state = self._import_state()
+
+    def _export_state(self):
+        muon, adamw = self._members("muon"), self._members("adamw")
+        items = [(plan, "from_owner", self.state[p].get("momentum_buffer")) for _, p, plan in muon]
+        for _, p, plan in adamw:
+            st = self.state[p]
+            items += [(plan, "from_keeper", st.get("exp_avg")), (plan, "from_keeper", st.get("exp_avg_sq"))]
+        blocks = self._router.route(items)
+        out = defaultdict(dict)
+        for (_, p, _), b in zip(muon, blocks):
+            out[p]["momentum_buffer"] = like_param(self._or_empty(b, p), p)
+        for k, (_, p, _) in enumerate(adamw):
+            m, v = blocks[len(muon) + 2 * k : len(muon) + 2 * k + 2]
+            out[p].update(step=self.state[p]["step"], exp_avg=like_param(self._or_empty(m, p), p),
+                          exp_avg_sq=like_param(self._or_empty(v, p), p))
+        return out
+
+    @staticmethod
+    def _or_empty(block: Optional[torch.Tensor], p: torch.Tensor) -> torch.Tensor:
+        local = local_tensor(p)
+        return torch.zeros_like(local) if block is None else block.clone()
+
+    def _import_state(self):
+        """From loaded, parameter-shaped state to the working layout: full momentum on each owner, Adam
+        moments on each keeper."""
+        muon = [m for m in self._members("muon") if "momentum_buffer" in self.state.get(m[1], {})]
+        full = self._router.route([(plan, "to_owner", self._local_state(p, plan, "momentum_buffer"))
+                                   for _, p, plan in muon])
+        out = defaultdict(dict)
+        for (_, p, _), f in zip(muon, full):
+            if f is not None:
+                out[p]["momentum_buffer"] = f
+        for _, p, plan in self._members("adamw"):
+            st = self.state.get(p, {})
+            if "step" not in st:
                 continue
-            state = self.state[p]
-            if not state:
-                # step as a float tensor, as torch.optim.AdamW keeps it, so checkpoint tooling treats it alike
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
-            t = state["step"].item()
-            m, v = state["exp_avg"], state["exp_avg_sq"]
-            p.mul_(1 - lr * wd)
-            m.lerp_(p.grad, 1 - beta1)
-            v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-            denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
-            p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
+            out[p]["step"] = st["step"]
+            if plan.local is not None and plan.keepers[plan.local] == self._router.rank:
+                out[p]["exp_avg"] = self._local_state(p, plan, "exp_avg")
+                out[p]["exp_avg_sq"] = self._local_state(p, plan, "exp_avg_sq")
+        return out
+
+    def _local_state(self, p, plan: ParamPlan, key: str) -> Optional[torch.Tensor]:
+        if plan.local is None:
+            return None
+        return local_tensor(self.state[p][key]).to(plan.dtype).clone()

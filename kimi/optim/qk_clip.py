@@ -63,17 +63,25 @@ def _row_scale(rule: RowRule, gamma: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def apply_qk_clip(
-    params_by_name: Mapping[str, torch.Tensor], specs: Sequence[QKClipSpec], tau: float
+    params_by_name: Mapping[str, torch.Tensor],
+    specs: Sequence[QKClipSpec],
+    tau: float,
+    max_logits: Sequence[torch.Tensor | None] | None = None,
+    rows: Mapping[str, Tuple[int, int]] | None = None,
 ) -> Dict[str, Dict[str, float]]:
     """Scale the q/k rows of heads whose max logit exceeds tau, in place.
 
+    ``max_logits`` (aligned with specs) are the S_max already reduced over ranks; by default each spec's
+    own. A tensor may be a block of rows of its weight (a shard): ``rows[name] = (first row, total rows)``
+    of the full weight, and only the block's rows are scaled.
     Returns {layer: {"max_logit": max over heads, "clipped_frac": fraction of heads clipped}} for the layers
     that reported logits. Unclipped heads are multiplied by exactly 1.0 (gamma = min(1, .) is exactly 1 and
     1 ** e == 1), so their weights stay bit-identical.
     """
     reported = []
-    for spec in specs:
-        s_max = spec.max_logits()
+    if max_logits is None:
+        max_logits = [spec.max_logits() for spec in specs]
+    for spec, s_max in zip(specs, max_logits):
         if s_max is None:
             continue
         s_max = s_max.float()
@@ -85,9 +93,11 @@ def apply_qk_clip(
         gamma = torch.where(clipped, tau / s_max, torch.ones_like(s_max))
         for rule in spec.rows:
             p = params_by_name[rule.param]
-            if p.shape[0] != spec.num_heads * rule.stride:
-                raise ValueError(f"{rule.param}: {p.shape[0]} rows, want {spec.num_heads} heads x {rule.stride}")
-            p.mul_(_row_scale(rule, gamma.to(p.device)).to(p.dtype).view(-1, *([1] * (p.ndim - 1))))
+            first, total = (0, p.shape[0]) if rows is None else rows[rule.param]
+            if total != spec.num_heads * rule.stride:
+                raise ValueError(f"{rule.param}: {total} rows, want {spec.num_heads} heads x {rule.stride}")
+            scale = _row_scale(rule, gamma.to(p.device))[first : first + p.shape[0]]
+            p.mul_(scale.to(p.dtype).view(-1, *([1] * (p.ndim - 1))))
     if not reported:
         return {}
     # One host sync for all layers, not two per layer.
