@@ -252,9 +252,12 @@ class Trainer:
                           "grad_norm": out["grad_norm"], "tokens_per_s": tps, "mfu": mfu,
                           "tokens": self.step * tokens_per_step}
                 stats = getattr(self.optimizer, "qk_clip_stats", None)
-                if stats:  # MuonClip's QK-Clip: worst head over layers, mean fraction of heads clipped
+                if stats:  # MuonClip's QK-Clip: worst head over layers, mean fraction of heads clipped, per layer
                     record["qk_max_logit"] = max(s["max_logit"] for s in stats.values())
                     record["qk_clipped_frac"] = sum(s["clipped_frac"] for s in stats.values()) / len(stats)
+                    for layer, s in stats.items():
+                        record[f"qk_max_logit/{layer}"] = s["max_logit"]
+                        record[f"qk_clipped_frac/{layer}"] = s["clipped_frac"]
                 t_window, window_steps, losses = time.perf_counter(), 0, []
             if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps:
                 t_eval = time.perf_counter()

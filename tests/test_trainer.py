@@ -194,3 +194,14 @@ def test_training_variants_run(tmp_path, corpus, cache_dir, extra):
     result = Trainer(make_cfg(tmp_path / "run", corpus, cache_dir, "trainer.max_steps=3", "trainer.eval_every=3",
                               *extra)).fit()
     assert result["finished"] and result["val_loss"] is not None and result["val_loss"] < 7.0
+
+
+def test_muonclip_run_logs_qk_clip_per_layer(tmp_path, corpus, cache_dir):
+    run = tmp_path / "run"
+    result = Trainer(make_cfg(run, corpus, cache_dir, "optim=muonclip", "trainer.max_steps=3", "trainer.eval_every=3",
+                              "trainer.log_every=1")).fit()
+    assert result["finished"] and result["val_loss"] < 7.0
+    last = read_metrics(run)[-1]
+    layers = [k.split("/", 1)[1] for k in last if k.startswith("qk_max_logit/")]
+    assert layers and all(f"qk_clipped_frac/{layer}" in last for layer in layers)
+    assert last["qk_max_logit"] == max(last[f"qk_max_logit/{layer}"] for layer in layers) > 0

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from kimi.config import ADJUST_LR_FNS
 from kimi.ops.newton_schulz import DEFAULT_COEFFICIENTS, newton_schulz
 from kimi.optim.groups import weight_decay_groups
-from kimi.optim.owners import ParamPlan, Router, build_plans, like_param, local_tensor
+from kimi.optim.owners import ParamPlan, Router, build_plans, like_param, local_tensor, ns_flops
 from kimi.optim.qk_clip import QKClipSpec, apply_qk_clip
 
 DEFAULT_ADAMW_PATTERNS = ("*embed*", "*lm_head*")
@@ -116,8 +116,8 @@ class MuonClip(torch.optim.Optimizer):
     gradients already averaged (DDP), DTensors as laid out by their placements. Every rank calls step(),
     state_dict() and load_state_dict() together. A parameter without a gradient is skipped on one process
     and treated as a zero gradient on several (the ranks must not disagree about it). Under pipeline
-    parallelism pass the ranks of one stage. ``step_stats`` counts the last step's Newton-Schulz matrices on
-    this rank, collectives and bytes sent.
+    parallelism pass the ranks of one stage. ``step_stats`` counts the last step's Newton-Schulz matrices and
+    FLOPs on this rank, collectives and bytes sent.
     """
 
     def __init__(
@@ -246,7 +246,7 @@ class MuonClip(torch.optim.Optimizer):
         # 1. Gradient blocks of each Muon matrix travel to its owner (one all_to_all).
         grads = router.route([(plan, "to_owner", self._grad_block(p, plan)) for _, p, plan in muon])
         # 2. Owners: momentum, one Newton-Schulz per logical matrix (batched by shape), the scaled update.
-        updates, ns_count = self._orthogonalise(muon, grads)
+        updates, ns_count, flops = self._orthogonalise(muon, grads)
         # 3. AdamW on the blocks this rank keeps.
         kept = [self._adamw_block(group, p, plan) for group, p, plan in adamw]
         # 4. Update blocks to every holder of a Muon matrix, new AdamW values to replicas (one all_to_all).
@@ -264,8 +264,11 @@ class MuonClip(torch.optim.Optimizer):
         if self.qk_clip_specs:
             self._qk_clip()
         self._stepped = True
-        self.step_stats = {"ns_matrices": ns_count, "collectives": router.collectives - collectives,
-                           "bytes_sent": router.bytes_sent - sent}
+        for group in self.param_groups:  # an entry per parameter on every rank, owner or not: see _import_state
+            for p in group["params"]:
+                self.state[p]
+        self.step_stats = {"ns_matrices": ns_count, "ns_flops": flops,
+                           "collectives": router.collectives - collectives, "bytes_sent": router.bytes_sent - sent}
         return loss
 
     def _logical_shapes(self, plan: ParamPlan) -> List[Tuple[int, int]]:
@@ -280,7 +283,7 @@ class MuonClip(torch.optim.Optimizer):
         others by their ratio to it, so an unsplit matrix is updated exactly as torch.optim.Muon does)."""
         return update_scale(group["adjust_lr_fn"], *self._logical_shapes(plan)[0])
 
-    def _orthogonalise(self, muon, grads) -> Tuple[List[Tuple[Optional[torch.Tensor], float]], int]:
+    def _orthogonalise(self, muon, grads) -> Tuple[List[Tuple[Optional[torch.Tensor], float]], int, int]:
         results: List[Tuple[Optional[torch.Tensor], float]] = [(None, 1.0)] * len(muon)
         buckets = defaultdict(list)  # (shape, dtype, ns settings) -> [(member, logical matrix index, matrix)]
         for n, ((group, p, plan), g) in enumerate(zip(muon, grads)):
@@ -298,12 +301,13 @@ class MuonClip(torch.optim.Optimizer):
             for j, m in enumerate(mats):
                 buckets[(tuple(m.shape), m.dtype, settings)].append((n, j, m))
             results[n] = ([None] * len(mats), 1.0)
-        count = 0
+        count = flops = 0
         for (shape, _, (steps, coefficients, eps, ns_dtype)), items in buckets.items():
             rows, cols = shape[-2], shape[-1]
             stacked = torch.stack([m for _, _, m in items]).reshape(-1, rows, cols)
             ortho = newton_schulz(stacked, steps, coefficients, eps, ns_dtype).reshape(len(items), *shape)
             count += stacked.shape[0]
+            flops += ns_flops(stacked.shape, steps)
             for (n, j, _), o in zip(items, ortho):
                 results[n][0][j] = o
         for n, ((group, p, plan), (mats, _)) in enumerate(zip(muon, results)):
@@ -318,7 +322,7 @@ class MuonClip(torch.optim.Optimizer):
             scaled = [m * (update_scale(group["adjust_lr_fn"], *s) / ref) for m, s in zip(mats, shapes)]
             full = torch.empty(plan.shape, dtype=plan.dtype, device=plan.device)
             results[n] = (split.join(scaled, full), ref)
-        return results, count
+        return results, count, flops
 
     def _adamw_block(self, group, p, plan: ParamPlan) -> Optional[torch.Tensor]:
         """Update this rank's block of an AdamW parameter if it keeps it; returns the block (or None)."""
@@ -409,7 +413,10 @@ class MuonClip(torch.optim.Optimizer):
         muon = [m for m in self._members("muon") if "momentum_buffer" in self.state.get(m[1], {})]
         full = self._router.route([(plan, "to_owner", self._local_state(p, plan, "momentum_buffer"))
                                    for _, p, plan in muon])
-        out = defaultdict(dict)
+        # Every parameter keeps an entry, empty where another rank holds its state: DCP's get_state_dict
+        # runs a zero-gradient step on an optimizer whose state is empty, which must never happen on only
+        # some ranks.
+        out = defaultdict(dict, {p: {} for g in self.param_groups for p in g["params"]})
         for (_, p, _), f in zip(muon, full):
             if f is not None:
                 out[p]["momentum_buffer"] = f

@@ -1,0 +1,237 @@
+"""What an optimizer step costs: MuonClip vs AdamW vs torch.optim.Muon (with AdamW for the rest).
+
+One process: optimizer.step() time on the tiny and small models with random gradients, as ratios to
+AdamW. With --ranks N (gloo, CPU; this script relaunches itself under torchrun): the model fully sharded
+with FSDP2 over N ranks, and per rank per step the bytes it puts into collectives, the number of
+collectives and the matmul FLOPs it runs (both counted below DTensor, on the local tensors), ours against
+torch.optim.Muon on the same DTensors.
+
+    python bench/optim.py [--models tiny small] [--repeats 3] [--ranks 4] [--dist-model tiny]
+
+Prints markdown tables and writes bench/results/optim.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kimi.config import ModelConfig, OptimConfig, register_configs
+from kimi.model.transformer import KimiModel
+from kimi.optim import MuonClip, build_optimizer
+from kimi.optim.groups import weight_decay_groups
+from kimi.optim.muonclip import DEFAULT_ADAMW_PATTERNS, route
+
+ROOT = Path(__file__).resolve().parents[1]
+COLLECTIVES = {"allreduce_", "allgather_", "allgather_into_tensor_coalesced_", "_allgather_base_",
+               "reduce_scatter_", "_reduce_scatter_base_", "alltoall_base_", "alltoall_", "broadcast_",
+               "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+               "all_reduce_coalesced", "all_gather_into_tensor_coalesced", "broadcast"}
+MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
+
+
+class LocalCounter(TorchDispatchMode):
+    """Counts what this rank really runs: DTensor ops are let through (NotImplemented) so that only the
+    local tensor ops and collectives they turn into are seen. Matmul FLOPs, collectives and their bytes."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = self.collectives = self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):
+            return NotImplemented
+        name = func.overloadpacket.__name__
+        if name in MATMULS:
+            a, b = args[-2], args[-1]
+            self.flops += 2 * a.numel() * b.shape[-1]
+        elif name in COLLECTIVES:
+            self.collectives += 1
+            tensors = [t for x in args for t in (x if isinstance(x, (list, tuple)) else [x])
+                       if isinstance(t, torch.Tensor)]
+            self.bytes += tensors[0].numel() * tensors[0].element_size() if tensors else 0
+        return func(*args, **(kwargs or {}))
+
+
+def model_config(name: str) -> ModelConfig:
+    register_configs()
+    with initialize_config_dir(str(ROOT / "conf"), version_base=None):
+        cfg = compose("config", overrides=[f"model={name}"])
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    # the vocabulary the preset is meant for: the default corpus's for tiny, a 32k tokenizer's otherwise
+    model["vocab_size"] = model["vocab_size"] or (cfg.data.tokenizer.vocab_size if name == "tiny" else 32000)
+    return ModelConfig(**model)
+
+
+def torch_muon(model: torch.nn.Module, lr: float, adamw_patterns=DEFAULT_ADAMW_PATTERNS) -> list:
+    """torch.optim.Muon on the parameters MuonClip sends to Muon, AdamW on the rest (how one combines them)."""
+    named = list(model.named_parameters())
+    muon = [p for n, p in named if route(n, p, adamw_patterns, ()) == "muon"]
+    rest = [(n, p) for n, p in named if route(n, p, adamw_patterns, ()) == "adamw"]
+    return [torch.optim.Muon(muon, lr=lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW(weight_decay_groups(rest, 0.1), lr=lr, betas=(0.9, 0.95))]
+
+
+def optimizers(model: torch.nn.Module) -> dict[str, list[torch.optim.Optimizer]]:
+    lr = 3e-3
+    return {"adamw": [build_optimizer(model, OptimConfig(name="adamw", lr=lr))],
+            "muonclip": [build_optimizer(model, OptimConfig(name="muonclip", lr=lr))],
+            "muonclip_bf16": [build_optimizer(model, OptimConfig(name="muonclip", lr=lr, ns_dtype="bf16"))],
+            "torch_muon": torch_muon(model, lr)}
+
+
+def fill_grads(model: torch.nn.Module, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        full = torch.randn(p.shape, generator=g)
+        if isinstance(p, DTensor):
+            p.grad = distribute_tensor(full, p.device_mesh, p.placements)
+        else:
+            p.grad = full
+
+
+def time_steps(opts: list[torch.optim.Optimizer], repeats: int) -> float:
+    """Median seconds of one step of all `opts` after a warm-up step (which also creates the state)."""
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        for o in opts:
+            o.step()
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def single_process(models: list[str], repeats: int) -> list[dict]:
+    rows = []
+    for name in models:
+        torch.manual_seed(0)
+        model = KimiModel(model_config(name))
+        fill_grads(model)
+        times = {k: time_steps(opts, repeats) for k, opts in optimizers(model).items()}
+        rows.append({"model": name, "params": model.num_params(), "step_s": times,
+                     "ratio_to_adamw": {k: t / times["adamw"] for k, t in times.items()}})
+        del model
+        gc.collect()
+    return rows
+
+
+def distributed(model_name: str, repeats: int, out: Path) -> None:
+    """Runs under torchrun: FSDP2 over all ranks, both Muon implementations on the same sharded weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = KimiModel(model_config(model_name))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    fill_grads(model)
+    # torch.optim.Muon fails on FSDP2 weights with fewer rows than ranks (measured on torch 2.13: "in-place
+    # operations that require placement changes are not supported"), so both sides give those to AdamW.
+    fewer = tuple(n for n, p in model.named_parameters() if p.ndim == 2 and p.shape[0] < world)
+    patterns = (*DEFAULT_ADAMW_PATTERNS, *fewer)
+    result = {"adamw_instead": list(fewer)}
+    for name, opts in (("muonclip", [MuonClip(model.named_parameters(), lr=3e-3, adamw_patterns=patterns)]),
+                       ("torch_muon", torch_muon(model, 3e-3, patterns))):
+        for o in opts:  # warm-up: state, and MuonClip's one-time layout exchange
+            o.step()
+        counter = LocalCounter()
+        with counter:
+            for o in opts:
+                o.step()
+        seconds = time_steps(opts, repeats)
+        result[name] = {"bytes": counter.bytes, "collectives": counter.collectives, "flops": counter.flops,
+                        "step_s": seconds}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, result)
+    if rank == 0:
+        out.write_text(json.dumps(everyone))
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
+    gc.collect()
+
+
+def launch_distributed(ranks: int, model_name: str, repeats: int) -> list[dict]:
+    tmp = ROOT / "bench" / "results" / ".optim_dist.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+           __file__, "--worker", str(tmp), "--dist-model", model_name, "--repeats", str(repeats)]
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    per_rank = json.loads(tmp.read_text())
+    tmp.unlink()
+    return per_rank
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["tiny", "small"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ranks", type=int, default=4, help="0 skips the distributed table")
+    parser.add_argument("--dist-model", default="tiny")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "optim.json")
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return distributed(args.dist_model, args.repeats, args.worker)
+
+    torch.set_num_threads(args.threads)
+    record = {"threads": args.threads, "torch": torch.__version__, "single": single_process(args.models, args.repeats)}
+    print(f"\noptimizer.step() on random gradients, {args.threads} threads, median of {args.repeats}\n")
+    print("| model | params | AdamW | MuonClip fp32 NS | MuonClip bf16 NS | torch.optim.Muon + AdamW |")
+    print("|---|---|---|---|---|---|")
+    for r in record["single"]:
+        t, x = r["step_s"], r["ratio_to_adamw"]
+        cells = [f"{t[k] * 1e3:.1f} ms ({x[k]:.1f}x)" for k in ("muonclip", "muonclip_bf16", "torch_muon")]
+        print(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {t['adamw'] * 1e3:.1f} ms | " + " | ".join(cells) + " |")
+
+    if args.ranks > 1:
+        per_rank = launch_distributed(args.ranks, args.dist_model, args.repeats)
+        record["distributed"] = {"ranks": args.ranks, "model": args.dist_model, "per_rank": per_rank}
+        print(f"\n{args.dist_model} model, FSDP2 over {args.ranks} gloo ranks (CPU), one optimizer step, per rank\n")
+        print("| rank | ours: bytes sent | collectives | matmul GFLOP | torch.optim.Muon: bytes sent | collectives"
+              " | matmul GFLOP |")
+        print("|---|---|---|---|---|---|---|")
+        if per_rank[0]["adamw_instead"]:
+            print(f"(on AdamW in both, as torch.optim.Muon fails on them: {', '.join(per_rank[0]['adamw_instead'])})\n")
+        for rank, r in enumerate(per_rank):
+            a, b = r["muonclip"], r["torch_muon"]
+            print(f"| {rank} | {fmt_bytes(a['bytes'])} | {a['collectives']} | {a['flops'] / 1e9:.3f} | "
+                  f"{fmt_bytes(b['bytes'])} | {b['collectives']} | {b['flops'] / 1e9:.3f} |")
+        total = {k: {m: sum(r[k][m] for r in per_rank) for m in ("bytes", "collectives", "flops")}
+                 for k in ("muonclip", "torch_muon")}
+        record["distributed"]["total"] = total
+        print(f"\nall ranks: bytes {total['torch_muon']['bytes'] / max(1, total['muonclip']['bytes']):.1f}x fewer, "
+              f"collectives {total['torch_muon']['collectives'] / max(1, total['muonclip']['collectives']):.1f}x "
+              f"fewer, matmul FLOPs {total['torch_muon']['flops'] / max(1, total['muonclip']['flops']):.1f}x fewer"
+              " with ours than with torch.optim.Muon")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
