@@ -8,7 +8,6 @@ optimizer, and finally resume from the newest complete checkpoint in ``<run_dir>
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import signal
 import time
@@ -17,8 +16,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.tensor import DTensor
 
 from kimi import checkpoint
 from kimi.config import Config, ConfigError, validate
@@ -27,6 +28,7 @@ from kimi.data.pack import open_tokens
 from kimi.metrics import MetricsLogger, peak_flops, progress_line
 from kimi.model import KimiModel
 from kimi.optim import build_optimizer, build_scheduler
+from kimi.parallel import ParallelDims, apply_data_parallel, init_distributed
 
 
 def to_config(cfg: Union[Config, DictConfig, Dict[str, Any]]) -> Config:
@@ -49,45 +51,59 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def check_world_size(cfg: Config) -> None:
-    p = cfg.parallel
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    product = p.dp_replicate * p.dp_shard * p.tp * p.pp
-    if product != world:
-        raise ConfigError(
-            f"parallel.dp_replicate*dp_shard*tp*pp = {product} but {world} process(es) were launched; "
-            "make the product equal the number of processes (torchrun --nproc_per_node ...)")
-    if product > 1:
-        raise ConfigError(
-            f"parallel degrees {p.dp_replicate}x{p.dp_shard}x{p.tp}x{p.pp} (dp_replicate x dp_shard x tp x pp) "
-            "are not available yet: this version trains in one process; keep all parallel.* at 1")
+def _mean_over_ranks(x: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(x, op=dist.ReduceOp.AVG if x.device.type == "cuda" else dist.ReduceOp.SUM)
+        if x.device.type != "cuda":  # gloo has no AVG
+            x /= dist.get_world_size()
+    return x
 
 
 class Trainer:
     def __init__(self, cfg: Union[Config, DictConfig, Dict[str, Any]]):
         self.cfg = cfg = to_config(cfg)
         validate(cfg)
-        check_world_size(cfg)
+        self.dims = dims = ParallelDims.from_config(cfg.parallel)
         t = cfg.trainer
         self.run_dir = Path(t.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.device = resolve_device(t.device)
+        if dims.enabled:
+            init_distributed(self.device)
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", torch.cuda.current_device())
+        # Data-parallel index = global rank while there is no tensor or pipeline parallelism.
+        self.rank = dist.get_rank() if dims.enabled else 0
+        self.is_main = self.rank == 0
         if t.threads:
             torch.set_num_threads(t.threads)
         torch.manual_seed(t.seed)
 
-        self.data = prepare(cfg.data)
+        # Rank 0 tokenises and packs; the others then find the finished cache instead of racing to write it.
+        if self.is_main:
+            self.data = prepare(cfg.data)
+        self._barrier()
+        if not self.is_main:
+            self.data = prepare(cfg.data)
         tok = self.data.tokenizer
         self._resolve_vocab(tok.vocab_size)
         train_tokens = open_tokens(self.data.train_path, tok.sha256)
         val_tokens = open_tokens(self.data.val_path, tok.sha256)
-        self.loader = TokenLoader(train_tokens, t.micro_batch_size, t.seq_len, t.seed, tok.eos_id)
-        val_loader = TokenLoader(val_tokens, t.micro_batch_size, t.seq_len, t.seed, tok.eos_id, shuffle=False)
-        # A fixed set of validation windows (the first ones, in order), so evaluations are comparable.
+        # Each rank reads its own micro-batches: one step on N ranks sees what one process would see with
+        # an N times larger micro-batch (trainer.micro_batch_size is per rank, as in Megatron).
+        self.loader = TokenLoader(train_tokens, t.micro_batch_size, t.seq_len, t.seed, tok.eos_id,
+                                  dp_rank=self.rank, dp_world=dims.dp)
+        val_loader = TokenLoader(val_tokens, t.micro_batch_size, t.seq_len, t.seed, tok.eos_id,
+                                 dp_rank=self.rank, dp_world=dims.dp, shuffle=False)
+        # A fixed set of validation windows (the first ones, in order), so evaluations are comparable; split
+        # over the ranks like training batches, so N ranks evaluate what one process with N times the
+        # micro-batch would.
         n_val = min(t.eval_batches, val_loader.batches_per_epoch)
         self.val_batches: List[Batch] = [val_loader.next_batch() for _ in range(n_val)]
 
         self.model = KimiModel(cfg.model).to(self.device)
+        if dims.enabled:
+            apply_data_parallel(self.model, dims.build_mesh(self.device.type))
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if t.precision == "bf16"
@@ -97,7 +113,17 @@ class Trainer:
         self._stop_signal: Optional[str] = None
         self._last_val: Optional[float] = None
         self._resume()
-        self.metrics = MetricsLogger(self.run_dir, cfg.logging, config_dict(cfg), resume_step=self.step)
+        self.metrics = MetricsLogger(self.run_dir, cfg.logging, config_dict(cfg), resume_step=self.step,
+                                     enabled=self.is_main)
+
+    def log(self, message: str) -> None:
+        """Console output, from rank 0 only."""
+        if self.is_main:
+            print(message, flush=True)
+
+    def _barrier(self) -> None:
+        if self.dims.enabled:
+            dist.barrier()
 
     # ---- setup helpers -------------------------------------------------------------------------------
     def _resolve_vocab(self, tokenizer_vocab: int) -> None:
@@ -112,7 +138,7 @@ class Trainer:
     def _data_identity(self) -> Dict[str, Any]:
         # The run dir keeps its own copy of the tokenizer so `python -m kimi.generate` needs only the run.
         tok_copy = self.run_dir / "tokenizer.model"
-        if not tok_copy.exists():
+        if self.is_main and not tok_copy.exists():
             shutil.copyfile(self.data.tokenizer.path, tok_copy)
         return {"tokenizer_sha256": self.data.tokenizer.sha256, "tokenizer_path": str(tok_copy.resolve()),
                 "data_dir": str(self.data.data_dir)}
@@ -122,7 +148,7 @@ class Trainer:
             return
         for c in checkpoint.list_checkpoints(self.ckpt_dir):
             if not c.complete:
-                print(f"[kimi] skipping incomplete checkpoint {c.path} (no {checkpoint.COMPLETE} marker)", flush=True)
+                self.log(f"[kimi] skipping incomplete checkpoint {c.path} (no {checkpoint.COMPLETE} marker)")
         latest = checkpoint.latest_complete(self.ckpt_dir)
         if latest is None:
             return
@@ -130,7 +156,7 @@ class Trainer:
         self._check_compatible(saved, latest.path)
         state = checkpoint.load(latest.path, self.model, self.optimizer, self.scheduler, self.loader)
         self.step = int(state["step"])
-        print(f"[kimi] resumed from {latest.path} at step {self.step}", flush=True)
+        self.log(f"[kimi] resumed from {latest.path} at step {self.step}")
 
     def _check_compatible(self, saved: Dict[str, Any], path: Path) -> None:
         """Refuse to resume into a different model or tokenizer: the weights would not load, or would
@@ -166,7 +192,7 @@ class Trainer:
             loss = self._forward_loss(self.loader.next_batch())
             (loss / accum).backward()
             total += loss.detach()
-        loss = total / accum
+        loss = _mean_over_ranks(total / accum)  # every rank sees the same value, so all stop alike on NaN
         if not torch.isfinite(loss):
             last = checkpoint.latest_complete(self.ckpt_dir)
             where = f"; the last complete checkpoint is {last.path}" if last else ""
@@ -175,6 +201,8 @@ class Trainer:
                 "Try a lower optim.lr, more optim.warmup_steps or trainer.precision=fp32")
         clip = self.cfg.optim.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -185,14 +213,14 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
-        losses = [self._forward_loss(b).item() for b in self.val_batches]
-        return sum(losses) / len(losses)
+        losses = torch.stack([self._forward_loss(b) for b in self.val_batches])
+        return _mean_over_ranks(losses.mean()).item()
 
     def save_checkpoint(self) -> Path:
         t0 = time.time()
         path = checkpoint.save(self.ckpt_dir, self.step, self.model, self.optimizer, self.scheduler, self.loader,
                                config_dict(self.cfg), self._data_identity(), keep=self.cfg.trainer.keep_checkpoints)
-        print(f"[kimi] saved checkpoint {path} ({time.time() - t0:.1f}s)", flush=True)
+        self.log(f"[kimi] saved checkpoint {path} ({time.time() - t0:.1f}s)")
         return path
 
     def _on_signal(self, signum, frame) -> None:
@@ -200,8 +228,15 @@ class Trainer:
         if self._stop_signal is not None:  # second signal: the user really wants out now
             raise KeyboardInterrupt(f"second {name}")
         self._stop_signal = name
-        print(f"\n[kimi] {name} received: finishing step {self.step + 1}, saving a checkpoint, then exiting "
-              f"(send it again to exit at once)", flush=True)
+        print(f"\n[kimi] rank {self.rank}: {name} received: finishing step {self.step + 1}, saving a checkpoint, "
+              "then exiting (send it again to exit at once)", flush=True)
+
+    def _stop_requested(self) -> bool:
+        """Whether any rank got a signal: all must stop at the same step, or the checkpoint would hang."""
+        stop = torch.tensor(float(self._stop_signal is not None), device=self.device)
+        if self.dims.enabled:
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        return bool(stop.item())
 
     def fit(self) -> Dict[str, Any]:
         t, cfg = self.cfg.trainer, self.cfg
@@ -216,20 +251,20 @@ class Trainer:
         if cfg.logging.plot and self.metrics.history:
             png = self.metrics.plot(self.run_dir / "loss_curve.png")
             if png:
-                print(f"[kimi] loss curve: {png}", flush=True)
+                self.log(f"[kimi] loss curve: {png}")
         if result["finished"] and t.sample_tokens > 0:
             result["sample"] = self.sample(t.sample_prompt, t.sample_tokens)
-            print(f"[kimi] sample (step {self.step}):\n{t.sample_prompt}{result['sample']}\n", flush=True)
+            self.log(f"[kimi] sample (step {self.step}):\n{t.sample_prompt}{result['sample']}\n")
         return result
 
     def _loop(self) -> Dict[str, Any]:
         t = self.cfg.trainer
         if self.step >= t.max_steps:
-            print(f"[kimi] run already complete at step {self.step} (trainer.max_steps={t.max_steps}); raise "
-                  "trainer.max_steps to train further or use a new hydra.run.dir", flush=True)
+            self.log(f"[kimi] run already complete at step {self.step} (trainer.max_steps={t.max_steps}); raise "
+                     "trainer.max_steps to train further or use a new hydra.run.dir")
             return {"finished": True, "step": self.step, "val_loss": None}
-        peak = peak_flops(self.device, t.peak_flops)
-        tokens_per_step = t.micro_batch_size * t.seq_len * t.grad_accum_steps
+        peak = peak_flops(self.device, t.peak_flops) * self.dims.world  # MFU over all devices
+        tokens_per_step = t.micro_batch_size * t.seq_len * t.grad_accum_steps * self.dims.dp
         start_step, t_start = self.step, time.perf_counter()
         if self.step == 0 and t.eval_every:  # the starting point of the validation curve
             self._validate_and_report({"step": 0})
@@ -246,8 +281,8 @@ class Trainer:
                 mfu = tps * self.flops_per_token / peak
                 done = self.step - start_step
                 eta = (time.perf_counter() - t_start) / done * (t.max_steps - self.step)
-                print(progress_line(self.step, t.max_steps, out["loss"], out["lr"], out["grad_norm"], tps, mfu, eta),
-                      flush=True)
+                self.log(progress_line(self.step, t.max_steps, out["loss"], out["lr"], out["grad_norm"], tps, mfu,
+                                       eta))
                 record = {"step": self.step, "loss": sum(losses) / len(losses), "lr": out["lr"],
                           "grad_norm": out["grad_norm"], "tokens_per_s": tps, "mfu": mfu,
                           "tokens": self.step * tokens_per_step}
@@ -265,22 +300,23 @@ class Trainer:
                 t_window += time.perf_counter() - t_eval  # keep throughput about training only
             if record:
                 self.metrics.log(record)
-            stop = self._stop_signal is not None or (t.stop_at_step and self.step >= t.stop_at_step)
+            stop = self._stop_requested() or bool(t.stop_at_step and self.step >= t.stop_at_step)
             if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or self.step == t.max_steps or stop:
                 t_ck = time.perf_counter()
                 last_saved = self.save_checkpoint()
                 t_window += time.perf_counter() - t_ck
             if stop:
-                why = self._stop_signal or f"trainer.stop_at_step={t.stop_at_step}"
-                print(f"[kimi] stopped at step {self.step} ({why}); checkpoint {last_saved}. Run the same command "
-                      "again to resume.", flush=True)
+                why = self._stop_signal or ("a signal on another rank" if not t.stop_at_step
+                                            else f"trainer.stop_at_step={t.stop_at_step}")
+                self.log(f"[kimi] stopped at step {self.step} ({why}); checkpoint {last_saved}. Run the same "
+                         "command again to resume.")
                 return {"finished": False, "step": self.step, "val_loss": self._last_val}
         return {"finished": True, "step": self.step, "val_loss": self._last_val}
 
     def _validate_and_report(self, record: Dict[str, Any], log: bool = True) -> Dict[str, Any]:
         self._last_val = val = self.evaluate()
         ppl = math.exp(min(val, 50.0))
-        print(f"[kimi] step {self.step}: validation loss {val:.4f}, perplexity {ppl:.2f}", flush=True)
+        self.log(f"[kimi] step {self.step}: validation loss {val:.4f}, perplexity {ppl:.2f}")
         record = {**record, "val_loss": val, "val_ppl": ppl}
         if log:
             self.metrics.log(record)
@@ -305,13 +341,17 @@ class Trainer:
         pattern = "".join("M" if i in mla else "K" for i in range(m.num_layers))
         n = self.model.num_params()
         n_emb = n - self.model.num_params(exclude_embedding=True)
-        print(f"[kimi] model {m.name}: {n / 1e6:.2f}M parameters ({n_emb / 1e6:.2f}M embedding), blocks {pattern} "
-              f"(K=KDA, M=MLA), residual={m.residual}, vocab {m.vocab_size}, "
-              f"{self.flops_per_token / 1e6:.1f} MFLOP/token (train)", flush=True)
-        print(f"[kimi] data {self.cfg.data.name}: {self.data.train_meta['num_tokens']:,} train / "
-              f"{self.data.val_meta['num_tokens']:,} val tokens; batch {t.micro_batch_size}x{t.seq_len}"
-              f"x{t.grad_accum_steps} = {t.micro_batch_size * t.seq_len * t.grad_accum_steps:,} tokens/step; "
-              f"device {self.device}; run dir {self.run_dir}", flush=True)
+        self.log(f"[kimi] model {m.name}: {n / 1e6:.2f}M parameters ({n_emb / 1e6:.2f}M embedding), blocks "
+                 f"{pattern} (K=KDA, M=MLA), residual={m.residual}, vocab {m.vocab_size}, "
+                 f"{self.flops_per_token / 1e6:.1f} MFLOP/token (train)")
+        d = self.dims
+        ranks = f" x {d.dp} data-parallel ranks" if d.enabled else ""
+        self.log(f"[kimi] data {self.cfg.data.name}: {self.data.train_meta['num_tokens']:,} train / "
+                 f"{self.data.val_meta['num_tokens']:,} val tokens; batch {t.micro_batch_size}x{t.seq_len}"
+                 f"x{t.grad_accum_steps}{ranks} = {t.micro_batch_size * t.seq_len * t.grad_accum_steps * d.dp:,}"
+                 f" tokens/step; device {self.device}; run dir {self.run_dir}")
+        if d.enabled:
+            self.log(f"[kimi] parallel: dp_replicate={d.dp_replicate} x dp_shard={d.dp_shard} over {d.world} "
+                     f"processes (FSDP2{', HSDP' if d.dp_replicate > 1 else ''})")
         if hasattr(self.optimizer, "routing_table"):  # MuonClip: which parameters Muon and AdamW each update
-            print(f"[kimi] optimizer {self.cfg.optim.name} parameter routing:\n{self.optimizer.routing_table()}",
-                  flush=True)
+            self.log(f"[kimi] optimizer {self.cfg.optim.name} parameter routing:\n{self.optimizer.routing_table()}")

@@ -1,5 +1,8 @@
 """Helpers shared by test files (pytest puts tests/ on sys.path, so `from helpers import ...` works)."""
 
+import random
+from pathlib import Path
+
 from kimi.config import ModelConfig
 
 # A model small enough for fp64 checks in milliseconds: KDA, MLA, KDA (3 blocks, 6 sublayers).
@@ -9,3 +12,27 @@ TINY_MODEL = dict(vocab_size=61, d_model=32, num_layers=3, mla_layers=[1], kda_n
 
 def tiny_model_cfg(**overrides) -> ModelConfig:
     return ModelConfig(**{**TINY_MODEL, **overrides})
+
+
+# Overrides for a trainer run in seconds: a 2-block model on a generated corpus (see make_corpus).
+TINY_TRAINER = [
+    "model.d_model=32", "model.num_layers=2", "model.mla_every=2", "model.kda_num_heads=2", "model.kda_head_dim=16",
+    "model.mla_num_heads=2", "model.kv_lora_rank=16", "model.qk_nope_head_dim=16", "model.v_head_dim=16",
+    "model.mlp_hidden=64", "model.attnres_block_size=2",
+    "trainer.micro_batch_size=4", "trainer.seq_len=32", "trainer.eval_batches=2", "trainer.log_every=1",
+    "trainer.sample_tokens=0", "trainer.threads=1", "optim.warmup_steps=2", "optim.lr=1e-2",
+    "logging.wandb.mode=disabled", "data=files", "data.tokenizer.vocab_size=384", "data.val_fraction=0.1",
+]
+
+
+def make_corpus(path: Path, docs: int = 24, sentences: int = 60) -> Path:
+    """Deterministic English-like documents with enough structure for a model to learn quickly."""
+    rng = random.Random(0)
+    subj = ["the king", "a fool", "my lord", "the queen", "this knave", "sweet juliet", "the ghost"]
+    verb = ["loves", "fears", "follows", "betrays", "speaks to", "remembers", "dreams of"]
+    obj = ["the crown", "his brother", "the night", "a letter", "the sea", "her father", "the stars"]
+    path.mkdir(parents=True, exist_ok=True)
+    for d in range(docs):
+        lines = [f"{rng.choice(subj).capitalize()} {rng.choice(verb)} {rng.choice(obj)}." for _ in range(sentences)]
+        (path / f"doc{d:02d}.txt").write_text("\n".join(lines) + "\n")
+    return path

@@ -281,10 +281,29 @@ def test_loader_resume_is_exact(consumed):
         assert (got.epoch, got.step) == (want.epoch, want.step)
 
 
+def test_loader_reshards_when_windows_per_step_stay_equal():
+    """3 steps on 2 ranks x 2 windows, then 1 rank x 4 windows (and back): the same windows every step."""
+    tokens = np.arange(800, dtype=np.uint16)
+    ranks = [TokenLoader(tokens, 2, 8, seed=3, eos_id=2, dp_rank=r, dp_world=2) for r in range(2)]
+    single = TokenLoader(tokens, 4, 8, seed=3, eos_id=2)
+    for _ in range(3):
+        both = torch.cat([r.next_batch().input_ids for r in ranks])
+        assert sorted(both.tolist()) == sorted(single.next_batch().input_ids.tolist())
+    moved = TokenLoader(tokens, 4, 8, seed=3, eos_id=2)
+    moved.load_state_dict(ranks[0].state_dict())
+    back = [TokenLoader(tokens, 2, 8, seed=3, eos_id=2, dp_rank=r, dp_world=2) for r in range(2)]
+    for r in back:
+        r.load_state_dict(single.state_dict())
+    for _ in range(30):  # across an epoch boundary (24 steps per epoch)
+        want = single.next_batch().input_ids
+        assert torch.equal(moved.next_batch().input_ids, want)
+        assert sorted(torch.cat([r.next_batch().input_ids for r in back]).tolist()) == sorted(want.tolist())
+
+
 def test_loader_state_mismatches_are_errors():
     tokens = np.arange(200, dtype=np.uint16)
     state = TokenLoader(tokens, 2, 8, seed=0, eos_id=2, dp_rank=0, dp_world=2).state_dict()
-    with pytest.raises(DataError, match="resharding the loader to another data-parallel size is not"):
+    with pytest.raises(DataError, match="4 per step.*2 x 1 = 2.*trainer.micro_batch_size=4"):
         TokenLoader(tokens, 2, 8, seed=0, eos_id=2).load_state_dict(state)
     with pytest.raises(DataError, match="seq_len=8 .* seq_len=4"):
         TokenLoader(tokens, 2, 4, seed=0, eos_id=2, dp_world=2).load_state_dict(state)

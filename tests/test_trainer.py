@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY_TRAINER as TINY
+from helpers import make_corpus
 from hydra import compose, initialize_config_dir
 
 from kimi import checkpoint
@@ -19,31 +21,6 @@ from kimi.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
-
-TINY = [
-    "model.d_model=32", "model.num_layers=2", "model.mla_every=2", "model.kda_num_heads=2", "model.kda_head_dim=16",
-    "model.mla_num_heads=2", "model.kv_lora_rank=16", "model.qk_nope_head_dim=16", "model.v_head_dim=16",
-    "model.mlp_hidden=64", "model.attnres_block_size=2",
-    "trainer.micro_batch_size=4", "trainer.seq_len=32", "trainer.eval_batches=2", "trainer.log_every=1",
-    "trainer.sample_tokens=0", "trainer.threads=1", "optim.warmup_steps=2", "optim.lr=1e-2",
-    "logging.wandb.mode=disabled", "data=files", "data.tokenizer.vocab_size=384", "data.val_fraction=0.1",
-]
-
-
-def make_corpus(path: Path, docs: int = 24, sentences: int = 60) -> Path:
-    """Deterministic English-like documents with enough structure for a model to learn quickly."""
-    import random
-
-    rng = random.Random(0)
-    subj = ["the king", "a fool", "my lord", "the queen", "this knave", "sweet juliet", "the ghost"]
-    verb = ["loves", "fears", "follows", "betrays", "speaks to", "remembers", "dreams of"]
-    obj = ["the crown", "his brother", "the night", "a letter", "the sea", "her father", "the stars"]
-    path.mkdir(parents=True, exist_ok=True)
-    for d in range(docs):
-        lines = [f"{rng.choice(subj).capitalize()} {rng.choice(verb)} {rng.choice(obj)}." for _ in range(sentences)]
-        (path / f"doc{d:02d}.txt").write_text("\n".join(lines) + "\n")
-    return path
-
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:

@@ -106,12 +106,21 @@ class TokenLoader:
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """Continue exactly where the saved loader stopped (its seed included); this rank keeps its
-        dp_rank."""
-        if int(sd["dp_world"]) != self.dp_world:
-            raise DataError(f"the loader state was saved with {sd['dp_world']} data-parallel ranks and "
-                            f"this run has {self.dp_world}: resharding the loader to another data-parallel "
-                            "size is not supported yet")
-        for key in ("seq_len", "batch_size", "num_windows"):
+        dp_rank.
+
+        The data-parallel size may change if the windows per step (micro-batch x ranks) do not: rank r
+        serves windows r, r + N, r + 2N, ... of the epoch's permutation, so step k covers the same windows
+        on any number of ranks, and ``position`` (steps served) carries over unchanged."""
+        saved_step = int(sd["batch_size"]) * int(sd["dp_world"])
+        if saved_step != self.batch_size * self.dp_world:
+            hint = (f"trainer.micro_batch_size={saved_step // self.dp_world}" if saved_step % self.dp_world == 0
+                    else f"a data-parallel size that divides {saved_step}")
+            raise DataError(
+                f"the loader state was saved reading {sd['batch_size']} windows on each of {sd['dp_world']} "
+                f"data-parallel rank(s), {saved_step} per step; this run reads {self.batch_size} x "
+                f"{self.dp_world} = {self.batch_size * self.dp_world}. Resume with the same windows per step "
+                f"({hint}), or start a fresh run")
+        for key in ("seq_len", "num_windows"):
             if int(sd[key]) != getattr(self, key):
                 raise DataError(f"the loader state was saved with {key}={sd[key]} but this loader has "
                                 f"{key}={getattr(self, key)}: resume with the same trainer.seq_len, "

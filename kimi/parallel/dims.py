@@ -1,0 +1,76 @@
+"""Degrees of parallelism, the process group and the DeviceMesh.
+
+The mesh dimensions, outermost first, are (dp_replicate, dp_shard): a rank's data-parallel index is its
+position in the flattened pair, which is the global rank while tensor and pipeline parallelism are absent.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from kimi.config import ConfigError, ParallelConfig
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    world: int
+
+    @classmethod
+    def from_config(cls, p: ParallelConfig, world: int | None = None) -> "ParallelDims":
+        """Check the degrees against ``world`` (default: torchrun's WORLD_SIZE); errors say what to change."""
+        world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
+        dims = cls(p.dp_replicate, p.dp_shard, p.tp, p.pp, world)
+        for name in ("dp_replicate", "dp_shard", "tp", "pp"):
+            if getattr(dims, name) < 1:
+                raise ConfigError(f"parallel.{name}={getattr(dims, name)} is invalid: degrees are >= 1")
+        product = dims.dp_replicate * dims.dp_shard * dims.tp * dims.pp
+        if product != world:
+            raise ConfigError(
+                f"parallel.dp_replicate*dp_shard*tp*pp = {dims.dp_replicate}*{dims.dp_shard}*{dims.tp}*{dims.pp}"
+                f" = {product} but {world} process(es) were launched; make the product equal the number of "
+                f"processes (e.g. torchrun --nproc_per_node={product}, or parallel.dp_shard={world})")
+        if dims.tp > 1 or dims.pp > 1:
+            raise ConfigError(
+                f"parallel.tp={dims.tp}, parallel.pp={dims.pp}: tensor and pipeline parallelism are not "
+                "available yet; use data parallelism (parallel.dp_shard / parallel.dp_replicate) for now")
+        return dims
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def init_distributed(device: torch.device) -> None:
+    """Join torchrun's process group: NCCL for CUDA, gloo for CPU; each CUDA rank takes its local GPU."""
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def destroy_distributed() -> None:
+    """Leave cleanly: gloo can abort at interpreter exit if its threads outlive the group (ENVIRONMENT.md)."""
+    if dist.is_initialized():
+        dist.barrier()
+        gc.collect()
+        dist.destroy_process_group()
+        gc.collect()

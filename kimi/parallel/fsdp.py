@@ -1,0 +1,24 @@
+"""Data parallelism with FSDP2: each token mixer and each MLP is one ``fully_shard`` unit, then the root
+(embedding, norms, AttnRes queries, LM head). Parameters become DTensors placed on the (dp_replicate,
+dp_shard) mesh: sharded over dp_shard (ZeRO-3; ``reshard_after_forward=False`` keeps them gathered until
+the backward, ZeRO-2-like), replicated over dp_replicate (HSDP). Gradients are averaged over all
+data-parallel ranks, so a step on N ranks with N micro-batches equals one process on their concatenation.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+
+def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True) -> nn.Module:
+    # Units are the sublayers, not the blocks: a block takes and returns the AttnRes stream object, and FSDP2
+    # finds the tensors whose backward must re-gather a unit's weights only in a unit's tensor outputs. The
+    # norms and queries a block applies around its sublayers are tiny and stay with the root.
+    for block in model.blocks:
+        for sublayer in (block.mixer, block.mlp):
+            fully_shard(sublayer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    # The root keeps its parameters gathered after the forward: the backward needs the LM head first.
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    return model

@@ -1,0 +1,118 @@
+"""Data-parallel training (FSDP2 / HSDP over gloo, torchrun subprocesses) equals one process.
+
+N ranks with micro-batch B/N see the windows one process sees with micro-batch B, so per-step losses,
+validation losses and final weights must match the single-process run (to float summation order), with
+AdamW and with MuonClip. A checkpoint written on 2 ranks resumes in one process with the same losses, and
+a layout that does not fit the processes exits with the message instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import TINY_TRAINER, make_corpus
+from hydra import compose, initialize_config_dir
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from kimi import checkpoint
+from kimi.config import register_configs
+from kimi.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+register_configs()
+STEPS = ["trainer.max_steps=3", "trainer.eval_every=3", "trainer.checkpoint_every=0"]
+LAYOUTS = {  # name: (processes, overrides); every case reads 4 windows per step in total
+    "dp_shard2": (2, ["parallel.dp_shard=2"]),
+    "dp_replicate2": (2, ["parallel.dp_replicate=2"]),
+    "hsdp2x2": (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"]),
+}
+CASES = [("dp_shard2", "adamw"), ("dp_shard2", "muonclip"), ("dp_replicate2", "muonclip"), ("hsdp2x2", "muonclip")]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> list[str]:
+    corpus = make_corpus(tmp_path_factory.mktemp("corpus"))
+    files = ",".join(str(p) for p in sorted(corpus.glob("*.txt")))
+    return [f"data.data_files=[{files}]", f"data.cache_dir={tmp_path_factory.mktemp('cache')}"]
+
+
+def overrides(data: list[str], optim: str, *extra: str) -> list[str]:
+    return [*TINY_TRAINER, *data, f"optim={optim}", *STEPS, *extra]
+
+
+def single_process(run: Path, data: list[str], optim: str, *extra: str) -> Trainer:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[f"trainer.run_dir={run}", *overrides(data, optim, *extra)])
+    trainer = Trainer(cfg)
+    trainer.fit()
+    return trainer
+
+
+def torchrun(nproc: int, run: Path, args: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / "train.py"), f"hydra.run.dir={run}", *args]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=600)
+    if check and proc.returncode != 0:
+        pytest.fail(f"torchrun exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def metrics(run: Path) -> tuple[list[float], list[float]]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r], [r["val_loss"] for r in rows if "val_loss" in r]
+
+
+def final_weights(run: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    latest = checkpoint.latest_complete(run / "checkpoints")
+    dcp_to_torch_save(latest.path, tmp / f"{run.name}.pt")
+    state = torch.load(tmp / f"{run.name}.pt", weights_only=False)
+    return {k: v for k, v in state["model"].items()}
+
+
+def assert_same_run(run: Path, ref: Path, tmp: Path) -> None:
+    (loss, val), (ref_loss, ref_val) = metrics(run), metrics(ref)
+    assert len(loss) == len(ref_loss) == 3 and len(val) == len(ref_val) == 2
+    torch.testing.assert_close(torch.tensor(loss + val), torch.tensor(ref_loss + ref_val), rtol=1e-5, atol=0)
+    got, want = final_weights(run, tmp), final_weights(ref, tmp)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, data) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("single")
+    for optim in ("adamw", "muonclip"):
+        single_process(out / optim, data, optim)
+    return {optim: out / optim for optim in ("adamw", "muonclip")}
+
+
+@pytest.mark.parametrize("layout,optim", CASES)
+def test_data_parallel_equals_one_process(tmp_path, data, references, layout, optim):
+    nproc, extra = LAYOUTS[layout]
+    run = tmp_path / f"{layout}_{optim}"
+    torchrun(nproc, run, overrides(data, optim, *extra, f"trainer.micro_batch_size={4 // nproc}"))
+    assert_same_run(run, references[optim], tmp_path)
+
+
+def test_checkpoint_from_two_ranks_resumes_in_one_process(tmp_path, data, references):
+    run = tmp_path / "resumed"
+    torchrun(2, run, overrides(data, "muonclip", "parallel.dp_shard=2", "trainer.micro_batch_size=2",
+                               "trainer.stop_at_step=2"))
+    assert checkpoint.latest_complete(run / "checkpoints").step == 2
+    trainer = single_process(run, data, "muonclip")
+    assert trainer.step == 3
+    assert_same_run(run, references["muonclip"], tmp_path)
+
+
+def test_a_layout_that_does_not_fit_exits_with_the_message(tmp_path, data):
+    proc = torchrun(2, tmp_path / "bad", overrides(data, "adamw", "parallel.dp_shard=3"), check=False)
+    assert proc.returncode != 0
+    assert "parallel.dp_replicate*dp_shard*tp*pp = 1*3*1*1 = 3 but 2 process(es)" in proc.stderr, proc.stderr[-3000:]
