@@ -22,6 +22,7 @@ DATA_SOURCES = ("shakespeare", "hf", "files")
 OPTIMIZERS = ("adamw", "muonclip")
 NS_DTYPES = ("fp32", "bf16")
 ADJUST_LR_FNS = ("match_rms_adamw", "original")
+KDA_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -40,6 +41,9 @@ class ModelConfig:
     kda_num_heads: int = 4
     kda_head_dim: int = 64  # dk = dv; also the rank of the low-rank gate projections
     conv_size: int = 4
+    # KDA kernels: auto = Triton on CUDA, PyTorch on CPU; torch / triton force one (triton on CPU needs
+    # TRITON_INTERPRET=1 and is slow: for tests).
+    kda_backend: str = "auto"
     # MLA
     mla_num_heads: int = 4
     q_lora_rank: int = 0  # 0: full-rank query projection (Kimi Linear)
@@ -198,6 +202,8 @@ def validate_model(m: ModelConfig) -> None:
                 "qk_nope_head_dim", "v_head_dim", "mlp_hidden", "attnres_block_size", "pad_vocab_multiple"):
         _check(getattr(m, key) > 0, f"model.{key}", getattr(m, key), "must be a positive integer")
     _check(m.conv_size >= 1, "model.conv_size", m.conv_size, "must be >= 1 (4 in Kimi Linear)")
+    _check(m.kda_backend in KDA_BACKENDS, "model.kda_backend", m.kda_backend,
+           f"choose one of {'|'.join(KDA_BACKENDS)}")
     _check(m.q_lora_rank >= 0, "model.q_lora_rank", m.q_lora_rank, "must be >= 0 (0 = no query compression)")
     _check(m.qk_rope_head_dim >= 0 and m.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim",
            m.qk_rope_head_dim, "must be an even number >= 0 (0 = NoPE)")

@@ -26,6 +26,8 @@ from .norm import RMSNorm
 
 # Below one chunk (64 tokens) the chunked form has nothing to parallelise: step the recurrence instead.
 _RECURRENT_MAX_T = 64
+# model.kda_backend -> the `backend=` of chunk_kda and of fused_recurrent_kda (None: chosen by device).
+_BACKENDS = {"auto": (None, None), "torch": ("chunk", "recurrent"), "triton": ("triton", "triton")}
 
 
 class ShortConv(nn.Module):
@@ -80,6 +82,7 @@ class KDA(nn.Module):
         super().__init__()
         d, H, K = cfg.d_model, cfg.kda_num_heads, cfg.kda_head_dim
         self.head_dim = K
+        self.chunk_backend, self.recurrent_backend = _BACKENDS[cfg.kda_backend]
         self.q_proj = nn.Linear(d, H * K, bias=False)
         self.k_proj = nn.Linear(d, H * K, bias=False)
         self.v_proj = nn.Linear(d, H * K, bias=False)
@@ -127,15 +130,26 @@ class KDA(nn.Module):
                 cache.conv[name] = tail
             qkv.append(F.silu(y).view(B, T, -1, self.head_dim))
         q, k, v = qkv
-        q, k = l2_normalize(q), l2_normalize(k)
         # Gates in fp32 (fp64 in fp64 models): they are summed over a chunk and exponentiated.
         gdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-        f = self.f_proj_up(self.f_proj_down(x)).to(gdt) + self.dt_bias.to(gdt)
-        g = -self.A_log.to(gdt).exp()[:, None] * F.softplus(f).view(B, T, -1, self.head_dim)
+        f = self.f_proj_up(self.f_proj_down(x))
+        on_triton = self.chunk_backend is None and x.is_cuda and gdt == torch.float32  # "auto" on CUDA
+        if self.chunk_backend == "triton" or on_triton:
+            from kimi.ops.kda.triton.gate import kda_gate, l2norm  # one Triton pass each, same math
+
+            q, k = l2norm(q), l2norm(k)
+            g = kda_gate(f.view(B, T, -1, self.head_dim), self.A_log, self.dt_bias)
+        else:
+            q, k = l2_normalize(q), l2_normalize(k)
+            f = f.to(gdt) + self.dt_bias.to(gdt)
+            g = -self.A_log.to(gdt).exp()[:, None] * F.softplus(f).view(B, T, -1, self.head_dim)
         beta = torch.sigmoid(self.b_proj(x).to(gdt))
-        kda = fused_recurrent_kda if cache is not None and T <= _RECURRENT_MAX_T else chunk_kda
+        if cache is not None and T <= _RECURRENT_MAX_T:
+            kda, backend = fused_recurrent_kda, self.recurrent_backend
+        else:
+            kda, backend = chunk_kda, self.chunk_backend
         o, state = kda(q, k, v, g, beta, initial_state=None if cache is None else cache.state,
-                       output_final_state=cache is not None, cu_seqlens=cu_seqlens)
+                       output_final_state=cache is not None, cu_seqlens=cu_seqlens, backend=backend)
         if cache is not None:
             cache.state = state
         gate = torch.sigmoid(self.g_proj_up(self.g_proj_down(x))).view(B, T, -1, self.head_dim)

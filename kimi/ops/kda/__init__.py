@@ -10,6 +10,9 @@ multiplies q; q and k are not normalised here (the layer does that). o has v's d
 
 With cu_seqlens (offsets [N + 1] into T) B must be 1 and the N packed sequences are independent: the state
 restarts at every boundary, initial_state and final_state are [N, H, K, V].
+
+backend=None picks by device: the Triton kernels (kimi.ops.kda.triton) for CUDA tensors, PyTorch otherwise.
+backend="triton" on CPU tensors runs the kernels under the Triton interpreter (TRITON_INTERPRET=1).
 """
 
 import torch
@@ -17,15 +20,31 @@ import torch
 from .chunk import chunk_kda_torch
 from .naive import naive_recurrent_kda
 
+
+def _triton_chunk(q, k, v, g, beta, scale, initial_state, cu_seqlens=None):
+    from .triton import chunk_kda_triton  # imports triton, so only once asked for
+
+    return chunk_kda_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+
+
+def _triton_recurrent(q, k, v, g, beta, scale, initial_state, cu_seqlens=None):
+    from .triton import fused_recurrent_kda_triton
+
+    return fused_recurrent_kda_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+
+
 # Every backend computes (o, final_state) for a batch of equal-length sequences from a validated,
-# possibly-None initial state; packing (cu_seqlens) is handled once, here, for all of them.
-_CHUNK_BACKENDS = {"naive": naive_recurrent_kda, "chunk": chunk_kda_torch}
-_RECURRENT_BACKENDS = {"naive": naive_recurrent_kda, "recurrent": naive_recurrent_kda}
+# possibly-None initial state; packing (cu_seqlens) is handled once, here, for all of them, except by
+# backends marked takes_cu_seqlens, which get it as a last argument and run all sequences in one launch.
+_triton_chunk.takes_cu_seqlens = _triton_recurrent.takes_cu_seqlens = True
+_CHUNK_BACKENDS = {"naive": naive_recurrent_kda, "chunk": chunk_kda_torch, "triton": _triton_chunk}
+_RECURRENT_BACKENDS = {"naive": naive_recurrent_kda, "recurrent": naive_recurrent_kda,
+                       "triton": _triton_recurrent}
 
 
-def _pick_backend(backend: str | None, backends: dict, default: str, op: str):
-    """Resolve a backend name to its function. A device-specific default (a Triton path on CUDA) goes here."""
-    name = default if backend is None else backend
+def _pick_backend(backend: str | None, backends: dict, default: str, op: str, device: torch.device):
+    """Resolve a backend name to its function; None means Triton for CUDA tensors, `default` otherwise."""
+    name = backend if backend is not None else ("triton" if device.type == "cuda" else default)
     if name not in backends:
         raise ValueError(f"{op}: unknown backend {backend!r}; allowed: {sorted(backends)}")
     return backends[name]
@@ -49,10 +68,12 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
             raise ValueError(f"cu_seqlens packs sequences along T and needs B == 1, got B = {B}")
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
             raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1], got {cu_seqlens}")
-        offsets = cu_seqlens.tolist()
-        if offsets[0] != 0 or offsets[-1] != T or any(a > b for a, b in zip(offsets, offsets[1:])):
+        n = cu_seqlens.numel() - 1
+        # The values are checked eagerly only: under torch.compile reading them would break the graph.
+        offsets = [] if torch.compiler.is_compiling() else cu_seqlens.tolist()
+        rising = all(a <= b for a, b in zip(offsets, offsets[1:]))
+        if offsets and (offsets[0] != 0 or offsets[-1] != T or not rising):
             raise ValueError(f"cu_seqlens must rise from 0 to T = {T}, got {offsets}")
-        n = len(offsets) - 1
     if initial_state is not None and initial_state.shape != (n, H, K, v.shape[-1]):
         what = "N (sequences in cu_seqlens)" if cu_seqlens is not None else "B"
         expected, got = [n, H, K, v.shape[-1]], tuple(initial_state.shape)
@@ -63,10 +84,12 @@ def _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    if cu_seqlens is None:
+    if getattr(fn, "takes_cu_seqlens", False):
+        o, state = fn(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    elif cu_seqlens is None:
         o, state = fn(q, k, v, g, beta, scale, initial_state)
     else:
-        # Each packed sequence runs alone: simple and exact; a Triton backend would take cu_seqlens itself.
+        # Each packed sequence runs alone: simple and exact.
         offsets = cu_seqlens.tolist()
         outputs, states = [], []
         for i, (start, end) in enumerate(zip(offsets, offsets[1:])):
@@ -90,8 +113,9 @@ def chunk_kda(
     cu_seqlens: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """KDA over whole sequences (training, prefill). backend: "chunk" (default) or "naive"."""
-    fn = _pick_backend(backend, _CHUNK_BACKENDS, "chunk", "chunk_kda")
+    """KDA over whole sequences (training, prefill). backend: "triton" (default for CUDA tensors), "chunk"
+    (PyTorch, the default otherwise) or "naive"."""
+    fn = _pick_backend(backend, _CHUNK_BACKENDS, "chunk", "chunk_kda", q.device)
     return _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
 
 
@@ -107,8 +131,9 @@ def fused_recurrent_kda(
     cu_seqlens: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """KDA token by token (decoding: usually T = 1, state carried). backend: "recurrent" or "naive"."""
-    fn = _pick_backend(backend, _RECURRENT_BACKENDS, "recurrent", "fused_recurrent_kda")
+    """KDA token by token (decoding: usually T = 1, state carried). backend: "triton" (default for CUDA
+    tensors; forward only), "recurrent" (PyTorch, the default otherwise) or "naive"."""
+    fn = _pick_backend(backend, _RECURRENT_BACKENDS, "recurrent", "fused_recurrent_kda", q.device)
     return _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
 
 

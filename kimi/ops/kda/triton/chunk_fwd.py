@@ -1,0 +1,271 @@
+"""Chunkwise KDA forward in Triton (ALGORITHMS.md section 1, "Chunkwise-parallel form"), as five launches:
+
+1. `chunk_cumsum`: G, the in-chunk cumulative log-decay.
+2. `scores_kernel`, per chunk: L[t, s] = sum_d k_t k_s exp(G_t - G_s) (s < t) and
+   A_qk[t, s] = sum_d q_t k_s exp(G_t - G_s) (s <= t). Pairs in different 16-token sub-chunks are matmuls
+   anchored at the first row a of t's sub-chunk, exp(G_t - G_s) = exp(G_t - G_a) exp(G_a - G_s), both
+   factors <= 1; pairs inside one sub-chunk come from a [t, s, d] tile of G_t - G_s set to -inf where
+   s > t before exponentiating. No exponential of a positive number is ever taken (padded rows included,
+   see common.load_G), so any gate strength is safe in fp32.
+3. `solve_kernel`, per chunk: (I + Diag(beta) L)^-1 by forward substitution on the four 16 x 16 diagonal
+   blocks, then block substitution for the rest; and `wu_kernel`: W = M (exp(G) K), U = M V with
+   M = (I + Diag(beta) L)^-1 Diag(beta).
+4. `state_kernel`, per (sequence, head, value block): the only sequential pass, chunk by chunk:
+   V_new = U - W S, S <- Diag(exp(G_C)) S + (exp(G_C - G) K)^T V_new. Stores every entering state.
+5. `output_kernel`, per chunk: O = (Q exp(G)) S + A_qk V_new.
+
+The backward (chunk_bwd.py) reruns 1-4 rather than keeping their outputs from the forward.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import (CHUNK, SUB, chunk_bounds, chunk_cumsum, load_G, load_G_row, load_rows, mm, scratch,
+                     tiles)
+
+
+@triton.jit
+def scores_kernel(q, k, Gc, L, Aqk, cu_seqlens, chunks, scale, H, K: tl.constexpr, BK: tl.constexpr,
+                  BKD: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    i_c, h = tl.program_id(0), tl.program_id(1)
+    t0, last = chunk_bounds(cu_seqlens, chunks, i_c, C)
+    ck = tl.arange(0, BK)
+    mk = ck < K
+    o = tl.arange(0, BC)
+    for i in tl.static_range(C // BC):
+        rows = t0 + i * BC + o
+        q_i = load_rows(q, rows, last, h, H, ck, K, mk) * scale
+        k_i = load_rows(k, rows, last, h, H, ck, K, mk)
+        G_i = load_G(Gc, rows, last, h, H, ck, K, mk)
+        G_a = load_G_row(Gc, t0 + i * BC, last, h, H, ck, K, mk)
+        to_anchor = tl.exp(G_i - G_a[None, :])
+        qa, ka = q_i * to_anchor, k_i * to_anchor
+        out_mask = (rows <= last)[:, None] & (o < BC)[None, :]
+        out_ptr = (rows[:, None] * H + h) * C + o[None, :]
+        for j in tl.static_range(i):
+            cols = t0 + j * BC + o
+            from_anchor = tl.exp(G_a[None, :] - load_G(Gc, cols, last, h, H, ck, K, mk))
+            k_j = load_rows(k, cols, last, h, H, ck, K, mk) * from_anchor
+            k_jT = tl.trans(k_j)
+            tl.store(L + out_ptr + j * BC, mm(ka, k_jT, PREC), mask=out_mask)
+            tl.store(Aqk + out_ptr + j * BC, mm(qa, k_jT, PREC), mask=out_mask)
+        # Diagonal block: the [t, s, d] decays, exponent set to -inf where s > t before exponentiating,
+        # a slice of BKD key channels at a time to bound the 3-D tile.
+        causal = (o[:, None] >= o[None, :])[:, :, None]
+        b_kk = tl.zeros([BC, BC], dtype=tl.float32)
+        b_qk = tl.zeros([BC, BC], dtype=tl.float32)
+        for d0 in tl.static_range(0, BK, BKD):
+            cd = d0 + tl.arange(0, BKD)
+            md = cd < K
+            q_d = load_rows(q, rows, last, h, H, cd, K, md) * scale
+            k_d = load_rows(k, rows, last, h, H, cd, K, md)
+            G_d = load_G(Gc, rows, last, h, H, cd, K, md)
+            decay = tl.exp(tl.where(causal, G_d[:, None, :] - G_d[None, :, :], float("-inf")))
+            k_decayed = decay * k_d[None, :, :]
+            b_kk += tl.sum(k_d[:, None, :] * k_decayed, axis=2)
+            b_qk += tl.sum(q_d[:, None, :] * k_decayed, axis=2)
+        b_kk = tl.where(o[:, None] > o[None, :], b_kk, 0.0)
+        tl.store(L + out_ptr + i * BC, b_kk, mask=out_mask)
+        tl.store(Aqk + out_ptr + i * BC, b_qk, mask=out_mask)
+        for j in tl.static_range(i + 1, C // BC):  # s > t: zero, written so the buffers need no memset
+            tl.store(L + out_ptr + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=out_mask)
+            tl.store(Aqk + out_ptr + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=out_mask)
+
+
+@triton.jit
+def _load_block(A, t0, last, i, j, h, H, C: tl.constexpr, BC: tl.constexpr):
+    o = tl.arange(0, BC)
+    rows = t0 + i * BC + o
+    m = (rows <= last)[:, None] & (o < BC)[None, :]
+    return tl.load(A + (rows[:, None] * H + h) * C + j * BC + o[None, :], mask=m, other=0)
+
+
+@triton.jit
+def _store_block(A, x, t0, last, i, j, h, H, C: tl.constexpr, BC: tl.constexpr):
+    o = tl.arange(0, BC)
+    rows = t0 + i * BC + o
+    m = (rows <= last)[:, None] & (o < BC)[None, :]
+    tl.store(A + (rows[:, None] * H + h) * C + j * BC + o[None, :], x, mask=m)
+
+
+@triton.jit
+def _beta_block(L, beta, t0, last, i, j, h, H, C: tl.constexpr, BC: tl.constexpr):
+    """Diag(beta) L, block (i, j)."""
+    rows = t0 + i * BC + tl.arange(0, BC)
+    b = tl.load(beta + rows * H + h, mask=rows <= last, other=0).to(tl.float32)
+    return b[:, None] * _load_block(L, t0, last, i, j, h, H, C, BC)
+
+
+@triton.jit
+def solve_kernel(L, beta, Ainv, cu_seqlens, chunks, H, C: tl.constexpr, BC: tl.constexpr):
+    """Ainv = (I + StrictLower(Diag(beta) L))^-1 for C = 4 BC.
+
+    The four diagonal blocks are inverted together ([4, BC, BC]) by forward substitution, row r at a time:
+    X_r = e_r - sum_{c < r} A[r, c] X_c, rows c < r of X being final. Then block (i, j < i) of the inverse
+    is -D_i sum_{j <= m < i} A_im Ainv_mj, D_i the inverted diagonal blocks (solving (I + A) X = I one
+    block row down)."""
+    i_c, h = tl.program_id(0), tl.program_id(1)
+    t0, last = chunk_bounds(cu_seqlens, chunks, i_c, C)
+    nb = tl.arange(0, C // BC)[:, None, None]
+    r = tl.arange(0, BC)
+    rows = t0 + nb * BC + r[None, :, None]
+    cols = nb * BC + r[None, None, :]
+    valid = (rows <= last) & (cols >= 0)
+    b = tl.load(beta + rows * H + h, mask=rows <= last, other=0).to(tl.float32)
+    A = b * tl.load(L + (rows * H + h) * C + cols, mask=valid, other=0)
+    identity = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    X = tl.zeros([C // BC, BC, BC], dtype=tl.float32) + identity[None, :, :]
+    for i in range(1, BC):
+        at_i = r[None, :, None] == i
+        a_i = tl.sum(tl.where(at_i, A, 0.0), axis=1)
+        X = tl.where(at_i, X - tl.sum(a_i[:, :, None] * X, axis=1)[:, None, :], X)
+    tl.store(Ainv + (rows * H + h) * C + cols, X, mask=valid)
+    tl.debug_barrier()  # the blocks are read back below by other threads of this program
+    D0 = _load_block(Ainv, t0, last, 0, 0, h, H, C, BC)
+    D1 = _load_block(Ainv, t0, last, 1, 1, h, H, C, BC)
+    D2 = _load_block(Ainv, t0, last, 2, 2, h, H, C, BC)
+    D3 = _load_block(Ainv, t0, last, 3, 3, h, H, C, BC)
+    A10 = _beta_block(L, beta, t0, last, 1, 0, h, H, C, BC)
+    A20 = _beta_block(L, beta, t0, last, 2, 0, h, H, C, BC)
+    A21 = _beta_block(L, beta, t0, last, 2, 1, h, H, C, BC)
+    A30 = _beta_block(L, beta, t0, last, 3, 0, h, H, C, BC)
+    A31 = _beta_block(L, beta, t0, last, 3, 1, h, H, C, BC)
+    A32 = _beta_block(L, beta, t0, last, 3, 2, h, H, C, BC)
+    X10 = -mm(D1, mm(A10, D0, 0), 0)
+    X21 = -mm(D2, mm(A21, D1, 0), 0)
+    X32 = -mm(D3, mm(A32, D2, 0), 0)
+    X20 = -mm(D2, mm(A20, D0, 0) + mm(A21, X10, 0), 0)
+    X31 = -mm(D3, mm(A31, D1, 0) + mm(A32, X21, 0), 0)
+    X30 = -mm(D3, mm(A30, D0, 0) + mm(A31, X10, 0) + mm(A32, X20, 0), 0)
+    _store_block(Ainv, X10, t0, last, 1, 0, h, H, C, BC)
+    _store_block(Ainv, X20, t0, last, 2, 0, h, H, C, BC)
+    _store_block(Ainv, X21, t0, last, 2, 1, h, H, C, BC)
+    _store_block(Ainv, X30, t0, last, 3, 0, h, H, C, BC)
+    _store_block(Ainv, X31, t0, last, 3, 1, h, H, C, BC)
+    _store_block(Ainv, X32, t0, last, 3, 2, h, H, C, BC)
+    for i in tl.static_range(C // BC):
+        for j in tl.static_range(i + 1, C // BC):
+            _store_block(Ainv, tl.zeros([BC, BC], dtype=tl.float32), t0, last, i, j, h, H, C, BC)
+
+
+@triton.jit
+def load_square(A, t0, last, h, H, C: tl.constexpr):
+    """A chunk's [C, C] block of a [T, H, C] buffer (rows past the end read 0)."""
+    o = tl.arange(0, C)
+    rows = t0 + o
+    return tl.load(A + (rows[:, None] * H + h) * C + o[None, :], mask=(rows <= last)[:, None], other=0)
+
+
+@triton.jit
+def wu_kernel(k, v, beta, Gc, Ainv, W, U, cu_seqlens, chunks, H, K: tl.constexpr, V: tl.constexpr,
+              BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr):
+    """W = Ainv Diag(beta) (exp(G) K), U = Ainv Diag(beta) V."""
+    i_c, h = tl.program_id(0), tl.program_id(1)
+    t0, last = chunk_bounds(cu_seqlens, chunks, i_c, C)
+    rows = t0 + tl.arange(0, C)
+    valid = rows <= last
+    A = load_square(Ainv, t0, last, h, H, C)
+    b = tl.load(beta + rows * H + h, mask=valid, other=0).to(tl.float32)
+    ck = tl.arange(0, BK)
+    mk = ck < K
+    gk = load_rows(k, rows, last, h, H, ck, K, mk) * tl.exp(load_G(Gc, rows, last, h, H, ck, K, mk))
+    tl.store(W + (rows[:, None] * H + h) * K + ck[None, :], mm(A, gk * b[:, None], PREC),
+             mask=valid[:, None] & mk[None, :])
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        mv = cv < V
+        b_v = load_rows(v, rows, last, h, H, cv, V, mv)
+        tl.store(U + (rows[:, None] * H + h) * V + cv[None, :], mm(A, b_v * b[:, None], PREC),
+                 mask=valid[:, None] & mv[None, :])
+
+
+@triton.jit
+def state_kernel(k, Gc, W, U, h0, Hs, VN, ht, cu_seqlens, first_chunk, H, K: tl.constexpr, V: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, HAS_INIT: tl.constexpr,
+                 PREC: tl.constexpr):
+    n, h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(cu_seqlens + n).to(tl.int64)
+    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    c0 = tl.load(first_chunk + n).to(tl.int64)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    mk, mv = ck < K, cv < V
+    state_off = ck[:, None] * V + cv[None, :]
+    state_mask = mk[:, None] & mv[None, :]
+    state = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_INIT:
+        state = tl.load(h0 + (n * H + h).to(tl.int64) * K * V + state_off, mask=state_mask, other=0)
+        state = state.to(tl.float32)
+    for c in range(tl.cdiv(eos - bos, C)):
+        t0 = bos + c * C
+        last = tl.minimum(t0 + C, eos) - 1
+        rows = t0 + tl.arange(0, C)
+        tl.store(Hs + ((c0 + c) * H + h) * K * V + state_off, state, mask=state_mask)
+        v_new = load_rows(U, rows, last, h, H, cv, V, mv) - mm(load_rows(W, rows, last, h, H, ck, K, mk),
+                                                               state, PREC)
+        tl.store(VN + (rows[:, None] * H + h) * V + cv[None, :], v_new,
+                 mask=(rows <= last)[:, None] & mv[None, :])
+        G_last = load_G_row(Gc, last, last, h, H, ck, K, mk)
+        to_end = tl.exp(G_last[None, :] - load_G(Gc, rows, last, h, H, ck, K, mk))
+        k_end = load_rows(k, rows, last, h, H, ck, K, mk) * to_end
+        state = state * tl.exp(G_last)[:, None] + mm(tl.trans(k_end), v_new, PREC)
+    tl.store(ht + (n * H + h).to(tl.int64) * K * V + state_off, state, mask=state_mask)
+
+
+@triton.jit
+def output_kernel(q, Gc, Aqk, Hs, VN, o, cu_seqlens, chunks, scale, H, K: tl.constexpr, V: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr):
+    i_c, h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t0, last = chunk_bounds(cu_seqlens, chunks, i_c, C)
+    rows = t0 + tl.arange(0, C)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    mk, mv = ck < K, cv < V
+    decay = tl.exp(load_G(Gc, rows, last, h, H, ck, K, mk))
+    q_decayed = load_rows(q, rows, last, h, H, ck, K, mk) * scale * decay
+    state = tl.load(Hs + (i_c * H + h).to(tl.int64) * K * V + ck[:, None] * V + cv[None, :],
+                    mask=mk[:, None] & mv[None, :], other=0)
+    b_o = mm(q_decayed, state, PREC) + mm(load_square(Aqk, t0, last, h, H, C),
+                                          load_rows(VN, rows, last, h, H, cv, V, mv), PREC)
+    tl.store(o + (rows[:, None] * H + h) * V + cv[None, :], b_o.to(o.dtype.element_ty),
+             mask=(rows <= last)[:, None] & mv[None, :])
+
+
+def forward_intermediates(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_chunk, NT, prec):
+    """Steps 1-4 on packed [T, H, D] views. Returns a dict of the fp32 intermediates and the final state."""
+    T, H, K = q.shape
+    V = v.shape[-1]
+    N = cu_seqlens.numel() - 1
+    BK, BKD, BV = tiles(K, V)
+    Gc = chunk_cumsum(g, cu_seqlens, chunks, NT)
+    L, Aqk, Ainv = (scratch(T, H, CHUNK, like=q) for _ in range(3))  # [C, C] per chunk, row by row
+    W, U = scratch(T, H, K, like=q), scratch(T, H, V, like=q)
+    Hs = scratch(NT, H, K, V, like=q)
+    VN = scratch(T, H, V, like=q)
+    ht = scratch(N, H, K, V, like=q)
+    if NT:
+        scores_kernel[(NT, H)](q, k, Gc, L, Aqk, cu_seqlens, chunks, scale, H, K, BK, BKD, CHUNK, SUB,
+                               prec)
+        solve_kernel[(NT, H)](L, beta, Ainv, cu_seqlens, chunks, H, CHUNK, SUB)
+        wu_kernel[(NT, H)](k, v, beta, Gc, Ainv, W, U, cu_seqlens, chunks, H, K, V, BK, BV, CHUNK, prec)
+    if N:
+        h0 = initial_state if initial_state is not None else ht
+        state_kernel[(N, H, triton.cdiv(V, BV))](
+            k, Gc, W, U, h0, Hs, VN, ht, cu_seqlens, first_chunk, H, K, V, BK, BV, CHUNK,
+            initial_state is not None, prec)
+    return dict(Gc=Gc, L=L, Aqk=Aqk, Ainv=Ainv, W=W, U=U, Hs=Hs, VN=VN), ht
+
+
+def chunk_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_chunk, NT, prec):
+    """o [T, H, V] (v's dtype) and the final states [N, H, K, V] (fp32) of packed [T, H, D] inputs."""
+    T, H, K = q.shape
+    V = v.shape[-1]
+    BK, BKD, BV = tiles(K, V)
+    mid, ht = forward_intermediates(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_chunk,
+                                    NT, prec)
+    o = scratch(*v.shape, like=v, dtype=v.dtype)
+    if NT:
+        output_kernel[(NT, H, triton.cdiv(V, BV))](
+            q, mid["Gc"], mid["Aqk"], mid["Hs"], mid["VN"], o, cu_seqlens, chunks, scale, H, K, V, BK, BV,
+            CHUNK, prec)
+    return o, ht

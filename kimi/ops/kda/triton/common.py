@@ -1,0 +1,155 @@
+"""What every KDA Triton kernel shares: the interpreter switch, dot precision, packed-sequence bookkeeping.
+
+All kernels see one packed batch: q, k, g [1, T, H, K], v [1, T, H, V], beta [1, T, H], and cu_seqlens
+[N + 1] (a plain [B, T] batch is B packed sequences of length T). A chunk never straddles two sequences:
+each sequence is cut into its own chunks of C tokens, the last one short, and `chunk_table` lists them all.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton decides at decoration time whether @triton.jit kernels are compiled or interpreted, from this
+# variable; read it once here, when the kernel modules that import this one are decorated.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+CHUNK = 64  # tokens per chunk
+SUB = 16  # tokens per sub-chunk: the anchoring step inside a chunk (CHUNK // SUB = 4 is hard-wired)
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    """Triton runs CUDA tensors compiled, CPU tensors only interpreted."""
+    for x in tensors:
+        if x.device.type == "cpu" and not INTERPRET:
+            raise RuntimeError(
+                "KDA backend='triton' got CPU tensors, which Triton runs only under its interpreter: set "
+                "TRITON_INTERPRET=1 before triton is first imported, or use backend='chunk' on CPU"
+            )
+        if x.dtype == torch.float64:
+            raise TypeError("KDA backend='triton' computes in fp32 and takes fp32/bf16/fp16 inputs; "
+                            "use backend='chunk' or 'naive' for fp64")
+
+
+def dot_precision(dtype: torch.dtype) -> int:
+    """The `PREC` constexpr of `mm`: 0 fp32 (IEEE), 1 bf16, 2 fp16 operands.
+
+    The interpreter mishandles bf16 dots (ENVIRONMENT.md), so it always multiplies in fp32. Compiled, fp32
+    inputs get exact fp32 products (not TF32) so they meet fp32 tolerances; half inputs use tensor cores.
+    """
+    if INTERPRET or dtype == torch.float32:
+        return 0
+    return 1 if dtype == torch.bfloat16 else 2
+
+
+def block(n: int, cap: int) -> int:
+    """A power-of-two tile length >= n (>= 16, the smallest tl.dot side), at most cap."""
+    return min(max(16, triton.next_power_of_2(n)), cap)
+
+
+def tiles(K: int, V: int) -> tuple[int, int, int]:
+    """(BK, BKD, BV): all K key channels in one tile, [t, s, d] tiles of BKD channels, value blocks of BV.
+    Under the interpreter both BKD and BV are 16, so the tests' small heads (K, V <= 40) still run several
+    key slices and value blocks, the code paths a d = 128 head takes on a GPU (BKD 32, BV 64)."""
+    if K > 256:
+        raise ValueError(f"KDA backend='triton' supports key head dims up to 256, got {K}")
+    return block(K, 256), 16 if INTERPRET else 32, block(V, 16 if INTERPRET else 64)
+
+
+def scratch(*shape: int, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """torch.empty for kernel outputs and intermediates. Under the interpreter (the tests) it comes filled
+    with NaN, so an element a kernel forgets to write shows up in every result that reads it."""
+    x = torch.empty(*shape, dtype=dtype, device=like.device)
+    return x.fill_(float("nan")) if INTERPRET else x
+
+
+def check_offsets(offsets: list[int], T: int) -> None:
+    """Kernels index tokens through cu_seqlens unchecked: offsets outside [0, T] would read and write out
+    of bounds. kimi.ops.kda checks them too, but not under torch.compile; the ops run eagerly, so here."""
+    if offsets[0] != 0 or offsets[-1] != T or any(a > b for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to T = {T}, got {offsets}")
+
+
+def chunk_table(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(chunks [NT, 2] int32: (sequence, chunk within it) per chunk; first_chunk [N + 1] int32: the
+    global index of each sequence's first chunk; NT). One host sync, like every varlen launch needs."""
+    offsets = cu_seqlens.tolist()
+    check_offsets(offsets, T)
+    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    counts = [triton.cdiv(n, CHUNK) for n in lengths]
+    rows = [(s, c) for s, count in enumerate(counts) for c in range(count)]
+    device = cu_seqlens.device
+    chunks = torch.tensor(rows, dtype=torch.int32).reshape(-1, 2).to(device)
+    first = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+    return chunks, first, len(rows)
+
+
+@triton.jit
+def mm(a, b, PREC: tl.constexpr):
+    """a @ b with fp32 accumulation; operands cast as `dot_precision` chose."""
+    if PREC == 1:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif PREC == 2:
+        return tl.dot(a.to(tl.float16), b.to(tl.float16))
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def chunk_bounds(cu_seqlens, chunks, i_c, C: tl.constexpr):
+    """(first token of chunk i_c, its last valid token) as int64 positions in the packed batch."""
+    seq = tl.load(chunks + 2 * i_c)
+    c = tl.load(chunks + 2 * i_c + 1)
+    bos = tl.load(cu_seqlens + seq).to(tl.int64)
+    eos = tl.load(cu_seqlens + seq + 1).to(tl.int64)
+    t0 = bos + c * C
+    return t0, tl.minimum(t0 + C, eos) - 1
+
+
+@triton.jit
+def load_rows(x, rows, last, h, H, cols, D, mask_cols):
+    """x[rows, h, cols] of a [T, H, D] tensor as fp32; rows past `last` read 0."""
+    m = (rows <= last)[:, None] & mask_cols[None, :]
+    return tl.load(x + (rows[:, None] * H + h) * D + cols[None, :], mask=m, other=0).to(tl.float32)
+
+
+@triton.jit
+def load_G(Gc, rows, last, h, H, cols, K, mask_cols):
+    """Cumulative log-decay rows [.., K]. Rows past the end read the last valid row, as if the chunk were
+    padded with tokens of g = 0: G stays non-increasing over the whole chunk, so every anchored
+    exponential exp(G_later - G_earlier) in the kernels stays <= 1, padded rows included."""
+    r = tl.minimum(rows, last)
+    return tl.load(Gc + (r[:, None] * H + h) * K + cols[None, :], mask=mask_cols[None, :], other=0)
+
+
+@triton.jit
+def load_G_row(Gc, row, last, h, H, cols, K, mask_cols):
+    r = tl.minimum(row, last)
+    return tl.load(Gc + (r * H + h) * K + cols, mask=mask_cols, other=0)
+
+
+@triton.jit
+def chunk_cumsum_kernel(x, out, cu_seqlens, chunks, H, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
+                        REVERSE: tl.constexpr):
+    """Cumulative sum of x [T, H, K] within each chunk (from the end when REVERSE), in fp32."""
+    i_c, h = tl.program_id(0), tl.program_id(1)
+    t0, last = chunk_bounds(cu_seqlens, chunks, i_c, C)
+    rows = t0 + tl.arange(0, C)
+    cols = tl.arange(0, BK)
+    mask = (rows <= last)[:, None] & (cols < K)[None, :]
+    ptr = (rows[:, None] * H + h) * K + cols[None, :]
+    b = tl.load(x + ptr, mask=mask, other=0).to(tl.float32)
+    s = tl.cumsum(b, axis=0)
+    if REVERSE:
+        s = tl.sum(b, axis=0)[None, :] - s + b
+    tl.store(out + ptr, s, mask=mask)
+
+
+def chunk_cumsum(x: torch.Tensor, cu_seqlens, chunks, NT: int, reverse: bool = False) -> torch.Tensor:
+    """x [T, H, K] -> fp32 chunk-local (reverse) cumulative sums."""
+    T, H, K = x.shape
+    out = scratch(T, H, K, like=x)
+    if NT:
+        chunk_cumsum_kernel[(NT, H)](x, out, cu_seqlens, chunks, H, K, tiles(K, 16)[0], CHUNK, reverse)
+    return out
