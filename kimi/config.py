@@ -160,6 +160,9 @@ class ParallelConfig:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    activation_checkpointing: str = "none"  # none | full | selective (see kimi/parallel/checkpointing.py)
+    compile: bool = False  # torch.compile each token mixer and MLP
+    reshard_after_forward: bool = True  # FSDP2: False keeps weights gathered until the backward (ZeRO-2-like)
 
 
 @dataclass

@@ -28,7 +28,7 @@ from kimi.data.pack import open_tokens
 from kimi.metrics import MetricsLogger, peak_flops, progress_line
 from kimi.model import KimiModel
 from kimi.optim import build_optimizer, build_scheduler
-from kimi.parallel import ParallelDims, apply_data_parallel, init_distributed
+from kimi.parallel import ParallelDims, init_distributed, parallelize
 
 
 def to_config(cfg: Union[Config, DictConfig, Dict[str, Any]]) -> Config:
@@ -101,9 +101,8 @@ class Trainer:
         n_val = min(t.eval_batches, val_loader.batches_per_epoch)
         self.val_batches: List[Batch] = [val_loader.next_batch() for _ in range(n_val)]
 
-        self.model = KimiModel(cfg.model).to(self.device)
-        if dims.enabled:
-            apply_data_parallel(self.model, dims.build_mesh(self.device.type))
+        self.model = parallelize(KimiModel(cfg.model).to(self.device), cfg.parallel, dims, self.device,
+                                 bf16=t.precision == "bf16")
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if t.precision == "bf16"

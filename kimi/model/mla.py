@@ -62,19 +62,27 @@ class MLA(nn.Module):
         self.kv_norm = RMSNorm(self.kv_lora_rank, cfg.norm_eps)
         self.wkv_b = nn.Linear(self.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(H * self.v_dim, d, bias=False)
-        # When set (by build_optimizer, for QK-Clip), every forward that builds a graph keeps the running
-        # per-head max scaled logit [H] fp32 over forwards (micro-batches) until consume_max_logits().
+        # When set (by build_optimizer, for QK-Clip), every forward that builds a graph records its per-head
+        # max scaled logit [H] fp32; consume_max_logits() returns the max over them (micro-batches). They are
+        # kept as a list and reduced on consumption so a forward runs the same ops whatever came before it,
+        # as selective activation checkpointing requires of a recomputed forward.
         self.track_max_logits = False
-        self.max_logits: torch.Tensor | None = None
+        self._seen_max_logits: list[torch.Tensor] = []
 
     @property
     def q_proj(self) -> nn.Linear:
         """The projection whose rows are per-head [q_nope | q_rope] (see the module docstring)."""
         return self.wq_b if hasattr(self, "wq_a") else self.wq
 
+    @property
+    def max_logits(self) -> torch.Tensor | None:
+        """The per-head max over the recorded forwards since the last consume (None if none)."""
+        seen = self._seen_max_logits
+        return None if not seen else seen[0] if len(seen) == 1 else torch.stack(seen).amax(dim=0)
+
     def consume_max_logits(self) -> torch.Tensor | None:
-        """The running max since the last call (None if no recorded forward), and forget it."""
-        out, self.max_logits = self.max_logits, None
+        """The max since the last call (None if no recorded forward), and forget it."""
+        out, self._seen_max_logits = self.max_logits, []
         return out
 
     def qk_clip_spec(self, prefix: str) -> QKClipSpec:
@@ -133,6 +141,5 @@ class MLA(nn.Module):
         out = attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, return_max_logits=record)
         if record:
             out, max_logits = out
-            step_max = max_logits.amax(dim=0).detach()
-            self.max_logits = step_max if self.max_logits is None else torch.maximum(self.max_logits, step_max)
+            self._seen_max_logits.append(max_logits.amax(dim=0).detach())
         return self.wo(out.reshape(B, T, -1))

@@ -1,11 +1,14 @@
 """Parallelism, applied from outside the single-device model (DESIGN.md).
 
-``ParallelDims`` checks the configured degrees against the launched processes before any work, builds the
-DeviceMesh, and ``apply_data_parallel`` shards the model with FSDP2 (ZeRO-3 per block; HSDP when
-dp_replicate > 1). Tensor and pipeline parallelism plug in here next.
+``ParallelDims`` checks the configured degrees against the launched processes before any work and builds
+the DeviceMesh; ``parallelize`` applies, in order, activation checkpointing, torch.compile and FSDP2
+(ZeRO-3 per sublayer; HSDP when dp_replicate > 1). Tensor and pipeline parallelism plug in here next.
 """
 
+from .checkpointing import apply_activation_checkpointing, apply_compile
 from .dims import ParallelDims, destroy_distributed, init_distributed
 from .fsdp import apply_data_parallel
+from .parallelize import parallelize
 
-__all__ = ["ParallelDims", "apply_data_parallel", "destroy_distributed", "init_distributed"]
+__all__ = ["ParallelDims", "apply_activation_checkpointing", "apply_compile", "apply_data_parallel",
+           "destroy_distributed", "init_distributed", "parallelize"]

@@ -16,6 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from kimi.config import ConfigError, ParallelConfig
 
+from .checkpointing import MODES
+
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -30,6 +32,9 @@ class ParallelDims:
         """Check the degrees against ``world`` (default: torchrun's WORLD_SIZE); errors say what to change."""
         world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
         dims = cls(p.dp_replicate, p.dp_shard, p.tp, p.pp, world)
+        if p.activation_checkpointing not in MODES:
+            raise ConfigError(f"parallel.activation_checkpointing={p.activation_checkpointing!r} is invalid: "
+                              f"choose one of {'|'.join(MODES)}")
         for name in ("dp_replicate", "dp_shard", "tp", "pp"):
             if getattr(dims, name) < 1:
                 raise ConfigError(f"parallel.{name}={getattr(dims, name)} is invalid: degrees are >= 1")

@@ -7,18 +7,24 @@ data-parallel ranks, so a step on N ranks with N micro-batches equals one proces
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
-def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True) -> nn.Module:
+def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True,
+                        bf16: bool = False) -> nn.Module:
+    """bf16: compute with bf16 copies of the fp32 weights, reduce gradients in fp32 (the weights and the
+    optimizer state stay fp32)."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    kw = {"mp_policy": policy} if policy else {}
     # Units are the sublayers, not the blocks: a block takes and returns the AttnRes stream object, and FSDP2
     # finds the tensors whose backward must re-gather a unit's weights only in a unit's tensor outputs. The
     # norms and queries a block applies around its sublayers are tiny and stay with the root.
     for block in model.blocks:
         for sublayer in (block.mixer, block.mlp):
-            fully_shard(sublayer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(sublayer, mesh=mesh, reshard_after_forward=reshard_after_forward, **kw)
     # The root keeps its parameters gathered after the forward: the backward needs the LM head first.
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, **kw)
     return model

@@ -1,0 +1,64 @@
+"""Activation checkpointing and torch.compile for the sublayers (each token mixer and each MLP).
+
+Both act on sublayers rather than blocks because a block passes the AttnRes stream object, which it mutates:
+recomputing a block in the backward would replay it on a stream that later blocks have already extended.
+A sublayer takes and returns tensors. Forwards are wrapped in place, so parameter names do not change
+(optimizer routing, QK-Clip specs and checkpoints see the same names with and without these).
+
+  full       recompute every sublayer's activations in the backward (only its input is kept)
+  selective  keep the outputs of matmuls and attention, recompute the cheap rest (norms, activations,
+             gates, elementwise products): most of the memory saving for a fraction of the recompute
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+MODES = ("none", "full", "selective")
+_SAVED_OPS = {getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu") if hasattr(torch.ops.aten, name)}
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def sublayers(model: nn.Module) -> Iterator[nn.Module]:
+    for block in model.blocks:
+        yield block.mixer
+        yield block.mlp
+
+
+def _checkpointed(forward: Callable, selective: bool) -> Callable:
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls) if selective else None
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # evaluation and decoding: nothing to recompute
+            return forward(*args, **kwargs)
+        extra = {"context_fn": context_fn} if context_fn else {}
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+
+    return run
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"activation checkpointing {mode!r}: choose one of {'|'.join(MODES)}")
+    if mode == "none":
+        return
+    for module in sublayers(model):
+        module.forward = _checkpointed(module.forward, selective=mode == "selective")
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each sublayer (in place: names and state dicts are unchanged)."""
+    for module in sublayers(model):
+        module.compile()
