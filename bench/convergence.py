@@ -73,14 +73,20 @@ def main() -> None:
     print("|---" * (len(runs) + 1) + "|")
     for i, step in enumerate(steps):
         print(f"| {step} | " + " | ".join(f"{r['evals'][i]['val_loss']:.4f}" for r in runs) + " |")
-    print(f"\n| optimizer | final val loss | wall time | tokens to reach {base['optim']}'s {target:.4f} | ratio |")
-    print("|---|---|---|---|---|")
+    print(f"\n| optimizer | final val loss | wall time | tokens to reach {base['optim']}'s {target:.4f} | ratio "
+          "| time to reach it | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    base_need = tokens_to_reach(base["evals"], target)
+    base_time = base["seconds"] * base_need / base["evals"][-1]["tokens"]
     for r in runs:
         need = tokens_to_reach(r["evals"], target)
+        # wall time taken as proportional to tokens (it includes start-up and evaluations)
         r["tokens_to_target"] = need
-        ratio = "-" if need is None else f"{need / tokens_to_reach(base['evals'], target):.2f}"
-        print(f"| {r['optim']} | {r['evals'][-1]['val_loss']:.4f} | {r['seconds']:.0f} s | "
-              f"{'not reached' if need is None else f'{need:,.0f}'} | {ratio} |")
+        r["seconds_to_target"] = None if need is None else r["seconds"] * need / r["evals"][-1]["tokens"]
+        cells = (["not reached", "-", "-", "-"] if need is None else
+                 [f"{need:,.0f}", f"{need / base_need:.2f}", f"{r['seconds_to_target']:.0f} s",
+                  f"{r['seconds_to_target'] / base_time:.2f}"])
+        print(f"| {r['optim']} | {r['evals'][-1]['val_loss']:.4f} | {r['seconds']:.0f} s | " + " | ".join(cells) + " |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"steps": args.steps, "overrides": args.overrides, "runs": runs}, indent=2) + "\n")
     print(f"\nwrote {args.out}")

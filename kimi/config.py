@@ -90,7 +90,7 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
+    name: str = "muonclip"  # muonclip | adamw
     lr: float = 3e-3
     weight_decay: float = 0.1
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])

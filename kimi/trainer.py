@@ -29,6 +29,7 @@ from kimi.metrics import MetricsLogger, peak_flops, progress_line
 from kimi.model import KimiModel
 from kimi.optim import build_optimizer, build_scheduler
 from kimi.parallel import ParallelDims, init_distributed, parallelize
+from kimi.parallel.tensor_parallel import clip_grad_norm_ as tp_clip_grad_norm_
 
 
 def to_config(cfg: Union[Config, DictConfig, Dict[str, Any]]) -> Config:
@@ -72,8 +73,9 @@ class Trainer:
             init_distributed(self.device)
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", torch.cuda.current_device())
-        # Data-parallel index = global rank while there is no tensor or pipeline parallelism.
+        self.mesh = dims.build_mesh(self.device.type) if dims.enabled else None
         self.rank = dist.get_rank() if dims.enabled else 0
+        self.dp_rank = dims.dp_rank(self.mesh)  # ranks of one tensor-parallel group read the same data
         self.is_main = self.rank == 0
         if t.threads:
             torch.set_num_threads(t.threads)
@@ -92,16 +94,16 @@ class Trainer:
         # Each rank reads its own micro-batches: one step on N ranks sees what one process would see with
         # an N times larger micro-batch (trainer.micro_batch_size is per rank, as in Megatron).
         self.loader = TokenLoader(train_tokens, t.micro_batch_size, t.seq_len, t.seed, tok.eos_id,
-                                  dp_rank=self.rank, dp_world=dims.dp)
+                                  dp_rank=self.dp_rank, dp_world=dims.dp)
         val_loader = TokenLoader(val_tokens, t.micro_batch_size, t.seq_len, t.seed, tok.eos_id,
-                                 dp_rank=self.rank, dp_world=dims.dp, shuffle=False)
+                                 dp_rank=self.dp_rank, dp_world=dims.dp, shuffle=False)
         # A fixed set of validation windows (the first ones, in order), so evaluations are comparable; split
         # over the ranks like training batches, so N ranks evaluate what one process with N times the
         # micro-batch would.
         n_val = min(t.eval_batches, val_loader.batches_per_epoch)
         self.val_batches: List[Batch] = [val_loader.next_batch() for _ in range(n_val)]
 
-        self.model = parallelize(KimiModel(cfg.model).to(self.device), cfg.parallel, dims, self.device,
+        self.model = parallelize(KimiModel(cfg.model).to(self.device), cfg.parallel, dims, self.mesh,
                                  bf16=t.precision == "bf16")
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
@@ -199,7 +201,11 @@ class Trainer:
                 f"loss is {loss.item()} at step {self.step + 1}: stopping before the update{where}. "
                 "Try a lower optim.lr, more optim.warmup_steps or trainer.precision=fp32")
         clip = self.cfg.optim.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        max_norm = clip if clip > 0 else float("inf")
+        if self.dims.tp > 1:  # plain and DTensor gradients on different meshes: torch's version cannot mix them
+            grad_norm = tp_clip_grad_norm_(self.model.parameters(), max_norm)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         lr = self.optimizer.param_groups[0]["lr"]
@@ -350,7 +356,7 @@ class Trainer:
                  f"x{t.grad_accum_steps}{ranks} = {t.micro_batch_size * t.seq_len * t.grad_accum_steps * d.dp:,}"
                  f" tokens/step; device {self.device}; run dir {self.run_dir}")
         if d.enabled:
-            self.log(f"[kimi] parallel: dp_replicate={d.dp_replicate} x dp_shard={d.dp_shard} over {d.world} "
-                     f"processes (FSDP2{', HSDP' if d.dp_replicate > 1 else ''})")
+            self.log(f"[kimi] parallel: dp_replicate={d.dp_replicate} x dp_shard={d.dp_shard} x tp={d.tp} over "
+                     f"{d.world} processes")
         if hasattr(self.optimizer, "routing_table"):  # MuonClip: which parameters Muon and AdamW each update
             self.log(f"[kimi] optimizer {self.cfg.optim.name} parameter routing:\n{self.optimizer.routing_table()}")

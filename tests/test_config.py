@@ -34,7 +34,7 @@ def test_presets_have_their_advertised_size(preset, low, high):
 
 def test_defaults_are_the_documented_ones():
     cfg = compose_cfg()
-    assert (cfg.model.name, cfg.data.name, cfg.optim.name) == ("tiny", "shakespeare", "adamw")
+    assert (cfg.model.name, cfg.data.name, cfg.optim.name) == ("tiny", "shakespeare", "muonclip")
     assert cfg.model.residual == "attnres_block" and cfg.model.qk_rope_head_dim == 0  # NoPE MLA
     assert cfg.logging.wandb.mode == "offline"
 

@@ -1,9 +1,10 @@
-"""Data-parallel training (FSDP2 / HSDP over gloo, torchrun subprocesses) equals one process.
+"""Parallel training (FSDP2 / HSDP / tensor parallelism over gloo, torchrun subprocesses) equals one process.
 
-N ranks with micro-batch B/N see the windows one process sees with micro-batch B, so per-step losses,
-validation losses and final weights must match the single-process run (to float summation order), with
-AdamW and with MuonClip. A checkpoint written on 2 ranks resumes in one process with the same losses, and
-a layout that does not fit the processes exits with the message instead of hanging.
+N data-parallel ranks with micro-batch B/N see the windows one process sees with micro-batch B, and
+tensor-parallel ranks split every layer by heads, so per-step losses, validation losses and final weights
+must match the single-process run (to float summation order), with AdamW and with MuonClip. A checkpoint
+written on dp2 x tp2 resumes in one process with the same losses, and a layout that does not fit exits with
+the message instead of hanging.
 """
 
 from __future__ import annotations
@@ -27,13 +28,17 @@ from kimi.trainer import Trainer
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
 STEPS = ["trainer.max_steps=3", "trainer.eval_every=3", "trainer.checkpoint_every=0"]
-LAYOUTS = {  # name: (processes, overrides); every case reads 4 windows per step in total
-    "dp_shard2": (2, ["parallel.dp_shard=2"]),
+LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case reads 4 windows per step in total
+    "dp_shard2": (2, 2, ["parallel.dp_shard=2"]),
     # exact options ride along: weights kept gathered between forward and backward, recomputed activations
-    "dp_replicate2": (2, ["parallel.dp_replicate=2", "parallel.reshard_after_forward=false"]),
-    "hsdp2x2": (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.activation_checkpointing=selective"]),
+    "dp_replicate2": (2, 2, ["parallel.dp_replicate=2", "parallel.reshard_after_forward=false"]),
+    "hsdp2x2": (4, 4, ["parallel.dp_replicate=2", "parallel.dp_shard=2",
+                       "parallel.activation_checkpointing=selective"]),
+    "tp2": (2, 1, ["parallel.tp=2"]),
+    "dp2xtp2": (4, 2, ["parallel.dp_shard=2", "parallel.tp=2"]),
 }
-CASES = [("dp_shard2", "adamw"), ("dp_shard2", "muonclip"), ("dp_replicate2", "muonclip"), ("hsdp2x2", "muonclip")]
+CASES = [("dp_shard2", "adamw"), ("dp_shard2", "muonclip"), ("dp_replicate2", "muonclip"), ("hsdp2x2", "muonclip"),
+         ("tp2", "adamw"), ("tp2", "muonclip"), ("dp2xtp2", "muonclip")]
 
 
 @pytest.fixture(scope="module")
@@ -97,26 +102,30 @@ def references(tmp_path_factory, data) -> dict[str, Path]:
 
 @pytest.mark.parametrize("layout,optim", CASES)
 def test_data_parallel_equals_one_process(tmp_path, data, references, layout, optim):
-    nproc, extra = LAYOUTS[layout]
+    nproc, dp, extra = LAYOUTS[layout]
     run = tmp_path / f"{layout}_{optim}"
-    torchrun(nproc, run, overrides(data, optim, *extra, f"trainer.micro_batch_size={4 // nproc}"))
+    torchrun(nproc, run, overrides(data, optim, *extra, f"trainer.micro_batch_size={4 // dp}"))
     assert_same_run(run, references[optim], tmp_path)
 
 
-def test_checkpoint_from_two_ranks_resumes_in_one_process(tmp_path, data, references):
+def test_checkpoint_from_dp2_tp2_resumes_in_one_process(tmp_path, data, references):
     run = tmp_path / "resumed"
-    torchrun(2, run, overrides(data, "muonclip", "parallel.dp_shard=2", "trainer.micro_batch_size=2",
-                               "trainer.stop_at_step=2"))
+    torchrun(4, run, overrides(data, "muonclip", "parallel.dp_shard=2", "parallel.tp=2",
+                               "trainer.micro_batch_size=2", "trainer.stop_at_step=2"))
     assert checkpoint.latest_complete(run / "checkpoints").step == 2
     trainer = single_process(run, data, "muonclip")
     assert trainer.step == 3
     assert_same_run(run, references["muonclip"], tmp_path)
 
 
-def test_a_layout_that_does_not_fit_exits_with_the_message(tmp_path, data):
-    proc = torchrun(2, tmp_path / "bad", overrides(data, "adamw", "parallel.dp_shard=3"), check=False)
+@pytest.mark.parametrize("override,message", [
+    ("parallel.dp_shard=3", "parallel.dp_replicate*dp_shard*tp*pp = 1*3*1*1 = 3 but 2 process(es)"),
+    ("parallel.tp=2 model.mla_num_heads=3", "model.mla_num_heads=3 is not divisible by parallel.tp=2"),
+])
+def test_a_layout_that_does_not_fit_exits_with_the_message(tmp_path, data, override, message):
+    proc = torchrun(2, tmp_path / "bad", overrides(data, "adamw", *override.split()), check=False)
     assert proc.returncode != 0
-    assert "parallel.dp_replicate*dp_shard*tp*pp = 1*3*1*1 = 3 but 2 process(es)" in proc.stderr, proc.stderr[-3000:]
+    assert message in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])

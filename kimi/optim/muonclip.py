@@ -27,6 +27,7 @@ from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from kimi.config import ADJUST_LR_FNS
 from kimi.ops.newton_schulz import DEFAULT_COEFFICIENTS, newton_schulz
@@ -227,7 +228,11 @@ class MuonClip(torch.optim.Optimizer):
             return None
         if p.grad is None:
             return torch.zeros(plan.local_piece().shape, dtype=plan.dtype, device=plan.device)
-        return local_tensor(p.grad)
+        grad = p.grad
+        if isinstance(grad, DTensor) and grad.placements != p.placements:
+            # e.g. a vocab-parallel embedding's gradient comes back replicated: take this rank's block
+            grad = grad.redistribute(p.device_mesh, p.placements)
+        return local_tensor(grad)
 
     # ---- step ---------------------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Degrees of parallelism, the process group and the DeviceMesh.
 
-The mesh dimensions, outermost first, are (dp_replicate, dp_shard): a rank's data-parallel index is its
-position in the flattened pair, which is the global rank while tensor and pipeline parallelism are absent.
+The mesh dimensions, outermost first, are (dp_replicate, dp_shard, tp): tensor-parallel ranks are
+neighbours (the fastest links), and a rank's data-parallel index is its position in the flattened
+(dp_replicate, dp_shard) pair. Ranks of one tp group read the same data.
 """
 
 from __future__ import annotations
@@ -44,10 +45,10 @@ class ParallelDims:
                 f"parallel.dp_replicate*dp_shard*tp*pp = {dims.dp_replicate}*{dims.dp_shard}*{dims.tp}*{dims.pp}"
                 f" = {product} but {world} process(es) were launched; make the product equal the number of "
                 f"processes (e.g. torchrun --nproc_per_node={product}, or parallel.dp_shard={world})")
-        if dims.tp > 1 or dims.pp > 1:
+        if dims.pp > 1:
             raise ConfigError(
-                f"parallel.tp={dims.tp}, parallel.pp={dims.pp}: tensor and pipeline parallelism are not "
-                "available yet; use data parallelism (parallel.dp_shard / parallel.dp_replicate) for now")
+                f"parallel.pp={dims.pp}: pipeline parallelism is not available yet; use data parallelism "
+                "(parallel.dp_shard / parallel.dp_replicate) and tensor parallelism (parallel.tp)")
         return dims
 
     @property
@@ -59,8 +60,15 @@ class ParallelDims:
         return self.world > 1
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard),
-                                mesh_dim_names=("dp_replicate", "dp_shard"))
+        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+
+    def dp_rank(self, mesh: DeviceMesh | None) -> int:
+        """This rank's data-parallel index (which micro-batches it reads)."""
+        if mesh is None:
+            return 0
+        replicate, shard, _ = mesh.get_coordinate()
+        return replicate * self.dp_shard + shard
 
 
 def init_distributed(device: torch.device) -> None:

@@ -1,0 +1,157 @@
+"""Tensor parallelism: DTensor plans that split every layer by heads (Megatron's column/row scheme).
+
+Each layer runs its unchanged single-device code on local tensors: a column-parallel projection hands the
+layer this rank's heads, the layer reads the head count from the shape, and a row-parallel output projection
+sums the ranks' contributions (one all-reduce per sublayer in the forward, one in the backward).
+
+  embedding   vocab-parallel (rows of the table), output replicated
+  KDA         q/k/v, gate and beta up-projections column-parallel; short-conv channels, A_log and dt_bias
+              per head; the low-rank down-projections replicated; the output norm's weight, shared by all
+              heads, replicated with its gradient summed over the ranks' heads; o_proj row-parallel
+  MLA         query projection and W_ukv column-parallel (by heads); W_dkv, its norm and q-LoRA's
+              down-projection replicated; wo row-parallel; the per-head max logits are gathered back to
+              all heads for QK-Clip
+  MLP         gate and up column-parallel, down row-parallel
+  LM head     column-parallel over the vocabulary, logits gathered
+Norms and AttnRes queries act per token on replicated activations and stay plain (replicated) tensors.
+
+Parameters that a layer uses directly rather than through an nn.Linear (A_log, dt_bias, conv kernels) are
+stored as Shard(0) DTensors, so the optimizer and checkpoints see their full shape, and are swapped for
+their local shards while the layer runs (``to_local`` keeps the gradient path to the DTensor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Dict, Iterator
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from kimi.config import ConfigError, ModelConfig
+
+
+def check_divisible(cfg: ModelConfig, tp: int) -> None:
+    """Every split dimension must divide by tp; say which setting to change otherwise."""
+    for key in ("kda_num_heads", "mla_num_heads", "mlp_hidden", "vocab_size"):
+        value = getattr(cfg, key)
+        if value % tp:
+            raise ConfigError(f"model.{key}={value} is not divisible by parallel.tp={tp}: tensor parallelism "
+                              f"splits it over the tp ranks; choose a parallel.tp that divides it")
+    if cfg.tie_embeddings:
+        raise ConfigError("parallel.tp > 1 with model.tie_embeddings=true is not supported yet; untie the "
+                          "embeddings or use data parallelism")
+
+
+class _SumGradOverRanks(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over the tensor-parallel ranks. For a replicated
+    weight that each rank applies to its own heads only, so each rank's gradient is a partial sum."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        ctx.mesh = mesh
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return funcol.all_reduce(grad.contiguous(), "sum", group=ctx.mesh), None
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    owner_name, _, attr = name.rpartition(".")
+    return (module.get_submodule(owner_name) if owner_name else module), attr
+
+
+@contextlib.contextmanager
+def _swapped(module: nn.Module, views: Dict[str, callable]) -> Iterator[None]:
+    """Within the block, module.<name> (dotted) reads views[name](the parameter) instead."""
+    saved: Dict[tuple, nn.Parameter] = {}
+    try:
+        for name, view in views.items():
+            owner, attr = _owner(module, name)
+            saved[(owner, attr)] = owner._parameters[attr]
+            owner._parameters[attr] = view(saved[(owner, attr)])
+        yield
+    finally:
+        for (owner, attr), param in saved.items():
+            owner._parameters[attr] = param
+
+
+def _local_views(module: nn.Module, mesh: DeviceMesh, sharded: list[str], head_shared: list[str]) -> None:
+    """Store the `sharded` parameters as Shard(0) DTensors and run module's forward on their local shards;
+    sum the gradients of the `head_shared` (replicated, applied to local heads only) over the ranks."""
+    for name in sharded:
+        owner, attr = _owner(module, name)
+        param = owner._parameters[attr]
+        owner._parameters[attr] = nn.Parameter(distribute_tensor(param.data, mesh, [Shard(0)]),
+                                               requires_grad=param.requires_grad)
+    views = {name: lambda p: p.to_local() for name in sharded}
+    views.update({name: lambda p: _SumGradOverRanks.apply(p, mesh) for name in head_shared})
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with _swapped(module, views):
+            return forward(*args, **kwargs)
+
+    module.forward = run
+
+
+def _gather_heads(consume, mesh: DeviceMesh):
+    """Wrap MLA.consume_max_logits: this rank's heads' maxima -> all heads' (heads are split in order)."""
+
+    @functools.wraps(consume)
+    def all_heads():
+        local = consume()
+        if local is None:
+            return None
+        return funcol.all_gather_tensor(local.contiguous(), gather_dim=0, group=mesh).wait()
+
+    return all_heads
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    from kimi.model.kda import KDA
+    from kimi.model.mla import MLA
+
+    check_divisible(model.cfg, mesh.size())
+    parallelize_module(model, mesh, {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    })
+    col, row = ColwiseParallel(), RowwiseParallel()
+    for block in model.blocks:
+        parallelize_module(block.mlp, mesh, {"w_gate": col, "w_up": col, "w_down": row})
+        mixer = block.mixer
+        if isinstance(mixer, KDA):
+            parallelize_module(mixer, mesh, {"q_proj": col, "k_proj": col, "v_proj": col, "f_proj_up": col,
+                                             "b_proj": col, "g_proj_up": col, "o_proj": row})
+            _local_views(mixer, mesh, ["A_log", "dt_bias", "q_conv.weight", "k_conv.weight", "v_conv.weight"],
+                         head_shared=["o_norm.weight"])
+        elif isinstance(mixer, MLA):
+            q_proj = "wq_b" if hasattr(mixer, "wq_a") else "wq"
+            parallelize_module(mixer, mesh, {q_proj: col, "wkv_b": col, "wo": row})
+            mixer.consume_max_logits = _gather_heads(mixer.consume_max_logits, mesh)
+        else:
+            raise TypeError(f"no tensor-parallel plan for token mixer {type(mixer).__name__}")
+    return model
+
+
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """Global gradient-norm clipping for a mix of plain tensors and DTensors on different meshes (which
+    torch.nn.utils.clip_grad_norm_ cannot stack); returns the total norm before clipping."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    squares = []
+    for g in grads:
+        norm = torch.linalg.vector_norm(g, dtype=torch.float32)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total = torch.stack(squares).sum().sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device))
+    return total
