@@ -7,9 +7,12 @@ q [B, Tq, H, Dqk], k [B, Tk, Hkv, Dqk], v [B, Tk, Hkv, Dv] (H a multiple of Hkv;
 With a causal mask the queries are the last Tq key positions (decoding with a cache). cu_seqlens: offsets
 [N + 1] of documents packed along T (B = 1, Tq = Tk); no token attends across a boundary.
 
-This is the CPU/PyTorch path: SDPA for the output and, only when asked, a query-chunked pass for the max
-logits (SDPA does not expose its row maxima). A fused Triton path that gets them for free comes later
-behind this same function.
+Two backends compute it. "sdpa" (the default for CPU tensors, and the reference): SDPA for the output and,
+only when asked, a query-chunked pass for the max logits (SDPA does not expose its row maxima). "triton"
+(the default for CUDA tensors in fp16/bf16): a flash-attention kernel whose online softmax already tracks
+every row's max, so the max logits cost one extra store (kimi/ops/attention/triton/). It takes fp32 too, with
+exact fp32 dots (no tensor cores, so slow: not the default). Choose one with `backend=`; "triton" on CPU
+tensors needs TRITON_INTERPRET=1 set before triton is imported.
 """
 
 import torch
@@ -41,6 +44,19 @@ def _max_logits(q, k, scale, mask) -> torch.Tensor:
     return out.float()
 
 
+_BACKENDS = ("sdpa", "triton")
+
+
+def _pick_backend(backend: str | None, q: torch.Tensor) -> str:
+    if backend is None:
+        triton_ok = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+        return "triton" if triton_ok else "sdpa"
+    if backend not in _BACKENDS:
+        allowed = f"{list(_BACKENDS)} or None (by device)"
+        raise ValueError(f"attention: unknown backend {backend!r}; allowed: {allowed}")
+    return backend
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -49,6 +65,7 @@ def attention(
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     return_max_logits: bool = False,
+    backend: str | None = None,
 ):
     B, Tq, H, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
@@ -57,6 +74,13 @@ def attention(
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"cu_seqlens packs documents along T and needs B == 1, got B = {B}")
     scale = D**-0.5 if scale is None else scale
+    if _pick_backend(backend, q) == "triton":
+        from .triton import flash_attention  # imported on first use: triton fixes its mode at import
+
+        if cu_seqlens is not None and Tq != Tk:
+            raise ValueError(f"cu_seqlens needs as many queries as keys, got Tq={Tq}, Tk={Tk}")
+        o, _, max_logits = flash_attention(q, k, v, causal, scale, cu_seqlens, return_max_logits)
+        return (o, max_logits) if return_max_logits else o
     # SDPA's own is_causal aligns queries top-left, which is only right when Tq == Tk; otherwise (or with
     # documents) pass the explicit mask. A single query at the end of the keys sees everything: no mask.
     use_is_causal = causal and cu_seqlens is None and Tq == Tk

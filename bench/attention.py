@@ -1,0 +1,316 @@
+"""Triton flash attention (kimi.ops.attention, backend "triton") against SDPA's flash backend, and the cost
+of asking it for QK-Clip's max logits.
+
+On a GPU, for each T: forward and forward+backward times in bf16, causal, B = tokens // T, for head dims
+128/128 (NoPE) and 192/128 (NoPE + RoPE; SDPA's flash kernel needs equal q/k/v head dims, so it gets v
+zero-padded to 192, what one does without a kernel that takes Dv != Dqk). Goals (issue 5): within 1.1x of
+SDPA, max logits under 2%. Also the SDPA path's separate max-logit pass, the cost without a fused kernel.
+On a GPU it first checks the compiled kernels (bf16, fp16; forward and gradients) against fp32 at odd
+lengths, with fixed tiles; --check-only stops there (about a minute, mostly compilation).
+On CPU timing means nothing: it runs a correctness spot-check under the Triton interpreter instead.
+--compile-check (no GPU needed) compiles every kernel and tile candidate for sm_90 with triton's ptxas and
+reports registers and spills.
+
+    python bench/attention.py [--T 2048 4096 8192 16384] [--tokens 16384] [--heads 16]
+                              [--dims 128/128 192/128] [--check-only] [--compile-check]
+
+Prints markdown tables and writes bench/results/attention.json (attention_gpu_check.json with --check-only,
+attention_cpu_check.json on CPU).
+"""
+
+import argparse
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# Before the kernels are defined, which is when triton reads it. --compile-check needs real kernels.
+if not torch.cuda.is_available() and "--compile-check" not in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kimi.ops.attention import attention  # noqa: E402
+from kimi.ops.attention.reference import attention_mask, naive_attention  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def make_inputs(B, T, H, dqk, dv, dtype, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q, k = (torch.randn(B, T, H, dqk, generator=gen, device=device, dtype=dtype) for _ in range(2))
+    v = torch.randn(B, T, H, dv, generator=gen, device=device, dtype=dtype)
+    return [x.requires_grad_() for x in (q, k, v)]
+
+
+def scores_reference(q, k, v, causal, scale, cu_seqlens):
+    """fp32 explicit-score attention -> (o, lse [B, H, Tq], max_logits [B, H]); for the GPU check."""
+    H = q.shape[2]
+    k, v = (x.repeat_interleave(H // x.shape[2], dim=2) for x in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    mask = attention_mask(q.shape[1], k.shape[1], causal, cu_seqlens, q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v), scores.logsumexp(-1), scores.amax((-2, -1))
+
+
+# name: (B, Tq, Tk, H, Hkv, Dqk, Dv, causal, cu_seqlens); lengths off the tile sizes on purpose
+GPU_CHECKS = {
+    "causal 128/128": (2, 1000, 1000, 4, 4, 128, 128, True, None),
+    "MQA 192/128": (1, 777, 777, 4, 1, 192, 128, True, None),
+    "decode tail GQA": (2, 37, 1000, 4, 2, 128, 128, True, None),
+    "packed GQA 192/128": (1, 1500, 1500, 4, 2, 192, 128, True, [0, 100, 611, 612, 1400]),
+    "not causal 64/64": (2, 300, 500, 2, 2, 64, 64, False, None),
+}
+
+
+def gpu_check(dtypes=(torch.bfloat16, torch.float16)) -> list[dict]:
+    """Kernels on the GPU (compiled, not interpreted) against an fp32 reference built from the same
+    rounded inputs: O, LSE, max logits, dQ, dK, dV. Fixed tiles, so it costs no autotuning."""
+    from kimi.ops.attention.triton import common, flash_attention
+
+    common.AUTOTUNE, tuned, atomic = False, common.AUTOTUNE, common.DQ_ATOMIC
+    rows = []
+    for dtype, atomic_dq, (name, case) in itertools.product(dtypes, (False, True), GPU_CHECKS.items()):
+        B, Tq, Tk, H, Hkv, dqk, dv, causal, cu = case
+        common.DQ_ATOMIC = atomic_dq
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(B, Tq, H, dqk, generator=gen, device="cuda").to(dtype).requires_grad_()
+        k = torch.randn(B, Tk, Hkv, dqk, generator=gen, device="cuda").to(dtype).requires_grad_()
+        v = torch.randn(B, Tk, Hkv, dv, generator=gen, device="cuda").to(dtype).requires_grad_()
+        cu_seqlens = None if cu is None else torch.tensor(cu, device="cuda")
+        scale = dqk**-0.5
+        o, lse, m = flash_attention(q, k, v, causal, scale, cu_seqlens, return_max_logits=True)
+        do = torch.randn(o.shape, generator=gen, device="cuda").to(dtype)
+        grads = torch.autograd.grad(o, (q, k, v), do)
+        q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+        o_ref, lse_ref, m_ref = scores_reference(q32, k32, v32, causal, scale, cu_seqlens)
+        grads_ref = torch.autograd.grad(o_ref, (q32, k32, v32), do.float())
+        got = {"o": o, "lse": lse, "max_logits": m, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
+        want = {"o": o_ref, "lse": lse_ref, "max_logits": m_ref, "dq": grads_ref[0], "dk": grads_ref[1],
+                "dv": grads_ref[2]}
+        row = dict(dtype=str(dtype).split(".")[-1], case=name, dq_mode="atomic" if atomic_dq else "separate")
+        for key in got:
+            row[key] = ((got[key].float() - want[key]).norm() / want[key].norm()).item()
+        row["nan"] = any(t.isnan().any().item() for t in got.values())
+        # bf16 has 8 mantissa bits: ~1e-2 relative error on outputs; logits come from fp32 accumulation
+        limit = {"max_logits": 1e-5, "lse": 1e-4}
+        row["ok"] = not row["nan"] and all(row[key] < limit.get(key, 2e-2) for key in got)
+        rows.append(row)
+    common.AUTOTUNE, common.DQ_ATOMIC = tuned, atomic
+    print("\n| dtype | case | dQ by | o | lse | max logits | dq | dk | dv | ok |  (relative error vs fp32)")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        errors = " | ".join(f"{r[key]:.1e}" for key in ("o", "lse", "max_logits", "dq", "dk", "dv"))
+        print(f"| {r['dtype']} | {r['case']} | {r['dq_mode']} | {errors} | {'ok' if r['ok'] else 'FAILED'} |")
+    return rows
+
+
+def gpu_bench(args) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kimi.ops.attention.triton import common
+    from triton.testing import do_bench
+
+    def ms(fn, grads=()):
+        return do_bench(fn, warmup=25, rep=100, grad_to_none=list(grads), return_mode="median")
+
+    rows = []
+    for dims in args.dims:
+        dqk, dv = (int(x) for x in dims.split("/"))
+        for T in args.T:
+            B = max(1, args.tokens // T)
+            q, k, v = make_inputs(B, T, args.heads, dqk, dv, torch.bfloat16, "cuda")
+            do = torch.randn(B, T, args.heads, dv, device="cuda", dtype=torch.bfloat16)
+            # SDPA layout [B, H, T, D] as views of the same [B, T, H, D] storage; v padded when dv != dqk
+            v_sdpa = F.pad(v.detach(), (0, dqk - dv)).requires_grad_() if dv != dqk else v
+            do_sdpa = F.pad(do, (0, dqk - dv))
+
+            def sdpa():
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                       v_sdpa.transpose(1, 2), is_causal=True)
+                return o.transpose(1, 2)
+
+            def ours(max_logits):
+                return lambda: attention(q, k, v, backend="triton", return_max_logits=max_logits)
+
+            def first(fn):
+                return lambda: (lambda out: out[0] if isinstance(out, tuple) else out)(fn())
+
+            # the output at this size against fp32 SDPA, on two heads of the first sequence (memory)
+            with torch.no_grad():
+                o = ours(True)()[0][:1, :, :2].float()
+                heads = (x[:1, :, :2].float().transpose(1, 2) for x in (q, k, v))
+                ref = F.scaled_dot_product_attention(*heads, is_causal=True).transpose(1, 2)
+            err = ((o - ref).norm() / ref.norm()).item()
+            row = dict(dims=dims, T=T, B=B, rel_err_vs_fp32=err)
+            with torch.no_grad():
+                row["sdpa_fwd_ms"] = ms(sdpa)
+                row["triton_fwd_ms"] = ms(ours(False))
+                row["triton_fwd_max_ms"] = ms(ours(True))
+                row["sdpa_path_fwd_max_ms"] = ms(
+                    lambda: attention(q, k, v, backend="sdpa", return_max_logits=True))
+            row["sdpa_fwdbwd_ms"] = ms(lambda: sdpa().backward(do_sdpa), (q, k, v_sdpa))
+            row["triton_fwdbwd_ms"] = ms(lambda: first(ours(False))().backward(do), (q, k, v))
+            row["triton_fwdbwd_max_ms"] = ms(lambda: first(ours(True))().backward(do), (q, k, v))
+            common.DQ_ATOMIC = True
+            row["triton_fwdbwd_atomic_dq_ms"] = ms(lambda: first(ours(False))().backward(do), (q, k, v))
+            common.DQ_ATOMIC = False
+            rows.append(row)
+            print(row, flush=True)
+            del q, k, v, v_sdpa, do, do_sdpa
+            torch.cuda.empty_cache()
+
+    print("\n| dims | T | B | err | fwd SDPA ms | fwd ours ms | ratio | +max | fwd+bwd SDPA ms | ours ms "
+          "| ratio | +max | atomic dQ ratio | SDPA-path max pass |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['dims']} | {r['T']} | {r['B']} | {r['rel_err_vs_fp32']:.1e} | {r['sdpa_fwd_ms']:.3f} | "
+              f"{r['triton_fwd_ms']:.3f} | {r['triton_fwd_ms'] / r['sdpa_fwd_ms']:.2f}x | "
+              f"{100 * (r['triton_fwd_max_ms'] / r['triton_fwd_ms'] - 1):+.1f}% | "
+              f"{r['sdpa_fwdbwd_ms']:.3f} | "
+              f"{r['triton_fwdbwd_ms']:.3f} | {r['triton_fwdbwd_ms'] / r['sdpa_fwdbwd_ms']:.2f}x | "
+              f"{100 * (r['triton_fwdbwd_max_ms'] / r['triton_fwdbwd_ms'] - 1):+.1f}% | "
+              f"{r['triton_fwdbwd_atomic_dq_ms'] / r['sdpa_fwdbwd_ms']:.2f}x | "
+              f"{100 * (r['sdpa_path_fwd_max_ms'] / r['sdpa_fwd_ms'] - 1):+.0f}% |")
+    return dict(heads=args.heads, tokens=args.tokens, dtype="bfloat16", causal=True, rows=rows)
+
+
+def cpu_check() -> dict:
+    """Small fp32 cases through the interpreted kernels against fp64, forward and backward."""
+    print("Timing needs a GPU; running a correctness spot-check of the Triton kernels under the interpreter.")
+    cases = {"causal 64/64": (2, 48, 2, 2, 64, 64, None), "MQA 192/128": (1, 64, 2, 1, 192, 128, None),
+             "packed GQA 24/16": (1, 50, 4, 2, 24, 16, [0, 7, 31, 50])}
+    rows = []
+    for name, (B, T, H, Hkv, dqk, dv, cu) in cases.items():
+        q, k, v = make_inputs(B, T, H, dqk, dv, torch.float32, "cpu")
+        k, v = (x.detach()[:, :, :Hkv].contiguous().requires_grad_() for x in (k, v))
+        cu_seqlens = None if cu is None else torch.tensor(cu)
+        o, m = attention(q, k, v, cu_seqlens=cu_seqlens, return_max_logits=True, backend="triton")
+        grads = torch.autograd.grad(o.square().sum(), (q, k, v))
+        q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+        o_ref, m_ref = naive_attention(q64, k64, v64, cu_seqlens=cu_seqlens)
+        grads_ref = torch.autograd.grad(o_ref.square().sum(), (q64, k64, v64))
+        err = {"o": o, "max_logits": m, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
+        ref = {"o": o_ref, "max_logits": m_ref.double(), "dq": grads_ref[0], "dk": grads_ref[1],
+               "dv": grads_ref[2]}
+        row = {"case": name}
+        for key in err:
+            row[key] = ((err[key].double() - ref[key]).norm() / ref[key].norm()).item()
+        rows.append(row)
+    print("\n| case | o | max logits | dq | dk | dv |  (relative error vs fp64)")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        errors = " | ".join(f"{r[key]:.1e}" for key in ("o", "max_logits", "dq", "dk", "dv"))
+        print(f"| {r['case']} | {errors} |")
+    worst = max(v for r in rows for k, v in r.items() if k != "case")
+    print(f"\nworst relative error {worst:.1e} ({'ok' if worst < 1e-5 else 'FAILED'}: goal < 1e-5)")
+    return dict(device="cpu (Triton interpreter)", torch=torch.__version__, dtype="float32", rows=rows)
+
+
+def compile_check(args) -> dict:
+    """Compile every kernel and tile candidate for sm_90 with the ptxas bundled with triton (no GPU needed)
+    and report registers, spill stack and shared memory: a kernel that fails here fails on an H100."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kimi.ops.attention.triton import backward, common, forward
+
+    if common.INTERPRET:
+        raise SystemExit("--compile-check needs TRITON_INTERPRET unset")
+    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    pointers = {"LSE": "*fp32", "ROWMAX": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "DQACC": "*fp32",
+                "SEG": "*i32", "DSTART": "*i32", "DEND": "*i32"}
+    kernels = {"fwd": (forward._fwd_kernel, forward._fwd_tuned.configs, dict(STORE_MAX=True)),
+               "dkdv": (backward._dkdv_kernel, backward._dkdv_tuned.configs, dict(ATOMIC_DQ=False)),
+               "dkdv+atomic dq": (backward._dkdv_kernel, backward._dkdv_tuned.configs, dict(ATOMIC_DQ=True)),
+               "dq": (backward._dq_kernel, backward._dq_tuned.configs, {})}
+    rows = []
+    for dims in args.dims:
+        dqk, dv = (int(x) for x in dims.split("/"))
+        d1, d2, dvb = common.head_blocks(dqk, dv)
+        for causal, varlen in ((True, False), (True, True), (False, False)):
+            for name, (kernel, configs, extra) in kernels.items():
+                for cfg in configs if causal and not varlen else configs[:1]:
+                    consts = dict(DQK=dqk, DV=dv, CAUSAL=causal, VARLEN=varlen, BLOCK_D1=d1, BLOCK_D2=d2,
+                                  BLOCK_DV=dvb, UPCAST=False, PRECISION="tf32", **extra, **cfg.kwargs)
+                    signature, attrs = {}, {}
+                    for i, arg in enumerate(kernel.arg_names):
+                        if arg in consts:
+                            signature[arg] = "constexpr"
+                        elif arg.isupper() and arg not in ("H", "GROUP"):
+                            signature[arg] = pointers.get(arg, "*bf16")
+                            attrs[(i,)] = [["tt.divisibility", 16]]
+                        elif arg in ("qk_scale", "scale"):
+                            signature[arg] = "fp32"
+                        else:  # sizes and strides; real strides of contiguous bf16 tensors divide by 16
+                            signature[arg] = "i32"
+                            if arg.startswith("s"):
+                                attrs[(i,)] = [["tt.divisibility", 16]]
+                    row = dict(kernel=name, dims=dims, causal=causal, varlen=varlen, tiles=cfg.kwargs,
+                               warps=cfg.num_warps, stages=cfg.num_stages)
+                    try:
+                        options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                        compiled = triton.compile(ASTSource(kernel, signature, consts, attrs),
+                                                  target=GPUTarget("cuda", 90, 32), options=options)
+                        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                            f.write(compiled.asm["cubin"])
+                            f.flush()
+                            usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name],
+                                                   capture_output=True, text=True).stdout
+                        row.update(regs=int(re.search(r"REG:(\d+)", usage).group(1)),
+                                   spill_stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
+                                   smem=compiled.metadata.shared)
+                    except Exception as e:  # report every failure, not just the first
+                        row["error"] = str(e).splitlines()[0][:200] if str(e) else repr(e)
+                    rows.append(row)
+                    print(row, flush=True)
+    print("\n| kernel | dims | mask | tiles (M, N) | warps | stages | regs | spill stack B | smem B |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        mask = ("causal" if r["causal"] else "full") + (" varlen" if r["varlen"] else "")
+        tail = (f"FAILED: {r['error']} | | " if "error" in r
+                else f"{r['regs']} | {r['spill_stack']} | {r['smem']}")
+        print(f"| {r['kernel']} | {r['dims']} | {mask} | {r['tiles']['BLOCK_M']}, {r['tiles']['BLOCK_N']} | "
+              f"{r['warps']} | {r['stages']} | {tail} |")
+    failed = sum("error" in r for r in rows)
+    print(f"\n{len(rows) - failed} of {len(rows)} compiled for sm_90 "
+          "(a candidate above 232448 B of shared memory cannot launch; autotuning skips it)")
+    return dict(target="sm_90 (compiled, not run)", triton=triton.__version__, rows=rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--T", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--tokens", type=int, default=16384, help="B * T per measurement")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--dims", nargs="+", default=["128/128", "192/128"], help="Dqk/Dv pairs")
+    parser.add_argument("--check-only", action="store_true", help="GPU: correctness check, no timing")
+    parser.add_argument("--compile-check", action="store_true",
+                        help="no GPU needed: compile all kernels for sm_90, report registers and spills")
+    args = parser.parse_args()
+    RESULTS.mkdir(exist_ok=True)
+    if args.compile_check:
+        result, path = compile_check(args), RESULTS / "attention_sm90_compile.json"
+    elif torch.cuda.is_available():
+        checks = gpu_check()
+        result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, checks=checks)
+        if not args.check_only:
+            result.update(gpu_bench(args))
+        path = RESULTS / ("attention_gpu_check.json" if args.check_only else "attention.json")
+    else:
+        result, path = cpu_check(), RESULTS / "attention_cpu_check.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""Triton flash attention (interpreted on CPU) against naive fp64 softmax attention: O, LSE, max logits and
+the gradients of q, k, v (through O and LSE); the dispatching attention() against the SDPA path; an MLA layer
+on either backend; torch.compile without graph breaks."""
+
+import functools
+
+import pytest
+import torch
+
+import kimi.model.mla as mla_module
+from kimi.config import ModelConfig
+from kimi.model.mla import MLA
+from kimi.ops.attention import attention
+from kimi.ops.attention.reference import attention_mask
+from kimi.ops.attention.triton import common, flash_attention
+
+
+def reference(q, k, v, causal, scale, cu_seqlens):
+    """Explicit scores -> (o, lse [B, H, Tq], max_logits [B, H]); rows with no allowed key give NaN/-inf."""
+    H = q.shape[2]
+    k, v = (x.repeat_interleave(H // x.shape[2], dim=2) for x in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    mask = attention_mask(q.shape[1], k.shape[1], causal, cu_seqlens, q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    o = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+    return o, scores.logsumexp(-1), scores.amax(dim=(-2, -1))
+
+
+def rel_err(got, want):
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def inputs(B, Tq, Tk, H, Hkv, D, Dv, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Tq, H, D, generator=gen)
+    k = torch.randn(B, Tk, Hkv, D, generator=gen)
+    v = torch.randn(B, Tk, Hkv, Dv, generator=gen)
+    return [x.to(dtype).requires_grad_() for x in (q, k, v)]
+
+
+CASES = {  # name: (B, Tq, Tk, H, Hkv, Dqk, Dv, causal, cu_seqlens)
+    "causal_64": (2, 40, 40, 2, 2, 64, 64, True, None),
+    "mla_192_128_mqa": (1, 80, 80, 2, 1, 192, 128, True, None),
+    "gqa_not_causal": (2, 30, 40, 4, 2, 24, 16, False, None),
+    "decode_tail_gqa": (2, 7, 40, 4, 2, 24, 16, True, None),
+    # a zero-length document (20, 20) and a tail past the last offset, which is one more document
+    "packed": (1, 50, 50, 2, 1, 24, 16, True, [0, 5, 20, 20, 21, 45]),
+    "packed_192_128": (1, 64, 64, 2, 2, 192, 128, True, [0, 17, 40, 64]),
+    "packed_not_causal_64": (1, 48, 48, 2, 1, 64, 64, False, [0, 13, 30, 48]),
+    # documents longer than the tiles: blocks inside one document take the unmasked path
+    "packed_long_docs": (1, 96, 96, 2, 1, 64, 32, True, [0, 70, 96]),
+    "packed_long_docs_not_causal": (1, 96, 96, 2, 2, 24, 16, False, [0, 3, 70, 96]),
+}
+
+
+# dQ from atomic adds in the dK/dV kernel (common.DQ_ATOMIC) instead of its own kernel, on a subset
+ATOMIC_DQ_CASES = ["mla_192_128_mqa", "gqa_not_causal", "decode_tail_gqa", "packed_long_docs"]
+
+
+@pytest.mark.parametrize(
+    "name,atomic_dq", [(name, False) for name in CASES] + [(name, True) for name in ATOMIC_DQ_CASES]
+)
+def test_matches_fp64_reference(name, atomic_dq, monkeypatch):
+    monkeypatch.setattr(common, "DQ_ATOMIC", atomic_dq)
+    B, Tq, Tk, H, Hkv, D, Dv, causal, cu = CASES[name]
+    q, k, v = inputs(B, Tq, Tk, H, Hkv, D, Dv, seed=len(name))
+    cu_seqlens = None if cu is None else torch.tensor(cu)
+    scale = 0.7 * D**-0.5
+    o, lse, max_logits = flash_attention(q, k, v, causal, scale, cu_seqlens, return_max_logits=True)
+    assert o.shape == (B, Tq, H, Dv) and lse.shape == (B, H, Tq) and max_logits.shape == (B, H)
+    assert lse.dtype == max_logits.dtype == torch.float32
+
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    o_ref, lse_ref, max_ref = reference(q64, k64, v64, causal, scale, cu_seqlens)
+    assert rel_err(o, o_ref) < 1e-5
+    assert rel_err(lse, lse_ref) < 1e-5
+    assert ((max_logits.double() - max_ref).abs() / max_ref.abs()).max() < 1e-5
+
+    gen = torch.Generator().manual_seed(1)
+    do, dlse = torch.randn(o.shape, generator=gen), torch.randn(lse.shape, generator=gen)
+    grads = torch.autograd.grad((o * do).sum() + (lse * dlse).sum(), (q, k, v))
+    loss_ref = (o_ref * do.double()).sum() + (lse_ref * dlse.double()).sum()
+    grads_ref = torch.autograd.grad(loss_ref, (q64, k64, v64))
+    for name_, g, g_ref in zip("qkv", grads, grads_ref):
+        assert rel_err(g, g_ref) < 1e-5, f"d{name_}"
+
+
+@pytest.mark.parametrize("atomic_dq", [False, True])
+def test_rows_without_keys_are_zero_not_nan(atomic_dq, monkeypatch):
+    """Causal with Tq > Tk: queries 0..6 sit before the first key. They give O = 0, LSE = -inf, no gradient;
+    the other rows equal attention over the keys they may see."""
+    monkeypatch.setattr(common, "DQ_ATOMIC", atomic_dq)
+    q, k, v = inputs(2, 12, 5, 2, 1, 24, 16, seed=3)
+    o, lse, max_logits = flash_attention(q, k, v, True, 0.3, None, return_max_logits=True)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(4))
+    dq, dk, dv = torch.autograd.grad((o * do).sum(), (q, k, v))
+    for t in (o, max_logits, dq, dk, dv):
+        assert not t.isnan().any()
+    assert (o[:, :7] == 0).all() and (dq[:, :7] == 0).all() and (lse[:, :, :7] == float("-inf")).all()
+
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q[:, 7:], k, v))
+    o_ref, lse_ref, max_ref = reference(q64, k64, v64, True, 0.3, None)
+    assert rel_err(o[:, 7:], o_ref) < 1e-5 and rel_err(lse[:, :, 7:], lse_ref) < 1e-5
+    torch.testing.assert_close(max_logits, max_ref.float())
+    grads_ref = torch.autograd.grad((o_ref * do[:, 7:].double()).sum(), (q64, k64, v64))
+    for g, g_ref in zip((dq[:, 7:], dk, dv), grads_ref):
+        assert rel_err(g, g_ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_storage(dtype):
+    """fp16/bf16 tensors in and out (the interpreter computes in fp32): errors at the storage precision."""
+    q, k, v = inputs(1, 40, 40, 2, 1, 24, 16, dtype=dtype, seed=5)
+    cu_seqlens = torch.tensor([0, 19, 40])
+    o, lse, _ = flash_attention(q, k, v, True, 0.25, cu_seqlens)
+    assert o.dtype == dtype
+    grads = torch.autograd.grad(o.float().square().sum(), (q, k, v))
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    o_ref, lse_ref, _ = reference(q64, k64, v64, True, 0.25, cu_seqlens)
+    grads_ref = torch.autograd.grad(o_ref.square().sum(), (q64, k64, v64))
+    tol = 2e-3 if dtype == torch.float16 else 2e-2
+    assert rel_err(o, o_ref) < tol and rel_err(lse, lse_ref) < 1e-5
+    for g, g_ref in zip(grads, grads_ref):
+        assert g.dtype == dtype and rel_err(g, g_ref) < 2 * tol
+
+
+DISPATCH_CASES = {  # name: (B, Tq, Tk, H, Hkv, Dqk, Dv, causal, cu_seqlens)
+    "causal": (2, 10, 10, 2, 2, 16, 16, True, None),
+    "not_causal": (2, 7, 10, 2, 2, 16, 16, False, None),
+    "gqa_dv": (2, 10, 10, 4, 2, 16, 8, True, None),
+    "decode_tail": (2, 3, 10, 4, 1, 16, 24, True, None),
+    "packed": (1, 13, 13, 2, 1, 8, 12, True, [0, 4, 5, 13]),
+}
+
+
+@pytest.mark.parametrize("name", list(DISPATCH_CASES))
+def test_triton_backend_equals_sdpa_backend(name):
+    B, Tq, Tk, H, Hkv, D, Dv, causal, cu = DISPATCH_CASES[name]
+    q, k, v = inputs(B, Tq, Tk, H, Hkv, D, Dv, seed=len(name))
+    kw = dict(causal=causal, scale=0.3, cu_seqlens=None if cu is None else torch.tensor(cu))
+    o, m = attention(q, k, v, return_max_logits=True, backend="triton", **kw)
+    o_sdpa, m_sdpa = attention(q, k, v, return_max_logits=True, backend="sdpa", **kw)
+    torch.testing.assert_close(o, o_sdpa, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(m, m_sdpa, rtol=1e-6, atol=1e-6)
+    plain = attention(q, k, v, backend="triton", **kw)
+    assert isinstance(plain, torch.Tensor)
+    torch.testing.assert_close(plain, o, rtol=0, atol=0)
+    torch.testing.assert_close(attention(q, k, v, **kw), o_sdpa, rtol=0, atol=0)  # CPU default: SDPA
+
+
+def test_backend_errors(monkeypatch):
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="unknown backend"):
+        attention(q, q, q, backend="flash")
+    with pytest.raises(TypeError, match="fp16/bf16/fp32"):
+        attention(q.double(), q.double(), q.double(), backend="triton")
+    monkeypatch.setattr(common, "INTERPRET", False)  # as if triton had been imported without the interpreter
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        attention(q, q, q, backend="triton")
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_mla_layer_on_triton_backend(monkeypatch, packed):
+    """An MLA layer (RoPE 8 + NoPE 16 query/key dims, 8 value dims) gives the same output, parameter
+    gradients and recorded max logits on both backends."""
+    cfg = ModelConfig(d_model=32, mla_num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                      v_head_dim=8, rope_theta=100.0)
+    torch.manual_seed(7)
+    layer = MLA(cfg)
+    layer.init_weights(0.2, 0.2)
+    layer.track_max_logits = True
+    x = torch.randn(1 if packed else 2, 24, 32)
+    cu_seqlens = torch.tensor([0, 9, 24]) if packed else None
+
+    def run():
+        layer.zero_grad()
+        out = layer(x, cu_seqlens=cu_seqlens)
+        out.square().sum().backward()
+        return out.detach(), layer.consume_max_logits(), [p.grad.clone() for p in layer.parameters()]
+
+    want = run()
+    monkeypatch.setattr(mla_module, "attention", functools.partial(attention, backend="triton"))
+    got = run()
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
+    for g, g_want in zip(got[2], want[2]):
+        torch.testing.assert_close(g, g_want, rtol=1e-4, atol=1e-5)
+
+
+def test_torch_compile_fullgraph():
+    """The custom op traces as one node: fullgraph=True fails on any graph break. (aot_eager keeps the test
+    fast; the inductor backend also works here, ~20 s of C++ compilation.)"""
+    q, k, v = inputs(1, 24, 24, 2, 1, 24, 16, seed=8)
+    cu_seqlens = torch.tensor([0, 10, 24])
+
+    def loss(q, k, v):
+        o, m = attention(q, k, v, cu_seqlens=cu_seqlens, return_max_logits=True, backend="triton")
+        return o.square().sum(), m
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    (value, m), (value_eager, m_eager) = compiled(q, k, v), loss(q, k, v)
+    grads = torch.autograd.grad(value, (q, k, v))
+    grads_eager = torch.autograd.grad(value_eager, (q, k, v))
+    torch.testing.assert_close(value, value_eager, rtol=0, atol=0)
+    torch.testing.assert_close(m, m_eager, rtol=0, atol=0)
+    for g, g_eager in zip(grads, grads_eager):
+        torch.testing.assert_close(g, g_eager, rtol=0, atol=0)
