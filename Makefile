@@ -37,7 +37,7 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	touch $@
 
 bench: $(VENV)/.installed
-	$(PY) bench/kda_cpu.py
+	$(PY) bench/kda.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -36,7 +36,7 @@ if not torch.cuda.is_available() and "--compile-check" not in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kimi.ops.attention import attention  # noqa: E402
-from kimi.ops.attention.reference import attention_mask, naive_attention  # noqa: E402
+from kimi.ops.attention.reference import naive_attention  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -50,13 +50,8 @@ def make_inputs(B, T, H, dqk, dv, dtype, device, seed=0):
 
 def scores_reference(q, k, v, causal, scale, cu_seqlens):
     """fp32 explicit-score attention -> (o, lse [B, H, Tq], max_logits [B, H]); for the GPU check."""
-    H = q.shape[2]
-    k, v = (x.repeat_interleave(H // x.shape[2], dim=2) for x in (k, v))
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    mask = attention_mask(q.shape[1], k.shape[1], causal, cu_seqlens, q.device)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v), scores.logsumexp(-1), scores.amax((-2, -1))
+    o, max_logits, lse = naive_attention(q, k, v, causal, scale, cu_seqlens, return_lse=True)
+    return o, lse, max_logits
 
 
 # name: (B, Tq, Tk, H, Hkv, Dqk, Dv, causal, cu_seqlens); lengths off the tile sizes on purpose

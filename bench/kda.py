@@ -115,14 +115,15 @@ def run_cpu(args) -> None:
     growths = {m: growth(results[m]) for m in methods}
     setup = f"B=1, H={heads}, d={dim}, {torch.get_num_threads()} threads"
     print(f"\nforward+backward, fp32 CPU, {setup}; seconds per call (median), (factor over the previous T)\n")
-    print("| T | naive recurrent | PyTorch chunkwise | softmax attention (SDPA) |")
-    print("|---|---|---|---|")
+    print("| T | naive recurrent | PyTorch chunkwise | softmax attention (SDPA) | chunkwise / SDPA |")
+    print("|---|---|---|---|---|")
     for T in Ts:
         cells = [
             f"{fmt(results[m][T], '.3f')}" + (f" ({fmt(growths[m][T], '.2f')}x)" if T in growths[m] else "")
             for m in methods
         ]
-        print(f"| {T} | " + " | ".join(cells) + " |")
+        ratio = results["chunk"][T] / results["sdpa"][T] if results["chunk"][T] and results["sdpa"][T] else None
+        print(f"| {T} | " + " | ".join(cells) + f" | {fmt(ratio, '.2f')}x |")
 
     record = {
         "config": {"B": 1, "H": heads, "d": dim, "dtype": "float32", "repeats": args.repeats,

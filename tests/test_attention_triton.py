@@ -11,20 +11,14 @@ import kimi.model.mla as mla_module
 from kimi.config import ModelConfig
 from kimi.model.mla import MLA
 from kimi.ops.attention import attention
-from kimi.ops.attention.reference import attention_mask
+from kimi.ops.attention.reference import naive_attention
 from kimi.ops.attention.triton import common, flash_attention
 
 
 def reference(q, k, v, causal, scale, cu_seqlens):
     """Explicit scores -> (o, lse [B, H, Tq], max_logits [B, H]); rows with no allowed key give NaN/-inf."""
-    H = q.shape[2]
-    k, v = (x.repeat_interleave(H // x.shape[2], dim=2) for x in (k, v))
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    mask = attention_mask(q.shape[1], k.shape[1], causal, cu_seqlens, q.device)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    o = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
-    return o, scores.logsumexp(-1), scores.amax(dim=(-2, -1))
+    o, max_logits, lse = naive_attention(q, k, v, causal, scale, cu_seqlens, return_lse=True)
+    return o, lse, max_logits
 
 
 def rel_err(got, want):

@@ -42,10 +42,13 @@ def naive_attention(
     causal: bool = True,
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, Tq, H, D], k [B, Tk, Hkv, D], v [B, Tk, Hkv, Dv] -> (o [B, Tq, H, Dv], max_logits [B, H] fp32).
+    return_lse: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """q [B, Tq, H, D], k [B, Tk, Hkv, D], v [B, Tk, Hkv, Dv] -> (o [B, Tq, H, Dv], max_logits [B, H] fp32),
+    and with return_lse the log-sum-exp of each query's scaled logits, lse [B, H, Tq] in the scores' dtype.
 
-    max_logits is the largest scaled logit q.k * scale over the allowed (query, key) pairs.
+    max_logits is the largest scaled logit q.k * scale over the allowed (query, key) pairs. A query with no
+    allowed key gets o = NaN and lse = -inf.
     """
     H, Hkv = q.shape[2], k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -57,4 +60,4 @@ def naive_attention(
         scores = scores.masked_fill(~mask, float("-inf"))
     max_logits = scores.amax(dim=(-2, -1)).float()
     o = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), v)
-    return o, max_logits
+    return (o, max_logits, scores.logsumexp(-1)) if return_lse else (o, max_logits)

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (INTERPRET, INTERPRET_BWD, document_tables, dot_precision, head_blocks, key_range,
-                     last_dim_contiguous, pair_mask, pair_mask_t, pick_kernel)
+from .common import (INTERPRET, INTERPRET_BWD, document_tables, dot_precision, dot_transposed, head_blocks,
+                     key_range, last_dim_contiguous, pair_mask, pair_mask_t, pick_kernel, query_block)
 from . import common as common_flags
 from .forward import LOG2E
 
@@ -56,19 +56,8 @@ def _dkdv_blocks(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base,
     for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < Tq
-        qt1 = tl.load(q_base + offs_m[None, :] * sqt + offs_d1[:, None],
-                      mask=row_ok[None, :] & (offs_d1 < DQK)[:, None], other=0.0)
-        if UPCAST:
-            qt1 = qt1.to(tl.float32)
-        qkt = tl.dot(k1, qt1, input_precision=PRECISION)
-        qt2 = qt1
-        if BLOCK_D2 > 0:
-            offs_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
-            qt2 = tl.load(q_base + offs_m[None, :] * sqt + offs_d2[:, None],
-                          mask=row_ok[None, :] & (offs_d2 < DQK)[:, None], other=0.0)
-            if UPCAST:
-                qt2 = qt2.to(tl.float32)
-            qkt = tl.dot(k2, qt2, qkt, input_precision=PRECISION)
+        qkt, qt1, qt2 = dot_transposed(k1, k2, q_base, offs_m, sqt, row_ok, DQK, BLOCK_D1, BLOCK_D2, UPCAST,
+                                       PRECISION)
         lse2 = _load_lse2(lse_base, offs_m, row_ok)
         pt = tl.exp2(qkt * qk_scale - lse2[None, :])
         if MASKED:
@@ -203,24 +192,12 @@ def _dq_blocks(dq1, dq2, q1, q2, do, lse2, delta, k_base, v_base, skt, svt, offs
                CAUSAL: tl.constexpr, VARLEN: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    offs_d1 = tl.arange(0, BLOCK_D1)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_ok = offs_n < Tk
-        kt1 = tl.load(k_base + offs_n[None, :] * skt + offs_d1[:, None],
-                      mask=col_ok[None, :] & (offs_d1 < DQK)[:, None], other=0.0)
-        if UPCAST:
-            kt1 = kt1.to(tl.float32)
-        qk = tl.dot(q1, kt1, input_precision=PRECISION)
-        kt2 = kt1
-        if BLOCK_D2 > 0:
-            offs_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
-            kt2 = tl.load(k_base + offs_n[None, :] * skt + offs_d2[:, None],
-                          mask=col_ok[None, :] & (offs_d2 < DQK)[:, None], other=0.0)
-            if UPCAST:
-                kt2 = kt2.to(tl.float32)
-            qk = tl.dot(q2, kt2, qk, input_precision=PRECISION)
+        qk, kt1, kt2 = dot_transposed(q1, q2, k_base, offs_n, skt, col_ok, DQK, BLOCK_D1, BLOCK_D2, UPCAST,
+                                      PRECISION)
         p = tl.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
             p = tl.where(pair_mask(offs_m, offs_n, Tq, Tk, seg_q, SEG, CAUSAL, VARLEN), p, 0.0)
@@ -243,17 +220,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, SEG, DSTART, DEND,
                CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
                BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    hk = (h // GROUP).to(tl.int64)
-    h = h.to(tl.int64)
-    m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < Tq
+    b, h, hk, m0, offs_m, row_ok = query_block(H, GROUP, Tq, BLOCK_M, CAUSAL)
     offs_d1 = tl.arange(0, BLOCK_D1)
     offs_dv = tl.arange(0, BLOCK_DV)
     q_base = Q + b * sqb + h * sqh + offs_m[:, None] * sqt

@@ -142,3 +142,42 @@ def pair_mask_t(offs_n, offs_m, Tq, Tk, seg_k, SEG, CAUSAL: tl.constexpr, VARLEN
         seg_q = tl.load(SEG + offs_m, mask=offs_m < Tq, other=-1)
         ok = ok & (seg_k[:, None] == seg_q[None, :])
     return ok
+
+
+@triton.jit
+def dot_transposed(a1, a2, base, offs, stride, ok, DQK: tl.constexpr, BLOCK_D1: tl.constexpr,
+                   BLOCK_D2: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """a @ X^T for the rows `offs` of X (valid where `ok`) at base + row * stride, X's head dim in two tiles
+    (a = [a1 | a2]); returns (a @ X^T, X^T's first tile, its second, which is the first when BLOCK_D2 = 0)."""
+    offs_d1 = tl.arange(0, BLOCK_D1)
+    xt1 = tl.load(base + offs[None, :] * stride + offs_d1[:, None], mask=ok[None, :] & (offs_d1 < DQK)[:, None],
+                  other=0.0)
+    if UPCAST:
+        xt1 = xt1.to(tl.float32)
+    out = tl.dot(a1, xt1, input_precision=PRECISION)
+    xt2 = xt1
+    if BLOCK_D2 > 0:
+        offs_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
+        xt2 = tl.load(base + offs[None, :] * stride + offs_d2[:, None],
+                      mask=ok[None, :] & (offs_d2 < DQK)[:, None], other=0.0)
+        if UPCAST:
+            xt2 = xt2.to(tl.float32)
+        out = tl.dot(a2, xt2, out, input_precision=PRECISION)
+    return out, xt1, xt2
+
+
+@triton.jit
+def query_block(H, GROUP, Tq, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """This program's batch, query head, key/value head and query rows. Causal launches take the longest
+    rows first, so the short ones fill the tail of the launch."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    hk = (h // GROUP).to(tl.int64)
+    h = h.to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    return b, h, hk, m0, offs_m, offs_m < Tq

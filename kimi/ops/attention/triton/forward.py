@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (INTERPRET, INTERPRET_FWD, document_tables, dot_precision, head_blocks, key_range,
-                     last_dim_contiguous, pair_mask, pick_kernel)
+from .common import (INTERPRET, INTERPRET_FWD, document_tables, dot_precision, dot_transposed, head_blocks,
+                     key_range, last_dim_contiguous, pair_mask, pick_kernel, query_block)
 
 LOG2E = math.log2(math.e)
 
@@ -27,23 +27,11 @@ def _fwd_blocks(acc, l_i, m_i, q1, q2, k_base, v_base, skt, svt, offs_m, seg_q, 
                 CAUSAL: tl.constexpr, VARLEN: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    offs_d1 = tl.arange(0, BLOCK_D1)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_ok = offs_n < Tk
-        kt = tl.load(k_base + offs_n[None, :] * skt + offs_d1[:, None],
-                     mask=col_ok[None, :] & (offs_d1 < DQK)[:, None], other=0.0)
-        if UPCAST:
-            kt = kt.to(tl.float32)
-        qk = tl.dot(q1, kt, input_precision=PRECISION)
-        if BLOCK_D2 > 0:
-            offs_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
-            kt2 = tl.load(k_base + offs_n[None, :] * skt + offs_d2[:, None],
-                          mask=col_ok[None, :] & (offs_d2 < DQK)[:, None], other=0.0)
-            if UPCAST:
-                kt2 = kt2.to(tl.float32)
-            qk = tl.dot(q2, kt2, qk, input_precision=PRECISION)
+        qk, _, _ = dot_transposed(q1, q2, k_base, offs_n, skt, col_ok, DQK, BLOCK_D1, BLOCK_D2, UPCAST, PRECISION)
         s = qk * qk_scale
         if MASKED:
             s = tl.where(pair_mask(offs_m, offs_n, Tq, Tk, seg_q, SEG, CAUSAL, VARLEN), s, float("-inf"))
@@ -71,17 +59,7 @@ def _fwd_kernel(Q, K, V, O, LSE, ROWMAX, SEG, DSTART, DEND,
                 CAUSAL: tl.constexpr, VARLEN: tl.constexpr, STORE_MAX: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
                 BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    if CAUSAL:  # the longest rows first, so the short ones fill the tail of the launch
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    hk = (h // GROUP).to(tl.int64)
-    h = h.to(tl.int64)
-    m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < Tq
+    b, h, hk, m0, offs_m, row_ok = query_block(H, GROUP, Tq, BLOCK_M, CAUSAL)
     offs_d1 = tl.arange(0, BLOCK_D1)
     offs_dv = tl.arange(0, BLOCK_DV)
     q_base = Q + b * sqb + h * sqh

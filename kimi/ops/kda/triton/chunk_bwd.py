@@ -19,26 +19,15 @@ import triton.language as tl
 
 from .chunk_fwd import forward_intermediates, load_square
 from .common import (CHUNK, SUB, chunk_bounds, chunk_cumsum, load_G, load_G_row, load_rows, mm, scratch,
-                     tiles)
+                     state_program, tiles)
 
 
 @triton.jit
 def state_bwd_kernel(q, k, Gc, W, Aqk, do, dht, DH, DVN, dh0, cu_seqlens, first_chunk, scale, H,
                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                      HAS_DFINAL: tl.constexpr, PREC: tl.constexpr):
-    n, h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(cu_seqlens + n).to(tl.int64)
-    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
-    c0 = tl.load(first_chunk + n).to(tl.int64)
-    ck = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    mk, mv = ck < K, cv < V
-    state_off = ck[:, None] * V + cv[None, :]
-    state_mask = mk[:, None] & mv[None, :]
-    dS = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_DFINAL:
-        dS = tl.load(dht + (n * H + h).to(tl.int64) * K * V + state_off, mask=state_mask, other=0)
-        dS = dS.to(tl.float32)
+    n, h, bos, eos, c0, ck, cv, mk, mv, state_off, state_mask, dS = state_program(
+        dht, cu_seqlens, first_chunk, H, K, V, BK, BV, HAS_DFINAL)
     nt = tl.cdiv(eos - bos, C)
     for c_rev in range(nt):
         c = nt - 1 - c_rev

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .common import (CHUNK, SUB, chunk_bounds, chunk_cumsum, load_G, load_G_row, load_rows, mm, scratch,
-                     tiles)
+                     state_program, tiles)
 
 
 @triton.jit
@@ -183,19 +183,8 @@ def wu_kernel(k, v, beta, Gc, Ainv, W, U, cu_seqlens, chunks, H, K: tl.constexpr
 def state_kernel(k, Gc, W, U, h0, Hs, VN, ht, cu_seqlens, first_chunk, H, K: tl.constexpr, V: tl.constexpr,
                  BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, HAS_INIT: tl.constexpr,
                  PREC: tl.constexpr):
-    n, h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(cu_seqlens + n).to(tl.int64)
-    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
-    c0 = tl.load(first_chunk + n).to(tl.int64)
-    ck = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    mk, mv = ck < K, cv < V
-    state_off = ck[:, None] * V + cv[None, :]
-    state_mask = mk[:, None] & mv[None, :]
-    state = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_INIT:
-        state = tl.load(h0 + (n * H + h).to(tl.int64) * K * V + state_off, mask=state_mask, other=0)
-        state = state.to(tl.float32)
+    n, h, bos, eos, c0, ck, cv, mk, mv, state_off, state_mask, state = state_program(
+        h0, cu_seqlens, first_chunk, H, K, V, BK, BV, HAS_INIT)
     for c in range(tl.cdiv(eos - bos, C)):
         t0 = bos + c * C
         last = tl.minimum(t0 + C, eos) - 1

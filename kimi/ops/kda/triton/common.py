@@ -153,3 +153,25 @@ def chunk_cumsum(x: torch.Tensor, cu_seqlens, chunks, NT: int, reverse: bool = F
     if NT:
         chunk_cumsum_kernel[(NT, H)](x, out, cu_seqlens, chunks, H, K, tiles(K, 16)[0], CHUNK, reverse)
     return out
+
+
+@triton.jit
+def state_program(start, cu_seqlens, first_chunk, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr, HAS_START: tl.constexpr):
+    """The set-up shared by the forward and backward state passes: this program's sequence (bos, eos), its
+    first chunk, its [BK, BV] tile of the state (offsets and mask), and the tile's starting value: `start`
+    ([N, H, K, V]: the initial state forward, the final state's gradient backward) or zeros."""
+    n, h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(cu_seqlens + n).to(tl.int64)
+    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    c0 = tl.load(first_chunk + n).to(tl.int64)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    mk, mv = ck < K, cv < V
+    state_off = ck[:, None] * V + cv[None, :]
+    state_mask = mk[:, None] & mv[None, :]
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_START:
+        S = tl.load(start + (n * H + h).to(tl.int64) * K * V + state_off, mask=state_mask, other=0)
+        S = S.to(tl.float32)
+    return n, h, bos, eos, c0, ck, cv, mk, mv, state_off, state_mask, S

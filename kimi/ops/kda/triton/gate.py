@@ -53,7 +53,8 @@ def _softplus(x):
 
 
 @triton.jit
-def gate_fwd_kernel(f, A_log, dt_bias, g, N, H, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+def _gate_inputs(f, A_log, dt_bias, N, H, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+    """This program's block of (token, head) rows: offsets, mask, x = f + dt_bias and a = exp(A_log)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)  # (token, head) pairs
     cols = tl.arange(0, BK)
     mask = (rows < N)[:, None] & (cols < K)[None, :]
@@ -62,19 +63,18 @@ def gate_fwd_kernel(f, A_log, dt_bias, g, N, H, K: tl.constexpr, BK: tl.constexp
     x = tl.load(f + ptr, mask=mask, other=0).to(tl.float32)
     x += tl.load(dt_bias + heads[:, None] * K + cols[None, :], mask=mask, other=0).to(tl.float32)
     a = tl.exp(tl.load(A_log + heads, mask=rows < N, other=0).to(tl.float32))
+    return ptr, mask, x, a
+
+
+@triton.jit
+def gate_fwd_kernel(f, A_log, dt_bias, g, N, H, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+    ptr, mask, x, a = _gate_inputs(f, A_log, dt_bias, N, H, K, BK, BR)
     tl.store(g + ptr, -a[:, None] * _softplus(x), mask=mask)
 
 
 @triton.jit
 def gate_bwd_kernel(f, A_log, dt_bias, dg, df, N, H, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    cols = tl.arange(0, BK)
-    mask = (rows < N)[:, None] & (cols < K)[None, :]
-    heads = rows % H
-    ptr = rows.to(tl.int64)[:, None] * K + cols[None, :]
-    x = tl.load(f + ptr, mask=mask, other=0).to(tl.float32)
-    x += tl.load(dt_bias + heads[:, None] * K + cols[None, :], mask=mask, other=0).to(tl.float32)
-    a = tl.exp(tl.load(A_log + heads, mask=rows < N, other=0).to(tl.float32))
+    ptr, mask, x, a = _gate_inputs(f, A_log, dt_bias, N, H, K, BK, BR)
     b_dg = tl.load(dg + ptr, mask=mask, other=0).to(tl.float32)
     tl.store(df + ptr, (-a[:, None] * b_dg * tl.sigmoid(x)).to(df.dtype.element_ty), mask=mask)
 
