@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
@@ -29,6 +30,7 @@ from kimi.metrics import MetricsLogger, peak_flops, progress_line
 from kimi.model import KimiModel
 from kimi.optim import build_optimizer, build_scheduler
 from kimi.parallel import ParallelDims, init_distributed, parallelize
+from kimi.parallel.pipeline import build_schedule
 from kimi.parallel.tensor_parallel import clip_grad_norm_ as tp_clip_grad_norm_
 
 
@@ -66,6 +68,7 @@ class Trainer:
         validate(cfg)
         self.dims = dims = ParallelDims.from_config(cfg.parallel)
         t = cfg.trainer
+        self.microbatches = self._check_pipeline(cfg)
         self.run_dir = Path(t.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.device = resolve_device(t.device)
@@ -103,19 +106,43 @@ class Trainer:
         n_val = min(t.eval_batches, val_loader.batches_per_epoch)
         self.val_batches: List[Batch] = [val_loader.next_batch() for _ in range(n_val)]
 
-        self.model = parallelize(KimiModel(cfg.model).to(self.device), cfg.parallel, dims, self.mesh,
-                                 bf16=t.precision == "bf16")
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        model = KimiModel(cfg.model).to(self.device)
+        # whole-model figures, before a pipeline stage keeps only its part
+        self.flops_per_token = model.flops_per_token(t.seq_len)
+        self.num_params = (model.num_params(), model.num_params(exclude_embedding=True))
+        self.model = parallelize(model, cfg.parallel, dims, self.mesh, bf16=t.precision == "bf16",
+                                 seq_len=t.seq_len)
+        self.schedule = None
+        if dims.pp > 1:
+            self.pp_stage = self.mesh["pp"].get_local_rank()
+            self.schedule = build_schedule(self.model, self.mesh["pp"], self.device, cfg.parallel.pp_schedule,
+                                           self.microbatches)
+        self.optimizer = build_optimizer(self.model, cfg.optim, process_group=dims.stage_group(self.mesh))
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if t.precision == "bf16"
                          else nullcontext())
-        self.flops_per_token = self.model.flops_per_token(t.seq_len)
         self.step = 0
         self._stop_signal: Optional[str] = None
         self._last_val: Optional[float] = None
         self._resume()
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, config_dict(cfg), resume_step=self.step,
                                      enabled=self.is_main)
+
+    def _check_pipeline(self, cfg: Config) -> int:
+        """Micro-batches per step through the pipeline (1 without one); refuses what the pipeline lacks."""
+        p, t = cfg.parallel, cfg.trainer
+        if p.pp == 1:
+            return 1
+        n = p.pp_microbatches or p.pp
+        if t.micro_batch_size % n:
+            raise ConfigError(f"trainer.micro_batch_size={t.micro_batch_size} does not split into "
+                              f"parallel.pp_microbatches={n} micro-batches: make it a multiple of {n}")
+        if t.grad_accum_steps > 1:
+            raise ConfigError("trainer.grad_accum_steps > 1 with parallel.pp > 1: raise parallel.pp_microbatches "
+                              "and trainer.micro_batch_size instead (the pipeline accumulates over micro-batches)")
+        if cfg.data.varlen:
+            raise ConfigError("data.varlen=true is not supported with parallel.pp > 1 yet")
+        return n
 
     def log(self, message: str) -> None:
         """Console output, from rank 0 only."""
@@ -185,11 +212,26 @@ class Trainer:
             logits = self.model(ids, cu_seqlens=cu_seqlens)
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
+    def _pipeline_loss(self, batch: Batch, train: bool) -> torch.Tensor:
+        """One step of the pipeline schedule (forward and backward, or forward only); the mean loss over its
+        micro-batches, on every stage. The schedule scales gradients by 1 / micro-batches itself."""
+        first, last = self.pp_stage == 0, self.pp_stage == self.dims.pp - 1
+        args = (batch.input_ids.to(self.device),) if first else ()
+        losses: List[torch.Tensor] = []
+        kwargs = {"target": batch.labels.to(self.device), "losses": losses} if last else {}
+        with self.autocast:
+            (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
+        loss = torch.stack(losses).mean().detach() if last else torch.zeros((), device=self.device)
+        return funcol.all_reduce(loss, "sum", group=self.mesh["pp"]).wait()
+
     def train_step(self) -> Dict[str, float]:
         self.model.train()
         accum = self.cfg.trainer.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for _ in range(accum):
+            if self.schedule is not None:
+                total += self._pipeline_loss(self.loader.next_batch(), train=True)
+                continue
             loss = self._forward_loss(self.loader.next_batch())
             (loss / accum).backward()
             total += loss.detach()
@@ -202,8 +244,10 @@ class Trainer:
                 "Try a lower optim.lr, more optim.warmup_steps or trainer.precision=fp32")
         clip = self.cfg.optim.grad_clip
         max_norm = clip if clip > 0 else float("inf")
-        if self.dims.tp > 1:  # plain and DTensor gradients on different meshes: torch's version cannot mix them
-            grad_norm = tp_clip_grad_norm_(self.model.parameters(), max_norm)
+        if self.dims.tp > 1 or self.dims.pp > 1:
+            # plain and DTensor gradients on different meshes, stages' norms summed: torch's cannot do either
+            pp_group = self.mesh["pp"] if self.dims.pp > 1 else None
+            grad_norm = tp_clip_grad_norm_(self.model.parameters(), max_norm, pp_group)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if isinstance(grad_norm, DTensor):
@@ -218,7 +262,10 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
-        losses = torch.stack([self._forward_loss(b) for b in self.val_batches])
+        if self.schedule is not None:
+            losses = torch.stack([self._pipeline_loss(b, train=False) for b in self.val_batches])
+        else:
+            losses = torch.stack([self._forward_loss(b) for b in self.val_batches])
         return _mean_over_ranks(losses.mean()).item()
 
     def save_checkpoint(self) -> Path:
@@ -257,7 +304,10 @@ class Trainer:
             png = self.metrics.plot(self.run_dir / "loss_curve.png")
             if png:
                 self.log(f"[kimi] loss curve: {png}")
-        if result["finished"] and t.sample_tokens > 0:
+        if result["finished"] and t.sample_tokens > 0 and self.dims.pp > 1:
+            self.log("[kimi] no sample under pipeline parallelism: sample from the run directory with "
+                     "python -m kimi.generate run=<run dir>")
+        elif result["finished"] and t.sample_tokens > 0:
             result["sample"] = self.sample(t.sample_prompt, t.sample_tokens)
             self.log(f"[kimi] sample (step {self.step}):\n{t.sample_prompt}{result['sample']}\n")
         return result
@@ -344,8 +394,8 @@ class Trainer:
 
         mla = set(mla_layer_indices(m))
         pattern = "".join("M" if i in mla else "K" for i in range(m.num_layers))
-        n = self.model.num_params()
-        n_emb = n - self.model.num_params(exclude_embedding=True)
+        n = self.num_params[0]
+        n_emb = n - self.num_params[1]
         self.log(f"[kimi] model {m.name}: {n / 1e6:.2f}M parameters ({n_emb / 1e6:.2f}M embedding), blocks "
                  f"{pattern} (K=KDA, M=MLA), residual={m.residual}, vocab {m.vocab_size}, "
                  f"{self.flops_per_token / 1e6:.1f} MFLOP/token (train)")
@@ -356,7 +406,7 @@ class Trainer:
                  f"x{t.grad_accum_steps}{ranks} = {t.micro_batch_size * t.seq_len * t.grad_accum_steps * d.dp:,}"
                  f" tokens/step; device {self.device}; run dir {self.run_dir}")
         if d.enabled:
-            self.log(f"[kimi] parallel: dp_replicate={d.dp_replicate} x dp_shard={d.dp_shard} x tp={d.tp} over "
-                     f"{d.world} processes")
+            self.log(f"[kimi] parallel: pp={d.pp} x dp_replicate={d.dp_replicate} x dp_shard={d.dp_shard} x "
+                     f"tp={d.tp} over {d.world} processes")
         if hasattr(self.optimizer, "routing_table"):  # MuonClip: which parameters Muon and AdamW each update
             self.log(f"[kimi] optimizer {self.cfg.optim.name} parameter routing:\n{self.optimizer.routing_table()}")

@@ -3,7 +3,7 @@
 N data-parallel ranks with micro-batch B/N see the windows one process sees with micro-batch B, and
 tensor-parallel ranks split every layer by heads, so per-step losses, validation losses and final weights
 must match the single-process run (to float summation order), with AdamW and with MuonClip. A checkpoint
-written on dp2 x tp2 resumes in one process with the same losses, and a layout that does not fit exits with
+written on dp2 x tp2 or on two pipeline stages resumes in one process with the same losses, and a layout that does not fit exits with
 the message instead of hanging.
 """
 
@@ -36,9 +36,14 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
                        "parallel.activation_checkpointing=selective"]),
     "tp2": (2, 1, ["parallel.tp=2"]),
     "dp2xtp2": (4, 2, ["parallel.dp_shard=2", "parallel.tp=2"]),
+    "pp2_1f1b": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
+    "pp2_gpipe": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=4"]),
+    "pp2xdp2": (4, 2, ["parallel.pp=2", "parallel.dp_shard=2"]),
+    "pp2xtp2": (4, 1, ["parallel.pp=2", "parallel.tp=2"]),
 }
 CASES = [("dp_shard2", "adamw"), ("dp_shard2", "muonclip"), ("dp_replicate2", "muonclip"), ("hsdp2x2", "muonclip"),
-         ("tp2", "adamw"), ("tp2", "muonclip"), ("dp2xtp2", "muonclip")]
+         ("tp2", "adamw"), ("tp2", "muonclip"), ("dp2xtp2", "muonclip"), ("pp2_1f1b", "muonclip"),
+         ("pp2_gpipe", "adamw"), ("pp2xdp2", "muonclip"), ("pp2xtp2", "muonclip")]
 
 
 @pytest.fixture(scope="module")
@@ -108,10 +113,12 @@ def test_data_parallel_equals_one_process(tmp_path, data, references, layout, op
     assert_same_run(run, references[optim], tmp_path)
 
 
-def test_checkpoint_from_dp2_tp2_resumes_in_one_process(tmp_path, data, references):
+@pytest.mark.parametrize("layout", ["dp2xtp2", "pp2_1f1b"])
+def test_checkpoint_resumes_in_one_process(tmp_path, data, references, layout):
+    nproc, dp, extra = LAYOUTS[layout]
     run = tmp_path / "resumed"
-    torchrun(4, run, overrides(data, "muonclip", "parallel.dp_shard=2", "parallel.tp=2",
-                               "trainer.micro_batch_size=2", "trainer.stop_at_step=2"))
+    torchrun(nproc, run, overrides(data, "muonclip", *extra, f"trainer.micro_batch_size={4 // dp}",
+                                   "trainer.stop_at_step=2"))
     assert checkpoint.latest_complete(run / "checkpoints").step == 2
     trainer = single_process(run, data, "muonclip")
     assert trainer.step == 3
@@ -121,6 +128,7 @@ def test_checkpoint_from_dp2_tp2_resumes_in_one_process(tmp_path, data, referenc
 @pytest.mark.parametrize("override,message", [
     ("parallel.dp_shard=3", "parallel.dp_replicate*dp_shard*tp*pp = 1*3*1*1 = 3 but 2 process(es)"),
     ("parallel.tp=2 model.mla_num_heads=3", "model.mla_num_heads=3 is not divisible by parallel.tp=2"),
+    ("parallel.pp=2 parallel.pp_microbatches=3", "trainer.micro_batch_size=4 does not split into"),
 ])
 def test_a_layout_that_does_not_fit_exits_with_the_message(tmp_path, data, override, message):
     proc = torchrun(2, tmp_path / "bad", overrides(data, "adamw", *override.split()), check=False)
@@ -170,3 +178,39 @@ def test_compiled_sublayers_match_eager():
         torch.nn.functional.cross_entropy(m(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
     for (name, a), b in zip(plain.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("residual,block_size", [("standard", 2), ("attnres_full", 2), ("attnres_block", 3)])
+def test_pipeline_stages_pass_exactly_the_attnres_sources_needed(residual, block_size):
+    """Every split of a 4-block model into two stages gives the full model's logits and gradients: the
+    stream's sources (with a partial block sum when a block of 3 sublayers straddles the boundary) are
+    all that crosses."""
+    import copy
+
+    from helpers import tiny_model_cfg
+
+    from kimi.model.transformer import KimiModel
+    from kimi.parallel.pipeline import make_stage
+
+    torch.manual_seed(0)
+    cfg = tiny_model_cfg(num_layers=4, mla_layers=[2], residual=residual, attnres_block_size=block_size)
+    full = KimiModel(cfg).double()
+    ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(1))
+    want = full(ids)
+    want.square().mean().backward()
+    for split in (1, 2, 3):
+        first = make_stage(copy.deepcopy(full), range(0, split), first=True, last=False)
+        second = make_stage(copy.deepcopy(full), range(split, 4), first=False, last=True)
+        for m in (first, second):
+            m.zero_grad()
+        sent = first(ids)
+        done = 2 * split  # sublayers before the boundary
+        expected = {"standard": 1, "attnres_full": 1 + done,
+                    "attnres_block": 1 + done // block_size + (done % block_size > 0)}[residual]
+        assert isinstance(sent, tuple) and len(sent) == expected
+        got = second(*sent)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        got.square().mean().backward()
+        grads = {n: p.grad for m in (first, second) for n, p in m.named_parameters()}
+        for n, p in full.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-10, atol=1e-12, msg=lambda m: f"{n}: {m}")

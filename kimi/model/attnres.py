@@ -122,3 +122,22 @@ def make_stream(residual: str, embedding: torch.Tensor, block_size: int, eps: fl
     if residual == "attnres_block":
         return BlockAttnResStream(embedding, block_size, eps)
     raise ValueError(f"unknown residual mode {residual!r}")
+
+
+def resume_stream(residual: str, sources: list[torch.Tensor], sublayers_done: int, block_size: int, eps: float):
+    """The stream after `sublayers_done` sublayers, rebuilt from its sources() alone: what a pipeline stage
+    receives. The sources are exactly what later sublayers read (one hidden state; every output; completed
+    block sums plus the running partial), and the rest of the state follows from the count."""
+    if residual == "standard":
+        return StandardStream(sources[0])
+    if residual == "attnres_full":
+        stream = FullAttnResStream(sources[0], eps)
+        stream.outputs = list(sources)
+        return stream
+    if residual == "attnres_block":
+        stream = BlockAttnResStream(sources[0], block_size, eps)
+        stream.filled = sublayers_done % block_size
+        stream.blocks = list(sources[:-1]) if stream.filled else list(sources)
+        stream.partial = sources[-1] if stream.filled else None
+        return stream
+    raise ValueError(f"unknown residual mode {residual!r}")

@@ -98,7 +98,7 @@ class KimiModel(nn.Module):
 
     def mla_modules(self) -> list[MLA]:
         """The MLA layers (build_optimizer sets their `track_max_logits` for QK-Clip)."""
-        return [b.mixer for b in self.blocks if isinstance(b.mixer, MLA)]
+        return [b.mixer for b in self.blocks.children() if isinstance(b.mixer, MLA)]
 
     def qk_clip_specs(self) -> list[QKClipSpec]:
         """One QK-Clip spec per MLA layer, named as in self.named_parameters(); KDA has no softmax logits."""

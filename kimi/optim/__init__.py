@@ -12,7 +12,8 @@ from kimi.optim.schedules import build_scheduler, lr_multiplier
 __all__ = ["MuonClip", "build_optimizer", "build_scheduler", "lr_multiplier", "weight_decay_groups"]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, process_group=None) -> torch.optim.Optimizer:
+    """process_group: the ranks holding this model part (MuonClip coordinates over them; default: all)."""
     if cfg.name == "adamw":
         groups = weight_decay_groups(model.named_parameters(), cfg.weight_decay)
         fused = all(p.is_cuda for g in groups for p in g["params"])
@@ -32,5 +33,6 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
                         ns_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.ns_dtype],
                         betas=tuple(cfg.betas), adamw_eps=cfg.eps, adamw_patterns=patterns,
                         muon_patterns=tuple(cfg.muon_patterns),
-                        splits=model.muon_splits() if hasattr(model, "muon_splits") else None, **clip)
+                        splits=model.muon_splits() if hasattr(model, "muon_splits") else None,
+                        process_group=process_group, **clip)
     raise ValueError(f"optim.name={cfg.name!r} is not available; choose one of: adamw, muonclip")

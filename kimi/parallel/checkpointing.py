@@ -31,7 +31,7 @@ def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def sublayers(model: nn.Module) -> Iterator[nn.Module]:
-    for block in model.blocks:
+    for block in model.blocks.children():
         yield block.mixer
         yield block.mlp
 

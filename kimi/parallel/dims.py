@@ -1,8 +1,9 @@
 """Degrees of parallelism, the process group and the DeviceMesh.
 
-The mesh dimensions, outermost first, are (dp_replicate, dp_shard, tp): tensor-parallel ranks are
-neighbours (the fastest links), and a rank's data-parallel index is its position in the flattened
-(dp_replicate, dp_shard) pair. Ranks of one tp group read the same data.
+The mesh dimensions, outermost first, are (pp, dp_replicate, dp_shard, tp): tensor-parallel ranks are
+neighbours (the fastest links), pipeline stages the farthest apart, and a rank's data-parallel index is its
+position in the flattened (dp_replicate, dp_shard) pair. Ranks of one tp group, and the stages of one
+pipeline, read the same data.
 """
 
 from __future__ import annotations
@@ -46,9 +47,14 @@ class ParallelDims:
                 f" = {product} but {world} process(es) were launched; make the product equal the number of "
                 f"processes (e.g. torchrun --nproc_per_node={product}, or parallel.dp_shard={world})")
         if dims.pp > 1:
-            raise ConfigError(
-                f"parallel.pp={dims.pp}: pipeline parallelism is not available yet; use data parallelism "
-                "(parallel.dp_shard / parallel.dp_replicate) and tensor parallelism (parallel.tp)")
+            from .pipeline import SCHEDULES
+
+            if p.pp_schedule not in SCHEDULES:
+                raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} is invalid: choose one of "
+                                  f"{'|'.join(SCHEDULES)}")
+            if 0 < p.pp_microbatches < dims.pp and p.pp_schedule == "1f1b":
+                raise ConfigError(f"parallel.pp_microbatches={p.pp_microbatches} is too few for the 1f1b schedule "
+                                  f"over {dims.pp} stages: use at least {dims.pp} (or 0 for that many)")
         return dims
 
     @property
@@ -60,15 +66,24 @@ class ParallelDims:
         return self.world > 1
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        return init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+                                mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
 
     def dp_rank(self, mesh: DeviceMesh | None) -> int:
         """This rank's data-parallel index (which micro-batches it reads)."""
         if mesh is None:
             return 0
-        replicate, shard, _ = mesh.get_coordinate()
+        _, replicate, shard, _ = mesh.get_coordinate()
         return replicate * self.dp_shard + shard
+
+    def stage_group(self, mesh: DeviceMesh | None):
+        """The ranks that hold this rank's pipeline stage (all of them without pipeline parallelism): the
+        process group MuonClip coordinates over."""
+        if mesh is None:
+            return None
+        if self.pp == 1:
+            return dist.group.WORLD
+        return mesh["dp_replicate", "dp_shard", "tp"]._flatten().get_group()
 
 
 def init_distributed(device: torch.device) -> None:

@@ -22,7 +22,7 @@ def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, reshard_after_forwar
     # Units are the sublayers, not the blocks: a block takes and returns the AttnRes stream object, and FSDP2
     # finds the tensors whose backward must re-gather a unit's weights only in a unit's tensor outputs. The
     # norms and queries a block applies around its sublayers are tiny and stay with the root.
-    for block in model.blocks:
+    for block in model.blocks.children():
         for sublayer in (block.mixer, block.mlp):
             fully_shard(sublayer, mesh=mesh, reshard_after_forward=reshard_after_forward, **kw)
     # The root keeps its parameters gathered after the forward: the backward needs the LM head first.

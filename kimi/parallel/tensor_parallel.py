@@ -120,12 +120,12 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     from kimi.model.mla import MLA
 
     check_divisible(model.cfg, mesh.size())
-    parallelize_module(model, mesh, {
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "lm_head": ColwiseParallel(output_layouts=Replicate()),
-    })
+    ends = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate())}
+    # a pipeline stage may hold neither
+    parallelize_module(model, mesh, {k: v for k, v in ends.items() if getattr(model, k, None) is not None})
     col, row = ColwiseParallel(), RowwiseParallel()
-    for block in model.blocks:
+    for block in model.blocks.children():
         parallelize_module(block.mlp, mesh, {"w_gate": col, "w_up": col, "w_down": row})
         mixer = block.mixer
         if isinstance(mixer, KDA):
@@ -142,15 +142,19 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     """Global gradient-norm clipping for a mix of plain tensors and DTensors on different meshes (which
-    torch.nn.utils.clip_grad_norm_ cannot stack); returns the total norm before clipping."""
+    torch.nn.utils.clip_grad_norm_ cannot stack), summed over the pipeline stages in `pp_group`; returns
+    the total norm before clipping."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    squares = []
+    squares = [torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")]
     for g in grads:
         norm = torch.linalg.vector_norm(g, dtype=torch.float32)
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
-    total = torch.stack(squares).sum().sqrt()
+    total = torch.stack(squares).sum()
+    if pp_group is not None:
+        total = funcol.all_reduce(total, "sum", group=pp_group).wait()
+    total = total.sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.device))
