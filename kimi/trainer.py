@@ -110,12 +110,12 @@ class Trainer:
         # whole-model figures, before a pipeline stage keeps only its part
         self.flops_per_token = model.flops_per_token(t.seq_len)
         self.num_params = (model.num_params(), model.num_params(exclude_embedding=True))
-        self.model = parallelize(model, cfg.parallel, dims, self.mesh, bf16=t.precision == "bf16",
-                                 seq_len=t.seq_len)
+        self.model, stages = parallelize(model, cfg.parallel, dims, self.mesh, bf16=t.precision == "bf16",
+                                         seq_len=t.seq_len)
         self.schedule = None
         if dims.pp > 1:
-            self.pp_stage = self.mesh["pp"].get_local_rank()
-            self.schedule = build_schedule(self.model, self.mesh["pp"], self.device, cfg.parallel.pp_schedule,
+            self.pp_stage = self.mesh["pp"].get_local_rank()  # pipeline rank: 0 feeds tokens, pp - 1 has the loss
+            self.schedule = build_schedule(stages, self.mesh["pp"], self.device, cfg.parallel.pp_schedule,
                                            self.microbatches)
         self.optimizer = build_optimizer(self.model, cfg.optim, process_group=dims.stage_group(self.mesh))
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)

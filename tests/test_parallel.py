@@ -27,7 +27,8 @@ from kimi.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
-STEPS = ["trainer.max_steps=3", "trainer.eval_every=3", "trainer.checkpoint_every=0"]
+# 4 blocks (KDA, MLA, KDA, MLA): enough for 2 ranks x 2 virtual pipeline stages
+STEPS = ["trainer.max_steps=3", "trainer.eval_every=3", "trainer.checkpoint_every=0", "model.num_layers=4"]
 LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case reads 4 windows per step in total
     "dp_shard2": (2, 2, ["parallel.dp_shard=2"]),
     # exact options ride along: weights kept gathered between forward and backward, recomputed activations
@@ -40,10 +41,13 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
     "pp2_gpipe": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=4"]),
     "pp2xdp2": (4, 2, ["parallel.pp=2", "parallel.dp_shard=2"]),
     "pp2xtp2": (4, 1, ["parallel.pp=2", "parallel.tp=2"]),
+    "pp2_interleaved": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"]),
+    "pp2_zero_bubble": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=zero_bubble"]),
 }
 CASES = [("dp_shard2", "adamw"), ("dp_shard2", "muonclip"), ("dp_replicate2", "muonclip"), ("hsdp2x2", "muonclip"),
          ("tp2", "adamw"), ("tp2", "muonclip"), ("dp2xtp2", "muonclip"), ("pp2_1f1b", "muonclip"),
-         ("pp2_gpipe", "adamw"), ("pp2xdp2", "muonclip"), ("pp2xtp2", "muonclip")]
+         ("pp2_gpipe", "adamw"), ("pp2xdp2", "muonclip"), ("pp2xtp2", "muonclip"), ("pp2_interleaved", "muonclip"),
+         ("pp2_zero_bubble", "adamw")]
 
 
 @pytest.fixture(scope="module")

@@ -52,10 +52,19 @@ class ParallelDims:
             if p.pp_schedule not in SCHEDULES:
                 raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} is invalid: choose one of "
                                   f"{'|'.join(SCHEDULES)}")
-            if 0 < p.pp_microbatches < dims.pp and p.pp_schedule == "1f1b":
-                raise ConfigError(f"parallel.pp_microbatches={p.pp_microbatches} is too few for the 1f1b schedule "
-                                  f"over {dims.pp} stages: use at least {dims.pp} (or 0 for that many)")
+            if 0 < p.pp_microbatches < dims.pp and p.pp_schedule != "gpipe":
+                raise ConfigError(f"parallel.pp_microbatches={p.pp_microbatches} is too few for the "
+                                  f"{p.pp_schedule} schedule over {dims.pp} ranks: use at least {dims.pp} (or 0 "
+                                  "for that many)")
+            if p.pp_virtual_stages < 1:
+                raise ConfigError(f"parallel.pp_virtual_stages={p.pp_virtual_stages} is invalid: use >= 1")
         return dims
+
+    def virtual_stages(self, p: ParallelConfig) -> int:
+        """Pipeline stages each rank runs."""
+        from .pipeline import SINGLE_STAGE
+
+        return 1 if self.pp == 1 or p.pp_schedule in SINGLE_STAGE else p.pp_virtual_stages
 
     @property
     def dp(self) -> int:

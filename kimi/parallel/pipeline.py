@@ -1,7 +1,9 @@
 """Pipeline parallelism with torch.distributed.pipelining: contiguous runs of blocks per stage.
 
-A stage is the full model with the other stages' parts removed, so parameter names stay those of the
-single-device model (blocks keep their indices in a ModuleDict), and checkpoints reshard across layouts.
+Each rank trims the model to the parts its stages run (one stage, or several with the interleaved and
+zero-bubble schedules: stages rank, rank + pp, ...), keeping the single-device parameter names (blocks keep
+their indices in a ModuleDict), so optimizer routing and checkpoints are unchanged; each stage is a
+StageView sharing the trimmed model's modules.
 What crosses a stage boundary is the AttnRes stream's sources(): exactly the tensors later sublayers read
 (the hidden state; or every output so far; or the completed block sums plus the running partial sum),
 each sent once per micro-batch, never one tensor per layer. The receiving stage rebuilds the stream from
@@ -13,19 +15,21 @@ the embedding on the first stage and the LM head on the last; `parallel.pp_split
 
 from __future__ import annotations
 
-import types
 from typing import List, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                           ScheduleInterleavedZeroBubble)
 
 from kimi.config import ConfigError, ModelConfig, mla_layer_indices
 from kimi.model.attnres import make_stream, resume_stream
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+             "zero_bubble": ScheduleInterleavedZeroBubble}
+SINGLE_STAGE = ("gpipe", "1f1b")  # one stage per rank; the others run parallel.pp_virtual_stages each
 
 
 def block_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
@@ -71,41 +75,69 @@ def split_blocks(cfg: ModelConfig, stages: int, seq_len: int, split: Sequence[in
     return ranges
 
 
-def _stage_forward(self, *inputs: torch.Tensor):
-    """A stage's forward: token ids (first stage) or the stream's sources in; sources or logits out."""
-    cfg, blocks = self.cfg, self._stage_blocks
-    if self.embed is not None:
-        stream = make_stream(cfg.residual, self.embed(inputs[0]), cfg.attnres_block_size, cfg.norm_eps)
-    else:
-        stream = resume_stream(cfg.residual, list(inputs), 2 * blocks.start, cfg.attnres_block_size, cfg.norm_eps)
-    for i in blocks:
-        stream = self.blocks[str(i)](stream)
-    if self.lm_head is not None:
-        return self.lm_head(self.norm(stream.mix(self.final_query)))
-    return tuple(stream.sources())
+class StageView(nn.Module):
+    """One pipeline stage: a view of the blocks (and the embedding or LM head) it runs, sharing the modules
+    of the rank's trimmed model. Its input is the token ids (first stage) or the stream's sources; its output
+    the sources or the logits (last stage)."""
+
+    def __init__(self, model: nn.Module, blocks: range, first: bool, last: bool):
+        super().__init__()
+        self.cfg, self.block_range = model.cfg, blocks
+        self.embed = model.embed if first else None
+        self.blocks = nn.ModuleDict({str(i): model.blocks[str(i)] for i in blocks})
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        self.final_query = model.final_query if last else None
+
+    def forward(self, *inputs: torch.Tensor):
+        cfg, blocks = self.cfg, self.block_range
+        if self.embed is not None:
+            stream = make_stream(cfg.residual, self.embed(inputs[0]), cfg.attnres_block_size, cfg.norm_eps)
+        else:
+            stream = resume_stream(cfg.residual, list(inputs), 2 * blocks.start, cfg.attnres_block_size,
+                                   cfg.norm_eps)
+        for i in blocks:
+            stream = self.blocks[str(i)](stream)
+        if self.lm_head is not None:
+            return self.lm_head(self.norm(stream.mix(self.final_query)))
+        return tuple(stream.sources())
 
 
-def make_stage(model: nn.Module, blocks: range, first: bool, last: bool) -> nn.Module:
-    """Keep only this stage's parts of `model` (in place) and give it the stage forward."""
+def stage_indices(rank: int, pp: int, virtual: int) -> list[int]:
+    """The stages a pipeline rank runs: rank, rank + pp, ... (looped placement, as interleaved schedules
+    expect)."""
+    return [rank + k * pp for k in range(virtual)]
+
+
+def trim(model: nn.Module, ranges: Sequence[range], first: bool, last: bool) -> nn.Module:
+    """Keep only the parts of `model` this rank's stages run (in place); names stay the single-device ones
+    (blocks keep their indices in a ModuleDict), so optimizer routing and checkpoints are unchanged."""
     if model.cfg.tie_embeddings:
         raise ConfigError("parallel.pp > 1 with model.tie_embeddings=true is not supported yet: the embedding "
                           "and the LM head live on different stages; untie them")
-    model.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
+    model.blocks = nn.ModuleDict({str(i): model.blocks[i] for r in ranges for i in r})
     if not first:
         model.embed = None
     if not last:
         model.norm, model.lm_head, model.final_query = None, None, None
-    model._stage_blocks = blocks
-    model.forward = types.MethodType(_stage_forward, model)
     return model
+
+
+def make_stage(model: nn.Module, blocks: range, first: bool, last: bool) -> StageView:
+    """A single stage cut from a whole model (trimmed in place): for tests and one-stage-per-rank use."""
+    return StageView(trim(model, [blocks], first, last), blocks, first, last)
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
-def build_schedule(stage_module: nn.Module, mesh: DeviceMesh, device: torch.device, schedule: str,
+def build_schedule(views: Sequence[StageView], mesh: DeviceMesh, device: torch.device, schedule: str,
                    microbatches: int):
-    pp = mesh.size()
-    stage = PipelineStage(stage_module, mesh.get_local_rank(), pp, device, group=mesh.get_group())
-    return SCHEDULES[schedule](stage, n_microbatches=microbatches, loss_fn=cross_entropy)
+    pp, rank = mesh.size(), mesh.get_local_rank()
+    total = pp * len(views)
+    stages = [PipelineStage(view, index, total, device, group=mesh.get_group())
+              for view, index in zip(views, stage_indices(rank, pp, len(views)))]
+    if schedule in SINGLE_STAGE:
+        return SCHEDULES[schedule](stages[0], n_microbatches=microbatches, loss_fn=cross_entropy)
+    return SCHEDULES[schedule](stages, n_microbatches=microbatches, loss_fn=cross_entropy)
