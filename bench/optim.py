@@ -28,8 +28,8 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from comm_count import CommCounter
 from kimi.config import ModelConfig, OptimConfig, register_configs
 from kimi.model.transformer import KimiModel
 from kimi.optim import MuonClip, build_optimizer
@@ -37,36 +37,6 @@ from kimi.optim.groups import weight_decay_groups
 from kimi.optim.muonclip import DEFAULT_ADAMW_PATTERNS, route
 
 ROOT = Path(__file__).resolve().parents[1]
-COLLECTIVES = {"allreduce_", "allgather_", "allgather_into_tensor_coalesced_", "_allgather_base_",
-               "reduce_scatter_", "_reduce_scatter_base_", "alltoall_base_", "alltoall_", "broadcast_",
-               "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
-               "all_reduce_coalesced", "all_gather_into_tensor_coalesced", "broadcast"}
-MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
-
-
-class LocalCounter(TorchDispatchMode):
-    """Counts what this rank really runs: DTensor ops are let through (NotImplemented) so that only the
-    local tensor ops and collectives they turn into are seen. Matmul FLOPs, collectives and their bytes."""
-
-    def __init__(self):
-        super().__init__()
-        self.flops = self.collectives = self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t is DTensor for t in types):
-            return NotImplemented
-        name = func.overloadpacket.__name__
-        if name in MATMULS:
-            a, b = args[-2], args[-1]
-            self.flops += 2 * a.numel() * b.shape[-1]
-        elif name in COLLECTIVES:
-            self.collectives += 1
-            tensors = [t for x in args for t in (x if isinstance(x, (list, tuple)) else [x])
-                       if isinstance(t, torch.Tensor)]
-            self.bytes += tensors[0].numel() * tensors[0].element_size() if tensors else 0
-        return func(*args, **(kwargs or {}))
-
-
 def model_config(name: str) -> ModelConfig:
     register_configs()
     with initialize_config_dir(str(ROOT / "conf"), version_base=None):
@@ -154,12 +124,12 @@ def distributed(model_name: str, repeats: int, out: Path) -> None:
                        ("torch_muon", torch_muon(model, 3e-3, patterns))):
         for o in opts:  # warm-up: state, and MuonClip's one-time layout exchange
             o.step()
-        counter = LocalCounter()
+        counter = CommCounter()
         with counter:
             for o in opts:
                 o.step()
         seconds = time_steps(opts, repeats)
-        result[name] = {"bytes": counter.bytes, "collectives": counter.collectives, "flops": counter.flops,
+        result[name] = {"bytes": counter.total_bytes, "collectives": counter.collectives, "flops": counter.flops,
                         "step_s": seconds}
     everyone = [None] * world
     dist.all_gather_object(everyone, result)

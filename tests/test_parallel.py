@@ -3,7 +3,7 @@
 N data-parallel ranks with micro-batch B/N see the windows one process sees with micro-batch B, and
 tensor-parallel ranks split every layer by heads, so per-step losses, validation losses and final weights
 must match the single-process run (to float summation order), with AdamW and with MuonClip. A checkpoint
-written on dp2 x tp2 or on two pipeline stages resumes in one process with the same losses, and a layout that does not fit exits with
+moves from dp2 x tp2 to two pipeline stages to one process with the same losses, and a layout that does not fit exits with
 the message instead of hanging.
 """
 
@@ -117,13 +117,14 @@ def test_data_parallel_equals_one_process(tmp_path, data, references, layout, op
     assert_same_run(run, references[optim], tmp_path)
 
 
-@pytest.mark.parametrize("layout", ["dp2xtp2", "pp2_1f1b"])
-def test_checkpoint_resumes_in_one_process(tmp_path, data, references, layout):
-    nproc, dp, extra = LAYOUTS[layout]
+def test_checkpoint_moves_from_dp2_tp2_to_pp2_to_one_process(tmp_path, data, references):
+    """Step 1 on dp2 x tp2, step 2 on two pipeline stages, step 3 in one process: the same run."""
     run = tmp_path / "resumed"
-    torchrun(nproc, run, overrides(data, "muonclip", *extra, f"trainer.micro_batch_size={4 // dp}",
-                                   "trainer.stop_at_step=2"))
-    assert checkpoint.latest_complete(run / "checkpoints").step == 2
+    for layout, stop in (("dp2xtp2", 1), ("pp2_1f1b", 2)):
+        nproc, dp, extra = LAYOUTS[layout]
+        torchrun(nproc, run, overrides(data, "muonclip", *extra, f"trainer.micro_batch_size={4 // dp}",
+                                       f"trainer.stop_at_step={stop}"))
+        assert checkpoint.latest_complete(run / "checkpoints").step == stop
     trainer = single_process(run, data, "muonclip")
     assert trainer.step == 3
     assert_same_run(run, references["muonclip"], tmp_path)
