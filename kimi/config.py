@@ -163,6 +163,7 @@ class ParallelConfig:
     activation_checkpointing: str = "none"  # none | full | selective (see kimi/parallel/checkpointing.py)
     compile: bool = False  # torch.compile each token mixer and MLP
     reshard_after_forward: bool = True  # FSDP2: False keeps weights gathered until the backward (ZeRO-2-like)
+    sequence_parallel: bool = False  # with tp > 1: activations between sublayers split along the sequence
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
     pp_virtual_stages: int = 2  # stages per rank for interleaved_1f1b and zero_bubble
     pp_microbatches: int = 0  # micro-batches per step through the pipeline; 0: as many as stages

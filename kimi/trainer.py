@@ -69,6 +69,7 @@ class Trainer:
         self.dims = dims = ParallelDims.from_config(cfg.parallel)
         t = cfg.trainer
         self.microbatches = self._check_pipeline(cfg)
+        self._check_sequence_parallel(cfg)
         self.run_dir = Path(t.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.device = resolve_device(t.device)
@@ -143,6 +144,15 @@ class Trainer:
         if cfg.data.varlen:
             raise ConfigError("data.varlen=true is not supported with parallel.pp > 1 yet")
         return n
+
+    @staticmethod
+    def _check_sequence_parallel(cfg: Config) -> None:
+        p, t = cfg.parallel, cfg.trainer
+        if p.sequence_parallel and t.seq_len % p.tp:
+            raise ConfigError(f"trainer.seq_len={t.seq_len} does not split over parallel.tp={p.tp} ranks for "
+                              f"sequence parallelism: make it a multiple of {p.tp}")
+        if p.sequence_parallel and cfg.data.varlen:
+            raise ConfigError("data.varlen=true is not supported with parallel.sequence_parallel=true yet")
 
     def log(self, message: str) -> None:
         """Console output, from rank 0 only."""
@@ -304,8 +314,8 @@ class Trainer:
             png = self.metrics.plot(self.run_dir / "loss_curve.png")
             if png:
                 self.log(f"[kimi] loss curve: {png}")
-        if result["finished"] and t.sample_tokens > 0 and self.dims.pp > 1:
-            self.log("[kimi] no sample under pipeline parallelism: sample from the run directory with "
+        if result["finished"] and t.sample_tokens > 0 and (self.dims.pp > 1 or self.dims.tp > 1):
+            self.log("[kimi] no sample under pipeline or tensor parallelism: sample from the run directory with "
                      "python -m kimi.generate run=<run dir>")
         elif result["finished"] and t.sample_tokens > 0:
             result["sample"] = self.sample(t.sample_prompt, t.sample_tokens)

@@ -1,10 +1,11 @@
-"""Parallel training (FSDP2 / HSDP / tensor parallelism over gloo, torchrun subprocesses) equals one process.
+"""Parallel training (FSDP2 / HSDP / tensor, sequence and pipeline parallelism over gloo, torchrun
+subprocesses) equals one process.
 
-N data-parallel ranks with micro-batch B/N see the windows one process sees with micro-batch B, and
-tensor-parallel ranks split every layer by heads, so per-step losses, validation losses and final weights
-must match the single-process run (to float summation order), with AdamW and with MuonClip. A checkpoint
-moves from dp2 x tp2 to two pipeline stages to one process with the same losses, and a layout that does not fit exits with
-the message instead of hanging.
+N data-parallel ranks with micro-batch B/N see the windows one process sees with micro-batch B,
+tensor-parallel ranks split every layer by heads, pipeline stages split the blocks, so per-step losses,
+validation losses and final weights must match the single-process run (to float summation order), with
+AdamW and with MuonClip. A checkpoint moves from dp2 x tp2 to two pipeline stages to one process with the
+same losses, and a layout that does not fit exits with the message instead of hanging.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
     "hsdp2x2": (4, 4, ["parallel.dp_replicate=2", "parallel.dp_shard=2",
                        "parallel.activation_checkpointing=selective"]),
     "tp2": (2, 1, ["parallel.tp=2"]),
-    "dp2xtp2": (4, 2, ["parallel.dp_shard=2", "parallel.tp=2"]),
+    "tp2_sp": (2, 1, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "dp2xtp2": (4, 2, ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     "pp2_1f1b": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
     "pp2_gpipe": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=4"]),
     "pp2xdp2": (4, 2, ["parallel.pp=2", "parallel.dp_shard=2"]),
@@ -44,10 +46,10 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
     "pp2_interleaved": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"]),
     "pp2_zero_bubble": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=zero_bubble"]),
 }
-CASES = [("dp_shard2", "adamw"), ("dp_shard2", "muonclip"), ("dp_replicate2", "muonclip"), ("hsdp2x2", "muonclip"),
-         ("tp2", "adamw"), ("tp2", "muonclip"), ("dp2xtp2", "muonclip"), ("pp2_1f1b", "muonclip"),
-         ("pp2_gpipe", "adamw"), ("pp2xdp2", "muonclip"), ("pp2xtp2", "muonclip"), ("pp2_interleaved", "muonclip"),
-         ("pp2_zero_bubble", "adamw")]
+CASES = [("dp_shard2", "adamw"), ("dp_shard2", "muonclip"), ("dp_replicate2", "muonclip"),
+         ("hsdp2x2", "muonclip"), ("tp2", "adamw"), ("tp2", "muonclip"), ("tp2_sp", "muonclip"),
+         ("dp2xtp2", "muonclip"), ("pp2_1f1b", "muonclip"), ("pp2_gpipe", "adamw"), ("pp2xdp2", "muonclip"),
+         ("pp2xtp2", "muonclip"), ("pp2_interleaved", "muonclip"), ("pp2_zero_bubble", "adamw")]
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +136,7 @@ def test_checkpoint_moves_from_dp2_tp2_to_pp2_to_one_process(tmp_path, data, ref
     ("parallel.dp_shard=3", "parallel.dp_replicate*dp_shard*tp*pp = 1*3*1*1 = 3 but 2 process(es)"),
     ("parallel.tp=2 model.mla_num_heads=3", "model.mla_num_heads=3 is not divisible by parallel.tp=2"),
     ("parallel.pp=2 parallel.pp_microbatches=3", "trainer.micro_batch_size=4 does not split into"),
+    ("parallel.dp_shard=2 parallel.sequence_parallel=true", "parallel.sequence_parallel=true needs parallel.tp > 1"),
 ])
 def test_a_layout_that_does_not_fit_exits_with_the_message(tmp_path, data, override, message):
     proc = torchrun(2, tmp_path / "bad", overrides(data, "adamw", *override.split()), check=False)

@@ -31,7 +31,8 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               parallelize_module)
 
 from kimi.config import ConfigError, ModelConfig
 
@@ -50,7 +51,8 @@ def check_divisible(cfg: ModelConfig, tp: int) -> None:
 
 class _SumGradOverRanks(torch.autograd.Function):
     """Identity forward; the backward sums the gradient over the tensor-parallel ranks. For a replicated
-    weight that each rank applies to its own heads only, so each rank's gradient is a partial sum."""
+    weight that each rank applies to its own heads (or its share of the tokens) only, so each rank's
+    gradient is a partial sum."""
 
     @staticmethod
     def forward(ctx, weight: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -115,17 +117,30 @@ def _gather_heads(consume, mesh: DeviceMesh):
     return all_heads
 
 
-def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
+    """sequence_parallel: between sublayers every activation (the AttnRes stream, norms, depth mixing, all
+    per token) holds only this rank's share of the sequence; a sublayer all-gathers the sequence on entry
+    and its row-parallel output reduce-scatters it back (the bytes of the one all-reduce it replaces, and
+    activation memory divided by tp). The norms' weights and AttnRes queries, applied to a share of the
+    tokens, sum their gradients over tp."""
     from kimi.model.kda import KDA
     from kimi.model.mla import MLA
 
     check_divisible(model.cfg, mesh.size())
-    ends = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Replicate())}
+    seq = Shard(1)
+    ends = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sequence_parallel
+                                     else Replicate()),
+            "lm_head": ColwiseParallel(input_layouts=seq if sequence_parallel else Replicate(),
+                                       output_layouts=Replicate())}
     # a pipeline stage may hold neither
     parallelize_module(model, mesh, {k: v for k, v in ends.items() if getattr(model, k, None) is not None})
-    col, row = ColwiseParallel(), RowwiseParallel()
+    col, row = ColwiseParallel(), RowwiseParallel(output_layouts=seq if sequence_parallel else Replicate())
     for block in model.blocks.children():
+        if sequence_parallel:  # each sublayer sees the whole sequence (its layers read T from their input)
+            gather = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                        use_local_output=True)
+            for sublayer in (block.mixer, block.mlp):
+                parallelize_module(sublayer, mesh, gather)
         parallelize_module(block.mlp, mesh, {"w_gate": col, "w_up": col, "w_down": row})
         mixer = block.mixer
         if isinstance(mixer, KDA):
@@ -139,6 +154,13 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
             mixer.consume_max_logits = _gather_heads(mixer.consume_max_logits, mesh)
         else:
             raise TypeError(f"no tensor-parallel plan for token mixer {type(mixer).__name__}")
+        if sequence_parallel:
+            shared = [n for n in ("mixer_norm.weight", "mlp_norm.weight", "mixer_query", "mlp_query")
+                      if _owner(block, n)[0]._parameters.get(_owner(block, n)[1]) is not None]
+            _local_views(block, mesh, [], head_shared=shared)
+    if sequence_parallel:
+        shared = [n for n in ("norm.weight", "final_query") if getattr(model, n.split(".")[0], None) is not None]
+        _local_views(model, mesh, [], head_shared=shared)
     return model
 
 
