@@ -21,6 +21,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from kimi import checkpoint
 from kimi.config import Config, ConfigError, validate
@@ -52,6 +53,11 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device='cuda' is invalid: no CUDA device is visible; use trainer.device=cpu")
     return torch.device(name)
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (a loss-parallel loss) as the plain tensor every rank holds."""
+    return x.full_tensor() if isinstance(x, DTensor) else x
 
 
 def _mean_over_ranks(x: torch.Tensor) -> torch.Tensor:
@@ -154,6 +160,11 @@ class Trainer:
         if p.sequence_parallel and cfg.data.varlen:
             raise ConfigError("data.varlen=true is not supported with parallel.sequence_parallel=true yet")
 
+    def loss_context(self):
+        """torch's loss_parallel() when the LM head's logits are sharded over the vocabulary (tp without a
+        pipeline; see kimi/parallel/tensor_parallel.py), else nothing."""
+        return loss_parallel() if self.dims.tp > 1 and self.dims.pp == 1 else nullcontext()
+
     def log(self, message: str) -> None:
         """Console output, from rank 0 only."""
         if self.is_main:
@@ -220,7 +231,9 @@ class Trainer:
             ids, labels = ids.reshape(1, -1), labels.reshape(1, -1)
         with self.autocast:
             logits = self.model(ids, cu_seqlens=cu_seqlens)
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        # under tensor parallelism the logits stay sharded over the vocabulary (loss parallelism)
+        with self.loss_context():
+            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
     def _pipeline_loss(self, batch: Batch, train: bool) -> torch.Tensor:
         """One step of the pipeline schedule (forward and backward, or forward only); the mean loss over its
@@ -243,8 +256,9 @@ class Trainer:
                 total += self._pipeline_loss(self.loader.next_batch(), train=True)
                 continue
             loss = self._forward_loss(self.loader.next_batch())
-            (loss / accum).backward()
-            total += loss.detach()
+            with self.loss_context():
+                (loss / accum).backward()
+            total += _plain(loss.detach())
         loss = _mean_over_ranks(total / accum)  # every rank sees the same value, so all stop alike on NaN
         if not torch.isfinite(loss):
             last = checkpoint.latest_complete(self.ckpt_dir)
@@ -275,7 +289,7 @@ class Trainer:
         if self.schedule is not None:
             losses = torch.stack([self._pipeline_loss(b, train=False) for b in self.val_batches])
         else:
-            losses = torch.stack([self._forward_loss(b) for b in self.val_batches])
+            losses = torch.stack([_plain(self._forward_loss(b)) for b in self.val_batches])
         return _mean_over_ranks(losses.mean()).item()
 
     def save_checkpoint(self) -> Path:

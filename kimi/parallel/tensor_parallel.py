@@ -12,7 +12,8 @@ sums the ranks' contributions (one all-reduce per sublayer in the forward, one i
               down-projection replicated; wo row-parallel; the per-head max logits are gathered back to
               all heads for QK-Clip
   MLP         gate and up column-parallel, down row-parallel
-  LM head     column-parallel over the vocabulary, logits gathered
+  LM head     column-parallel over the vocabulary; logits stay sharded for a loss-parallel cross-entropy
+              (gathered under pipelining)
 Norms and AttnRes queries act per token on replicated activations and stay plain (replicated) tensors.
 
 Parameters that a layer uses directly rather than through an nn.Linear (A_log, dt_bias, conv kernels) are
@@ -117,8 +118,10 @@ def _gather_heads(consume, mesh: DeviceMesh):
     return all_heads
 
 
-def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
-    """sequence_parallel: between sublayers every activation (the AttnRes stream, norms, depth mixing, all
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False,
+                          loss_parallel: bool = False) -> nn.Module:
+    """loss_parallel: the LM head returns logits sharded over the vocabulary (a DTensor), for a cross-entropy
+    computed under torch's loss_parallel() without gathering them. sequence_parallel: between sublayers every activation (the AttnRes stream, norms, depth mixing, all
     per token) holds only this rank's share of the sequence; a sublayer all-gathers the sequence on entry
     and its row-parallel output reduce-scatters it back (the bytes of the one all-reduce it replaces, and
     activation memory divided by tp). The norms' weights and AttnRes queries, applied to a share of the
@@ -131,7 +134,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
     ends = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sequence_parallel
                                      else Replicate()),
             "lm_head": ColwiseParallel(input_layouts=seq if sequence_parallel else Replicate(),
-                                       output_layouts=Replicate())}
+                                       output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                       use_local_output=not loss_parallel)}
     # a pipeline stage may hold neither
     parallelize_module(model, mesh, {k: v for k, v in ends.items() if getattr(model, k, None) is not None})
     col, row = ColwiseParallel(), RowwiseParallel(output_layouts=seq if sequence_parallel else Replicate())
