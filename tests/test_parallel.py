@@ -38,6 +38,7 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
                        "parallel.activation_checkpointing=selective"]),
     "tp2": (2, 1, ["parallel.tp=2"]),
     "tp2_sp": (2, 1, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "tp2_tied": (2, 1, ["parallel.tp=2", "model.tie_embeddings=true"]),
     "dp2xtp2": (4, 2, ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     "pp2_1f1b": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
     "pp2_gpipe": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=4"]),
@@ -48,8 +49,9 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
 }
 CASES = [("dp_shard2", "adamw"), ("dp_shard2", "muonclip"), ("dp_replicate2", "muonclip"),
          ("hsdp2x2", "muonclip"), ("tp2", "adamw"), ("tp2", "muonclip"), ("tp2_sp", "muonclip"),
-         ("dp2xtp2", "muonclip"), ("pp2_1f1b", "muonclip"), ("pp2_gpipe", "adamw"), ("pp2xdp2", "muonclip"),
-         ("pp2xtp2", "muonclip"), ("pp2_interleaved", "muonclip"), ("pp2_zero_bubble", "adamw")]
+         ("tp2_tied", "muonclip"), ("dp2xtp2", "muonclip"), ("pp2_1f1b", "muonclip"), ("pp2_gpipe", "adamw"),
+         ("pp2xdp2", "muonclip"), ("pp2xtp2", "muonclip"), ("pp2_interleaved", "muonclip"),
+         ("pp2_zero_bubble", "adamw")]
 
 
 @pytest.fixture(scope="module")
@@ -104,11 +106,18 @@ def assert_same_run(run: Path, ref: Path, tmp: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory, data) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("single")
-    for optim in ("adamw", "muonclip"):
-        single_process(out / optim, data, optim)
-    return {optim: out / optim for optim in ("adamw", "muonclip")}
+def references(tmp_path_factory, data):
+    """reference(optim, *model_overrides) -> the single-process run dir, trained once per combination."""
+    out, runs = tmp_path_factory.mktemp("single"), {}
+
+    def reference(optim: str, *model_overrides: str) -> Path:
+        key = (optim, *model_overrides)
+        if key not in runs:
+            runs[key] = out / "_".join(k.replace("=", "-") for k in key)
+            single_process(runs[key], data, optim, *model_overrides)
+        return runs[key]
+
+    return reference
 
 
 @pytest.mark.parametrize("layout,optim", CASES)
@@ -116,7 +125,7 @@ def test_data_parallel_equals_one_process(tmp_path, data, references, layout, op
     nproc, dp, extra = LAYOUTS[layout]
     run = tmp_path / f"{layout}_{optim}"
     torchrun(nproc, run, overrides(data, optim, *extra, f"trainer.micro_batch_size={4 // dp}"))
-    assert_same_run(run, references[optim], tmp_path)
+    assert_same_run(run, references(optim, *(o for o in extra if o.startswith("model."))), tmp_path)
 
 
 def test_checkpoint_moves_from_dp2_tp2_to_pp2_to_one_process(tmp_path, data, references):
@@ -129,7 +138,7 @@ def test_checkpoint_moves_from_dp2_tp2_to_pp2_to_one_process(tmp_path, data, ref
         assert checkpoint.latest_complete(run / "checkpoints").step == stop
     trainer = single_process(run, data, "muonclip")
     assert trainer.step == 3
-    assert_same_run(run, references["muonclip"], tmp_path)
+    assert_same_run(run, references("muonclip"), tmp_path)
 
 
 @pytest.mark.parametrize("override,message", [

@@ -45,9 +45,6 @@ def check_divisible(cfg: ModelConfig, tp: int) -> None:
         if value % tp:
             raise ConfigError(f"model.{key}={value} is not divisible by parallel.tp={tp}: tensor parallelism "
                               f"splits it over the tp ranks; choose a parallel.tp that divides it")
-    if cfg.tie_embeddings:
-        raise ConfigError("parallel.tp > 1 with model.tie_embeddings=true is not supported yet; untie the "
-                          "embeddings or use data parallelism")
 
 
 class _SumGradOverRanks(torch.autograd.Function):
@@ -138,6 +135,9 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
                                        use_local_output=not loss_parallel)}
     # a pipeline stage may hold neither
     parallelize_module(model, mesh, {k: v for k, v in ends.items() if getattr(model, k, None) is not None})
+    if model.cfg.tie_embeddings and model.embed is not None and model.lm_head is not None:
+        # each plan made its own sharded copy; both shard the vocabulary rows alike, so tie them again
+        model.lm_head.weight = model.embed.weight
     col, row = ColwiseParallel(), RowwiseParallel(output_layouts=seq if sequence_parallel else Replicate())
     for block in model.blocks.children():
         if sequence_parallel:  # each sublayer sees the whole sequence (its layers read T from their input)
