@@ -255,7 +255,7 @@ class MuonClip(torch.optim.Optimizer):
         # 3. AdamW on the blocks this rank keeps.
         kept = [self._adamw_block(group, p, plan) for group, p, plan in adamw]
         # 4. Update blocks to every holder of a Muon matrix, new AdamW values to replicas (one all_to_all).
-        back = router.route([(plan, "from_owner", u) for (_, _, plan), (u, _) in zip(muon, updates)]
+        back = router.route([(plan, "from_owner", u) for (_, _, plan), u in zip(muon, updates)]
                             + [(plan, "from_keeper", b) for (_, _, plan), b in zip(adamw, kept)])
         for (group, p, plan), block in zip(muon, back[: len(muon)]):
             if block is not None:
@@ -288,8 +288,10 @@ class MuonClip(torch.optim.Optimizer):
         others by their ratio to it, so an unsplit matrix is updated exactly as torch.optim.Muon does)."""
         return update_scale(group["adjust_lr_fn"], *self._logical_shapes(plan)[0])
 
-    def _orthogonalise(self, muon, grads) -> Tuple[List[Tuple[Optional[torch.Tensor], float]], int, int]:
-        results: List[Tuple[Optional[torch.Tensor], float]] = [(None, 1.0)] * len(muon)
+    def _orthogonalise(self, muon, grads) -> Tuple[List[Optional[torch.Tensor]], int, int]:
+        """On each owner: the full update of each matrix it owns (None elsewhere), to be applied with
+        lr * _scale_of(); and this rank's count of orthogonalised matrices and their Newton-Schulz FLOPs."""
+        blocks: List[Optional[list]] = [None] * len(muon)  # per member: its logical matrices' NS outputs
         buckets = defaultdict(list)  # (shape, dtype, ns settings) -> [(member, logical matrix index, matrix)]
         for n, ((group, p, plan), g) in enumerate(zip(muon, grads)):
             if g is None:  # not the owner
@@ -305,7 +307,7 @@ class MuonClip(torch.optim.Optimizer):
             settings = (group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"])
             for j, m in enumerate(mats):
                 buckets[(tuple(m.shape), m.dtype, settings)].append((n, j, m))
-            results[n] = ([None] * len(mats), 1.0)
+            blocks[n] = [None] * len(mats)
         count = flops = 0
         for (shape, _, (steps, coefficients, eps, ns_dtype)), items in buckets.items():
             rows, cols = shape[-2], shape[-1]
@@ -314,20 +316,18 @@ class MuonClip(torch.optim.Optimizer):
             count += stacked.shape[0]
             flops += ns_flops(stacked.shape, steps)
             for (n, j, _), o in zip(items, ortho):
-                results[n][0][j] = o
-        for n, ((group, p, plan), (mats, _)) in enumerate(zip(muon, results)):
-            if mats is None:
-                continue
+                blocks[n][j] = o
+        updates: List[Optional[torch.Tensor]] = []
+        for (group, _, plan), mats in zip(muon, blocks):
             split = self.splits.get(plan.name)
-            if split is None:
-                results[n] = (mats[0], 1.0)
+            if mats is None or split is None:
+                updates.append(None if mats is None else mats[0])
                 continue
             ref = self._scale_of(group, plan)
             shapes = self._logical_shapes(plan)
             scaled = [m * (update_scale(group["adjust_lr_fn"], *s) / ref) for m, s in zip(mats, shapes)]
-            full = torch.empty(plan.shape, dtype=plan.dtype, device=plan.device)
-            results[n] = (split.join(scaled, full), ref)
-        return results, count, flops
+            updates.append(split.join(scaled, torch.empty(plan.shape, dtype=plan.dtype, device=plan.device)))
+        return updates, count, flops
 
     def _adamw_block(self, group, p, plan: ParamPlan) -> Optional[torch.Tensor]:
         """Update this rank's block of an AdamW parameter if it keeps it; returns the block (or None)."""
@@ -357,10 +357,9 @@ class MuonClip(torch.optim.Optimizer):
         s_max = [spec.max_logits() for spec in self.qk_clip_specs]
         if self._distributed:
             # Every replica must scale alike: the max over the ranks' micro-batches (-inf: none recorded).
-            full = torch.stack([torch.full((spec.num_heads,), float("-inf")) if s is None else s.float().cpu()
-                                for spec, s in zip(self.qk_clip_specs, s_max)])
             device = next(iter(self._plans.values())).device
-            full = full.to(device)
+            full = torch.stack([torch.full((spec.num_heads,), float("-inf"), device=device) if s is None
+                                else s.float().to(device) for spec, s in zip(self.qk_clip_specs, s_max)])
             dist.all_reduce(full, op=dist.ReduceOp.MAX, group=self.process_group)
             self._router.collectives += 1
             s_max = [None if torch.isneginf(row).all() else row for row in full]

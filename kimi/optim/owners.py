@@ -52,7 +52,6 @@ class Piece:
 class ParamPlan:
     """Layout of one parameter across the group, the same on every rank except ``local``."""
 
-    index: int
     name: str
     shape: Tuple[int, ...]  # the full (global) shape
     dtype: torch.dtype
@@ -125,7 +124,7 @@ def build_plans(named: Sequence[Tuple[str, torch.Tensor]], muon: Sequence[bool],
             keeper = min(pc.holders, key=lambda r: (keep_load[r], r))
             keep_load[keeper] += pc.numel
             keepers.append(keeper)
-        plans.append(ParamPlan(i, name, tuple(p.shape), p.dtype, local_tensor(p).device, pieces, [], keepers,
+        plans.append(ParamPlan(name, tuple(p.shape), p.dtype, local_tensor(p).device, pieces, [], keepers,
                                -1, next((k for k, pc in enumerate(pieces) if rank in pc.holders), None)))
     # Owners: largest matrices first, each to the least-loaded rank, ties to the rank holding most of it.
     for i in sorted((i for i, m in enumerate(muon) if m), key=lambda i: -ns_flops(plans[i].shape)):
@@ -211,7 +210,7 @@ class Router:
         # Every rank reaches the same dtype set (it depends only on the plans), so the collectives pair up.
         for dtype in sorted(dtypes, key=str):
             self._all_to_all([s for s in sends if s[2] == dtype], [r for r in recvs if r[2] == dtype], dtype,
-                             items)
+                             items[0][0].device)
         return results
 
     @staticmethod
@@ -220,8 +219,7 @@ class Router:
             results[n] = x
         return put
 
-    def _all_to_all(self, sends, recvs, dtype: torch.dtype, items) -> None:
-        device = next(plan.device for plan, _, _ in items)
+    def _all_to_all(self, sends, recvs, dtype: torch.dtype, device: torch.device) -> None:
         # Stable sorts by peer keep each pair's messages in the order both sides built them.
         sends = sorted(sends, key=lambda s: s[0])
         recvs = sorted(recvs, key=lambda r: r[0])

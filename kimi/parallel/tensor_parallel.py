@@ -67,6 +67,20 @@ def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(owner_name) if owner_name else module), attr
 
 
+def _present(module: nn.Module, names) -> list[str]:
+    """Those of the (dotted) parameter names `module` holds: the first block has no mixer query, and a
+    pipeline stage may lack the final norm and query."""
+    present = []
+    for name in names:
+        owner = module
+        *path, attr = name.split(".")
+        for part in path:
+            owner = getattr(owner, part, None)
+        if owner is not None and owner._parameters.get(attr) is not None:
+            present.append(name)
+    return present
+
+
 @contextlib.contextmanager
 def _swapped(module: nn.Module, views: Dict[str, callable]) -> Iterator[None]:
     """Within the block, module.<name> (dotted) reads views[name](the parameter) instead."""
@@ -159,12 +173,10 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
         else:
             raise TypeError(f"no tensor-parallel plan for token mixer {type(mixer).__name__}")
         if sequence_parallel:
-            shared = [n for n in ("mixer_norm.weight", "mlp_norm.weight", "mixer_query", "mlp_query")
-                      if _owner(block, n)[0]._parameters.get(_owner(block, n)[1]) is not None]
-            _local_views(block, mesh, [], head_shared=shared)
+            _local_views(block, mesh, [], head_shared=_present(block, ("mixer_norm.weight", "mlp_norm.weight",
+                                                                       "mixer_query", "mlp_query")))
     if sequence_parallel:
-        shared = [n for n in ("norm.weight", "final_query") if getattr(model, n.split(".")[0], None) is not None]
-        _local_views(model, mesh, [], head_shared=shared)
+        _local_views(model, mesh, [], head_shared=_present(model, ("norm.weight", "final_query")))
     return model
 
 
