@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def train(optim: str, steps: int, eval_every: int, overrides: list[str], run_dir: Path) -> dict:
     if run_dir.exists():  # a fresh run, never a resume of an older one
-        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+        shutil.rmtree(run_dir)
     cmd = [sys.executable, str(ROOT / "train.py"), f"optim={optim}", f"trainer.max_steps={steps}",
            f"trainer.eval_every={eval_every}", f"trainer.checkpoint_every={steps}", "logging.wandb.mode=disabled",
            f"hydra.run.dir={run_dir}", *overrides]
