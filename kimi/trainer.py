@@ -161,9 +161,8 @@ class Trainer:
             raise ConfigError("data.varlen=true is not supported with parallel.sequence_parallel=true yet")
 
     def loss_context(self):
-        """torch's loss_parallel() when the LM head's logits are sharded over the vocabulary (tp without a
-        pipeline; see kimi/parallel/tensor_parallel.py), else nothing."""
-        return loss_parallel() if self.dims.tp > 1 and self.dims.pp == 1 else nullcontext()
+        """torch's loss_parallel() when the LM head's logits are sharded over the vocabulary, else nothing."""
+        return loss_parallel() if self.dims.loss_parallel else nullcontext()
 
     def log(self, message: str) -> None:
         """Console output, from rank 0 only."""

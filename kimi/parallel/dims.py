@@ -70,6 +70,12 @@ class ParallelDims:
         return 1 if self.pp == 1 or p.pp_schedule in SINGLE_STAGE else p.pp_virtual_stages
 
     @property
+    def loss_parallel(self) -> bool:
+        """Whether the LM head's logits stay sharded over the vocabulary for the loss: under tensor
+        parallelism, except with a pipeline, whose schedule computes the loss outside loss_parallel()."""
+        return self.tp > 1 and self.pp == 1
+
+    @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 

@@ -29,9 +29,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, dims: ParallelDims, mesh:
                   for i in stage_indices(mesh["pp"].get_local_rank(), dims.pp, virtual)]
         trim(model, [r for r, _, _ in stages], any(f for _, f, _ in stages), any(la for _, _, la in stages))
     if dims.tp > 1:
-        # loss parallelism needs the loss and its backward inside torch's loss_parallel(), which the trainer
-        # provides; a pipeline schedule computes the loss itself, so there the logits are gathered
-        apply_tensor_parallel(model, mesh["tp"], cfg.sequence_parallel, loss_parallel=dims.pp == 1)
+        apply_tensor_parallel(model, mesh["tp"], cfg.sequence_parallel, loss_parallel=dims.loss_parallel)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if cfg.compile:
         apply_compile(model)
