@@ -89,8 +89,26 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _optim_aliases(model) -> Dict[str, str]:
+    """Optimizer-state names that differ from a whole model's: a tied LM head held without its embedding
+    (the last pipeline stage's copy of the tied matrix) keeps its state under the embedding's name, as one
+    process does, so a checkpoint moves between layouts."""
+    if model.cfg.tie_embeddings and model.embed is None and model.lm_head is not None:
+        return {"lm_head.weight": "embed.weight"}
+    return {}
+
+
+def _rename_optim(optim_sd: Dict[str, Any], names: Dict[str, str]) -> Dict[str, Any]:
+    if not names:
+        return optim_sd
+    return {"state": {names.get(k, k): v for k, v in optim_sd["state"].items()},
+            "param_groups": [{**g, "params": [names.get(p, p) for p in g["params"]]}
+                             for g in optim_sd["param_groups"]]}
+
+
 def _full_state(model, optimizer, scheduler, loader, step: int, config: Dict[str, Any], extra: Dict[str, Any]):
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    optim_sd = _rename_optim(optim_sd, _optim_aliases(model))
     return {
         "model": model_sd,
         "optim": optim_sd,
@@ -136,7 +154,9 @@ def load(path: Path, model, optimizer, scheduler, loader) -> Dict[str, Any]:
     """Restore everything saved by :func:`save` in place; returns the trainer part (step, config, extra)."""
     state = _full_state(model, optimizer, scheduler, loader, 0, {}, {})
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    back = {v: k for k, v in _optim_aliases(model).items()}
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=_rename_optim(state["optim"], back))
     tr = state["trainer"]
     scheduler.load_state_dict(tr["scheduler"])
     loader.load_state_dict(tr["loader"])

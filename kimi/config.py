@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from omegaconf import MISSING
 
 RESIDUAL_MODES = ("standard", "attnres_full", "attnres_block")
 SCHEDULES = ("cosine", "wsd", "constant")

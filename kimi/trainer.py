@@ -26,12 +26,13 @@ from torch.distributed.tensor.parallel import loss_parallel
 from kimi import checkpoint
 from kimi.config import Config, ConfigError, validate
 from kimi.data import Batch, TokenLoader, prepare
+from kimi.data.loader import segment_starts
 from kimi.data.pack import open_tokens
 from kimi.metrics import MetricsLogger, peak_flops, progress_line
 from kimi.model import KimiModel
 from kimi.optim import build_optimizer, build_scheduler
 from kimi.parallel import ParallelDims, init_distributed, parallelize
-from kimi.parallel.pipeline import build_schedule
+from kimi.parallel.pipeline import TiedEnds, build_schedule
 from kimi.parallel.tensor_parallel import clip_grad_norm_ as tp_clip_grad_norm_
 
 
@@ -124,6 +125,7 @@ class Trainer:
             self.pp_stage = self.mesh["pp"].get_local_rank()  # pipeline rank: 0 feeds tokens, pp - 1 has the loss
             self.schedule = build_schedule(stages, self.mesh["pp"], self.device, cfg.parallel.pp_schedule,
                                            self.microbatches)
+        self.tied_ends = TiedEnds(self.mesh) if dims.pp > 1 and cfg.model.tie_embeddings else None
         self.optimizer = build_optimizer(self.model, cfg.optim, process_group=dims.stage_group(self.mesh))
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if t.precision == "bf16"
@@ -147,8 +149,6 @@ class Trainer:
         if t.grad_accum_steps > 1:
             raise ConfigError("trainer.grad_accum_steps > 1 with parallel.pp > 1: raise parallel.pp_microbatches "
                               "and trainer.micro_batch_size instead (the pipeline accumulates over micro-batches)")
-        if cfg.data.varlen:
-            raise ConfigError("data.varlen=true is not supported with parallel.pp > 1 yet")
         return n
 
     @staticmethod
@@ -157,8 +157,6 @@ class Trainer:
         if p.sequence_parallel and t.seq_len % p.tp:
             raise ConfigError(f"trainer.seq_len={t.seq_len} does not split over parallel.tp={p.tp} ranks for "
                               f"sequence parallelism: make it a multiple of {p.tp}")
-        if p.sequence_parallel and cfg.data.varlen:
-            raise ConfigError("data.varlen=true is not supported with parallel.sequence_parallel=true yet")
 
     def loss_context(self):
         """torch's loss_parallel() when the LM head's logits are sharded over the vocabulary, else nothing."""
@@ -241,9 +239,11 @@ class Trainer:
         args = (batch.input_ids.to(self.device),) if first else ()
         losses: List[torch.Tensor] = []
         kwargs = {"target": batch.labels.to(self.device), "losses": losses} if last else {}
-        with self.autocast:
+        if self.cfg.data.varlen:  # every stage needs the document boundaries, split by rows like the tokens
+            kwargs["doc_starts"] = segment_starts(batch.cu_seqlens, batch.input_ids.shape).to(self.device)
+        with self.autocast, self.loss_context():
             (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
-        loss = torch.stack(losses).mean().detach() if last else torch.zeros((), device=self.device)
+        loss = _plain(torch.stack(losses).mean().detach()) if last else torch.zeros((), device=self.device)
         return funcol.all_reduce(loss, "sum", group=self.mesh["pp"]).wait()
 
     def train_step(self) -> Dict[str, float]:
@@ -253,6 +253,8 @@ class Trainer:
         for _ in range(accum):
             if self.schedule is not None:
                 total += self._pipeline_loss(self.loader.next_batch(), train=True)
+                if self.tied_ends:
+                    self.tied_ends.sum_grads(self.model)
                 continue
             loss = self._forward_loss(self.loader.next_batch())
             with self.loss_context():
@@ -270,7 +272,8 @@ class Trainer:
         if self.dims.tp > 1 or self.dims.pp > 1:
             # plain and DTensor gradients on different meshes, stages' norms summed: torch's cannot do either
             pp_group = self.mesh["pp"] if self.dims.pp > 1 else None
-            grad_norm = tp_clip_grad_norm_(self.model.parameters(), max_norm, pp_group)
+            uncounted = self.tied_ends.duplicate(self.model) if self.tied_ends else None
+            grad_norm = tp_clip_grad_norm_(self.model.parameters(), max_norm, pp_group, uncounted)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if isinstance(grad_norm, DTensor):

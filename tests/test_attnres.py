@@ -5,10 +5,9 @@ import math
 import pytest
 import torch
 
-from kimi.config import ModelConfig
 from helpers import tiny_model_cfg
 from kimi.model import KimiModel
-from kimi.model.attnres import BlockAttnResStream, FullAttnResStream, depth_attention, depth_weights
+from kimi.model.attnres import BlockAttnResStream, depth_attention, depth_weights
 
 
 tiny_cfg = tiny_model_cfg

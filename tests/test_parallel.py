@@ -4,8 +4,10 @@ subprocesses) equals one process.
 N data-parallel ranks with micro-batch B/N see the windows one process sees with micro-batch B,
 tensor-parallel ranks split every layer by heads, pipeline stages split the blocks, so per-step losses,
 validation losses and final weights must match the single-process run (to float summation order), with
-AdamW and with MuonClip. A checkpoint moves from dp2 x tp2 to two pipeline stages to one process with the
-same losses, and a layout that does not fit exits with the message instead of hanging.
+AdamW and with MuonClip. The cases run in one torchrun launch per process count (tests/dist_train.py):
+torch's start-up on every rank costs more than a tiny run. A checkpoint moves from dp2 x tp2 to two
+pipeline stages to one process with the same losses (and from tp2 to pp2 with tied embeddings), and a
+layout that does not fit exits with the message instead of hanging.
 """
 
 from __future__ import annotations
@@ -38,20 +40,28 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
                        "parallel.activation_checkpointing=selective"]),
     "tp2": (2, 1, ["parallel.tp=2"]),
     "tp2_sp": (2, 1, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "tp2_sp_varlen": (2, 1, ["parallel.tp=2", "parallel.sequence_parallel=true", "data.varlen=true"]),
     "tp2_tied": (2, 1, ["parallel.tp=2", "model.tie_embeddings=true"]),
     "dp2xtp2": (4, 2, ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     "pp2_1f1b": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
     "pp2_gpipe": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=4"]),
     "pp2xdp2": (4, 2, ["parallel.pp=2", "parallel.dp_shard=2"]),
     "pp2xtp2": (4, 1, ["parallel.pp=2", "parallel.tp=2"]),
+    "pp2xtp2_sp_tied": (4, 1, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                               "model.tie_embeddings=true"]),
+    "pp4_tied": (4, 1, ["parallel.pp=4", "model.tie_embeddings=true"]),  # two middle stages hold neither end
+    "pp2_tied": (2, 1, ["parallel.pp=2", "model.tie_embeddings=true"]),
+    "pp2_varlen": (2, 1, ["parallel.pp=2", "parallel.pp_microbatches=4", "data.varlen=true"]),
     "pp2_interleaved": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"]),
     "pp2_zero_bubble": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=zero_bubble"]),
 }
-CASES = [("dp_shard2", "adamw"), ("dp_shard2", "muonclip"), ("dp_replicate2", "muonclip"),
-         ("hsdp2x2", "muonclip"), ("tp2", "adamw"), ("tp2", "muonclip"), ("tp2_sp", "muonclip"),
-         ("tp2_tied", "muonclip"), ("dp2xtp2", "muonclip"), ("pp2_1f1b", "muonclip"), ("pp2_gpipe", "adamw"),
-         ("pp2xdp2", "muonclip"), ("pp2xtp2", "muonclip"), ("pp2_interleaved", "muonclip"),
-         ("pp2_zero_bubble", "adamw")]
+# every layout the issue names, with both optimizers; the rest (options riding along) with one
+BOTH = ["dp_shard2", "dp_replicate2", "tp2", "tp2_sp", "dp2xtp2", "pp2_1f1b", "pp2_interleaved", "pp2xdp2",
+        "pp2xtp2"]
+CASES = [(layout, optim) for layout in BOTH for optim in ("adamw", "muonclip")] + [
+    ("hsdp2x2", "muonclip"), ("tp2_tied", "muonclip"), ("pp2_gpipe", "adamw"), ("pp2_zero_bubble", "adamw"),
+    ("pp2xtp2_sp_tied", "muonclip"), ("pp4_tied", "adamw"), ("pp2_tied", "muonclip"), ("pp2_varlen", "adamw"),
+    ("tp2_sp_varlen", "muonclip")]
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +83,11 @@ def single_process(run: Path, data: list[str], optim: str, *extra: str) -> Train
     return trainer
 
 
-def torchrun(nproc: int, run: Path, args: list[str], check: bool = True) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, run: Path | None, args: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    """train.py (or, with run=None, any script and its arguments) on nproc ranks."""
+    script = [str(ROOT / "train.py"), f"hydra.run.dir={run}"] if run is not None else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "train.py"), f"hydra.run.dir={run}", *args]
+           *script, *args]
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=600)
     if check and proc.returncode != 0:
@@ -120,25 +132,51 @@ def references(tmp_path_factory, data):
     return reference
 
 
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory, data):
+    """launch(nproc) -> (the run dirs by case, the torchrun result): every case on nproc ranks trained by
+    one launch of tests/dist_train.py, made once."""
+    out, done = tmp_path_factory.mktemp("layouts"), {}
+
+    def launch(nproc: int):
+        if nproc not in done:
+            runs = {(layout, optim): out / f"{layout}_{optim}" for layout, optim in CASES
+                    if LAYOUTS[layout][0] == nproc}
+            spec = [{"run_dir": str(run), "overrides": overrides(data, optim, *LAYOUTS[layout][2],
+                                                                 f"trainer.micro_batch_size={4 // LAYOUTS[layout][1]}")}
+                    for (layout, optim), run in runs.items()]
+            (out / f"runs{nproc}.json").write_text(json.dumps(spec))
+            done[nproc] = runs, torchrun(nproc, None, [str(ROOT / "tests" / "dist_train.py"),
+                                                       str(out / f"runs{nproc}.json")], check=False)
+        return done[nproc]
+
+    return launch
+
+
 @pytest.mark.parametrize("layout,optim", CASES)
-def test_data_parallel_equals_one_process(tmp_path, data, references, layout, optim):
-    nproc, dp, extra = LAYOUTS[layout]
-    run = tmp_path / f"{layout}_{optim}"
-    torchrun(nproc, run, overrides(data, optim, *extra, f"trainer.micro_batch_size={4 // dp}"))
-    assert_same_run(run, references(optim, *(o for o in extra if o.startswith("model."))), tmp_path)
+def test_layout_equals_one_process(tmp_path, launches, references, layout, optim):
+    nproc, _, extra = LAYOUTS[layout]
+    runs, proc = launches(nproc)
+    run = runs[layout, optim]
+    if checkpoint.latest_complete(run / "checkpoints") is None:
+        pytest.fail(f"the {nproc}-rank launch exited {proc.returncode} before {run.name} finished:\n"
+                    f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    assert_same_run(run, references(optim, *(o for o in extra if o.startswith(("model.", "data.")))), tmp_path)
 
 
-def test_checkpoint_moves_from_dp2_tp2_to_pp2_to_one_process(tmp_path, data, references):
-    """Step 1 on dp2 x tp2, step 2 on two pipeline stages, step 3 in one process: the same run."""
-    run = tmp_path / "resumed"
-    for layout, stop in (("dp2xtp2", 1), ("pp2_1f1b", 2)):
+@pytest.mark.parametrize("chain", [("dp2xtp2", "pp2_1f1b"), ("tp2_tied", "pp2_tied")])
+def test_checkpoint_moves_between_layouts_then_to_one_process(tmp_path, data, references, chain):
+    """Step 1 on the first layout, step 2 on the second, step 3 in one process: the same run (with tied
+    embeddings: one matrix on one process, two copies on two stages)."""
+    run, model = tmp_path / "resumed", [o for o in LAYOUTS[chain[0]][2] if o.startswith("model.")]
+    for layout, stop in zip(chain, (1, 2)):
         nproc, dp, extra = LAYOUTS[layout]
         torchrun(nproc, run, overrides(data, "muonclip", *extra, f"trainer.micro_batch_size={4 // dp}",
                                        f"trainer.stop_at_step={stop}"))
         assert checkpoint.latest_complete(run / "checkpoints").step == stop
-    trainer = single_process(run, data, "muonclip")
+    trainer = single_process(run, data, "muonclip", *model)
     assert trainer.step == 3
-    assert_same_run(run, references("muonclip"), tmp_path)
+    assert_same_run(run, references("muonclip", *model), tmp_path)
 
 
 @pytest.mark.parametrize("override,message", [

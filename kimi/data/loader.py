@@ -37,12 +37,23 @@ class Batch:
 def document_cu_seqlens(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
     """Start offsets (plus the total) of the segments of the flattened [B, T] inputs: every row starts a
     segment, and so does every token that follows an EOS inside its row."""
-    B, T = input_ids.shape
     after_eos = torch.zeros_like(input_ids, dtype=torch.bool)
     after_eos[:, 1:] = input_ids[:, :-1] == eos_id
     after_eos[:, 0] = True
-    starts = after_eos.flatten().nonzero().flatten()
-    return torch.cat([starts, starts.new_tensor([B * T])]).to(torch.int32)
+    return cu_seqlens_from_starts(after_eos)
+
+
+def cu_seqlens_from_starts(starts: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool, True where a segment starts -> int32 offsets into the flattened rows, plus the total."""
+    idx = starts.flatten().nonzero().flatten()
+    return torch.cat([idx, idx.new_tensor([starts.numel()])]).to(torch.int32)
+
+
+def segment_starts(cu_seqlens: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The inverse of cu_seqlens_from_starts: a [B, T] mask that splits by rows (pipeline micro-batches)."""
+    starts = torch.zeros(shape.numel(), dtype=torch.bool, device=cu_seqlens.device)
+    starts[cu_seqlens[:-1].long()] = True
+    return starts.view(shape)
 
 
 class TokenLoader:

@@ -1,8 +1,9 @@
 """Parallelism, applied from outside the single-device model (DESIGN.md).
 
 ``ParallelDims`` checks the configured degrees against the launched processes before any work and builds
-the DeviceMesh; ``parallelize`` applies, in order, activation checkpointing, torch.compile and FSDP2
-(ZeRO-3 per sublayer; HSDP when dp_replicate > 1). Tensor and pipeline parallelism plug in here next.
+the DeviceMesh (pp, dp_replicate, dp_shard, tp); ``parallelize`` applies, in order, the pipeline stage's
+trim, tensor (and sequence) parallelism, activation checkpointing, torch.compile and FSDP2 (ZeRO-3 per
+sublayer; HSDP when dp_replicate > 1); ``pipeline.build_schedule`` runs the stages.
 """
 
 from .checkpointing import apply_activation_checkpointing, apply_compile

@@ -46,9 +46,9 @@ class ParallelDims:
                 f"parallel.dp_replicate*dp_shard*tp*pp = {dims.dp_replicate}*{dims.dp_shard}*{dims.tp}*{dims.pp}"
                 f" = {product} but {world} process(es) were launched; make the product equal the number of "
                 f"processes (e.g. torchrun --nproc_per_node={product}, or parallel.dp_shard={world})")
-        if p.sequence_parallel and (dims.tp == 1 or dims.pp > 1):
+        if p.sequence_parallel and dims.tp == 1:
             raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (it splits the sequence over "
-                              "the tensor-parallel ranks) and is not supported with parallel.pp > 1 yet")
+                              "the tensor-parallel ranks)")
         if dims.pp > 1:
             from .pipeline import SCHEDULES
 
@@ -72,8 +72,8 @@ class ParallelDims:
     @property
     def loss_parallel(self) -> bool:
         """Whether the LM head's logits stay sharded over the vocabulary for the loss: under tensor
-        parallelism, except with a pipeline, whose schedule computes the loss outside loss_parallel()."""
-        return self.tp > 1 and self.pp == 1
+        parallelism (with a pipeline too: the trainer runs the schedule under loss_parallel())."""
+        return self.tp > 1
 
     @property
     def dp(self) -> int:

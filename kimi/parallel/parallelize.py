@@ -13,7 +13,7 @@ from .checkpointing import apply_activation_checkpointing, apply_compile
 from .dims import ParallelDims
 from .fsdp import apply_data_parallel
 from .pipeline import StageView, split_blocks, stage_indices, trim
-from .tensor_parallel import apply_tensor_parallel
+from .tensor_parallel import apply_tensor_parallel, sum_final_grads
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, dims: ParallelDims, mesh: DeviceMesh | None,
@@ -34,6 +34,9 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, dims: ParallelDims, mesh:
     if cfg.compile:
         apply_compile(model)
     views = [StageView(model, r, first, last) for r, first, last in stages]
+    if dims.tp > 1 and cfg.sequence_parallel:
+        for view in views:
+            sum_final_grads(view, mesh["tp"])
     if dims.dp > 1:
         dp_mesh = mesh["dp_replicate", "dp_shard"]
         for unit in views or [model]:  # each stage is an FSDP root: it is what the schedule calls

@@ -9,6 +9,9 @@ What crosses a stage boundary is the AttnRes stream's sources(): exactly the ten
 each sent once per micro-batch, never one tensor per layer. The receiving stage rebuilds the stream from
 them and the number of sublayers already done (kimi.model.attnres.resume_stream).
 
+Tied embeddings live on both end stages, kept equal by summing their gradients (TiedEnds); packed
+documents reach every stage as a row-wise mask of document starts, split into micro-batches with the tokens.
+
 Stages are balanced by training FLOPs per block (MLA blocks cost more than KDA ones at long sequences) with
 the embedding on the first stage and the LM head on the last; `parallel.pp_split` overrides the boundaries.
 """
@@ -18,13 +21,16 @@ from __future__ import annotations
 from typing import List, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                            ScheduleInterleavedZeroBubble)
 
 from kimi.config import ConfigError, ModelConfig, mla_layer_indices
+from kimi.data.loader import cu_seqlens_from_starts
 from kimi.model.attnres import make_stream, resume_stream
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -89,15 +95,19 @@ class StageView(nn.Module):
         self.lm_head = model.lm_head if last else None
         self.final_query = model.final_query if last else None
 
-    def forward(self, *inputs: torch.Tensor):
+    def forward(self, *inputs: torch.Tensor, doc_starts: torch.Tensor | None = None):
+        """doc_starts: packed documents (data.varlen), a [B, T] mask of where each starts; the micro-batch's
+        rows then run as one packed row, as the single-device trainer runs them."""
         cfg, blocks = self.cfg, self.block_range
+        cu_seqlens = None if doc_starts is None else cu_seqlens_from_starts(doc_starts)
         if self.embed is not None:
-            stream = make_stream(cfg.residual, self.embed(inputs[0]), cfg.attnres_block_size, cfg.norm_eps)
+            ids = inputs[0] if doc_starts is None else inputs[0].reshape(1, -1)
+            stream = make_stream(cfg.residual, self.embed(ids), cfg.attnres_block_size, cfg.norm_eps)
         else:
             stream = resume_stream(cfg.residual, list(inputs), 2 * blocks.start, cfg.attnres_block_size,
                                    cfg.norm_eps)
         for i in blocks:
-            stream = self.blocks[str(i)](stream)
+            stream = self.blocks[str(i)](stream, cu_seqlens=cu_seqlens)
         if self.lm_head is not None:
             return self.lm_head(self.norm(stream.mix(self.final_query)))
         return tuple(stream.sources())
@@ -112,15 +122,49 @@ def stage_indices(rank: int, pp: int, virtual: int) -> list[int]:
 def trim(model: nn.Module, ranges: Sequence[range], first: bool, last: bool) -> nn.Module:
     """Keep only the parts of `model` this rank's stages run (in place); names stay the single-device ones
     (blocks keep their indices in a ModuleDict), so optimizer routing and checkpoints are unchanged."""
-    if model.cfg.tie_embeddings:
-        raise ConfigError("parallel.pp > 1 with model.tie_embeddings=true is not supported yet: the embedding "
-                          "and the LM head live on different stages; untie them")
     model.blocks = nn.ModuleDict({str(i): model.blocks[i] for r in ranges for i in r})
     if not first:
         model.embed = None
     if not last:
         model.norm, model.lm_head, model.final_query = None, None, None
     return model
+
+
+class TiedEnds:
+    """A tied embedding and LM head across the first and last stages (Megatron's scheme): each end keeps its
+    own copy of the one matrix (``embed.weight`` on the first stage, ``lm_head.weight`` on the last, equal
+    at initialisation), and after each backward the two gradients are summed over the pair of ranks, so
+    both copies see the single-device gradient and take the same optimizer update. Middle stages hold
+    neither."""
+
+    def __init__(self, mesh: DeviceMesh):
+        ranks = mesh.mesh  # [pp, dp_replicate, dp_shard, tp]
+        pairs = torch.stack([ranks[0].flatten(), ranks[-1].flatten()], dim=1).tolist()
+        # every rank takes part in creating every pair's group; each gets its own (None on middle stages)
+        self.group, _ = dist.new_subgroups_by_enumeration(pairs)
+
+    @staticmethod
+    def weight(model: nn.Module) -> nn.Parameter | None:
+        """This rank's copy of the tied matrix (None on a middle stage)."""
+        if model.embed is not None:
+            return model.embed.weight
+        return model.lm_head.weight if model.lm_head is not None else None
+
+    def sum_grads(self, model: nn.Module) -> None:
+        weight = self.weight(model)
+        if weight is None or self.group is None:
+            return
+        grad = weight.grad
+        if grad is None:
+            grad = weight.grad = torch.zeros_like(weight)
+        if isinstance(grad, DTensor) and grad.placements != weight.placements:
+            # a vocab-parallel embedding's gradient comes back replicated; both ends shard the vocabulary
+            grad = weight.grad = grad.redistribute(weight.device_mesh, weight.placements)
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
+
+    def duplicate(self, model: nn.Module) -> nn.Parameter | None:
+        """The copy not to count twice in a gradient norm summed over stages: the last stage's."""
+        return model.lm_head.weight if model.embed is None and model.lm_head is not None else None
 
 
 def make_stage(model: nn.Module, blocks: range, first: bool, last: bool) -> StageView:

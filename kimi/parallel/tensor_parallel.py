@@ -13,7 +13,7 @@ sums the ranks' contributions (one all-reduce per sublayer in the forward, one i
               all heads for QK-Clip
   MLP         gate and up column-parallel, down row-parallel
   LM head     column-parallel over the vocabulary; logits stay sharded for a loss-parallel cross-entropy
-              (gathered under pipelining)
+              (also inside a pipeline schedule, which the trainer runs under loss_parallel())
 Norms and AttnRes queries act per token on replicated activations and stay plain (replicated) tensors.
 
 Parameters that a layer uses directly rather than through an nn.Linear (A_log, dt_bias, conv kernels) are
@@ -176,17 +176,28 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
             _local_views(block, mesh, [], head_shared=_present(block, ("mixer_norm.weight", "mlp_norm.weight",
                                                                        "mixer_query", "mlp_query")))
     if sequence_parallel:
-        _local_views(model, mesh, [], head_shared=_present(model, ("norm.weight", "final_query")))
+        sum_final_grads(model, mesh)
     return model
 
 
-def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
+def sum_final_grads(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Under sequence parallelism: the final norm's weight and AttnRes query see this rank's tokens only, so
+    their gradients are summed over tp. `module` is the model or the pipeline stage that runs them (the
+    stage calls them itself, not through the model's forward)."""
+    _local_views(module, mesh, [], head_shared=_present(module, ("norm.weight", "final_query")))
+
+
+def clip_grad_norm_(parameters, max_norm: float, pp_group=None, uncounted=None) -> torch.Tensor:
     """Global gradient-norm clipping for a mix of plain tensors and DTensors on different meshes (which
     torch.nn.utils.clip_grad_norm_ cannot stack), summed over the pipeline stages in `pp_group`; returns
-    the total norm before clipping."""
-    grads = [p.grad for p in parameters if p.grad is not None]
+    the total norm before clipping. `uncounted`: a parameter whose gradient another stage already counts
+    (the last stage's copy of tied embeddings); it is clipped but not counted."""
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
     squares = [torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")]
-    for g in grads:
+    for p, g in zip(params, grads):
+        if p is uncounted:
+            continue
         norm = torch.linalg.vector_norm(g, dtype=torch.float32)
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
     total = torch.stack(squares).sum()
