@@ -1,15 +1,20 @@
-"""Communication of one training step per parallel layout (CPU, gloo), and the AttnRes pipeline payload.
+"""Communication, throughput and memory of a training step per parallel layout, and the AttnRes pipeline
+payload.
 
-For each layout the trainer runs the default tiny job under torchrun (MuonClip; 16 x 128 tokens per step,
-the micro-batch split over the data-parallel ranks, so every layout trains the same batch); after a
-warm-up step, one step is counted on every rank below DTensor: calls and bytes per collective type, and what
-the pipeline stages send (the AttnRes sources, measured at each stage's output).
+For each layout the trainer runs under torchrun (MuonClip; --batch sequences per step, split over the
+data-parallel ranks, so every layout trains the same batch): after a warm-up step, one step is counted on
+every rank below DTensor (calls and bytes per collective type, and what the pipeline stages send: the AttnRes
+sources, measured at each stage's output), then --steps steps are timed: tokens/s and its ratio to the
+one-process layout, MFU, and the peak memory of each rank (CUDA allocations; resident memory on CPU).
+gloo on CPU, NCCL on GPUs.
 
 The payload table compares, per stage boundary, what kimi sends (the stream's sources: completed block sums
 plus the running partial sum) with sending every sublayer output so far (what a pipeline that forwards the
 whole residual history, as Full AttnRes needs, would send), for the tiny and small presets.
 
-    python bench/parallel.py [--layouts dp_shard2 tp2 pp2 ...] [--model tiny]
+    python bench/parallel.py [--layouts single dp_shard2 tp2 pp2 ...] [--model tiny] [--set key=value ...]
+    # the 1b preset on one GPU:
+    python bench/parallel.py --layouts single --model 1b --batch 4 --set trainer.seq_len=4096 trainer.precision=bf16
 
 Prints markdown tables and writes bench/results/parallel.json.
 """
@@ -19,9 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -32,6 +39,7 @@ from comm_count import CommCounter
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {  # name: (processes, data-parallel ranks, overrides)
+    "single": (1, 1, []),
     "dp_shard2": (2, 2, ["parallel.dp_shard=2"]),
     "dp_replicate2": (2, 2, ["parallel.dp_replicate=2"]),
     "tp2": (2, 1, ["parallel.tp=2"]),
@@ -39,12 +47,16 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides)
     "hsdp2x2": (4, 4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"]),
     "dp2xtp2": (4, 2, ["parallel.dp_shard=2", "parallel.tp=2"]),
     "pp2xdp2": (4, 2, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_microbatches=4"]),
+    "pp2xtp2": (4, 1, ["parallel.pp=2", "parallel.tp=2", "parallel.pp_microbatches=4"]),
+    "pp2xtp2_sp": (4, 1, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                          "parallel.pp_microbatches=4"]),
 }
 GLOBAL_BATCH = 16
 
 
-def worker(out: Path, model: str, overrides: list[str]) -> None:
+def worker(out: Path, model: str, overrides: list[str], steps: int) -> None:
     from kimi.config import register_configs
+    from kimi.metrics import peak_flops
     from kimi.parallel import destroy_distributed
     from kimi.parallel.pipeline import StageView
     from kimi.trainer import Trainer
@@ -57,33 +69,50 @@ def worker(out: Path, model: str, overrides: list[str]) -> None:
                                            "trainer.resume=false", *overrides])
     trainer = Trainer(cfg)
     sent = []  # bytes each stage hands to the next, per micro-batch
-    forward = StageView.forward
 
-    def recording(self, *inputs):
-        outputs = forward(self, *inputs)
-        if isinstance(outputs, tuple):
+    def recording(module, inputs, outputs):
+        if isinstance(module, StageView) and isinstance(outputs, tuple):
             sent.append(sum(t.numel() * t.element_size() for t in outputs))
-        return outputs
 
-    StageView.forward = recording
+    torch.nn.modules.module.register_module_forward_hook(recording)
     trainer.train_step()  # warm-up: optimizer state, MuonClip's layout exchange, pipeline shape inference
-    sent.clear()
+    sent.clear()  # then one counted step, then the timed ones
     counter = CommCounter()
     with counter:
         trainer.train_step()
-    record = {"calls": dict(counter.calls), "bytes": dict(counter.bytes), "stage_sends": sent}
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, record)
-    if dist.get_rank() == 0:
+    cuda = trainer.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    sync()
+    seconds = (time.perf_counter() - t0) / steps
+    t = cfg.trainer
+    tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps * trainer.dims.dp
+    peak = peak_flops(trainer.device, t.peak_flops)
+    record = {"calls": dict(counter.calls), "bytes": dict(counter.bytes), "stage_sends": sent,
+              "step_s": seconds, "tokens_per_s": tokens / seconds,
+              "mfu": tokens / seconds * trainer.flops_per_token / (peak * trainer.dims.world),
+              # what this rank's device allocated at most (CUDA), or the process's peak resident memory
+              "peak_mem_bytes": (torch.cuda.max_memory_allocated() if cuda
+                                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
+              "device": torch.cuda.get_device_name() if cuda else "cpu"}
+    everyone = [record]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, record)
+    if not dist.is_initialized() or dist.get_rank() == 0:
         out.write_text(json.dumps(everyone))
     destroy_distributed()
 
 
-def run_layout(name: str, model: str) -> list[dict]:
+def run_layout(name: str, args) -> list[dict]:
     nproc, dp, extra = LAYOUTS[name]
     out = Path(tempfile.mkdtemp()) / "result.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
-           "--worker", str(out), "--model", model, "--", *extra, f"trainer.micro_batch_size={GLOBAL_BATCH // dp}"]
+           "--worker", str(out), "--model", args.model, "--steps", str(args.steps), "--", *extra,
+           f"trainer.micro_batch_size={args.batch // dp}", *args.set]
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"layout {name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -121,21 +150,24 @@ def fmt_bytes(n: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--model", default="tiny")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step over all data-parallel ranks")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per layout (after two untimed ones)")
+    parser.add_argument("--set", nargs="*", default=[], help="more overrides for every layout, e.g. "
+                        "trainer.seq_len=2048 trainer.precision=bf16")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "parallel.json")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        dist.init_process_group("gloo")
-        torch.set_num_threads(1)
-        return worker(args.worker, args.model, args.overrides)
+        return worker(args.worker, args.model, args.overrides, args.steps)
 
-    results = {name: run_layout(name, args.model) for name in args.layouts}
+    results = {name: run_layout(name, args) for name in args.layouts}
     kinds = sorted({k for ranks in results.values() for r in ranks for k in r["bytes"]})
-    print(f"\n{args.model} model, {GLOBAL_BATCH} x 128 tokens per step in every layout, one training step "
-          "(MuonClip), per rank (mean over ranks), CPU gloo\n")
+    device = next(iter(results.values()))[0]["device"]
+    print(f"\n{args.model} model, {args.batch} sequences per step in every layout ({' '.join(args.set) or 'defaults'}), "
+          f"one training step (MuonClip), per rank (mean over ranks), {device}\n")
     print("| layout | ranks | " + " | ".join(kinds) + " | stage sends per micro-batch |")
     print("|---" * (len(kinds) + 3) + "|")
     for name, ranks in results.items():
@@ -149,6 +181,18 @@ def main() -> None:
         print(f"| {name} | {len(ranks)} | " + " | ".join(cells) + " |")
     print("\n(bytes, with the number of calls in brackets)")
 
+    base = results.get("single", [None])[0]
+    print(f"\nthroughput ({args.steps} timed steps; tokens/s of all ranks together, MFU against all ranks' peak, "
+          "peak memory of the fullest rank: CUDA allocations, or resident memory on CPU)\n")
+    print("| layout | ranks | step | tokens/s | vs single | MFU | peak memory per rank |")
+    print("|---|---|---|---|---|---|---|")
+    for name, ranks in results.items():
+        r = ranks[0]  # every rank times the same steps
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+        memory = max(x["peak_mem_bytes"] for x in ranks)
+        print(f"| {name} | {len(ranks)} | {r['step_s'] * 1e3:.0f} ms | {r['tokens_per_s']:,.0f} | {ratio} | "
+              f"{100 * r['mfu']:.2f}% | {fmt_bytes(memory)} |")
+
     payloads = [row for model in ("tiny", "small") for pp in (2, 4) for row in attnres_payloads(model, pp, 128)]
     print("\nAttnRes payload per pipeline boundary: tensors of [tokens, d_model] sent\n")
     print("| model | pp | boundary (after block) | kimi: block sums + partial | every sublayer output so far | ratio |")
@@ -157,7 +201,8 @@ def main() -> None:
         print(f"| {r['model']} | {r['pp']} | {r['boundary']} ({r['after_block']}) | {r['tensors']} | "
               f"{r['all_outputs']} | {r['all_outputs'] / r['tensors']:.1f}x |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": args.model, "layouts": results, "payloads": payloads}, indent=2) + "\n")
+    args.out.write_text(json.dumps({"model": args.model, "batch": args.batch, "set": args.set, "steps": args.steps,
+                                    "layouts": results, "payloads": payloads}, indent=2) + "\n")
     print(f"\nwrote {args.out}")
 
 
