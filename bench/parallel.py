@@ -166,8 +166,9 @@ def main() -> None:
     results = {name: run_layout(name, args) for name in args.layouts}
     kinds = sorted({k for ranks in results.values() for r in ranks for k in r["bytes"]})
     device = next(iter(results.values()))[0]["device"]
-    print(f"\n{args.model} model, {args.batch} sequences per step in every layout ({' '.join(args.set) or 'defaults'}), "
-          f"one training step (MuonClip), per rank (mean over ranks), {device}\n")
+    settings = " ".join(args.set) or "defaults"
+    print(f"\n{args.model} model, {args.batch} sequences per step in every layout ({settings}), one training "
+          f"step (MuonClip), per rank (mean over ranks), {device}\n")
     print("| layout | ranks | " + " | ".join(kinds) + " | stage sends per micro-batch |")
     print("|---" * (len(kinds) + 3) + "|")
     for name, ranks in results.items():

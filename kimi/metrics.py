@@ -132,10 +132,12 @@ def _wandb_id(run_dir: Path) -> str:
 
 
 def progress_line(step: int, max_steps: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float,
-                  mfu: Optional[float], eta_s: float) -> str:
+                  mfu: Optional[float], eta_s: float, memory_gib: Optional[float] = None) -> str:
     parts = [f"step {step:>{len(str(max_steps))}}/{max_steps}", f"loss {loss:.4f}", f"lr {lr:.2e}",
              f"gnorm {grad_norm:.3f}", f"{format_count(tokens_per_s)} tok/s"]
     if mfu is not None and math.isfinite(mfu):
         parts.append(f"MFU {100 * mfu:.1f}%")
+    if memory_gib is not None:
+        parts.append(f"mem {memory_gib:.1f} GiB")
     parts.append(f"ETA {format_duration(eta_s)}")
     return " | ".join(parts)

@@ -362,11 +362,15 @@ class Trainer:
                 mfu = tps * self.flops_per_token / peak
                 done = self.step - start_step
                 eta = (time.perf_counter() - t_start) / done * (t.max_steps - self.step)
+                # rank 0's peak allocation on its GPU so far (ranks differ little but for pipeline stages)
+                memory = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
                 self.log(progress_line(self.step, t.max_steps, out["loss"], out["lr"], out["grad_norm"], tps, mfu,
-                                       eta))
+                                       eta, memory))
                 record = {"step": self.step, "loss": sum(losses) / len(losses), "lr": out["lr"],
                           "grad_norm": out["grad_norm"], "tokens_per_s": tps, "mfu": mfu,
                           "tokens": self.step * tokens_per_step}
+                if memory is not None:
+                    record["peak_memory_gib"] = memory
                 stats = getattr(self.optimizer, "qk_clip_stats", None)
                 if stats:  # MuonClip's QK-Clip: worst head over layers, mean fraction of heads clipped, per layer
                     record["qk_max_logit"] = max(s["max_logit"] for s in stats.values())

@@ -185,3 +185,14 @@ def test_muonclip_run_logs_qk_clip_per_layer(tmp_path, corpus, cache_dir):
     layers = [k.split("/", 1)[1] for k in last if k.startswith("qk_max_logit/")]
     assert layers and all(f"qk_clipped_frac/{layer}" in last for layer in layers)
     assert last["qk_max_logit"] == max(last[f"qk_max_logit/{layer}"] for layer in layers) > 0
+
+
+def test_progress_line_shows_what_is_known():
+    from kimi.metrics import progress_line
+
+    line = progress_line(7, 300, 3.14159, 1e-3, 0.5, 12_345, 0.123, 65, memory_gib=21.04)
+    assert line == ("step   7/300 | loss 3.1416 | lr 1.00e-03 | gnorm 0.500 | 12.3k tok/s | MFU 12.3% | "
+                    "mem 21.0 GiB | ETA 1m05s")
+    # no MFU without a known peak, no memory off CUDA
+    assert "MFU" not in progress_line(7, 300, 3.1, 1e-3, 0.5, 1, float("nan"), 65)
+    assert "mem" not in progress_line(7, 300, 3.1, 1e-3, 0.5, 1, None, 65)

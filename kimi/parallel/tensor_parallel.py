@@ -132,9 +132,11 @@ def _gather_heads(consume, mesh: DeviceMesh):
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False,
                           loss_parallel: bool = False) -> nn.Module:
     """loss_parallel: the LM head returns logits sharded over the vocabulary (a DTensor), for a cross-entropy
-    computed under torch's loss_parallel() without gathering them. sequence_parallel: between sublayers every activation (the AttnRes stream, norms, depth mixing, all
-    per token) holds only this rank's share of the sequence; a sublayer all-gathers the sequence on entry
-    and its row-parallel output reduce-scatters it back (the bytes of the one all-reduce it replaces, and
+    computed under torch's loss_parallel() without gathering them.
+
+    sequence_parallel: between sublayers every activation (the AttnRes stream, norms, depth mixing, all per
+    token) holds only this rank's share of the sequence; a sublayer all-gathers the sequence on entry and
+    its row-parallel output reduce-scatters it back (the bytes of the one all-reduce it replaces, and
     activation memory divided by tp). The norms' weights and AttnRes queries, applied to a share of the
     tokens, sum their gradients over tp."""
     from kimi.model.kda import KDA
