@@ -53,7 +53,8 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
     "pp2xdp2_tied": (4, 2, ["parallel.pp=2", "parallel.dp_shard=2", "model.tie_embeddings=true"]),  # two middle stages hold neither end
     "pp2_tied": (2, 1, ["parallel.pp=2", "model.tie_embeddings=true"]),
     "pp2_varlen": (2, 1, ["parallel.pp=2", "parallel.pp_microbatches=4", "data.varlen=true"]),
-    "pp2_interleaved": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"]),
+    "pp2_interleaved": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+                               "parallel.activation_checkpointing=full"]),
     "pp2_zero_bubble": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=zero_bubble"]),
 }
 # every layout the issue names, with both optimizers; the rest (options riding along) with one
