@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from kimi.model import KimiModel
 
@@ -41,7 +42,7 @@ def generate(
     if ids.shape[1] == 0:
         raise ValueError("generate needs a non-empty prompt")
     cache = model.new_cache()
-    logits = model(ids, cache=cache)
+    logits = _whole(model(ids, cache=cache))
     out: list[int] = []
     while len(out) < max_new_tokens:
         token = sample_next(logits[0, -1], temperature, top_k, generator)
@@ -49,8 +50,14 @@ def generate(
             break
         out.append(token)
         if len(out) < max_new_tokens:
-            logits = model(torch.tensor([[token]], device=device), cache=cache)
+            logits = _whole(model(torch.tensor([[token]], device=device), cache=cache))
     return out
+
+
+def _whole(logits: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel model's logits are sharded over the vocabulary: every rank gathers them all, then
+    samples the same token from the same generator state."""
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
 
 def load_from_checkpoint(path: str, device: str = "cpu"):

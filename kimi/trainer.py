@@ -330,8 +330,9 @@ class Trainer:
             png = self.metrics.plot(self.run_dir / "loss_curve.png")
             if png:
                 self.log(f"[kimi] loss curve: {png}")
-        if result["finished"] and t.sample_tokens > 0 and (self.dims.pp > 1 or self.dims.tp > 1):
-            self.log("[kimi] no sample under pipeline or tensor parallelism: sample from the run directory with "
+        if result["finished"] and t.sample_tokens > 0 and (self.dims.pp > 1 or cfg.parallel.sequence_parallel):
+            # a pipeline would need its own decoding schedule; one token cannot be split over tp ranks
+            self.log("[kimi] no sample under pipeline or sequence parallelism: sample from the run directory with "
                      "python -m kimi.generate run=<run dir>")
         elif result["finished"] and t.sample_tokens > 0:
             result["sample"] = self.sample(t.sample_prompt, t.sample_tokens)

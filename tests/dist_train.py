@@ -29,7 +29,9 @@ def main(spec: Path) -> None:
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
             cfg = compose("config", overrides=[f"trainer.run_dir={run['run_dir']}", *run["overrides"]])
         trainer = Trainer(cfg)
-        trainer.fit()
+        result = trainer.fit()
+        if "sample" in result and trainer.is_main:
+            Path(run["run_dir"], "sample.txt").write_text(result["sample"])
         del trainer
         gc.collect()
         print(f"[dist_train] finished {run['run_dir']}", flush=True)

@@ -41,7 +41,8 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
     "tp2": (2, 1, ["parallel.tp=2"]),
     "tp2_sp": (2, 1, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     "tp2_sp_varlen": (2, 1, ["parallel.tp=2", "parallel.sequence_parallel=true", "data.varlen=true"]),
-    "tp2_tied": (2, 1, ["parallel.tp=2", "model.tie_embeddings=true"]),
+    # the end-of-run sample too: every rank decodes from gathered logits
+    "tp2_tied": (2, 1, ["parallel.tp=2", "model.tie_embeddings=true", "trainer.sample_tokens=24"]),
     "dp2xtp2": (4, 2, ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     "pp2_1f1b": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
     "pp2_gpipe": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=4"]),
@@ -81,7 +82,9 @@ def single_process(run: Path, data: list[str], optim: str, *extra: str) -> Train
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[f"trainer.run_dir={run}", *overrides(data, optim, *extra)])
     trainer = Trainer(cfg)
-    trainer.fit()
+    result = trainer.fit()
+    if "sample" in result:
+        (run / "sample.txt").write_text(result["sample"])
     return trainer
 
 
@@ -163,7 +166,10 @@ def test_layout_equals_one_process(tmp_path, launches, references, layout, optim
     if checkpoint.latest_complete(run / "checkpoints") is None:
         pytest.fail(f"the {nproc}-rank launch exited {proc.returncode} before {run.name} finished:\n"
                     f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    assert_same_run(run, references(optim, *(o for o in extra if o.startswith(("model.", "data.")))), tmp_path)
+    ref = references(optim, *(o for o in extra if o.startswith(("model.", "data.", "trainer.sample"))))
+    assert_same_run(run, ref, tmp_path)
+    if (ref / "sample.txt").exists():
+        assert (run / "sample.txt").read_text() == (ref / "sample.txt").read_text()
 
 
 @pytest.mark.parametrize("chain", [("dp2xtp2", "pp2_1f1b"), ("tp2_tied", "pp2_tied")])
