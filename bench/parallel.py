@@ -51,7 +51,6 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides)
     "pp2xtp2_sp": (4, 1, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                           "parallel.pp_microbatches=4"]),
 }
-GLOBAL_BATCH = 16
 
 
 def worker(out: Path, model: str, overrides: list[str], steps: int) -> None:

@@ -253,13 +253,13 @@ class Trainer:
         for _ in range(accum):
             if self.schedule is not None:
                 total += self._pipeline_loss(self.loader.next_batch(), train=True)
-                if self.tied_ends:
-                    self.tied_ends.sum_grads(self.model)
                 continue
             loss = self._forward_loss(self.loader.next_batch())
             with self.loss_context():
                 (loss / accum).backward()
             total += _plain(loss.detach())
+        if self.tied_ends:  # the end stages' copies of tied embeddings take the whole gradient
+            self.tied_ends.sum_grads(self.model)
         loss = _mean_over_ranks(total / accum)  # every rank sees the same value, so all stop alike on NaN
         if not torch.isfinite(loss):
             last = checkpoint.latest_complete(self.ckpt_dir)

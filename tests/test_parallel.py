@@ -50,8 +50,8 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
     "pp2xtp2": (4, 1, ["parallel.pp=2", "parallel.tp=2"]),
     "pp2xtp2_sp_tied": (4, 1, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                                "model.tie_embeddings=true"]),
-    "pp4_tied": (4, 1, ["parallel.pp=4", "model.tie_embeddings=true"]),
-    "pp2xdp2_tied": (4, 2, ["parallel.pp=2", "parallel.dp_shard=2", "model.tie_embeddings=true"]),  # two middle stages hold neither end
+    "pp4_tied": (4, 1, ["parallel.pp=4", "model.tie_embeddings=true"]),  # two middle stages hold neither end
+    "pp2xdp2_tied": (4, 2, ["parallel.pp=2", "parallel.dp_shard=2", "model.tie_embeddings=true"]),
     "pp2_tied": (2, 1, ["parallel.pp=2", "model.tie_embeddings=true"]),
     "pp2_varlen": (2, 1, ["parallel.pp=2", "parallel.pp_microbatches=4", "data.varlen=true"]),
     "pp2_interleaved": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
@@ -63,8 +63,8 @@ BOTH = ["dp_shard2", "dp_replicate2", "tp2", "tp2_sp", "dp2xtp2", "pp2_1f1b", "p
         "pp2xtp2"]
 CASES = [(layout, optim) for layout in BOTH for optim in ("adamw", "muonclip")] + [
     ("hsdp2x2", "muonclip"), ("tp2_tied", "muonclip"), ("pp2_gpipe", "adamw"), ("pp2_zero_bubble", "adamw"),
-    ("pp2xtp2_sp_tied", "muonclip"), ("pp4_tied", "adamw"), ("pp2xdp2_tied", "adamw"), ("pp2_tied", "muonclip"), ("pp2_varlen", "adamw"),
-    ("tp2_sp_varlen", "muonclip")]
+    ("pp2xtp2_sp_tied", "muonclip"), ("pp4_tied", "adamw"), ("pp2xdp2_tied", "adamw"), ("pp2_tied", "muonclip"),
+    ("pp2_varlen", "adamw"), ("tp2_sp_varlen", "muonclip")]
 
 
 @pytest.fixture(scope="module")

@@ -164,7 +164,7 @@ class TiedEnds:
 
     def duplicate(self, model: nn.Module) -> nn.Parameter | None:
         """The copy not to count twice in a gradient norm summed over stages: the last stage's."""
-        return model.lm_head.weight if model.embed is None and model.lm_head is not None else None
+        return self.weight(model) if model.embed is None else None
 
 
 def make_stage(model: nn.Module, blocks: range, first: bool, last: bool) -> StageView:
