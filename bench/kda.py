@@ -28,11 +28,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kimi.ops.kda import chunk_kda, fused_recurrent_kda
+from kimi.ops.kda import CHUNK_SIZE as CHUNK, chunk_kda, fused_recurrent_kda
 
 RESULTS = Path(__file__).parent / "results"
 NAIVE_LIMIT_S = 60.0  # CPU: a naive call slower than this is not repeated, and longer T are not tried
-CHUNK = 64
 DEVICE = "cuda"  # of the GPU section (a dry run of its code on CPU can swap it)
 
 

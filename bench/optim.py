@@ -111,7 +111,7 @@ def distributed(model_name: str, repeats: int, out: Path) -> None:
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     model = KimiModel(model_config(model_name))
-    for block in model.blocks:
+    for block in model.blocks.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     fill_grads(model)

@@ -57,7 +57,7 @@ def worker(out: Path, model: str, overrides: list[str], steps: int) -> None:
     from kimi.config import register_configs
     from kimi.metrics import peak_flops
     from kimi.parallel import destroy_distributed
-    from kimi.parallel.pipeline import StageView
+    from kimi.model import KimiModel
     from kimi.trainer import Trainer
 
     register_configs()
@@ -70,7 +70,7 @@ def worker(out: Path, model: str, overrides: list[str], steps: int) -> None:
     sent = []  # bytes each stage hands to the next, per micro-batch
 
     def recording(module, inputs, outputs):
-        if isinstance(module, StageView) and isinstance(outputs, tuple):
+        if isinstance(module, KimiModel) and isinstance(outputs, tuple):  # a stage's sources, not logits
             sent.append(sum(t.numel() * t.element_size() for t in outputs))
 
     torch.nn.modules.module.register_module_forward_hook(recording)

@@ -5,9 +5,9 @@ Layout: ``<run_dir>/checkpoints/step_00000100/`` holds DCP's shard files and ``.
 half-way (killed job, full disk) is never mistaken for a good one. Resume takes the newest complete
 checkpoint and ignores (and reports) incomplete ones.
 
-One state dict holds everything needed for an exact continuation: model and optimizer (through
-``get_state_dict``/``set_state_dict``, which also understand FSDP2/DTensor models in later issues), the
-lr scheduler, the data loader position, the RNG states, the step and the resolved config.
+One state dict holds everything needed for an exact continuation: the engine's model, optimizer and lr
+schedule state (kimi.parallel.engine: laid out like the parameters, so it reloads under another layout),
+the data loader position, the RNG states, the step and the resolved config.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -89,32 +88,14 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _optim_aliases(model) -> Dict[str, str]:
-    """Optimizer-state names that differ from a whole model's: a tied LM head held without its embedding
-    (the last pipeline stage's copy of the tied matrix) keeps its state under the embedding's name, as one
-    process does, so a checkpoint moves between layouts."""
-    if model.cfg.tie_embeddings and model.embed is None and model.lm_head is not None:
-        return {"lm_head.weight": "embed.weight"}
-    return {}
-
-
-def _rename_optim(optim_sd: Dict[str, Any], names: Dict[str, str]) -> Dict[str, Any]:
-    if not names:
-        return optim_sd
-    return {"state": {names.get(k, k): v for k, v in optim_sd["state"].items()},
-            "param_groups": [{**g, "params": [names.get(p, p) for p in g["params"]]}
-                             for g in optim_sd["param_groups"]]}
-
-
-def _full_state(model, optimizer, scheduler, loader, step: int, config: Dict[str, Any], extra: Dict[str, Any]):
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    optim_sd = _rename_optim(optim_sd, _optim_aliases(model))
+def _full_state(engine, loader, step: int, config: Dict[str, Any], extra: Dict[str, Any]):
+    state = engine.state_dict()
     return {
-        "model": model_sd,
-        "optim": optim_sd,
+        "model": state["model"],
+        "optim": state["optim"],
         "trainer": {
             "step": step,
-            "scheduler": scheduler.state_dict(),
+            "scheduler": state["scheduler"],
             "loader": loader.state_dict(),
             "rng": rng_state(),
             # Stored as JSON text: DCP flattens nested dicts, so a dict of unknown keys cannot be loaded
@@ -125,8 +106,8 @@ def _full_state(model, optimizer, scheduler, loader, step: int, config: Dict[str
     }
 
 
-def save(root: Path, step: int, model, optimizer, scheduler, loader, config: Dict[str, Any],
-         extra: Optional[Dict[str, Any]] = None, keep: int = 2) -> Path:
+def save(root: Path, step: int, engine, loader, config: Dict[str, Any], extra: Optional[Dict[str, Any]] = None,
+         keep: int = 2) -> Path:
     """Write checkpoint ``step`` and mark it complete; then keep only the newest ``keep`` complete ones."""
     path = step_dir(root, step)
     if _is_rank0():
@@ -135,7 +116,7 @@ def save(root: Path, step: int, model, optimizer, scheduler, loader, config: Dic
         path.mkdir(parents=True)
     _barrier()
     t0 = time.time()
-    state = _full_state(model, optimizer, scheduler, loader, step, config, extra or {})
+    state = _full_state(engine, loader, step, config, extra or {})
     dcp.save(state, checkpoint_id=str(path))
     _barrier()
     if _is_rank0():
@@ -150,15 +131,12 @@ def save(root: Path, step: int, model, optimizer, scheduler, loader, config: Dic
     return path
 
 
-def load(path: Path, model, optimizer, scheduler, loader) -> Dict[str, Any]:
+def load(path: Path, engine, loader) -> Dict[str, Any]:
     """Restore everything saved by :func:`save` in place; returns the trainer part (step, config, extra)."""
-    state = _full_state(model, optimizer, scheduler, loader, 0, {}, {})
+    state = _full_state(engine, loader, 0, {}, {})
     dcp.load(state, checkpoint_id=str(path))
-    back = {v: k for k, v in _optim_aliases(model).items()}
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=_rename_optim(state["optim"], back))
     tr = state["trainer"]
-    scheduler.load_state_dict(tr["scheduler"])
+    engine.load_state_dict({"model": state["model"], "optim": state["optim"], "scheduler": tr["scheduler"]})
     loader.load_state_dict(tr["loader"])
     set_rng_state(tr["rng"])
     return {"step": tr["step"], "config": json.loads(tr["config"]), "extra": json.loads(tr["extra"])}

@@ -1,27 +1,48 @@
-"""Structured configuration: dataclasses registered in Hydra's ConfigStore.
+"""Structured configuration: dataclasses registered in Hydra's ConfigStore, and the one validation pass.
 
 The root schema is stored as ``base_config``; ``conf/config.yaml`` lists it first in its defaults, so every
 YAML preset and command-line override is merged into typed nodes and a misspelt key fails with Hydra's
-"Key 'x' not in 'TrainerConfig'" before any work. Values that type-check but cannot work (a block size of
-zero, an MLA layer index past the last layer) are caught by :func:`validate`, which names the key and what
-is allowed.
+"Key 'x' not in 'TrainerConfig'" before any work. Values that type-check but cannot work are caught by
+:func:`validate`, which ``Trainer.__init__`` calls first (before any data is downloaded or tokenised): every
+per-key rule (a block size of zero, an unknown residual mode) and every cross-key rule (heads that do not
+split over parallel.tp, more pipeline stages than blocks, degrees whose product is not the number of
+processes). Each failure is a one-line :class:`ConfigError` that names the key(s) and how to fix it.
+
+This module is pure data: it imports neither torch nor the rest of kimi (it is imported first).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, List, Optional
+import os
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, List, Optional, Tuple
 
-
+# ---- keys that take one of a fixed set of values ---------------------------------------------------------
+# The installed OmegaConf (2.3) rejects typing.Literal in structured configs ("Unexpected type annotation:
+# Literal[...]"), and an Enum annotation would hand the code Enum members instead of plain strings and make
+# a bad value a composition-time ValidationError instead of a ConfigError listing the choices. So these keys
+# stay `str`, each declared with one_of(TUPLE, default): the field's metadata holds its one tuple of allowed
+# values, and validate() derives the check (and its message) from it for every such field.
 RESIDUAL_MODES = ("standard", "attnres_full", "attnres_block")
-SCHEDULES = ("cosine", "wsd", "constant")
-PRECISIONS = ("fp32", "bf16")
-WANDB_MODES = ("offline", "online", "disabled")
+KDA_BACKENDS = ("auto", "torch", "triton")
 DATA_SOURCES = ("shakespeare", "hf", "files")
+DATA_FORMATS = ("text", "json", "parquet")
 OPTIMIZERS = ("adamw", "muonclip")
+SCHEDULES = ("cosine", "wsd", "constant")
 NS_DTYPES = ("fp32", "bf16")
 ADJUST_LR_FNS = ("match_rms_adamw", "original")
-KDA_BACKENDS = ("auto", "torch", "triton")
+PRECISIONS = ("fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+WANDB_MODES = ("offline", "online", "disabled")
+AC_MODES = ("none", "full", "selective")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage per rank; the others run pp_virtual_stages each
+ENGINES = ("torch",)
+
+
+def one_of(choices: Tuple[str, ...], default: Optional[str]) -> Any:
+    """A string field taking one of `choices` (or null, when the default is null); validate() checks it."""
+    return field(default=default, metadata={"choices": choices, "nullable": default is None})
 
 
 @dataclass
@@ -42,7 +63,7 @@ class ModelConfig:
     conv_size: int = 4
     # KDA kernels: auto = Triton on CUDA, PyTorch on CPU; torch / triton force one (triton on CPU needs
     # TRITON_INTERPRET=1 and is slow: for tests).
-    kda_backend: str = "auto"
+    kda_backend: str = one_of(KDA_BACKENDS, "auto")
     # MLA
     mla_num_heads: int = 4
     q_lora_rank: int = 0  # 0: full-rank query projection (Kimi Linear)
@@ -55,7 +76,7 @@ class ModelConfig:
     mlp_hidden: int = 768  # SwiGLU inner width
     tie_embeddings: bool = False
     # Residuals: standard pre-norm, or Attention Residuals over every layer / over blocks of layers.
-    residual: str = "attnres_block"
+    residual: str = one_of(RESIDUAL_MODES, "attnres_block")
     attnres_block_size: int = 4  # sublayers per AttnRes block (attnres_block only)
     norm_eps: float = 1e-5
     init_std: float = 0.02
@@ -73,10 +94,11 @@ class TokenizerConfig:
 @dataclass
 class DataConfig:
     name: str = "shakespeare"
-    source: str = "shakespeare"  # shakespeare | hf (a hub dataset name) | files (local text/json/parquet)
+    # shakespeare | hf (a hub dataset name, data.path) | files (local text/json/parquet, data.data_files)
+    source: str = one_of(DATA_SOURCES, "shakespeare")
     path: Optional[str] = None  # hub dataset name for source=hf
     data_files: Optional[List[str]] = None  # local files (or globs) for source=files
-    format: Optional[str] = None  # text | json | parquet; None infers from the file extension
+    format: Optional[str] = one_of(DATA_FORMATS, None)  # None: inferred from the file extension
     text_field: str = "text"
     train_split: str = "train"
     val_split: Optional[str] = None  # None: hold out `val_fraction` of the documents
@@ -89,13 +111,13 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "muonclip"  # muonclip | adamw
+    name: str = one_of(OPTIMIZERS, "muonclip")
     lr: float = 3e-3
     weight_decay: float = 0.1
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
-    schedule: str = "cosine"  # cosine | wsd | constant (all after linear warmup)
+    schedule: str = one_of(SCHEDULES, "cosine")  # all after linear warmup
     warmup_steps: int = 30
     min_lr_ratio: float = 0.1  # final lr as a fraction of lr (cosine and wsd)
     decay_fraction: float = 0.2  # wsd: fraction of max_steps spent decaying
@@ -103,9 +125,9 @@ class OptimConfig:
     momentum: float = 0.95  # Muon momentum
     nesterov: bool = True
     ns_steps: int = 5  # Newton-Schulz iterations
-    ns_dtype: str = "fp32"  # fp32 | bf16: dtype of the Newton-Schulz matmuls (bf16 on GPU)
+    ns_dtype: str = one_of(NS_DTYPES, "fp32")  # dtype of the Newton-Schulz matmuls (bf16 on GPU)
     # Muon's lr scale: match_rms_adamw (0.2 sqrt(max(A,B))) | original (sqrt(max(1,A/B)))
-    adjust_lr_fn: str = "match_rms_adamw"
+    adjust_lr_fn: str = one_of(ADJUST_LR_FNS, "match_rms_adamw")
     # fnmatch patterns over parameter names that force a family; null keeps the default (embed, lm_head)
     adamw_patterns: Optional[List[str]] = None
     muon_patterns: List[str] = field(default_factory=list)
@@ -120,8 +142,8 @@ class TrainerConfig:
     micro_batch_size: int = 16
     seq_len: int = 128
     grad_accum_steps: int = 1
-    precision: str = "fp32"  # fp32 | bf16 (autocast; weights and optimizer stay fp32)
-    device: str = "auto"  # auto | cpu | cuda
+    precision: str = one_of(PRECISIONS, "fp32")  # bf16: autocast; weights and optimizer stay fp32
+    device: str = one_of(DEVICES, "auto")
     eval_every: int = 100  # 0 disables periodic validation (a final one still runs)
     eval_batches: int = 8
     log_every: int = 10
@@ -140,7 +162,7 @@ class TrainerConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = "offline"  # offline | online | disabled
+    mode: str = one_of(WANDB_MODES, "offline")  # offline: no network (`wandb sync` later)
     project: str = "kimi"
     entity: Optional[str] = None
     name: Optional[str] = None
@@ -159,14 +181,16 @@ class ParallelConfig:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
-    activation_checkpointing: str = "none"  # none | full | selective (see kimi/parallel/checkpointing.py)
+    activation_checkpointing: str = one_of(AC_MODES, "none")  # see kimi/parallel/checkpointing.py
     compile: bool = False  # torch.compile each token mixer and MLP
     reshard_after_forward: bool = True  # FSDP2: False keeps weights gathered until the backward (ZeRO-2-like)
     sequence_parallel: bool = False  # with tp > 1: activations between sublayers split along the sequence
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
+    pp_schedule: str = one_of(PP_SCHEDULES, "1f1b")
     pp_virtual_stages: int = 2  # stages per rank for interleaved_1f1b and zero_bubble
     pp_microbatches: int = 0  # micro-batches per step through the pipeline; 0: as many as stages
     pp_split: Optional[List[int]] = None  # first block of stages 1..pp-1; null: balanced by FLOPs
+    # torch: FSDP2/TP/PP from torch.distributed (a later issue adds deepspeed)
+    engine: str = one_of(ENGINES, "torch")
 
 
 @dataclass
@@ -187,12 +211,7 @@ def register_configs() -> None:
 
 
 class ConfigError(ValueError):
-    """A configuration value that cannot work; the message names the key and what is allowed."""
-
-
-def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
+    """A configuration value that cannot work; the one-line message names the key(s) and how to fix it."""
 
 
 def mla_layer_indices(m: ModelConfig) -> List[int]:
@@ -204,66 +223,258 @@ def mla_layer_indices(m: ModelConfig) -> List[int]:
     return [i for i in range(m.num_layers) if (i + 1) % m.mla_every == 0]
 
 
+def stages_per_rank(p: ParallelConfig) -> int:
+    """Pipeline stages each pipeline rank runs: parallel.pp_virtual_stages for the interleaved schedules."""
+    return 1 if p.pp == 1 or p.pp_schedule in SINGLE_STAGE_SCHEDULES else p.pp_virtual_stages
+
+
+def pipeline_stages(p: ParallelConfig) -> int:
+    """Pipeline stages in all (1 without pipeline parallelism); each needs at least one block."""
+    return p.pp * stages_per_rank(p)
+
+
+def pipeline_microbatches(cfg: Config) -> int:
+    """Micro-batches per step through the pipeline (1 without one): parallel.pp_microbatches, 0 meaning pp."""
+    p = cfg.parallel
+    return 1 if p.pp == 1 else (p.pp_microbatches or p.pp)
+
+
+# ---- helpers ---------------------------------------------------------------------------------------------
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    """A value of one key: `key=value is invalid: allowed`."""
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
+
+
+def _require(ok: bool, message: str) -> None:
+    """A rule over several keys, with its own message (naming the keys and the fix)."""
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_choices(node: Any, prefix: str) -> None:
+    """Every one_of() field of the dataclass `node` (and of the dataclasses nested in it) holds an allowed
+    value; its allowed values come from the field's metadata, so no such key is left unchecked."""
+    for f in fields(node):
+        key, value = f"{prefix}.{f.name}", getattr(node, f.name)
+        choices = f.metadata.get("choices")
+        if choices is not None:
+            nullable = f.metadata["nullable"]
+            _check(value in choices or (nullable and value is None), key, value,
+                   f"choose one of {'|'.join(choices)}" + (" or null" if nullable else ""))
+        elif is_dataclass(value):
+            _check_choices(value, key)
+
+
+def _check_positive(node: Any, prefix: str, keys: Tuple[str, ...]) -> None:
+    for key in keys:
+        _check(getattr(node, key) > 0, f"{prefix}.{key}", getattr(node, key), "must be a positive integer")
+
+
+# ---- per section -----------------------------------------------------------------------------------------
 def validate_model(m: ModelConfig) -> None:
-    for key in ("d_model", "num_layers", "kda_num_heads", "kda_head_dim", "mla_num_heads", "kv_lora_rank",
-                "qk_nope_head_dim", "v_head_dim", "mlp_hidden", "attnres_block_size", "pad_vocab_multiple"):
-        _check(getattr(m, key) > 0, f"model.{key}", getattr(m, key), "must be a positive integer")
+    """The model section's own rules (all a model needs to build, also outside the trainer)."""
+    _check_choices(m, "model")
+    _check_positive(m, "model", ("d_model", "num_layers", "kda_num_heads", "kda_head_dim", "mla_num_heads",
+                                 "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "mlp_hidden",
+                                 "attnres_block_size", "pad_vocab_multiple"))
     _check(m.conv_size >= 1, "model.conv_size", m.conv_size, "must be >= 1 (4 in Kimi Linear)")
-    _check(m.kda_backend in KDA_BACKENDS, "model.kda_backend", m.kda_backend,
-           f"choose one of {'|'.join(KDA_BACKENDS)}")
     _check(m.q_lora_rank >= 0, "model.q_lora_rank", m.q_lora_rank, "must be >= 0 (0 = no query compression)")
     _check(m.qk_rope_head_dim >= 0 and m.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim",
            m.qk_rope_head_dim, "must be an even number >= 0 (0 = NoPE)")
     _check(m.mla_every >= 0, "model.mla_every", m.mla_every, "must be >= 0 (0 = no MLA, 4 = 3:1 KDA:MLA)")
     if m.mla_layers is not None:
-        bad = [i for i in m.mla_layers if not 0 <= int(i) < m.num_layers]
-        _check(not bad, "model.mla_layers", list(m.mla_layers),
+        layers = [int(i) for i in m.mla_layers]
+        bad = [i for i in layers if not 0 <= i < m.num_layers]
+        _check(not bad, "model.mla_layers", layers,
                f"indices must be 0-based block indices in [0, {m.num_layers - 1}] (bad: {bad})")
-    _check(m.residual in RESIDUAL_MODES, "model.residual", m.residual, f"choose one of {'|'.join(RESIDUAL_MODES)}")
+        repeated = sorted({i for i in layers if layers.count(i) > 1})
+        _check(not repeated, "model.mla_layers", layers,
+               f"give each block index at most once (repeated: {repeated})")
     if m.vocab_size is not None:
-        _check(m.vocab_size > 0, "model.vocab_size", m.vocab_size, "must be positive, or null to use the tokenizer's")
+        _check(m.vocab_size > 0, "model.vocab_size", m.vocab_size,
+               "must be positive, or null to use the tokenizer's")
     _check(m.init_std > 0, "model.init_std", m.init_std, "must be > 0")
     _check(m.norm_eps > 0, "model.norm_eps", m.norm_eps, "must be > 0")
 
 
-def validate(cfg: Config) -> None:
-    """Fail before any work on values that cannot work; every message names its key."""
-    validate_model(cfg.model)
-    d, o, t, lg, p = cfg.data, cfg.optim, cfg.trainer, cfg.logging, cfg.parallel
-    _check(d.source in DATA_SOURCES, "data.source", d.source, f"choose one of {'|'.join(DATA_SOURCES)}")
+def _validate_data(d: DataConfig) -> None:
+    _check_choices(d, "data")
     if d.source == "hf":
-        _check(bool(d.path), "data.path", d.path, "data.source=hf needs a dataset name, e.g. data.path=roneneldan/TinyStories")
+        _check(bool(d.path), "data.path", d.path,
+               "data.source=hf needs a dataset name, e.g. data.path=roneneldan/TinyStories")
     if d.source == "files":
         _check(bool(d.data_files), "data.data_files", d.data_files,
                "data.source=files needs a list of local files, e.g. 'data.data_files=[/data/a.txt]'")
-    _check(d.format in (None, "text", "json", "parquet"), "data.format", d.format, "choose text|json|parquet or null")
+    _check(not d.val_split or d.source == "hf", "data.val_split", d.val_split,
+           f"only data.source=hf has named splits (data.source={d.source} holds out data.val_fraction of its "
+           "documents): set data.val_split=null")
     _check(0.0 <= d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "must be in [0, 1)")
     _check(d.num_proc >= 1, "data.num_proc", d.num_proc, "must be >= 1")
     _check(d.tokenizer.vocab_size >= 260, "data.tokenizer.vocab_size", d.tokenizer.vocab_size,
            "must be >= 260: 256 byte-fallback pieces, 3 special pieces, and the text's characters")
-    _check(o.name in OPTIMIZERS, "optim.name", o.name, f"choose one of {'|'.join(OPTIMIZERS)}")
+    _check(d.tokenizer.train_chars > 0, "data.tokenizer.train_chars", d.tokenizer.train_chars,
+           "must be a positive number of characters")
+
+
+def _validate_optim(o: OptimConfig) -> None:
+    _check_choices(o, "optim")
     _check(o.lr > 0, "optim.lr", o.lr, "must be > 0")
     _check(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
     _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", list(o.betas),
            "must be two numbers in [0, 1)")
+    _check(o.eps >= 0, "optim.eps", o.eps, "must be >= 0")
     _check(o.grad_clip >= 0, "optim.grad_clip", o.grad_clip, "must be >= 0 (0 disables clipping)")
-    _check(o.schedule in SCHEDULES, "optim.schedule", o.schedule, f"choose one of {'|'.join(SCHEDULES)}")
     _check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
     _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
     _check(0 < o.decay_fraction <= 1, "optim.decay_fraction", o.decay_fraction, "must be in (0, 1]")
     _check(0 <= o.momentum < 1, "optim.momentum", o.momentum, "must be in [0, 1) (0.95 in Muon)")
     _check(o.ns_steps >= 1, "optim.ns_steps", o.ns_steps, "must be >= 1 (5 in Muon)")
-    _check(o.ns_dtype in NS_DTYPES, "optim.ns_dtype", o.ns_dtype, f"choose one of {'|'.join(NS_DTYPES)}")
-    _check(o.adjust_lr_fn in ADJUST_LR_FNS, "optim.adjust_lr_fn", o.adjust_lr_fn,
-           f"choose one of {'|'.join(ADJUST_LR_FNS)}")
-    _check(o.qk_clip_tau >= 0, "optim.qk_clip_tau", o.qk_clip_tau, "must be >= 0 (100 in K2; 0 disables QK-Clip)")
-    for key in ("max_steps", "micro_batch_size", "seq_len", "grad_accum_steps", "eval_batches", "log_every"):
-        _check(getattr(t, key) > 0, f"trainer.{key}", getattr(t, key), "must be a positive integer")
+    # QK-Clip is a post-step hook for either optimizer: any optim.name may set it
+    _check(o.qk_clip_tau >= 0, "optim.qk_clip_tau", o.qk_clip_tau,
+           "must be >= 0 (100 in K2; 0 disables QK-Clip)")
+
+
+def _validate_trainer(t: TrainerConfig) -> None:
+    _check_choices(t, "trainer")
+    _check_positive(t, "trainer", ("max_steps", "micro_batch_size", "seq_len", "grad_accum_steps",
+                                   "eval_batches", "log_every"))
     for key in ("eval_every", "checkpoint_every", "sample_tokens", "threads", "stop_at_step"):
         _check(getattr(t, key) >= 0, f"trainer.{key}", getattr(t, key), "must be >= 0 (0 disables)")
     _check(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", t.keep_checkpoints, "must be >= 1")
-    _check(t.precision in PRECISIONS, "trainer.precision", t.precision, f"choose one of {'|'.join(PRECISIONS)}")
-    _check(t.device in ("auto", "cpu", "cuda"), "trainer.device", t.device, "choose auto|cpu|cuda")
-    _check(lg.wandb.mode in WANDB_MODES, "logging.wandb.mode", lg.wandb.mode, f"choose one of {'|'.join(WANDB_MODES)}")
+    if t.peak_flops is not None:  # MFU divides by it
+        _check(t.peak_flops > 0, "trainer.peak_flops", t.peak_flops,
+               "must be > 0 FLOP/s, or null for the table")
+
+
+def _validate_logging(lg: LoggingConfig) -> None:
+    _check_choices(lg, "logging")
+
+
+def _validate_parallel(p: ParallelConfig) -> None:
+    _check_choices(p, "parallel")
     for key in ("dp_replicate", "dp_shard", "tp", "pp"):
         _check(getattr(p, key) >= 1, f"parallel.{key}", getattr(p, key), "must be >= 1")
+    _check(p.pp_virtual_stages >= 1, "parallel.pp_virtual_stages", p.pp_virtual_stages, "must be >= 1")
+    _check(p.pp_microbatches >= 0, "parallel.pp_microbatches", p.pp_microbatches,
+           "must be >= 0 (0: as many as pipeline ranks)")
+
+
+# ---- across sections -------------------------------------------------------------------------------------
+def _check_layout(p: ParallelConfig, world: int) -> None:
+    """The degrees against the number of processes."""
+    product = p.dp_replicate * p.dp_shard * p.tp * p.pp
+    others = p.dp_replicate * p.tp * p.pp
+    hint = f", or parallel.dp_shard={world // others}" if world % others == 0 else ""
+    degrees = f"{p.dp_replicate}*{p.dp_shard}*{p.tp}*{p.pp}"
+    _require(product == world,
+             f"parallel.dp_replicate*dp_shard*tp*pp = {degrees} = {product} but {world} process(es) were "
+             f"launched; make the product equal the number of processes (e.g. torchrun "
+             f"--nproc_per_node={product}{hint})")
+    _require(not p.sequence_parallel or p.tp > 1,
+             "parallel.sequence_parallel=true needs parallel.tp > 1 (it splits the sequence over the "
+             "tensor-parallel ranks)")
+
+
+def _check_tensor_parallel(cfg: Config) -> None:
+    """Every dimension tensor (and sequence) parallelism splits must divide by parallel.tp."""
+    m, p, t = cfg.model, cfg.parallel, cfg.trainer
+    if p.tp == 1:
+        return
+    keys = ("kda_num_heads", "mla_num_heads", "mlp_hidden")
+    for key in keys + (("vocab_size",) if m.vocab_size is not None else ()):
+        value = getattr(m, key)
+        _require(value % p.tp == 0,
+                 f"model.{key}={value} is not divisible by parallel.tp={p.tp}: tensor parallelism splits it "
+                 "over the tp ranks; choose a parallel.tp that divides it")
+    if m.vocab_size is None:  # the tokenizer's vocabulary, padded up to a multiple of pad_vocab_multiple
+        mult = m.pad_vocab_multiple
+        _require(mult % p.tp == 0,
+                 f"model.pad_vocab_multiple={mult} is not divisible by parallel.tp={p.tp}: with "
+                 "model.vocab_size=null the vocabulary is padded to a multiple of it and tensor parallelism "
+                 f"splits it over the tp ranks; make it a multiple of {p.tp} (or set model.vocab_size)")
+    if p.sequence_parallel:
+        _require(t.seq_len % p.tp == 0,
+                 f"trainer.seq_len={t.seq_len} does not split over parallel.tp={p.tp} ranks for sequence "
+                 f"parallelism: make it a multiple of {p.tp}")
+
+
+def _check_pipeline(cfg: Config) -> None:
+    """Stages against blocks, pp_split, and the micro-batches a step sends through the pipeline."""
+    m, p, t = cfg.model, cfg.parallel, cfg.trainer
+    if p.pp == 1:
+        _require(not p.pp_split,
+                 f"parallel.pp_split={list(p.pp_split or [])} is invalid: it sets pipeline stage boundaries "
+                 "and parallel.pp=1 has one stage; set parallel.pp_split=null")
+        return
+    stages, layers = pipeline_stages(p), m.num_layers
+    if stages == p.pp:
+        _require(stages <= layers, f"parallel.pp={stages} is more stages than model.num_layers={layers}; "
+                                   "every stage needs a block: lower parallel.pp")
+    else:
+        _require(stages <= layers,
+                 f"parallel.pp={p.pp} x parallel.pp_virtual_stages={p.pp_virtual_stages} = {stages} stages "
+                 f"({p.pp_schedule}) is more than model.num_layers={layers}; every stage needs a block: "
+                 "lower parallel.pp_virtual_stages or parallel.pp")
+    if p.pp_split:
+        split = [int(i) for i in p.pp_split]
+        bounds = [0, *split, layers]
+        _require(len(split) == stages - 1 and all(a < b for a, b in zip(bounds, bounds[1:])),
+                 f"parallel.pp_split={split} is invalid: give {stages - 1} rising block indices in "
+                 f"(0, {layers}) where stages 1..{stages - 1} start")
+    n = pipeline_microbatches(cfg)
+    _require(n >= p.pp or p.pp_schedule == "gpipe",
+             f"parallel.pp_microbatches={p.pp_microbatches} is too few for the {p.pp_schedule} schedule over "
+             f"{p.pp} ranks: use at least {p.pp} (or 0 for that many)")
+    if p.pp_schedule not in SINGLE_STAGE_SCHEDULES:
+        # torch's interleaved schedules run max(1, n // pp) rounds of equally many micro-batches
+        rounds = max(1, n // p.pp)
+        _require(n % rounds == 0,
+                 f"parallel.pp_microbatches={n} is invalid for parallel.pp_schedule={p.pp_schedule} over "
+                 f"parallel.pp={p.pp} ranks: torch runs it in {rounds} rounds of equally many micro-batches; "
+                 f"use a multiple of {p.pp}")
+    _require(t.micro_batch_size % n == 0,
+             f"trainer.micro_batch_size={t.micro_batch_size} does not split into "
+             f"parallel.pp_microbatches={n} micro-batches: make it a multiple of {n}")
+    _require(t.grad_accum_steps == 1,
+             "trainer.grad_accum_steps > 1 with parallel.pp > 1: raise parallel.pp_microbatches and "
+             "trainer.micro_batch_size instead (the pipeline accumulates over micro-batches)")
+
+
+def _check_vocab(cfg: Config) -> None:
+    """A set model.vocab_size must hold the tokenizer's ids; a trained tokenizer has exactly
+    data.tokenizer.vocab_size (a given data.tokenizer.model_path is only known after loading it)."""
+    m, tok = cfg.model, cfg.data.tokenizer
+    if m.vocab_size is not None and tok.model_path is None:
+        _require(m.vocab_size >= tok.vocab_size,
+                 f"model.vocab_size={m.vocab_size} is invalid: the tokenizer trained with "
+                 f"data.tokenizer.vocab_size={tok.vocab_size} has that many tokens; set model.vocab_size >= "
+                 f"{tok.vocab_size}, or null to follow the tokenizer")
+
+
+def _check_kernels(cfg: Config) -> None:
+    """The Triton KDA kernels (model.kda_backend=triton, or auto on CUDA) take key head dims up to 256."""
+    m = cfg.model
+    on = {"triton": "model.kda_backend=triton", "auto": "model.kda_backend=auto and trainer.device=cuda"}
+    if m.kda_backend == "triton" or (m.kda_backend == "auto" and cfg.trainer.device == "cuda"):
+        _require(m.kda_head_dim <= 256,
+                 f"model.kda_head_dim={m.kda_head_dim} is invalid with {on[m.kda_backend]}: the Triton KDA "
+                 "kernels take head dims up to 256; lower model.kda_head_dim or set model.kda_backend=torch")
+
+
+def validate(cfg: Config, world: Optional[int] = None) -> None:
+    """Fail before any work on a config that cannot work; every message is one line naming its key(s).
+
+    world: the number of processes (default: torchrun's WORLD_SIZE, 1 without torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
+    validate_model(cfg.model)
+    _validate_data(cfg.data)
+    _validate_optim(cfg.optim)
+    _validate_trainer(cfg.trainer)
+    _validate_logging(cfg.logging)
+    _validate_parallel(cfg.parallel)
+    _check_layout(cfg.parallel, world)
+    _check_tensor_parallel(cfg)
+    _check_pipeline(cfg)
+    _check_vocab(cfg)
+    _check_kernels(cfg)

@@ -11,29 +11,20 @@ import math
 import shutil
 import signal
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from kimi import checkpoint
 from kimi.config import Config, ConfigError, validate
 from kimi.data import Batch, TokenLoader, prepare
-from kimi.data.loader import segment_starts
 from kimi.data.pack import open_tokens
 from kimi.metrics import MetricsLogger, peak_flops, progress_line
 from kimi.model import KimiModel
-from kimi.optim import build_optimizer, build_scheduler
-from kimi.parallel import ParallelDims, init_distributed, parallelize
-from kimi.parallel.pipeline import TiedEnds, build_schedule
-from kimi.parallel.tensor_parallel import clip_grad_norm_ as tp_clip_grad_norm_
+from kimi.parallel import ParallelDims, build_engine, init_distributed
 
 
 def to_config(cfg: Union[Config, DictConfig, Dict[str, Any]]) -> Config:
@@ -56,11 +47,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _plain(x: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor (a loss-parallel loss) as the plain tensor every rank holds."""
-    return x.full_tensor() if isinstance(x, DTensor) else x
-
-
 def _mean_over_ranks(x: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(x, op=dist.ReduceOp.AVG if x.device.type == "cuda" else dist.ReduceOp.SUM)
@@ -75,8 +61,6 @@ class Trainer:
         validate(cfg)
         self.dims = dims = ParallelDims.from_config(cfg.parallel)
         t = cfg.trainer
-        self.microbatches = self._check_pipeline(cfg)
-        self._check_sequence_parallel(cfg)
         self.run_dir = Path(t.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.device = resolve_device(t.device)
@@ -114,53 +98,20 @@ class Trainer:
         n_val = min(t.eval_batches, val_loader.batches_per_epoch)
         self.val_batches: List[Batch] = [val_loader.next_batch() for _ in range(n_val)]
 
-        model = KimiModel(cfg.model).to(self.device)
-        # whole-model figures, before a pipeline stage keeps only its part
-        self.flops_per_token = model.flops_per_token(t.seq_len)
+        # Every rank builds the model on the meta device (no memory); the engine applies parallelism, then
+        # allocates and initialises only this rank's shards.
+        with torch.device("meta"):
+            model = KimiModel(cfg.model)
+        self.flops_per_token = model.flops_per_token(t.seq_len)  # whole-model figures, before any split
         self.num_params = (model.num_params(), model.num_params(exclude_embedding=True))
-        self.model, stages = parallelize(model, cfg.parallel, dims, self.mesh, bf16=t.precision == "bf16",
-                                         seq_len=t.seq_len)
-        self.schedule = None
-        if dims.pp > 1:
-            self.pp_stage = self.mesh["pp"].get_local_rank()  # pipeline rank: 0 feeds tokens, pp - 1 has the loss
-            self.schedule = build_schedule(stages, self.mesh["pp"], self.device, cfg.parallel.pp_schedule,
-                                           self.microbatches)
-        self.tied_ends = TiedEnds(self.mesh) if dims.pp > 1 and cfg.model.tie_embeddings else None
-        self.optimizer = build_optimizer(self.model, cfg.optim, process_group=dims.stage_group(self.mesh))
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
-        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if t.precision == "bf16"
-                         else nullcontext())
+        self.engine = build_engine(cfg, dims, self.mesh, self.device, model)
+        self.model, self.optimizer = self.engine.model, self.engine.optimizer
         self.step = 0
         self._stop_signal: Optional[str] = None
         self._last_val: Optional[float] = None
         self._resume()
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, config_dict(cfg), resume_step=self.step,
                                      enabled=self.is_main)
-
-    def _check_pipeline(self, cfg: Config) -> int:
-        """Micro-batches per step through the pipeline (1 without one); refuses what the pipeline lacks."""
-        p, t = cfg.parallel, cfg.trainer
-        if p.pp == 1:
-            return 1
-        n = p.pp_microbatches or p.pp
-        if t.micro_batch_size % n:
-            raise ConfigError(f"trainer.micro_batch_size={t.micro_batch_size} does not split into "
-                              f"parallel.pp_microbatches={n} micro-batches: make it a multiple of {n}")
-        if t.grad_accum_steps > 1:
-            raise ConfigError("trainer.grad_accum_steps > 1 with parallel.pp > 1: raise parallel.pp_microbatches "
-                              "and trainer.micro_batch_size instead (the pipeline accumulates over micro-batches)")
-        return n
-
-    @staticmethod
-    def _check_sequence_parallel(cfg: Config) -> None:
-        p, t = cfg.parallel, cfg.trainer
-        if p.sequence_parallel and t.seq_len % p.tp:
-            raise ConfigError(f"trainer.seq_len={t.seq_len} does not split over parallel.tp={p.tp} ranks for "
-                              f"sequence parallelism: make it a multiple of {p.tp}")
-
-    def loss_context(self):
-        """torch's loss_parallel() when the LM head's logits are sharded over the vocabulary, else nothing."""
-        return loss_parallel() if self.dims.loss_parallel else nullcontext()
 
     def log(self, message: str) -> None:
         """Console output, from rank 0 only."""
@@ -200,7 +151,7 @@ class Trainer:
             return
         saved = checkpoint.read_trainer_state(latest.path)
         self._check_compatible(saved, latest.path)
-        state = checkpoint.load(latest.path, self.model, self.optimizer, self.scheduler, self.loader)
+        state = checkpoint.load(latest.path, self.engine, self.loader)
         self.step = int(state["step"])
         self.log(f"[kimi] resumed from {latest.path} at step {self.step}")
 
@@ -219,47 +170,11 @@ class Trainer:
                               f"uses {self.data.tokenizer.sha256[:12]}; use the original data/tokenizer settings")
 
     # ---- the loop ------------------------------------------------------------------------------------
-    def _forward_loss(self, batch: Batch) -> torch.Tensor:
-        ids = batch.input_ids.to(self.device, non_blocking=True)
-        labels = batch.labels.to(self.device, non_blocking=True)
-        cu_seqlens = None
-        if self.cfg.data.varlen:  # packed documents: one long row, sequences delimited by cu_seqlens
-            cu_seqlens = batch.cu_seqlens.to(self.device)
-            ids, labels = ids.reshape(1, -1), labels.reshape(1, -1)
-        with self.autocast:
-            logits = self.model(ids, cu_seqlens=cu_seqlens)
-        # under tensor parallelism the logits stay sharded over the vocabulary (loss parallelism)
-        with self.loss_context():
-            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
-
-    def _pipeline_loss(self, batch: Batch, train: bool) -> torch.Tensor:
-        """One step of the pipeline schedule (forward and backward, or forward only); the mean loss over its
-        micro-batches, on every stage. The schedule scales gradients by 1 / micro-batches itself."""
-        first, last = self.pp_stage == 0, self.pp_stage == self.dims.pp - 1
-        args = (batch.input_ids.to(self.device),) if first else ()
-        losses: List[torch.Tensor] = []
-        kwargs = {"target": batch.labels.to(self.device), "losses": losses} if last else {}
-        if self.cfg.data.varlen:  # every stage needs the document boundaries, split by rows like the tokens
-            kwargs["doc_starts"] = segment_starts(batch.cu_seqlens, batch.input_ids.shape).to(self.device)
-        with self.autocast, self.loss_context():
-            (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
-        loss = _plain(torch.stack(losses).mean().detach()) if last else torch.zeros((), device=self.device)
-        return funcol.all_reduce(loss, "sum", group=self.mesh["pp"]).wait()
-
     def train_step(self) -> Dict[str, float]:
-        self.model.train()
         accum = self.cfg.trainer.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for _ in range(accum):
-            if self.schedule is not None:
-                total += self._pipeline_loss(self.loader.next_batch(), train=True)
-                continue
-            loss = self._forward_loss(self.loader.next_batch())
-            with self.loss_context():
-                (loss / accum).backward()
-            total += _plain(loss.detach())
-        if self.tied_ends:  # the end stages' copies of tied embeddings take the whole gradient
-            self.tied_ends.sum_grads(self.model)
+            total += self.engine.forward_backward(self.loader.next_batch(), scale=1.0 / accum)
         loss = _mean_over_ranks(total / accum)  # every rank sees the same value, so all stop alike on NaN
         if not torch.isfinite(loss):
             last = checkpoint.latest_complete(self.ckpt_dir)
@@ -267,37 +182,19 @@ class Trainer:
             raise FloatingPointError(
                 f"loss is {loss.item()} at step {self.step + 1}: stopping before the update{where}. "
                 "Try a lower optim.lr, more optim.warmup_steps or trainer.precision=fp32")
-        clip = self.cfg.optim.grad_clip
-        max_norm = clip if clip > 0 else float("inf")
-        if self.dims.tp > 1 or self.dims.pp > 1:
-            # plain and DTensor gradients on different meshes, stages' norms summed: torch's cannot do either
-            pp_group = self.mesh["pp"] if self.dims.pp > 1 else None
-            uncounted = self.tied_ends.duplicate(self.model) if self.tied_ends else None
-            grad_norm = tp_clip_grad_norm_(self.model.parameters(), max_norm, pp_group, uncounted)
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        out = self.engine.step(self.cfg.optim.grad_clip)
         self.step += 1
-        return {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr}
+        return {"loss": loss.item(), **out}
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        self.model.eval()
-        if self.schedule is not None:
-            losses = torch.stack([self._pipeline_loss(b, train=False) for b in self.val_batches])
-        else:
-            losses = torch.stack([_plain(self._forward_loss(b)) for b in self.val_batches])
+        losses = torch.stack([self.engine.eval_loss(b) for b in self.val_batches])
         return _mean_over_ranks(losses.mean()).item()
 
     def save_checkpoint(self) -> Path:
         t0 = time.time()
-        path = checkpoint.save(self.ckpt_dir, self.step, self.model, self.optimizer, self.scheduler, self.loader,
-                               config_dict(self.cfg), self._data_identity(), keep=self.cfg.trainer.keep_checkpoints)
+        path = checkpoint.save(self.ckpt_dir, self.step, self.engine, self.loader, config_dict(self.cfg),
+                               self._data_identity(), keep=self.cfg.trainer.keep_checkpoints)
         self.log(f"[kimi] saved checkpoint {path} ({time.time() - t0:.1f}s)")
         return path
 
@@ -372,8 +269,8 @@ class Trainer:
                           "tokens": self.step * tokens_per_step}
                 if memory is not None:
                     record["peak_memory_gib"] = memory
-                stats = getattr(self.optimizer, "qk_clip_stats", None)
-                if stats:  # MuonClip's QK-Clip: worst head over layers, mean fraction of heads clipped, per layer
+                stats = self.engine.qk_clip_stats
+                if stats:  # QK-Clip: worst head over layers, mean fraction of heads clipped, per layer
                     record["qk_max_logit"] = max(s["max_logit"] for s in stats.values())
                     record["qk_clipped_frac"] = sum(s["clipped_frac"] for s in stats.values()) / len(stats)
                     for layer, s in stats.items():

@@ -3,7 +3,7 @@
 import os
 
 # Triton kernels run on CPU tensors only under the interpreter, which must be chosen before triton is
-# first imported (ENVIRONMENT.md). With a GPU the suite still tests the interpreted kernels on CPU tensors.
+# first imported (docs/environment.md). With a GPU the suite still tests interpreted kernels on CPU tensors.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402

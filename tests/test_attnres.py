@@ -73,7 +73,7 @@ def _record_model(model: KimiModel, ids: torch.Tensor):
     """Run the model and return (sublayer outputs with the embedding first, sublayer inputs, final input)."""
     outputs, inputs, hooks = [], [], []
     hooks.append(model.embed.register_forward_hook(lambda m, a, out: outputs.append(out)))
-    for b in model.blocks:
+    for b in model.blocks.values():
         for norm, fn in ((b.mixer_norm, b.mixer), (b.mlp_norm, b.mlp)):
             hooks.append(norm.register_forward_pre_hook(lambda m, a: inputs.append(a[0])))
             hooks.append(fn.register_forward_hook(lambda m, a, out: outputs.append(out)))

@@ -20,16 +20,20 @@ def compose_cfg(*overrides: str) -> Config:
     return OmegaConf.to_object(cfg)
 
 
-@pytest.mark.parametrize("preset,low,high", [("tiny", 1e6, 3e6), ("small", 110e6, 140e6), ("1b", 0.9e9, 1.3e9)])
+@pytest.mark.parametrize("preset,low,high", [("tiny", 1e6, 3e6), ("small", 110e6, 140e6), ("1b", 0.9e9, 1.3e9),
+                                             ("48b_dense", 45e9, 51e9)])
 def test_presets_have_their_advertised_size(preset, low, high):
     cfg = compose_cfg(f"model={preset}")
     validate(cfg)
     m = cfg.model
-    m.vocab_size = {"tiny": 2048}.get(preset, 32000)
-    with torch.device("meta"):  # no memory, no init cost: only shapes
+    if m.vocab_size is None:  # 48b_dense sets Kimi Linear's 163840
+        m.vocab_size = {"tiny": 2048}.get(preset, 32000)
+    with torch.device("meta"):  # no memory, no init cost: only shapes (48B builds in ~1 s)
         n = KimiModel(m).num_params()
     assert low <= n <= high, f"{preset}: {n / 1e6:.1f}M"
-    assert mla_layer_indices(m) == [i for i in range(m.num_layers) if i % 4 == 3]  # 3:1 KDA:MLA
+    # 3:1 KDA:MLA; Kimi Linear 48B's 27 blocks also end on an MLA block (1-based 4, 8, ..., 24, 27)
+    expected = [i for i in range(m.num_layers) if i % 4 == 3] + ([26] if preset == "48b_dense" else [])
+    assert mla_layer_indices(m) == expected
 
 
 def test_defaults_are_the_documented_ones():

@@ -20,7 +20,7 @@ import torch
 from kimi.config import DataConfig, TokenizerConfig
 from kimi.data import DataError, TokenLoader, Tokenizer, load_documents, open_tokens, prepare, train_tokenizer
 from kimi.data import pack
-from kimi.data.loader import document_cu_seqlens
+from kimi.ops.documents import cu_seqlens_from_starts, doc_starts_after_eos
 from kimi.data.sources import hold_out
 
 VOCAB = 400
@@ -277,7 +277,7 @@ def test_loader_resume_is_exact(consumed):
     resumed.load_state_dict(state)
     for want in expected:
         got = resumed.next_batch()
-        assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.cu_seqlens, want.cu_seqlens)
+        assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.doc_starts, want.doc_starts)
         assert (got.epoch, got.step) == (want.epoch, want.step)
 
 
@@ -311,16 +311,18 @@ def test_loader_state_mismatches_are_errors():
         TokenLoader(tokens[:40], 8, 8, seed=0, eos_id=2, shuffle=False)
 
 
-def test_cu_seqlens_marks_document_starts():
+def test_doc_starts_mark_documents_and_convert_to_cu_seqlens():
     E = 9
     inputs = torch.tensor([[5, 6, E, 7, 8, E],   # doc ends mid-row -> new doc at 3; EOS at the end -> none
                            [E, 1, 2, 3, 4, 5],   # row starts with an EOS: the next token starts a document
                            [1, 2, 3, 4, 5, 6]])  # no EOS: the row is one sequence
-    assert document_cu_seqlens(inputs, E).tolist() == [0, 3, 6, 7, 12, 18]
-    assert document_cu_seqlens(inputs, E).dtype == torch.int32
+    starts = doc_starts_after_eos(inputs, E)
+    assert starts.int().tolist() == [[1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0]]
+    assert cu_seqlens_from_starts(starts).tolist() == [0, 3, 6, 7, 12, 18]
+    assert cu_seqlens_from_starts(starts).dtype == torch.int32
     tokens = np.array([5, 6, E, 7, 8, E, 1, 2, E, 3, 4, 5, 6], dtype=np.uint16)
     batch = TokenLoader(tokens, 2, 6, seed=0, eos_id=E, shuffle=False).next_batch()
-    assert batch.cu_seqlens.tolist() == [0, 3, 6, 9, 12] and batch.max_seqlen == 3
+    assert cu_seqlens_from_starts(batch.doc_starts).tolist() == [0, 3, 6, 9, 12]
 
 
 # ------------------------------------------------------------------------------------------------ network

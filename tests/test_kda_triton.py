@@ -217,12 +217,15 @@ def test_model_training_step_matches_pytorch_path(packed):
 
     torch.manual_seed(0)
     ids = torch.randint(0, 61, (1, 40) if packed else (2, 20))
-    cu_seqlens = torch.tensor([0, 13, 15, 39]) if packed else None
+    starts = None
+    if packed:  # documents starting at 0, 13, 15 of the 39 inputs
+        starts = torch.zeros(1, 39, dtype=torch.bool)
+        starts[0, [0, 13, 15]] = True
     results = []
     for backend in ("torch", "triton"):
         torch.manual_seed(1)
         model = KimiModel(tiny_model_cfg(kda_backend=backend))
-        logits = model(ids[:, :-1], cu_seqlens=cu_seqlens)
+        logits = model(ids[:, :-1], doc_starts=starts)
         loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
         results.append((loss, {n: p.grad for n, p in model.named_parameters()}))

@@ -64,17 +64,85 @@ def test_num_params(tied, residual, q_lora):
     assert (model.lm_head.weight is model.embed.weight) == tied
 
 
+def _counted_flops(fn) -> int:
+    """FLOPs torch.utils.flop_counter.FlopCounterMode counts while fn() runs: matrix multiplies (mm, addmm, bmm)
+    only; elementwise work, reductions, softmax, the embedding gather and triangular solves are not counted."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def _dense_attention(q, k, v, causal=True, cu_seqlens=None, return_max_logits=False):
+    """The reference attention (explicit q k^T and p v matmuls): FlopCounterMode has no formula for the CPU
+    SDPA kernel (aten._scaled_dot_product_flash_attention_for_cpu), so it would count MLA's attention as 0."""
+    from kimi.ops.attention.reference import naive_attention
+
+    out, max_logits = naive_attention(q, k, v, causal=causal, cu_seqlens=cu_seqlens)
+    return (out, max_logits) if return_max_logits else out
+
+
 @pytest.mark.parametrize("tied", [False, True])
-def test_flops_per_token(tied):
-    cfg = tiny_cfg(tie_embeddings=tied, num_layers=4, mla_layers=[1, 3])
+def test_flops_per_token_matches_flop_counter(tied, monkeypatch):
+    """model.flops_per_token(T) against the matmul FLOPs FlopCounterMode counts in a real forward + backward
+    (PyTorch KDA chunk backend), term by term: dense 6N, MLA attention, KDA chunkwise."""
+    import kimi.model.mla
+    from torch import nn
+
+    from kimi.ops.kda import chunk_kda
+
+    monkeypatch.setattr(kimi.model.mla, "attention", _dense_attention)
+    B, T = 2, 128  # two 64-token KDA chunks per row
+    # standard residual: AttnRes' depth mixing (query . keys) is a matmul the formula leaves out on purpose
+    cfg = tiny_cfg(num_layers=4, mla_layers=[1, 3], residual="standard", kda_backend="torch", tie_embeddings=tied)
     model = KimiModel(cfg)
-    T = 100
-    _, non_emb = expected_params(cfg, n_mla=2, tied=tied)
-    matmul = non_emb + (cfg.vocab_size * cfg.d_model if tied else 0)  # the LM head always costs compute
-    attn = 6 * 2 * 2 * (16 + 8 + 8) * T / 2  # 2 MLA layers, 2 heads, Dqk = 16 + 8, Dv = 8, causal half
-    kda = 3 * 2 * 2 * (6 * 16**2 + 3 * 64 * 16 + 64**2)  # 2 KDA layers, 2 heads, K = 16, C = 64
-    assert model.flops_per_token(T) == pytest.approx(6 * matmul + attn + kda, rel=1e-12)
-    assert model.flops_per_token(2 * T) > model.flops_per_token(T) > 0
+    ids = torch.randint(0, cfg.vocab_size, (B, T))
+    total = _counted_flops(lambda: model(ids).square().mean().backward())
+    n_mla, n_kda, tokens = 2, 2, B * T
+
+    # Counted alone, with every input requiring a gradient as in the model: one KDA layer's chunkwise kernel
+    # and one MLA layer's attention (Dqk = 16 + 8 rope, Dv = 8: the formula must not confuse the two).
+    H, K = cfg.kda_num_heads, cfg.kda_head_dim
+    q, k, v, g = (torch.randn(B, T, H, K, requires_grad=True) for _ in range(4))
+    beta = torch.rand(B, T, H, requires_grad=True)
+    kda = _counted_flops(lambda: chunk_kda(q, k, v, -F.softplus(g), beta.sigmoid(), backend="chunk")[0].sum()
+                         .backward())
+    Hm, Dqk, Dv = cfg.mla_num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    qa, ka, va = (torch.randn(B, T, Hm, D, requires_grad=True) for D in (Dqk, Dqk, Dv))
+    attn = _counted_flops(lambda: _dense_attention(qa, ka, va).sum().backward())
+    # Every linear: 2 FLOPs per weight and token forward, 4 backward (input and weight gradients). A tied LM
+    # head is still a matmul; the embedding lookup is a gather (not counted, and not in the formula).
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    assert total == 6 * linear * tokens + n_kda * kda + n_mla * attn  # the counted FLOPs, fully accounted for
+
+    per_token = model.flops_per_token(T)
+    # Attention, the formula's only T-dependent term: the dense reference computes the whole T x T score
+    # matrix and masks it, the formula counts the causal half (what a flash kernel skipping masked tiles
+    # runs), so exactly twice the formula.
+    attn_formula = model.flops_per_token(2 * T) - per_token  # per token, at T
+    assert n_mla * attn == pytest.approx(2 * attn_formula * tokens, rel=1e-12)
+    # Dense: 6 N with N every non-embedding parameter (plus the LM head when tied). The matmuls use the
+    # linear weights only; norms, conv kernels, A_log, dt_bias and the gate bias are the formula's
+    # documented overcount: 3.1% of this 32-wide toy (0.003% at d_model 2304).
+    n_dense = model.num_params(exclude_embedding=True) + (cfg.vocab_size * cfg.d_model if tied else 0)
+    assert 6 * linear <= 6 * n_dense <= 1.05 * 6 * linear
+    # KDA chunkwise: the formula's per-token 3 H (6 K^2 + 3 C K + C^2) estimates the chunk algorithm; the
+    # PyTorch chunk form differs from it in counted matmuls: it multiplies full C x C and anchored
+    # sub-chunk blocks where triangles suffice (more), its triangular solves are invisible to the counter
+    # (less), and the first chunk's zero state and the last chunk's unused final state skip backward
+    # matmuls (less). Measured at K = 16, C = 64, T = 128: 23,488 counted vs 26,112 formula FLOPs per token
+    # and head (-10%); 15% bounds it.
+    kda_formula = per_token - 6 * n_dense - attn_formula
+    assert n_kda * kda == pytest.approx(kda_formula * tokens, rel=0.15)
+    # The whole model, attention halved to the causal convention: 4.5% under the formula here (the dense
+    # overcount plus the KDA gap on its ~25% share); 6% bounds it.
+    assert total - n_mla * attn / 2 == pytest.approx(per_token * tokens, rel=0.06)
+    # Tying the embeddings changes the parameter count, not the matmuls: same count, same formula.
+    twin = KimiModel(tiny_cfg(num_layers=4, mla_layers=[1, 3], residual="standard", kda_backend="torch",
+                              tie_embeddings=not tied))
+    assert _counted_flops(lambda: twin(ids).square().mean().backward()) == total
+    assert twin.flops_per_token(T) == per_token
 
 
 def test_short_conv_matches_conv1d():
@@ -106,10 +174,16 @@ def test_kda_packed_equals_separate():
 def test_model_packed_equals_separate(residual):
     torch.manual_seed(1)
     model = KimiModel(tiny_cfg(residual=residual)).double()
-    cu = [0, 10, 12, 25]
-    ids = torch.randint(0, 61, (1, cu[-1]))
-    packed = model(ids, cu_seqlens=torch.tensor(cu))
-    separate = torch.cat([model(ids[:, s:e]) for s, e in zip(cu, cu[1:])], dim=1)
+    cu = [0, 10, 12, 25, 30, 40]  # a document crosses the row boundary at 20: rows restart documents too
+    ids = torch.randint(0, 61, (2, 20))
+    starts = torch.zeros(2, 20, dtype=torch.bool)
+    starts.view(-1)[cu[:-1]] = True
+    starts[:, 0] = True
+    packed = model(ids, doc_starts=starts)
+    assert packed.shape == (1, 40, 61)
+    bounds = sorted(set(cu) | {20})
+    flat = ids.reshape(1, -1)
+    separate = torch.cat([model(flat[:, s:e]) for s, e in zip(bounds, bounds[1:])], dim=1)
     torch.testing.assert_close(packed, separate, rtol=1e-10, atol=1e-10)
 
 
@@ -123,3 +197,28 @@ def test_every_parameter_gets_a_gradient(residual, tied):
     for name, p in model.named_parameters():
         assert p.grad is not None, name
         assert p.grad.abs().max() > 0, name
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_meta_build_materialised_equals_a_direct_build(tied):
+    """Per-parameter seeded init: a model built on the meta device and materialised, or only a part of it
+    (a pipeline stage), holds the values a direct build holds under the same torch seed."""
+    from kimi.parallel.engine import materialize
+
+    cfg = tiny_cfg(tie_embeddings=tied)
+    torch.manual_seed(3)
+    direct = dict(KimiModel(cfg).named_parameters())
+    for blocks, first, last in ((range(3), True, True), (range(1, 3), False, True), (range(0, 1), True, False)):
+        torch.manual_seed(3)
+        with torch.device("meta"):
+            part = KimiModel(cfg).part(blocks, first, last)
+        materialize(part, torch.device("cpu"))
+        if first and last:
+            assert (part.lm_head.weight is part.embed.weight) == tied
+        names = dict(part.named_parameters())
+        assert names and all(not p.is_meta for p in names.values())
+        for name, p in names.items():
+            want = direct["embed.weight" if tied and name == "lm_head.weight" else name]
+            assert torch.equal(p, want), name
+    torch.manual_seed(4)
+    assert not torch.equal(KimiModel(cfg).embed.weight, direct["embed.weight"])  # the seed matters

@@ -17,7 +17,7 @@ from kimi.model.mla import MLA
 from kimi.model.transformer import KimiModel
 from kimi.ops.attention import attention
 from kimi.ops.newton_schulz import newton_schulz, newton_schulz_reference
-from kimi.optim import build_optimizer, weight_decay_groups
+from kimi.optim import build_qk_clip, build_optimizer, weight_decay_groups
 from kimi.optim.muonclip import DEFAULT_ADAMW_PATTERNS, MuonClip, RowSplit, update_scale
 from kimi.optim.qk_clip import QKClipSpec, RowRule, apply_qk_clip
 
@@ -289,21 +289,26 @@ def test_mla_keeps_the_running_max_until_consumed():
     assert layer.max_logits is None
 
 
-def test_build_optimizer_wires_qk_clip_into_the_model():
+@pytest.mark.parametrize("optim", ["muonclip", "adamw"])
+def test_qk_clip_hook_runs_after_any_optimizer(optim):
+    """QK-Clip is a post-step hook, independent of the optimizer (AdamW + QK-Clip is an ablation arm)."""
     model = KimiModel(tiny_model_cfg())
-    opt = build_optimizer(model, OptimConfig(name="muonclip", qk_clip_tau=1e-3))  # tiny tau: every head clips
+    cfg = OptimConfig(name=optim, qk_clip_tau=1e-3)  # tiny tau: every head clips
+    opt, clip = build_optimizer(model, cfg), build_qk_clip(model, cfg)
     names = dict(model.named_parameters())
-    assert [s.layer for s in opt.qk_clip_specs] == ["blocks.1.mixer"]
-    assert all(r.param in names for s in opt.qk_clip_specs for r in s.rows)
+    assert [s.layer for s in clip.specs] == ["blocks.1.mixer"]
+    assert all(r.param in names for s in clip.specs for r in s.rows)
     assert all(m.track_max_logits for m in model.mla_modules())
     ids = _batch()
     F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
     opt.step()
-    assert opt.qk_clip_stats["blocks.1.mixer"]["clipped_frac"] == 1.0
-    assert model.mla_modules()[0].max_logits is None  # consumed by the step
+    wq = names["blocks.1.mixer.wq.weight"].detach().clone()
+    clip()
+    assert clip.stats["blocks.1.mixer"]["clipped_frac"] == 1.0
+    assert (names["blocks.1.mixer.wq.weight"].abs() < wq.abs()).all()  # every head's query rows shrank
+    assert model.mla_modules()[0].max_logits is None  # consumed by the hook
 
-    off = build_optimizer(KimiModel(tiny_model_cfg()), OptimConfig(name="muonclip", qk_clip_tau=0))
-    assert off.qk_clip_specs == [] and off.qk_clip_stats == {}
+    assert build_qk_clip(KimiModel(tiny_model_cfg()), OptimConfig(name=optim, qk_clip_tau=0)) is None
 
 
 def test_fused_weight_is_orthogonalised_per_logical_matrix():

@@ -171,16 +171,25 @@ def test_generate_cli_samples_from_a_run(tmp_path, corpus, cache_dir, capsys):
 @pytest.mark.parametrize("extra", [["data.varlen=true"], ["trainer.precision=bf16"], ["trainer.grad_accum_steps=2"],
                                    ["optim.schedule=wsd", "model.residual=standard"]])
 def test_training_variants_run(tmp_path, corpus, cache_dir, extra):
-    result = Trainer(make_cfg(tmp_path / "run", corpus, cache_dir, "trainer.max_steps=3", "trainer.eval_every=3",
-                              *extra)).fit()
-    assert result["finished"] and result["val_loss"] is not None and result["val_loss"] < 7.0
+    # The untrained model already scores ~ln(384) = 5.95, so only a drop from the run's own step-0
+    # validation loss shows it learns. Measured drops after 5 steps (seeds 1234, 1, 2): varlen and bf16
+    # 1.02-1.18, grad_accum_steps=2 1.17-1.30, wsd + standard residual 1.35-1.53 (optim.lr=1e-7: 0.000);
+    # 0.5 leaves 2x room.
+    run = tmp_path / "run"
+    result = Trainer(make_cfg(run, corpus, cache_dir, "trainer.max_steps=5", "trainer.eval_every=5", *extra)).fit()
+    vals = [(r["step"], r["val_loss"]) for r in read_metrics(run) if "val_loss" in r]
+    assert result["finished"] and [s for s, _ in vals] == [0, 5] and result["val_loss"] == vals[-1][1]
+    assert vals[-1][1] < vals[0][1] - 0.5, vals
 
 
 def test_muonclip_run_logs_qk_clip_per_layer(tmp_path, corpus, cache_dir):
     run = tmp_path / "run"
-    result = Trainer(make_cfg(run, corpus, cache_dir, "optim=muonclip", "trainer.max_steps=3", "trainer.eval_every=3",
+    result = Trainer(make_cfg(run, corpus, cache_dir, "optim=muonclip", "trainer.max_steps=5", "trainer.eval_every=5",
                               "trainer.log_every=1")).fit()
-    assert result["finished"] and result["val_loss"] < 7.0
+    # a real drop from the step-0 validation loss (~ln(384) untrained); measured 1.02-1.18 over seeds 1234, 1, 2
+    vals = [(r["step"], r["val_loss"]) for r in read_metrics(run) if "val_loss" in r]
+    assert result["finished"] and [s for s, _ in vals] == [0, 5] and result["val_loss"] == vals[-1][1]
+    assert vals[-1][1] < vals[0][1] - 0.5, vals
     last = read_metrics(run)[-1]
     layers = [k.split("/", 1)[1] for k in last if k.startswith("qk_max_logit/")]
     assert layers and all(f"qk_clipped_frac/{layer}" in last for layer in layers)

@@ -16,44 +16,22 @@ import numpy as np
 import torch
 
 from kimi.data.sources import DataError
+from kimi.ops.documents import doc_starts_after_eos
 
 
 @dataclasses.dataclass
 class Batch:
     input_ids: torch.Tensor  # [B, T] int64
     labels: torch.Tensor  # [B, T] int64: input_ids shifted left by one token
-    # [n+1] int32 offsets into the flattened B*T inputs where each sequence starts (and the end): a row starts
-    # one, and so does the token after each EOS, so varlen attention never looks across documents.
-    cu_seqlens: torch.Tensor
-    max_seqlen: int  # longest segment in cu_seqlens (what varlen kernels ask for)
+    # [B, T] bool, True where a document segment starts: each row's first token and the token after each
+    # EOS (kimi.ops.documents), so packed documents (data.varlen) never attend across a boundary.
+    doc_starts: torch.Tensor
     epoch: int
     step: int  # batch index within the epoch
 
     def to(self, device: Union[str, torch.device], non_blocking: bool = False) -> "Batch":
         return dataclasses.replace(self, **{name: getattr(self, name).to(device, non_blocking=non_blocking)
-                                            for name in ("input_ids", "labels", "cu_seqlens")})
-
-
-def document_cu_seqlens(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """Start offsets (plus the total) of the segments of the flattened [B, T] inputs: every row starts a
-    segment, and so does every token that follows an EOS inside its row."""
-    after_eos = torch.zeros_like(input_ids, dtype=torch.bool)
-    after_eos[:, 1:] = input_ids[:, :-1] == eos_id
-    after_eos[:, 0] = True
-    return cu_seqlens_from_starts(after_eos)
-
-
-def cu_seqlens_from_starts(starts: torch.Tensor) -> torch.Tensor:
-    """[B, T] bool, True where a segment starts -> int32 offsets into the flattened rows, plus the total."""
-    idx = starts.flatten().nonzero().flatten()
-    return torch.cat([idx, idx.new_tensor([starts.numel()])]).to(torch.int32)
-
-
-def segment_starts(cu_seqlens: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """The inverse of cu_seqlens_from_starts: a [B, T] mask that splits by rows (pipeline micro-batches)."""
-    starts = torch.zeros(shape.numel(), dtype=torch.bool, device=cu_seqlens.device)
-    starts[cu_seqlens[:-1].long()] = True
-    return starts.view(shape)
+                                            for name in ("input_ids", "labels", "doc_starts")})
 
 
 class TokenLoader:
@@ -100,8 +78,7 @@ class TokenLoader:
         starts = self._order[self.position * B:(self.position + 1) * B] * T
         windows = torch.from_numpy(self.tokens[starts[:, None] + np.arange(T + 1)].astype(np.int64))
         inputs, labels = windows[:, :-1], windows[:, 1:]
-        cu = document_cu_seqlens(inputs, self.eos_id)
-        batch = Batch(inputs.contiguous(), labels.contiguous(), cu, int((cu[1:] - cu[:-1]).max()),
+        batch = Batch(inputs.contiguous(), labels.contiguous(), doc_starts_after_eos(inputs, self.eos_id),
                       self.epoch, self.position)
         self.position += 1
         return batch

@@ -1,4 +1,4 @@
-"""Residual streams: how a sublayer's input is formed from what came before it (ALGORITHMS.md section 2).
+"""Residual streams: how a sublayer's input is formed from what came before it (docs/algorithms.md section 2).
 
 Every sublayer (each token mixer and each MLP) is a layer. The model runs, for every sublayer l,
 

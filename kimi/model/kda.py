@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (Kimi Linear, arXiv 2510.26692; ALGORITHMS.md section 1).
+"""Kimi Delta Attention layer (Kimi Linear, arXiv 2510.26692; docs/algorithms.md section 1).
 
     q, k, v = SiLU(ShortConv(W_q x)), SiLU(ShortConv(W_k x)), SiLU(ShortConv(W_v x))   heads of K = V dims
     q, k    = L2-normalised per head
@@ -18,14 +18,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from kimi.config import ModelConfig
-from kimi.ops.attention.reference import segment_ids
-from kimi.ops.kda import chunk_kda, fused_recurrent_kda
+from kimi.ops.documents import segment_ids
+from kimi.ops.kda import CHUNK_SIZE, chunk_kda, fused_recurrent_kda
 
 from .cache import KDACache
+from .init import Rules, apply_rules, constant, dt_bias, log_uniform_decay, normal, prefixed, uniform
 from .norm import RMSNorm
 
-# Below one chunk (64 tokens) the chunked form has nothing to parallelise: step the recurrence instead.
-_RECURRENT_MAX_T = 64
+# Below one chunk the chunked form has nothing to parallelise: step the recurrence instead.
+_RECURRENT_MAX_T = CHUNK_SIZE
 # model.kda_backend -> the `backend=` of chunk_kda and of fused_recurrent_kda (None: chosen by device).
 _BACKENDS = {"auto": (None, None), "torch": ("chunk", "recurrent"), "triton": ("triton", "triton")}
 
@@ -42,10 +43,13 @@ class ShortConv(nn.Module):
         # nn.Conv1d's depthwise layout [C, 1, K]: being 3-D also keeps it out of Muon's "2-D matrix" group.
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
 
-    def reset_parameters(self) -> None:
+    def init_rules(self) -> Rules:
         # nn.Conv1d's default for a depthwise kernel (fan_in = K): keeps the output scale of the input.
         bound = 1 / math.sqrt(self.weight.shape[-1])
-        nn.init.uniform_(self.weight, -bound, bound)
+        return {"weight": uniform(-bound, bound)}
+
+    def reset_parameters(self) -> None:
+        apply_rules(self, self.init_rules())
 
     def forward(
         self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, prev: torch.Tensor | None = None
@@ -99,21 +103,19 @@ class KDA(nn.Module):
         self.o_norm = RMSNorm(K, eps=1e-5)  # one weight over each head's V channels, shared by the heads
         self.o_proj = nn.Linear(H * K, d, bias=False)
 
+    def init_rules(self, std: float, out_std: float) -> Rules:
+        """Linears normal(0, std), the output projection normal(0, out_std), the output gate's bias 0,
+        convs as nn.Conv1d, the output norm 1, A_log and dt_bias as Kimi Linear / Mamba (kimi.model.init)."""
+        rules = {f"{name}.weight": normal(std) for name in ("q_proj", "k_proj", "v_proj", "f_proj_down",
+                                                             "f_proj_up", "b_proj", "g_proj_down", "g_proj_up")}
+        rules.update({"g_proj_up.bias": constant(0.0), "o_proj.weight": normal(out_std),
+                      "o_norm.weight": constant(1.0), "A_log": log_uniform_decay, "dt_bias": dt_bias})
+        for name in ("q_conv", "k_conv", "v_conv"):
+            rules.update(prefixed(name, getattr(self, name).init_rules()))
+        return rules
+
     def init_weights(self, std: float, out_std: float) -> None:
-        for lin in (self.q_proj, self.k_proj, self.v_proj, self.f_proj_down, self.f_proj_up, self.b_proj,
-                    self.g_proj_down, self.g_proj_up):
-            nn.init.normal_(lin.weight, std=std)
-        nn.init.zeros_(self.g_proj_up.bias)
-        nn.init.normal_(self.o_proj.weight, std=out_std)
-        for conv in (self.q_conv, self.k_conv, self.v_conv):
-            conv.reset_parameters()
-        self.o_norm.reset_parameters()
-        with torch.no_grad():
-            # Decay rates exp(A_log) spread over [1, 16] so heads start with different memory lengths.
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
-            # Mamba's dt init: softplus(dt_bias) = dt ~ logU(1e-3, 1e-1); dt_bias = dt + log(1 - exp(-dt)).
-            dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp()
-            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        apply_rules(self, self.init_rules(std, out_std))
 
     def forward(
         self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache: KDACache | None = None

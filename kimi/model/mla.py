@@ -27,10 +27,10 @@ from torch import nn
 
 from kimi.config import ModelConfig
 from kimi.ops.attention import attention
-from kimi.optim.muonclip import RowSplit
-from kimi.optim.qk_clip import QKClipSpec, RowRule
 
 from .cache import MLACache
+from .init import Rules, apply_rules, constant, normal
+from .layouts import QKClipSpec, RowRule, RowSplit
 from .norm import RMSNorm
 
 
@@ -52,7 +52,8 @@ class MLA(nn.Module):
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank, self.rope_theta = cfg.kv_lora_rank, cfg.rope_theta
         qk = self.nope + self.rope
-        if cfg.q_lora_rank > 0:
+        self.q_lora = cfg.q_lora_rank > 0  # compressed queries: W_uq RMSNorm(W_dq x)
+        if self.q_lora:
             self.wq_a = nn.Linear(d, cfg.q_lora_rank, bias=False)
             self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
             self.wq_b = nn.Linear(cfg.q_lora_rank, H * qk, bias=False)
@@ -62,7 +63,7 @@ class MLA(nn.Module):
         self.kv_norm = RMSNorm(self.kv_lora_rank, cfg.norm_eps)
         self.wkv_b = nn.Linear(self.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(H * self.v_dim, d, bias=False)
-        # When set (by build_optimizer, for QK-Clip), every forward that builds a graph records its per-head
+        # When set (through KimiModel.record_max_logits, for QK-Clip), every forward that builds a graph records its per-head
         # max scaled logit [H] fp32; consume_max_logits() returns the max over them (micro-batches). They are
         # kept as a list and reduced on consumption so a forward runs the same ops whatever came before it,
         # as selective activation checkpointing requires of a recomputed forward.
@@ -70,9 +71,13 @@ class MLA(nn.Module):
         self._seen_max_logits: list[torch.Tensor] = []
 
     @property
-    def q_proj(self) -> nn.Linear:
+    def q_name(self) -> str:
         """The projection whose rows are per-head [q_nope | q_rope] (see the module docstring)."""
-        return self.wq_b if hasattr(self, "wq_a") else self.wq
+        return "wq_b" if self.q_lora else "wq"
+
+    @property
+    def q_proj(self) -> nn.Linear:
+        return getattr(self, self.q_name)
 
     @property
     def max_logits(self) -> torch.Tensor | None:
@@ -89,7 +94,7 @@ class MLA(nn.Module):
         """QK-Clip rows of this layer (layout in the module docstring); prefix is the module's qualified name,
         so the parameter names are those of model.named_parameters()."""
         H = self.wkv_b.weight.shape[0] // (self.nope + self.v_dim)
-        q_name = "wq_b" if hasattr(self, "wq_a") else "wq"
+        q_name = self.q_name
         q_segments = tuple(seg for seg in ((0, self.nope, 0.5), (self.nope, self.rope, 1.0)) if seg[1] > 0)
         rows = [RowRule(f"{prefix}.{q_name}.weight", self.nope + self.rope, q_segments)]
         if self.nope > 0:
@@ -99,26 +104,29 @@ class MLA(nn.Module):
     def muon_splits(self, prefix: str) -> dict[str, RowSplit]:
         """Fused weights that hold several of DeepSeek-V2's matrices, for Muon to orthogonalise one by one:
         the query projection [W_uq; W_qr] and W_ukv = [W_uk; W_uv] per head, W_dkv = [W_dkv; W_kr]."""
-        q_name = "wq_b" if hasattr(self, "wq_a") else "wq"
+        q_name = self.q_name
         fused = {f"{q_name}.weight": (self.nope, self.rope), "wkv_b.weight": (self.nope, self.v_dim),
                  "wkv_a.weight": (self.kv_lora_rank, self.rope)}
         return {f"{prefix}.{name}": RowSplit(a + b, ((0, a), (a, b))) for name, (a, b) in fused.items()
                 if a > 0 and b > 0}
 
+    def init_rules(self, std: float, out_std: float) -> Rules:
+        """Projections normal(0, std), the output projection normal(0, out_std), norms 1."""
+        names = [self.q_name, "wkv_a", "wkv_b"] + (["wq_a"] if self.q_lora else [])
+        rules = {f"{name}.weight": normal(std) for name in names}
+        rules.update({"wo.weight": normal(out_std), "kv_norm.weight": constant(1.0)})
+        if self.q_lora:
+            rules["q_norm.weight"] = constant(1.0)
+        return rules
+
     def init_weights(self, std: float, out_std: float) -> None:
-        for lin in (self.q_proj, self.wkv_a, self.wkv_b):
-            nn.init.normal_(lin.weight, std=std)
-        nn.init.normal_(self.wo.weight, std=out_std)
-        self.kv_norm.reset_parameters()
-        if hasattr(self, "wq_a"):
-            nn.init.normal_(self.wq_a.weight, std=std)
-            self.q_norm.reset_parameters()
+        apply_rules(self, self.init_rules(std, out_std))
 
     def forward(
         self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache: MLACache | None = None
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.wq_b(self.q_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_lora else self.wq(x)
         q = q.view(B, T, -1, self.nope + self.rope)
         c_kv, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)
         c_kv = self.kv_norm(c_kv)

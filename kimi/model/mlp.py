@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .init import Rules, normal
+
 
 class SwiGLU(nn.Module):
     def __init__(self, d_model: int, hidden: int):
@@ -12,10 +14,8 @@ class SwiGLU(nn.Module):
         self.w_up = nn.Linear(d_model, hidden, bias=False)
         self.w_down = nn.Linear(hidden, d_model, bias=False)
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        nn.init.normal_(self.w_gate.weight, std=std)
-        nn.init.normal_(self.w_up.weight, std=std)
-        nn.init.normal_(self.w_down.weight, std=out_std)
+    def init_rules(self, std: float, out_std: float) -> Rules:
+        return {"w_gate.weight": normal(std), "w_up.weight": normal(std), "w_down.weight": normal(out_std)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))

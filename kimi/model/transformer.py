@@ -7,21 +7,21 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kimi.config import ModelConfig, mla_layer_indices
-from kimi.optim.qk_clip import QKClipSpec
+from kimi.ops.documents import cu_seqlens_from_starts
+from kimi.ops.kda import CHUNK_SIZE
 
-from .attnres import make_stream
+from .attnres import make_stream, resume_stream
 from .cache import InferenceCache, KDACache, MLACache
+from .init import Rules, constant, normal, param_seed, prefixed
 from .kda import KDA
+from .layouts import QKClipSpec
 from .mla import MLA
 from .mlp import SwiGLU
 from .norm import RMSNorm
-
-# Chunk size of the chunkwise KDA algorithm, used only to count its FLOPs.
-KDA_CHUNK_SIZE = 64
-
 
 class Block(nn.Module):
     """One token mixer and one MLP, each a sublayer with its own pre-norm and (with AttnRes) pseudo-query."""
@@ -49,24 +49,63 @@ class Block(nn.Module):
 
 
 class KimiModel(nn.Module):
+    """The model, or one contiguous part of it (a pipeline stage: see :meth:`part`).
+
+    A part holds a run of blocks (``blocks`` maps block indices to blocks, so parameter names are the whole
+    model's) and the embedding only if it is first, the final aggregation, norm and LM head only if last;
+    its forward passes through what it lacks. Parts never copy modules: they share the parent's.
+    """
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         if cfg.vocab_size is None:
             raise ValueError("ModelConfig.vocab_size must be set (resolve it from the tokenizer first)")
         self.cfg = cfg
+        # One draw from torch's generator, before any module's constructor draws (on the meta device they do
+        # not), seeds every parameter's own generator (init_parameter): the weights follow torch.manual_seed
+        # but not the device, order or place in which parameters are initialised.
+        self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
         mla = set(mla_layer_indices(cfg))
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, i in mla, first=i == 0) for i in range(cfg.num_layers))
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i in mla, first=i == 0) for i in range(cfg.num_layers)})
         self.final_query = nn.Parameter(torch.zeros(cfg.d_model)) if cfg.residual != "standard" else None
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.init_weights()
+        if not self.embed.weight.is_meta:  # on the meta device there is nothing to fill (see materialize)
+            self.init_weights()
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """Initialise every parameter:
+    def part(self, blocks, first: bool, last: bool) -> "KimiModel":
+        """A model made of `blocks` (indices) of this one, with the embedding if `first` and the final
+        aggregation, norm and LM head if `last`: the same modules, shared, under the same names."""
+        part = KimiModel.__new__(KimiModel)
+        nn.Module.__init__(part)
+        part.cfg, part.init_seed = self.cfg, self.init_seed
+        part.embed = self.embed if first else None
+        part.blocks = nn.ModuleDict({str(i): self.blocks[str(i)] for i in blocks})
+        part.final_query = self.final_query if last else None
+        part.norm = self.norm if last else None
+        part.lm_head = self.lm_head if last else None
+        return part
+
+    @staticmethod
+    def union(parts: list["KimiModel"]) -> "KimiModel":
+        """One model holding every module of `parts` (a pipeline rank's stages, each possibly wrapped by
+        FSDP), under the whole model's names: what the optimizer and checkpoints see."""
+        if len(parts) == 1:
+            return parts[0]
+        first = next((p for p in parts if p.embed is not None), None)
+        last = next((p for p in parts if p.lm_head is not None), None)
+        union = parts[0].part([], first is not None, last is not None)
+        union.embed = None if first is None else first.embed
+        union.blocks = nn.ModuleDict({k: b for p in parts for k, b in p.blocks.items()})
+        if last is not None:
+            union.final_query, union.norm, union.lm_head = last.final_query, last.norm, last.lm_head
+        return union
+
+    def init_rules(self) -> Rules:
+        """How each parameter this model (or part) holds starts, by name:
 
         * linears (and the untied LM head) and the embedding: normal(0, init_std); biases 0;
         * output projections of every sublayer (W_o of KDA/MLA, W_down of the MLPs): normal(0, init_std /
@@ -75,30 +114,53 @@ class KimiModel(nn.Module):
         * norms 1; AttnRes pseudo-queries 0 (every layer starts as a uniform average of its sources, which
           the paper reports matters for stability);
         * KDA: A_log = log U(1, 16), dt_bias = inverse-softplus of logU(1e-3, 1e-1), short convs as
-          nn.Conv1d's default (see KDA.init_weights).
+          nn.Conv1d's default (see KDA.init_rules).
         """
-        std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * self.cfg.num_layers)
-        nn.init.normal_(self.embed.weight, std=std)
-        if not self.cfg.tie_embeddings:
-            nn.init.normal_(self.lm_head.weight, std=std)
-        for block in self.blocks:
-            block.mixer.init_weights(std, out_std)
-            block.mlp.init_weights(std, out_std)
-            block.mixer_norm.reset_parameters()
-            block.mlp_norm.reset_parameters()
-        for p in self.attnres_queries():
-            p.zero_()
-        self.norm.reset_parameters()
+        c = self.cfg
+        std, out_std = c.init_std, c.init_std / math.sqrt(2 * c.num_layers)
+        rules: Rules = {}
+        if self.embed is not None:
+            rules["embed.weight"] = normal(std)
+        if self.lm_head is not None:
+            rules.update({"norm.weight": constant(1.0), "lm_head.weight": normal(std)})
+            if self.final_query is not None:
+                rules["final_query"] = constant(0.0)
+        for i, block in self.blocks.items():
+            rules.update(prefixed(f"blocks.{i}.mixer", block.mixer.init_rules(std, out_std)))
+            rules.update(prefixed(f"blocks.{i}.mlp", block.mlp.init_rules(std, out_std)))
+            rules.update({f"blocks.{i}.{n}": constant(1.0) for n in ("mixer_norm.weight", "mlp_norm.weight")})
+            rules.update({f"blocks.{i}.{n}": constant(0.0) for n in ("mixer_query", "mlp_query")
+                          if getattr(block, n) is not None})
+        return rules
+
+    def init_parameter(self, name: str, tensor: torch.Tensor) -> None:
+        """Fill `tensor`, the whole value of parameter `name`, with its initial value, drawn from a
+        generator seeded by the model's seed and the name: the same whichever rank, part or device asks (a
+        tied LM head draws the embedding's value)."""
+        key = "embed.weight" if name == "lm_head.weight" and self.cfg.tie_embeddings else name
+        generator = torch.Generator(device=tensor.device).manual_seed(param_seed(self.init_seed, key))
+        self.init_rules()[name](tensor, generator)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every parameter (see init_rules) in place."""
+        for name, p in self.named_parameters():
+            self.init_parameter(name, p)
 
     def attnres_queries(self) -> list[nn.Parameter]:
         """Every AttnRes pseudo-query (empty in standard mode), in depth order, the final one last."""
-        qs = [q for b in self.blocks for q in (b.mixer_query, b.mlp_query) if q is not None]
+        qs = [q for b in self.blocks.values() for q in (b.mixer_query, b.mlp_query) if q is not None]
         return qs + ([self.final_query] if self.final_query is not None else [])
 
     def mla_modules(self) -> list[MLA]:
-        """The MLA layers (build_optimizer sets their `track_max_logits` for QK-Clip)."""
-        return [b.mixer for b in self.blocks.children() if isinstance(b.mixer, MLA)]
+        return [b.mixer for b in self.blocks.values() if isinstance(b.mixer, MLA)]
+
+    def record_max_logits(self, enabled: bool = True) -> None:
+        """Make every softmax-attention layer record its per-head max logits in the forwards that build a
+        graph (what QK-Clip needs; off by default because it costs a pass over the scores on some backends).
+        Each layer's qk_clip_specs() entry returns them."""
+        for m in self.mla_modules():
+            m.track_max_logits = enabled
 
     def qk_clip_specs(self) -> list[QKClipSpec]:
         """One QK-Clip spec per MLA layer, named as in self.named_parameters(); KDA has no softmax logits."""
@@ -114,54 +176,87 @@ class KimiModel(nn.Module):
 
     def new_cache(self) -> InferenceCache:
         """An empty decoding state; the first forward with it (the prefill) fills it."""
-        return InferenceCache([MLACache() if isinstance(b.mixer, MLA) else KDACache() for b in self.blocks])
+        return InferenceCache([MLACache() if isinstance(b.mixer, MLA) else KDACache() for b in self.blocks.values()])
 
     def forward(
         self,
-        input_ids: torch.Tensor,
-        cu_seqlens: torch.Tensor | None = None,
+        *inputs: torch.Tensor,
+        doc_starts: torch.Tensor | None = None,
         cache: InferenceCache | None = None,
-    ) -> torch.Tensor:
-        """input_ids [B, T] -> logits [B, T, vocab] in the activation dtype.
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The first part takes input_ids [B, T]; a later part takes the residual stream's sources from the
+        part before it. The last part returns logits [B, T, vocab] in the activation dtype; any other part
+        returns the stream's sources, [B, T, d] each, exactly what later sublayers read (see attnres.py).
+        With doc_starts, outputs are those of the one packed row: [1, B*T, ...].
 
-        cu_seqlens: offsets [N + 1] of documents packed into one row (B = 1); nothing crosses a boundary.
+        doc_starts: [B, T] bool, True where a document starts (kimi.ops.documents): the rows run as one
+        packed row in which nothing crosses a document boundary.
         cache: continue the sequences held in it (see new_cache); it is updated in place.
         """
-        x = self.embed(input_ids)
-        stream = make_stream(self.cfg.residual, x, self.cfg.attnres_block_size, self.cfg.norm_eps)
-        for i, block in enumerate(self.blocks):
-            stream = block(stream, cu_seqlens=cu_seqlens, cache=None if cache is None else cache.layers[i])
+        B, T = inputs[0].shape[:2] if doc_starts is None else doc_starts.shape
+        cu_seqlens = None
+        if doc_starts is not None:
+            cu_seqlens = cu_seqlens_from_starts(doc_starts)
+            inputs = tuple(x.reshape(1, B * T, *x.shape[2:]) for x in inputs)
+        c = self.cfg
+        if self.embed is not None:
+            stream = make_stream(c.residual, self.embed(inputs[0]), c.attnres_block_size, c.norm_eps)
+        else:  # resume after the sublayers of the blocks before this part
+            done = 2 * int(next(iter(self.blocks.keys())))
+            stream = resume_stream(c.residual, list(inputs), done, c.attnres_block_size, c.norm_eps)
+        for i, block in self.blocks.items():
+            stream = block(stream, cu_seqlens=cu_seqlens, cache=None if cache is None else cache.layers[int(i)])
         if cache is not None:
-            cache.seen_tokens += input_ids.shape[1]
+            cache.seen_tokens += T
+        if self.lm_head is None:
+            # as they are, not views: a pipeline schedule detaches stage outputs in place
+            return tuple(stream.sources())
         return self.lm_head(self.norm(stream.mix(self.final_query)))
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Parameters counted once (a tied LM head is the embedding). exclude_embedding drops the token
         embedding table (and with it a tied LM head)."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.embed.weight.numel() if exclude_embedding else n
+        return n - self.embed.weight.numel() if exclude_embedding and self.embed is not None else n
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs (forward + backward) per token at sequence length T = seq_len:
+        """Training FLOPs (forward + backward) per token of the whole model at sequence length seq_len:
+        the sum of :func:`training_flops` over its blocks and its end (the same numbers that balance
+        pipeline stages)."""
+        blocks, end = training_flops(self.cfg, seq_len)
+        return float(sum(blocks) + end)
 
-            6 * N  +  3 * n_mla * H_mla * (Dqk + Dv) * T  +  3 * n_kda * H_kda * (6 K^2 + 3 C K + C^2)
 
-        * N = num_params(exclude_embedding=True), plus vocab * d_model when the embeddings are tied: every
-          parameter does one multiply-add per token forward and two backward, LM head included, the
-          embedding lookup excluded (it is a gather). Norm weights, biases, A_log etc. are counted too,
-          a negligible overcount.
-        * Softmax attention, causal: per token and head, q.k over T/2 keys on average (2 Dqk T/2) and the
-          weighted sum of values (2 Dv T/2), times 3 for fwd+bwd. Dqk = qk_nope + qk_rope.
-        * KDA chunkwise (ALGORITHMS.md sec. 1): about 6 T K^2 + 3 T C K + T C^2 forward per head for a
-          sequence of T, i.e. 6 K^2 + 3 C K + C^2 per token, times 3; K = kda_head_dim, C = 64.
-        Not counted: the AttnRes depth mixing (O(sources * d) per sublayer), short convs, gates'
-        elementwise work, softmax exponentials: all well under 1% at useful sizes.
-        """
-        c = self.cfg
-        n_mla = len(mla_layer_indices(c))
-        n_kda = c.num_layers - n_mla
-        dense = self.num_params(exclude_embedding=True) + (c.vocab_size * c.d_model if c.tie_embeddings else 0)
-        attn = 3 * n_mla * c.mla_num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * seq_len
-        K, C = c.kda_head_dim, KDA_CHUNK_SIZE
-        kda = 3 * n_kda * c.kda_num_heads * (6 * K * K + 3 * C * K + C * C)
-        return float(6 * dense + attn + kda)
+def training_flops(cfg: ModelConfig, seq_len: int) -> tuple[list[float], float]:
+    """Training FLOPs (forward + backward) per token at sequence length T = seq_len, per block and for the
+    model's end (final norm, AttnRes query, LM head):
+
+        6 * N  +  3 * H_mla * (Dqk + Dv) * T  (an MLA block)  or  3 * H_kda * (6 K^2 + 3 C K + C^2)  (a KDA block)
+
+    * N = the parameters involved: every one does one multiply-add per token forward and two backward.
+      The LM head always counts (even tied); the embedding lookup does not (it is a gather). Norm weights,
+      biases, A_log etc. are counted too, a negligible overcount.
+    * Softmax attention, causal: per token and head, q.k over T/2 keys on average (2 Dqk T/2) and the
+      weighted sum of values (2 Dv T/2), times 3 for fwd+bwd. Dqk = qk_nope + qk_rope.
+    * KDA chunkwise (docs/algorithms.md section 1): about 6 T K^2 + 3 T C K + T C^2 forward per head for a
+      sequence of T, i.e. 6 K^2 + 3 C K + C^2 per token, times 3; K = kda_head_dim, C = the chunk size.
+    Not counted: the AttnRes depth mixing (O(sources * d) per sublayer), short convs, gates' elementwise
+    work, softmax exponentials: all well under 1% at useful sizes. Counted on the meta device: no memory.
+    """
+    mla = set(mla_layer_indices(cfg))
+    K, C = cfg.kda_head_dim, CHUNK_SIZE
+    attn = 3 * cfg.mla_num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * seq_len
+    kda = 3 * cfg.kda_num_heads * (6 * K * K + 3 * C * K + C * C)
+    blocks = []
+    with torch.device("meta"):
+        for i in range(cfg.num_layers):
+            params = sum(p.numel() for p in Block(cfg, i in mla, first=i == 0).parameters())
+            blocks.append(6.0 * params + (attn if i in mla else kda))
+    end = cfg.d_model * (cfg.vocab_size + 1 + (cfg.residual != "standard"))  # LM head, final norm and query
+    return blocks, 6.0 * end
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position, in fp32: the one training and validation loss
+    (also the pipeline schedule's, per micro-batch). Vocabulary-sharded logits need torch's loss_parallel()."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())

@@ -1,4 +1,5 @@
-"""Optimizer factory: AdamW, or MuonClip (Muon on hidden matrices, AdamW on the rest; see muonclip.py)."""
+"""Optimizer factory: AdamW, or MuonClip (Muon on hidden matrices, AdamW on the rest; see muonclip.py), and
+QK-Clip, a hook run after either optimizer's step (qk_clip.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import torch
 from kimi.config import OptimConfig
 from kimi.optim.groups import weight_decay_groups
 from kimi.optim.muonclip import DEFAULT_ADAMW_PATTERNS, MuonClip
+from kimi.optim.qk_clip import QKClip
 from kimi.optim.schedules import build_scheduler, lr_multiplier
 
-__all__ = ["MuonClip", "build_optimizer", "build_scheduler", "lr_multiplier", "weight_decay_groups"]
+__all__ = ["MuonClip", "QKClip", "build_optimizer", "build_qk_clip", "build_scheduler", "lr_multiplier", "weight_decay_groups"]
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, process_group=None) -> torch.optim.Optimizer:
@@ -20,13 +22,6 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, process_group=None
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused or None)
     if cfg.name == "muonclip":
         patterns = DEFAULT_ADAMW_PATTERNS if cfg.adamw_patterns is None else tuple(cfg.adamw_patterns)
-        # QK-Clip needs the per-head max logits of the training forwards, so tracking turns on here, with
-        # the optimizer that consumes them; qk_clip_tau = 0 disables both (no specs, no tracking cost).
-        clip = {}
-        if cfg.qk_clip_tau > 0 and hasattr(model, "qk_clip_specs"):
-            clip = {"qk_clip_tau": cfg.qk_clip_tau, "qk_clip_specs": model.qk_clip_specs()}
-            for m in model.mla_modules():
-                m.track_max_logits = True
         return MuonClip(model.named_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                         momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
                         adjust_lr_fn=cfg.adjust_lr_fn,
@@ -34,5 +29,16 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, process_group=None
                         betas=tuple(cfg.betas), adamw_eps=cfg.eps, adamw_patterns=patterns,
                         muon_patterns=tuple(cfg.muon_patterns),
                         splits=model.muon_splits() if hasattr(model, "muon_splits") else None,
-                        process_group=process_group, **clip)
+                        process_group=process_group)
     raise ValueError(f"optim.name={cfg.name!r} is not available; choose one of: adamw, muonclip")
+
+
+def build_qk_clip(model: torch.nn.Module, cfg: OptimConfig, group=None, head_group=None) -> QKClip | None:
+    """The QK-Clip hook for any optimizer (None when optim.qk_clip_tau = 0 or the model has no softmax
+    attention). It turns on the max-logit recording it needs. group: the ranks holding this model part
+    (their logits are max-reduced); head_group: the tensor-parallel ranks that split the heads."""
+    specs = model.qk_clip_specs() if cfg.qk_clip_tau > 0 and hasattr(model, "qk_clip_specs") else []
+    if not specs:
+        return None
+    model.record_max_logits(True)
+    return QKClip(model.named_parameters(), specs, cfg.qk_clip_tau, group=group, head_group=head_group)

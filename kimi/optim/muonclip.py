@@ -1,6 +1,6 @@
 """MuonClip: Muon on hidden weight matrices, AdamW on everything else, in one torch optimizer.
 
-Math and sources: ALGORITHMS.md section 3. Parameters may be plain tensors (one process, or replicated over
+Math, sources: docs/algorithms.md section 3. Parameters may be plain tensors (one process, or replicated over
 the process group) or DTensors laid out by FSDP2 and/or tensor parallelism: kimi/optim/owners.py plans who
 holds which block, and each Muon matrix is orthogonalised once per step, by one owner rank. QK-Clip
 (kimi/optim/qk_clip.py) runs at the end of :meth:`MuonClip.step` over the specs the model exports
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -33,7 +32,8 @@ from kimi.config import ADJUST_LR_FNS
 from kimi.ops.newton_schulz import DEFAULT_COEFFICIENTS, newton_schulz
 from kimi.optim.groups import weight_decay_groups
 from kimi.optim.owners import ParamPlan, Router, build_plans, like_param, local_tensor, ns_flops
-from kimi.optim.qk_clip import QKClipSpec, apply_qk_clip
+from kimi.model.layouts import QKClipSpec, RowSplit
+from kimi.optim.qk_clip import QKClip
 
 DEFAULT_ADAMW_PATTERNS = ("*embed*", "*lm_head*")
 
@@ -63,39 +63,6 @@ def route(name: str, p: torch.Tensor, adamw_patterns: Sequence[str], muon_patter
     return "muon" if p.ndim == 2 else "adamw"
 
 
-@dataclass(frozen=True)
-class RowSplit:
-    """A fused weight holding several logical matrices by rows, orthogonalised one by one.
-
-    As in RowRule, head h owns rows [h * stride, (h + 1) * stride); segment (offset, length) picks rows
-    [offset, offset + length) of every head, and the segments of all heads together are one logical matrix
-    (MLA's wkv_b = [W_uk; W_uv] per head: keys and values are two matrices, as in DeepSeek-V2, whose
-    singular values have nothing to do with each other). Segments must tile a head's rows.
-    """
-
-    stride: int
-    segments: Tuple[Tuple[int, int], ...]
-
-    def __post_init__(self) -> None:
-        ends = [0]
-        for offset, length in self.segments:
-            if offset != ends[-1] or length <= 0:
-                raise ValueError(f"RowSplit segments {self.segments} must tile [0, {self.stride}) in order")
-            ends.append(offset + length)
-        if ends[-1] != self.stride:
-            raise ValueError(f"RowSplit segments {self.segments} must tile [0, {self.stride}) in order")
-
-    def split(self, u: torch.Tensor) -> List[torch.Tensor]:
-        heads = u.view(-1, self.stride, u.shape[-1])
-        return [heads[:, o : o + n].reshape(-1, u.shape[-1]) for o, n in self.segments]
-
-    def join(self, blocks: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-        heads = out.view(-1, self.stride, out.shape[-1])
-        for (o, n), b in zip(self.segments, blocks):
-            heads[:, o : o + n] = b.view(heads.shape[0], n, -1)
-        return out
-
-
 class MuonClip(torch.optim.Optimizer):
     """One optimizer with a param group per family ("muon", then AdamW with and without decay).
 
@@ -103,7 +70,7 @@ class MuonClip(torch.optim.Optimizer):
     multiplies every group's lr, like LambdaLR, schedules both families alike. Keyword names follow
     ``torch.optim.Muon`` where they mean the same: ``eps`` is Newton-Schulz's; AdamW's is ``adamw_eps``.
     Muon's momentum buffer is an average, B = mu B + (1 - mu) G, and the Nesterov update G' = (1 - mu) G +
-    mu B, as torch.optim.Muon keeps them: B = (1 - mu) M and G' = (1 - mu) (G + mu M) for ALGORITHMS.md's
+    mu B, as torch.optim.Muon keeps them: B = (1 - mu) M and G' = (1 - mu) (G + mu M) for the papers'
     M = mu M + G, the same update since Newton-Schulz normalises its input, and bf16 results bit-identical
     to torch.optim.Muon's (with M itself, bf16 rounds 20x larger inputs differently: 1.5e-2 apart).
 
@@ -172,11 +139,7 @@ class MuonClip(torch.optim.Optimizer):
                            "weight_decay": g["weight_decay"], "betas": tuple(betas), "eps": adamw_eps})
         super().__init__([g for g in groups if g["params"]], {"lr": lr, "weight_decay": weight_decay})
 
-        self.qk_clip_tau, self.qk_clip_specs = qk_clip_tau, list(qk_clip_specs)
         self._params_by_name = dict(named)
-        missing = [r.param for s in self.qk_clip_specs for r in s.rows if r.param not in self._params_by_name]
-        if missing:
-            raise ValueError(f"qk_clip_specs name parameters this optimizer does not update: {missing}")
         self.splits = dict(splits or {})
         for name, split in self.splits.items():
             p = self._params_by_name.get(name)
@@ -190,7 +153,8 @@ class MuonClip(torch.optim.Optimizer):
         self._plans: dict[int, ParamPlan] | None = None  # by id(param), built at the first collective call
         self._router = Router(process_group)
         self._stepped = False  # the same on every rank: they step together
-        self.qk_clip_stats: dict = {}  # {layer: {"max_logit", "clipped_frac"}} of the last step
+        self.qk_clip_tau, self.qk_clip_specs = qk_clip_tau, list(qk_clip_specs)
+        self._qk_clip = QKClip(named, self.qk_clip_specs, qk_clip_tau, group=process_group)
         self.step_stats: dict = {}
 
     def routing_table(self) -> str:
@@ -208,6 +172,11 @@ class MuonClip(torch.optim.Optimizer):
         return "\n".join(lines)
 
     # ---- layout -------------------------------------------------------------------------------------
+
+    @property
+    def qk_clip_stats(self) -> dict:
+        """{layer: {"max_logit", "clipped_frac"}} of the last step (empty without specs)."""
+        return self._qk_clip.stats
 
     @property
     def _distributed(self) -> bool:
@@ -265,15 +234,16 @@ class MuonClip(torch.optim.Optimizer):
         for (_, p, plan), block in zip(adamw, back[len(muon) :]):
             if block is not None and plan.keepers[plan.local] != router.rank:
                 local_tensor(p).copy_(block)
-        # 5. QK-Clip, after the update (ALGORITHMS.md section 3).
-        if self.qk_clip_specs:
-            self._qk_clip()
+        # 5. QK-Clip, after the update (docs/algorithms.md section 3).
+        clip_collectives = self._qk_clip.collectives
+        self._qk_clip()
         self._stepped = True
         for group in self.param_groups:  # an entry per parameter on every rank, owner or not: see _import_state
             for p in group["params"]:
                 self.state[p]
         self.step_stats = {"ns_matrices": ns_count, "ns_flops": flops,
-                           "collectives": router.collectives - collectives, "bytes_sent": router.bytes_sent - sent}
+                           "collectives": router.collectives - collectives + self._qk_clip.collectives - clip_collectives,
+                           "bytes_sent": router.bytes_sent - sent}
         return loss
 
     def _logical_shapes(self, plan: ParamPlan) -> List[Tuple[int, int]]:
@@ -352,24 +322,6 @@ class MuonClip(torch.optim.Optimizer):
         denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
         local.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
         return local
-
-    def _qk_clip(self) -> None:
-        s_max = [spec.max_logits() for spec in self.qk_clip_specs]
-        if self._distributed:
-            # Every replica must scale alike: the max over the ranks' micro-batches (-inf: none recorded).
-            device = next(iter(self._plans.values())).device
-            full = torch.stack([torch.full((spec.num_heads,), float("-inf"), device=device) if s is None
-                                else s.float().to(device) for spec, s in zip(self.qk_clip_specs, s_max)])
-            dist.all_reduce(full, op=dist.ReduceOp.MAX, group=self.process_group)
-            self._router.collectives += 1
-            s_max = [None if torch.isneginf(row).all() else row for row in full]
-        blocks, rows = {}, {}
-        for name in {r.param for spec in self.qk_clip_specs for r in spec.rows}:
-            p = self._params_by_name[name]
-            piece = self._plans[id(p)].local_piece() if self._plans else None
-            blocks[name] = local_tensor(p)
-            rows[name] = (0 if piece is None else piece.offset[0], p.shape[0])
-        self.qk_clip_stats = apply_qk_clip(blocks, self.qk_clip_specs, self.qk_clip_tau, s_max, rows)
 
     # ---- state --------------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """Where every block of every parameter lives, which rank updates it, and batched transfers between them.
 
-MuonClip's distributed layer (ALGORITHMS.md section 3). Newton-Schulz needs whole matrices, but a parameter
+MuonClip's distributed layer (docs/algorithms.md section 4). Newton-Schulz needs whole matrices; a parameter
 may be a plain tensor replicated over the data-parallel ranks, or a DTensor whose blocks are spread over a
 mesh by FSDP2 (Shard(0), or _StridedShard over tensor parallelism) and TP (Shard(0) / Shard(1)), and
 replicated over any remaining mesh dimension. Rather than special-casing layouts, every rank asks where
@@ -79,7 +79,7 @@ def like_param(block: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return block
 
 
-def _local_block(p: torch.Tensor) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+def local_block(p: torch.Tensor) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     if isinstance(p, DTensor):
         shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
         return tuple(offset), tuple(shape)
@@ -96,7 +96,7 @@ def build_plans(named: Sequence[Tuple[str, torch.Tensor]], muon: Sequence[bool],
                 group: Optional[dist.ProcessGroup]) -> List[ParamPlan]:
     """Swap block positions with every rank of ``group`` (one all_gather_object) and assign owners."""
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
-    mine = [(n, tuple(p.shape), str(p.dtype), *_local_block(p)) for n, p in named]
+    mine = [(n, tuple(p.shape), str(p.dtype), *local_block(p)) for n, p in named]
     everyone = [mine]
     if world > 1:
         everyone = [None] * world

@@ -1,4 +1,4 @@
-"""QK-Clip (Kimi K2, ALGORITHMS.md section 3): after each update, shrink the query/key rows of every
+"""QK-Clip (Kimi K2, docs/algorithms.md section 3): after each update, shrink the query/key rows of every
 softmax-attention head whose max scaled logit S_max^h of this step's forwards exceeded tau.
 
     gamma_h = min(1, tau / S_max^h)
@@ -9,48 +9,23 @@ inputs). Plain MHA: q and k rows both get exponent 0.5. MLA: q_nope and k_nope r
 (its partner, the rotary key, is shared by all heads and so cannot be scaled per head: it is never listed,
 nor are value rows, which do not enter the logit).
 
-The optimizer never knows the model class: a layer describes itself with a QKClipSpec over parameter names
-(the names of model.named_parameters()), and apply_qk_clip scales those rows in place.
+Nothing here knows the model class or the optimizer: a layer describes itself with a QKClipSpec over
+parameter names (kimi.model.layouts), apply_qk_clip scales those rows in place, and :class:`QKClip` is the
+post-step hook that runs it after any optimizer's step (K2's clip does not depend on Muon: AdamW + QK-Clip
+is one of the ablations), over plain or sharded parameters on any number of ranks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Dict, Mapping, Sequence, Tuple
+from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
+from kimi.model.layouts import QKClipSpec, RowRule
+from kimi.optim.owners import local_block, local_tensor
 
-@dataclass(frozen=True)
-class RowRule:
-    """Rows of one weight (nn.Linear rows = outputs) that QK-Clip scales.
-
-    Head h owns rows [h * stride, (h + 1) * stride); within a head, each (offset, length, exponent) segment
-    is multiplied by gamma_h ** exponent. Rows of a head that no segment covers are never touched.
-    """
-
-    param: str
-    stride: int
-    segments: Tuple[Tuple[int, int, float], ...]
-
-    def __post_init__(self) -> None:
-        for offset, length, _ in self.segments:
-            if offset < 0 or length <= 0 or offset + length > self.stride:
-                raise ValueError(f"{self.param}: segment ({offset}, {length}) outside a head of {self.stride} rows")
-
-
-@dataclass
-class QKClipSpec:
-    """One softmax-attention layer: its heads, the rows to scale, and where its per-head max logits come from.
-
-    ``max_logits()`` returns the [num_heads] max scaled logits of the forwards since the last call (and
-    forgets them), or None when the layer ran no recorded forward, in which case the layer is left alone.
-    """
-
-    layer: str
-    num_heads: int
-    rows: list[RowRule]
-    max_logits: Callable[[], torch.Tensor | None]
+__all__ = ["QKClip", "QKClipSpec", "RowRule", "apply_qk_clip"]
 
 
 def _row_scale(rule: RowRule, gamma: torch.Tensor) -> torch.Tensor:
@@ -103,3 +78,62 @@ def apply_qk_clip(
     # One host sync for all layers, not two per layer.
     values = torch.stack([torch.stack([m, f]) for _, m, f in reported]).tolist()
     return {layer: {"max_logit": m, "clipped_frac": f} for (layer, _, _), (m, f) in zip(reported, values)}
+
+
+class QKClip:
+    """QK-Clip as a hook to call after ``optimizer.step()``: gathers each layer's per-head max logits (from
+    its spec), max-reduces them over ``group`` so every replica scales alike, and scales this rank's rows.
+
+    Parameters may be plain tensors (whole, or replicated over ``group``) or DTensors sharded by FSDP2 and
+    tensor parallelism: each rank scales the rows of its own block, located in the full weight by its
+    placements. Under tensor parallelism a layer reports only the heads it computed, a contiguous share in
+    head order; ``head_group`` (the tensor-parallel ranks) says which share this rank computed. ``stats``
+    holds {layer: {"max_logit", "clipped_frac"}} of the last call.
+    """
+
+    def __init__(self, named_params: Iterable[Tuple[str, torch.Tensor]], specs: Sequence[QKClipSpec], tau: float,
+                 group: Optional[dist.ProcessGroup] = None, head_group: Optional[dist.ProcessGroup] = None):
+        if not tau > 0:
+            raise ValueError(f"qk_clip_tau={tau} must be > 0")
+        self.specs, self.tau, self.group, self.head_group = list(specs), tau, group, head_group
+        params = dict(named_params)
+        missing = [r.param for s in self.specs for r in s.rows if r.param not in params]
+        if missing:
+            raise ValueError(f"QK-Clip specs name parameters that are not given: {missing}")
+        self.params = {r.param: params[r.param] for s in self.specs for r in s.rows}
+        self.collectives = 0
+        self.stats: Dict[str, Dict[str, float]] = {}
+
+    def _all_heads(self, spec: QKClipSpec, local: torch.Tensor, device: torch.device) -> torch.Tensor:
+        full = torch.full((spec.num_heads,), float("-inf"), device=device)
+        h = local.numel()
+        if h != spec.num_heads:
+            if self.head_group is None or spec.num_heads % h:
+                raise ValueError(f"{spec.layer}: {h} of {spec.num_heads} heads reported and no tensor-parallel "
+                                 "group to place them")
+            start = dist.get_rank(self.head_group) * h
+            full[start : start + h] = local.float().to(device)
+            return full
+        return local.float().to(device)
+
+    @torch.no_grad()
+    def __call__(self) -> Dict[str, Dict[str, float]]:
+        if not self.specs:
+            return {}
+        device = local_tensor(next(iter(self.params.values()))).device
+        reported = [spec.max_logits() for spec in self.specs]
+        s_max: list = [None if r is None else self._all_heads(spec, r, device)
+                       for spec, r in zip(self.specs, reported)]
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            # one collective for all layers; -inf marks heads a rank did not compute (or layers it did not run)
+            full = torch.stack([torch.full((spec.num_heads,), float("-inf"), device=device) if s is None else s
+                                for spec, s in zip(self.specs, s_max)])
+            dist.all_reduce(full, op=dist.ReduceOp.MAX, group=self.group)
+            self.collectives += 1
+            s_max = [None if torch.isneginf(row).all() else row for row in full]
+        blocks, rows = {}, {}
+        for name, p in self.params.items():
+            offset, _ = local_block(p)
+            blocks[name], rows[name] = local_tensor(p), (offset[0], p.shape[0])
+        self.stats = apply_qk_clip(blocks, self.specs, self.tau, s_max, rows)
+        return self.stats

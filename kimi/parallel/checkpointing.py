@@ -19,7 +19,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-MODES = ("none", "full", "selective")
+from kimi.config import AC_MODES as MODES
+
 _SAVED_OPS = {getattr(torch.ops.aten, name).default for name in (
     "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",

@@ -16,9 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from kimi.config import ConfigError, ParallelConfig
-
-from .checkpointing import MODES
+from kimi.config import ParallelConfig, stages_per_rank
 
 
 @dataclass(frozen=True)
@@ -31,43 +29,13 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world: int | None = None) -> "ParallelDims":
-        """Check the degrees against ``world`` (default: torchrun's WORLD_SIZE); errors say what to change."""
+        """The degrees of an already validated config (kimi.config.validate checks them against the world)."""
         world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
-        dims = cls(p.dp_replicate, p.dp_shard, p.tp, p.pp, world)
-        if p.activation_checkpointing not in MODES:
-            raise ConfigError(f"parallel.activation_checkpointing={p.activation_checkpointing!r} is invalid: "
-                              f"choose one of {'|'.join(MODES)}")
-        for name in ("dp_replicate", "dp_shard", "tp", "pp"):
-            if getattr(dims, name) < 1:
-                raise ConfigError(f"parallel.{name}={getattr(dims, name)} is invalid: degrees are >= 1")
-        product = dims.dp_replicate * dims.dp_shard * dims.tp * dims.pp
-        if product != world:
-            raise ConfigError(
-                f"parallel.dp_replicate*dp_shard*tp*pp = {dims.dp_replicate}*{dims.dp_shard}*{dims.tp}*{dims.pp}"
-                f" = {product} but {world} process(es) were launched; make the product equal the number of "
-                f"processes (e.g. torchrun --nproc_per_node={product}, or parallel.dp_shard={world})")
-        if p.sequence_parallel and dims.tp == 1:
-            raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (it splits the sequence over "
-                              "the tensor-parallel ranks)")
-        if dims.pp > 1:
-            from .pipeline import SCHEDULES
-
-            if p.pp_schedule not in SCHEDULES:
-                raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} is invalid: choose one of "
-                                  f"{'|'.join(SCHEDULES)}")
-            if 0 < p.pp_microbatches < dims.pp and p.pp_schedule != "gpipe":
-                raise ConfigError(f"parallel.pp_microbatches={p.pp_microbatches} is too few for the "
-                                  f"{p.pp_schedule} schedule over {dims.pp} ranks: use at least {dims.pp} (or 0 "
-                                  "for that many)")
-            if p.pp_virtual_stages < 1:
-                raise ConfigError(f"parallel.pp_virtual_stages={p.pp_virtual_stages} is invalid: use >= 1")
-        return dims
+        return cls(p.dp_replicate, p.dp_shard, p.tp, p.pp, world)
 
     def virtual_stages(self, p: ParallelConfig) -> int:
         """Pipeline stages each rank runs."""
-        from .pipeline import SINGLE_STAGE
-
-        return 1 if self.pp == 1 or p.pp_schedule in SINGLE_STAGE else p.pp_virtual_stages
+        return stages_per_rank(p)
 
     @property
     def loss_parallel(self) -> bool:
@@ -114,7 +82,7 @@ def init_distributed(device: torch.device) -> None:
 
 
 def destroy_distributed() -> None:
-    """Leave cleanly: gloo can abort at interpreter exit if its threads outlive the group (ENVIRONMENT.md)."""
+    """Leave cleanly: gloo can abort at exit if its threads outlive the group (docs/environment.md)."""
     if dist.is_initialized():
         dist.barrier()
         gc.collect()

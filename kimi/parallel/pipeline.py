@@ -1,16 +1,18 @@
 """Pipeline parallelism with torch.distributed.pipelining: contiguous runs of blocks per stage.
 
-Each rank trims the model to the parts its stages run (one stage, or several with the interleaved and
-zero-bubble schedules: stages rank, rank + pp, ...), keeping the single-device parameter names (blocks keep
-their indices in a ModuleDict), so optimizer routing and checkpoints are unchanged; each stage is a
-StageView sharing the trimmed model's modules.
+A stage is a part of the model (KimiModel.part: a run of blocks, the embedding on the first stage, the
+final norm and LM head on the last), run by the model's own forward, which passes through what a part
+lacks. A rank runs one stage, or several with the interleaved and zero-bubble schedules (stages rank,
+rank + pp, ...); the parts keep the whole model's parameter names, so optimizer routing and checkpoints are
+unchanged, and KimiModel.union joins a rank's stages into the one model its optimizer and checkpoints see.
 What crosses a stage boundary is the AttnRes stream's sources(): exactly the tensors later sublayers read
 (the hidden state; or every output so far; or the completed block sums plus the running partial sum),
 each sent once per micro-batch, never one tensor per layer. The receiving stage rebuilds the stream from
 them and the number of sublayers already done (kimi.model.attnres.resume_stream).
 
 Tied embeddings live on both end stages, kept equal by summing their gradients (TiedEnds); packed
-documents reach every stage as a row-wise mask of document starts, split into micro-batches with the tokens.
+documents reach every stage as the batch's [B, T] mask of document starts (a schedule keyword argument),
+split into micro-batches with the tokens.
 
 Stages are balanced by training FLOPs per block (MLA blocks cost more than KDA ones at long sequences) with
 the embedding on the first stage and the LM head on the last; `parallel.pp_split` overrides the boundaries.
@@ -22,35 +24,18 @@ from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                            ScheduleInterleavedZeroBubble)
 
-from kimi.config import ConfigError, ModelConfig, mla_layer_indices
-from kimi.data.loader import cu_seqlens_from_starts
-from kimi.model.attnres import make_stream, resume_stream
+from kimi.config import SINGLE_STAGE_SCHEDULES as SINGLE_STAGE
+from kimi.config import ConfigError, ModelConfig
+from kimi.model import lm_loss, training_flops
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "zero_bubble": ScheduleInterleavedZeroBubble}
-SINGLE_STAGE = ("gpipe", "1f1b")  # one stage per rank; the others run parallel.pp_virtual_stages each
-
-
-def block_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
-    """Relative training cost of each block: 6 FLOPs per parameter and token, plus attention over T."""
-    from kimi.model.transformer import Block
-
-    mla = set(mla_layer_indices(cfg))
-    costs = []
-    for i in range(cfg.num_layers):
-        with torch.device("meta"):
-            params = sum(p.numel() for p in Block(cfg, i in mla, first=i == 0).parameters())
-        attn = (3 * cfg.mla_num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * seq_len
-                if i in mla else 0)
-        costs.append(6.0 * params + attn)
-    return costs
 
 
 def split_blocks(cfg: ModelConfig, stages: int, seq_len: int, split: Sequence[int] | None = None) -> List[range]:
@@ -65,9 +50,8 @@ def split_blocks(cfg: ModelConfig, stages: int, seq_len: int, split: Sequence[in
             raise ConfigError(f"parallel.pp_split={list(split)} is invalid: give {stages - 1} rising block "
                               f"indices in (0, {n}) where stages 1..{stages - 1} start")
         return [range(a, b) for a, b in zip(bounds, bounds[1:])]
-    costs = block_costs(cfg, seq_len)
-    vocab = cfg.vocab_size * cfg.d_model * 6.0  # the LM head's matmul, on the last stage
-    total, ranges, start = sum(costs) + vocab, [], 0
+    costs, end_cost = training_flops(cfg, seq_len)  # the model's end (LM head) is on the last stage
+    total, ranges, start = sum(costs) + end_cost, [], 0
     for s in range(stages - 1):
         target, acc, end = total * (s + 1) / stages, sum(costs[:start]), start
         # extend while it brings the running cost closer to this boundary's share, leaving a block per stage
@@ -81,53 +65,10 @@ def split_blocks(cfg: ModelConfig, stages: int, seq_len: int, split: Sequence[in
     return ranges
 
 
-class StageView(nn.Module):
-    """One pipeline stage: a view of the blocks (and the embedding or LM head) it runs, sharing the modules
-    of the rank's trimmed model. Its input is the token ids (first stage) or the stream's sources; its output
-    the sources or the logits (last stage)."""
-
-    def __init__(self, model: nn.Module, blocks: range, first: bool, last: bool):
-        super().__init__()
-        self.cfg, self.block_range = model.cfg, blocks
-        self.embed = model.embed if first else None
-        self.blocks = nn.ModuleDict({str(i): model.blocks[str(i)] for i in blocks})
-        self.norm = model.norm if last else None
-        self.lm_head = model.lm_head if last else None
-        self.final_query = model.final_query if last else None
-
-    def forward(self, *inputs: torch.Tensor, doc_starts: torch.Tensor | None = None):
-        """doc_starts: packed documents (data.varlen), a [B, T] mask of where each starts; the micro-batch's
-        rows then run as one packed row, as the single-device trainer runs them."""
-        cfg, blocks = self.cfg, self.block_range
-        cu_seqlens = None if doc_starts is None else cu_seqlens_from_starts(doc_starts)
-        if self.embed is not None:
-            ids = inputs[0] if doc_starts is None else inputs[0].reshape(1, -1)
-            stream = make_stream(cfg.residual, self.embed(ids), cfg.attnres_block_size, cfg.norm_eps)
-        else:
-            stream = resume_stream(cfg.residual, list(inputs), 2 * blocks.start, cfg.attnres_block_size,
-                                   cfg.norm_eps)
-        for i in blocks:
-            stream = self.blocks[str(i)](stream, cu_seqlens=cu_seqlens)
-        if self.lm_head is not None:
-            return self.lm_head(self.norm(stream.mix(self.final_query)))
-        return tuple(stream.sources())
-
-
 def stage_indices(rank: int, pp: int, virtual: int) -> list[int]:
     """The stages a pipeline rank runs: rank, rank + pp, ... (looped placement, as interleaved schedules
     expect)."""
     return [rank + k * pp for k in range(virtual)]
-
-
-def trim(model: nn.Module, ranges: Sequence[range], first: bool, last: bool) -> nn.Module:
-    """Keep only the parts of `model` this rank's stages run (in place); names stay the single-device ones
-    (blocks keep their indices in a ModuleDict), so optimizer routing and checkpoints are unchanged."""
-    model.blocks = nn.ModuleDict({str(i): model.blocks[i] for r in ranges for i in r})
-    if not first:
-        model.embed = None
-    if not last:
-        model.norm, model.lm_head, model.final_query = None, None, None
-    return model
 
 
 class TiedEnds:
@@ -167,21 +108,18 @@ class TiedEnds:
         return self.weight(model) if model.embed is None else None
 
 
-def make_stage(model: nn.Module, blocks: range, first: bool, last: bool) -> StageView:
-    """A single stage cut from a whole model (trimmed in place): for tests and one-stage-per-rank use."""
-    return StageView(trim(model, [blocks], first, last), blocks, first, last)
+def stage_parts(model: nn.Module, ranges: Sequence[range], rank: int, pp: int, virtual: int) -> list[nn.Module]:
+    """The parts of `model` that pipeline rank `rank` runs, one per stage, in stage order."""
+    total = pp * virtual
+    return [model.part(ranges[i], i == 0, i == total - 1) for i in stage_indices(rank, pp, virtual)]
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
-
-
-def build_schedule(views: Sequence[StageView], mesh: DeviceMesh, device: torch.device, schedule: str,
+def build_schedule(parts: Sequence[nn.Module], mesh: DeviceMesh, device: torch.device, schedule: str,
                    microbatches: int):
     pp, rank = mesh.size(), mesh.get_local_rank()
-    total = pp * len(views)
-    stages = [PipelineStage(view, index, total, device, group=mesh.get_group())
-              for view, index in zip(views, stage_indices(rank, pp, len(views)))]
+    total = pp * len(parts)
+    stages = [PipelineStage(part, index, total, device, group=mesh.get_group())
+              for part, index in zip(parts, stage_indices(rank, pp, len(parts)))]
     if schedule in SINGLE_STAGE:
-        return SCHEDULES[schedule](stages[0], n_microbatches=microbatches, loss_fn=cross_entropy)
-    return SCHEDULES[schedule](stages, n_microbatches=microbatches, loss_fn=cross_entropy)
+        return SCHEDULES[schedule](stages[0], n_microbatches=microbatches, loss_fn=lm_loss)
+    return SCHEDULES[schedule](stages, n_microbatches=microbatches, loss_fn=lm_loss)

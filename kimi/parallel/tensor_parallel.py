@@ -9,8 +9,8 @@ sums the ranks' contributions (one all-reduce per sublayer in the forward, one i
               per head; the low-rank down-projections replicated; the output norm's weight, shared by all
               heads, replicated with its gradient summed over the ranks' heads; o_proj row-parallel
   MLA         query projection and W_ukv column-parallel (by heads); W_dkv, its norm and q-LoRA's
-              down-projection replicated; wo row-parallel; the per-head max logits are gathered back to
-              all heads for QK-Clip
+              down-projection replicated; wo row-parallel; each rank records the max logits of its own
+              heads (QK-Clip places them by tp rank)
   MLP         gate and up column-parallel, down row-parallel
   LM head     column-parallel over the vocabulary; logits stay sharded for a loss-parallel cross-entropy
               (also inside a pipeline schedule, which the trainer runs under loss_parallel())
@@ -35,16 +35,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                parallelize_module)
 
-from kimi.config import ConfigError, ModelConfig
-
-
-def check_divisible(cfg: ModelConfig, tp: int) -> None:
-    """Every split dimension must divide by tp; say which setting to change otherwise."""
-    for key in ("kda_num_heads", "mla_num_heads", "mlp_hidden", "vocab_size"):
-        value = getattr(cfg, key)
-        if value % tp:
-            raise ConfigError(f"model.{key}={value} is not divisible by parallel.tp={tp}: tensor parallelism "
-                              f"splits it over the tp ranks; choose a parallel.tp that divides it")
 
 
 class _SumGradOverRanks(torch.autograd.Function):
@@ -116,19 +106,6 @@ def _local_views(module: nn.Module, mesh: DeviceMesh, sharded: list[str], head_s
     module.forward = run
 
 
-def _gather_heads(consume, mesh: DeviceMesh):
-    """Wrap MLA.consume_max_logits: this rank's heads' maxima -> all heads' (heads are split in order)."""
-
-    @functools.wraps(consume)
-    def all_heads():
-        local = consume()
-        if local is None:
-            return None
-        return funcol.all_gather_tensor(local.contiguous(), gather_dim=0, group=mesh).wait()
-
-    return all_heads
-
-
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False,
                           loss_parallel: bool = False) -> nn.Module:
     """loss_parallel: the LM head returns logits sharded over the vocabulary (a DTensor), for a cross-entropy
@@ -142,7 +119,6 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
     from kimi.model.kda import KDA
     from kimi.model.mla import MLA
 
-    check_divisible(model.cfg, mesh.size())
     seq = Shard(1)
     ends = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sequence_parallel
                                      else Replicate()),
@@ -169,9 +145,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
             _local_views(mixer, mesh, ["A_log", "dt_bias", "q_conv.weight", "k_conv.weight", "v_conv.weight"],
                          head_shared=["o_norm.weight"])
         elif isinstance(mixer, MLA):
-            q_proj = "wq_b" if hasattr(mixer, "wq_a") else "wq"
+            q_proj = "wq_b" if mixer.q_lora else "wq"
             parallelize_module(mixer, mesh, {q_proj: col, "wkv_b": col, "wo": row})
-            mixer.consume_max_logits = _gather_heads(mixer.consume_max_logits, mesh)
         else:
             raise TypeError(f"no tensor-parallel plan for token mixer {type(mixer).__name__}")
         if sequence_parallel:

@@ -6,11 +6,7 @@ and tiny shapes only. Masking conventions are those of :func:`kimi.ops.attention
 
 import torch
 
-
-def segment_ids(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
-    """Document index of every position 0..length-1 given offsets [N + 1] (0 = start, last = length)."""
-    positions = torch.arange(length, device=cu_seqlens.device)
-    return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
+from kimi.ops.documents import segment_ids
 
 
 def attention_mask(

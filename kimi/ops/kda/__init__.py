@@ -17,7 +17,7 @@ backend="triton" on CPU tensors runs the kernels under the Triton interpreter (T
 
 import torch
 
-from .chunk import chunk_kda_torch
+from .chunk import CHUNK_SIZE, chunk_kda_torch
 from .naive import naive_recurrent_kda
 
 
@@ -137,4 +137,4 @@ def fused_recurrent_kda(
     return _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
 
 
-__all__ = ["chunk_kda", "fused_recurrent_kda", "naive_recurrent_kda"]
+__all__ = ["CHUNK_SIZE", "chunk_kda", "fused_recurrent_kda", "naive_recurrent_kda"]

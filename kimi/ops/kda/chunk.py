@@ -1,4 +1,4 @@
-"""Chunkwise-parallel KDA in plain PyTorch (ALGORITHMS.md section 1, "Chunkwise-parallel form").
+"""Chunkwise-parallel KDA in plain PyTorch (docs/algorithms.md section 1.3, chunkwise-parallel form).
 
 The sequence is cut into chunks of C tokens. Everything inside a chunk (the pairwise decays, the
 triangular solve of the delta rule, the intra-chunk attention) is computed for many chunks, heads and batch
@@ -31,6 +31,7 @@ from .naive import compute_dtype
 # Nested sub-chunk lengths: a chunk is anchored every 16 tokens, each 16-token diagonal block every 4, and
 # only the 4 x 4 diagonal blocks are formed exactly. Stopping at 16 made the [16, 16, K] tensors cost more
 # than everything else together (on CPU, 2 threads); going below 4 does not pay.
+CHUNK_SIZE = 64  # tokens per chunk: the one definition (Triton kernels, the layer, FLOP counts use it)
 SUB_CHUNKS = (16, 4)
 
 
@@ -98,7 +99,7 @@ def chunk_kda_torch(
     beta: torch.Tensor,
     scale: float,
     initial_state: torch.Tensor | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`kimi.ops.kda.naive.naive_recurrent_kda`, computed chunk by chunk."""
     dtype, out_dtype = compute_dtype(q), v.dtype

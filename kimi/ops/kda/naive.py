@@ -1,5 +1,5 @@
 """Reference KDA: the recurrence run token by token, the obviously-correct form every faster path is
-tested against (ALGORITHMS.md section 1)."""
+tested against (docs/algorithms.md section 1)."""
 
 import torch
 

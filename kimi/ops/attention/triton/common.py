@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference import segment_ids
+from kimi.ops.documents import segment_ids
 
 # Decided by triton.jit when these kernels were defined: TRITON_INTERPRET must be set before triton loads.
 INTERPRET: bool = bool(triton.knobs.runtime.interpret)

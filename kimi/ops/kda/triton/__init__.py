@@ -3,7 +3,7 @@ recurrent step (decoding), registered as torch custom ops. kimi.ops.kda dispatch
 (backend="triton"); CPU tensors run here only under the Triton interpreter (TRITON_INTERPRET=1 before
 triton is imported), which is how the tests check these kernels without a GPU.
 
-Math and numerics: ALGORITHMS.md section 1. Files: common.py (shared helpers), chunk_fwd.py, chunk_bwd.py,
+Math, numerics: docs/algorithms.md section 1. Files: common.py (shared helpers), chunk_fwd.py, chunk_bwd.py,
 recurrent.py, op.py (custom ops, autograd, the functions below).
 """
 

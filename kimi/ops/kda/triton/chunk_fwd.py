@@ -1,4 +1,4 @@
-"""Chunkwise KDA forward in Triton (ALGORITHMS.md section 1, "Chunkwise-parallel form"), as five launches:
+"""Chunkwise KDA forward in Triton (docs/algorithms.md section 1.3), as five launches:
 
 1. `chunk_cumsum`: G, the in-chunk cumulative log-decay.
 2. `scores_kernel`, per chunk: L[t, s] = sum_d k_t k_s exp(G_t - G_s) (s < t) and

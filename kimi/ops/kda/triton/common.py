@@ -11,11 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..chunk import CHUNK_SIZE
+
 # Triton decides at decoration time whether @triton.jit kernels are compiled or interpreted, from this
 # variable; read it once here, when the kernel modules that import this one are decorated.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-CHUNK = 64  # tokens per chunk
+CHUNK = CHUNK_SIZE  # tokens per chunk
 SUB = 16  # tokens per sub-chunk: the anchoring step inside a chunk (CHUNK // SUB = 4 is hard-wired)
 
 
@@ -35,7 +37,7 @@ def check_device(*tensors: torch.Tensor) -> None:
 def dot_precision(dtype: torch.dtype) -> int:
     """The `PREC` constexpr of `mm`: 0 fp32 (IEEE), 1 bf16, 2 fp16 operands.
 
-    The interpreter mishandles bf16 dots (ENVIRONMENT.md), so it always multiplies in fp32. Compiled, fp32
+    The interpreter mishandles bf16 dots (docs/environment.md): it always multiplies in fp32. Compiled, fp32
     inputs get exact fp32 products (not TF32) so they meet fp32 tolerances; half inputs use tensor cores.
     """
     if INTERPRET or dtype == torch.float32:

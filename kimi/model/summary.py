@@ -1,0 +1,411 @@
+"""Size a configuration without training: parameters per family, the optimizer's split, FLOPs, memory per rank.
+
+    python -m kimi.model.summary model=48b_dense parallel.dp_shard=64 parallel.tp=8 parallel.pp=4 \\
+        trainer.seq_len=4096 trainer.micro_batch_size=1 trainer.precision=bf16
+
+The config is composed from conf/ with the same overrides train.py takes; the model is built on the meta
+device (shapes only: no memory, no initialisation cost). Memory per rank counts the persistent training
+state of the heaviest pipeline rank: fp32 master weights, fp32 gradients and the optimizer's fp32 state
+(MuonClip: one momentum per Muon parameter, two moments per AdamW parameter; AdamW: two moments for all),
+after
+
+  1. pipeline parallelism: a pipeline rank holds its stages' blocks (kimi.parallel.pipeline.split_blocks),
+     the first stage also the embedding, the last the final norm, final AttnRes query and LM head;
+  2. tensor parallelism (the plan of kimi/parallel/tensor_parallel.py): every matrix split by heads, MLP
+     width or vocabulary is divided by tp (row-parallel ones along their input dimension); RMSNorm weights,
+     AttnRes queries, KDA's f_proj_down / g_proj_down and MLA's wkv_a (and q-LoRA's wq_a) stay replicated;
+  3. FSDP2: every parameter's dim 0 is split over dp_shard (the largest shard, ceil, is counted); nothing is
+     divided by dp_replicate.
+
+With dp_shard > 1 it also shows, apart, the transient all-gathered copy of the largest FSDP unit (a token
+mixer, an MLP, or the root: embedding, LM head, norms and queries) in the compute dtype. Activations are not
+counted.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from kimi.config import Config, ConfigError, mla_layer_indices, register_configs, validate_model
+
+from .kda import KDA
+from .mla import MLA
+from .mlp import SwiGLU
+from .norm import RMSNorm
+from .transformer import KimiModel
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+GIB = 1024**3
+
+FAMILIES = ("embedding", "LM head", "KDA mixers", "MLA mixers", "MLPs", "norms + AttnRes queries")
+# Tensor-parallel plan (kimi/parallel/tensor_parallel.py): sublayer linears that stay whole on every tp rank,
+# and the row-parallel ones (split along their input dimension, dim 1 of the weight). Everything else that is
+# not a norm weight or an AttnRes query is split along dim 0 (heads, MLP width or vocabulary).
+TP_REPLICATED = ("f_proj_down", "g_proj_down", "wkv_a", "wq_a")
+TP_ROW_PARALLEL = ("o_proj", "wo", "w_down")
+ATTNRES_QUERIES = ("mixer_query", "mlp_query", "final_query")
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage per pipeline rank; the others pp_virtual_stages each
+
+
+@dataclass
+class RankState:
+    """What one pipeline rank (any of its tp x dp ranks: they hold equal shares) keeps."""
+
+    pp_rank: int
+    stages: List[int]
+    blocks: List[int]
+    first: bool  # holds the embedding
+    last: bool  # holds the final norm, final query and LM head
+    params: int  # parameters of its part of the model, before tp and FSDP
+    tp_split: int  # of those, divided by tp
+    tp_replicated: int  # of those, whole on every tp rank
+    local: int  # parameters a rank keeps after tp and FSDP
+    local_muon: int
+    local_adamw: int
+    largest_unit: Tuple[str, int] = ("", 0)  # FSDP unit with the most tp-local parameters, and that count
+    bytes: Dict[str, int] = field(default_factory=dict)
+
+    @property
+    def persistent_bytes(self) -> int:
+        return sum(v for k, v in self.bytes.items() if not k.startswith("transient"))
+
+
+@dataclass
+class Summary:
+    cfg: Config
+    model: KimiModel
+    vocab_note: Optional[str]
+    families: Dict[str, int]  # parameter count per family (a tied LM head counts 0: it is the embedding)
+    total: int
+    muon: int  # under optim=muonclip with the config's patterns
+    adamw: int
+    flops_per_token: float
+    tokens_per_step: int
+    flops_per_step: float
+    world: int
+    ranks: List[RankState]
+    heaviest: RankState
+
+
+# ---- config ------------------------------------------------------------------------------------------------
+def compose_config(overrides: Sequence[str]) -> Config:
+    """The typed config train.py would run with these overrides (the run dir is not needed here)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["trainer.run_dir=unused", *overrides])
+    return OmegaConf.to_object(cfg)
+
+
+def resolve_vocab(cfg: Config) -> Optional[str]:
+    """Set model.vocab_size when null, as the trainer does from its tokenizer; returns a note saying so."""
+    m = cfg.model
+    if m.vocab_size is not None:
+        return None
+    tok, mult = cfg.data.tokenizer.vocab_size, m.pad_vocab_multiple
+    m.vocab_size = -(-tok // mult) * mult
+    return (f"model.vocab_size=null: using data.tokenizer.vocab_size={tok} rounded up to a multiple of "
+            f"model.pad_vocab_multiple={mult} = {m.vocab_size}")
+
+
+# ---- parameters --------------------------------------------------------------------------------------------
+def _owner(model: nn.Module, name: str) -> nn.Module:
+    prefix = name.rpartition(".")[0]
+    return model.get_submodule(prefix) if prefix else model
+
+
+def family(model: KimiModel, name: str) -> str:
+    """The family (one of FAMILIES) of a parameter name of model.named_parameters(remove_duplicate=False)."""
+    if name.startswith("embed."):
+        return "embedding"
+    if name.startswith("lm_head."):
+        return "LM head"
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        mod = model.get_submodule(".".join(parts[:i]))
+        if isinstance(mod, KDA):
+            return "KDA mixers"
+        if isinstance(mod, MLA):
+            return "MLA mixers"
+        if isinstance(mod, SwiGLU):
+            return "MLPs"
+    if isinstance(_owner(model, name), RMSNorm) or parts[-1] in ATTNRES_QUERIES:
+        return "norms + AttnRes queries"
+    raise ValueError(f"parameter {name} belongs to no known family: teach kimi.model.summary about it")
+
+
+def tp_dim(model: KimiModel, name: str) -> Optional[int]:
+    """The dimension tensor parallelism splits this parameter along, or None if it is replicated over tp."""
+    parts = name.split(".")
+    if parts[-1] in ATTNRES_QUERIES or isinstance(_owner(model, name), RMSNorm):
+        return None
+    if len(parts) >= 2 and parts[-2] in TP_REPLICATED:
+        return None
+    if len(parts) >= 2 and parts[-2] in TP_ROW_PARALLEL and parts[-1] == "weight":
+        return 1
+    return 0
+
+
+def optimizer_families(cfg: Config, model: KimiModel) -> Dict[str, str]:
+    """'muon' or 'adamw' per parameter name under optim=muonclip (kimi.optim.muonclip.route)."""
+    from kimi.optim.muonclip import DEFAULT_ADAMW_PATTERNS, route
+
+    o = cfg.optim
+    adamw = DEFAULT_ADAMW_PATTERNS if o.adamw_patterns is None else tuple(o.adamw_patterns)
+    return {n: route(n, p, tuple(adamw), tuple(o.muon_patterns))
+            for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def local_numel(shape: Sequence[int], dim: Optional[int], tp: int, dp_shard: int) -> int:
+    """Elements one rank keeps: `dim` split over tp, then dim 0 over dp_shard (FSDP2; the largest shard)."""
+    s = list(shape) or [1]
+    if dim is not None and tp > 1:
+        s[dim] = _ceil_div(s[dim], tp)
+    s[0] = _ceil_div(s[0], dp_shard)
+    return math.prod(s)
+
+
+# ---- layout ------------------------------------------------------------------------------------------------
+def pipeline_ranks(cfg: Config) -> List[Tuple[List[int], List[int], bool, bool]]:
+    """(stages, blocks, first, last) per pipeline rank."""
+    p, n = cfg.parallel, cfg.model.num_layers
+    if p.pp == 1:
+        return [([0], list(range(n)), True, True)]
+    from kimi.parallel.pipeline import split_blocks
+
+    virtual = 1 if p.pp_schedule in SINGLE_STAGE_SCHEDULES else p.pp_virtual_stages
+    total = p.pp * virtual
+    ranges = split_blocks(cfg.model, total, cfg.trainer.seq_len, p.pp_split)
+    out = []
+    for rank in range(p.pp):
+        stages = [rank + k * p.pp for k in range(virtual)]
+        out.append((stages, [i for s in stages for i in ranges[s]], 0 in stages, total - 1 in stages))
+    return out
+
+
+def _on_rank(name: str, blocks: set, first: bool, last: bool) -> bool:
+    parts = name.split(".")
+    if parts[0] == "blocks":
+        return int(parts[1]) in blocks
+    if parts[0] == "embed":
+        return first
+    return last  # norm, final_query, lm_head
+
+
+def rank_state(cfg: Config, model: KimiModel, routes: Dict[str, str], pp_rank: int, stages: List[int],
+               blocks: List[int], first: bool, last: bool) -> RankState:
+    p, t = cfg.parallel, cfg.trainer
+    block_set, seen = set(blocks), set()
+    st = RankState(pp_rank, stages, blocks, first, last, 0, 0, 0, 0, 0, 0)
+    units: Dict[str, int] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        # a tied LM head is the embedding on one rank; across pipeline stages each end holds its own copy
+        if not _on_rank(name, block_set, first, last) or id(param) in seen:
+            continue
+        seen.add(id(param))
+        dim = tp_dim(model, name)
+        n = param.numel()
+        st.params += n
+        if dim is None:
+            st.tp_replicated += n
+        else:
+            st.tp_split += n
+        local = local_numel(param.shape, dim, p.tp, p.dp_shard)
+        st.local += local
+        if cfg.optim.name == "muonclip" and routes[name] == "muon":
+            st.local_muon += local
+        else:
+            st.local_adamw += local
+        parts = name.split(".")
+        unit = ".".join(parts[:3]) if parts[0] == "blocks" and parts[2] in ("mixer", "mlp") else "root"
+        units[unit] = units.get(unit, 0) + local_numel(param.shape, dim, p.tp, 1)
+    st.largest_unit = max(units.items(), key=lambda kv: kv[1])
+    st.bytes = {"fp32 master weights": 4 * st.local, "fp32 gradients": 4 * st.local}
+    if cfg.optim.name == "muonclip":
+        st.bytes["Muon momentum (fp32, 1 per Muon param)"] = 4 * st.local_muon
+        st.bytes["AdamW moments (fp32, 2 per AdamW param)"] = 8 * st.local_adamw
+    else:
+        st.bytes["AdamW moments (fp32, 2 per param)"] = 8 * st.local_adamw
+    if p.dp_shard > 1:
+        st.bytes["transient"] = (2 if t.precision == "bf16" else 4) * st.largest_unit[1]
+    return st
+
+
+# ---- the summary -------------------------------------------------------------------------------------------
+def summarize(cfg: Config) -> Summary:
+    """Everything the report prints, from a composed config (model.vocab_size is resolved in place)."""
+    validate_model(cfg.model)
+    if cfg.optim.name not in ("adamw", "muonclip"):
+        raise ConfigError(f"optim.name={cfg.optim.name!r} is invalid: choose one of adamw|muonclip")
+    note = resolve_vocab(cfg)
+    with torch.device("meta"):  # shapes only
+        model = KimiModel(cfg.model)
+    families = dict.fromkeys(FAMILIES, 0)
+    for name, param in model.named_parameters():  # a tied LM head is not listed again
+        families[family(model, name)] += param.numel()
+    routes = optimizer_families(cfg, model)
+    muon = sum(p.numel() for n, p in model.named_parameters() if routes[n] == "muon")
+    total = model.num_params()
+    t, p = cfg.trainer, cfg.parallel
+    tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps * p.dp_replicate * p.dp_shard
+    fpt = model.flops_per_token(t.seq_len)
+    ranks = [rank_state(cfg, model, routes, r, *layout) for r, layout in enumerate(pipeline_ranks(cfg))]
+    heaviest = max(ranks, key=lambda r: (r.persistent_bytes, -r.pp_rank))
+    return Summary(cfg, model, note, families, total, muon, total - muon, fpt, tokens, fpt * tokens,
+                   p.dp_replicate * p.dp_shard * p.tp * p.pp, ranks, heaviest)
+
+
+# ---- printing ----------------------------------------------------------------------------------------------
+def table(rows: List[Sequence[str]], header: Sequence[str], align: str) -> str:
+    """Columns padded to their widest cell; align is one 'l' or 'r' per column."""
+    cells = [list(header)] + [list(r) for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+
+    def fmt(r):
+        return "  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(r, widths, align)).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join(["  " + fmt(cells[0]), "  " + rule] + ["  " + fmt(r) for r in cells[1:]])
+
+
+def _blocks(blocks: List[int]) -> str:
+    """[0, 1, 2, 5, 6] -> '0-2,5-6'."""
+    runs, start = [], None
+    for i, b in enumerate(blocks):
+        if start is None:
+            start = b
+        if i + 1 == len(blocks) or blocks[i + 1] != b + 1:
+            runs.append(f"{start}" if start == b else f"{start}-{b}")
+            start = None
+    return ",".join(runs)
+
+
+def human(n: float) -> str:
+    """1_474_950 -> '1.47M', 47_962_255_232 -> '47.96B'."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:g}"
+
+
+def flops(x: float) -> str:
+    """7.509e16 -> '75.09 PFLOP'."""
+    for scale, unit in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M")):
+        if x >= scale:
+            return f"{x / scale:.2f} {unit}FLOP"
+    return f"{x:.0f} FLOP"
+
+
+def report(s: Summary) -> str:
+    cfg, m, t, p, o = s.cfg, s.cfg.model, s.cfg.trainer, s.cfg.parallel, s.cfg.optim
+    mla = mla_layer_indices(m)
+    n_kda, n_mla = m.num_layers - len(mla), len(mla)
+    out = [f"model {m.name}: {m.num_layers} blocks ({n_kda} KDA, {n_mla} MLA at 0-based {mla}), d_model "
+           f"{m.d_model}, MLP width {m.mlp_hidden}, vocab {m.vocab_size}, residual {m.residual}"]
+    if s.vocab_note:
+        out.append(s.vocab_note)
+
+    def share(n):
+        return f"{100 * n / s.total:.2f}%"
+
+    head = "tied: the embedding" if m.tie_embeddings else "untied"
+    labels = {"LM head": f"LM head ({head})", "KDA mixers": f"KDA mixers (x{n_kda})",
+              "MLA mixers": f"MLA mixers (x{n_mla})", "MLPs": f"MLPs (x{m.num_layers})"}
+    rows = [[labels.get(k, k), f"{v:,}", human(v), share(v)] for k, v in s.families.items()]
+    rows.append(["total", f"{s.total:,}", human(s.total), share(s.total)])
+    rows.append(["  Muon (2-D hidden matrices)", f"{s.muon:,}", human(s.muon), share(s.muon)])
+    rows.append(["  AdamW (the rest)", f"{s.adamw:,}", human(s.adamw), share(s.adamw)])
+    out += ["", "Parameters (the Muon/AdamW split is MuonClip's routing, optim=muonclip)",
+            table(rows, ["family", "parameters", "", "share"], "lrrr")]
+
+    rows = [["FLOPs per token (fwd + bwd)", f"{s.flops_per_token:.4g}",
+             f"{flops(s.flops_per_token)}, model.flops_per_token({t.seq_len})"],
+            ["tokens per step", f"{s.tokens_per_step:,}",
+             f"micro_batch {t.micro_batch_size} x seq_len {t.seq_len} x grad_accum {t.grad_accum_steps} x "
+             f"dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard}"],
+            ["FLOPs per step", f"{s.flops_per_step:.4g}", flops(s.flops_per_step)],
+            ["FLOPs per step per rank", f"{s.flops_per_step / s.world:.4g}",
+             f"{flops(s.flops_per_step / s.world)}, average over {s.world} ranks"]]
+    out += ["", "Training compute", table(rows, ["", "value", ""], "lrl")]
+
+    virtual = "" if p.pp == 1 or len(s.ranks[0].stages) == 1 else f", {len(s.ranks[0].stages)} stages per rank"
+    out += ["", f"Layout: dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard} x tp {p.tp} x pp {p.pp} = "
+                f"{s.world} ranks (pp_schedule {p.pp_schedule}{virtual})"]
+    rows = []
+    for r in s.ranks:
+        ends = "+".join(x for x, on in (("embed", r.first), ("head", r.last)) if on)
+        rows.append([str(r.pp_rank), ",".join(map(str, r.stages)), _blocks(r.blocks), ends, f"{r.params:,}",
+                     f"{r.tp_split:,}", f"{r.tp_replicated:,}", f"{r.local:,}",
+                     f"{r.persistent_bytes / GIB:.2f}", "<- heaviest" if r is s.heaviest else ""])
+    out.append(table(rows, ["pp rank", "stages", "blocks", "ends", "params", "split over tp",
+                            "replicated over tp", "params per rank", "GiB", ""], "llllrrrrrl"))
+
+    h = s.heaviest
+    rows = []
+    for k, v in h.bytes.items():
+        if not k.startswith("transient"):
+            rows.append([k, f"{v:,}", f"{v / GIB:.2f}"])
+    rows.append(["total (persistent)", f"{h.persistent_bytes:,}", f"{h.persistent_bytes / GIB:.2f}"])
+    if "transient" in h.bytes:
+        v, dtype = h.bytes["transient"], "bf16" if t.precision == "bf16" else "fp32"
+        rows.append([f"+ one gathered FSDP unit ({dtype}, {h.largest_unit[0]}: {h.largest_unit[1]:,})",
+                     f"{v:,}", f"{v / GIB:.2f}"])
+        rows.append(["total with it", f"{h.persistent_bytes + v:,}", f"{(h.persistent_bytes + v) / GIB:.2f}"])
+    out += ["", f"Memory per rank, heaviest pipeline rank {h.pp_rank}: {h.local:,} parameters per rank "
+                f"(optim={o.name}, precision={t.precision})",
+            table(rows, ["", "bytes", "GiB"], "lrr"),
+            "  Counted: fp32 weights, fp32 gradients, fp32 optimizer state, after pp, then tp, then FSDP over "
+            "dp_shard (not dp_replicate).",
+            "  Not counted: activations (they depend on micro_batch_size, seq_len and "
+            "parallel.activation_checkpointing), communication buffers, the CUDA context and allocator slack."]
+    return "\n".join(out)
+
+
+def one_line(e: BaseException) -> str:
+    """The first line of an error and of its cause (Hydra's "Could not override 'model.foo'." is caused by
+    OmegaConf's "Key 'foo' not in 'ModelConfig'")."""
+    parts = []
+    while e is not None and len(parts) < 3:
+        line = " ".join(str(e).strip().split("\n")[0].split()).rstrip(".:")
+        if line and line not in parts:
+            parts.append(line)
+        e = e.__cause__
+    return ": ".join(parts) or "invalid configuration"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> str:
+    """Print the summary for these Hydra overrides (sys.argv[1:] by default) and return it; on a config error
+    print a one-line `error: ...` and exit with status 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return __doc__
+    try:
+        text = report(summarize(compose_config(argv)))
+    except Exception as e:  # noqa: BLE001: Hydra/OmegaConf errors have no common base; ConfigError too
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        if not isinstance(e, (HydraException, OmegaConfBaseException, ConfigError, ValueError)):
+            raise
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        sys.exit(2)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()

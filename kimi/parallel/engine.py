@@ -1,0 +1,196 @@
+"""The engine seam: one object owns everything about a step that depends on how the model is distributed.
+
+The trainer's loop only asks an engine to run a micro-batch forward and backward (``forward_backward``),
+to evaluate one (``eval_loss``), to finish the step (``step``: gradient clipping, the optimizer, QK-Clip,
+the lr schedule) and for its checkpoint state; gradient accumulation, the NaN check, metrics and logging
+stay in the trainer. ``TorchEngine`` is the torch-native stack (FSDP2 / HSDP, tensor, sequence and pipeline
+parallelism from torch.distributed), selected by ``parallel.engine=torch``. Another engine (DeepSpeed)
+implements the same methods and is added to ``ENGINES``; a new parallel dimension changes
+``parallelize`` and this class, not the trainer.
+
+The model arrives built on the meta device: the engine applies parallelism to it, then materialises only
+this rank's shards on the device and initialises them (``materialize``), so no rank ever holds the whole
+model, and every layout starts from the weights of one process (per-parameter seeded initialisation).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.parallel import loss_parallel
+
+from kimi.config import Config, pipeline_microbatches
+from kimi.data import Batch
+from kimi.model import KimiModel, lm_loss
+from kimi.optim import build_optimizer, build_qk_clip, build_scheduler
+
+from .dims import ParallelDims
+from .parallelize import parallelize
+from .pipeline import TiedEnds, build_schedule
+from .tensor_parallel import clip_grad_norm_
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (a loss-parallel loss) as the plain tensor every rank holds."""
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+@torch.no_grad()
+def materialize(model: KimiModel, device: torch.device) -> None:
+    """Allocate this rank's shards of a meta-device model on `device` and initialise them: each parameter's
+    full value is drawn from a generator seeded by its name (KimiModel.init_rules), and each rank keeps
+    the block it holds, so every layout gets one process's weights whatever it shards."""
+    model.to_empty(device=device)
+    if model.cfg.tie_embeddings and model.embed is not None and model.lm_head is not None:
+        model.lm_head.weight = model.embed.weight  # to_empty gives plain tensors new Parameters: tie again
+    for name, p in model.named_parameters():
+        full = torch.empty(p.shape, dtype=p.dtype, device=device)
+        model.init_parameter(name, full)
+        if isinstance(p, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            p.to_local().copy_(full[tuple(slice(o, o + s) for o, s in zip(offset, shape))])
+        else:
+            p.copy_(full)
+
+
+class TorchEngine:
+    def __init__(self, cfg: Config, dims: ParallelDims, mesh: DeviceMesh | None, device: torch.device,
+                 model: KimiModel):
+        p, t = cfg.parallel, cfg.trainer
+        self.cfg, self.dims, self.mesh, self.device = cfg, dims, mesh, device
+        parts = parallelize(model, p, dims, mesh, bf16=t.precision == "bf16", seq_len=t.seq_len)
+        for part in parts:  # before joining them: to_empty gives plain parameters new objects
+            materialize(part, device)
+        self.model = KimiModel.union(parts)
+        self.schedule = self.pp_rank = None
+        if dims.pp > 1:
+            self.pp_rank = mesh["pp"].get_local_rank()  # 0 feeds the tokens, pp - 1 computes the loss
+            self.schedule = build_schedule(parts, mesh["pp"], device, p.pp_schedule, pipeline_microbatches(cfg))
+        self.tied_ends = TiedEnds(mesh) if dims.pp > 1 and cfg.model.tie_embeddings else None
+        group = dims.stage_group(mesh)
+        self.optimizer = build_optimizer(self.model, cfg.optim, process_group=group)
+        self.qk_clip = build_qk_clip(self.model, cfg.optim, group=group,
+                                     head_group=mesh["tp"].get_group() if dims.tp > 1 else None)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16) if t.precision == "bf16" else nullcontext()
+
+    # ---- one step -----------------------------------------------------------------------------------
+    def loss_context(self):
+        """torch's loss_parallel() when the LM head's logits are sharded over the vocabulary, else nothing."""
+        return loss_parallel() if self.dims.loss_parallel else nullcontext()
+
+    def _doc_starts(self, batch: Batch) -> torch.Tensor | None:
+        return batch.doc_starts if self.cfg.data.varlen else None
+
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        with self.autocast:
+            logits = self.model(batch.input_ids, doc_starts=self._doc_starts(batch))
+        with self.loss_context():
+            return lm_loss(logits, batch.labels)
+
+    def _pipeline(self, batch: Batch, train: bool) -> torch.Tensor:
+        """One pass of the schedule (forward and backward, or forward only) over the batch's micro-batches;
+        their mean loss, on every stage. The schedule scales gradients by 1 / micro-batches itself."""
+        first, last = self.pp_rank == 0, self.pp_rank == self.dims.pp - 1
+        args = (batch.input_ids,) if first else ()
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": batch.labels, "losses": losses} if last else {}
+        if self._doc_starts(batch) is not None:  # every stage needs them, split by rows like the tokens
+            kwargs["doc_starts"] = batch.doc_starts
+        with self.autocast, self.loss_context():
+            (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
+        loss = _plain(torch.stack(losses).mean().detach()) if last else torch.zeros((), device=self.device)
+        return funcol.all_reduce(loss, "sum", group=self.mesh["pp"]).wait()
+
+    def forward_backward(self, batch: Batch, scale: float) -> torch.Tensor:
+        """Forward and backward of one batch, gradients scaled by `scale` (1 / accumulation steps) and
+        added to those of earlier batches of the step; returns the batch's mean loss (detached)."""
+        self.model.train()
+        batch = batch.to(self.device, non_blocking=True)
+        if self.schedule is not None:
+            if scale != 1.0:
+                raise ValueError("the pipeline accumulates over its micro-batches: no gradient accumulation")
+            return self._pipeline(batch, train=True)
+        loss = self._loss(batch)
+        with self.loss_context():
+            (loss * scale).backward()
+        return _plain(loss.detach())
+
+    @torch.no_grad()
+    def eval_loss(self, batch: Batch) -> torch.Tensor:
+        self.model.eval()
+        batch = batch.to(self.device, non_blocking=True)
+        return self._pipeline(batch, train=False) if self.schedule is not None else _plain(self._loss(batch))
+
+    def step(self, max_norm: float) -> dict:
+        """Finish the step's gradients, clip them to `max_norm` (0: no clipping), update, QK-Clip, advance
+        the lr schedule. Returns the gradient norm before clipping and the lr used."""
+        if self.tied_ends:  # the end stages' copies of tied embeddings take the whole gradient
+            self.tied_ends.sum_grads(self.model)
+        max_norm = max_norm if max_norm > 0 else float("inf")
+        if self.dims.tp > 1 or self.dims.pp > 1:
+            # plain and DTensor gradients on different meshes, stages' norms summed: torch's cannot do either
+            pp_group = self.mesh["pp"] if self.dims.pp > 1 else None
+            uncounted = self.tied_ends.duplicate(self.model) if self.tied_ends else None
+            grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, pp_group, uncounted)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        if self.qk_clip is not None:  # after any optimizer's update (K2)
+            self.qk_clip()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return {"grad_norm": _plain(grad_norm).item(), "lr": lr}
+
+    @property
+    def qk_clip_stats(self) -> dict:
+        """{layer: {"max_logit", "clipped_frac"}} of the last step (empty without QK-Clip)."""
+        return self.qk_clip.stats if self.qk_clip is not None else {}
+
+    # ---- checkpoint state ---------------------------------------------------------------------------
+    def _optim_aliases(self) -> dict[str, str]:
+        """Optimizer-state names that differ from a whole model's: a tied LM head held without its embedding
+        (the last pipeline stage's copy of the tied matrix) keeps its state under the embedding's name, as
+        one process does, so a checkpoint moves between layouts."""
+        m = self.model
+        if m.cfg.tie_embeddings and m.embed is None and m.lm_head is not None:
+            return {"lm_head.weight": "embed.weight"}
+        return {}
+
+    def state_dict(self) -> dict:
+        """Model, optimizer and lr-schedule state, each tensor laid out like its parameter (DTensors for
+        sharded ones), under the single-device names: torch.distributed.checkpoint saves it and reloads it
+        into another layout. Collective."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": _rename(optim_sd, self._optim_aliases()),
+                "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        back = {v: k for k, v in self._optim_aliases().items()}
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=_rename(state["optim"], back))
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _rename(optim_sd: dict, names: dict[str, str]) -> dict:
+    if not names:
+        return optim_sd
+    return {"state": {names.get(k, k): v for k, v in optim_sd["state"].items()},
+            "param_groups": [{**g, "params": [names.get(p, p) for p in g["params"]]}
+                             for g in optim_sd["param_groups"]]}
+
+
+ENGINES = {"torch": TorchEngine}
+
+
+def build_engine(cfg: Config, dims: ParallelDims, mesh: DeviceMesh | None, device: torch.device,
+                 model: KimiModel) -> TorchEngine:
+    """The engine named by parallel.engine, wrapping `model` (built on the meta device)."""
+    return ENGINES[cfg.parallel.engine](cfg, dims, mesh, device, model)
