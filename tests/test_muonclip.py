@@ -232,7 +232,7 @@ def test_qk_clip_bounds_clipped_heads_and_leaves_the_rest(rope, q_lora):
     assert stats["clipped_frac"] == 0.5 and stats["max_logit"] == pytest.approx(before.max().item(), rel=1e-3)
 
     qk, kv = layer.nope + layer.rope, layer.nope + layer.v_dim
-    gamma = TAU / _max_logits(plain, x).double()  # plain got the same update, so these are the logits clipped
+    gamma = TAU / before.double()  # the logits of the step's forward (same weights, same x): what QK-Clip used
     for h in range(4):
         q, q_ref = (m.q_proj.weight[h * qk : (h + 1) * qk] for m in (layer, plain))
         k, k_ref = (m.wkv_b.weight[h * kv : h * kv + layer.nope] for m in (layer, plain))
