@@ -1,8 +1,10 @@
-"""The training loop: data -> model -> loss -> optimizer, with evaluation, checkpoints and metrics.
+"""The training loop: batches through the engine, with accumulation, evaluation, checkpoints and metrics.
 
 ``Trainer(cfg).fit()`` is all ``train.py`` does. The order of work in ``__init__`` is deliberate: validate
-the whole config first (no data is downloaded for a run whose config cannot work), then data, model,
-optimizer, and finally resume from the newest complete checkpoint in ``<run_dir>/checkpoints``.
+the whole config first (no data is downloaded for a run whose config cannot work), then data, the model on
+the meta device, the engine (parallelism, this rank's shards, optimizer), and finally resume from the newest
+complete checkpoint in ``<run_dir>/checkpoints``. Everything that depends on how the model is distributed
+lives in the engine (kimi/parallel/engine.py).
 """
 
 from __future__ import annotations

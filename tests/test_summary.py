@@ -1,4 +1,4 @@
-"""`python -m kimi.model.summary`: parameter families, optimizer split, FLOPs and memory per rank, checked
+"""`python -m kimi.summary`: parameter families, optimizer split, FLOPs and memory per rank, checked
 against counts made here from the model's named parameters and, for tensor parallelism and FSDP, against
 the shards the real parallel plans produce (a fake process group: one process, no communication)."""
 
@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from kimi.config import mla_layer_indices
 from kimi.model import KimiModel
-from kimi.model.summary import compose_config, main, summarize
+from kimi.summary import compose_config, main, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUT_48B = ["model=48b_dense", "parallel.dp_shard=64", "parallel.tp=8", "parallel.pp=4", "trainer.seq_len=4096",
@@ -191,7 +191,7 @@ def test_bad_key_is_one_line_and_exit_2(capsys):
 
 
 def test_cli_sizes_48b_quickly():
-    proc = subprocess.run([sys.executable, "-m", "kimi.model.summary", *LAYOUT_48B], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "kimi.summary", *LAYOUT_48B], cwd=ROOT, capture_output=True,
                           text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr
     with torch.device("meta"):

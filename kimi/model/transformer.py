@@ -133,19 +133,20 @@ class KimiModel(nn.Module):
                           if getattr(block, n) is not None})
         return rules
 
-    def init_parameter(self, name: str, tensor: torch.Tensor) -> None:
+    def init_parameter(self, name: str, tensor: torch.Tensor, rules: Rules | None = None) -> None:
         """Fill `tensor`, the whole value of parameter `name`, with its initial value, drawn from a
         generator seeded by the model's seed and the name: the same whichever rank, part or device asks (a
-        tied LM head draws the embedding's value)."""
+        tied LM head draws the embedding's value). rules: self.init_rules(), when already at hand."""
         key = "embed.weight" if name == "lm_head.weight" and self.cfg.tie_embeddings else name
         generator = torch.Generator(device=tensor.device).manual_seed(param_seed(self.init_seed, key))
-        self.init_rules()[name](tensor, generator)
+        (rules or self.init_rules())[name](tensor, generator)
 
     @torch.no_grad()
     def init_weights(self) -> None:
         """Initialise every parameter (see init_rules) in place."""
+        rules = self.init_rules()
         for name, p in self.named_parameters():
-            self.init_parameter(name, p)
+            self.init_parameter(name, p, rules)
 
     def attnres_queries(self) -> list[nn.Parameter]:
         """Every AttnRes pseudo-query (empty in standard mode), in depth order, the final one last."""

@@ -139,10 +139,10 @@ class MuonClip(torch.optim.Optimizer):
                            "weight_decay": g["weight_decay"], "betas": tuple(betas), "eps": adamw_eps})
         super().__init__([g for g in groups if g["params"]], {"lr": lr, "weight_decay": weight_decay})
 
-        self._params_by_name = dict(named)
+        by_name = dict(named)
         self.splits = dict(splits or {})
         for name, split in self.splits.items():
-            p = self._params_by_name.get(name)
+            p = by_name.get(name)
             if p is None or family[name] != "muon" or p.ndim != 2 or p.shape[0] % split.stride:
                 got = None if p is None else tuple(p.shape)
                 raise ValueError(f"splits[{name!r}]: must name a 2-D Muon weight whose rows are a multiple "

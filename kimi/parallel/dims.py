@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from kimi.config import ParallelConfig, stages_per_rank
+from kimi.config import ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -32,10 +32,6 @@ class ParallelDims:
         """The degrees of an already validated config (kimi.config.validate checks them against the world)."""
         world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
         return cls(p.dp_replicate, p.dp_shard, p.tp, p.pp, world)
-
-    def virtual_stages(self, p: ParallelConfig) -> int:
-        """Pipeline stages each rank runs."""
-        return stages_per_rank(p)
 
     @property
     def loss_parallel(self) -> bool:

@@ -49,9 +49,10 @@ def materialize(model: KimiModel, device: torch.device) -> None:
     model.to_empty(device=device)
     if model.cfg.tie_embeddings and model.embed is not None and model.lm_head is not None:
         model.lm_head.weight = model.embed.weight  # to_empty gives plain tensors new Parameters: tie again
+    rules = model.init_rules()
     for name, p in model.named_parameters():
         full = torch.empty(p.shape, dtype=p.dtype, device=device)
-        model.init_parameter(name, full)
+        model.init_parameter(name, full, rules)
         if isinstance(p, DTensor):
             shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
             p.to_local().copy_(full[tuple(slice(o, o + s) for o, s in zip(offset, shape))])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from kimi.config import ParallelConfig
+from kimi.config import ParallelConfig, stages_per_rank
 from kimi.model import KimiModel
 
 from .checkpointing import apply_activation_checkpointing, apply_compile
@@ -22,7 +22,7 @@ def parallelize(model: KimiModel, cfg: ParallelConfig, dims: ParallelDims, mesh:
     names (what the optimizer and checkpoints see); build it once the parts are materialised."""
     parts = [model]
     if dims.pp > 1:
-        virtual = dims.virtual_stages(cfg)
+        virtual = stages_per_rank(cfg)
         ranges = split_blocks(model.cfg, dims.pp * virtual, seq_len, cfg.pp_split)
         parts = stage_parts(model, ranges, mesh["pp"].get_local_rank(), dims.pp, virtual)
     for part in parts:

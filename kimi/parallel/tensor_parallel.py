@@ -36,7 +36,6 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 
-
 class _SumGradOverRanks(torch.autograd.Function):
     """Identity forward; the backward sums the gradient over the tensor-parallel ranks. For a replicated
     weight that each rank applies to its own heads (or its share of the tokens) only, so each rank's

@@ -1,6 +1,6 @@
 """Size a configuration without training: parameters per family, the optimizer's split, FLOPs, memory per rank.
 
-    python -m kimi.model.summary model=48b_dense parallel.dp_shard=64 parallel.tp=8 parallel.pp=4 \\
+    python -m kimi.summary model=48b_dense parallel.dp_shard=64 parallel.tp=8 parallel.pp=4 \\
         trainer.seq_len=4096 trainer.micro_batch_size=1 trainer.precision=bf16
 
 The config is composed from conf/ with the same overrides train.py takes; the model is built on the meta
@@ -33,15 +33,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from kimi.config import Config, ConfigError, mla_layer_indices, register_configs, validate_model
+from kimi.config import Config, ConfigError, mla_layer_indices, register_configs, stages_per_rank, validate_model
 
-from .kda import KDA
-from .mla import MLA
-from .mlp import SwiGLU
-from .norm import RMSNorm
-from .transformer import KimiModel
+from kimi.model import KDA, MLA, KimiModel, RMSNorm, SwiGLU
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GIB = 1024**3
 
 FAMILIES = ("embedding", "LM head", "KDA mixers", "MLA mixers", "MLPs", "norms + AttnRes queries")
@@ -51,7 +47,6 @@ FAMILIES = ("embedding", "LM head", "KDA mixers", "MLA mixers", "MLPs", "norms +
 TP_REPLICATED = ("f_proj_down", "g_proj_down", "wkv_a", "wq_a")
 TP_ROW_PARALLEL = ("o_proj", "wo", "w_down")
 ATTNRES_QUERIES = ("mixer_query", "mlp_query", "final_query")
-SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage per pipeline rank; the others pp_virtual_stages each
 
 
 @dataclass
@@ -140,7 +135,7 @@ def family(model: KimiModel, name: str) -> str:
             return "MLPs"
     if isinstance(_owner(model, name), RMSNorm) or parts[-1] in ATTNRES_QUERIES:
         return "norms + AttnRes queries"
-    raise ValueError(f"parameter {name} belongs to no known family: teach kimi.model.summary about it")
+    raise ValueError(f"parameter {name} belongs to no known family: teach kimi.summary about it")
 
 
 def tp_dim(model: KimiModel, name: str) -> Optional[int]:
@@ -184,14 +179,14 @@ def pipeline_ranks(cfg: Config) -> List[Tuple[List[int], List[int], bool, bool]]
     p, n = cfg.parallel, cfg.model.num_layers
     if p.pp == 1:
         return [([0], list(range(n)), True, True)]
-    from kimi.parallel.pipeline import split_blocks
+    from kimi.parallel.pipeline import split_blocks, stage_indices
 
-    virtual = 1 if p.pp_schedule in SINGLE_STAGE_SCHEDULES else p.pp_virtual_stages
+    virtual = stages_per_rank(p)
     total = p.pp * virtual
     ranges = split_blocks(cfg.model, total, cfg.trainer.seq_len, p.pp_split)
     out = []
     for rank in range(p.pp):
-        stages = [rank + k * p.pp for k in range(virtual)]
+        stages = stage_indices(rank, p.pp, virtual)
         out.append((stages, [i for s in stages for i in ranges[s]], 0 in stages, total - 1 in stages))
     return out
 
