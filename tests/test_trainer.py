@@ -182,9 +182,11 @@ def test_training_variants_run(tmp_path, corpus, cache_dir, extra):
     assert vals[-1][1] < vals[0][1] - 0.5, vals
 
 
-def test_muonclip_run_logs_qk_clip_per_layer(tmp_path, corpus, cache_dir):
+@pytest.mark.parametrize("optim", [["optim=muonclip"], ["optim=adamw", "optim.qk_clip_tau=100"]])
+def test_run_logs_qk_clip_per_layer(tmp_path, corpus, cache_dir, optim):
+    """QK-Clip runs after either optimizer's step and its statistics reach metrics.jsonl."""
     run = tmp_path / "run"
-    result = Trainer(make_cfg(run, corpus, cache_dir, "optim=muonclip", "trainer.max_steps=5", "trainer.eval_every=5",
+    result = Trainer(make_cfg(run, corpus, cache_dir, *optim, "trainer.max_steps=5", "trainer.eval_every=5",
                               "trainer.log_every=1")).fit()
     # a real drop from the step-0 validation loss (~ln(384) untrained); measured 1.02-1.18 over seeds 1234, 1, 2
     vals = [(r["step"], r["val_loss"]) for r in read_metrics(run) if "val_loss" in r]
