@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from kimi.config import ConfigError
+
 COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -148,3 +150,18 @@ def read_trainer_state(path: Path) -> Dict[str, Any]:
     dcp.load(state, checkpoint_id=str(path))
     tr = state["trainer"]
     return {"step": tr["step"], "config": json.loads(tr["config"]), "extra": json.loads(tr["extra"])}
+
+
+def check_compatible(saved: Dict[str, Any], path: Path, model_config: Dict[str, Any], tokenizer_sha256: str) -> None:
+    """Refuse to resume into a different model or tokenizer: the weights would not load, or would silently
+    be fed other token ids. `saved` is read_trainer_state(path); model_config is this run's config["model"]."""
+    old_model = saved["config"].get("model", {})
+    diff = {k: (old_model.get(k), v) for k, v in model_config.items() if old_model.get(k) != v and k != "name"}
+    if diff:
+        lines = ", ".join(f"model.{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+        raise ConfigError(f"cannot resume from {path}: the model differs ({lines}). Use the same model "
+                          "settings, another run dir (hydra.run.dir=...), or trainer.resume=false")
+    old_tok = saved["extra"].get("tokenizer_sha256")
+    if old_tok and old_tok != tokenizer_sha256:
+        raise ConfigError(f"cannot resume from {path}: it was trained with tokenizer {old_tok[:12]}, this run "
+                          f"uses {tokenizer_sha256[:12]}; use the original data/tokenizer settings")

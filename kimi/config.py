@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+from omegaconf import DictConfig, OmegaConf
 
 # ---- keys that take one of a fixed set of values ---------------------------------------------------------
 # The installed OmegaConf (2.3) rejects typing.Literal in structured configs ("Unexpected type annotation:
@@ -478,3 +480,16 @@ def validate(cfg: Config, world: Optional[int] = None) -> None:
     _check_pipeline(cfg)
     _check_vocab(cfg)
     _check_kernels(cfg)
+
+
+def to_config(cfg: Union[Config, DictConfig, Dict[str, Any]]) -> Config:
+    """A typed :class:`Config` from a Hydra DictConfig, a plain dict, or a Config (returned as is)."""
+    if isinstance(cfg, Config):
+        return cfg
+    merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    return OmegaConf.to_object(merged)
+
+
+def config_dict(cfg: Config) -> Dict[str, Any]:
+    """The resolved config as plain containers (for checkpoints, wandb and comparisons)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)

@@ -54,6 +54,20 @@ def format_count(x: float) -> str:
     return f"{x:.0f}"
 
 
+
+def qk_clip_record(stats: Dict[str, Dict[str, float]]) -> Dict[str, float]:
+    """QK-Clip's last-step statistics as metrics: the worst head over layers, the mean fraction of heads
+    clipped, and both per layer (qk_max_logit/<layer>, qk_clipped_frac/<layer>); empty without QK-Clip."""
+    if not stats:
+        return {}
+    record = {"qk_max_logit": max(s["max_logit"] for s in stats.values()),
+              "qk_clipped_frac": sum(s["clipped_frac"] for s in stats.values()) / len(stats)}
+    for layer, s in stats.items():
+        record[f"qk_max_logit/{layer}"] = s["max_logit"]
+        record[f"qk_clipped_frac/{layer}"] = s["clipped_frac"]
+    return record
+
+
 class MetricsLogger:
     """Writes one JSON object per logged step to ``metrics.jsonl`` and mirrors it to wandb.
 

@@ -305,7 +305,7 @@ def flops(x: float) -> str:
 
 
 def report(s: Summary) -> str:
-    cfg, m, t, p, o = s.cfg, s.cfg.model, s.cfg.trainer, s.cfg.parallel, s.cfg.optim
+    m, t, p, o = s.cfg.model, s.cfg.trainer, s.cfg.parallel, s.cfg.optim
     mla = mla_layer_indices(m)
     n_kda, n_mla = m.num_layers - len(mla), len(mla)
     out = [f"model {m.name}: {m.num_layers} blocks ({n_kda} KDA, {n_mla} MLA at 0-based {mla}), d_model "

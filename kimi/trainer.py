@@ -18,43 +18,15 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from kimi import checkpoint
-from kimi.config import Config, ConfigError, validate
+from kimi.config import Config, ConfigError, config_dict, to_config, validate
 from kimi.data import Batch, TokenLoader, prepare
 from kimi.data.pack import open_tokens
-from kimi.metrics import MetricsLogger, peak_flops, progress_line
+from kimi.metrics import MetricsLogger, peak_flops, progress_line, qk_clip_record
 from kimi.model import KimiModel
-from kimi.parallel import ParallelDims, build_engine, init_distributed
-
-
-def to_config(cfg: Union[Config, DictConfig, Dict[str, Any]]) -> Config:
-    """A typed :class:`Config` from a Hydra DictConfig, a plain dict, or a Config (returned as is)."""
-    if isinstance(cfg, Config):
-        return cfg
-    merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
-    return OmegaConf.to_object(merged)
-
-
-def config_dict(cfg: Config) -> Dict[str, Any]:
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("trainer.device='cuda' is invalid: no CUDA device is visible; use trainer.device=cpu")
-    return torch.device(name)
-
-
-def _mean_over_ranks(x: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(x, op=dist.ReduceOp.AVG if x.device.type == "cuda" else dist.ReduceOp.SUM)
-        if x.device.type != "cuda":  # gloo has no AVG
-            x /= dist.get_world_size()
-    return x
+from kimi.parallel import ParallelDims, build_engine, init_distributed, mean_over_ranks, resolve_device
 
 
 class Trainer:
@@ -152,24 +124,10 @@ class Trainer:
         if latest is None:
             return
         saved = checkpoint.read_trainer_state(latest.path)
-        self._check_compatible(saved, latest.path)
+        checkpoint.check_compatible(saved, latest.path, config_dict(self.cfg)["model"], self.data.tokenizer.sha256)
         state = checkpoint.load(latest.path, self.engine, self.loader)
         self.step = int(state["step"])
         self.log(f"[kimi] resumed from {latest.path} at step {self.step}")
-
-    def _check_compatible(self, saved: Dict[str, Any], path: Path) -> None:
-        """Refuse to resume into a different model or tokenizer: the weights would not load, or would
-        silently be fed other token ids."""
-        old_model, new_model = saved["config"].get("model", {}), config_dict(self.cfg)["model"]
-        diff = {k: (old_model.get(k), v) for k, v in new_model.items() if old_model.get(k) != v and k != "name"}
-        if diff:
-            lines = ", ".join(f"model.{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
-            raise ConfigError(f"cannot resume from {path}: the model differs ({lines}). Use the same model "
-                              "settings, another run dir (hydra.run.dir=...), or trainer.resume=false")
-        old_tok = saved["extra"].get("tokenizer_sha256")
-        if old_tok and old_tok != self.data.tokenizer.sha256:
-            raise ConfigError(f"cannot resume from {path}: it was trained with tokenizer {old_tok[:12]}, this run "
-                              f"uses {self.data.tokenizer.sha256[:12]}; use the original data/tokenizer settings")
 
     # ---- the loop ------------------------------------------------------------------------------------
     def train_step(self) -> Dict[str, float]:
@@ -177,7 +135,7 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for _ in range(accum):
             total += self.engine.forward_backward(self.loader.next_batch(), scale=1.0 / accum)
-        loss = _mean_over_ranks(total / accum)  # every rank sees the same value, so all stop alike on NaN
+        loss = mean_over_ranks(total / accum)  # every rank sees the same value, so all stop alike on NaN
         if not torch.isfinite(loss):
             last = checkpoint.latest_complete(self.ckpt_dir)
             where = f"; the last complete checkpoint is {last.path}" if last else ""
@@ -191,7 +149,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         losses = torch.stack([self.engine.eval_loss(b) for b in self.val_batches])
-        return _mean_over_ranks(losses.mean()).item()
+        return mean_over_ranks(losses.mean()).item()
 
     def save_checkpoint(self) -> Path:
         t0 = time.time()
@@ -271,13 +229,7 @@ class Trainer:
                           "tokens": self.step * tokens_per_step}
                 if memory is not None:
                     record["peak_memory_gib"] = memory
-                stats = self.engine.qk_clip_stats
-                if stats:  # QK-Clip: worst head over layers, mean fraction of heads clipped, per layer
-                    record["qk_max_logit"] = max(s["max_logit"] for s in stats.values())
-                    record["qk_clipped_frac"] = sum(s["clipped_frac"] for s in stats.values()) / len(stats)
-                    for layer, s in stats.items():
-                        record[f"qk_max_logit/{layer}"] = s["max_logit"]
-                        record[f"qk_clipped_frac/{layer}"] = s["clipped_frac"]
+                record.update(qk_clip_record(self.engine.qk_clip_stats))
                 t_window, window_steps, losses = time.perf_counter(), 0, []
             if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps:
                 t_eval = time.perf_counter()

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from kimi.config import ParallelConfig
+from kimi.config import ConfigError, ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,24 @@ class ParallelDims:
         if self.pp == 1:
             return dist.group.WORLD
         return mesh["dp_replicate", "dp_shard", "tp"]._flatten().get_group()
+
+
+def resolve_device(name: str) -> torch.device:
+    """trainer.device as a torch.device: auto is CUDA when visible, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device='cuda' is invalid: no CUDA device is visible; use trainer.device=cpu")
+    return torch.device(name)
+
+
+def mean_over_ranks(x: torch.Tensor) -> torch.Tensor:
+    """x averaged over every rank, in place (x itself without torch.distributed)."""
+    if dist.is_initialized():
+        dist.all_reduce(x, op=dist.ReduceOp.AVG if x.device.type == "cuda" else dist.ReduceOp.SUM)
+        if x.device.type != "cuda":  # gloo has no AVG
+            x /= dist.get_world_size()
+    return x
 
 
 def init_distributed(device: torch.device) -> None:
