@@ -24,6 +24,7 @@ from kimi.ops.kda import CHUNK_SIZE, chunk_kda, fused_recurrent_kda
 from .cache import KDACache
 from .init import Rules, apply_rules, constant, dt_bias, log_uniform_decay, normal, prefixed, uniform
 from .norm import RMSNorm
+from .views import ParamViews
 
 # Below one chunk the chunked form has nothing to parallelise: step the recurrence instead.
 _RECURRENT_MAX_T = CHUNK_SIZE
@@ -31,7 +32,7 @@ _RECURRENT_MAX_T = CHUNK_SIZE
 _BACKENDS = {"auto": (None, None), "torch": ("chunk", "recurrent"), "triton": ("triton", "triton")}
 
 
-class ShortConv(nn.Module):
+class ShortConv(ParamViews, nn.Module):
     """Depthwise causal conv1d over time (no bias): y_t = sum_j w[:, j] * x_{t - (K-1) + j}.
 
     Written as K shifted multiply-adds rather than F.conv1d so that one mask per tap can stop packed
@@ -59,7 +60,8 @@ class ShortConv(nn.Module):
         Returns (y [B, T, C], the last K-1 inputs, i.e. the `prev` of the next call).
         """
         B, T, C = x.shape
-        K = self.weight.shape[-1]
+        weight = self.param("weight")
+        K = weight.shape[-1]
         if prev is None:
             prev = x.new_zeros(B, K - 1, C)
         xp = torch.cat([prev, x], dim=1)
@@ -68,7 +70,7 @@ class ShortConv(nn.Module):
             doc_pos = torch.arange(T, device=x.device) - cu_seqlens[segment_ids(cu_seqlens, T)]
         y = torch.zeros_like(x)
         for j in range(K):
-            tap = xp[:, j : j + T] * self.weight[:, 0, j]
+            tap = xp[:, j : j + T] * weight[:, 0, j]
             lag = K - 1 - j  # this tap reads x_{t - lag}
             if doc_pos is not None and lag > 0:
                 tap = tap * (doc_pos >= lag).to(x.dtype)[None, :, None]
@@ -81,7 +83,7 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-class KDA(nn.Module):
+class KDA(ParamViews, nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d, H, K = cfg.d_model, cfg.kda_num_heads, cfg.kda_head_dim
@@ -135,16 +137,17 @@ class KDA(nn.Module):
         # Gates in fp32 (fp64 in fp64 models): they are summed over a chunk and exponentiated.
         gdt = torch.float64 if x.dtype == torch.float64 else torch.float32
         f = self.f_proj_up(self.f_proj_down(x))
+        A_log, dt_bias = self.param("A_log"), self.param("dt_bias")
         on_triton = self.chunk_backend is None and x.is_cuda and gdt == torch.float32  # "auto" on CUDA
         if self.chunk_backend == "triton" or on_triton:
             from kimi.ops.kda.triton.gate import kda_gate, l2norm  # one Triton pass each, same math
 
             q, k = l2norm(q), l2norm(k)
-            g = kda_gate(f.view(B, T, -1, self.head_dim), self.A_log, self.dt_bias)
+            g = kda_gate(f.view(B, T, -1, self.head_dim), A_log, dt_bias)
         else:
             q, k = l2_normalize(q), l2_normalize(k)
-            f = f.to(gdt) + self.dt_bias.to(gdt)
-            g = -self.A_log.to(gdt).exp()[:, None] * F.softplus(f).view(B, T, -1, self.head_dim)
+            f = f.to(gdt) + dt_bias.to(gdt)
+            g = -A_log.to(gdt).exp()[:, None] * F.softplus(f).view(B, T, -1, self.head_dim)
         beta = torch.sigmoid(self.b_proj(x).to(gdt))
         if cache is not None and T <= _RECURRENT_MAX_T:
             kda, backend = fused_recurrent_kda, self.recurrent_backend

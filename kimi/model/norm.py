@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from .views import ParamViews
+
 
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) over the last dim, in fp32 (fp64 stays fp64); returns the compute dtype."""
@@ -10,7 +12,7 @@ def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(ParamViews, nn.Module):
     """Root-mean-square norm over the last dim with a learnable per-channel weight (initialised to 1)."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
@@ -22,4 +24,4 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (rms_norm(x, self.eps) * self.weight).to(x.dtype)
+        return (rms_norm(x, self.eps) * self.param("weight")).to(x.dtype)

@@ -22,8 +22,9 @@ from .layouts import QKClipSpec
 from .mla import MLA
 from .mlp import SwiGLU
 from .norm import RMSNorm
+from .views import ParamViews
 
-class Block(nn.Module):
+class Block(ParamViews, nn.Module):
     """One token mixer and one MLP, each a sublayer with its own pre-norm and (with AttnRes) pseudo-query."""
 
     def __init__(self, cfg: ModelConfig, use_mla: bool, first: bool):
@@ -41,14 +42,14 @@ class Block(nn.Module):
 
     def forward(self, stream, cu_seqlens: torch.Tensor | None = None, cache: KDACache | MLACache | None = None):
         """Advance the residual stream (see kimi.model.attnres) through both sublayers; returns it."""
-        h = stream.mix(self.mixer_query)
+        h = stream.mix(self.param("mixer_query"))
         stream.push(self.mixer(self.mixer_norm(h), cu_seqlens=cu_seqlens, cache=cache))
-        h = stream.mix(self.mlp_query)
+        h = stream.mix(self.param("mlp_query"))
         stream.push(self.mlp(self.mlp_norm(h)))
         return stream
 
 
-class KimiModel(nn.Module):
+class KimiModel(ParamViews, nn.Module):
     """The model, or one contiguous part of it (a pipeline stage: see :meth:`part`).
 
     A part holds a run of blocks (``blocks`` maps block indices to blocks, so parameter names are the whole
@@ -212,7 +213,7 @@ class KimiModel(nn.Module):
         if self.lm_head is None:
             # as they are, not views: a pipeline schedule detaches stage outputs in place
             return tuple(stream.sources())
-        return self.lm_head(self.norm(stream.mix(self.final_query)))
+        return self.lm_head(self.norm(stream.mix(self.param("final_query"))))
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Parameters counted once (a tied LM head is the embedding). exclude_embedding drops the token

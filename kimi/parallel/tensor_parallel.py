@@ -17,15 +17,13 @@ sums the ranks' contributions (one all-reduce per sublayer in the forward, one i
 Norms and AttnRes queries act per token on replicated activations and stay plain (replicated) tensors.
 
 Parameters that a layer uses directly rather than through an nn.Linear (A_log, dt_bias, conv kernels) are
-stored as Shard(0) DTensors, so the optimizer and checkpoints see their full shape, and are swapped for
-their local shards while the layer runs (``to_local`` keeps the gradient path to the DTensor).
+stored as Shard(0) DTensors, so the optimizer and checkpoints see their full shape, and the layer reads
+their local shards through an explicit view (kimi.model.views: ``param(name)``; ``to_local`` keeps the
+gradient path to the DTensor). Replicated weights applied to local heads or tokens read through a view
+whose backward sums the gradient over the ranks. Each layer type has its own plan function.
 """
 
 from __future__ import annotations
-
-import contextlib
-import functools
-from typing import Dict, Iterator
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -56,53 +54,52 @@ def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(owner_name) if owner_name else module), attr
 
 
-def _present(module: nn.Module, names) -> list[str]:
-    """Those of the (dotted) parameter names `module` holds: the first block has no mixer query, and a
-    pipeline stage may lack the final norm and query."""
-    present = []
+def _by_heads(module: nn.Module, names: list[str], mesh: DeviceMesh) -> None:
+    """Store each named parameter as a Shard(0) DTensor (the optimizer and checkpoints see its full shape)
+    and have its layer compute with this rank's block (to_local keeps the gradient path to the DTensor)."""
     for name in names:
-        owner = module
-        *path, attr = name.split(".")
-        for part in path:
-            owner = getattr(owner, part, None)
-        if owner is not None and owner._parameters.get(attr) is not None:
-            present.append(name)
-    return present
-
-
-@contextlib.contextmanager
-def _swapped(module: nn.Module, views: Dict[str, callable]) -> Iterator[None]:
-    """Within the block, module.<name> (dotted) reads views[name](the parameter) instead."""
-    saved: Dict[tuple, nn.Parameter] = {}
-    try:
-        for name, view in views.items():
-            owner, attr = _owner(module, name)
-            saved[(owner, attr)] = owner._parameters[attr]
-            owner._parameters[attr] = view(saved[(owner, attr)])
-        yield
-    finally:
-        for (owner, attr), param in saved.items():
-            owner._parameters[attr] = param
-
-
-def _local_views(module: nn.Module, mesh: DeviceMesh, sharded: list[str], head_shared: list[str]) -> None:
-    """Store the `sharded` parameters as Shard(0) DTensors and run module's forward on their local shards;
-    sum the gradients of the `head_shared` (replicated, applied to local heads only) over the ranks."""
-    for name in sharded:
         owner, attr = _owner(module, name)
-        param = owner._parameters[attr]
-        owner._parameters[attr] = nn.Parameter(distribute_tensor(param.data, mesh, [Shard(0)]),
-                                               requires_grad=param.requires_grad)
-    views = {name: lambda p: p.to_local() for name in sharded}
-    views.update({name: lambda p: _SumGradOverRanks.apply(p, mesh) for name in head_shared})
-    forward = module.forward
+        param = getattr(owner, attr)
+        owner.register_parameter(attr, nn.Parameter(distribute_tensor(param.data, mesh, [Shard(0)]),
+                                                    requires_grad=param.requires_grad))
+        owner.set_param_view(attr, lambda p: p.to_local())
 
-    @functools.wraps(forward)
-    def run(*args, **kwargs):
-        with _swapped(module, views):
-            return forward(*args, **kwargs)
 
-    module.forward = run
+def _sum_grads(module: nn.Module, names: list[str], mesh: DeviceMesh) -> None:
+    """Each named parameter (replicated, applied by every rank to its own heads or tokens only) sums its
+    gradient over the tensor-parallel ranks; names the module does not hold are skipped (the first block
+    has no mixer query, a pipeline stage may lack the final norm and query)."""
+    for name in names:
+        try:
+            owner, attr = _owner(module, name)
+        except AttributeError:  # the owning module is absent (None) in this part
+            continue
+        if getattr(owner, attr, None) is not None:
+            owner.set_param_view(attr, lambda p: _SumGradOverRanks.apply(p, mesh))
+
+
+# ---- per-layer plans: (layer, tp mesh, row-parallel output style) -> the layer parallelised in place -------
+def _mlp_plan(mlp: nn.Module, mesh: DeviceMesh, row: RowwiseParallel) -> None:
+    col = ColwiseParallel()
+    parallelize_module(mlp, mesh, {"w_gate": col, "w_up": col, "w_down": row})
+
+
+def _kda_plan(kda: nn.Module, mesh: DeviceMesh, row: RowwiseParallel) -> None:
+    col = ColwiseParallel()
+    parallelize_module(kda, mesh, {"q_proj": col, "k_proj": col, "v_proj": col, "f_proj_up": col,
+                                   "b_proj": col, "g_proj_up": col, "o_proj": row})
+    _by_heads(kda, ["A_log", "dt_bias", "q_conv.weight", "k_conv.weight", "v_conv.weight"], mesh)
+    _sum_grads(kda, ["o_norm.weight"], mesh)  # one weight over each head's channels, shared by the heads
+
+
+def _mla_plan(mla: nn.Module, mesh: DeviceMesh, row: RowwiseParallel) -> None:
+    parallelize_module(mla, mesh, {mla.q_name: ColwiseParallel(), "wkv_b": ColwiseParallel(), "wo": row})
+
+
+def _plans() -> dict:
+    from kimi.model import KDA, MLA, SwiGLU
+
+    return {KDA: _kda_plan, MLA: _mla_plan, SwiGLU: _mlp_plan}
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False,
@@ -114,10 +111,10 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
     token) holds only this rank's share of the sequence; a sublayer all-gathers the sequence on entry and
     its row-parallel output reduce-scatters it back (the bytes of the one all-reduce it replaces, and
     activation memory divided by tp). The norms' weights and AttnRes queries, applied to a share of the
-    tokens, sum their gradients over tp."""
-    from kimi.model.kda import KDA
-    from kimi.model.mla import MLA
+    tokens, sum their gradients over tp.
 
+    Each sublayer type has its plan in ``_plans()``; a new layer type adds its own there."""
+    plans = _plans()
     seq = Shard(1)
     ends = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sequence_parallel
                                      else Replicate()),
@@ -129,38 +126,22 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
     if model.cfg.tie_embeddings and model.embed is not None and model.lm_head is not None:
         # each plan made its own sharded copy; both shard the vocabulary rows alike, so tie them again
         model.lm_head.weight = model.embed.weight
-    col, row = ColwiseParallel(), RowwiseParallel(output_layouts=seq if sequence_parallel else Replicate())
-    for block in model.blocks.children():
-        if sequence_parallel:  # each sublayer sees the whole sequence (its layers read T from their input)
-            gather = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
-                                        use_local_output=True)
-            for sublayer in (block.mixer, block.mlp):
-                parallelize_module(sublayer, mesh, gather)
-        parallelize_module(block.mlp, mesh, {"w_gate": col, "w_up": col, "w_down": row})
-        mixer = block.mixer
-        if isinstance(mixer, KDA):
-            parallelize_module(mixer, mesh, {"q_proj": col, "k_proj": col, "v_proj": col, "f_proj_up": col,
-                                             "b_proj": col, "g_proj_up": col, "o_proj": row})
-            _local_views(mixer, mesh, ["A_log", "dt_bias", "q_conv.weight", "k_conv.weight", "v_conv.weight"],
-                         head_shared=["o_norm.weight"])
-        elif isinstance(mixer, MLA):
-            q_proj = "wq_b" if mixer.q_lora else "wq"
-            parallelize_module(mixer, mesh, {q_proj: col, "wkv_b": col, "wo": row})
-        else:
-            raise TypeError(f"no tensor-parallel plan for token mixer {type(mixer).__name__}")
+    row = RowwiseParallel(output_layouts=seq if sequence_parallel else Replicate())
+    for block in model.blocks.values():
+        for sublayer in (block.mixer, block.mlp):
+            plan = plans.get(type(sublayer))
+            if plan is None:
+                raise TypeError(f"no tensor-parallel plan for {type(sublayer).__name__}: add one to "
+                                "kimi.parallel.tensor_parallel._plans")
+            if sequence_parallel:  # the sublayer sees the whole sequence (its layers read T from their input)
+                parallelize_module(sublayer, mesh, PrepareModuleInput(
+                    input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True))
+            plan(sublayer, mesh, row)
         if sequence_parallel:
-            _local_views(block, mesh, [], head_shared=_present(block, ("mixer_norm.weight", "mlp_norm.weight",
-                                                                       "mixer_query", "mlp_query")))
-    if sequence_parallel:
-        sum_final_grads(model, mesh)
+            _sum_grads(block, ["mixer_norm.weight", "mlp_norm.weight", "mixer_query", "mlp_query"], mesh)
+    if sequence_parallel:  # the final norm and query, applied to this rank's tokens
+        _sum_grads(model, ["norm.weight", "final_query"], mesh)
     return model
-
-
-def sum_final_grads(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Under sequence parallelism: the final norm's weight and AttnRes query see this rank's tokens only, so
-    their gradients are summed over tp. `module` is the model or the pipeline stage that runs them (the
-    stage calls them itself, not through the model's forward)."""
-    _local_views(module, mesh, [], head_shared=_present(module, ("norm.weight", "final_query")))
 
 
 def clip_grad_norm_(parameters, max_norm: float, pp_group=None, uncounted=None) -> torch.Tensor:
