@@ -234,15 +234,18 @@ def test_activation_checkpointing_is_exact_and_keeps_names(mode):
 
 @pytest.mark.skipif(not os.environ.get("KIMI_SLOW_TESTS"), reason="compiles with inductor (~2 min on 2 CPU cores); "
                     "set KIMI_SLOW_TESTS=1")
-def test_compiled_sublayers_match_eager():
+@pytest.mark.parametrize("ac", ["none", "selective"])
+def test_compiled_sublayers_match_eager(ac):
+    """Also with selective activation checkpointing: the recomputation must replay the compiled forward."""
     from helpers import tiny_model_cfg
 
     from kimi.model.transformer import KimiModel
-    from kimi.parallel import apply_compile
+    from kimi.parallel import apply_activation_checkpointing, apply_compile
 
     torch.manual_seed(0)
     plain, compiled = KimiModel(tiny_model_cfg()), KimiModel(tiny_model_cfg())
     compiled.load_state_dict(plain.state_dict())
+    apply_activation_checkpointing(compiled, ac)
     apply_compile(compiled)
     ids = torch.randint(0, 61, (2, 20), generator=torch.Generator().manual_seed(1))
     for m in (plain, compiled):

@@ -2,9 +2,8 @@
 
 Both act on sublayers rather than blocks because a block passes the AttnRes stream object, which it mutates:
 recomputing a block in the backward would replay it on a stream that later blocks have already extended.
-A sublayer takes and returns tensors. Checkpointing is applied through the sublayer's forward hooks and
-compile through nn.Module.compile, so neither replaces a forward nor renames a parameter (optimizer routing,
-QK-Clip specs and checkpoints see the same names with and without these).
+A sublayer takes and returns tensors. Forwards are wrapped in place, so parameter names do not change
+(optimizer routing, QK-Clip specs and checkpoints see the same names with and without these).
 
   full       recompute every sublayer's activations in the backward (only its input is kept)
   selective  keep the outputs of matmuls and attention, recompute the cheap rest (norms, activations,
@@ -13,13 +12,12 @@ QK-Clip specs and checkpoints see the same names with and without these).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Iterator
+import functools
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import (_DEFAULT_DETERMINISM_MODE, CheckpointPolicy, _checkpoint_without_reentrant_generator,
-                                    create_selective_checkpoint_contexts)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from kimi.config import AC_MODES as MODES
 
@@ -39,31 +37,17 @@ def sublayers(model: nn.Module) -> Iterator[nn.Module]:
         yield block.mlp
 
 
-def _checkpoint_with_hooks(module: nn.Module, selective: bool) -> None:
-    """Checkpoint `module`'s forward from a forward pre-hook to a forward hook (non-reentrant), recomputing
-    with ``module.forward``. The pre-hook runs after the module's other pre-hooks (FSDP's unshard and
-    sequence parallelism's gather), so what it saves are their results and the recomputation repeats none
-    of them; evaluation and decoding (no grad) are not checkpointed."""
-    def contexts():
-        if selective:
-            return create_selective_checkpoint_contexts(_keep_matmuls)
-        return nullcontext(), nullcontext()
+def _checkpointed(forward: Callable, selective: bool) -> Callable:
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls) if selective else None
 
-    running: list = []
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # evaluation and decoding: nothing to recompute
+            return forward(*args, **kwargs)
+        extra = {"context_fn": context_fn} if context_fn else {}
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
-    def enter(mod, args, kwargs):
-        if torch.is_grad_enabled():
-            region = _checkpoint_without_reentrant_generator(mod.forward, True, contexts, _DEFAULT_DETERMINISM_MODE,
-                                                             False, True, *args, **kwargs)
-            next(region)
-            running.append(region)
-
-    def leave(mod, args, output):
-        if running:
-            next(running.pop(), None)  # the generator's second half: it ends the region
-
-    module.register_forward_pre_hook(enter, with_kwargs=True)
-    module.register_forward_hook(leave, prepend=True, always_call=True)
+    return run
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
@@ -72,7 +56,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     if mode == "none":
         return
     for module in sublayers(model):
-        _checkpoint_with_hooks(module, selective=mode == "selective")
+        module.forward = _checkpointed(module.forward, selective=mode == "selective")
 
 
 def apply_compile(model: nn.Module) -> None:
