@@ -45,10 +45,13 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
                        "parallel.activation_checkpointing=selective"]),
     "tp2": (2, 1, ["parallel.tp=2"]),
     "tp2_sp": (2, 1, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
-    "tp2_sp_varlen": (2, 1, ["parallel.tp=2", "parallel.sequence_parallel=true", "data.varlen=true"]),
+    # checkpointing recomputes the whole sublayer call, sequence-parallel gather included
+    "tp2_sp_varlen": (2, 1, ["parallel.tp=2", "parallel.sequence_parallel=true", "data.varlen=true",
+                             "parallel.activation_checkpointing=selective"]),
     # the end-of-run sample too: every rank decodes from gathered logits
     "tp2_tied": (2, 1, ["parallel.tp=2", "model.tie_embeddings=true", "trainer.sample_tokens=24"]),
-    "dp2xtp2": (4, 2, ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "dp2xtp2": (4, 2, ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                       "parallel.activation_checkpointing=full"]),
     "pp2_1f1b": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
     "pp2_gpipe": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=4"]),
     "pp2xdp2": (4, 2, ["parallel.pp=2", "parallel.dp_shard=2"]),

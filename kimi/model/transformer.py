@@ -5,6 +5,7 @@ a residual stream (standard, or Attention Residuals over every sublayer or over 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,8 @@ from .mlp import SwiGLU
 from .norm import RMSNorm
 from .views import ParamViews
 
+Runner = Callable[..., torch.Tensor]
+
 class Block(ParamViews, nn.Module):
     """One token mixer and one MLP, each a sublayer with its own pre-norm and (with AttnRes) pseudo-query."""
 
@@ -40,12 +43,22 @@ class Block(ParamViews, nn.Module):
         self.mixer_query = nn.Parameter(torch.zeros(d)) if attnres and not first else None
         self.mlp_query = nn.Parameter(torch.zeros(d)) if attnres else None
 
+    def sublayer(self, name: str, *args, **kwargs) -> torch.Tensor:
+        """Call sublayer `name` ("mixer" or "mlp") through its runner (see :meth:`set_runner`), if any."""
+        module, run = getattr(self, name), self.__dict__.get("_runners", {}).get(name)
+        return module(*args, **kwargs) if run is None else run(module, *args, **kwargs)
+
+    def set_runner(self, name: str, run: Runner) -> None:
+        """Call sublayer `name` as run(module, *args, **kwargs) from now on: how activation checkpointing
+        recomputes a sublayer in the backward without replacing its forward or renaming its parameters."""
+        self.__dict__.setdefault("_runners", {})[name] = run
+
     def forward(self, stream, cu_seqlens: torch.Tensor | None = None, cache: KDACache | MLACache | None = None):
         """Advance the residual stream (see kimi.model.attnres) through both sublayers; returns it."""
         h = stream.mix(self.param("mixer_query"))
-        stream.push(self.mixer(self.mixer_norm(h), cu_seqlens=cu_seqlens, cache=cache))
+        stream.push(self.sublayer("mixer", self.mixer_norm(h), cu_seqlens=cu_seqlens, cache=cache))
         h = stream.mix(self.param("mlp_query"))
-        stream.push(self.mlp(self.mlp_norm(h)))
+        stream.push(self.sublayer("mlp", self.mlp_norm(h)))
         return stream
 
 

@@ -2,8 +2,11 @@
 
 Both act on sublayers rather than blocks because a block passes the AttnRes stream object, which it mutates:
 recomputing a block in the backward would replay it on a stream that later blocks have already extended.
-A sublayer takes and returns tensors. Forwards are wrapped in place, so parameter names do not change
-(optimizer routing, QK-Clip specs and checkpoints see the same names with and without these).
+A sublayer takes and returns tensors. Checkpointing goes through the block's explicit sublayer runner
+(``Block.set_runner``) and compiling through torch's ``Module.compile``: no forward is replaced and no
+module wrapped, so parameter names do not change (optimizer routing, QK-Clip specs and checkpoints see the
+same names with and without these). The recomputation calls the module itself, compiled if it is, so it
+replays exactly what the forward ran.
 
   full       recompute every sublayer's activations in the backward (only its input is kept)
   selective  keep the outputs of matmuls and attention, recompute the cheap rest (norms, activations,
@@ -25,27 +28,32 @@ _SAVED_OPS = {getattr(torch.ops.aten, name).default for name in (
     "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_flash_attention_for_cpu") if hasattr(torch.ops.aten, name)}
+# Sequence parallelism's gathers run inside the checkpointed call: keep their results rather than
+# communicate again in the backward.
+_SAVED_OPS |= {getattr(torch.ops._c10d_functional, name).default for name in (
+    "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "wait_tensor")}
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+SUBLAYERS = ("mixer", "mlp")
+
+
 def sublayers(model: nn.Module) -> Iterator[nn.Module]:
     for block in model.blocks.children():
-        yield block.mixer
-        yield block.mlp
+        for name in SUBLAYERS:
+            yield getattr(block, name)
 
 
-def _checkpointed(forward: Callable, selective: bool) -> Callable:
-    context_fn = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls) if selective else None
+def _checkpointed(selective: bool) -> Callable:
+    extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)} if selective else {}
 
-    @functools.wraps(forward)
-    def run(*args, **kwargs):
+    def run(module: nn.Module, *args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation and decoding: nothing to recompute
-            return forward(*args, **kwargs)
-        extra = {"context_fn": context_fn} if context_fn else {}
-        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+            return module(*args, **kwargs)
+        return checkpoint(module, *args, use_reentrant=False, **extra, **kwargs)
 
     return run
 
@@ -55,11 +63,13 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         raise ValueError(f"activation checkpointing {mode!r}: choose one of {'|'.join(MODES)}")
     if mode == "none":
         return
-    for module in sublayers(model):
-        module.forward = _checkpointed(module.forward, selective=mode == "selective")
+    run = _checkpointed(selective=mode == "selective")
+    for block in model.blocks.children():
+        for name in SUBLAYERS:
+            block.set_runner(name, run)
 
 
 def apply_compile(model: nn.Module) -> None:
-    """torch.compile each sublayer (in place: names and state dicts are unchanged)."""
+    """torch.compile each sublayer (Module.compile: names and state dicts are unchanged)."""
     for module in sublayers(model):
         module.compile()
