@@ -3,6 +3,10 @@
 import random
 from pathlib import Path
 
+import datasets
+import huggingface_hub.constants
+import pytest
+
 from kimi.config import ModelConfig
 
 # A model small enough for fp64 checks in milliseconds: KDA, MLA, KDA (3 blocks, 6 sublayers).
@@ -36,3 +40,18 @@ def make_corpus(path: Path, docs: int = 24, sentences: int = 60) -> Path:
         lines = [f"{rng.choice(subj).capitalize()} {rng.choice(verb)} {rng.choice(obj)}." for _ in range(sentences)]
         (path / f"doc{d:02d}.txt").write_text("\n".join(lines) + "\n")
     return path
+
+
+def offline_caches(home: Path):
+    """(A fixture body) no network, and every cache (HF and kimi) under `home`; yields home."""
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+            mp.setenv(var, "1")
+        mp.setenv("HF_HOME", str(home))
+        mp.setenv("HF_DATASETS_CACHE", str(home / "datasets"))
+        mp.setenv("KIMI_CACHE_DIR", str(home / "kimi"))
+        # datasets reads these at import time, which has already happened: patch the live values too.
+        mp.setattr(datasets.config, "HF_DATASETS_CACHE", home / "datasets")
+        mp.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        yield home

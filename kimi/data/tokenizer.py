@@ -35,7 +35,11 @@ class Tokenizer:
                                     "(data.tokenizer.model_path must name a sentencepiece .model file)")
         data = self.path.read_bytes()
         self.sha256 = hashlib.sha256(data).hexdigest()
-        self._sp = spm.SentencePieceProcessor(model_proto=data)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_proto=data)
+        except RuntimeError:  # sentencepiece's message is an internal source location, no help to a user
+            raise DataError(f"{self.path} is not a sentencepiece model (it does not parse); point "
+                            "data.tokenizer.model_path at a .model file written by sentencepiece") from None
 
     @property
     def vocab_size(self) -> int:
