@@ -13,6 +13,8 @@ This module is pure data: it imports neither torch nor the rest of kimi (it is i
 
 from __future__ import annotations
 
+import difflib
+import math
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -152,7 +154,13 @@ class TrainerConfig:
     checkpoint_every: int = 200  # 0: only the final checkpoint
     keep_checkpoints: int = 2  # complete checkpoints kept on disk (oldest removed first)
     run_dir: str = "runs/default"  # set to Hydra's output dir by conf/config.yaml
-    resume: bool = True  # pick up the latest complete checkpoint in run_dir/checkpoints
+    resume: bool = True  # pick up the newest intact checkpoint in run_dir/checkpoints
+    # With resume=false in a run dir that already holds checkpoints: true moves the old run aside (into
+    # run_dir/previous/<time>/, never deleted); false refuses to start.
+    overwrite: bool = False
+    # Seconds a rank may make no progress (or a collective may wait) before the job is ended with a message
+    # naming the stalled rank; also the process group's timeout. Raise it for very slow checkpoint storage.
+    collective_timeout_s: float = 600.0
     # Stop (with a checkpoint) after this step although the schedule runs to max_steps: for jobs sliced by
     # a time limit, resumed by rerunning the same command. 0: off.
     stop_at_step: int = 0
@@ -268,6 +276,17 @@ def _check_choices(node: Any, prefix: str) -> None:
             _check_choices(value, key)
 
 
+def _check_finite(node: Any, prefix: str) -> None:
+    """Every float of the dataclass `node` (and of those nested in it) is finite: OmegaConf accepts nan and
+    inf for a float key, and inf passes every `> 0` rule below."""
+    for f in fields(node):
+        key, value = f"{prefix}.{f.name}", getattr(node, f.name)
+        if isinstance(value, float):
+            _check(math.isfinite(value), key, value, "must be a finite number")
+        elif is_dataclass(value):
+            _check_finite(value, key)
+
+
 def _check_positive(node: Any, prefix: str, keys: Tuple[str, ...]) -> None:
     for key in keys:
         _check(getattr(node, key) > 0, f"{prefix}.{key}", getattr(node, key), "must be a positive integer")
@@ -277,6 +296,7 @@ def _check_positive(node: Any, prefix: str, keys: Tuple[str, ...]) -> None:
 def validate_model(m: ModelConfig) -> None:
     """The model section's own rules (all a model needs to build, also outside the trainer)."""
     _check_choices(m, "model")
+    _check_finite(m, "model")
     _check_positive(m, "model", ("d_model", "num_layers", "kda_num_heads", "kda_head_dim", "mla_num_heads",
                                  "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "mlp_hidden",
                                  "attnres_block_size", "pad_vocab_multiple"))
@@ -296,12 +316,17 @@ def validate_model(m: ModelConfig) -> None:
     if m.vocab_size is not None:
         _check(m.vocab_size > 0, "model.vocab_size", m.vocab_size,
                "must be positive, or null to use the tokenizer's")
-    _check(m.init_std > 0, "model.init_std", m.init_std, "must be > 0")
-    _check(m.norm_eps > 0, "model.norm_eps", m.norm_eps, "must be > 0")
+    # a large std saturates the gates and softmaxes at step 0 and leaves (almost) no gradient to train on
+    _check(0 < m.init_std <= 1, "model.init_std", m.init_std, "must be in (0, 1] (0.02 is usual)")
+    _check(0 < m.norm_eps < 1, "model.norm_eps", m.norm_eps, "must be in (0, 1) (1e-5 or 1e-6 is usual)")
+    # RoPE turns pair i by theta**(-2i/d) radians a token: with theta <= 1 no pair turns slower than one
+    # radian a token, so distant positions look alike
+    _check(m.rope_theta > 1, "model.rope_theta", m.rope_theta, "must be > 1 (10000 is usual)")
 
 
 def _validate_data(d: DataConfig) -> None:
     _check_choices(d, "data")
+    _check_finite(d, "data")
     if d.source == "hf":
         _check(bool(d.path), "data.path", d.path,
                "data.source=hf needs a dataset name, e.g. data.path=roneneldan/TinyStories")
@@ -321,11 +346,17 @@ def _validate_data(d: DataConfig) -> None:
 
 def _validate_optim(o: OptimConfig) -> None:
     _check_choices(o, "optim")
+    _check_finite(o, "optim")
     _check(o.lr > 0, "optim.lr", o.lr, "must be > 0")
     _check(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
+    product = o.lr * o.weight_decay
+    _require(product < 1,
+             f"optim.lr*optim.weight_decay = {o.lr}*{o.weight_decay} = {product:g} is invalid: must be < 1 "
+             "(each step multiplies the weights by 1 - lr*weight_decay); lower optim.weight_decay")
     _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", list(o.betas),
            "must be two numbers in [0, 1)")
-    _check(o.eps >= 0, "optim.eps", o.eps, "must be >= 0")
+    # AdamW divides by sqrt(v) + eps, and v stays 0 for a parameter without gradient: 0/0 would be nan
+    _check(o.eps > 0, "optim.eps", o.eps, "must be > 0 (1e-8 is usual)")
     _check(o.grad_clip >= 0, "optim.grad_clip", o.grad_clip, "must be >= 0 (0 disables clipping)")
     _check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
     _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
@@ -339,11 +370,19 @@ def _validate_optim(o: OptimConfig) -> None:
 
 def _validate_trainer(t: TrainerConfig) -> None:
     _check_choices(t, "trainer")
+    _check_finite(t, "trainer")
+    # torch.manual_seed takes 64-bit unsigned seeds; numpy's SeedSequence (the data order) no negative ones
+    _check(0 <= t.seed < 2**64, "trainer.seed", t.seed, "must be an integer in [0, 2**64)")
     _check_positive(t, "trainer", ("max_steps", "micro_batch_size", "seq_len", "grad_accum_steps",
                                    "eval_batches", "log_every"))
     for key in ("eval_every", "checkpoint_every", "sample_tokens", "threads", "stop_at_step"):
         _check(getattr(t, key) >= 0, f"trainer.{key}", getattr(t, key), "must be >= 0 (0 disables)")
     _check(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", t.keep_checkpoints, "must be >= 1")
+    # the end-of-training sample continues this text; an empty one would fail after the whole run
+    _check(t.sample_tokens == 0 or t.sample_prompt != "", "trainer.sample_prompt", t.sample_prompt,
+           "must be non-empty when trainer.sample_tokens > 0 (set trainer.sample_tokens=0 for no sample)")
+    _check(t.collective_timeout_s > 0, "trainer.collective_timeout_s", t.collective_timeout_s,
+           "must be > 0 seconds (default 600)")
     if t.peak_flops is not None:  # MFU divides by it
         _check(t.peak_flops > 0, "trainer.peak_flops", t.peak_flops,
                "must be > 0 FLOP/s, or null for the table")
@@ -482,10 +521,80 @@ def validate(cfg: Config, world: Optional[int] = None) -> None:
     _check_kernels(cfg)
 
 
+def _schema_keys(schema: type, prefix: str = "") -> List[str]:
+    """Every dotted key of the dataclass `schema`, its sections included (model, data.tokenizer, ...)."""
+    keys = []
+    for f in fields(schema):
+        key = f"{prefix}{f.name}"
+        keys.append(key)
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        if is_dataclass(default):
+            keys += _schema_keys(type(default), f"{key}.")
+    return keys
+
+
+def _closest_key(key: str, schema: type) -> str:
+    """`: did you mean <key>?` for the known key whose last part is closest (in the same section first, then
+    in any), else where the keys are listed. Whole dotted keys would match on their shared section alone."""
+    section, _, leaf = key.rpartition(".")
+    siblings = difflib.get_close_matches(leaf, [f.name for f in fields(schema)], n=1)
+    if siblings:
+        return f": did you mean {section + '.' if section else ''}{siblings[0]}?"
+    by_leaf: Dict[str, str] = {}
+    for known in _schema_keys(Config):
+        by_leaf.setdefault(known.rpartition(".")[2], known)
+    anywhere = difflib.get_close_matches(leaf, list(by_leaf), n=1)
+    if anywhere:
+        return f": did you mean {by_leaf[anywhere[0]]}?"
+    if schema is Config:
+        return f" (the sections are {', '.join(f.name for f in fields(Config))})"
+    return f" (the keys of {section} are the fields of {schema.__name__} in kimi/config.py)"
+
+
+def unknown_key(key: str) -> str:
+    """The message for a dotted key the schema lacks, with the closest known key."""
+    schema, parts = Config, key.split(".")
+    for part in parts[:-1]:
+        f = {f.name: f for f in fields(schema)}.get(part)
+        default = f.default_factory() if f is not None and callable(f.default_factory) else None
+        if not is_dataclass(default):
+            break
+        schema = type(default)
+    return f"{key} is not a config key{_closest_key(key, schema)}"
+
+
+def _check_known_keys(given: Dict[str, Any], schema: type, prefix: str = "") -> None:
+    """Refuse a key the schema lacks. Hydra's `+key=value` adds keys even to a structured config, and
+    OmegaConf.to_object then drops them without a word: `+trainer.max_stepz=3` would train 600 steps."""
+    names = {f.name: f for f in fields(schema)}
+    for name, value in given.items():
+        key = f"{prefix}{name}"
+        if name not in names:
+            raise ConfigError(f"{key} is not a config key{_closest_key(key, schema)}")
+        default = names[name].default_factory() if callable(names[name].default_factory) else None
+        if is_dataclass(default) and isinstance(value, dict):
+            _check_known_keys(value, type(default), f"{key}.")
+
+
+def resolve_vocab(m: ModelConfig, tokenizer_vocab: int) -> None:
+    """Set model.vocab_size from the tokenizer when it is null (padded to model.pad_vocab_multiple); refuse
+    one too small for the tokenizer."""
+    if m.vocab_size is None:
+        mult = m.pad_vocab_multiple
+        m.vocab_size = (tokenizer_vocab + mult - 1) // mult * mult
+    elif m.vocab_size < tokenizer_vocab:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is invalid: the tokenizer has {tokenizer_vocab} "
+                          "tokens; set model.vocab_size >= that, or null to follow the tokenizer")
+
+
 def to_config(cfg: Union[Config, DictConfig, Dict[str, Any]]) -> Config:
-    """A typed :class:`Config` from a Hydra DictConfig, a plain dict, or a Config (returned as is)."""
+    """A typed :class:`Config` from a Hydra DictConfig, a plain dict, or a Config (returned as is).
+    A key the schema lacks is a ConfigError naming it (and the closest key, if one is close)."""
     if isinstance(cfg, Config):
         return cfg
+    # unresolved: interpolations such as ${hydra:runtime.output_dir} only resolve inside a Hydra job
+    given = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg
+    _check_known_keys(given, Config)
     merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
     return OmegaConf.to_object(merged)
 

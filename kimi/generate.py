@@ -1,10 +1,28 @@
-"""Sampling from a KimiModel with its decoding cache (KDA recurrent state + short-conv tails, MLA latents)."""
+"""Sampling from a KimiModel with its decoding cache (KDA recurrent state + short-conv tails, MLA latents).
+
+From a shell, on a run directory (or one checkpoint directory, <run>/checkpoints/step_N):
+
+    python -m kimi.generate run=runs/exp1 prompt=ROMEO: max_new_tokens=100 temperature=0.8 top_k=50
+
+Arguments are key=value, split at the first '='; the prompt is taken as written (prompt=ROMEO: is the text
+"ROMEO:", prompt=yes the text "yes"), and one with spaces needs shell quotes: 'prompt=The king'. A bad
+argument or run directory is one line on stderr and exit code 2 (kimi/cli.py); `--help` lists the keys.
+"""
 
 from __future__ import annotations
+
+import difflib
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from kimi.cli import EXIT_OK, run_main
+from kimi.config import ConfigError
 from kimi.model import KimiModel
 
 
@@ -65,49 +83,179 @@ def load_from_checkpoint(path: str, device: str = "cpu"):
     checkpoint). The model is rebuilt from the config saved in the checkpoint."""
     from pathlib import Path
 
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     from kimi import checkpoint
+    from kimi.cli import RunError
     from kimi.config import ModelConfig
     from kimi.data import Tokenizer
 
     ckpt = Path(path)
-    if not (ckpt / checkpoint.COMPLETE).is_file():
-        latest = checkpoint.latest_complete(ckpt / "checkpoints")
+    if (ckpt / checkpoint.COMPLETE).is_file():  # a checkpoint named directly: it must be intact
+        problems = checkpoint.verify(ckpt)
+        if problems:
+            raise RunError(f"checkpoint {ckpt} is damaged: {'; '.join(problems[:3])}")
+    else:
+        latest = checkpoint.newest_intact(ckpt / "checkpoints", log=lambda line: print(line, file=sys.stderr))
         if latest is None:
             raise FileNotFoundError(f"{ckpt} is neither a complete checkpoint nor a run dir with one "
                                     f"(looked for {ckpt / 'checkpoints'}/step_*/{checkpoint.COMPLETE})")
         ckpt = latest.path
     saved = checkpoint.read_trainer_state(ckpt)
     model = KimiModel(ModelConfig(**saved["config"]["model"])).to(device)
-    state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=str(ckpt))
-    set_model_state_dict(model, state["model"])
+    state = get_model_state_dict(model)
+    checkpoint.load_model(ckpt, state)
+    set_model_state_dict(model, state)
     run_copy = ckpt.parent.parent / "tokenizer.model"  # <run>/checkpoints/step_N -> <run>/tokenizer.model
     tokenizer = Tokenizer(run_copy if run_copy.is_file() else saved["extra"]["tokenizer_path"])
     return model.eval(), tokenizer, saved["step"]
 
 
-def main(argv: list[str] | None = None) -> None:
-    """python -m kimi.generate run=<run dir or checkpoint dir> [prompt="ROMEO:"] [max_new_tokens=200]
-    [temperature=0.8] [top_k=50] [seed=0] [device=cpu]"""
-    import sys
+USAGE = ("usage: python -m kimi.generate run=DIR [prompt=TEXT] [max_new_tokens=200] [temperature=0.8] "
+         "[top_k=50] [seed=0] [device=cpu]")
+HELP = f"""{USAGE}
 
-    from omegaconf import OmegaConf
+Continue a prompt with the model of a run directory (its newest complete checkpoint) or of one checkpoint
+directory (<run>/checkpoints/step_N). Each argument is key=value, split at the first '=', and the prompt is
+taken as written: prompt=ROMEO: is the text "ROMEO:" and prompt=yes the text "yes". Quote a prompt with spaces
+for the shell: 'prompt=The king'.
 
-    defaults = {"run": None, "prompt": "ROMEO:", "max_new_tokens": 200, "temperature": 0.8, "top_k": 50,
-                "seed": 0, "device": "cpu"}
-    args = OmegaConf.merge(OmegaConf.create(defaults), OmegaConf.from_cli(sys.argv[1:] if argv is None else argv))
-    unknown = set(args) - set(defaults)
-    if unknown or not args.run:
-        raise SystemExit(f"usage: {main.__doc__.strip()}" + (f"\nunknown keys: {sorted(unknown)}" if unknown else ""))
+  run             run directory or checkpoint directory (required)
+  prompt          text to continue (default ROMEO:)
+  max_new_tokens  tokens to sample, >= 1 (default 200; fewer when the end-of-text token comes first)
+  temperature     >= 0; 0 is greedy (default 0.8)
+  top_k           sample among the k likeliest tokens; 0 is the whole vocabulary (default 50)
+  seed            >= 0 (default 0)
+  device          cpu, cuda, cuda:N (default cpu)
+
+Exit codes: 0 done, 2 bad arguments or run directory, 1 failure."""
+
+
+@dataclass
+class GenerateArgs:
+    run: str
+    prompt: str = "ROMEO:"
+    max_new_tokens: int = 200
+    temperature: float = 0.8
+    top_k: int = 50
+    seed: int = 0
+    device: str = "cpu"
+
+
+class UsageError(ConfigError):
+    """A malformed command line (unknown key, no '=', no run=): main prints the usage line before it."""
+
+
+def _int(key: str, text: str, low: int, high: int | None, allowed: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low or (high is not None and value >= high):
+        raise ConfigError(f"{key}={text!r} is invalid: {allowed}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"temperature={text!r} is invalid: must be a number >= 0 (0 = greedy)")
+    return value
+
+
+def _device(text: str) -> str:
+    """A torch device this machine has: torch.device alone accepts cuda:7 on a machine without CUDA."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ConfigError(f"device={text!r} is invalid: give cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return text
+    backend = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu
+    if backend is None or not hasattr(backend, "is_available") or not backend.is_available():
+        raise ConfigError(f"device={text!r} is invalid: this machine has no {device.type} device; "
+                          "use device=cpu")
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if device.index is not None and device.index >= count:
+        raise ConfigError(f"device={text!r} is invalid: this machine has {count} {device.type} device(s), "
+                          f"{device.type}:0 to {device.type}:{count - 1}")
+    return text
+
+
+def _prompt(text: str) -> str:
+    if not text:
+        raise ConfigError("prompt='' is invalid: give the text to continue, e.g. prompt=ROMEO:")
+    return text
+
+
+_PARSERS = {
+    "run": str,
+    "prompt": _prompt,
+    "max_new_tokens": lambda t: _int("max_new_tokens", t, 1, None, "must be an integer >= 1"),
+    "temperature": _temperature,
+    "top_k": lambda t: _int("top_k", t, 0, None, "must be an integer >= 0 (0 = the whole vocabulary)"),
+    "seed": lambda t: _int("seed", t, 0, 2**64, "must be an integer in [0, 2**64)"),
+    "device": _device,
+}
+
+
+def parse_args(argv: list[str]) -> GenerateArgs:
+    """key=value arguments, split at the first '='. Values stay strings until their own parser: a general
+    one (OmegaConf.from_cli) turns prompt=ROMEO: into a mapping and prompt=yes into True."""
+    values: dict[str, Any] = {}
+    for arg in argv:
+        key, eq, text = arg.partition("=")
+        if not eq:
+            raise UsageError(f"{arg!r} is not key=value")
+        if key not in _PARSERS:
+            close = difflib.get_close_matches(key, list(_PARSERS), n=1)
+            hint = f": did you mean {close[0]}?" if close else f" (keys: {', '.join(_PARSERS)})"
+            raise UsageError(f"unknown key {key!r}{hint}")
+        if key in values:
+            raise UsageError(f"{key} is given twice")
+        values[key] = _PARSERS[key](text)
+    if not values.get("run"):
+        raise UsageError("run= is missing: give a run directory or a checkpoint directory")
+    return GenerateArgs(**values)
+
+
+def _generate(args: GenerateArgs) -> int:
+    run = Path(args.run)
+    if not run.exists():
+        raise FileNotFoundError(f"run={args.run}: no such directory")
+    if not run.is_dir():
+        raise NotADirectoryError(f"run={args.run}: not a directory (give a run or checkpoint directory)")
     model, tokenizer, step = load_from_checkpoint(args.run, args.device)
-    generator = torch.Generator(device=args.device).manual_seed(int(args.seed))
-    new = generate(model, tokenizer.encode(str(args.prompt)), int(args.max_new_tokens), float(args.temperature),
-                   int(args.top_k), tokenizer.eos_id, generator)
-    print(f"[kimi] step {step} checkpoint, {len(new)} tokens:\n{args.prompt}{tokenizer.decode(new)}", flush=True)
+    ids = tokenizer.encode(args.prompt)
+    if not ids:
+        raise ConfigError(f"prompt={args.prompt!r} is invalid: it encodes to no tokens; give some text")
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    new = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, tokenizer.eos_id, generator)
+    print(f"[kimi] step {step} checkpoint, {len(new)} tokens:\n{args.prompt}{tokenizer.decode(new)}",
+          flush=True)
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (see HELP); returns the exit code, every known problem printed as one line."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        print(HELP)
+        return EXIT_OK
+
+    def body() -> int:
+        try:
+            args = parse_args(argv)
+        except UsageError:
+            print(USAGE, file=sys.stderr)
+            raise
+        return _generate(args)
+
+    return run_main(body)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

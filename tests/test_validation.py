@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from kimi.config import (AC_MODES, ENGINES, PP_SCHEDULES, SINGLE_STAGE_SCHEDULES, Config, ConfigError,
-                         pipeline_microbatches, pipeline_stages, register_configs, validate)
+                         pipeline_microbatches, pipeline_stages, register_configs, to_config, validate)
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
@@ -109,6 +109,58 @@ IMPOSSIBLE = [
     (["data.val_split=validation"], 1, "data.val_split"),
     (["data=tinystories", "data.path=null"], 1, "data.path"),
     (["model.vocab_size=1000"], 1, "model.vocab_size"),  # the trained tokenizer has 2048 tokens
+    # model numbers outside a sane range
+    (["model.init_std=1e6"], 1, "model.init_std"),  # saturates everything: no gradient to train on
+    (["model.init_std=0"], 1, "model.init_std"),
+    (["model.init_std=nan"], 1, "model.init_std"),
+    (["model.norm_eps=0"], 1, "model.norm_eps"),
+    (["model.norm_eps=1"], 1, "model.norm_eps"),
+    (["model.rope_theta=0"], 1, "model.rope_theta"),
+    (["model.rope_theta=1"], 1, "model.rope_theta"),
+    (["model.rope_theta=inf"], 1, "model.rope_theta"),
+    (["model.conv_size=0"], 1, "model.conv_size"),
+    (["model.q_lora_rank=-1"], 1, "model.q_lora_rank"),
+    (["model.mla_every=-1"], 1, "model.mla_every"),
+    (["model.pad_vocab_multiple=0"], 1, "model.pad_vocab_multiple"),
+    # trainer numbers
+    (["trainer.seed=-1"], 1, "trainer.seed"),
+    ([f"trainer.seed={2**64}"], 1, "trainer.seed"),
+    (["trainer.sample_tokens=-1"], 1, "trainer.sample_tokens"),
+    (["trainer.sample_prompt=''"], 1, "trainer.sample_prompt"),  # would fail after the whole run
+    (["trainer.max_steps=0"], 1, "trainer.max_steps"),
+    (["trainer.eval_every=-1"], 1, "trainer.eval_every"),
+    (["trainer.eval_batches=0"], 1, "trainer.eval_batches"),
+    (["trainer.checkpoint_every=-1"], 1, "trainer.checkpoint_every"),
+    (["trainer.keep_checkpoints=0"], 1, "trainer.keep_checkpoints"),
+    (["trainer.threads=-1"], 1, "trainer.threads"),
+    (["trainer.stop_at_step=-1"], 1, "trainer.stop_at_step"),
+    (["trainer.collective_timeout_s=0"], 1, "trainer.collective_timeout_s"),
+    (["trainer.collective_timeout_s=inf"], 1, "trainer.collective_timeout_s"),
+    (["trainer.peak_flops=nan"], 1, "trainer.peak_flops"),
+    # optimizer numbers
+    (["optim.lr=0"], 1, "optim.lr"),
+    (["optim.lr=inf"], 1, "optim.lr"),
+    (["optim.lr=nan"], 1, "optim.lr"),
+    (["optim.weight_decay=-0.1"], 1, "optim.weight_decay"),
+    (["optim.lr=0.5", "optim.weight_decay=2"], 1, "optim.lr*optim.weight_decay"),
+    (["optim.eps=0"], 1, "optim.eps"),
+    (["optim.betas=[0.9]"], 1, "optim.betas"),
+    (["optim.betas=[0.9,1.0]"], 1, "optim.betas"),
+    (["optim.grad_clip=-1"], 1, "optim.grad_clip"),
+    (["optim.warmup_steps=-1"], 1, "optim.warmup_steps"),
+    (["optim.min_lr_ratio=1.5"], 1, "optim.min_lr_ratio"),
+    (["optim.decay_fraction=0"], 1, "optim.decay_fraction"),
+    (["optim.momentum=1"], 1, "optim.momentum"),
+    (["optim.ns_steps=0"], 1, "optim.ns_steps"),
+    # data numbers
+    (["data.num_proc=0"], 1, "data.num_proc"),
+    (["data.val_fraction=nan"], 1, "data.val_fraction"),
+    (["data.tokenizer.vocab_size=100"], 1, "data.tokenizer.vocab_size"),
+    (["data.tokenizer.vocab_size=-1"], 1, "data.tokenizer.vocab_size"),
+    (["data.tokenizer.train_chars=0"], 1, "data.tokenizer.train_chars"),
+    # parallel degrees
+    (["parallel.dp_replicate=0"], 1, "parallel.dp_replicate"),
+    (["parallel.pp=0"], 1, "parallel.pp"),
 ]
 
 
@@ -147,6 +199,57 @@ def test_the_messages_other_tests_match_are_unchanged():
         "parallel.sequence_parallel=true needs parallel.tp > 1")
     assert message(1, "model.residual=attnres_half") == (
         "model.residual='attnres_half' is invalid: choose one of standard|attnres_full|attnres_block")
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.init_std=1e6", "model.init_std=1000000.0 is invalid: must be in (0, 1] (0.02 is usual)"),
+    ("model.norm_eps=0", "model.norm_eps=0.0 is invalid: must be in (0, 1) (1e-5 or 1e-6 is usual)"),
+    ("model.rope_theta=0.5", "model.rope_theta=0.5 is invalid: must be > 1 (10000 is usual)"),
+    ("trainer.seed=-1", "trainer.seed=-1 is invalid: must be an integer in [0, 2**64)"),
+    ("trainer.sample_prompt=''", "trainer.sample_prompt='' is invalid: must be non-empty when "
+                                 "trainer.sample_tokens > 0 (set trainer.sample_tokens=0 for no sample)"),
+    ("optim.lr=inf", "optim.lr=inf is invalid: must be a finite number"),
+    ("optim.eps=0", "optim.eps=0.0 is invalid: must be > 0 (1e-8 is usual)"),
+    ("optim.weight_decay=400", "optim.lr*optim.weight_decay = 0.003*400.0 = 1.2 is invalid: must be < 1 "
+                               "(each step multiplies the weights by 1 - lr*weight_decay); lower "
+                               "optim.weight_decay"),
+])
+def test_range_messages_name_key_value_and_range(override, message):
+    with pytest.raises(ConfigError) as err:
+        validate(compose_cfg(override), world=1)
+    assert str(err.value) == message
+
+
+def _compose_with(*overrides: str) -> DictConfig:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=["trainer.run_dir=unused", *overrides])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("+trainer.max_stepz=3", "trainer.max_stepz is not a config key: did you mean trainer.max_steps?"),
+    ("+data.tokenizer.vocab_sise=512",
+     "data.tokenizer.vocab_sise is not a config key: did you mean data.tokenizer.vocab_size?"),
+    ("+logging.wandb.projct=x",
+     "logging.wandb.projct is not a config key: did you mean logging.wandb.project?"),
+    ("+trainer.lr=1", "trainer.lr is not a config key: did you mean optim.lr?"),
+    ("+max_steps=3", "max_steps is not a config key: did you mean trainer.max_steps?"),
+    ("+model.foo=1",
+     "model.foo is not a config key (the keys of model are the fields of ModelConfig in kimi/config.py)"),
+    ("+bar=1", "bar is not a config key (the sections are model, data, optim, trainer, logging, parallel)"),
+])
+def test_keys_added_with_plus_are_refused(override, message):
+    # Hydra's `+` adds a key even to the structured schema; to_config must not drop it without a word
+    with pytest.raises(ConfigError) as err:
+        to_config(_compose_with(override))
+    assert str(err.value) == message
+
+
+def test_known_keys_still_merge():
+    assert to_config(_compose_with("++trainer.max_steps=7")).trainer.max_steps == 7
+    plain = to_config({"trainer": {"max_steps": 5}, "data": {"tokenizer": {"vocab_size": 512}}})
+    assert (plain.trainer.max_steps, plain.data.tokenizer.vocab_size) == (5, 512)
+    with pytest.raises(ConfigError, match=r"^data\.tokenizer\.vocab is not a config key: did you mean "):
+        to_config({"data": {"tokenizer": {"vocab": 512}}})
 
 
 @pytest.mark.parametrize("overrides,world", [
@@ -220,6 +323,7 @@ def test_pipeline_helpers():
 @pytest.mark.parametrize("world,overrides,key", [
     ("1", ["parallel.tp=2"], "parallel.dp_replicate*dp_shard*tp*pp"),
     ("2", ["model.kda_num_heads=3", "parallel.tp=2"], "model.kda_num_heads"),
+    ("1", ["+trainer.max_stepz=3"], "trainer.max_stepz"),
 ])
 def test_trainer_fails_before_tokenisation(tmp_path, monkeypatch, world, overrides, key):
     from kimi.trainer import Trainer
