@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from kimi.metrics import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -36,7 +38,7 @@ def train(optim: str, steps: int, eval_every: int, overrides: list[str], run_dir
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
         sys.exit(f"training with optim={optim} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = read_metrics(run_dir / "metrics.jsonl")
     evals = [(r["step"], r.get("tokens"), r["val_loss"]) for r in records if "val_loss" in r]
     tokens_per_step = next(r["tokens"] / r["step"] for r in records if r.get("tokens"))
     return {"optim": optim, "seconds": seconds, "tokens_per_step": tokens_per_step,

@@ -68,11 +68,30 @@ def qk_clip_record(stats: Dict[str, Dict[str, float]]) -> Dict[str, float]:
     return record
 
 
-class MetricsLogger:
-    """Writes one JSON object per logged step to ``metrics.jsonl`` and mirrors it to wandb.
+def read_metrics(path: Path) -> List[Dict[str, Any]]:
+    """The records of metrics.jsonl that describe the run as it now stands.
 
-    On resume the file is appended to after dropping the entries past the resumed step, so the file always
-    describes one continuous run."""
+    The file is only ever appended to. Each start of the trainer writes {"event": "start", "step": N}: the
+    records logged after step N by an earlier, interrupted session (whose checkpoint was lost) no longer
+    count, and a fresh start (N = 0) replaces everything before it. A line cut short by a crash is skipped."""
+    rows: List[Dict[str, Any]] = []
+    for line in Path(path).read_text(errors="replace").splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(r, dict):
+            continue
+        if r.get("event") == "start":
+            rows = [x for x in rows if r["step"] and x.get("step", 0) <= r["step"]]
+        else:
+            rows.append(r)
+    return rows
+
+
+class MetricsLogger:
+    """Appends one JSON object per logged step to ``metrics.jsonl`` (see :func:`read_metrics`) and mirrors
+    it to wandb."""
 
     def __init__(self, run_dir: Path, cfg: LoggingConfig, config_dict: Dict[str, Any], resume_step: int = 0,
                  enabled: bool = True):
@@ -84,10 +103,11 @@ class MetricsLogger:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
-            kept = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-            kept = [r for r in kept if r.get("step", 0) <= resume_step] if resume_step else []
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            self.history = kept
+            with self.path.open("rb+") as f:  # a partial last line (a crash mid-write) stays on its own line
+                if f.seek(0, 2) and (f.seek(-1, 2), f.read(1))[1] != b"\n":
+                    f.write(b"\n")
+        self._append({"event": "start", "step": resume_step, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        self.history = read_metrics(self.path)
         if cfg.wandb.mode != "disabled":
             import wandb
 
@@ -102,10 +122,13 @@ class MetricsLogger:
             return
         record = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in record.items()}
         self.history.append(record)
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._append(record)
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def _append(self, record: Dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         if self._wandb is not None:
@@ -155,3 +178,27 @@ def progress_line(step: int, max_steps: int, loss: float, lr: float, grad_norm: 
         parts.append(f"mem {memory_gib:.1f} GiB")
     parts.append(f"ETA {format_duration(eta_s)}")
     return " | ".join(parts)
+
+
+def banner(cfg, dims, num_params, flops_per_token: float, data, device, routing_table=None) -> str:
+    """The lines printed before training: model, data and batch, layout, and MuonClip's parameter routing."""
+    from kimi.config import mla_layer_indices
+
+    m, t = cfg.model, cfg.trainer
+    mla = set(mla_layer_indices(m))
+    pattern = "".join("M" if i in mla else "K" for i in range(m.num_layers))
+    n, n_emb = num_params[0], num_params[0] - num_params[1]
+    tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps * dims.dp
+    ranks = f" x {dims.dp} data-parallel ranks" if dims.enabled else ""
+    lines = [f"[kimi] model {m.name}: {n / 1e6:.2f}M parameters ({n_emb / 1e6:.2f}M embedding), blocks {pattern} "
+             f"(K=KDA, M=MLA), residual={m.residual}, vocab {m.vocab_size}, {flops_per_token / 1e6:.1f} MFLOP/token "
+             "(train)",
+             f"[kimi] data {cfg.data.name}: {data.train_meta['num_tokens']:,} train / {data.val_meta['num_tokens']:,} "
+             f"val tokens; batch {t.micro_batch_size}x{t.seq_len}x{t.grad_accum_steps}{ranks} = {tokens:,} tokens/step;"
+             f" device {device}; run dir {t.run_dir}"]
+    if dims.enabled:
+        lines.append(f"[kimi] parallel: pp={dims.pp} x dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard} x "
+                     f"tp={dims.tp} over {dims.world} processes")
+    if routing_table is not None:  # MuonClip: which parameters Muon and AdamW each update
+        lines.append(f"[kimi] optimizer {cfg.optim.name} parameter routing:\n{routing_table()}")
+    return "\n".join(lines)

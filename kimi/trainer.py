@@ -20,13 +20,14 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from kimi import checkpoint
-from kimi.config import Config, ConfigError, config_dict, to_config, validate
+from kimi import checkpoint, rundir
+from kimi.config import Config, config_dict, resolve_vocab, to_config, validate
 from kimi.data import Batch, TokenLoader, prepare
 from kimi.data.pack import open_tokens
-from kimi.metrics import MetricsLogger, peak_flops, progress_line, qk_clip_record
+from kimi.metrics import MetricsLogger, banner, peak_flops, progress_line, qk_clip_record
 from kimi.model import KimiModel
-from kimi.parallel import ParallelDims, build_engine, init_distributed, mean_over_ranks, resolve_device
+from kimi.parallel import ParallelDims, build_engine, init_distributed, mean_over_ranks, resolve_device, setup_group
+from kimi.parallel.watchdog import Watchdog
 
 
 class Trainer:
@@ -39,13 +40,24 @@ class Trainer:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.device = resolve_device(t.device)
         if dims.enabled:
-            init_distributed(self.device)
+            init_distributed(self.device, t.collective_timeout_s)
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", torch.cuda.current_device())
         self.mesh = dims.build_mesh(self.device.type) if dims.enabled else None
         self.rank = dist.get_rank() if dims.enabled else 0
         self.dp_rank = dims.dp_rank(self.mesh)  # ranks of one tensor-parallel group read the same data
         self.is_main = self.rank == 0
+        self.watchdog = Watchdog(t.collective_timeout_s, self._intact_note).start() if dims.enabled else None
+        self.lock = None
+        try:
+            self.lock = rundir.open_run_dir(self.run_dir, t.resume, t.overwrite, self.is_main, dims.enabled, self.log)
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        cfg, t, dims = self.cfg, self.cfg.trainer, self.dims
         if t.threads:
             torch.set_num_threads(t.threads)
         torch.manual_seed(t.seed)
@@ -53,13 +65,14 @@ class Trainer:
         # Rank 0 tokenises and packs; the others then find the finished cache instead of racing to write it.
         if self.is_main:
             self.data = prepare(cfg.data)
-        self._barrier()
+        if dims.enabled:
+            dist.barrier(group=setup_group())
         if not self.is_main:
             self.data = prepare(cfg.data)
         tok = self.data.tokenizer
-        self._resolve_vocab(tok.vocab_size)
-        train_tokens = open_tokens(self.data.train_path, tok.sha256)
-        val_tokens = open_tokens(self.data.val_path, tok.sha256)
+        resolve_vocab(cfg.model, tok.vocab_size)
+        train_tokens, val_tokens = (open_tokens(path, tok.sha256, vocab_size=tok.vocab_size)
+                                    for path in (self.data.train_path, self.data.val_path))
         # Each rank reads its own micro-batches: one step on N ranks sees what one process would see with
         # an N times larger micro-batch (trainer.micro_batch_size is per rank, as in Megatron).
         self.loader = TokenLoader(train_tokens, t.micro_batch_size, t.seq_len, t.seed, tok.eos_id,
@@ -81,6 +94,7 @@ class Trainer:
         self.engine = build_engine(cfg, dims, self.mesh, self.device, model)
         self.model, self.optimizer = self.engine.model, self.engine.optimizer
         self.step = 0
+        self.run_id = rundir.new_run_id()  # a resumed run keeps the checkpoint's
         self._stop_signal: Optional[str] = None
         self._last_val: Optional[float] = None
         self._resume()
@@ -92,20 +106,18 @@ class Trainer:
         if self.is_main:
             print(message, flush=True)
 
-    def _barrier(self) -> None:
-        if self.dims.enabled:
-            dist.barrier()
+    def close(self) -> None:
+        """Stop the watchdog and unlock the run dir (the process's end does both too)."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.lock is not None:
+            self.lock.release()
+
+    def _intact_note(self) -> str:
+        last = checkpoint.latest_complete(self.ckpt_dir)
+        return f"Rerun the same command to resume from {last.path}." if last else "No checkpoint was written yet."
 
     # ---- setup helpers -------------------------------------------------------------------------------
-    def _resolve_vocab(self, tokenizer_vocab: int) -> None:
-        m = self.cfg.model
-        if m.vocab_size is None:
-            mult = m.pad_vocab_multiple
-            m.vocab_size = (tokenizer_vocab + mult - 1) // mult * mult
-        elif m.vocab_size < tokenizer_vocab:
-            raise ConfigError(f"model.vocab_size={m.vocab_size} is invalid: the tokenizer has {tokenizer_vocab} "
-                              "tokens; set model.vocab_size >= that, or null to follow the tokenizer")
-
     def _data_identity(self) -> Dict[str, Any]:
         # The run dir keeps its own copy of the tokenizer so `python -m kimi.generate` needs only the run.
         tok_copy = self.run_dir / "tokenizer.model"
@@ -117,17 +129,20 @@ class Trainer:
     def _resume(self) -> None:
         if not self.cfg.trainer.resume:
             return
-        for c in checkpoint.list_checkpoints(self.ckpt_dir):
-            if not c.complete:
-                self.log(f"[kimi] skipping incomplete checkpoint {c.path} (no {checkpoint.COMPLETE} marker)")
-        latest = checkpoint.latest_complete(self.ckpt_dir)
+        latest = checkpoint.newest_intact(self.ckpt_dir, self.log, set_aside=True)
         if latest is None:
             return
         saved = checkpoint.read_trainer_state(latest.path)
-        checkpoint.check_compatible(saved, latest.path, config_dict(self.cfg)["model"], self.data.tokenizer.sha256)
+        now = config_dict(self.cfg)
+        checkpoint.check_compatible(saved, latest.path, now, self.data.tokenizer.sha256)
+        changes = checkpoint.config_changes(saved["config"], now)
         state = checkpoint.load(latest.path, self.engine, self.loader)
         self.step = int(state["step"])
+        self.run_id = checkpoint.run_id(latest.path) or self.run_id
         self.log(f"[kimi] resumed from {latest.path} at step {self.step}")
+        if changes:
+            self.log(f"[kimi] {len(changes)} setting(s) differ from the checkpoint's; this run's values apply:\n"
+                     + "\n".join(f"         {line}" for line in changes))
 
     # ---- the loop ------------------------------------------------------------------------------------
     def train_step(self) -> Dict[str, float]:
@@ -154,7 +169,7 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         t0 = time.time()
         path = checkpoint.save(self.ckpt_dir, self.step, self.engine, self.loader, config_dict(self.cfg),
-                               self._data_identity(), keep=self.cfg.trainer.keep_checkpoints)
+                               self._data_identity(), keep=self.cfg.trainer.keep_checkpoints, run_id=self.run_id)
         self.log(f"[kimi] saved checkpoint {path} ({time.time() - t0:.1f}s)")
         return path
 
@@ -175,7 +190,8 @@ class Trainer:
 
     def fit(self) -> Dict[str, Any]:
         t, cfg = self.cfg.trainer, self.cfg
-        self._print_banner()
+        self.log(banner(self.cfg, self.dims, self.num_params, self.flops_per_token, self.data, self.device,
+                        getattr(self.optimizer, "routing_table", None)))
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             result = self._loop()
@@ -183,6 +199,7 @@ class Trainer:
             for s, h in old_handlers.items():
                 signal.signal(s, h)
             self.metrics.close()
+            self.close()
         if cfg.logging.plot and self.metrics.history:
             png = self.metrics.plot(self.run_dir / "loss_curve.png")
             if png:
@@ -202,6 +219,10 @@ class Trainer:
             self.log(f"[kimi] run already complete at step {self.step} (trainer.max_steps={t.max_steps}); raise "
                      "trainer.max_steps to train further or use a new hydra.run.dir")
             return {"finished": True, "step": self.step, "val_loss": None}
+        if t.stop_at_step and self.step >= t.stop_at_step:
+            self.log(f"[kimi] already at step {self.step}, at or past trainer.stop_at_step={t.stop_at_step}: nothing "
+                     "to train. Raise or remove trainer.stop_at_step to continue")
+            return {"finished": False, "step": self.step, "val_loss": None}
         peak = peak_flops(self.device, t.peak_flops) * self.dims.world  # MFU over all devices
         tokens_per_step = t.micro_batch_size * t.seq_len * t.grad_accum_steps * self.dims.dp
         start_step, t_start = self.step, time.perf_counter()
@@ -211,6 +232,8 @@ class Trainer:
         last_saved = None
         while self.step < t.max_steps:
             out = self.train_step()
+            if self.watchdog is not None:
+                self.watchdog.progress(self.step)
             losses.append(out["loss"])
             window_steps += 1
             record: Dict[str, Any] = {}
@@ -269,26 +292,3 @@ class Trainer:
         ids = generate(self.model, tok.encode(prompt), max_new_tokens, temperature=temperature, top_k=top_k,
                        eos_id=tok.eos_id, generator=g)
         return tok.decode(list(ids))
-
-    def _print_banner(self) -> None:
-        m, t = self.cfg.model, self.cfg.trainer
-        from kimi.config import mla_layer_indices
-
-        mla = set(mla_layer_indices(m))
-        pattern = "".join("M" if i in mla else "K" for i in range(m.num_layers))
-        n = self.num_params[0]
-        n_emb = n - self.num_params[1]
-        self.log(f"[kimi] model {m.name}: {n / 1e6:.2f}M parameters ({n_emb / 1e6:.2f}M embedding), blocks "
-                 f"{pattern} (K=KDA, M=MLA), residual={m.residual}, vocab {m.vocab_size}, "
-                 f"{self.flops_per_token / 1e6:.1f} MFLOP/token (train)")
-        d = self.dims
-        ranks = f" x {d.dp} data-parallel ranks" if d.enabled else ""
-        self.log(f"[kimi] data {self.cfg.data.name}: {self.data.train_meta['num_tokens']:,} train / "
-                 f"{self.data.val_meta['num_tokens']:,} val tokens; batch {t.micro_batch_size}x{t.seq_len}"
-                 f"x{t.grad_accum_steps}{ranks} = {t.micro_batch_size * t.seq_len * t.grad_accum_steps * d.dp:,}"
-                 f" tokens/step; device {self.device}; run dir {self.run_dir}")
-        if d.enabled:
-            self.log(f"[kimi] parallel: pp={d.pp} x dp_replicate={d.dp_replicate} x dp_shard={d.dp_shard} x "
-                     f"tp={d.tp} over {d.world} processes")
-        if hasattr(self.optimizer, "routing_table"):  # MuonClip: which parameters Muon and AdamW each update
-            self.log(f"[kimi] optimizer {self.cfg.optim.name} parameter routing:\n{self.optimizer.routing_table()}")

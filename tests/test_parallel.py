@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from kimi import checkpoint
 from kimi.config import register_configs
+from kimi.metrics import read_metrics
 from kimi.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,14 +110,14 @@ def torchrun(nproc: int, run: Path | None, args: list[str], check: bool = True) 
 
 
 def metrics(run: Path) -> tuple[list[float], list[float]]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run / "metrics.jsonl")
     return [r["loss"] for r in rows if "loss" in r], [r["val_loss"] for r in rows if "val_loss" in r]
 
 
 def final_weights(run: Path, tmp: Path) -> dict[str, torch.Tensor]:
     latest = checkpoint.latest_complete(run / "checkpoints")
     dcp_to_torch_save(latest.path, tmp / f"{run.name}.pt")
-    state = torch.load(tmp / f"{run.name}.pt", weights_only=False)
+    state = torch.load(tmp / f"{run.name}.pt", weights_only=True)
     return {k: v for k, v in state["model"].items()}
 
 

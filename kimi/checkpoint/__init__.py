@@ -1,19 +1,23 @@
-"""Checkpoints with ``torch.distributed.checkpoint`` (DCP).
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP), verified and read without trusting the files.
 
 Layout: ``<run_dir>/checkpoints/step_00000100/`` holds DCP's shard files and ``.metadata``; a file named
-``COMPLETE`` is written last, only after every rank has finished writing, so a checkpoint interrupted
-half-way (killed job, full disk) is never mistaken for a good one. Resume takes the newest complete
-checkpoint and ignores (and reports) incomplete ones.
+``COMPLETE`` is written last, only after every rank has finished writing, and holds the manifest (size and
+CRC-32 of every file, kimi/checkpoint/manifest.py) and the run's id. A checkpoint is used only when its
+marker exists and every file matches the manifest; resume takes the newest such one and reports (in one
+line each) the ones it skips. Files are read through kimi/checkpoint/trust.py, which never unpickles
+anything but DCP's metadata classes.
 
 One state dict holds everything needed for an exact continuation: the engine's model, optimizer and lr
 schedule state (kimi.parallel.engine: laid out like the parameters, so it reloads under another layout),
-the data loader position, the RNG states, the step and the resolved config.
+the data loader position, the RNG states, the step and the resolved config. Everything that is not a
+tensor is a number, a string or a plain container of those.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -27,8 +31,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
+from kimi.cli import STORAGE_ERRORS, RunError
 from kimi.config import ConfigError
+
+from . import manifest
+from .trust import SafePlanner, SafeReader, UntrustedCheckpoint, load_metadata
 
 COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -76,7 +85,10 @@ def _barrier() -> None:
 
 
 def rng_state() -> Dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+                   "gauss": float(gauss)}
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -85,7 +97,8 @@ def rng_state() -> Dict[str, Any]:
 def set_rng_state(state: Dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -109,8 +122,11 @@ def _full_state(engine, loader, step: int, config: Dict[str, Any], extra: Dict[s
 
 
 def save(root: Path, step: int, engine, loader, config: Dict[str, Any], extra: Optional[Dict[str, Any]] = None,
-         keep: int = 2) -> Path:
-    """Write checkpoint ``step`` and mark it complete; then keep only the newest ``keep`` complete ones."""
+         keep: int = 2, run_id: str = "") -> Path:
+    """Write checkpoint ``step``, then its manifest and COMPLETE marker; then keep only the newest ``keep``
+    complete checkpoints of run ``run_id`` (never one of another run, never one newer than ``step``).
+
+    A failed write (a full disk, say) removes the partial directory and raises: the earlier checkpoints stay."""
     path = step_dir(root, step)
     if _is_rank0():
         if path.exists():  # a leftover from an interrupted save of the same step
@@ -118,25 +134,137 @@ def save(root: Path, step: int, engine, loader, config: Dict[str, Any], extra: O
         path.mkdir(parents=True)
     _barrier()
     t0 = time.time()
-    state = _full_state(engine, loader, step, config, extra or {})
-    dcp.save(state, checkpoint_id=str(path))
-    _barrier()
+    try:
+        dcp.save(_full_state(engine, loader, step, config, extra or {}), checkpoint_id=str(path))
+        _barrier()
+        files = _gather_manifest(path)
+    except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
+        _discard(path)
+        cause = _cause(e, OSError)
+        if cause is not None and cause.errno in STORAGE_ERRORS:
+            kept = latest_complete(root)
+            earlier = f"the newest complete checkpoint {kept.path} is intact" if kept else "no earlier checkpoint exists"
+            raise RunError(f"{STORAGE_ERRORS[cause.errno]} while saving checkpoint {path}; {earlier}. Fix that and "
+                           "rerun the same command to continue") from e
+        raise
     if _is_rank0():
-        marker = {"step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "seconds": round(time.time() - t0, 3)}
+        marker = {"step": step, "run_id": run_id, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                  "seconds": round(time.time() - t0, 3), "files": manifest.to_json(files)}
         tmp = path / (COMPLETE + ".tmp")
         tmp.write_text(json.dumps(marker) + "\n")
         os.replace(tmp, path / COMPLETE)
-        done = [c for c in list_checkpoints(root) if c.complete]
-        for old in done[:-keep]:
-            shutil.rmtree(old.path, ignore_errors=True)
+        _rotate(root, step, keep, run_id)
     _barrier()
     return path
+
+
+def _gather_manifest(path: Path) -> manifest.Manifest:
+    """Sizes and checksums of every file of the checkpoint, each rank checksumming a share."""
+    names = sorted(p.name for p in path.iterdir())
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine = manifest.describe(path, names[rank::world])
+    if world == 1:
+        return mine
+    shares: List[Any] = [None] * world
+    dist.all_gather_object(shares, mine)
+    return {k: v for share in shares for k, v in share.items()}
+
+
+def _rotate(root: Path, step: int, keep: int, run_id: str) -> None:
+    ours = [c for c in list_checkpoints(root)
+            if c.complete and c.step <= step and _marker(c.path).get("run_id") == run_id]
+    for old in ours[:-keep]:
+        shutil.rmtree(old.path, ignore_errors=True)
+
+
+def _marker(path: Path) -> Dict[str, Any]:
+    data, _ = manifest.read_marker(path / COMPLETE)
+    return data or {}
+
+
+def _free_name(path: Path) -> Path:
+    n, candidate = 1, path
+    while candidate.exists():
+        n, candidate = n + 1, path.with_name(f"{path.name}.{n}")
+    return candidate
+
+
+def _discard(path: Path) -> None:
+    if _is_rank0():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _cause(e: BaseException, kind: type) -> Optional[BaseException]:
+    """The exception of type `kind` behind `e`, also when DCP wrapped one rank's failure in its own."""
+    seen = set()
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, kind):
+            return x
+        stack += [x.__cause__, x.__context__]
+        stack += [v for v in getattr(x, "failures", {}).values() if isinstance(v, BaseException)]
+        stack += [v[0] for v in getattr(x, "failures", {}).values() if isinstance(v, tuple) and v]
+    return None
+
+
+def verify(path: Path) -> List[str]:
+    """Why checkpoint `path` cannot be used (empty: intact). Collective when distributed: each rank checks
+    a share of the files."""
+    data, why = manifest.read_marker(path / COMPLETE)
+    problems = [why] if data is None else []
+    if data is not None:
+        files = data["files"]
+        extra = manifest.unlisted(path, files, ignore=(COMPLETE,))
+        if extra:
+            problems.append(f"holds files it did not write ({', '.join(extra[:3])})")
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        problems += manifest.check_files(path, files, sorted(files)[rank::world])
+    if dist.is_initialized():
+        shares: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(shares, problems)
+        problems = list(dict.fromkeys(p for share in shares for p in share))
+    return problems
+
+
+DAMAGED = ".damaged"
+
+
+def newest_intact(root: Path, log=print, set_aside: bool = False) -> Optional[CheckpointInfo]:
+    """The newest checkpoint under `root` whose files match its manifest; each one passed over is reported
+    in one line. None when there is no complete checkpoint; an error when there are some but none intact.
+
+    set_aside (a trainer about to continue): rename the damaged ones newer than the intact one to
+    ``step_N.damaged``, so rotation does not count them and a new save of step N does not replace them."""
+    found = list_checkpoints(root)
+    for c in found:
+        if not c.complete:
+            log(f"[kimi] skipping incomplete checkpoint {c.path} (no {COMPLETE} marker: its save did not finish)")
+    complete, damaged = [c for c in found if c.complete], []
+    for c in reversed(complete):
+        problems = verify(c.path)
+        if not problems:
+            if set_aside and damaged and _is_rank0():
+                for bad in damaged:
+                    os.replace(bad, _free_name(bad.with_name(bad.name + DAMAGED)))
+                log(f"[kimi] moved the damaged checkpoint(s) aside: {', '.join(p.name + DAMAGED for p in damaged)}")
+            _barrier()
+            return c
+        log(f"[kimi] skipping damaged checkpoint {c.path}: {'; '.join(problems[:3])}")
+        damaged.append(c.path)
+    if complete:
+        raise RunError(f"no intact checkpoint in {root}: {', '.join(c.path.name for c in complete)} all fail their "
+                       "checks (see above). Move them aside to start over, or restore them from a copy")
+    return None
 
 
 def load(path: Path, engine, loader) -> Dict[str, Any]:
     """Restore everything saved by :func:`save` in place; returns the trainer part (step, config, extra)."""
     state = _full_state(engine, loader, 0, {}, {})
-    dcp.load(state, checkpoint_id=str(path))
+    _read(state, path)
     tr = state["trainer"]
     engine.load_state_dict({"model": state["model"], "optim": state["optim"], "scheduler": tr["scheduler"]})
     loader.load_state_dict(tr["loader"])
@@ -144,24 +272,85 @@ def load(path: Path, engine, loader) -> Dict[str, Any]:
     return {"step": tr["step"], "config": json.loads(tr["config"]), "extra": json.loads(tr["extra"])}
 
 
+def _read(state: Dict[str, Any], path: Path) -> None:
+    """Fill `state` in place from checkpoint `path`, trusting none of its files (kimi/checkpoint/trust.py)."""
+    untrusted = ("refusing to load checkpoint {}: {}. It was not written by kimi; remove it if you do not know "
+                 "where it came from")
+    try:
+        # Checked here first as well: DCP would log its own tracebacks before giving up on a bad metadata file.
+        with open(Path(path) / ".metadata", "rb") as f:
+            load_metadata(f)
+    except UntrustedCheckpoint as e:
+        raise RunError(untrusted.format(path, f"its .metadata {e}")) from None
+    try:
+        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner())
+    except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
+        refused = _cause(e, pickle.UnpicklingError)
+        if refused is None:
+            raise
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(refused))
+        what = f"an entry refers to {found.group(1)}" if found else f"an entry cannot be read ({type(refused).__name__})"
+        raise RunError(untrusted.format(path, what + ", which checkpoints never contain")) from None
+
+
+def load_model(path: Path, model_state: Dict[str, Any]) -> None:
+    """Fill a model state dict (e.g. torch.distributed.checkpoint.state_dict.get_model_state_dict) in place."""
+    state = {"model": model_state}
+    _read(state, path)
+
+
 def read_trainer_state(path: Path) -> Dict[str, Any]:
     """The non-tensor trainer entries of a checkpoint (step, config, extra) without building a model."""
     state = {"trainer": {"step": 0, "config": "", "extra": ""}}
-    dcp.load(state, checkpoint_id=str(path))
+    _read(state, path)
     tr = state["trainer"]
     return {"step": tr["step"], "config": json.loads(tr["config"]), "extra": json.loads(tr["extra"])}
 
 
-def check_compatible(saved: Dict[str, Any], path: Path, model_config: Dict[str, Any], tokenizer_sha256: str) -> None:
-    """Refuse to resume into a different model or tokenizer: the weights would not load, or would silently
-    be fed other token ids. `saved` is read_trainer_state(path); model_config is this run's config["model"]."""
-    old_model = saved["config"].get("model", {})
+def check_compatible(saved: Dict[str, Any], path: Path, config: Dict[str, Any], tokenizer_sha256: str) -> None:
+    """Refuse to resume into a different model, tokenizer or optimizer: the weights or the optimizer state
+    would not load, or tokens would silently mean other things. `saved` is read_trainer_state(path); config
+    is this run's (config_dict)."""
+    old_model, model_config = saved["config"].get("model", {}), config["model"]
     diff = {k: (old_model.get(k), v) for k, v in model_config.items() if old_model.get(k) != v and k != "name"}
     if diff:
         lines = ", ".join(f"model.{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
-        raise ConfigError(f"cannot resume from {path}: the model differs ({lines}). Use the same model "
-                          "settings, another run dir (hydra.run.dir=...), or trainer.resume=false")
+        raise ConfigError(f"cannot resume from {path}: the model differs ({lines}). Use the same model settings, "
+                          "another run dir (hydra.run.dir=...), or trainer.resume=false trainer.overwrite=true to "
+                          "start over (the old run is moved aside)")
+    old_optim = saved["config"].get("optim", {}).get("name")
+    if old_optim and old_optim != config["optim"]["name"]:
+        raise ConfigError(f"cannot resume from {path} with optim={config['optim']['name']}: it was trained with "
+                          f"optim={old_optim}, whose state does not carry over. Use optim={old_optim}, or start "
+                          "over in another run dir (or with trainer.resume=false trainer.overwrite=true)")
     old_tok = saved["extra"].get("tokenizer_sha256")
     if old_tok and old_tok != tokenizer_sha256:
         raise ConfigError(f"cannot resume from {path}: it was trained with tokenizer {old_tok[:12]}, this run "
                           f"uses {tokenizer_sha256[:12]}; use the original data/tokenizer settings")
+
+
+# Keys that name where and how this invocation runs, not what it trains.
+_UNREPORTED = ("trainer.run_dir", "trainer.resume", "trainer.overwrite")
+
+
+def config_changes(saved: Dict[str, Any], config: Dict[str, Any]) -> List[str]:
+    """'key: checkpoint value -> this run's value' for every setting that differs (the run's values apply:
+    model, tokenizer and optimizer changes are refused by check_compatible before this is asked)."""
+    old, new = _flatten(saved), _flatten(config)
+    keys = sorted((set(old) | set(new)) - set(_UNREPORTED))
+    return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}" for k in keys if old.get(k) != new.get(k)]
+
+
+def _flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def run_id(path: Path) -> str:
+    """The id of the run that wrote checkpoint `path` ("" for none)."""
+    return str(_marker(path).get("run_id", ""))

@@ -8,6 +8,7 @@ pipeline, read the same data.
 
 from __future__ import annotations
 
+import datetime
 import gc
 import os
 from dataclasses import dataclass
@@ -86,13 +87,23 @@ def mean_over_ranks(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def init_distributed(device: torch.device) -> None:
-    """Join torchrun's process group: NCCL for CUDA, gloo for CPU; each CUDA rank takes its local GPU."""
+def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
+    """Join torchrun's process group: NCCL for CUDA, gloo for CPU; each CUDA rank takes its local GPU.
+
+    Collectives wait timeout_s plus a minute: the watchdog (kimi/parallel/watchdog.py) ends a stalled job
+    at timeout_s with a message naming the rank, before a collective's own timeout would."""
     if dist.is_initialized():
         return
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=timeout_s + 60))
+
+
+def setup_group() -> dist.ProcessGroup:
+    """A group for waiting on rank 0's one-off work (tokenising a corpus can take hours): its barrier has
+    no practical timeout; the watchdog still ends the job if a rank stops."""
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
 
 
 def destroy_distributed() -> None:

@@ -174,10 +174,19 @@ class TorchEngine:
                 "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Weights, optimizer moments and the schedule's position come from `state`; hyper-parameters (lr,
+        weight decay, betas, ...) and the schedule's shape stay this run's config, so a resumed run can
+        change them (the trainer lists what changed)."""
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         back = {v: k for k, v in self._optim_aliases().items()}
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=_rename(state["optim"], back))
         self.scheduler.load_state_dict(state["scheduler"])
+        for group, h in zip(self.optimizer.param_groups, hyper):
+            group.update(h)
+        self.scheduler.base_lrs = [h["initial_lr"] for h in hyper]
+        for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
+            group["lr"] = base * fn(self.scheduler.last_epoch)
 
 
 def _rename(optim_sd: dict, names: dict[str, str]) -> dict:

@@ -1,0 +1,126 @@
+"""How commands end: exit codes a scheduler can read, and one line (no traceback) for every known problem.
+
+  0   EXIT_OK        finished
+  1   EXIT_FAILED    a failure (loss became NaN, no space left, a stalled rank, ...); a bug still prints its
+                     traceback
+  2   EXIT_BAD_INPUT bad config, data, arguments or run directory: the message says what to change
+  75  EXIT_STOPPED   stopped early with a checkpoint (SIGTERM, trainer.stop_at_step): rerun to continue
+                     (75 is EX_TEMPFAIL of sysexits.h: "try again later")
+
+torchrun turns any non-zero exit of a rank into its own failure (exit 1, after killing the other ranks), so
+under torchrun a stopped run's ranks exit 0 and rank 0 records the code in ``<run_dir>/exit_code``, which
+launch/torchrun.sh and launch/slurm.sbatch exit with. A single process exits with the code itself.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 75
+# errno -> what a user should read
+STORAGE_ERRORS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+          errno.EROFS: "not writable (read-only file system)", errno.EACCES: "not writable (permission denied)",
+          errno.EPERM: "not writable (not permitted)"}
+
+
+class RunError(RuntimeError):
+    """A failure whose message says everything (printed as one line, exit code 1)."""
+
+
+def exit_code_for(e: BaseException) -> int | None:
+    """The exit code for an error worth one line, or None for a bug (which keeps its traceback)."""
+    from kimi.config import ConfigError
+    from kimi.data.sources import DataError
+
+    if isinstance(e, (ConfigError, DataError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+                      PermissionError)):
+        return EXIT_BAD_INPUT
+    if isinstance(e, (RunError, FloatingPointError)):
+        return EXIT_FAILED
+    if isinstance(e, OSError) and e.errno in STORAGE_ERRORS:
+        return EXIT_FAILED
+    return None
+
+
+def describe(e: BaseException) -> str:
+    """The error as one line; OS errors say in plain words what ran out or was refused."""
+    if isinstance(e, OSError) and e.errno in STORAGE_ERRORS and not isinstance(e, FileNotFoundError):
+        return f"{STORAGE_ERRORS[e.errno]}: {e.filename}" if e.filename else STORAGE_ERRORS[e.errno]
+    return " ".join(str(e).split())
+
+
+def run_main(body: Callable[[], int]) -> int:
+    """Run `body` (which returns an exit code); known problems become one line on stderr and their code."""
+    try:
+        return body()
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001: anything unknown is re-raised below
+        code = exit_code_for(e)
+        if code is None:
+            raise
+        print(f"error: {describe(e)}", file=sys.stderr, flush=True)
+        return code
+
+
+def finish(code: int, run_dir: str | os.PathLike) -> int:
+    """Record `code` for the launch scripts (rank 0, when the run dir exists) and return the process's own
+    exit code."""
+    if os.environ.get("RANK", "0") == "0" and Path(run_dir).is_dir():
+        try:
+            (Path(run_dir) / "exit_code").write_text(f"{code}\n")
+        except OSError:
+            pass  # a run dir that cannot be written has already been reported
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    return EXIT_OK if code == EXIT_STOPPED and under_torchrun else code
+
+
+def check_overrides(argv: list[str], config_dir: str) -> None:
+    """Compose the config from command-line overrides as Hydra will, so that what Hydra itself refuses (a
+    misspelt key, a value of the wrong type, a preset that does not exist, a syntax error) and a run dir
+    Hydra cannot create become one ConfigError line, before Hydra prints its own multi-line report. Runs
+    with Hydra's own flags (--multirun, --cfg, ...; --config-path=DIR is understood) are left to Hydra."""
+    paths = [a.split("=", 1)[1] for a in argv if a.startswith("--config-path=")]
+    argv = [a for a in argv if not a.startswith("--config-path=")]
+    if any(a.startswith("-") for a in argv):
+        return
+    config_dir = str(Path(paths[-1]).resolve()) if paths else config_dir
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import MissingConfigException
+
+    from kimi.config import ConfigError, unknown_key
+
+    for a in argv:
+        if a.startswith("hydra.run.dir="):
+            _check_run_dir(Path(a.split("=", 1)[1]))
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+            compose("config", overrides=[a for a in argv if not a.startswith("hydra.")])
+    except MissingConfigException as e:
+        group, _, name = (e.missing_cfg_file or "").rpartition("/")
+        choices = "|".join(e.options or [])
+        raise ConfigError(f"{group}={name}: no such preset; choose one of {choices} (files in conf/{group}/)") from None
+    except Exception as e:  # noqa: BLE001: Hydra's and OmegaConf's errors, whose messages span lines
+        cause = e.__cause__
+        key = getattr(cause, "full_key", None)
+        if key and type(cause).__name__ in ("ConfigAttributeError", "ConfigKeyError"):
+            raise ConfigError(unknown_key(key)) from None
+        if key:  # a value OmegaConf could not convert
+            value = next((a.split("=", 1)[1] for a in argv if a.lstrip("+~").split("=", 1)[0] == key), "?")
+            raise ConfigError(f"{key}={value} is invalid: {str(cause).splitlines()[0]}") from None
+        raise ConfigError(f"cannot read the overrides: {' '.join(str(e).split())}") from None
+
+
+def _check_run_dir(path: Path) -> None:
+    from kimi.config import ConfigError
+
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise ConfigError(f"hydra.run.dir={path}: {p} is a file, not a directory; choose another run dir")
+            return

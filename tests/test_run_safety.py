@@ -1,0 +1,392 @@
+"""Runs that cannot be lost, corrupted or hijacked: untrusted checkpoint files, damaged checkpoints, reused and
+shared run directories, full disks, changed settings on resume, exit codes and a stalled rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import TINY_TRAINER as TINY
+from helpers import make_corpus
+from hydra import compose, initialize_config_dir
+
+from kimi import checkpoint
+from kimi.cli import RunError, run_main
+from kimi.config import ConfigError, register_configs
+from kimi.metrics import read_metrics
+from kimi.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+register_configs()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> list[str]:
+    corpus = make_corpus(tmp_path_factory.mktemp("corpus"))
+    files = ",".join(str(p) for p in sorted(corpus.glob("*.txt")))
+    return [f"data.data_files=[{files}]", f"data.cache_dir={tmp_path_factory.mktemp('cache')}"]
+
+
+def cfg(run: Path, data: list[str], *overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=[f"trainer.run_dir={run}", *data, *TINY, "trainer.eval_every=0",
+                                            *overrides])
+
+
+def train(run: Path, data: list[str], *overrides: str) -> Trainer:
+    trainer = Trainer(cfg(run, data, *overrides))
+    trainer.fit()
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, data) -> Path:
+    """A run with complete checkpoints at steps 2 and 4; tests copy it before changing anything."""
+    run = tmp_path_factory.mktemp("trained") / "run"
+    train(run, data, "trainer.max_steps=4", "trainer.checkpoint_every=2")
+    return run
+
+
+def copy_run(trained: Path, tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(trained, run, ignore=shutil.ignore_patterns(".lock"))
+    return run
+
+
+def ckpt(run: Path, step: int) -> Path:
+    return checkpoint.step_dir(run / "checkpoints", step)
+
+
+def data_file(path: Path) -> Path:
+    return next(p for p in sorted(path.iterdir()) if p.suffix == ".distcp")
+
+
+# ---- trusted loading -------------------------------------------------------------------------------------
+
+class Evidence:
+    """Unpickling this creates a file: proof that a checkpoint ran code."""
+
+    path = ""
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def replant(path: Path, name: str, payload: bytes) -> None:
+    """Replace one file of a checkpoint and fix its manifest, as an attacker who can write the run dir would."""
+    (path / name).write_bytes(payload)
+    marker = json.loads((path / checkpoint.COMPLETE).read_text())
+    marker["files"][name] = [len(payload), checkpoint.manifest.crc32(path / name)]
+    (path / checkpoint.COMPLETE).write_text(json.dumps(marker))
+
+
+@pytest.mark.parametrize("where", ["metadata", "extra", "optimizer"])
+def test_a_planted_pickle_never_runs(tmp_path, data, trained, monkeypatch, where):
+    import pickle
+
+    from kimi.generate import load_from_checkpoint
+
+    evidence = tmp_path / "code-ran"
+    Evidence.path = str(evidence)
+    run = copy_run(trained, tmp_path)
+    if where == "metadata":
+        replant(ckpt(run, 4), ".metadata", pickle.dumps(Evidence()))
+    else:  # a checkpoint written with a malicious object in an entry that loading reads
+        real = checkpoint._full_state
+
+        def planted(*args):
+            state = real(*args)
+            if where == "extra":
+                state["trainer"]["extra"] = Evidence()
+            else:
+                state["optim"]["param_groups"][0]["lr"] = Evidence()
+            return state
+
+        monkeypatch.setattr(checkpoint, "_full_state", planted)
+        train(run, data, "trainer.max_steps=5", "trainer.checkpoint_every=2")
+        monkeypatch.setattr(checkpoint, "_full_state", real)
+        assert checkpoint.latest_complete(run / "checkpoints").step == 5
+    loads = {"resume": lambda: Trainer(cfg(run, data, "trainer.max_steps=8")),
+             "generate": lambda: load_from_checkpoint(str(run))}
+    if where == "optimizer":  # generation reads the model only: it never touches the optimizer entries
+        loads.pop("generate")
+    for load in loads.values():
+        with pytest.raises(RunError, match="refusing to load checkpoint"):
+            load()
+        assert not evidence.exists()
+
+
+# ---- integrity -------------------------------------------------------------------------------------------
+
+def flip(path: Path) -> None:
+    f = data_file(path)
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    f.write_bytes(bytes(raw))
+
+
+def truncate(path: Path) -> None:
+    f = data_file(path)
+    f.write_bytes(f.read_bytes()[:-100])
+
+
+def remove(path: Path) -> None:
+    data_file(path).unlink()
+
+
+def marker_alone(path: Path) -> None:
+    for p in path.iterdir():
+        if p.name != checkpoint.COMPLETE:
+            p.unlink()
+
+
+def marker_without_manifest(path: Path) -> None:
+    (path / checkpoint.COMPLETE).write_text("{}\n")
+
+
+FAULTS = {"flipped byte": (flip, "does not match its checksum"), "truncated": (truncate, "bytes, "),
+          "missing file": (remove, "is missing"), "marker alone": (marker_alone, "is missing"),
+          "no manifest": (marker_without_manifest, "lists no files")}
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_intact_one(tmp_path, data, trained, capsys, fault):
+    damage, message = FAULTS[fault]
+    run = copy_run(trained, tmp_path)
+    damage(ckpt(run, 4))
+    trainer = Trainer(cfg(run, data, "trainer.max_steps=6"))
+    assert trainer.step == 2
+    out = capsys.readouterr().out
+    assert f"skipping damaged checkpoint {ckpt(run, 4)}: " in out and message in out
+    # set aside, not deleted: rotation will not count it, and a new step 4 will not replace it
+    assert (run / "checkpoints" / f"{ckpt(run, 4).name}{checkpoint.DAMAGED}").is_dir()
+    trainer.close()
+
+
+def test_no_intact_checkpoint_is_an_error_naming_them(tmp_path, data, trained, capsys):
+    run = copy_run(trained, tmp_path)
+    flip(ckpt(run, 2))
+    truncate(ckpt(run, 4))
+    with pytest.raises(RunError, match="no intact checkpoint in .*step_00000002, step_00000004"):
+        Trainer(cfg(run, data, "trainer.max_steps=6"))
+    assert ckpt(run, 2).is_dir() and ckpt(run, 4).is_dir()  # nothing deleted
+
+
+def test_generation_refuses_a_damaged_checkpoint_named_directly(tmp_path, trained):
+    from kimi.generate import load_from_checkpoint
+
+    run = copy_run(trained, tmp_path)
+    flip(ckpt(run, 4))
+    with pytest.raises(RunError, match="is damaged: .*checksum"):
+        load_from_checkpoint(str(ckpt(run, 4)))
+    assert load_from_checkpoint(str(run))[2] == 2  # the run dir: the newest intact one
+
+
+# ---- run-directory safety --------------------------------------------------------------------------------
+
+def test_a_fresh_run_in_a_used_run_dir_is_refused_or_moves_the_old_run_aside(tmp_path, data, trained):
+    run = copy_run(trained, tmp_path)
+    old_metrics = (run / "metrics.jsonl").read_bytes()
+    with pytest.raises(ConfigError, match="trainer.resume=false, but run dir .* holds checkpoints.*overwrite=true"):
+        Trainer(cfg(run, data, "trainer.resume=false"))
+    assert checkpoint.latest_complete(run / "checkpoints").step == 4
+    # overwrite: the old run moves aside whole; the new one keeps its own checkpoints (step 1 < the old 4)
+    train(run, data, "trainer.resume=false", "trainer.overwrite=true", "trainer.max_steps=2",
+          "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2")
+    [previous] = (run / "previous").iterdir()
+    assert [c.step for c in checkpoint.list_checkpoints(previous / "checkpoints")] == [2, 4]
+    assert (previous / "metrics.jsonl").read_bytes() == old_metrics
+    assert [c.step for c in checkpoint.list_checkpoints(run / "checkpoints")] == [1, 2]
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == [1, 2]
+
+
+def test_rotation_deletes_only_older_checkpoints_of_its_own_run(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step, run_id in ((2, "a"), (4, "a"), (6, "a"), (9, "b"), (20, "a")):
+        path = checkpoint.step_dir(root, step)
+        path.mkdir(parents=True)
+        (path / checkpoint.COMPLETE).write_text(json.dumps({"run_id": run_id, "files": {"x": [0, 0]}}))
+    checkpoint._rotate(root, 6, keep=2, run_id="a")
+    assert [c.step for c in checkpoint.list_checkpoints(root)] == [4, 6, 9, 20]
+
+
+def test_metrics_are_appended_and_a_partial_last_line_is_tolerated(tmp_path, data, trained):
+    run = copy_run(trained, tmp_path)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "loss": 1.2')  # a crash mid-write
+    before = (run / "metrics.jsonl").read_bytes()
+    train(run, data, "trainer.max_steps=6")
+    assert (run / "metrics.jsonl").read_bytes().startswith(before)
+    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_second_trainer_on_the_same_run_dir_is_refused(tmp_path, data):
+    first = Trainer(cfg(tmp_path / "run", data, "trainer.max_steps=2"))
+    with pytest.raises(ConfigError, match=f"in use by another trainer \\(pid {os.getpid()} on host "):
+        Trainer(cfg(tmp_path / "run", data, "trainer.max_steps=2"))
+    first.fit()  # the first one is not disturbed, and releases the run dir
+    Trainer(cfg(tmp_path / "run", data, "trainer.max_steps=2")).close()
+
+
+@pytest.mark.parametrize("case", ["run dir is a file", "checkpoints is a file"])
+def test_an_unusable_run_dir_is_found_at_start_up(tmp_path, data, case):
+    run = tmp_path / "run"
+    if case == "run dir is a file":
+        run.write_text("x")
+        message = "is a file, not a directory"
+    else:
+        run.mkdir()
+        (run / "checkpoints").write_text("x")
+        message = "checkpoints is a file"
+    with pytest.raises(ConfigError, match=message):
+        Trainer(cfg(run, data))
+
+
+def mount_tmpfs(path: Path, size: str, read_only: bool = False) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    options = f"size={size}" + (",ro" if read_only else "")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"needs a small tmpfs (root): mount failed: {proc.stderr.strip()}")
+
+
+def test_a_read_only_run_dir_is_found_at_start_up(tmp_path, data):
+    run = tmp_path / "ro"
+    mount_tmpfs(run, "1m", read_only=True)
+    try:
+        with pytest.raises(ConfigError, match="is not writable"):
+            Trainer(cfg(run, data))
+    finally:
+        subprocess.run(["umount", str(run)], check=True)
+
+
+def test_a_full_disk_at_a_save_keeps_the_earlier_checkpoint(tmp_path, data, trained):
+    size = sum(f.stat().st_size for f in ckpt(trained, 4).iterdir())
+    run = tmp_path / "small"
+    mount_tmpfs(run, str(int(1.5 * size) + 300_000))  # room for a checkpoint or two, not three
+    try:
+        trainer = Trainer(cfg(run, data, "trainer.max_steps=6", "trainer.checkpoint_every=2",
+                              "trainer.keep_checkpoints=3"))
+        with pytest.raises(RunError) as failure:
+            trainer.fit()
+        message = str(failure.value)
+        failed = int(message.split("while saving checkpoint ")[1].split(";")[0].rsplit("_", 1)[1])
+        assert message.startswith("no space left on device while saving checkpoint ") and failed in (4, 6)
+        assert f"the newest complete checkpoint {ckpt(run, failed - 2)} is intact" in message
+        kept = checkpoint.list_checkpoints(run / "checkpoints")
+        assert [c.step for c in kept] == list(range(2, failed, 2))  # the partial one is gone, none lost
+        assert all(c.complete and checkpoint.verify(c.path) == [] for c in kept)
+    finally:
+        subprocess.run(["umount", str(run)], check=True)
+
+
+# ---- resume that says what it keeps ------------------------------------------------------------------------
+
+def test_resume_lists_changed_settings_and_applies_the_new_ones(tmp_path, data, trained, capsys):
+    run = copy_run(trained, tmp_path)
+    capsys.readouterr()
+    trainer = Trainer(cfg(run, data, "trainer.max_steps=8", "trainer.checkpoint_every=2", "optim.lr=2e-2",
+                          "optim.weight_decay=0.2"))
+    out = capsys.readouterr().out
+    assert "3 setting(s) differ from the checkpoint's; this run's values apply:" in out
+    for line in ("optim.lr: 0.01 -> 0.02", "optim.weight_decay: 0.1 -> 0.2", "trainer.max_steps: 4 -> 8"):
+        assert line in out
+    from kimi.optim import lr_multiplier
+
+    for group in trainer.optimizer.param_groups:
+        assert group["initial_lr"] == 2e-2
+        assert group["lr"] == pytest.approx(2e-2 * lr_multiplier(4, trainer.cfg.optim, 8))
+        assert group["weight_decay"] in (0.2, 0.0)
+    trainer.close()
+
+
+def test_resume_with_another_optimizer_is_refused(tmp_path, data, trained):
+    run = copy_run(trained, tmp_path)
+    with pytest.raises(ConfigError, match="it was trained with optim=muonclip"):
+        Trainer(cfg(run, data, "optim=adamw"))
+
+
+# ---- exit codes ------------------------------------------------------------------------------------------
+
+def train_py(run: Path, data: list[str], *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run}", *data, *TINY, "trainer.eval_every=0",
+           *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_exit_codes_a_scheduler_can_read(tmp_path, data):
+    run = tmp_path / "run"
+    stopped = train_py(run, data, "trainer.max_steps=4", "trainer.stop_at_step=2")
+    assert stopped.returncode == 75, stopped.stderr[-2000:]
+    assert "stopped at step 2 (trainer.stop_at_step=2)" in stopped.stdout
+    again = train_py(run, data, "trainer.max_steps=4", "trainer.stop_at_step=2")
+    assert again.returncode == 75 and "already at step 2, at or past trainer.stop_at_step=2" in again.stdout
+    done = train_py(run, data, "trainer.max_steps=4")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (run / "exit_code").read_text() == "0\n"
+    bad = train_py(run, data, "+trainer.max_stepz=3")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith("error: trainer.max_stepz is not a config key")
+    assert checkpoint.latest_complete(run / "checkpoints").step == 4
+
+
+def test_nan_stop_is_one_line_and_exit_code_1(tmp_path, data, capsys):
+    trainer = Trainer(cfg(tmp_path / "run", data, "trainer.max_steps=5"))
+    trainer.model.register_forward_hook(lambda m, args, out: out * float("nan"))
+    assert run_main(trainer.fit) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: loss is nan at step 1: stopping before the update")
+
+
+# ---- bounded hangs ---------------------------------------------------------------------------------------
+
+def rank_pid(parent: int, rank: int) -> int | None:
+    """The pid of the torchrun worker with RANK=rank among parent's children."""
+    for child in Path("/proc").glob("[0-9]*"):
+        try:
+            if int((child / "stat").read_text().split(")")[1].split()[1]) != parent:
+                continue
+            env = (child / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if f"RANK={rank}".encode() in env:
+            return int(child.name)
+    return None
+
+
+def test_a_stopped_rank_ends_the_job_with_a_message(tmp_path, data):
+    run, timeout = tmp_path / "run", 10
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "train.py"), f"hydra.run.dir={run}", *data, *TINY, "parallel.dp_shard=2",
+           "trainer.micro_batch_size=2", "trainer.eval_every=0", "trainer.max_steps=100000",
+           "trainer.checkpoint_every=1", f"trainer.collective_timeout_s={timeout}"]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 240
+        while (checkpoint.latest_complete(run / "checkpoints") or checkpoint.CheckpointInfo(0, run, False)).step < 3:
+            assert job.poll() is None and time.time() < deadline, job.communicate()
+            time.sleep(0.2)
+        pid = rank_pid(job.pid, 1)
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.time()
+        _, err = job.communicate(timeout=timeout + 60)
+        waited = time.time() - stopped_at
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0
+    assert waited < timeout + 30, waited
+    assert f"rank 1 (pid {pid} on " in err and "made no progress for" in err, err[-3000:]
+    assert "Last finished step per rank: 0: " in err
+    latest = checkpoint.latest_complete(run / "checkpoints")
+    assert latest.step >= 3 and checkpoint.verify(latest.path) == []
