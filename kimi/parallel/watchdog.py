@@ -2,12 +2,13 @@
 message instead of leaving the others blocked in a collective.
 
 Every rank runs a thread that publishes a heartbeat (a counter, its last finished step, pid and host) in
-the process group's key-value store every few seconds and reads everyone else's. Each rank times the others
-with its own monotonic clock (no clock synchronisation needed): a heartbeat unchanged for longer than
-``trainer.collective_timeout_s`` means that rank's process is not running. The live ranks then end the job:
-the lowest one prints which rank stalled and the last step every rank finished, ranks on the stalled one's
-host kill it (a stopped process ignores everything but SIGKILL), and all exit with code 1, which torchrun
-passes on. The store lives in torchrun's agent, so it answers even when rank 0 is the one stopped.
+the process group's key-value store every few seconds and reads the next rank's (a ring, so the store's
+load grows linearly with the ranks). It times that heartbeat with its own monotonic clock (no clock
+synchronisation needed): unchanged for longer than ``trainer.collective_timeout_s``, the watched rank's
+process is not running. The watcher then prints which rank stalled and the last step every rank finished,
+kills the stalled process if it is on the same host (a stopped process ignores everything but SIGKILL) and
+exits with code 1; torchrun then ends the other ranks. The store lives in torchrun's agent, so it answers
+even when rank 0 is the one stopped.
 """
 
 from __future__ import annotations
@@ -64,38 +65,35 @@ class Watchdog:
         beat = {"beat": self._beat, "step": self.step, "pid": os.getpid(), "host": socket.gethostname()}
         self.store.set(_KEY.format(self.rank), json.dumps(beat))
 
-    def _read(self) -> Dict[int, dict]:
-        return {r: json.loads(self.store.get(_KEY.format(r))) for r in range(self.world)}
+    def _read(self, ranks) -> Dict[int, dict]:
+        return {r: json.loads(self.store.get(_KEY.format(r))) for r in ranks}
 
     def _run(self) -> None:
-        seen = {r: (b["beat"], time.monotonic()) for r, b in self._read().items()}
+        # Each rank watches the next one (a ring): two store reads per rank per interval, at any scale.
+        watched = (self.rank + 1) % self.world
+        last, seen_at = self._read([watched])[watched]["beat"], time.monotonic()
         while not self._stop.wait(self.interval):
             try:
                 self._publish()
-                beats = self._read()
+                beat = self._read([watched])[watched]["beat"]
             except Exception:  # noqa: BLE001: the store is gone, so the job is ending anyway
                 return
             now = time.monotonic()
-            for r, b in beats.items():
-                if b["beat"] != seen[r][0]:
-                    seen[r] = (b["beat"], now)
-            stalled = [r for r in range(self.world) if now - seen[r][1] > self.timeout_s]
-            if stalled and self.rank not in stalled:
-                self._end(stalled, beats, now - min(seen[r][1] for r in stalled))
+            if beat != last:
+                last, seen_at = beat, now
+            elif now - seen_at > self.timeout_s:
+                self._end(watched, now - seen_at)
 
-    def _end(self, stalled: list, beats: Dict[int, dict], silent_s: float) -> None:
-        live = [r for r in range(self.world) if r not in stalled]
-        if self.rank == live[0]:
-            who = ", ".join(f"rank {r} (pid {beats[r]['pid']} on {beats[r]['host']})" for r in stalled)
-            steps = ", ".join(f"{r}: {b['step']}" for r, b in sorted(beats.items()))
-            print(f"error: {who} made no progress for {silent_s:.0f} s (trainer.collective_timeout_s="
-                  f"{self.timeout_s:g}): its process is stopped or hung. Last finished step per rank: {steps}. "
-                  f"Ending the job. {self.explain()}".rstrip(), file=sys.stderr, flush=True)
-        host = socket.gethostname()
-        for r in stalled:
-            if beats[r]["host"] == host:
-                try:
-                    os.kill(beats[r]["pid"], signal.SIGKILL)
-                except OSError:
-                    pass
+    def _end(self, stalled: int, silent_s: float) -> None:
+        beats = self._read(range(self.world))
+        b = beats[stalled]
+        steps = ", ".join(f"{r}: {x['step']}" for r, x in sorted(beats.items()))
+        print(f"error: rank {stalled} (pid {b['pid']} on {b['host']}) made no progress for {silent_s:.0f} s "
+              f"(trainer.collective_timeout_s={self.timeout_s:g}): its process is stopped or hung. Last finished "
+              f"step per rank: {steps}. Ending the job. {self.explain()}".rstrip(), file=sys.stderr, flush=True)
+        if b["host"] == socket.gethostname():  # a stopped process ignores everything but SIGKILL
+            try:
+                os.kill(b["pid"], signal.SIGKILL)
+            except OSError:
+                pass
         os._exit(EXIT_FAILED)
