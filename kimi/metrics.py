@@ -5,39 +5,95 @@ from __future__ import annotations
 import json
 import math
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from kimi.config import LoggingConfig
 
-# Dense bf16 tensor-core peak per device (FLOP/s), from the vendors' datasheets (no sparsity).
-_CUDA_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "4090": 165e12}
+# Dense bf16 tensor-core peak per device (FLOP/s), from the vendors' datasheets (no sparsity); the first
+# key found in the device's name applies (so "H100 PCIe" before "H100", "A100" before "A10").
+_CUDA_PEAK_BF16 = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
+                   "A10": 125e12, "4090": 165e12}
+_CUDA_UNKNOWN = 100e12  # a GPU not in the table: MFU against this, and the start-up line says so
 
 
-def measure_cpu_peak_flops(size: int = 512, seconds: float = 0.3) -> float:
-    """Achieved fp32 matmul FLOP/s of this CPU with torch's current thread count: a practical ceiling
-    for MFU on machines with no datasheet number at hand."""
+def measure_cpu_peak_flops(size: int = 512, seconds: float = 0.1, repeats: int = 5) -> float:
+    """Achieved fp32 matmul FLOP/s of this CPU with torch's current thread count, the best of `repeats`
+    timed runs of `seconds` each (another process busy for a moment lowers one run, not the best): a
+    practical ceiling for MFU on machines with no datasheet number at hand."""
     a, b = torch.randn(size, size), torch.randn(size, size)
     a @ b  # warm up
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ b
-        n += 1
-    return 2 * size**3 * n / (time.perf_counter() - t0)
+    best = 0.0
+    for _ in range(repeats):
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            a @ b
+            n += 1
+        best = max(best, 2 * size**3 * n / (time.perf_counter() - t0))
+    return best
+
+
+def _cuda_peak(device: torch.device) -> Tuple[float, str]:
+    name = torch.cuda.get_device_name(device)
+    for key, value in _CUDA_PEAK_BF16.items():
+        if key in name:
+            return value, f"{name}, datasheet dense bf16 peak"
+    return _CUDA_UNKNOWN, f"{name}, not in kimi/metrics.py's table: assumed; set trainer.peak_flops"
 
 
 def peak_flops(device: torch.device, configured: Optional[float]) -> float:
+    """Per-device FLOP/s: trainer.peak_flops, else the datasheet's (CUDA) or a measured matmul rate (CPU)."""
     if configured:
         return float(configured)
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, value in _CUDA_PEAK_BF16.items():
-            if key in name:
-                return value
-        return 100e12
-    return measure_cpu_peak_flops()
+    return _cuda_peak(device)[0] if device.type == "cuda" else measure_cpu_peak_flops()
+
+
+def format_flops(x: float) -> str:
+    for unit, div in (("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if abs(x) >= div:
+            return f"{x / div:.1f} {unit}FLOP/s"
+    return f"{x:.0f} FLOP/s"
+
+
+class PeakFlops:
+    """What MFU divides by (`world` devices' peak) and where the number comes from. An achieved rate above
+    it (a CPU measured while another process was busy, a trainer.peak_flops set too low) becomes the peak,
+    said once, so MFU never exceeds 100%."""
+
+    def __init__(self, device: torch.device, configured: Optional[float], world: int = 1):
+        self.world, self.raised = world, False
+        if configured:
+            self.per_device, self.source = float(configured), "trainer.peak_flops"
+            self.kind = self.source
+        elif device.type == "cuda":
+            (self.per_device, self.source), self.kind = _cuda_peak(device), "the datasheet peak"
+        else:
+            self.per_device, self.kind = measure_cpu_peak_flops(), "the measured CPU rate"
+            n = torch.get_num_threads()
+            self.source = (f"this CPU's measured fp32 matmul rate (best of 5 x 0.1 s, {n} thread{'s' * (n != 1)}), "
+                           "not a datasheet peak")
+
+    @property
+    def total(self) -> float:
+        return self.per_device * self.world
+
+    def describe(self) -> str:
+        devices = f" x {self.world} devices" if self.world > 1 else ""
+        return f"[kimi] MFU against {format_flops(self.per_device)}{devices}: {self.source}"
+
+    def mfu(self, flops_per_s: float) -> Tuple[float, Optional[str]]:
+        """(MFU in [0, 1], a note the first time the achieved rate beat the peak, else None)."""
+        note = None
+        if flops_per_s > self.total:
+            if not self.raised:
+                note = (f"[kimi] achieved {format_flops(flops_per_s)}, more than {self.kind} "
+                        f"({format_flops(self.total)}): MFU is against the best rate achieved from now on, "
+                        "so at most 100%")
+            self.raised, self.per_device = True, flops_per_s / self.world
+        return min(1.0, flops_per_s / self.total), note
 
 
 def format_duration(seconds: float) -> str:
@@ -169,8 +225,12 @@ def _wandb_id(run_dir: Path) -> str:
 
 
 def progress_line(step: int, max_steps: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float,
-                  mfu: Optional[float], eta_s: float, memory_gib: Optional[float] = None) -> str:
-    parts = [f"step {step:>{len(str(max_steps))}}/{max_steps}", f"loss {loss:.4f}", f"lr {lr:.2e}",
+                  mfu: Optional[float], eta_s: float, memory_gib: Optional[float] = None,
+                  loss_steps: int = 1) -> str:
+    """One line per logging window. `loss` is the mean over the window's `loss_steps` steps (metrics.jsonl's
+    `loss`), labelled `loss(avg N)` when N > 1; lr and gnorm are the last step's."""
+    label = f"loss(avg {loss_steps})" if loss_steps > 1 else "loss"
+    parts = [f"step {step:>{len(str(max_steps))}}/{max_steps}", f"{label} {loss:.4f}", f"lr {lr:.2e}",
              f"gnorm {grad_norm:.3f}", f"{format_count(tokens_per_s)} tok/s"]
     if mfu is not None and math.isfinite(mfu):
         parts.append(f"MFU {100 * mfu:.1f}%")
@@ -180,8 +240,57 @@ def progress_line(step: int, max_steps: int, loss: float, lr: float, grad_norm: 
     return " | ".join(parts)
 
 
-def banner(cfg, dims, num_params, flops_per_token: float, data, device, routing_table=None) -> str:
-    """The lines printed before training: model, data and batch, layout, and MuonClip's parameter routing."""
+class ProgressWindow:
+    """The steps since the last progress line: their losses, their training time (evaluations and checkpoints
+    excluded with `paused`), and what they give: the progress line and metrics.jsonl's record, which agree."""
+
+    def __init__(self, peak: PeakFlops, tokens_per_step: int, flops_per_token: float, start_step: int,
+                 max_steps: int, device: torch.device):
+        self.peak, self.tokens_per_step, self.flops_per_token = peak, tokens_per_step, flops_per_token
+        self.start_step, self.max_steps, self.device = start_step, max_steps, device
+        self.t_start = self.t0 = time.perf_counter()
+        self.losses: List[float] = []
+
+    @staticmethod
+    def header(log_every: int) -> str:
+        if log_every == 1:
+            return "[kimi] a progress line every step: tok/s and MFU over its training time"
+        return (f"[kimi] a progress line every {log_every} steps: loss is the mean of those steps (metrics.jsonl's "
+                "loss), lr and gnorm the last one's, tok/s and MFU over their training time")
+
+    def add(self, loss: float) -> None:
+        self.losses.append(loss)
+
+    @contextmanager
+    def paused(self):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.t0 += time.perf_counter() - t
+
+    def report(self, step: int, out: Dict[str, float]) -> Tuple[str, Dict[str, Any], Optional[str]]:
+        """(progress line, metrics record, a note on the MFU peak or None); starts the next window."""
+        now, n = time.perf_counter(), len(self.losses)
+        tps = n * self.tokens_per_step / (now - self.t0)
+        mfu, note = self.peak.mfu(tps * self.flops_per_token)
+        eta = (now - self.t_start) / max(1, step - self.start_step) * (self.max_steps - step)
+        loss = sum(self.losses) / n
+        # this rank's peak allocation on its GPU so far (ranks differ little but for pipeline stages)
+        memory = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+        line = progress_line(step, self.max_steps, loss, out["lr"], out["grad_norm"], tps, mfu, eta, memory,
+                             loss_steps=n)
+        record = {"step": step, "loss": loss, "lr": out["lr"], "grad_norm": out["grad_norm"],
+                  "tokens_per_s": tps, "mfu": mfu, "tokens": step * self.tokens_per_step}
+        if memory is not None:
+            record["peak_memory_gib"] = memory
+        self.t0, self.losses = time.perf_counter(), []
+        return line, record, note
+
+
+def banner(cfg, dims, num_params, flops_per_token: float, data, device, routing: Optional[str] = None) -> str:
+    """The lines printed before training: model, data and batch, layout, and the optimizer's parameter routing
+    (a one-line summary: the table itself is a file, see kimi.runlog.write_routing)."""
     from kimi.config import mla_layer_indices
 
     m, t = cfg.model, cfg.trainer
@@ -199,6 +308,6 @@ def banner(cfg, dims, num_params, flops_per_token: float, data, device, routing_
     if dims.enabled:
         lines.append(f"[kimi] parallel: pp={dims.pp} x dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard} x "
                      f"tp={dims.tp} over {dims.world} processes")
-    if routing_table is not None:  # MuonClip: which parameters Muon and AdamW each update
-        lines.append(f"[kimi] optimizer {cfg.optim.name} parameter routing:\n{routing_table()}")
+    if routing:  # MuonClip: which parameters Muon and AdamW each update
+        lines.append(routing)
     return "\n".join(lines)

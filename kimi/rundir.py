@@ -23,8 +23,9 @@ from typing import Callable, Optional
 from kimi.config import ConfigError
 
 LOCK = ".lock"
-# What belongs to one run (hydra's own .hydra/ and the log stay: hydra rewrites them at every start).
-RUN_FILES = ("checkpoints", "metrics.jsonl", "loss_curve.png", "tokenizer.model", "wandb")
+# What belongs to one run (patterns in the run dir), moved aside together by trainer.overwrite=true.
+RUN_FILES = ("checkpoints", "metrics.jsonl", "loss_curve.png", "tokenizer.model", "wandb", "train.log",
+             "config.yaml", "configs", "optimizer_routing*.txt", "exit_code")
 
 
 def new_run_id() -> str:
@@ -104,7 +105,7 @@ def set_aside(run_dir: Path, resume: bool, overwrite: bool, has_checkpoints: boo
                           "another hydra.run.dir, or drop trainer.resume=false to continue that run")
     dest = run_dir / "previous" / time.strftime("%Y%m%d-%H%M%S")
     dest.mkdir(parents=True)
-    moved = [name for name in RUN_FILES if (run_dir / name).exists()]
+    moved = sorted({p.name for pattern in RUN_FILES for p in run_dir.glob(pattern)})
     for name in moved:
         os.replace(run_dir / name, dest / name)
     log(f"[kimi] trainer.overwrite=true: moved the earlier run ({', '.join(moved)}) to {dest}")

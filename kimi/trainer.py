@@ -2,15 +2,16 @@
 
 ``Trainer(cfg).fit()`` is all ``train.py`` does. The order of work in ``__init__`` is deliberate: validate
 the whole config first (no data is downloaded for a run whose config cannot work), then data, the model on
-the meta device, the engine (parallelism, this rank's shards, optimizer), and finally resume from the newest
-complete checkpoint in ``<run_dir>/checkpoints``. Everything that depends on how the model is distributed
-lives in the engine (kimi/parallel/engine.py).
+the meta device, the newest intact checkpoint in ``<run_dir>/checkpoints`` (checked against this config),
+the engine (parallelism, this rank's shards, optimizer) and its state. A run with nothing left to train
+builds no engine, and its ``fit`` starts no metrics, wandb or sample. ``fit`` keeps the config it trains
+with, the optimizer's routing table and rank 0's console output in the run dir (kimi/runlog.py).
+Everything that depends on how the model is distributed lives in the engine (kimi/parallel/engine.py).
 """
 
 from __future__ import annotations
 
 import math
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -24,10 +25,11 @@ from kimi import checkpoint, rundir
 from kimi.config import Config, config_dict, resolve_vocab, to_config, validate
 from kimi.data import Batch, TokenLoader, prepare
 from kimi.data.pack import open_tokens
-from kimi.metrics import MetricsLogger, banner, peak_flops, progress_line, qk_clip_record
+from kimi.metrics import MetricsLogger, PeakFlops, ProgressWindow, banner, qk_clip_record
 from kimi.model import KimiModel
 from kimi.parallel import ParallelDims, build_engine, init_distributed, mean_over_ranks, resolve_device, setup_group
 from kimi.parallel.watchdog import Watchdog
+from kimi.runlog import RunLog, data_identity, nothing_to_train, save_config, schedule_change, write_routing
 
 
 class Trainer:
@@ -48,10 +50,14 @@ class Trainer:
         self.dp_rank = dims.dp_rank(self.mesh)  # ranks of one tensor-parallel group read the same data
         self.is_main = self.rank == 0
         self.watchdog = Watchdog(t.collective_timeout_s, self._intact_note).start() if dims.enabled else None
-        self.lock = None
+        self.lock, self.metrics = None, None
+        self.runlog = RunLog(enabled=self.is_main)  # rank 0's stdout, also in <run_dir>/train.log
         try:
-            self.lock = rundir.open_run_dir(self.run_dir, t.resume, t.overwrite, self.is_main, dims.enabled, self.log)
-            self._build()
+            with self.runlog.tee():
+                self.lock = rundir.open_run_dir(self.run_dir, t.resume, t.overwrite, self.is_main,
+                                                dims.enabled, self.log)
+                self.runlog.open(self.run_dir)
+                self._build()
         except BaseException:
             self.close()
             raise
@@ -91,15 +97,17 @@ class Trainer:
             model = KimiModel(cfg.model)
         self.flops_per_token = model.flops_per_token(t.seq_len)  # whole-model figures, before any split
         self.num_params = (model.num_params(), model.num_params(exclude_embedding=True))
-        self.engine = build_engine(cfg, dims, self.mesh, self.device, model)
-        self.model, self.optimizer = self.engine.model, self.engine.optimizer
-        self.step = 0
-        self.run_id = rundir.new_run_id()  # a resumed run keeps the checkpoint's
+        self.step, self.run_id = 0, rundir.new_run_id()  # a resumed run keeps the checkpoint's run id
         self._stop_signal: Optional[str] = None
         self._last_val: Optional[float] = None
-        self._resume()
-        self.metrics = MetricsLogger(self.run_dir, cfg.logging, config_dict(cfg), resume_step=self.step,
-                                     enabled=self.is_main)
+        resume = self._checkpoint_to_resume()
+        self.idle = self.step >= t.max_steps or bool(t.stop_at_step and self.step >= t.stop_at_step)
+        if self.idle:  # nothing to train: no weights allocated or loaded; fit says so
+            return
+        self.engine = build_engine(cfg, dims, self.mesh, self.device, model)
+        self.model, self.optimizer = self.engine.model, self.engine.optimizer
+        if resume:
+            self._resume(*resume)
 
     def log(self, message: str) -> None:
         """Console output, from rank 0 only."""
@@ -118,24 +126,20 @@ class Trainer:
         return f"Rerun the same command to resume from {last.path}." if last else "No checkpoint was written yet."
 
     # ---- setup helpers -------------------------------------------------------------------------------
-    def _data_identity(self) -> Dict[str, Any]:
-        # The run dir keeps its own copy of the tokenizer so `python -m kimi.generate` needs only the run.
-        tok_copy = self.run_dir / "tokenizer.model"
-        if self.is_main and not tok_copy.exists():
-            shutil.copyfile(self.data.tokenizer.path, tok_copy)
-        return {"tokenizer_sha256": self.data.tokenizer.sha256, "tokenizer_path": str(tok_copy.resolve()),
-                "data_dir": str(self.data.data_dir)}
-
-    def _resume(self) -> None:
+    def _checkpoint_to_resume(self):
+        """(newest intact checkpoint, its trainer state) checked against this config; or None."""
         if not self.cfg.trainer.resume:
-            return
+            return None
         latest = checkpoint.newest_intact(self.ckpt_dir, self.log, set_aside=True)
         if latest is None:
-            return
+            return None
         saved = checkpoint.read_trainer_state(latest.path)
-        now = config_dict(self.cfg)
-        checkpoint.check_compatible(saved, latest.path, now, self.data.tokenizer.sha256)
-        changes = checkpoint.config_changes(saved["config"], now)
+        checkpoint.check_compatible(saved, latest.path, config_dict(self.cfg), self.data.tokenizer.sha256)
+        self.step = int(saved["step"])
+        return latest, saved
+
+    def _resume(self, latest: checkpoint.CheckpointInfo, saved: Dict[str, Any]) -> None:
+        changes = checkpoint.config_changes(saved["config"], config_dict(self.cfg))
         state = checkpoint.load(latest.path, self.engine, self.loader)
         self.step = int(state["step"])
         self.run_id = checkpoint.run_id(latest.path) or self.run_id
@@ -143,6 +147,9 @@ class Trainer:
         if changes:
             self.log(f"[kimi] {len(changes)} setting(s) differ from the checkpoint's; this run's values apply:\n"
                      + "\n".join(f"         {line}" for line in changes))
+        note = schedule_change(saved["config"], self.cfg.optim, self.cfg.trainer.max_steps, self.step)
+        if note:
+            self.log(note)
 
     # ---- the loop ------------------------------------------------------------------------------------
     def train_step(self) -> Dict[str, float]:
@@ -169,7 +176,8 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         t0 = time.time()
         path = checkpoint.save(self.ckpt_dir, self.step, self.engine, self.loader, config_dict(self.cfg),
-                               self._data_identity(), keep=self.cfg.trainer.keep_checkpoints, run_id=self.run_id)
+                               data_identity(self.run_dir, self.data, self.is_main),
+                               keep=self.cfg.trainer.keep_checkpoints, run_id=self.run_id)
         self.log(f"[kimi] saved checkpoint {path} ({time.time() - t0:.1f}s)")
         return path
 
@@ -189,16 +197,23 @@ class Trainer:
         return bool(stop.item())
 
     def fit(self) -> Dict[str, Any]:
+        with self.runlog.tee():  # rank 0's console output, also in <run_dir>/train.log
+            if self.idle:  # no metrics, wandb, plot or sample: the run dir stays as it was
+                self.close()
+                return nothing_to_train(self.step, self.cfg.trainer, self.log)
+            return self._fit()
+
+    def _fit(self) -> Dict[str, Any]:
         t, cfg = self.cfg.trainer, self.cfg
-        self.log(banner(self.cfg, self.dims, self.num_params, self.flops_per_token, self.data, self.device,
-                        getattr(self.optimizer, "routing_table", None)))
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
+            self._start()
             result = self._loop()
         finally:
             for s, h in old_handlers.items():
                 signal.signal(s, h)
-            self.metrics.close()
+            if self.metrics is not None:
+                self.metrics.close()
             self.close()
         if cfg.logging.plot and self.metrics.history:
             png = self.metrics.plot(self.run_dir / "loss_curve.png")
@@ -206,65 +221,53 @@ class Trainer:
                 self.log(f"[kimi] loss curve: {png}")
         if result["finished"] and t.sample_tokens > 0 and (self.dims.pp > 1 or cfg.parallel.sequence_parallel):
             # a pipeline would need its own decoding schedule; one token cannot be split over tp ranks
-            self.log("[kimi] no sample under pipeline or sequence parallelism: sample from the run directory with "
-                     "python -m kimi.generate run=<run dir>")
+            self.log("[kimi] no sample under pipeline or sequence parallelism: sample from the run directory "
+                     "with python -m kimi.generate run=<run dir>")
         elif result["finished"] and t.sample_tokens > 0:
             result["sample"] = self.sample(t.sample_prompt, t.sample_tokens)
             self.log(f"[kimi] sample (step {self.step}):\n{t.sample_prompt}{result['sample']}\n")
         return result
 
+    def _start(self) -> None:
+        """What a start that trains writes first: the routing table (the first rank of each pipeline stage),
+        the banner, the config it trains with, and metrics.jsonl's start (and wandb's)."""
+        cfg = self.cfg
+        self.log(banner(cfg, self.dims, self.num_params, self.flops_per_token, self.data, self.device,
+                        write_routing(self.run_dir, self.engine, self.mesh, cfg.optim.name)))
+        if self.is_main:
+            save_config(self.run_dir, config_dict(cfg), self.step)
+        self.metrics = MetricsLogger(self.run_dir, cfg.logging, config_dict(cfg), resume_step=self.step,
+                                     enabled=self.is_main)
+
     def _loop(self) -> Dict[str, Any]:
         t = self.cfg.trainer
-        if self.step >= t.max_steps:
-            self.log(f"[kimi] run already complete at step {self.step} (trainer.max_steps={t.max_steps}); raise "
-                     "trainer.max_steps to train further or use a new hydra.run.dir")
-            return {"finished": True, "step": self.step, "val_loss": None}
-        if t.stop_at_step and self.step >= t.stop_at_step:
-            self.log(f"[kimi] already at step {self.step}, at or past trainer.stop_at_step={t.stop_at_step}: nothing "
-                     "to train. Raise or remove trainer.stop_at_step to continue")
-            return {"finished": False, "step": self.step, "val_loss": None}
-        peak = peak_flops(self.device, t.peak_flops) * self.dims.world  # MFU over all devices
+        peak = PeakFlops(self.device, t.peak_flops, self.dims.world)  # MFU over all devices
+        self.log(peak.describe() + "\n" + ProgressWindow.header(t.log_every))
         tokens_per_step = t.micro_batch_size * t.seq_len * t.grad_accum_steps * self.dims.dp
-        start_step, t_start = self.step, time.perf_counter()
         if self.step == 0 and t.eval_every:  # the starting point of the validation curve
             self._validate_and_report({"step": 0})
-        t_window, window_steps, losses = time.perf_counter(), 0, []
+        window = ProgressWindow(peak, tokens_per_step, self.flops_per_token, self.step, t.max_steps,
+                                self.device)
         last_saved = None
         while self.step < t.max_steps:
             out = self.train_step()
             if self.watchdog is not None:
                 self.watchdog.progress(self.step)
-            losses.append(out["loss"])
-            window_steps += 1
+            window.add(out["loss"])
             record: Dict[str, Any] = {}
             if self.step % t.log_every == 0 or self.step == t.max_steps:
-                dt = time.perf_counter() - t_window
-                tps = window_steps * tokens_per_step / dt
-                mfu = tps * self.flops_per_token / peak
-                done = self.step - start_step
-                eta = (time.perf_counter() - t_start) / done * (t.max_steps - self.step)
-                # rank 0's peak allocation on its GPU so far (ranks differ little but for pipeline stages)
-                memory = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
-                self.log(progress_line(self.step, t.max_steps, out["loss"], out["lr"], out["grad_norm"], tps, mfu,
-                                       eta, memory))
-                record = {"step": self.step, "loss": sum(losses) / len(losses), "lr": out["lr"],
-                          "grad_norm": out["grad_norm"], "tokens_per_s": tps, "mfu": mfu,
-                          "tokens": self.step * tokens_per_step}
-                if memory is not None:
-                    record["peak_memory_gib"] = memory
+                line, record, note = window.report(self.step, out)
+                self.log(line if note is None else f"{line}\n{note}")
                 record.update(qk_clip_record(self.engine.qk_clip_stats))
-                t_window, window_steps, losses = time.perf_counter(), 0, []
             if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps:
-                t_eval = time.perf_counter()
-                record = self._validate_and_report({**record, "step": self.step}, log=False)
-                t_window += time.perf_counter() - t_eval  # keep throughput about training only
+                with window.paused():  # throughput is about training only
+                    record = self._validate_and_report({**record, "step": self.step}, log=False)
             if record:
                 self.metrics.log(record)
             stop = self._stop_requested() or bool(t.stop_at_step and self.step >= t.stop_at_step)
             if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or self.step == t.max_steps or stop:
-                t_ck = time.perf_counter()
-                last_saved = self.save_checkpoint()
-                t_window += time.perf_counter() - t_ck
+                with window.paused():
+                    last_saved = self.save_checkpoint()
             if stop:
                 why = self._stop_signal or ("a signal on another rank" if not t.stop_at_step
                                             else f"trainer.stop_at_step={t.stop_at_step}")
