@@ -402,16 +402,27 @@ def _validate_parallel(p: ParallelConfig) -> None:
 
 
 # ---- across sections -------------------------------------------------------------------------------------
+def _layout_hint(p: ParallelConfig, world: int) -> str:
+    """How to make dp_replicate*dp_shard*tp*pp equal the number of processes: the dp_shard that does it with
+    the other degrees kept (when one exists), else the degrees that must change; and the process count this
+    layout needs."""
+    product = p.dp_replicate * p.dp_shard * p.tp * p.pp
+    others = p.dp_replicate * p.tp * p.pp
+    launch = f"torchrun --nproc_per_node {product} for this layout"
+    if world % others == 0 and world // others != p.dp_shard:
+        return f"set parallel.dp_shard={world // others} for {world} processes, or launch {launch}"
+    keys = [f"parallel.{k}" for k in ("dp_replicate", "tp", "pp") if getattr(p, k) > 1]
+    return f"launch {launch}, or change {' and/or '.join(keys)} so that the product is {world}"
+
+
 def _check_layout(p: ParallelConfig, world: int) -> None:
     """The degrees against the number of processes."""
     product = p.dp_replicate * p.dp_shard * p.tp * p.pp
-    others = p.dp_replicate * p.tp * p.pp
-    hint = f", or parallel.dp_shard={world // others}" if world % others == 0 else ""
     degrees = f"{p.dp_replicate}*{p.dp_shard}*{p.tp}*{p.pp}"
-    _require(product == world,
-             f"parallel.dp_replicate*dp_shard*tp*pp = {degrees} = {product} but {world} process(es) were "
-             f"launched; make the product equal the number of processes (e.g. torchrun "
-             f"--nproc_per_node={product}{hint})")
+    if product != world:
+        raise ConfigError(f"parallel.dp_replicate*dp_shard*tp*pp = {degrees} = {product} but {world} "
+                          f"process(es) were launched; the product must equal the number of processes: "
+                          f"{_layout_hint(p, world)}")
     _require(not p.sequence_parallel or p.tp > 1,
              "parallel.sequence_parallel=true needs parallel.tp > 1 (it splits the sequence over the "
              "tensor-parallel ranks)")

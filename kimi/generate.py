@@ -3,6 +3,7 @@
 From a shell, on a run directory (or one checkpoint directory, <run>/checkpoints/step_N):
 
     python -m kimi.generate run=runs/exp1 prompt=ROMEO: max_new_tokens=100 temperature=0.8 top_k=50
+    python -m kimi.generate run=runs/exp1 prompt_file=prompt.txt     # a long or multi-line prompt
 
 Arguments are key=value, split at the first '='; the prompt is taken as written (prompt=ROMEO: is the text
 "ROMEO:", prompt=yes the text "yes"), and one with spaces needs shell quotes: 'prompt=The king'. A bad
@@ -11,6 +12,7 @@ argument or run directory is one line on stderr and exit code 2 (kimi/cli.py); `
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import math
 import sys
@@ -111,8 +113,8 @@ def load_from_checkpoint(path: str, device: str = "cpu"):
     return model.eval(), tokenizer, saved["step"]
 
 
-USAGE = ("usage: python -m kimi.generate run=DIR [prompt=TEXT] [max_new_tokens=200] [temperature=0.8] "
-         "[top_k=50] [seed=0] [device=cpu]")
+USAGE = ("usage: python -m kimi.generate run=DIR [prompt=TEXT | prompt_file=PATH] [max_new_tokens=200] "
+         "[temperature=0.8] [top_k=50] [seed=0] [device=cpu]")
 HELP = f"""{USAGE}
 
 Continue a prompt with the model of a run directory (its newest complete checkpoint) or of one checkpoint
@@ -122,6 +124,8 @@ for the shell: 'prompt=The king'.
 
   run             run directory or checkpoint directory (required)
   prompt          text to continue (default ROMEO:)
+  prompt_file     a UTF-8 text file whose whole content is the prompt, taken as written (a final newline
+                  included); for long or multi-line prompts; not together with prompt=
   max_new_tokens  tokens to sample, >= 1 (default 200; fewer when the end-of-text token comes first)
   temperature     >= 0; 0 is greedy (default 0.8)
   top_k           sample among the k likeliest tokens; 0 is the whole vocabulary (default 50)
@@ -135,6 +139,7 @@ Exit codes: 0 done, 2 bad arguments or run directory, 1 failure."""
 class GenerateArgs:
     run: str
     prompt: str = "ROMEO:"
+    prompt_file: str | None = None  # where prompt was read from, when prompt_file= was given
     max_new_tokens: int = 200
     temperature: float = 0.8
     top_k: int = 50
@@ -191,9 +196,36 @@ def _prompt(text: str) -> str:
     return text
 
 
+def _prompt_file(text: str) -> str:
+    """The file's text (UTF-8; a byte-order mark is dropped); any problem reading it is one line."""
+    if not text:
+        raise ConfigError("prompt_file='' is invalid: give the path of a UTF-8 text file")
+    path = Path(text).expanduser()
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"prompt_file={text}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"prompt_file={text}: is a directory; give a text file") from None
+    except OSError as e:
+        raise ConfigError(f"prompt_file={text}: cannot read it ({e.strerror or type(e).__name__})") from None
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        prompt = data[bom:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        at = bom + e.start
+        line = data[:at].count(b"\n") + 1
+        raise ConfigError(f"prompt_file={text} is not UTF-8 text ({e.reason} at byte {at}, line {line}); "
+                          "save it as UTF-8") from None
+    if not prompt:
+        raise ConfigError(f"prompt_file={text} is empty: put the text to continue in it")
+    return prompt
+
+
 _PARSERS = {
     "run": str,
     "prompt": _prompt,
+    "prompt_file": _prompt_file,
     "max_new_tokens": lambda t: _int("max_new_tokens", t, 1, None, "must be an integer >= 1"),
     "temperature": _temperature,
     "top_k": lambda t: _int("top_k", t, 0, None, "must be an integer >= 0 (0 = the whole vocabulary)"),
@@ -204,8 +236,10 @@ _PARSERS = {
 
 def parse_args(argv: list[str]) -> GenerateArgs:
     """key=value arguments, split at the first '='. Values stay strings until their own parser: a general
-    one (OmegaConf.from_cli) turns prompt=ROMEO: into a mapping and prompt=yes into True."""
+    one (OmegaConf.from_cli) turns prompt=ROMEO: into a mapping and prompt=yes into True. prompt_file is read
+    last, once the command line is known to be well formed."""
     values: dict[str, Any] = {}
+    prompt_file: str | None = None
     for arg in argv:
         key, eq, text = arg.partition("=")
         if not eq:
@@ -214,11 +248,18 @@ def parse_args(argv: list[str]) -> GenerateArgs:
             close = difflib.get_close_matches(key, list(_PARSERS), n=1)
             hint = f": did you mean {close[0]}?" if close else f" (keys: {', '.join(_PARSERS)})"
             raise UsageError(f"unknown key {key!r}{hint}")
-        if key in values:
+        if key in values or (key == "prompt_file" and prompt_file is not None):
             raise UsageError(f"{key} is given twice")
-        values[key] = _PARSERS[key](text)
+        if key == "prompt_file":
+            prompt_file = text
+        else:
+            values[key] = _PARSERS[key](text)
     if not values.get("run"):
         raise UsageError("run= is missing: give a run directory or a checkpoint directory")
+    if prompt_file is not None:
+        if "prompt" in values:
+            raise UsageError("prompt= and prompt_file= are both given: give one of them")
+        values.update(prompt=_prompt_file(prompt_file), prompt_file=prompt_file)
     return GenerateArgs(**values)
 
 
@@ -231,7 +272,8 @@ def _generate(args: GenerateArgs) -> int:
     model, tokenizer, step = load_from_checkpoint(args.run, args.device)
     ids = tokenizer.encode(args.prompt)
     if not ids:
-        raise ConfigError(f"prompt={args.prompt!r} is invalid: it encodes to no tokens; give some text")
+        given = f"prompt_file={args.prompt_file}" if args.prompt_file else f"prompt={args.prompt!r}"
+        raise ConfigError(f"{given} is invalid: it encodes to no tokens; give some text")
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     new = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, tokenizer.eos_id, generator)
     print(f"[kimi] step {step} checkpoint, {len(new)} tokens:\n{args.prompt}{tokenizer.decode(new)}",

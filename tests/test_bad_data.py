@@ -233,3 +233,93 @@ def test_invalid_utf8_found_while_tokenising(prepared_cache, tmp_path):
     cfg.tokenizer.model_path = str(good.tokenizer.path)
     with pytest.raises(DataError, match=rf"^{re.escape(str(path))}, line 7: invalid UTF-8"):
         prepare(cfg)
+
+
+# ---- a hub dataset without network: one DataError line within seconds ------------------------------------
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again on return: connections are refused
+
+
+@pytest.fixture
+def hub_online_but_unreachable(monkeypatch, tmp_path):
+    """The offline switches off (as for a new user), an empty datasets cache, and a hub endpoint nothing
+    answers on: every request would fail, as without network."""
+    import datasets
+    import huggingface_hub.constants
+
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+
+    def at(endpoint: str) -> str:
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", endpoint)
+        monkeypatch.setattr(datasets.config, "HF_ENDPOINT", endpoint)
+        return endpoint
+
+    return at
+
+
+def _load_hub(path="roneneldan/TinyStories"):
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(DataError) as err:
+        load_documents(DataConfig(source="hf", path=path, val_split="validation"))
+    return str(err.value), time.monotonic() - start
+
+
+def test_unreachable_hub_is_one_line_in_seconds(hub_online_but_unreachable, caplog):
+    import datasets
+    import huggingface_hub.constants
+
+    endpoint = hub_online_but_unreachable(f"http://127.0.0.1:{_closed_port()}")
+    message, seconds = _load_hub()
+    assert seconds < 5, seconds  # not ~30 s of download retries
+    assert "\n" not in message
+    assert message.startswith("cannot load data.path='roneneldan/TinyStories': it is not in the local "
+                              "datasets cache and the Hugging Face hub is offline or unreachable "
+                              f"({endpoint}: "), message
+    for words in ("run once with network access", "HF_HUB_OFFLINE=1",
+                  "data.source=files 'data.data_files=[/path/to/*.jsonl]'"):
+        assert words in message, message
+    assert not [r for r in caplog.records if "Retry" in r.getMessage()]
+    # offline mode held only for that load
+    assert huggingface_hub.constants.HF_HUB_OFFLINE is False and datasets.config.HF_HUB_OFFLINE is False
+
+
+def test_silent_hub_is_given_up_after_the_probe_timeout(hub_online_but_unreachable, monkeypatch):
+    import socket
+
+    with socket.socket() as server:  # accepts connections (the kernel does) but never answers
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        hub_online_but_unreachable(f"http://127.0.0.1:{server.getsockname()[1]}")
+        monkeypatch.setattr(sources, "HUB_PROBE_TIMEOUT_S", 1.0)
+        message, seconds = _load_hub()
+    assert seconds < 4, seconds
+    assert "\n" not in message and "offline or unreachable" in message, message
+
+
+@pytest.mark.parametrize("var", ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"])
+def test_offline_setting_reads_only_the_cache_without_a_probe(hub_online_but_unreachable, monkeypatch, var):
+    import datasets
+    import huggingface_hub.constants
+
+    monkeypatch.setenv(var, "1")  # as the libraries read it at import
+    if var == "HF_HUB_OFFLINE":
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(sources, "hub_unreachable", lambda *a: pytest.fail("probed the hub while offline"))
+    message, seconds = _load_hub("someone/no-such-dataset")
+    assert seconds < 5, seconds
+    assert message == (
+        "cannot load data.path='someone/no-such-dataset': it is not in the local datasets cache and the "
+        f"Hugging Face hub is offline or unreachable ({var}=1 is set); run once with network access and "
+        f"without {var} to cache it, or use local files: data.source=files "
+        "'data.data_files=[/path/to/*.jsonl]'")

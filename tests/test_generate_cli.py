@@ -49,7 +49,8 @@ def test_numbers_are_parsed_and_defaults_kept():
     (["prompt=ROMEO:"], True, "run= is missing"),
     (["run="], True, "run= is missing"),
     (["run=r", "tokens=3"], True, "unknown key 'tokens': did you mean max_new_tokens?"),
-    (["run=r", "colour=red"], True, "unknown key 'colour' (keys: run, prompt, max_new_tokens"),
+    (["run=r", "colour=red"], True, "unknown key 'colour' (keys: run, prompt, prompt_file, max_new_tokens"),
+    (["run=r", "prompt_fle=p.txt"], True, "unknown key 'prompt_fle': did you mean prompt_file?"),
     (["run=r", "ROMEO:"], True, "'ROMEO:' is not key=value"),
     (["run=r", "seed=1", "seed=2"], True, "seed is given twice"),
     (["run=r", "prompt="], False, "prompt='' is invalid: give the text to continue"),
@@ -73,6 +74,65 @@ def test_bad_argument_is_one_line_and_exit_2(capsys, argv, usage, message):
     assert err.startswith(USAGE + "\n") == usage, err
     line = err.strip().splitlines()[-1]
     assert line.startswith("error: ") and message in line, err
+
+
+# ---- prompt_file= ---------------------------------------------------------------------------------------
+def test_prompt_file_is_read_as_written(tmp_path):
+    path = tmp_path / "prompt.txt"
+    path.write_text("ROMEO:\nBut soft, what light — through yonder window?\n", encoding="utf-8")
+    args = parse_args(["run=r", f"prompt_file={path}"])
+    assert args.prompt == "ROMEO:\nBut soft, what light — through yonder window?\n"
+    assert args.prompt_file == str(path)
+    path.write_bytes(b"\xef\xbb\xbfa=b {c: 1}")  # a byte-order mark is not part of the text
+    assert parse_args([f"prompt_file={path}", "run=r"]).prompt == "a=b {c: 1}"
+    assert parse_args(["run=r"]).prompt_file is None
+
+
+@pytest.mark.parametrize("content,usage,message", [
+    (None, False, "prompt_file={path}: no such file"),
+    ("dir", False, "prompt_file={path}: is a directory; give a text file"),
+    (b"ROMEO:\n caf\xe9\n", False,
+     "prompt_file={path} is not UTF-8 text (invalid continuation byte at byte 11, line 2); save it as "
+     "UTF-8"),
+    (b"\xff\xfeR\x00O\x00", False,
+     "prompt_file={path} is not UTF-8 text (invalid start byte at byte 0, line 1)"),
+    (b"", False, "prompt_file={path} is empty: put the text to continue in it"),
+    (b"\xef\xbb\xbfab\n\xff", False,  # after a byte-order mark: bytes still count from the file's start
+     "prompt_file={path} is not UTF-8 text (invalid start byte at byte 6, line 2)"),
+])
+def test_bad_prompt_file_is_one_line_and_exit_2(capsys, tmp_path, content, usage, message):
+    path = tmp_path / "prompt.txt"
+    if content == "dir":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content)
+    line = fails(capsys, [f"run={tmp_path}", f"prompt_file={path}"])
+    assert line.startswith("error: " + message.format(path=path)), line
+
+
+@pytest.mark.parametrize("argv,message", [
+    # exclusive with prompt=, checked before the file is read (this one does not exist)
+    (["run=r", "prompt=ROMEO:", "prompt_file=missing.txt"], "prompt= and prompt_file= are both given"),
+    (["run=r", "prompt_file=missing.txt", "prompt=ROMEO:"], "prompt= and prompt_file= are both given"),
+    (["run=r", "prompt_file=a.txt", "prompt_file=b.txt"], "prompt_file is given twice"),
+    (["prompt_file=missing.txt"], "run= is missing"),
+])
+def test_prompt_file_usage_mistakes(capsys, argv, message):
+    assert main(argv) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.startswith(USAGE + "\n"), err
+    assert err.strip().splitlines()[-1].startswith("error: " + message), err
+
+
+def test_empty_prompt_file_path(capsys):
+    assert fails(capsys, ["run=r", "prompt_file="]) == (
+        "error: prompt_file='' is invalid: give the path of a UTF-8 text file")
+
+
+def test_help_names_prompt_file(capsys):
+    assert "prompt_file=PATH" in USAGE
+    assert main(["--help"]) == EXIT_OK
+    assert "\n  prompt_file " in capsys.readouterr().out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has CUDA")
@@ -161,3 +221,15 @@ def test_checkpoint_cut_off_given_directly(run, capsys, tmp_path):
     shutil.copytree(step, cut)
     (cut / checkpoint.COMPLETE).unlink()
     assert str(cut) in fails(capsys, [f"run={cut}", "max_new_tokens=2"])
+
+
+def test_prompt_file_on_a_run(run, capsys, tmp_path):
+    path = tmp_path / "prompt.txt"
+    path.write_text("ROMEO:\nThe king loves", encoding="utf-8")
+    assert main([f"run={run}", f"prompt_file={path}", "max_new_tokens=3", "temperature=0"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert out.startswith("[kimi] step 1 checkpoint") and "\nROMEO:\nThe king loves" in out
+    # the same text given with prompt= samples the same tokens
+    argv = [f"run={run}", "prompt=ROMEO:\nThe king loves", "max_new_tokens=3", "temperature=0"]
+    assert main(argv) == EXIT_OK
+    assert capsys.readouterr().out == out

@@ -201,6 +201,44 @@ def test_the_messages_other_tests_match_are_unchanged():
         "model.residual='attnres_half' is invalid: choose one of standard|attnres_full|attnres_block")
 
 
+LAYOUT = ("parallel.dp_replicate*dp_shard*tp*pp = {} but {} process(es) were launched; the product must "
+          "equal the number of processes: {}")
+
+
+@pytest.mark.parametrize("overrides,world,message", [
+    # no dp_shard fixes it: name the degrees to change and the processes this layout needs
+    (["parallel.tp=3"], 2,
+     LAYOUT.format("1*1*3*1 = 3", 2, "launch torchrun --nproc_per_node 3 for this layout, or change "
+                                     "parallel.tp so that the product is 2")),
+    (["parallel.tp=2"], 1,
+     LAYOUT.format("1*1*2*1 = 2", 1, "launch torchrun --nproc_per_node 2 for this layout, or change "
+                                     "parallel.tp so that the product is 1")),
+    (["parallel.pp=2", "parallel.tp=2"], 2,
+     LAYOUT.format("1*1*2*2 = 4", 2, "launch torchrun --nproc_per_node 4 for this layout, or change "
+                                     "parallel.tp and/or parallel.pp so that the product is 2")),
+    (["parallel.dp_replicate=3"], 2,
+     LAYOUT.format("3*1*1*1 = 3", 2, "launch torchrun --nproc_per_node 3 for this layout, or change "
+                                     "parallel.dp_replicate so that the product is 2")),
+    # a dp_shard makes the product the number of processes
+    (["parallel.dp_shard=3"], 4,
+     LAYOUT.format("1*3*1*1 = 3", 4, "set parallel.dp_shard=4 for 4 processes, or launch torchrun "
+                                     "--nproc_per_node 3 for this layout")),
+    (["parallel.tp=2"], 4,
+     LAYOUT.format("1*1*2*1 = 2", 4, "set parallel.dp_shard=2 for 4 processes, or launch torchrun "
+                                     "--nproc_per_node 2 for this layout")),
+    (["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.tp=2"], 4,
+     LAYOUT.format("2*2*2*1 = 8", 4, "set parallel.dp_shard=1 for 4 processes, or launch torchrun "
+                                     "--nproc_per_node 8 for this layout")),
+])
+def test_layout_hint_makes_the_product_the_number_of_processes(overrides, world, message):
+    with pytest.raises(ConfigError) as err:
+        validate(compose_cfg(*overrides), world=world)
+    assert str(err.value) == message
+    fix = message.split("set ", 1)[1].split(" for ", 1)[0] if ": set " in message else None
+    if fix:  # the suggested dp_shard does validate on this many processes
+        validate(compose_cfg(*overrides, fix), world=world)
+
+
 @pytest.mark.parametrize("override,message", [
     ("model.init_std=1e6", "model.init_std=1000000.0 is invalid: must be in (0, 1] (0.02 is usual)"),
     ("model.norm_eps=0", "model.norm_eps=0.0 is invalid: must be in (0, 1) (1e-5 or 1e-6 is usual)"),

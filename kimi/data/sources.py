@@ -243,13 +243,96 @@ def _hub_text(cfg: DataConfig, split: str) -> datasets.Dataset:
     return docs
 
 
+# Seconds the hub has to answer one request before it counts as unreachable (DNS included): without the probe,
+# huggingface_hub retries an unreachable hub for ~30 s, with a warning per attempt, before datasets gives up.
+HUB_PROBE_TIMEOUT_S = 3.0
+_LOCAL_FILES = "data.source=files 'data.data_files=[/path/to/*.jsonl]'"
+
+
+def _offline_setting() -> Optional[str]:
+    """The variable that turns the hub off for this process (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE), if any."""
+    import huggingface_hub.constants
+
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE"
+    if datasets.config.HF_HUB_OFFLINE:
+        return "HF_DATASETS_OFFLINE" if os.environ.get("HF_DATASETS_OFFLINE") else "HF_HUB_OFFLINE"
+    return None
+
+
+def hub_unreachable(timeout: Optional[float] = None) -> Optional[str]:
+    """Why the Hugging Face hub cannot be reached (None when it answers): one request to its endpoint with
+    huggingface_hub's own session (so HF_ENDPOINT and proxy settings apply), no retries, at most `timeout`
+    seconds in all (default HUB_PROBE_TIMEOUT_S; name resolution included: the request runs in a thread that
+    is not waited for longer)."""
+    import threading
+
+    import huggingface_hub.constants
+    from huggingface_hub.utils import get_session
+
+    timeout = HUB_PROBE_TIMEOUT_S if timeout is None else timeout
+    endpoint = huggingface_hub.constants.ENDPOINT
+    outcome: List[Optional[str]] = []
+
+    def probe() -> None:
+        try:
+            get_session().head(endpoint, timeout=timeout, follow_redirects=False)  # any HTTP answer will do
+            outcome.append(None)
+        except Exception as e:  # noqa: BLE001: every failure to get an answer means the same here
+            outcome.append(f"{type(e).__name__}: {one_line(e)}")
+
+    thread = threading.Thread(target=probe, name="kimi-hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout + 0.5)
+    if not outcome:
+        return f"no answer from {endpoint} within {timeout:g} s"
+    return None if outcome[0] is None else f"{endpoint}: {outcome[0]}"
+
+
+class _HubOffline:
+    """datasets' and huggingface_hub's offline mode for the block (the local cache only, no request), restored
+    after it."""
+
+    def __enter__(self) -> None:
+        import huggingface_hub.constants
+
+        self.saved = huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+        huggingface_hub.constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+
+    def __exit__(self, *exc: Any) -> None:
+        import huggingface_hub.constants
+
+        huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = self.saved
+
+
+def _not_cached(cfg: DataConfig, why: str, setting: Optional[str]) -> DataError:
+    once = (f"run once with network access and without {setting} to cache it" if setting else
+            "run once with network access to cache it (then HF_HUB_OFFLINE=1 reads only the cache, without "
+            "this check)")
+    return DataError(f"cannot load data.path={cfg.path!r}: it is not in the local datasets cache and the "
+                     f"Hugging Face hub is offline or unreachable ({why}); {once}, or use local files: "
+                     f"{_LOCAL_FILES}")
+
+
 def _hub_split(cfg: DataConfig, split: str) -> datasets.Dataset:
+    """One split of a hub dataset (or of a local dataset directory). Without network it fails in seconds, as
+    one line: with HF_HUB_OFFLINE/HF_DATASETS_OFFLINE set only the local datasets cache is read; otherwise one
+    short request checks the hub first, and an unreachable hub means the same cache-only load."""
+    local = os.path.exists(os.path.expanduser(str(cfg.path)))  # a dataset directory: no hub involved
+    setting = None if local else _offline_setting()
+    reason = None if local or setting else hub_unreachable()
+    if setting or reason:
+        try:
+            with _HubOffline():
+                return datasets.load_dataset(cfg.path, split=split)
+        except (ConnectionError, FileNotFoundError) as e:
+            raise _not_cached(cfg, f"{setting}=1 is set" if setting else reason, setting) from e
     try:
         return datasets.load_dataset(cfg.path, split=split)
     except ConnectionError as e:
         raise DataError(f"cannot load data.path={cfg.path!r} from the Hugging Face hub: offline or "
-                        f"unreachable and not in the local datasets cache ({e}). Use local files instead: "
-                        "data.source=files 'data.data_files=[/path/to/*.jsonl]'") from e
+                        f"unreachable and not in the local datasets cache ({one_line(e)}); run once with "
+                        f"network access to cache it, or use local files: {_LOCAL_FILES}") from e
 
 
 # ---------------------------------------------------------------------------------------------- splits
