@@ -1,0 +1,272 @@
+"""README.md's commands, run the way a new user pastes them, so they cannot rot.
+
+Every line of every ```bash block in README.md is either run here or listed in SKIPPED with its reason;
+test_every_readme_command_is_classified fails on a line that is neither, so a new command has to be
+classified. How each kind runs (from the repository root, with `.venv/bin/` replaced by the directory of the
+interpreter running this test, the README's convention being `.venv/bin/python` / `.venv/bin/torchrun`):
+
+- training (`.venv/bin/python train.py ...`, `make train`, one `torchrun --standalone` of 2 processes): the
+  README's own overrides, then a 2-block model on a generated corpus (tests/helpers.py TINY_TRAINER) for
+  2-4 steps (trainer.max_steps N becomes clamp(round(N / 300), 2, 4), so a longer run in the README is a
+  longer run here: "extend" extends), no evaluation, sample or wandb; then that step's checkpoint must exist;
+- `python -m kimi.generate ...`: against the run the README trained in that run dir; the text must start with
+  the prompt;
+- `python -m kimi.summary ...`, `--help` lines and `ls`: as written;
+- `make test ...` (running it would run this suite) and `make train ARGS=...` (`make train` itself runs):
+  `make -n`, whose recipe must be pytest / train.py with exactly those arguments.
+
+Relative paths (run dirs, `ls` arguments) are mapped into a temporary directory, the same README path to the
+same temporary path, so `kimi.generate run=runs/first` samples what `train.py hydra.run.dir=runs/first`
+trained. Caches (HF, kimi) are temporary and offline."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import TINY_TRAINER, make_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+BIN = Path(sys.executable).parent  # what `.venv/bin/` stands for
+VENV = BIN.parent
+
+# README lines not run here, each with why. Keys: the line without its comment, quoted as shlex.join quotes
+# (test_every_readme_command_is_classified prints a new line in this form).
+GPUS_8 = "8 processes (8 GPUs)"
+SKIPPED = {
+    "make test": "runs the whole suite, this file included (minutes); `make test PYTEST_ARGS=...` is checked "
+                 "with make -n",
+    ".venv/bin/python train.py model=small trainer.precision=bf16 hydra.run.dir=runs/small":
+        "the First hour's GPU step: on CPU it would repeat step 1's run",
+    ".venv/bin/torchrun --standalone --nproc_per_node 8 train.py parallel.dp_shard=8 "
+    "hydra.run.dir=runs/fsdp8": GPUS_8,
+    ".venv/bin/torchrun --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint '$HEAD:29500' "
+    "train.py parallel.dp_replicate=4 parallel.dp_shard=8 hydra.run.dir=runs/hsdp": "4 nodes of 8 GPUs",
+    ".venv/bin/torchrun --standalone --nproc_per_node 2 train.py parallel.dp_replicate=2 "
+    "hydra.run.dir=runs/exp2": "a second 2-process launch (~10 s; one is the budget, the First hour's runs); "
+                               "tests/test_parallel.py checks dp_replicate=2 against one process",
+    ".venv/bin/torchrun --standalone --nproc_per_node 8 train.py model=1b parallel.tp=2 parallel.dp_shard=4 "
+    "hydra.run.dir=runs/exp3": GPUS_8,
+    ".venv/bin/torchrun --standalone --nproc_per_node 8 train.py model=1b parallel.pp=2 parallel.dp_shard=4 "
+    "parallel.pp_microbatches=8 trainer.micro_batch_size=8 hydra.run.dir=runs/exp4": GPUS_8,
+    ".venv/bin/python bench/parallel.py --layouts single --model 1b --batch 4 --set trainer.seq_len=4096 "
+    "trainer.precision=bf16": "a GPU benchmark: the 1b model at 4096 tokens in bf16",
+}
+MAX_MULTIPROCESS = 1  # 2-process torchrun launches run here (each about 10 s on 2 CPU cores)
+
+TINY_KEYS = {w.split("=", 1)[0] for w in TINY_TRAINER}
+SET_HERE = {"trainer.max_steps", "trainer.eval_every", "trainer.sample_tokens", "trainer.peak_flops",
+            "hydra.run.dir", "data", "data.data_files", "data.cache_dir"} | TINY_KEYS
+RUN_DIR_FILES = {"metrics.jsonl", "loss_curve.png", "checkpoints", "train.log", "tokenizer.model"}
+
+
+def readme_commands() -> list[str]:
+    """The commands of README.md's ```bash blocks in order: continuations joined, comments dropped, each as
+    shlex.join of its words (what a shell would pass on)."""
+    commands = []
+    for block in re.findall(r"^```bash\n(.*?)^```", README.read_text(), flags=re.M | re.S):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            words = shlex.split(line, comments=True)
+            if words:
+                commands.append(shlex.join(words))
+    return commands
+
+
+def kind(command: str) -> str | None:
+    """How a README command is checked here (see the module's docstring); None: not classified."""
+    if command in SKIPPED:
+        return "skip"
+    words = shlex.split(command)
+    prog, rest = words[0], words[1:]
+    if prog == "make":
+        targets = [w for w in rest if "=" not in w and not w.startswith("-")]
+        target = targets[0] if targets else ""
+        if target == "train":
+            return "make-dry" if _arg(rest, "ARGS") else "make-train"
+        return "make-dry" if target == "test" else None
+    if prog == ".venv/bin/python":
+        if "--help" in rest or "-h" in rest:
+            return "help"
+        if rest[:1] == ["train.py"]:
+            return "train"
+        if rest[:2] == ["-m", "kimi.generate"]:
+            return "generate"
+        if rest[:2] == ["-m", "kimi.summary"]:
+            return "summary"
+    if prog == ".venv/bin/torchrun" and "--standalone" in rest and _value(rest, "--nproc_per_node") == "2":
+        return "torchrun"
+    if prog == "ls":
+        return "ls"
+    return None
+
+
+def _value(words: list[str], flag: str) -> str | None:
+    return next((words[i + 1] for i, w in enumerate(words[:-1]) if w == flag), None)
+
+
+def _key(word: str) -> str:
+    return word.split("=", 1)[0].lstrip("+~") if "=" in word else ""
+
+
+def _arg(words: list[str], key: str) -> str | None:
+    return next((w.split("=", 1)[1] for w in words if _key(w) == key), None)
+
+
+def _tiny_steps(words: list[str]) -> int:
+    n = _arg(words, "trainer.max_steps")
+    return 2 if n is None else max(2, min(4, round(int(n) / 300)))
+
+
+def test_every_readme_command_is_classified():
+    commands = readme_commands()
+    assert len(commands) >= 10, "README.md has lost its ```bash blocks?"
+    bare = [c for c in commands if c.split()[0] in ("python", "python3", "torchrun", "pip")]
+    assert not bare, (f"README commands must use the venv's programs (.venv/bin/python, .venv/bin/torchrun), "
+                      f"as the Quickstart says: {bare}")
+    unclassified = [c for c in commands if kind(c) is None]
+    assert not unclassified, ("README commands neither run by tests/test_readme.py nor in its SKIPPED list "
+                              "(add each to SKIPPED with a reason, or teach kind() to run it):\n"
+                              + "\n".join(unclassified))
+    stale = [c for c in SKIPPED if c not in commands]
+    assert not stale, f"SKIPPED names commands the README no longer has: {stale}"
+    multi = [c for c in commands if kind(c) == "torchrun"]
+    assert len(multi) <= MAX_MULTIPROCESS, f"more 2-process launches than the time budget allows: {multi}"
+
+
+class Sandbox:
+    """Runs README commands: temporary run dirs, caches and corpus; remembers which run dirs were trained."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        corpus = make_corpus(tmp / "corpus")
+        files = ",".join(str(p) for p in sorted(corpus.glob("*.txt")))
+        self.data = ["data=files", f"data.data_files=[{files}]", f"data.cache_dir={tmp / 'cache'}"]
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled",
+                    "HF_HOME": str(tmp / "hf"), "KIMI_CACHE_DIR": str(tmp / "kimi"), "OMP_NUM_THREADS": "1"}
+        for var in ("TRITON_INTERPRET", "MAKEFLAGS", "MFLAGS", "MAKELEVEL"):  # as a user's shell has them
+            self.env.pop(var, None)
+        self.trained: dict[Path, int] = {}  # run dir -> its last trained step
+        self.fresh = 0
+
+    def path(self, readme_path: str) -> Path:
+        """A README path (relative to the repository root) in the sandbox."""
+        p = Path(readme_path)
+        return p if p.is_absolute() else self.tmp / "root" / p
+
+    def run(self, argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+        proc = subprocess.run(argv, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0, (f"exit code {proc.returncode}: {shlex.join(argv)}\n"
+                                      f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        return proc
+
+    def tiny(self, overrides: list[str]) -> tuple[list[str], Path, int]:
+        """The README's overrides as a 2-4 step run of the tiny model on the generated corpus."""
+        steps = _tiny_steps(overrides)
+        given = _arg(overrides, "hydra.run.dir")
+        if given is None:
+            self.fresh += 1
+        run = self.path(given) if given else self.tmp / "fresh" / str(self.fresh)
+        kept = [w for w in overrides if _key(w) not in SET_HERE]
+        # peak_flops: MFU's denominator given, not measured (saves a second per run)
+        return ([*kept, *TINY_TRAINER, *self.data, f"trainer.max_steps={steps}", "trainer.eval_every=0",
+                 "trainer.sample_tokens=0", "trainer.peak_flops=1e11", f"hydra.run.dir={run}"], run, steps)
+
+    def trained_at(self, run: Path, steps: int) -> None:
+        ckpt = run / "checkpoints" / f"step_{steps:08d}"
+        assert ckpt.is_dir(), f"no checkpoint {ckpt.name} in {run}: {sorted(p.name for p in run.glob('*/*'))}"
+        self.trained[run] = steps
+
+    def ensure_trained(self, readme_run: str) -> Path:
+        """The run dir of a README path; trained by the README's first command for it if not yet done."""
+        run = self.path(readme_run)
+        if run not in self.trained:
+            first = next((c for c in readme_commands() if kind(c) == "train"
+                          and _arg(shlex.split(c), "hydra.run.dir") == readme_run), None)
+            assert first, f"no README training command has hydra.run.dir={readme_run}"
+            check(self, first)
+        return run
+
+
+def check(box: Sandbox, command: str) -> None:
+    words = shlex.split(command)
+    how = kind(command)
+    exe = [str(BIN / Path(words[0]).name)] if words[0].startswith(".venv/bin/") else [words[0]]
+    if how == "train":
+        argv, run, steps = box.tiny(words[2:])
+        box.run([*exe, words[1], *argv])
+        box.trained_at(run, steps)
+    elif how == "torchrun":
+        script = words.index("train.py")
+        argv, run, steps = box.tiny(words[script + 1:])
+        box.run([*exe, *words[1:script + 1], *argv], timeout=180)
+        box.trained_at(run, steps)
+    elif how == "make-train":
+        if shutil.which("make") is None:
+            pytest.skip("no make on this machine")
+        args = _arg(words, "ARGS") or ""
+        argv, run, steps = box.tiny(shlex.split(args))
+        rest = [w for w in words[1:] if _key(w) != "ARGS"]
+        box.run(["make", "-o", f"{VENV}/.installed", f"VENV={VENV}", *rest, f"ARGS={shlex.join(argv)}"])
+        box.trained_at(run, steps)
+    elif how == "make-dry":
+        if shutil.which("make") is None:
+            pytest.skip("no make on this machine")
+        stamps = ["-o", f"{VENV}/.installed", "-o", f"{VENV}/.installed-dev"]  # never (re)install here
+        out = box.run(["make", "-n", *stamps, f"VENV={VENV}", *words[1:]]).stdout
+        if "test" in words:
+            expected = f"{VENV}/bin/python -m pytest -q {_arg(words, 'PYTEST_ARGS') or ''}".strip()
+        else:
+            expected = f"{VENV}/bin/python train.py {_arg(words, 'ARGS') or ''}".strip()
+        assert out.strip() == expected, f"make -n printed {out!r}, expected {expected!r}"
+    elif how == "generate":
+        run = box.ensure_trained(_arg(words, "run"))
+        argv = [f"run={run}" if _key(w) == "run" else w for w in words[3:]]
+        out = box.run([*exe, "-m", "kimi.generate", *argv]).stdout
+        prompt = _arg(words, "prompt") or "ROMEO:"  # kimi.generate's default
+        header, _, text = out.partition("\n")
+        assert re.fullmatch(rf"\[kimi\] step {box.trained[run]} checkpoint, [1-9]\d* tokens:", header), out
+        assert text.startswith(prompt) and len(text.rstrip()) > len(prompt), (
+            f"the README's generate example should print text starting with its prompt {prompt!r}: {out!r}")
+    elif how in ("summary", "help"):
+        out = box.run([*exe, *words[1:]]).stdout
+        assert out.strip(), f"{command} printed nothing"
+    elif how == "ls":
+        paths = [w for w in words[1:] if not w.startswith("-")]
+        runs = [p for p in paths if any(kind(c) == "train" and _arg(shlex.split(c), "hydra.run.dir") == p
+                                        for c in readme_commands())]
+        for p in runs:
+            box.ensure_trained(p)
+        flags = [w for w in words[1:] if w.startswith("-")]
+        out = box.run([words[0], *flags, *(str(box.path(p)) for p in paths)])
+        assert out.stdout.strip(), f"{command} listed nothing"
+        for p in runs:  # what the First hour says a run dir holds
+            missing = RUN_DIR_FILES - {q.name for q in box.path(p).iterdir()}
+            assert not missing, f"{p} lacks {sorted(missing)}:\n{out.stdout}"
+    else:
+        raise AssertionError(f"{command}: not classified ({how})")
+
+
+@pytest.fixture(scope="module")
+def box(tmp_path_factory) -> Sandbox:
+    return Sandbox(tmp_path_factory.mktemp("readme"))
+
+
+COMMANDS = readme_commands()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", COMMANDS,
+                         ids=[f"{i:02d}-{' '.join(c.split()[:3])}" for i, c in enumerate(COMMANDS)])
+def test_readme_command_runs(box, command):
+    """In README order, so a generate or ls line finds the run its README neighbours trained (a line picked
+    alone with -k trains what it needs). Skipped lines show their reason in pytest's summary."""
+    if kind(command) == "skip":
+        pytest.skip(f"README: {command}: {SKIPPED[command]}")
+    check(box, command)
