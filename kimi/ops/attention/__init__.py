@@ -13,10 +13,18 @@ only when asked, a query-chunked pass for the max logits (SDPA does not expose i
 every row's max, so the max logits cost one extra store (kimi/ops/attention/triton/). It takes fp32 too, with
 exact fp32 dots (no tensor cores, so slow: not the default). Choose one with `backend=`; "triton" on CPU
 tensors needs TRITON_INTERPRET=1 set before triton is imported.
+
+Failures (kimi.ops.dispatch): with backend=None a Triton kernel that fails to compile or launch sends
+attention to "sdpa" for the rest of the process, with one warning; with backend="triton" it raises
+TritonKernelError. With gradients the choice is made at forward time: the forward and backward kernels are
+first probed on a tiny input of the same dtype, head counts and dims and mask kind, so a backward kernel
+that cannot compile falls back before the forward runs (kimi.ops.dispatch's docstring says why).
 """
 
 import torch
 import torch.nn.functional as F
+
+from kimi.ops.dispatch import Guard, auto_picks_triton, needs_grad
 
 from .reference import attention_mask, naive_attention
 
@@ -49,7 +57,7 @@ _BACKENDS = ("sdpa", "triton")
 
 def _pick_backend(backend: str | None, q: torch.Tensor) -> str:
     if backend is None:
-        triton_ok = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+        triton_ok = auto_picks_triton(q.device) and q.dtype in (torch.float16, torch.bfloat16)
         return "triton" if triton_ok else "sdpa"
     if backend not in _BACKENDS:
         allowed = f"{list(_BACKENDS)} or None (by device)"
@@ -57,30 +65,34 @@ def _pick_backend(backend: str | None, q: torch.Tensor) -> str:
     return backend
 
 
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool = True,
-    scale: float | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    return_max_logits: bool = False,
-    backend: str | None = None,
-):
-    B, Tq, H, D = q.shape
-    Tk, Hkv = k.shape[1], k.shape[2]
-    if H % Hkv != 0:
-        raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({Hkv})")
-    if cu_seqlens is not None and B != 1:
-        raise ValueError(f"cu_seqlens packs documents along T and needs B == 1, got B = {B}")
-    scale = D**-0.5 if scale is None else scale
-    if _pick_backend(backend, q) == "triton":
-        from .triton import flash_attention  # imported on first use: triton fixes its mode at import
+_GUARD = Guard("attention", "backend='triton'")
+_PROBE_T = 16  # query (and key) positions of the probe input
 
-        if cu_seqlens is not None and Tq != Tk:
-            raise ValueError(f"cu_seqlens needs as many queries as keys, got Tq={Tq}, Tk={Tk}")
-        o, _, max_logits = flash_attention(q, k, v, causal, scale, cu_seqlens, return_max_logits)
-        return (o, max_logits) if return_max_logits else o
+
+def _probe(q, k, v, causal, scale, cu_seqlens, return_max_logits) -> None:
+    """The forward and backward kernels once on zeros shaped like these inputs but at most _PROBE_T long."""
+    from .triton.op import flash_attention_backward_op, flash_attention_op
+
+    Tq, Tk = q.shape[1], k.shape[1]
+    tq = max(1, min(Tq, _PROBE_T))
+    tk = tq if Tq == Tk else max(1, min(Tk, 2 * _PROBE_T))
+    q_ = q.new_zeros(1, tq, *q.shape[2:])
+    k_, v_ = (x.new_zeros(1, tk, *x.shape[2:]) for x in (k, v))
+    cu = None if cu_seqlens is None else torch.tensor([0, tq], dtype=cu_seqlens.dtype, device=q.device)
+    o, lse, _ = flash_attention_op(q_, k_, v_, cu, float(scale), bool(causal), bool(return_max_logits))
+    flash_attention_backward_op(torch.zeros_like(o), None, q_, k_, v_, o, lse, cu, float(scale), bool(causal))
+
+
+def _triton(q, k, v, causal, scale, cu_seqlens, return_max_logits):
+    from .triton import flash_attention  # imported on first use: triton fixes its mode at import
+
+    o, _, max_logits = flash_attention(q, k, v, causal, scale, cu_seqlens, return_max_logits)
+    return (o, max_logits) if return_max_logits else o
+
+
+def _sdpa(q, k, v, causal, scale, cu_seqlens, return_max_logits):
+    Tq, H = q.shape[1], q.shape[2]
+    Tk, Hkv = k.shape[1], k.shape[2]
     # SDPA's own is_causal aligns queries top-left, which is only right when Tq == Tk; otherwise (or with
     # documents) pass the explicit mask. A single query at the end of the keys sees everything: no mask.
     use_is_causal = causal and cu_seqlens is None and Tq == Tk
@@ -101,6 +113,38 @@ def attention(
     if mask is None and causal and Tq > 1:
         mask = attention_mask(Tq, Tk, causal, None, q.device)
     return o, _max_logits(q, k, scale, mask)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    return_max_logits: bool = False,
+    backend: str | None = None,
+):
+    B, Tq, H, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    if H % Hkv != 0:
+        raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({Hkv})")
+    if cu_seqlens is not None and B != 1:
+        raise ValueError(f"cu_seqlens packs documents along T and needs B == 1, got B = {B}")
+    scale = D**-0.5 if scale is None else scale
+    args = (q, k, v, causal, scale, cu_seqlens, return_max_logits)
+    forced = backend is not None
+    if _pick_backend(backend, q) == "triton" and _GUARD.use_triton(forced):
+        if cu_seqlens is not None and Tq != Tk:
+            raise ValueError(f"cu_seqlens needs as many queries as keys, got Tq={Tq}, Tk={Tk}")
+        if needs_grad(q, k, v):
+            key = (q.device, q.dtype, k.dtype, v.dtype, H, Hkv, D, v.shape[-1], bool(causal), Tq == Tk,
+                   None if cu_seqlens is None else cu_seqlens.dtype, bool(return_max_logits))
+            kernels = "flash_attention/flash_attention_backward"
+            if not _GUARD.probe(key, kernels, lambda: _probe(*args), forced):
+                return _sdpa(*args)
+        return _GUARD.call("flash_attention", _triton, _sdpa, forced, *args)
+    return _sdpa(*args)
 
 
 __all__ = ["attention", "naive_attention"]

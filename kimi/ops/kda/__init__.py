@@ -13,9 +13,18 @@ restarts at every boundary, initial_state and final_state are [N, H, K, V].
 
 backend=None picks by device: the Triton kernels (kimi.ops.kda.triton) for CUDA tensors, PyTorch otherwise.
 backend="triton" on CPU tensors runs the kernels under the Triton interpreter (TRITON_INTERPRET=1).
+
+Failures (kimi.ops.dispatch): with backend=None (model.kda_backend=auto) a Triton kernel that fails to compile
+or launch sends that op (chunk_kda or fused_recurrent_kda) to its PyTorch path ("chunk", "recurrent") for the
+rest of the process, with one warning; with backend="triton" it raises TritonKernelError. For chunk_kda with
+gradients the choice is made at forward time: the forward and backward kernels are first probed on a tiny
+input of the same dtypes and head dims, so a backward kernel that cannot compile falls back before the
+forward runs (the module docstring of kimi.ops.dispatch says why, and what is not covered).
 """
 
 import torch
+
+from kimi.ops.dispatch import Guard, auto_picks_triton, needs_grad
 
 from .chunk import CHUNK_SIZE, chunk_kda_torch
 from .naive import naive_recurrent_kda
@@ -44,7 +53,7 @@ _RECURRENT_BACKENDS = {"naive": naive_recurrent_kda, "recurrent": naive_recurren
 
 def _pick_backend(backend: str | None, backends: dict, default: str, op: str, device: torch.device):
     """Resolve a backend name to its function; None means Triton for CUDA tensors, `default` otherwise."""
-    name = backend if backend is not None else ("triton" if device.type == "cuda" else default)
+    name = backend if backend is not None else ("triton" if auto_picks_triton(device) else default)
     if name not in backends:
         raise ValueError(f"{op}: unknown backend {backend!r}; allowed: {sorted(backends)}")
     return backends[name]
@@ -80,24 +89,65 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
         raise ValueError(f"initial_state must be [{what}, H, K, V] = {expected}, got {got}")
 
 
-def _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+def _call(fn, q, k, v, g, beta, scale, initial_state, cu_seqlens):
+    """(o, final_state) from one backend, packing (cu_seqlens) handled for those that do not take it."""
+    if getattr(fn, "takes_cu_seqlens", False):
+        return fn(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    if cu_seqlens is None:
+        return fn(q, k, v, g, beta, scale, initial_state)
+    # Each packed sequence runs alone: simple and exact.
+    offsets = cu_seqlens.tolist()
+    outputs, states = [], []
+    for i, (start, end) in enumerate(zip(offsets, offsets[1:])):
+        part = (x[:, start:end] for x in (q, k, v, g, beta))
+        o_i, s_i = fn(*part, scale, None if initial_state is None else initial_state[i : i + 1])
+        outputs.append(o_i)
+        states.append(s_i)
+    return torch.cat(outputs, dim=1), torch.cat(states, dim=0)
+
+
+_FORCED_HINT = "backend='triton', i.e. model.kda_backend=triton"
+_CHUNK_GUARD = Guard("chunk_kda", _FORCED_HINT)
+_RECURRENT_GUARD = Guard("fused_recurrent_kda", _FORCED_HINT)
+_PROBE_T = 16  # tokens of the probe input: a short chunk, same kernels and tiles as any length
+
+
+def _probe_chunk(q, k, v, g, beta, initial_state, cu_seqlens, with_dht: bool) -> None:
+    """The chunk forward and backward kernels once on zeros shaped like these inputs but _PROBE_T long."""
+    from .triton.op import kda_chunk_bwd, kda_chunk_fwd
+
+    q_, k_, v_, g_, beta_ = (x.new_zeros(1, _PROBE_T, *x.shape[2:]) for x in (q, k, v, g, beta))
+    h0 = None if initial_state is None else initial_state.new_zeros(1, *initial_state.shape[1:])
+    cu_dtype = torch.int32 if cu_seqlens is None else cu_seqlens.dtype
+    cu = torch.tensor([0, _PROBE_T], dtype=cu_dtype, device=q.device)
+    o, ht = kda_chunk_fwd(q_, k_, v_, g_, beta_, 1.0, h0, cu)
+    kda_chunk_bwd(q_, k_, v_, g_, beta_, 1.0, h0, cu, torch.zeros_like(o),
+                  torch.zeros_like(ht) if with_dht else None)
+
+
+def _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, guard=None,
+         fallback=None, forced=False):
+    """Check, then run `fn`; a Triton `fn` (guard given) falls back to `fallback` (kimi.ops.dispatch)."""
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    if getattr(fn, "takes_cu_seqlens", False):
-        o, state = fn(q, k, v, g, beta, scale, initial_state, cu_seqlens)
-    elif cu_seqlens is None:
-        o, state = fn(q, k, v, g, beta, scale, initial_state)
+    args = (q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    if guard is None:
+        o, state = _call(fn, *args)
+    elif not guard.use_triton(forced):
+        o, state = _call(fallback, *args)
     else:
-        # Each packed sequence runs alone: simple and exact.
-        offsets = cu_seqlens.tolist()
-        outputs, states = [], []
-        for i, (start, end) in enumerate(zip(offsets, offsets[1:])):
-            part = (x[:, start:end] for x in (q, k, v, g, beta))
-            o_i, s_i = fn(*part, scale, None if initial_state is None else initial_state[i : i + 1])
-            outputs.append(o_i)
-            states.append(s_i)
-        o, state = torch.cat(outputs, dim=1), torch.cat(states, dim=0)
+        if guard is _CHUNK_GUARD and needs_grad(q, k, v, g, beta, initial_state):
+            key = (q.device, *((x.dtype, tuple(x.shape[2:])) for x in (q, k, v, g, beta)),
+                   None if initial_state is None else initial_state.dtype,
+                   None if cu_seqlens is None else cu_seqlens.dtype, output_final_state)
+            def probe():
+                _probe_chunk(q, k, v, g, beta, initial_state, cu_seqlens, output_final_state)
+
+            if not guard.probe(key, "kda_chunk_fwd/kda_chunk_bwd", probe, forced):
+                fn = fallback
+        kernel = "kda_chunk_fwd" if guard is _CHUNK_GUARD else "kda_recurrent_fwd"
+        o, state = guard.call(kernel, lambda *a: _call(fn, *a), lambda *a: _call(fallback, *a), forced, *args)
     return o, state if output_final_state else None
 
 
@@ -116,7 +166,9 @@ def chunk_kda(
     """KDA over whole sequences (training, prefill). backend: "triton" (default for CUDA tensors), "chunk"
     (PyTorch, the default otherwise) or "naive"."""
     fn = _pick_backend(backend, _CHUNK_BACKENDS, "chunk", "chunk_kda", q.device)
-    return _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    guard = _CHUNK_GUARD if fn is _triton_chunk else None
+    return _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, guard,
+                chunk_kda_torch, backend is not None)
 
 
 def fused_recurrent_kda(
@@ -134,7 +186,9 @@ def fused_recurrent_kda(
     """KDA token by token (decoding: usually T = 1, state carried). backend: "triton" (default for CUDA
     tensors; forward only), "recurrent" (PyTorch, the default otherwise) or "naive"."""
     fn = _pick_backend(backend, _RECURRENT_BACKENDS, "recurrent", "fused_recurrent_kda", q.device)
-    return _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    guard = _RECURRENT_GUARD if fn is _triton_recurrent else None
+    return _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, guard,
+                naive_recurrent_kda, backend is not None)
 
 
 __all__ = ["CHUNK_SIZE", "chunk_kda", "fused_recurrent_kda", "naive_recurrent_kda"]
