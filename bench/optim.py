@@ -1,6 +1,7 @@
 """What an optimizer step costs: MuonClip vs AdamW vs torch.optim.Muon (with AdamW for the rest).
 
-One process: optimizer.step() time on the tiny and small models with random gradients, as ratios to
+One process: optimizer.step() time on the tiny and small models with random gradients (the optimizers
+interleaved in every repeat, so a shared machine slows them alike), as ratios to torch.optim.Muon + AdamW and to
 AdamW. With --ranks N (gloo, CPU; this script relaunches itself under torchrun): the model fully sharded
 with FSDP2 over N ranks, and per rank per step the bytes it puts into collectives, the number of
 collectives and the matmul FLOPs it runs (both counted below DTensor, on the local tensors), ours against
@@ -86,15 +87,39 @@ def time_steps(opts: list[torch.optim.Optimizer], repeats: int) -> float:
     return statistics.median(times)
 
 
+def side_by_side(optims: dict[str, list[torch.optim.Optimizer]], repeats: int) -> dict[str, float]:
+    """Median seconds of one step of each entry, the entries interleaved within every repeat (so a shared,
+    noisy machine slows them alike), after a warm-up step each (which also creates the state)."""
+    for opts in optims.values():
+        for o in opts:
+            o.step()
+    times = {k: [] for k in optims}
+    for _ in range(repeats):
+        for k, opts in optims.items():
+            start = time.perf_counter()
+            for o in opts:
+                o.step()
+            times[k].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown CPU") if Path("/proc/cpuinfo").exists() else "unknown CPU"
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
+    return f"{cpu}, {os.cpu_count()} logical CPUs visible, load average {load} at the end of the run"
+
+
 def single_process(models: list[str], repeats: int) -> list[dict]:
     rows = []
     for name in models:
         torch.manual_seed(0)
         model = KimiModel(model_config(name))
         fill_grads(model)
-        times = {k: time_steps(opts, repeats) for k, opts in optimizers(model).items()}
+        times = side_by_side(optimizers(model), repeats)
         rows.append({"model": name, "params": model.num_params(), "step_s": times,
-                     "ratio_to_adamw": {k: t / times["adamw"] for k, t in times.items()}})
+                     "ratio_to_adamw": {k: t / times["adamw"] for k, t in times.items()},
+                     "ratio_to_torch_muon": {k: t / times["torch_muon"] for k, t in times.items()}})
         del model
         gc.collect()
     return rows
@@ -170,12 +195,14 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     record = {"threads": args.threads, "torch": torch.__version__, "single": single_process(args.models, args.repeats)}
-    print(f"\noptimizer.step() on random gradients, {args.threads} threads, median of {args.repeats}\n")
+    record["machine"] = machine()
+    print(f"\noptimizer.step() on random gradients, {args.threads} threads, median of {args.repeats} interleaved"
+          f" repeats; in brackets: x AdamW, x torch.optim.Muon + AdamW\n({record['machine']})\n")
     print("| model | params | AdamW | MuonClip fp32 NS | MuonClip bf16 NS | torch.optim.Muon + AdamW |")
     print("|---|---|---|---|---|---|")
     for r in record["single"]:
-        t, x = r["step_s"], r["ratio_to_adamw"]
-        cells = [f"{t[k] * 1e3:.1f} ms ({x[k]:.1f}x)" for k in ("muonclip", "muonclip_bf16", "torch_muon")]
+        t, x, y = r["step_s"], r["ratio_to_adamw"], r["ratio_to_torch_muon"]
+        cells = [f"{t[k] * 1e3:.1f} ms ({x[k]:.1f}x, {y[k]:.2f}x)" for k in ("muonclip", "muonclip_bf16", "torch_muon")]
         print(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {t['adamw'] * 1e3:.1f} ms | " + " | ".join(cells) + " |")
 
     if args.ranks > 1:

@@ -17,12 +17,14 @@ DEFAULT_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 def newton_schulz(G: torch.Tensor, steps: int = 5,
                   coefficients: Tuple[float, float, float] = DEFAULT_COEFFICIENTS,
-                  eps: float = 1e-7, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                  eps: float = 1e-7, dtype: torch.dtype = torch.float32, overwrite: bool = False) -> torch.Tensor:
     """Orthogonalise a matrix [A, B] or each matrix of a batch [N, A, B]; runs in ``dtype``, returns G's.
 
     Each matrix is divided by its Frobenius norm (an upper bound on the spectral norm, so all singular
     values start in [0, 1]) and transposed to be wide, so the Gram matrix X X^T is min(A, B) square:
     the cheaper side, and the same result because the iteration commutes with transposition.
+    ``overwrite=True`` lets it scale G in place (a scratch batch of the caller's) instead of copying it.
+    A wide G already in ``dtype`` comes back without a copy or cast at the end (MuonClip's batches).
     """
     if G.ndim not in (2, 3):
         raise ValueError(f"newton_schulz takes a matrix [A, B] or a batch [N, A, B], not {tuple(G.shape)}")
@@ -31,11 +33,18 @@ def newton_schulz(G: torch.Tensor, steps: int = 5,
     tall = X.size(-2) > X.size(-1)
     if tall:
         X = X.mT
-    X = X / (torch.linalg.matrix_norm(X, keepdim=True) + eps)
+    norm = torch.linalg.matrix_norm(X, keepdim=True) + eps
+    # a fresh copy (G cast to dtype) or the caller's scratch: scale in place, else into a new tensor
+    X = X.div_(norm) if (overwrite or X.data_ptr() != G.data_ptr()) else X / norm
+    # Buffers allocated once and reused by every step (large fresh allocations cost page faults on CPU)
+    A = X.new_empty(X.shape[:-1] + X.shape[-2:-1])
+    B, Y = torch.empty_like(A), torch.empty_like(X, memory_format=torch.contiguous_format)
     for _ in range(steps):
-        A = X @ X.mT
+        torch.bmm(X, X.mT, out=A)
         # X <- a X + (b A + c A^2) X, as two fused multiply-adds
-        X = torch.baddbmm(X, torch.baddbmm(A, A, A, beta=b, alpha=c), X, beta=a)
+        torch.baddbmm(A, A, A, beta=b, alpha=c, out=B)
+        torch.baddbmm(X, B, X, beta=a, out=Y)
+        X, Y = Y, (X if X.is_contiguous() else torch.empty_like(Y))
     if tall:
         X = X.mT
     X = X if G.ndim == 3 else X.squeeze(0)

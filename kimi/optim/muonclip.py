@@ -63,6 +63,12 @@ def route(name: str, p: torch.Tensor, adamw_patterns: Sequence[str], muon_patter
     return "muon" if p.ndim == 2 else "adamw"
 
 
+def _slot(batch: torch.Tensor, start: int, k: int, tall: bool, shape: Tuple[int, ...]) -> torch.Tensor:
+    """The view of a batch of wide matrices [N, rows, cols] that holds matrices start..start+k, as ``shape``."""
+    block = batch[start : start + k]
+    return (block.mT if tall else block).view(shape)
+
+
 class MuonClip(torch.optim.Optimizer):
     """One optimizer with a param group per family ("muon", then AdamW with and without decay).
 
@@ -260,9 +266,16 @@ class MuonClip(torch.optim.Optimizer):
 
     def _orthogonalise(self, muon, grads) -> Tuple[List[Optional[torch.Tensor]], int, int]:
         """On each owner: the full update of each matrix it owns (None elsewhere), to be applied with
-        lr * _scale_of(); and this rank's count of orthogonalised matrices and their Newton-Schulz FLOPs."""
+        lr * _scale_of(); and this rank's count of orthogonalised matrices and their Newton-Schulz FLOPs.
+
+        Logical matrices are batched by their wide shape (a tall one goes in transposed) and Newton-Schulz
+        settings. The Nesterov update is written straight into its slot of the batch, cast to the NS dtype
+        in the same pass; the batch is scaled in place, and an unsplit matrix's update comes back as a view
+        of the NS output (in the NS dtype, as torch.optim.Muon applies its bf16 update), so one step makes
+        no other copy of the Muon matrices than the ones Newton-Schulz itself needs."""
         blocks: List[Optional[list]] = [None] * len(muon)  # per member: its logical matrices' NS outputs
-        buckets = defaultdict(list)  # (shape, dtype, ns settings) -> [(member, logical matrix index, matrix)]
+        # (rows, cols) of the wide orientation, ns settings -> [(member, logical index, count, tall, shape, src)]
+        buckets = defaultdict(list)
         for n, ((group, p, plan), g) in enumerate(zip(muon, grads)):
             if g is None:  # not the owner
                 continue
@@ -271,22 +284,42 @@ class MuonClip(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
             buf, mu = state["momentum_buffer"], group["momentum"]
             buf.lerp_(g, 1 - mu)
-            update = g.lerp(buf, mu) if group["nesterov"] else buf
             split = self.splits.get(plan.name)
-            mats = split.split(update) if split is not None else [update]
+            if split is None:  # written into the batch below (None: the update of the whole tensor)
+                mats = [None]
+                shapes = [tuple(g.shape)]
+            else:
+                mats = split.split(g.lerp(buf, mu) if group["nesterov"] else buf)
+                shapes = [tuple(m.shape) for m in mats]
             settings = (group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"])
-            for j, m in enumerate(mats):
-                buckets[(tuple(m.shape), m.dtype, settings)].append((n, j, m))
+            for j, (m, shape) in enumerate(zip(mats, shapes)):
+                rows, cols = shape[-2], shape[-1]
+                buckets[(min(rows, cols), max(rows, cols), settings)].append(
+                    (n, j, math.prod(shape[:-2]), rows > cols, shape, m))
             blocks[n] = [None] * len(mats)
         count = flops = 0
-        for (shape, _, (steps, coefficients, eps, ns_dtype)), items in buckets.items():
-            rows, cols = shape[-2], shape[-1]
-            stacked = torch.stack([m for _, _, m in items]).reshape(-1, rows, cols)
-            ortho = newton_schulz(stacked, steps, coefficients, eps, ns_dtype).reshape(len(items), *shape)
-            count += stacked.shape[0]
-            flops += ns_flops(stacked.shape, steps)
-            for (n, j, _), o in zip(items, ortho):
-                blocks[n][j] = o
+        for (rows, cols, (steps, coefficients, eps, ns_dtype)), items in buckets.items():
+            X = torch.empty(sum(k for _, _, k, *_ in items), rows, cols, dtype=ns_dtype, device=grads[items[0][0]].device)
+            start = 0
+            for n, j, k, tall, shape, m in items:
+                slot = _slot(X, start, k, tall, shape)
+                start += k
+                if m is not None:
+                    slot.copy_(m)
+                    continue
+                group, p, _ = muon[n]
+                buf = self.state[p]["momentum_buffer"]
+                if group["nesterov"]:
+                    torch.lerp(grads[n], buf, group["momentum"], out=slot)
+                else:
+                    slot.copy_(buf)
+            ortho = newton_schulz(X, steps, coefficients, eps, ns_dtype, overwrite=True)
+            count += X.shape[0]
+            flops += ns_flops(X.shape, steps)
+            start = 0
+            for n, j, k, tall, shape, _ in items:
+                blocks[n][j] = _slot(ortho, start, k, tall, shape)
+                start += k
         updates: List[Optional[torch.Tensor]] = []
         for (group, _, plan), mats in zip(muon, blocks):
             split = self.splits.get(plan.name)
@@ -295,7 +328,7 @@ class MuonClip(torch.optim.Optimizer):
                 continue
             ref = self._scale_of(group, plan)
             shapes = self._logical_shapes(plan)
-            scaled = [m * (update_scale(group["adjust_lr_fn"], *s) / ref) for m, s in zip(mats, shapes)]
+            scaled = [m.to(plan.dtype) * (update_scale(group["adjust_lr_fn"], *s) / ref) for m, s in zip(mats, shapes)]
             updates.append(split.join(scaled, torch.empty(plan.shape, dtype=plan.dtype, device=plan.device)))
         return updates, count, flops
 

@@ -180,7 +180,10 @@ class Router:
             if kind == "to_owner":
                 if piece is not None and plan.senders[plan.local] == rank and plan.owner != rank:
                     sends.append((plan.owner, t, plan.dtype))
-                if plan.owner == rank:
+                if plan.owner == rank and len(plan.pieces) == 1 and plan.senders[0] == rank \
+                        and tuple(t.shape) == plan.shape and t.dtype == plan.dtype:
+                    results[n] = t  # the owner holds it whole (one process, or replicated): no copy
+                elif plan.owner == rank:
                     full = torch.empty(plan.shape, dtype=plan.dtype, device=plan.device)
                     for k, pc in enumerate(plan.pieces):
                         if plan.senders[k] == rank:
