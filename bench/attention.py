@@ -8,11 +8,12 @@ SDPA, max logits under 2%. Also the SDPA path's separate max-logit pass, the cos
 On a GPU it first checks the compiled kernels (bf16, fp16; forward and gradients) against fp32 at odd
 lengths, with fixed tiles; --check-only stops there (about a minute, mostly compilation).
 On CPU timing means nothing: it runs a correctness spot-check under the Triton interpreter instead.
---compile-check (no GPU needed) compiles every kernel and tile candidate for sm_90 with triton's ptxas and
-reports registers and spills.
+--compile-check (no GPU needed) compiles every kernel and tile candidate for sm_90 (--arch 90, default),
+sm_80 (--arch 80) or both (--arch all) with triton's ptxas and reports registers, spills and shared memory
+(attention_sm90_compile.json, attention_sm80_compile.json); bench/compile_check.py does the compiling.
 
     python bench/attention.py [--T 2048 4096 8192 16384] [--tokens 16384] [--heads 16]
-                              [--dims 128/128 192/128] [--check-only] [--compile-check]
+                              [--dims 128/128 192/128] [--check-only] [--compile-check [--arch 90|80|all]]
 
 Prints markdown tables and writes bench/results/attention.json (attention_gpu_check.json with --check-only,
 attention_cpu_check.json on CPU).
@@ -22,10 +23,7 @@ import argparse
 import itertools
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -209,33 +207,38 @@ def cpu_check() -> dict:
     return dict(device="cpu (Triton interpreter)", torch=torch.__version__, dtype="float32", rows=rows)
 
 
-def compile_check(args) -> dict:
-    """Compile every kernel and tile candidate for sm_90 with the ptxas bundled with triton (no GPU needed)
-    and report registers, spill stack and shared memory: a kernel that fails here fails on an H100."""
+def compile_check(args, arch: int = 90) -> dict:
+    """Compile every kernel and tile candidate for sm_<arch> (90 Hopper, 80 Ampere) with the ptxas bundled
+    with triton (no GPU needed) and report registers, spills and shared memory: a kernel that fails here
+    fails on that GPU (bench/compile_check.py)."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
+    from compile_check import ARCHS, compile_kernel, spilled
     from kimi.ops.attention.triton import backward, common, forward
 
     if common.INTERPRET:
         raise SystemExit("--compile-check needs TRITON_INTERPRET unset")
-    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    target, _, per_block = ARCHS[arch]
     pointers = {"LSE": "*fp32", "ROWMAX": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "DQACC": "*fp32",
                 "SEG": "*i32", "DSTART": "*i32", "DEND": "*i32"}
     kernels = {"fwd": (forward._fwd_kernel, forward._fwd_tuned.configs, dict(STORE_MAX=True)),
                "dkdv": (backward._dkdv_kernel, backward._dkdv_tuned.configs, dict(ATOMIC_DQ=False)),
                "dkdv+atomic dq": (backward._dkdv_kernel, backward._dkdv_tuned.configs, dict(ATOMIC_DQ=True)),
-               "dq": (backward._dq_kernel, backward._dq_tuned.configs, {})}
+               "dq": (backward._dq_kernel, backward._dq_tuned.configs, {}),
+               # the launch's fixed tiles (backward.py): BLOCK_M 64, triton's default warps and stages
+               "delta": (backward._delta_kernel, [triton.Config(dict(BLOCK_M=64))], dict(HAS_DLSE=False)),
+               "delta+dlse": (backward._delta_kernel, [triton.Config(dict(BLOCK_M=64))], dict(HAS_DLSE=True))}
+    quick = getattr(args, "quick", False)  # the first tile candidate of each kernel, causal, not packed
     rows = []
     for dims in args.dims:
         dqk, dv = (int(x) for x in dims.split("/"))
         d1, d2, dvb = common.head_blocks(dqk, dv)
-        for causal, varlen in ((True, False), (True, True), (False, False)):
+        for causal, varlen in ((True, False),) if quick else ((True, False), (True, True), (False, False)):
             for name, (kernel, configs, extra) in kernels.items():
-                for cfg in configs if causal and not varlen else configs[:1]:
+                for cfg in configs if causal and not varlen and not quick else configs[:1]:
                     consts = dict(DQK=dqk, DV=dv, CAUSAL=causal, VARLEN=varlen, BLOCK_D1=d1, BLOCK_D2=d2,
                                   BLOCK_DV=dvb, UPCAST=False, PRECISION="tf32", **extra, **cfg.kwargs)
+                    consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
                     signature, attrs = {}, {}
                     for i, arg in enumerate(kernel.arg_names):
                         if arg in consts:
@@ -249,36 +252,29 @@ def compile_check(args) -> dict:
                             signature[arg] = "i32"
                             if arg.startswith("s"):
                                 attrs[(i,)] = [["tt.divisibility", 16]]
-                    row = dict(kernel=name, dims=dims, causal=causal, varlen=varlen, tiles=cfg.kwargs,
-                               warps=cfg.num_warps, stages=cfg.num_stages)
-                    try:
-                        options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-                        compiled = triton.compile(ASTSource(kernel, signature, consts, attrs),
-                                                  target=GPUTarget("cuda", 90, 32), options=options)
-                        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                            f.write(compiled.asm["cubin"])
-                            f.flush()
-                            usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name],
-                                                   capture_output=True, text=True).stdout
-                        row.update(regs=int(re.search(r"REG:(\d+)", usage).group(1)),
-                                   spill_stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
-                                   smem=compiled.metadata.shared)
-                    except Exception as e:  # report every failure, not just the first
-                        row["error"] = str(e).splitlines()[0][:200] if str(e) else repr(e)
+                    row = dict(kernel=name, fn=kernel.__name__, dims=dims, causal=causal, varlen=varlen,
+                               tiles=cfg.kwargs, warps=cfg.num_warps, stages=cfg.num_stages)
+                    row.update(compile_kernel(kernel, signature, consts, attrs, arch, cfg.num_warps,
+                                              cfg.num_stages))
                     rows.append(row)
                     print(row, flush=True)
-    print("\n| kernel | dims | mask | tiles (M, N) | warps | stages | regs | spill stack B | smem B |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"\n## {target}\n")
+    print("| kernel | dims | mask | tiles (M, N) | warps | stages | regs | spill st/ld B | stack | smem B |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         mask = ("causal" if r["causal"] else "full") + (" varlen" if r["varlen"] else "")
-        tail = (f"FAILED: {r['error']} | | " if "error" in r
-                else f"{r['regs']} | {r['spill_stack']} | {r['smem']}")
-        print(f"| {r['kernel']} | {r['dims']} | {mask} | {r['tiles']['BLOCK_M']}, {r['tiles']['BLOCK_N']} | "
-              f"{r['warps']} | {r['stages']} | {tail} |")
+        tail = (f"FAILED: {r['error']} | | | " if "error" in r
+                else f"{r['regs']} | {r['spill_stores']}/{r['spill_loads']} | {r['spill_stack']} | "
+                f"{r['smem']}" + (" OVER" if r["smem_over_limit"] else ""))
+        tiles = f"{r['tiles']['BLOCK_M']}, {r['tiles'].get('BLOCK_N', '-')}"
+        print(f"| {r['kernel']} | {r['dims']} | {mask} | {tiles} | {r['warps']} | {r['stages']} | {tail} |")
     failed = sum("error" in r for r in rows)
-    print(f"\n{len(rows) - failed} of {len(rows)} compiled for sm_90 "
-          "(a candidate above 232448 B of shared memory cannot launch; autotuning skips it)")
-    return dict(target="sm_90 (compiled, not run)", triton=triton.__version__, rows=rows)
+    over = sum(bool(r.get("smem_over_limit")) for r in rows)
+    print(f"\n{len(rows) - failed} of {len(rows)} compiled for {target}; {sum(map(spilled, rows))} spill; "
+          f"{over} above {per_block} B of shared memory per block (cannot launch; autotuning skips them)")
+    return dict(target=f"{target}, compiled, not run", triton=triton.__version__,
+                smem_limit_per_block=per_block, kernels=sorted(kernels),
+                functions=sorted({k[0].__name__ for k in kernels.values()}), rows=rows)
 
 
 def main() -> None:
@@ -290,11 +286,26 @@ def main() -> None:
     parser.add_argument("--dims", nargs="+", default=["128/128", "192/128"], help="Dqk/Dv pairs")
     parser.add_argument("--check-only", action="store_true", help="GPU: correctness check, no timing")
     parser.add_argument("--compile-check", action="store_true",
-                        help="no GPU needed: compile all kernels for sm_90, report registers and spills")
+                        help="no GPU needed: compile all kernels for --arch, report registers and spills")
+    parser.add_argument("--arch", default="90", choices=["90", "80", "all"], help="--compile-check target")
+    parser.add_argument("--quick", action="store_true",
+                        help="--compile-check: first tile candidate per kernel, causal only (a smoke test)")
     args = parser.parse_args()
     RESULTS.mkdir(exist_ok=True)
     if args.compile_check:
-        result, path = compile_check(args), RESULTS / "attention_sm90_compile.json"
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from compile_check import arch_list
+
+        failed = False
+        for arch in arch_list(args.arch):
+            result = compile_check(args, arch)
+            path = RESULTS / f"attention_sm{arch}_compile{'_quick' if args.quick else ''}.json"
+            failed |= any("error" in r for r in result["rows"])
+            path.write_text(json.dumps(result, indent=2) + "\n")
+            print(f"wrote {path}")
+        if failed:
+            raise SystemExit(1)
+        return
     elif torch.cuda.is_available():
         checks = gpu_check()
         result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, checks=checks)

@@ -12,6 +12,14 @@ T^2 term dominates). Writes bench/results/kda_cpu.json.
 
     python bench/kda.py [--T ...] [--repeats 3] [--skip-naive-above 4096] [--threads N]   (CPU)
     python bench/kda.py [--T 2048 4096 8192 16384 32768] [--tokens 32768] [--heads 16] [--dim 128]  (GPU)
+    python bench/kda.py --compile-check [--arch 90|80|all] [--quick] [--jobs N]   (no GPU needed)
+
+--compile-check compiles every KDA Triton kernel (kimi/ops/kda/triton/) for sm_90 and sm_80 with triton's
+bundled ptxas, over head dims K, V in {64, 128}, bf16/fp32 inputs and the constexpr switches, and writes
+registers, spills and shared memory to bench/results/kda_sm90_compile.json / kda_sm80_compile.json.
+TRITON_INTERPRET must be unset. --quick: K = V = 128, bf16 only (plus each switch and cu_seqlens dtype),
+written to kda_sm*_compile_quick.json. cu_seqlens is not a constexpr switch (every launch is varlen; a
+[B, T] batch is packed with int32 offsets): it is compiled as int32 and, at K = V = 128, int64 pointers.
 
 Prints markdown tables. FLOP counts are nominal, the same formula for every KDA implementation: forward
 6 d^2 + 5 C d per token and head (C = 64: scores, W/U, state read, write and intra-chunk output; the
@@ -20,7 +28,11 @@ for forward+backward.
 """
 
 import argparse
+import functools
+import itertools
 import json
+import os
+import sys
 import statistics
 import time
 from pathlib import Path
@@ -292,6 +304,214 @@ def decode_step(B: int, T: int, H: int, d: int, dtype, fla) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------------------ compile check
+
+KDA_MODULES = ("common", "chunk_fwd", "chunk_bwd", "recurrent", "gate")
+HOT = {"scores_kernel": "chunk fwd", "solve_kernel": "chunk fwd", "wu_kernel": "chunk fwd",
+       "output_kernel": "chunk fwd", "state_kernel": "state pass fwd", "state_bwd_kernel": "state pass bwd",
+       "chunk_bwd_kernel": "chunk bwd", "scores_bwd_kernel": "chunk bwd"}
+# pointers typed by the inputs' dtype (the rest are fp32 buffers: gates, states, intermediates, fp32 grads)
+INPUT_TYPED = {"q", "k", "v", "beta", "o", "do", "dq", "dv", "x", "y", "dy", "dx", "f"}
+SWITCHES = ("HAS_INIT", "HAS_DFINAL", "REVERSE")  # constexpr booleans: both values compiled
+BASE = dict(dtype="bf16", K=128, V=128)  # the model's shape: where the cu_seqlens dtype is varied too
+
+
+def kda_kernel_paths() -> list[Path]:
+    root = Path(__file__).resolve().parent.parent / "kimi/ops/kda/triton"
+    return [root / f"{m}.py" for m in KDA_MODULES]
+
+
+@functools.cache
+def kda_kernels() -> dict:
+    """name -> (module, JITFunction, [(constexpr overrides, num_warps, num_stages)]): every @triton.jit
+    function in kimi/ops/kda/triton that no other calls (the launched ones), autotuned ones with each of
+    their configs, plain ones with the num_warps / num_stages of their launch (triton's 4 / 3 if none)."""
+    import importlib
+
+    import triton
+
+    from compile_check import kernels_and_helpers, launch_options
+
+    names, _ = kernels_and_helpers(kda_kernel_paths())
+    out = {}
+    for mod in KDA_MODULES:
+        module = importlib.import_module(f"kimi.ops.kda.triton.{mod}")
+        source = Path(module.__file__).read_text()
+        for name in names:
+            obj = module.__dict__.get(name)
+            if obj is None or getattr(getattr(obj, "fn", obj), "__module__", None) != module.__name__:
+                continue
+            if isinstance(obj, triton.runtime.Autotuner):
+                configs = [(c.kwargs, c.num_warps, c.num_stages) for c in obj.configs]
+                obj = obj.fn
+            else:
+                launch = launch_options(source, name)
+                configs = [({}, launch.get("num_warps", 4), launch.get("num_stages", 3))]
+            out[name] = (mod, obj, configs)
+    missing = set(names) - set(out)
+    if missing:
+        raise SystemExit(f"jit kernels not found in the imported modules: {sorted(missing)}")
+    return out
+
+
+def kda_variants(fn, quick: bool) -> list[dict]:
+    """The specialisations of one kernel: head dims and dtypes where its constexprs / pointers depend on
+    them, each boolean switch both ways, cu_seqlens int32 (what a [B, T] batch is packed with) and, at the
+    base shape, int64 (a caller's cu_seqlens)."""
+    args = set(fn.arg_names)
+    axes = {"dtype": ["bf16"] if quick else ["bf16", "fp32"], "K": [128] if quick else [64, 128],
+            "V": [128] if quick else [64, 128]}
+    if not (args & INPUT_TYPED or "PREC" in args):
+        axes["dtype"] = ["fp32"]
+    if not args & {"K", "D"}:
+        axes["K"] = [None]
+    if "V" not in args:
+        axes["V"] = [None]
+    switches = [s for s in SWITCHES if s in args]
+    variants = []
+    for dtype, K, V in itertools.product(*axes.values()):
+        for flags in itertools.product((False, True), repeat=len(switches)):
+            variants.append(dict(dtype=dtype, K=K, V=V, cu="i32", **dict(zip(switches, flags))))
+    if "cu_seqlens" in args:
+        base = next((v for v in variants if all(v[k] in (BASE[k], None) for k in BASE)), variants[0])
+        variants.append(dict(base, cu="i64"))
+    return variants
+
+
+def kda_signature(fn, variant: dict, extra: dict) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) for ASTSource, with the tiles the launch sites use."""
+    from kimi.ops.kda.triton import common, gate
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[variant["dtype"]]
+    K, V = variant["K"] or 64, variant["V"] or 64
+    BK, BKD, BV = common.tiles(K, V)
+    values = dict(K=K, D=K, V=V, BK=BK, BD=BK, BKD=BKD, BV=BV, C=common.CHUNK, BC=common.SUB,
+                  BR=gate.ROWS, PREC=common.dot_precision(dtype))
+    values.update({s: variant[s] for s in SWITCHES if s in variant})
+    values.update(extra)
+    if fn.__name__ == "chunk_cumsum_kernel":  # launched with tiles(K, 16)[0]
+        values["BK"] = common.tiles(K, 16)[0]
+    signature, constexprs, attrs = {}, {}, {}
+    for i, arg in enumerate(fn.arg_names):
+        if arg in _constexpr_names(fn):
+            signature[arg] = "constexpr"
+            constexprs[arg] = values.get(arg)
+        elif arg in ("H", "N"):
+            signature[arg] = "i32"
+        elif arg in ("scale", "eps"):
+            signature[arg] = "fp32"
+        else:  # a pointer; torch allocations are 16-byte aligned
+            if arg == "cu_seqlens":
+                signature[arg] = "*" + variant["cu"]
+            elif arg in ("chunks", "first_chunk"):
+                signature[arg] = "*i32"
+            else:
+                signature[arg] = "*" + (variant["dtype"] if arg in INPUT_TYPED else "fp32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
+def _constexpr_names(fn) -> set[str]:
+    return {p.name for p in fn.params if p.is_constexpr}
+
+
+def _compile_job(job: tuple) -> dict:
+    name, variant, config, arch = job
+    from compile_check import compile_kernel
+
+    _, fn, _ = kda_kernels()[name]
+    extra, warps, stages = config
+    signature, constexprs, attrs = kda_signature(fn, variant, extra)
+    missing = {k for k, v in constexprs.items() if v is None}
+    row = dict(kernel=name, hot=HOT.get(name, ""), arch=arch, **variant, config=dict(extra),
+               warps=warps, stages=stages)
+    if missing:
+        row["error"] = f"no value for constexprs {sorted(missing)}"
+        return row
+    row.update(compile_kernel(fn, signature, constexprs, attrs, arch, warps, stages))
+    return row
+
+
+def _variant_text(r: dict) -> str:
+    flags = [f"{s}={int(r[s])}" for s in SWITCHES if s in r]
+    dims = "/".join(str(r[d]) for d in ("K", "V") if r.get(d) is not None)
+    return " ".join(x for x in (r["dtype"], dims, f"cu {r['cu']}", *flags) if x)
+
+
+def _report(arch: int, mine: list[dict], kernels, helpers, seconds: float, args) -> None:
+    """Print one architecture's tables and write its JSON."""
+    import triton
+
+    from compile_check import ARCHS, spilled
+
+    name, per_sm, per_block = ARCHS[arch]
+    print(f"\n## {name}: per block {per_block} B of shared memory\n")
+    print("| kernel | hot | variant | config | warps | stages | regs | spill st/ld B | stack | smem B |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in mine:
+        tail = (f"FAILED: {r['error']} | | | " if "error" in r else
+                f"{r['regs']} | {r['spill_stores']}/{r['spill_loads']} | {r['spill_stack']} | {r['smem']}"
+                + (" OVER" if r["smem_over_limit"] else ""))
+        print(f"| {r['kernel']} | {r['hot']} | {_variant_text(r)} | {r['config'] or '-'} | "
+              f"{r['warps']} | {r['stages']} | {tail} |")
+    failed = [r for r in mine if "error" in r]
+    spills = [r for r in mine if spilled(r)]
+    over = [r for r in mine if r.get("smem_over_limit")]
+    hot = [r for r in mine if r["hot"] and "error" not in r and r["cu"] == "i32"
+           and all(r[k] in (v, None) for k, v in BASE.items())]
+    print(f"\nhot kernels at bf16 K = V = 128 on {name}:\n")
+    print("| kernel | part | variant | regs | spill st/ld B | smem B |")
+    print("|---|---|---|---|---|---|")
+    for r in hot:
+        print(f"| {r['kernel']} | {r['hot']} | {_variant_text(r)} | {r['regs']} | "
+              f"{r['spill_stores']}/{r['spill_loads']} | {r['smem']} |")
+    print(f"\n{len(mine) - len(failed)} of {len(mine)} compiled for {name}; "
+          f"{len(spills)} spill, {len(over)} over {per_block} B of shared memory")
+    for r in failed:
+        print(f"  FAILED {r['kernel']} [{_variant_text(r)}]: {r['error']}")
+    for r in spills:
+        print(f"  spills {r['kernel']} [{_variant_text(r)}, warps {r['warps']}]: "
+              f"{r['spill_stores']} B stores / {r['spill_loads']} B loads, {r['regs']} regs")
+    for r in over:
+        print(f"  shared memory over the limit {r['kernel']} [{_variant_text(r)}]: {r['smem']} B")
+    result = dict(target=f"{name}, compiled, not run", triton=triton.__version__, quick=args.quick,
+                  smem_limit_per_block=per_block, smem_per_sm=per_sm, kernels=sorted(kernels),
+                  helpers_inlined=helpers, hot=HOT, seconds_so_far=round(seconds, 1),
+                  failed=len(failed), spilled=len(spills), smem_over_limit=len(over), rows=mine)
+    suffix = "_quick" if args.quick else ""
+    write(RESULTS / f"kda_sm{arch}_compile{suffix}.json", result)
+
+
+def compile_check(args) -> None:
+    """Compile every KDA kernel, specialisation and config for each --arch; write one JSON per arch."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from compile_check import arch_list, kernels_and_helpers
+    from kimi.ops.kda.triton import common
+
+    if common.INTERPRET:
+        raise SystemExit("--compile-check needs TRITON_INTERPRET unset")
+    start = time.perf_counter()
+    kernels = kda_kernels()
+    _, helpers = kernels_and_helpers(kda_kernel_paths())
+    jobs = [(name, variant, config, arch) for arch in arch_list(args.arch)
+            for name, (_, fn, configs) in kernels.items() for config in configs
+            for variant in kda_variants(fn, args.quick)]
+    print(f"{len(jobs)} compilations ({len(kernels)} kernels) on {args.jobs} processes", flush=True)
+    rows = []
+    with ProcessPoolExecutor(args.jobs) as pool:  # results in job order: each arch written once complete
+        for row in pool.map(_compile_job, jobs):
+            rows.append(row)
+            arch = row["arch"]
+            if sum(r["arch"] == arch for r in rows) == sum(j[3] == arch for j in jobs):
+                _report(arch, [r for r in rows if r["arch"] == arch], kernels, helpers,
+                        time.perf_counter() - start, args)
+    seconds = time.perf_counter() - start
+    print(f"compile check: {seconds:.0f} s")
+    if any("error" in r for r in rows):
+        raise SystemExit(1)
+
+
 def write(path: Path, record: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
@@ -310,7 +530,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="CPU: torch intra-op threads")
     parser.add_argument("--cpu", action="store_true", help="the CPU table even when a GPU is present")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--compile-check", action="store_true",
+                        help="no GPU needed: compile every KDA kernel for --arch, report regs and spills")
+    parser.add_argument("--arch", default="all", choices=["90", "80", "all"], help="--compile-check target")
+    parser.add_argument("--quick", action="store_true", help="--compile-check: bf16, K = V = 128 only")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="--compile-check processes")
     args = parser.parse_args()
+    if args.compile_check:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        compile_check(args)
+        return
     if torch.cuda.is_available() and not args.cpu:
         run_cuda(args)
     else:

@@ -1,0 +1,103 @@
+"""Every KDA and attention Triton kernel compiles for Hopper (sm_90) and Ampere (sm_80), without a GPU:
+bench/kda.py --compile-check and bench/attention.py --compile-check, run in a subprocess because they need
+real (not interpreted) kernels and conftest sets TRITON_INTERPRET=1.
+
+Default: the --quick subset (every kernel, bf16, head dims 128; KDA's constexpr switches both ways and
+cu_seqlens int32/int64; attention's first tile candidate, causal) for both architectures: about 15 s with
+a warm triton cache (~/.triton/cache, plus the ptxas -v logs bench/compile_check.py keeps beside it); the
+first run on a machine compiles ~100 kernels, minutes of ptxas (12 min measured on 2 loaded cores).
+KIMI_SLOW_TESTS=1 adds the full sweeps (every tile candidate, head dims 64/128, bf16/fp32, masks).
+Results go to a temporary directory, not bench/results.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+sys.path.insert(0, str(BENCH))
+from compile_check import kernels_and_helpers  # noqa: E402
+
+ARCHS = (90, 80)
+slow = pytest.mark.skipif(not os.environ.get("KIMI_SLOW_TESTS"), reason="full sweep: set KIMI_SLOW_TESTS=1")
+
+
+def run_check(script: str, out: Path, quick: bool) -> list[dict]:
+    """Run `bench/<script>.py --compile-check --arch all [--quick]` with results written under `out`;
+    returns the JSON of each architecture."""
+    argv = [f"{script}.py", "--compile-check", "--arch", "all"] + (["--quick"] if quick else [])
+    code = (f"import sys; from pathlib import Path; sys.path.insert(0, {str(BENCH)!r}); sys.argv = {argv!r}; "
+            f"import {script} as m; m.RESULTS = Path({str(out)!r}); m.main()")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=3600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    suffix = "_quick" if quick else ""
+    return [json.loads((out / f"{script}_sm{arch}_compile{suffix}.json").read_text()) for arch in ARCHS]
+
+
+def imported_jit_functions(package: str) -> set[str]:
+    """Names of the triton jit / autotuned functions each module of the package defines (not imports)."""
+    import importlib
+    import pkgutil
+
+    pkg = importlib.import_module(package)
+    names = set()
+    for info in pkgutil.iter_modules(pkg.__path__):
+        module = importlib.import_module(f"{package}.{info.name}")
+        for name, obj in vars(module).items():
+            fn = getattr(obj, "fn", None)  # JITFunction / InterpretedFunction / Autotuner wrap a function
+            while hasattr(fn, "fn"):  # an autotuner's .fn is the jit function
+                fn = fn.fn
+            if callable(fn) and getattr(fn, "__module__", None) == module.__name__ and fn.__name__ == name:
+                names.add(name)
+    return names
+
+
+def check_kda(results: list[dict]) -> None:
+    kernels, helpers = kernels_and_helpers(sorted((ROOT / "kimi/ops/kda/triton").glob("*.py")))
+    assert set(kernels) | set(helpers) == imported_jit_functions("kimi.ops.kda.triton")
+    for result in results:
+        assert result["kernels"] == kernels and result["helpers_inlined"] == helpers
+        compiled = {r["kernel"] for r in result["rows"] if "error" not in r}
+        assert compiled == set(kernels), set(kernels) - compiled
+        assert all("regs" in r and "smem" in r and "spill_stores" in r for r in result["rows"])
+        # the switches were compiled both ways
+        assert {r["HAS_INIT"] for r in result["rows"] if r["kernel"] == "state_kernel"} == {False, True}
+
+
+def check_attention(results: list[dict]) -> None:
+    kernels, helpers = kernels_and_helpers(sorted((ROOT / "kimi/ops/attention/triton").glob("*.py")))
+    assert set(kernels) | set(helpers) == imported_jit_functions("kimi.ops.attention.triton")
+    for result in results:
+        compiled = {r["fn"] for r in result["rows"] if "error" not in r}
+        assert compiled == set(kernels), set(kernels) ^ compiled
+        assert all("error" not in r for r in result["rows"])
+
+
+def test_kda_compile_check_quick(tmp_path):
+    check_kda(run_check("kda", tmp_path, quick=True))
+
+
+def test_attention_compile_check_quick(tmp_path):
+    check_attention(run_check("attention", tmp_path, quick=True))
+
+
+@slow
+def test_kda_compile_check_full(tmp_path):
+    results = run_check("kda", tmp_path, quick=False)
+    check_kda(results)
+    for result in results:  # head dims 64 and 128, bf16 and fp32 everywhere they apply
+        rows = [r for r in result["rows"] if r["kernel"] == "chunk_bwd_kernel"]
+        assert {(r["dtype"], r["K"], r["V"]) for r in rows} == {(d, k, v) for d in ("bf16", "fp32")
+                                                                for k in (64, 128) for v in (64, 128)}
+
+
+@slow
+def test_attention_compile_check_full(tmp_path):
+    check_attention(run_check("attention", tmp_path, quick=False))
