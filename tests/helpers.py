@@ -55,3 +55,40 @@ def offline_caches(home: Path):
         mp.setattr(datasets.config, "HF_HUB_OFFLINE", True)
         mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
         yield home
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def corpus_overrides(tmp_path_factory) -> list:
+    """data.* overrides for a generated corpus (make_corpus) and a token cache of its own."""
+    corpus = make_corpus(tmp_path_factory.mktemp("corpus"))
+    files = ",".join(str(p) for p in sorted(corpus.glob("*.txt")))
+    return [f"data.data_files=[{files}]", f"data.cache_dir={tmp_path_factory.mktemp('cache')}"]
+
+
+def run_cfg(run: Path, data: list, *overrides: str):
+    """train.py's config for a tiny run in `run` (no periodic validation), composed as Hydra would."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=[f"trainer.run_dir={run}", *data, *TINY_TRAINER, "trainer.eval_every=0",
+                                            *overrides])
+
+
+def train_run(run: Path, data: list, *overrides: str):
+    """Trainer(run_cfg(...)).fit(); returns the trainer."""
+    from kimi.trainer import Trainer
+
+    trainer = Trainer(run_cfg(run, data, *overrides))
+    trainer.fit()
+    return trainer
+
+
+def copy_run(trained: Path, tmp_path: Path) -> Path:
+    """A copy of a run dir (without its lock file) to change in one test."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run, ignore=shutil.ignore_patterns(".lock"))
+    return run

@@ -4,13 +4,11 @@ routing table in a file, train.log, the config each training start used, and fin
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers import TINY_TRAINER as TINY
-from helpers import make_corpus, tiny_model_cfg
+from helpers import copy_run, corpus_overrides, run_cfg, train_run, tiny_model_cfg
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -26,21 +24,15 @@ PROGRESS = re.compile(r"^step +(\d+)/\d+ \| (loss|loss\(avg (\d+)\)) (\d+\.\d{4}
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> list[str]:
-    corpus = make_corpus(tmp_path_factory.mktemp("corpus"))
-    files = ",".join(str(p) for p in sorted(corpus.glob("*.txt")))
-    return [f"data.data_files=[{files}]", f"data.cache_dir={tmp_path_factory.mktemp('cache')}"]
+    return corpus_overrides(tmp_path_factory)
 
 
 def cfg(run: Path, data: list[str], *overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=[f"trainer.run_dir={run}", *data, *TINY, "trainer.eval_every=0",
-                                            "logging.plot=false", *overrides])
+    return run_cfg(run, data, "logging.plot=false", *overrides)
 
 
 def train(run: Path, data: list[str], *overrides: str) -> Trainer:
-    trainer = Trainer(cfg(run, data, *overrides))
-    trainer.fit()
-    return trainer
+    return train_run(run, data, "logging.plot=false", *overrides)
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +40,6 @@ def trained(tmp_path_factory, data) -> Path:
     """A finished 4-step run (checkpoints at 2 and 4); tests copy it before changing anything."""
     run = tmp_path_factory.mktemp("trained") / "run"
     train(run, data, "trainer.max_steps=4", "trainer.checkpoint_every=2")
-    return run
-
-
-def copy_run(trained: Path, tmp_path: Path) -> Path:
-    run = tmp_path / "run"
-    shutil.copytree(trained, run, ignore=shutil.ignore_patterns(".lock"))
     return run
 
 

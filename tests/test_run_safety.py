@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,8 +13,7 @@ from pathlib import Path
 
 import pytest
 from helpers import TINY_TRAINER as TINY
-from helpers import make_corpus
-from hydra import compose, initialize_config_dir
+from helpers import copy_run, corpus_overrides, run_cfg, train_run
 
 from kimi import checkpoint
 from kimi.cli import RunError, run_main
@@ -29,21 +27,15 @@ register_configs()
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> list[str]:
-    corpus = make_corpus(tmp_path_factory.mktemp("corpus"))
-    files = ",".join(str(p) for p in sorted(corpus.glob("*.txt")))
-    return [f"data.data_files=[{files}]", f"data.cache_dir={tmp_path_factory.mktemp('cache')}"]
+    return corpus_overrides(tmp_path_factory)
 
 
 def cfg(run: Path, data: list[str], *overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=[f"trainer.run_dir={run}", *data, *TINY, "trainer.eval_every=0",
-                                            *overrides])
+    return run_cfg(run, data, *overrides)
 
 
 def train(run: Path, data: list[str], *overrides: str) -> Trainer:
-    trainer = Trainer(cfg(run, data, *overrides))
-    trainer.fit()
-    return trainer
+    return train_run(run, data, *overrides)
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +43,6 @@ def trained(tmp_path_factory, data) -> Path:
     """A run with complete checkpoints at steps 2 and 4; tests copy it before changing anything."""
     run = tmp_path_factory.mktemp("trained") / "run"
     train(run, data, "trainer.max_steps=4", "trainer.checkpoint_every=2")
-    return run
-
-
-def copy_run(trained: Path, tmp_path: Path) -> Path:
-    run = tmp_path / "run"
-    shutil.copytree(trained, run, ignore=shutil.ignore_patterns(".lock"))
     return run
 
 
