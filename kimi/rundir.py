@@ -37,8 +37,11 @@ def _writable(path: Path, what: str) -> None:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
             pass
     except OSError as e:
-        reason = "no space left on device" if e.errno == errno.ENOSPC else f"not writable ({e.strerror})"
-        raise ConfigError(f"{what} {path} is {reason}; choose another hydra.run.dir or fix its permissions") from e
+        if e.errno == errno.ENOSPC:
+            raise ConfigError(f"{what} {path} is on a full disk (no space left on device); free space or choose "
+                              "another hydra.run.dir") from e
+        raise ConfigError(f"{what} {path} is not writable ({e.strerror}); choose another hydra.run.dir or fix its "
+                          "permissions") from e
 
 
 def check_dirs(run_dir: Path) -> Path:

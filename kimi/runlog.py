@@ -26,6 +26,11 @@ from typing import Any, Callable, Dict, List, Optional
 LOG_NAME = "train.log"
 
 
+def _command() -> str:
+    """This process's command line, as a shell would take it back."""
+    return shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else ""
+
+
 class _Tee:
     """A text stream that writes to `stream` and to a RunLog; everything else is the stream's."""
 
@@ -57,9 +62,8 @@ class RunLog:
         if not self.enabled:
             return
         self.path = Path(run_dir) / LOG_NAME
-        command = shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else ""
         self.write(f"---- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()} on {socket.gethostname()}: "
-                   f"{command}\n" + "".join(self._pending))
+                   f"{_command()}\n" + "".join(self._pending))
         self._pending = []
 
     def write(self, text: str) -> None:
@@ -101,8 +105,7 @@ def save_config(run_dir: Path, config: Dict[str, Any], step: int) -> Path:
     from omegaconf import OmegaConf
 
     started = time.strftime("%Y-%m-%d %H:%M:%S")
-    command = shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else ""
-    text = (f"# the resolved config of the training started {started} at step {step}\n# command: {command}\n"
+    text = (f"# the resolved config of the training started {started} at step {step}\n# command: {_command()}\n"
             + OmegaConf.to_yaml(config))
     history = Path(run_dir) / "configs"
     history.mkdir(parents=True, exist_ok=True)
