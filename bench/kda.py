@@ -310,10 +310,32 @@ KDA_MODULES = ("common", "chunk_fwd", "chunk_bwd", "recurrent", "gate")
 HOT = {"scores_kernel": "chunk fwd", "solve_kernel": "chunk fwd", "wu_kernel": "chunk fwd",
        "output_kernel": "chunk fwd", "state_kernel": "state pass fwd", "state_bwd_kernel": "state pass bwd",
        "chunk_bwd_kernel": "chunk bwd", "scores_bwd_kernel": "chunk bwd"}
-# pointers typed by the inputs' dtype (the rest are fp32 buffers: gates, states, intermediates, fp32 grads)
-INPUT_TYPED = {"q", "k", "v", "beta", "o", "do", "dq", "dv", "x", "y", "dy", "dx", "f"}
-SWITCHES = ("HAS_INIT", "HAS_DFINAL", "REVERSE")  # constexpr booleans: both values compiled
+# pointers typed by the inputs' dtype: inputs, outputs and the intermediates that only feed matmuls (the rest
+# are fp32: gates, G, L, final states, score gradients, fp32 grads)
+INPUT_TYPED = {"q", "k", "v", "beta", "o", "do", "dq", "dv", "x", "y", "dy", "dx", "f",
+               "Aqk", "Ainv", "W", "U", "KG", "QG", "Hs", "VN", "DH", "DVN"}
+SWITCHES = ("HAS_INIT", "HAS_DFINAL", "REVERSE", "WITH_QG")  # constexpr booleans: both values compiled
 BASE = dict(dtype="bf16", K=128, V=128)  # the model's shape: where the cu_seqlens dtype is varied too
+# Why the spills left in hot kernels are left (written into the JSONs beside the numbers).
+NOTES = {
+    "scores_kernel": "bf16 K = 128: ~100-250 B of spills remain (sm_90 and sm_80). Each diagonal 16-token "
+                     "sub-chunk is computed from [16, 16, BKD] fp32 tiles of masked decays (exponent -inf "
+                     "above the diagonal, so no positive exponent is ever taken) and of the decayed keys, "
+                     "beside the [16, K] rows the off-diagonal matmuls keep; BKD = 16 or 4 warps spill as "
+                     "much or more (measured 76-336 B). A register-only diagonal would need the anchored "
+                     "form there too, which loses the exactness of strong gates.",
+    "scores_bwd_kernel": "bf16 K = 128: ~100-250 B of spills remain, for the same [16, 16, BKD] diagonal "
+                         "tiles as scores_kernel, here three of them (dq, dk by row and by column).",
+    "chunk_bwd_kernel": "sm_80 only, ~84 B: its ptxas keeps a few more registers live across the key-block "
+                        "loop than sm_90's (0 B there); smaller key blocks would reread dO, V_new and dV_new "
+                        "more often.",
+    "state_bwd_kernel": "sm_80 only, at BVS = 64, ~50 B; BVS = 32 (chosen when the sequences and heads do "
+                        "not fill the GPU) does not spill.",
+    "fp32": "fp32 inputs (trainer.precision=fp32 on a GPU) multiply as tf32x3 (three TF32 tensor-core "
+            "products, about fp32 accuracy); some fp32 variants at K = 128 still spill, and sm_80's "
+            "ptxas puts whole operand tiles on the stack (its '32 registers' rows). Train in bf16 for "
+            "speed; fp32 is for checking.",
+}
 
 
 def kda_kernel_paths() -> list[Path]:
@@ -325,12 +347,14 @@ def kda_kernel_paths() -> list[Path]:
 def kda_kernels() -> dict:
     """name -> (module, JITFunction, [(constexpr overrides, num_warps, num_stages)]): every @triton.jit
     function in kimi/ops/kda/triton that no other calls (the launched ones), autotuned ones with each of
-    their configs, plain ones with the num_warps / num_stages of their launch (triton's 4 / 3 if none)."""
+    their configs, plain ones with the num_warps / num_stages of their launch (triton's 4 / 3 if none), the
+    state passes once per value-block candidate (common.STATE_BLOCKS)."""
     import importlib
 
     import triton
 
     from compile_check import kernels_and_helpers, launch_options
+    from kimi.ops.kda.triton import common
 
     names, _ = kernels_and_helpers(kda_kernel_paths())
     out = {}
@@ -346,7 +370,10 @@ def kda_kernels() -> dict:
                 obj = obj.fn
             else:
                 launch = launch_options(source, name)
-                configs = [({}, launch.get("num_warps", 4), launch.get("num_stages", 3))]
+                warps, stages = launch.get("num_warps", 4), launch.get("num_stages", 3)
+                # the state passes' value block is chosen per launch (common.state_block): compile each
+                blocks = [{"BVS": b} for b in common.STATE_BLOCKS] if "BVS" in obj.arg_names else [{}]
+                configs = [(b, warps, stages) for b in blocks]
             out[name] = (mod, obj, configs)
     missing = set(names) - set(out)
     if missing:
@@ -384,8 +411,9 @@ def kda_signature(fn, variant: dict, extra: dict) -> tuple[dict, dict, dict]:
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[variant["dtype"]]
     K, V = variant["K"] or 64, variant["V"] or 64
-    BK, BKD, BV = common.tiles(K, V)
-    values = dict(K=K, D=K, V=V, BK=BK, BD=BK, BKD=BKD, BV=BV, C=common.CHUNK, BC=common.SUB,
+    BK, BKD, BV, BVS, BKC = common.tiles(K, V)
+    values = dict(K=K, D=K, V=V, BK=BK, BD=BK, BKD=BKD, BV=BV, BVS=BVS, BKC=BKC, C=common.CHUNK,
+                  BC=common.SUB,
                   BR=gate.ROWS, PREC=common.dot_precision(dtype))
     values.update({s: variant[s] for s in SWITCHES if s in variant})
     values.update(extra)
@@ -460,10 +488,11 @@ def _report(arch: int, mine: list[dict], kernels, helpers, seconds: float, args)
     hot = [r for r in mine if r["hot"] and "error" not in r and r["cu"] == "i32"
            and all(r[k] in (v, None) for k, v in BASE.items())]
     print(f"\nhot kernels at bf16 K = V = 128 on {name}:\n")
-    print("| kernel | part | variant | regs | spill st/ld B | smem B |")
-    print("|---|---|---|---|---|---|")
+    print("| kernel | part | variant | config | warps | regs | spill st/ld B | smem B |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in hot:
-        print(f"| {r['kernel']} | {r['hot']} | {_variant_text(r)} | {r['regs']} | "
+        print(f"| {r['kernel']} | {r['hot']} | {_variant_text(r)} | {r['config'] or '-'} | {r['warps']} | "
+              f"{r['regs']} | "
               f"{r['spill_stores']}/{r['spill_loads']} | {r['smem']} |")
     print(f"\n{len(mine) - len(failed)} of {len(mine)} compiled for {name}; "
           f"{len(spills)} spill, {len(over)} over {per_block} B of shared memory")
@@ -477,7 +506,8 @@ def _report(arch: int, mine: list[dict], kernels, helpers, seconds: float, args)
     result = dict(target=f"{name}, compiled, not run", triton=triton.__version__, quick=args.quick,
                   smem_limit_per_block=per_block, smem_per_sm=per_sm, kernels=sorted(kernels),
                   helpers_inlined=helpers, hot=HOT, seconds_so_far=round(seconds, 1),
-                  failed=len(failed), spilled=len(spills), smem_over_limit=len(over), rows=mine)
+                  failed=len(failed), spilled=len(spills), smem_over_limit=len(over), notes=NOTES,
+                  rows=mine)
     suffix = "_quick" if args.quick else ""
     write(RESULTS / f"kda_sm{arch}_compile{suffix}.json", result)
 

@@ -67,8 +67,15 @@ def check_kda(results: list[dict]) -> None:
         compiled = {r["kernel"] for r in result["rows"] if "error" not in r}
         assert compiled == set(kernels), set(kernels) - compiled
         assert all("regs" in r and "smem" in r and "spill_stores" in r for r in result["rows"])
-        # the switches were compiled both ways
+        # the switches were compiled both ways, the state passes at each value-block candidate
         assert {r["HAS_INIT"] for r in result["rows"] if r["kernel"] == "state_kernel"} == {False, True}
+        assert {r["config"].get("BVS") for r in result["rows"] if r["kernel"] == "state_kernel"} == {32, 64}
+        # every kernel fits the GPU's shared memory; hot kernels at the model's shape (bf16, K = V = 128)
+        # do not spill registers, except those whose reason is written in the JSON's notes
+        assert not [r["kernel"] for r in result["rows"] if r["smem_over_limit"]], result["target"]
+        hot = [r for r in result["rows"] if r["hot"] and r["dtype"] == "bf16" and r["K"] in (128, None)]
+        spilled = {r["kernel"] for r in hot if r["spill_stores"] or r["spill_loads"]}
+        assert spilled <= set(result["notes"]), (result["target"], spilled - set(result["notes"]))
 
 
 def check_attention(results: list[dict]) -> None:

@@ -2,8 +2,9 @@
 chunk_fwd.py are rerun (G, scores, inverse, W, U, the entering states and V_new), then
 
 1. `state_bwd_kernel`, per (sequence, head, value block), chunks in reverse: with dS the gradient of the
-   state leaving a chunk, dV_new = A_qk^T dO + (exp(G_C - G) K) dS, and the gradient of the state entering
-   it is Diag(exp(G_C)) dS + (Q exp(G))^T dO - W^T dV_new. Stores every chunk's dS and dV_new.
+   state leaving a chunk, dV_new = A_qk^T dO + KG dS, and the gradient of the state entering it is
+   Diag(exp(G_C)) dS + QG^T dO - W^T dV_new (KG = exp(G_C - G) K and QG = scale exp(G) Q come from the
+   rerun of step 3). Stores every chunk's dS and dV_new.
 2. `chunk_bwd_kernel`, per chunk: everything that needs the states: the state read of O, the state write,
    V_new = U - W S, and back through the solve. With Z = Ainv^T [dW, dU] (Ainv = (I + A)^-1,
    A = StrictLower(Diag(beta) L)): d(beta X) = Z for X = [exp(G) K, V], and dA = -Z [W, U]^T.
@@ -19,99 +20,104 @@ import triton.language as tl
 
 from .chunk_fwd import forward_intermediates, load_square
 from .common import (CHUNK, SUB, chunk_bounds, chunk_cumsum, load_G, load_G_row, load_rows, mm, scratch,
-                     state_program, tiles)
+                     state_block, state_program, tiles)
 
 
 @triton.jit
-def state_bwd_kernel(q, k, Gc, W, Aqk, do, dht, DH, DVN, dh0, cu_seqlens, first_chunk, scale, H,
-                     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+def state_bwd_kernel(QG, KG, Gc, W, Aqk, do, dht, DH, DVN, dh0, cu_seqlens, first_chunk, H, K: tl.constexpr,
+                     V: tl.constexpr, BK: tl.constexpr, BVS: tl.constexpr, C: tl.constexpr,
                      HAS_DFINAL: tl.constexpr, PREC: tl.constexpr):
     n, h, bos, eos, c0, ck, cv, mk, mv, state_off, state_mask, dS = state_program(
-        dht, cu_seqlens, first_chunk, H, K, V, BK, BV, HAS_DFINAL)
+        dht, cu_seqlens, first_chunk, H, K, V, BK, BVS, HAS_DFINAL)
     nt = tl.cdiv(eos - bos, C)
     for c_rev in range(nt):
         c = nt - 1 - c_rev
         t0 = bos + c * C
         last = tl.minimum(t0 + C, eos) - 1
         rows = t0 + tl.arange(0, C)
-        tl.store(DH + ((c0 + c) * H + h) * K * V + state_off, dS, mask=state_mask)
-        G = load_G(Gc, rows, last, h, H, ck, K, mk)
-        G_last = load_G_row(Gc, last, last, h, H, ck, K, mk)
-        k_end = load_rows(k, rows, last, h, H, ck, K, mk) * tl.exp(G_last[None, :] - G)
+        tl.store(DH + ((c0 + c) * H + h) * K * V + state_off, dS.to(DH.dtype.element_ty), mask=state_mask)
         b_do = load_rows(do, rows, last, h, H, cv, V, mv)
-        dv_new = mm(tl.trans(load_square(Aqk, t0, last, h, H, C)), b_do, PREC) + mm(k_end, dS, PREC)
-        tl.store(DVN + (rows[:, None] * H + h) * V + cv[None, :], dv_new,
+        dv_new = (mm(tl.trans(load_square(Aqk, t0, last, h, H, C)), b_do, PREC)
+                  + mm(load_rows(KG, rows, last, h, H, ck, K, mk), dS, PREC))
+        tl.store(DVN + (rows[:, None] * H + h) * V + cv[None, :], dv_new.to(DVN.dtype.element_ty),
                  mask=(rows <= last)[:, None] & mv[None, :])
-        q_decayed = load_rows(q, rows, last, h, H, ck, K, mk) * scale * tl.exp(G)
-        dS = (dS * tl.exp(G_last)[:, None] + mm(tl.trans(q_decayed), b_do, PREC)
+        G_last = load_G_row(Gc, last, last, h, H, ck, K, mk)
+        q_g = load_rows(QG, rows, last, h, H, ck, K, mk)
+        dS = (dS * tl.exp(G_last)[:, None] + mm(tl.trans(q_g), b_do, PREC)
               - mm(tl.trans(load_rows(W, rows, last, h, H, ck, K, mk)), dv_new, PREC))
     tl.store(dh0 + (n * H + h).to(tl.int64) * K * V + state_off, dS, mask=state_mask)
 
 
 @triton.jit
-def chunk_bwd_kernel(q, k, v, beta, Gc, L, Ainv, W, U, Hs, VN, do, DH, DVN, dqs, dk, dv, dG, dbeta, dAqk, dL,
-                     cu_seqlens, chunks, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+def chunk_bwd_kernel(q, k, v, beta, Gc, L, Ainv, W, U, Hs, VN, do, DH, DVN, dqs, dks, dv, dG, dbeta, dAqk, dL,
+                     cu_seqlens, chunks, H, K: tl.constexpr, V: tl.constexpr, BKC: tl.constexpr,
                      BV: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr):
+    """Two passes over the value blocks: first what needs no key channels (dV, dA_qk, the U part of dA),
+    then, per block of BKC key channels, the state terms. Holding all K channels of the three [C, K]
+    accumulators at once spilled registers at K = 128 (bench/results/kda_sm90_compile.json); the second
+    pass rereads dO, V_new and dV_new once per key block instead."""
     i_c, h = tl.program_id(0), tl.program_id(1)
     t0, last = chunk_bounds(cu_seqlens, chunks, i_c, C)
     o = tl.arange(0, C)
     rows = t0 + o
     valid = rows <= last
-    ck = tl.arange(0, BK)
-    mk = ck < K
     b_beta = tl.load(beta + rows * H + h, mask=valid, other=0).to(tl.float32)
     A_inv = load_square(Ainv, t0, last, h, H, C)
-    state_base = (i_c * H + h).to(tl.int64) * K * V
-    d_qs = tl.zeros([C, BK], dtype=tl.float32)  # d(scaled q) through the state read, before exp(G)
-    d_kend = tl.zeros([C, BK], dtype=tl.float32)  # d(exp(G_C - G) K) through the state write
-    d_W = tl.zeros([C, BK], dtype=tl.float32)
-    d_Glast = tl.zeros([BK], dtype=tl.float32)  # d exp(G_C) through the decay of the entering state
     d_Aqk = tl.zeros([C, C], dtype=tl.float32)
     d_A = tl.zeros([C, C], dtype=tl.float32)
     d_beta = tl.zeros([C], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         mv = cv < V
-        state_ptr = state_base + ck[:, None] * V + cv[None, :]
-        S = tl.load(Hs + state_ptr, mask=mk[:, None] & mv[None, :], other=0)
-        dS = tl.load(DH + state_ptr, mask=mk[:, None] & mv[None, :], other=0)
         b_do = load_rows(do, rows, last, h, H, cv, V, mv)
-        v_new = load_rows(VN, rows, last, h, H, cv, V, mv)
-        dv_new = load_rows(DVN, rows, last, h, H, cv, V, mv)
-        d_qs += mm(b_do, tl.trans(S), PREC)
-        d_kend += mm(v_new, tl.trans(dS), PREC)
-        d_W -= mm(dv_new, tl.trans(S), PREC)
-        d_Glast += tl.sum(S * dS, axis=1)
-        d_Aqk += mm(b_do, tl.trans(v_new), PREC)
-        Z_U = mm(tl.trans(A_inv), dv_new, PREC)  # dU = dV_new
+        d_Aqk += mm(b_do, tl.trans(load_rows(VN, rows, last, h, H, cv, V, mv)), PREC)
+        Z_U = mm(tl.trans(A_inv), load_rows(DVN, rows, last, h, H, cv, V, mv), PREC)  # dU = dV_new
         tl.store(dv + (rows[:, None] * H + h) * V + cv[None, :],
                  (b_beta[:, None] * Z_U).to(dv.dtype.element_ty), mask=valid[:, None] & mv[None, :])
         d_beta += tl.sum(Z_U * load_rows(v, rows, last, h, H, cv, V, mv), axis=1)
         d_A -= mm(Z_U, tl.trans(load_rows(U, rows, last, h, H, cv, V, mv)), PREC)
-    G = load_G(Gc, rows, last, h, H, ck, K, mk)
-    G_last = load_G_row(Gc, last, last, h, H, ck, K, mk)
-    b_k = load_rows(k, rows, last, h, H, ck, K, mk)
-    decay = tl.exp(G)
-    to_end = tl.exp(G_last[None, :] - G)
-    k_decayed = b_k * decay
-    Z_W = mm(tl.trans(A_inv), d_W, PREC)
-    d_kdecayed = b_beta[:, None] * Z_W
-    d_beta += tl.sum(Z_W * k_decayed, axis=1)
-    d_A -= mm(Z_W, tl.trans(load_rows(W, rows, last, h, H, ck, K, mk)), PREC)
+    state_base = (i_c * H + h).to(tl.int64) * K * V
+    for k0 in range(0, K, BKC):
+        ck = k0 + tl.arange(0, BKC)
+        mk = ck < K
+        d_qs = tl.zeros([C, BKC], dtype=tl.float32)  # d(scaled q) through the state read, before exp(G)
+        d_kend = tl.zeros([C, BKC], dtype=tl.float32)  # d(exp(G_C - G) K) through the state write
+        d_W = tl.zeros([C, BKC], dtype=tl.float32)
+        d_Glast = tl.zeros([BKC], dtype=tl.float32)  # d exp(G_C) through the decay of the entering state
+        for i_v in range(tl.cdiv(V, BV)):
+            cv = i_v * BV + tl.arange(0, BV)
+            mv = cv < V
+            state_ptr = state_base + ck[:, None] * V + cv[None, :]
+            S = tl.load(Hs + state_ptr, mask=mk[:, None] & mv[None, :], other=0).to(tl.float32)
+            dS = tl.load(DH + state_ptr, mask=mk[:, None] & mv[None, :], other=0).to(tl.float32)
+            d_qs += mm(load_rows(do, rows, last, h, H, cv, V, mv), tl.trans(S), PREC)
+            d_kend += mm(load_rows(VN, rows, last, h, H, cv, V, mv), tl.trans(dS), PREC)
+            d_W -= mm(load_rows(DVN, rows, last, h, H, cv, V, mv), tl.trans(S), PREC)
+            d_Glast += tl.sum(S * dS, axis=1)
+        G = load_G(Gc, rows, last, h, H, ck, K, mk)
+        G_last = load_G_row(Gc, last, last, h, H, ck, K, mk)
+        b_k = load_rows(k, rows, last, h, H, ck, K, mk)
+        decay = tl.exp(G)
+        to_end = tl.exp(G_last[None, :] - G)
+        k_decayed = b_k * decay
+        Z_W = mm(tl.trans(A_inv), d_W, PREC)
+        d_kdecayed = b_beta[:, None] * Z_W
+        d_beta += tl.sum(Z_W * k_decayed, axis=1)
+        d_A -= mm(Z_W, tl.trans(load_rows(W, rows, last, h, H, ck, K, mk)), PREC)
+        out = (rows[:, None] * H + h) * K + ck[None, :]
+        mask = valid[:, None] & mk[None, :]
+        tl.store(dqs + out, d_qs * decay, mask=mask)
+        tl.store(dks + out, d_kend * to_end + d_kdecayed * decay, mask=mask)
+        k_end = b_k * to_end
+        d_Glast = d_Glast * tl.exp(G_last) + tl.sum(d_kend * k_end, axis=0)
+        d_G = d_kdecayed * k_decayed - d_kend * k_end + tl.where(rows[:, None] == last, d_Glast[None, :], 0.0)
+        tl.store(dG + out, d_G, mask=mask)
     d_A = tl.where((o[:, None] > o[None, :]) & valid[:, None], d_A, 0.0)
     d_beta += tl.sum(d_A * load_square(L, t0, last, h, H, C), axis=1)
     out2 = (rows[:, None] * H + h) * C + o[None, :]
     tl.store(dL + out2, b_beta[:, None] * d_A, mask=valid[:, None])
     tl.store(dAqk + out2, tl.where(o[:, None] >= o[None, :], d_Aqk, 0.0), mask=valid[:, None])
-    tl.store(dbeta + rows * H + h, d_beta, mask=valid)
-    out = (rows[:, None] * H + h) * K + ck[None, :]
-    mask = valid[:, None] & mk[None, :]
-    tl.store(dqs + out, d_qs * decay, mask=mask)
-    tl.store(dk + out, d_kend * to_end + d_kdecayed * decay, mask=mask)
-    k_end = b_k * to_end
-    d_Glast = d_Glast * tl.exp(G_last) + tl.sum(d_kend * k_end, axis=0)
-    d_G = d_kdecayed * k_decayed - d_kend * k_end + tl.where(rows[:, None] == last, d_Glast[None, :], 0.0)
-    tl.store(dG + out, d_G, mask=mask)
+    tl.store(dbeta + rows * H + h, d_beta.to(dbeta.dtype.element_ty), mask=valid)
 
 
 @triton.jit
@@ -123,7 +129,7 @@ def _load_sq_block(A, t0, last, i, j, h, H, C: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def scores_bwd_kernel(q, k, Gc, dAqk, dL, dqs, dq, dk, dG, cu_seqlens, chunks, scale, H, K: tl.constexpr,
+def scores_bwd_kernel(q, k, Gc, dAqk, dL, dqs, dks, dq, dk, dG, cu_seqlens, chunks, scale, H, K: tl.constexpr,
                       BK: tl.constexpr, BKD: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
                       PREC: tl.constexpr):
     """For P = A_qk (x = q) and P = L (x = k): dx_t = sum_s dP[t, s] k_s exp(G_t - G_s) (row role) and
@@ -139,7 +145,7 @@ def scores_bwd_kernel(q, k, Gc, dAqk, dL, dqs, dq, dk, dG, cu_seqlens, chunks, s
         rows = t0 + i * BC + o
         dPq = _load_sq_block(dAqk, t0, last, i, i, h, H, C, BC)  # zero where s > t
         dPk = _load_sq_block(dL, t0, last, i, i, h, H, C, BC)
-        for d0 in tl.static_range(0, BK, BKD):
+        for d0 in range(0, BK, BKD):
             cd = d0 + tl.arange(0, BKD)
             md = cd < K
             q_i = load_rows(q, rows, last, h, H, cd, K, md) * scale
@@ -179,8 +185,8 @@ def scores_bwd_kernel(q, k, Gc, dAqk, dL, dqs, dq, dk, dG, cu_seqlens, chunks, s
             mask = (rows <= last)[:, None] & md[None, :]
             d_qs = tl.load(dqs + out, mask=mask, other=0) + dq_i
             tl.store(dq + out, (d_qs * scale).to(dq.dtype.element_ty), mask=mask)
-            d_k = tl.load(dk + out, mask=mask, other=0) + dk_row + dk_col
-            tl.store(dk + out, d_k, mask=mask)
+            d_k = tl.load(dks + out, mask=mask, other=0) + dk_row + dk_col
+            tl.store(dk + out, d_k.to(dk.dtype.element_ty), mask=mask)
             d_G = tl.load(dG + out, mask=mask, other=0) + q_i * d_qs + k_i * (dk_row - dk_col)
             tl.store(dG + out, d_G, mask=mask)
 
@@ -190,27 +196,29 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_
     T, H, K = q.shape
     V = v.shape[-1]
     N = cu_seqlens.numel() - 1
-    BK, BKD, BV = tiles(K, V)
+    BK, BKD, BV, _, BKC = tiles(K, V)
+    BVS = state_block(N, H, V, q.device)
     mid, _ = forward_intermediates(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_chunk,
-                                   NT, prec)
-    DH = scratch(NT, H, K, V, like=q)
-    DVN = scratch(T, H, V, like=q)
+                                   NT, prec, backward=True)
+    DH = scratch(NT, H, K, V, like=q, dtype=q.dtype)  # matmul operands only, like the forward's states
+    DVN = scratch(T, H, V, like=q, dtype=q.dtype)
     dh0 = scratch(N, H, K, V, like=q)
     if N:
-        state_bwd_kernel[(N, H, triton.cdiv(V, BV))](
-            q, k, mid["Gc"], mid["W"], mid["Aqk"], do, dht if dht is not None else dh0, DH, DVN, dh0,
-            cu_seqlens, first_chunk, scale, H, K, V, BK, BV, CHUNK, dht is not None, prec)
-    dqs, dk, dG = (scratch(T, H, K, like=q) for _ in range(3))
-    dq = scratch(*q.shape, like=q, dtype=q.dtype)
+        state_bwd_kernel[(N, H, triton.cdiv(V, BVS))](
+            mid["QG"], mid["KG"], mid["Gc"], mid["W"], mid["Aqk"], do, dht if dht is not None else dh0, DH,
+            DVN, dh0, cu_seqlens, first_chunk, H, K, V, BK, BVS, CHUNK, dht is not None, prec,
+            num_warps=8, num_stages=1)  # 4 warps spill at BVS = 64; a pipelined chunk loop overflows smem
+    dqs, dks, dG = (scratch(T, H, K, like=q) for _ in range(3))  # fp32 partial sums
+    dq, dk = scratch(*q.shape, like=q, dtype=q.dtype), scratch(*k.shape, like=k, dtype=k.dtype)
     dv = scratch(*v.shape, like=v, dtype=v.dtype)
-    dbeta = scratch(T, H, like=q)
+    dbeta = scratch(T, H, like=beta, dtype=beta.dtype)
     dAqk, dL = scratch(T, H, CHUNK, like=q), scratch(T, H, CHUNK, like=q)
     if NT:
         chunk_bwd_kernel[(NT, H)](
             q, k, v, beta, mid["Gc"], mid["L"], mid["Ainv"], mid["W"], mid["U"], mid["Hs"], mid["VN"], do, DH,
-            DVN, dqs, dk, dv, dG, dbeta, dAqk, dL, cu_seqlens, chunks, scale, H, K, V, BK, BV, CHUNK, prec,
-            num_warps=8)  # it holds four [C, C] and three [C, K] fp32 tiles at once
-        scores_bwd_kernel[(NT, H)](q, k, mid["Gc"], dAqk, dL, dqs, dq, dk, dG, cu_seqlens, chunks, scale, H,
-                                   K, BK, BKD, CHUNK, SUB, prec)
+            DVN, dqs, dks, dv, dG, dbeta, dAqk, dL, cu_seqlens, chunks, H, K, V, BKC, BV, CHUNK, prec,
+            num_warps=8, num_stages=1)  # four [C, C] and three [C, BKC] fp32 tiles; no loop pipelining
+        scores_bwd_kernel[(NT, H)](q, k, mid["Gc"], dAqk, dL, dqs, dks, dq, dk, dG, cu_seqlens, chunks, scale,
+                                   H, K, BK, BKD, CHUNK, SUB, prec, num_warps=8)  # 4 warps spill at K = 128
     dg = chunk_cumsum(dG, cu_seqlens, chunks, NT, reverse=True)
-    return dq, dk.to(k.dtype), dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0
+    return dq, dk, dv, dg.to(g.dtype), dbeta, dh0

@@ -10,8 +10,9 @@
 3. `solve_kernel`, per chunk: (I + Diag(beta) L)^-1 by forward substitution on the four 16 x 16 diagonal
    blocks, then block substitution for the rest; and `wu_kernel`: W = M (exp(G) K), U = M V with
    M = (I + Diag(beta) L)^-1 Diag(beta).
+   The same pass stores KG = exp(G_C - G) K, the keys decayed to the chunk's end.
 4. `state_kernel`, per (sequence, head, value block): the only sequential pass, chunk by chunk:
-   V_new = U - W S, S <- Diag(exp(G_C)) S + (exp(G_C - G) K)^T V_new. Stores every entering state.
+   V_new = U - W S, S <- Diag(exp(G_C)) S + KG^T V_new. Stores every entering state.
 5. `output_kernel`, per chunk: O = (Q exp(G)) S + A_qk V_new.
 
 The backward (chunk_bwd.py) reruns 1-4 rather than keeping their outputs from the forward.
@@ -21,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .common import (CHUNK, SUB, chunk_bounds, chunk_cumsum, load_G, load_G_row, load_rows, mm, scratch,
-                     state_program, tiles)
+                     state_block, state_program, tiles)
 
 
 @triton.jit
@@ -54,7 +55,7 @@ def scores_kernel(q, k, Gc, L, Aqk, cu_seqlens, chunks, scale, H, K: tl.constexp
         causal = (o[:, None] >= o[None, :])[:, :, None]
         b_kk = tl.zeros([BC, BC], dtype=tl.float32)
         b_qk = tl.zeros([BC, BC], dtype=tl.float32)
-        for d0 in tl.static_range(0, BK, BKD):
+        for d0 in range(0, BK, BKD):
             cd = d0 + tl.arange(0, BKD)
             md = cd < K
             q_d = load_rows(q, rows, last, h, H, cd, K, md) * scale
@@ -119,12 +120,12 @@ def solve_kernel(L, beta, Ainv, cu_seqlens, chunks, H, C: tl.constexpr, BC: tl.c
         at_i = r[None, :, None] == i
         a_i = tl.sum(tl.where(at_i, A, 0.0), axis=1)
         X = tl.where(at_i, X - tl.sum(a_i[:, :, None] * X, axis=1)[:, None, :], X)
-    tl.store(Ainv + (rows * H + h) * C + cols, X, mask=valid)
-    tl.debug_barrier()  # the blocks are read back below by other threads of this program
-    D0 = _load_block(Ainv, t0, last, 0, 0, h, H, C, BC)
-    D1 = _load_block(Ainv, t0, last, 1, 1, h, H, C, BC)
-    D2 = _load_block(Ainv, t0, last, 2, 2, h, H, C, BC)
-    D3 = _load_block(Ainv, t0, last, 3, 3, h, H, C, BC)
+    tl.store(Ainv + (rows * H + h) * C + cols, X.to(Ainv.dtype.element_ty), mask=valid)
+    # The diagonal blocks feed the block substitution from registers, in fp32, whatever Ainv stores.
+    D0 = tl.sum(tl.where(nb == 0, X, 0.0), axis=0)
+    D1 = tl.sum(tl.where(nb == 1, X, 0.0), axis=0)
+    D2 = tl.sum(tl.where(nb == 2, X, 0.0), axis=0)
+    D3 = tl.sum(tl.where(nb == 3, X, 0.0), axis=0)
     A10 = _beta_block(L, beta, t0, last, 1, 0, h, H, C, BC)
     A20 = _beta_block(L, beta, t0, last, 2, 0, h, H, C, BC)
     A21 = _beta_block(L, beta, t0, last, 2, 1, h, H, C, BC)
@@ -137,15 +138,16 @@ def solve_kernel(L, beta, Ainv, cu_seqlens, chunks, H, C: tl.constexpr, BC: tl.c
     X20 = -mm(D2, mm(A20, D0, 0) + mm(A21, X10, 0), 0)
     X31 = -mm(D3, mm(A31, D1, 0) + mm(A32, X21, 0), 0)
     X30 = -mm(D3, mm(A30, D0, 0) + mm(A31, X10, 0) + mm(A32, X20, 0), 0)
-    _store_block(Ainv, X10, t0, last, 1, 0, h, H, C, BC)
-    _store_block(Ainv, X20, t0, last, 2, 0, h, H, C, BC)
-    _store_block(Ainv, X21, t0, last, 2, 1, h, H, C, BC)
-    _store_block(Ainv, X30, t0, last, 3, 0, h, H, C, BC)
-    _store_block(Ainv, X31, t0, last, 3, 1, h, H, C, BC)
-    _store_block(Ainv, X32, t0, last, 3, 2, h, H, C, BC)
+    out_ty = Ainv.dtype.element_ty
+    _store_block(Ainv, X10.to(out_ty), t0, last, 1, 0, h, H, C, BC)
+    _store_block(Ainv, X20.to(out_ty), t0, last, 2, 0, h, H, C, BC)
+    _store_block(Ainv, X21.to(out_ty), t0, last, 2, 1, h, H, C, BC)
+    _store_block(Ainv, X30.to(out_ty), t0, last, 3, 0, h, H, C, BC)
+    _store_block(Ainv, X31.to(out_ty), t0, last, 3, 1, h, H, C, BC)
+    _store_block(Ainv, X32.to(out_ty), t0, last, 3, 2, h, H, C, BC)
     for i in tl.static_range(C // BC):
         for j in tl.static_range(i + 1, C // BC):
-            _store_block(Ainv, tl.zeros([BC, BC], dtype=tl.float32), t0, last, i, j, h, H, C, BC)
+            _store_block(Ainv, tl.zeros([BC, BC], dtype=out_ty), t0, last, i, j, h, H, C, BC)
 
 
 @triton.jit
@@ -157,9 +159,11 @@ def load_square(A, t0, last, h, H, C: tl.constexpr):
 
 
 @triton.jit
-def wu_kernel(k, v, beta, Gc, Ainv, W, U, cu_seqlens, chunks, H, K: tl.constexpr, V: tl.constexpr,
-              BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr):
-    """W = Ainv Diag(beta) (exp(G) K), U = Ainv Diag(beta) V."""
+def wu_kernel(q, k, v, beta, Gc, Ainv, W, U, KG, QG, cu_seqlens, chunks, scale, H, K: tl.constexpr,
+              V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, WITH_QG: tl.constexpr,
+              PREC: tl.constexpr):
+    """W = Ainv Diag(beta) (exp(G) K), U = Ainv Diag(beta) V, KG = exp(G_C - G) K (keys decayed to the
+    chunk's end: the state write) and, for the backward, QG = scale exp(G) Q (the state read)."""
     i_c, h = tl.program_id(0), tl.program_id(1)
     t0, last = chunk_bounds(cu_seqlens, chunks, i_c, C)
     rows = t0 + tl.arange(0, C)
@@ -168,36 +172,42 @@ def wu_kernel(k, v, beta, Gc, Ainv, W, U, cu_seqlens, chunks, H, K: tl.constexpr
     b = tl.load(beta + rows * H + h, mask=valid, other=0).to(tl.float32)
     ck = tl.arange(0, BK)
     mk = ck < K
-    gk = load_rows(k, rows, last, h, H, ck, K, mk) * tl.exp(load_G(Gc, rows, last, h, H, ck, K, mk))
-    tl.store(W + (rows[:, None] * H + h) * K + ck[None, :], mm(A, gk * b[:, None], PREC),
-             mask=valid[:, None] & mk[None, :])
+    out_k = (rows[:, None] * H + h) * K + ck[None, :]
+    mask_k = valid[:, None] & mk[None, :]
+    G = load_G(Gc, rows, last, h, H, ck, K, mk)
+    b_k = load_rows(k, rows, last, h, H, ck, K, mk)
+    tl.store(W + out_k, mm(A, b_k * tl.exp(G) * b[:, None], PREC).to(W.dtype.element_ty), mask=mask_k)
+    G_last = load_G_row(Gc, last, last, h, H, ck, K, mk)
+    tl.store(KG + out_k, (b_k * tl.exp(G_last[None, :] - G)).to(KG.dtype.element_ty), mask=mask_k)
+    if WITH_QG:
+        b_q = load_rows(q, rows, last, h, H, ck, K, mk)
+        tl.store(QG + out_k, (b_q * scale * tl.exp(G)).to(QG.dtype.element_ty), mask=mask_k)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         mv = cv < V
         b_v = load_rows(v, rows, last, h, H, cv, V, mv)
-        tl.store(U + (rows[:, None] * H + h) * V + cv[None, :], mm(A, b_v * b[:, None], PREC),
-                 mask=valid[:, None] & mv[None, :])
+        tl.store(U + (rows[:, None] * H + h) * V + cv[None, :],
+                 mm(A, b_v * b[:, None], PREC).to(U.dtype.element_ty), mask=valid[:, None] & mv[None, :])
 
 
 @triton.jit
-def state_kernel(k, Gc, W, U, h0, Hs, VN, ht, cu_seqlens, first_chunk, H, K: tl.constexpr, V: tl.constexpr,
-                 BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, HAS_INIT: tl.constexpr,
+def state_kernel(KG, Gc, W, U, h0, Hs, VN, ht, cu_seqlens, first_chunk, H, K: tl.constexpr, V: tl.constexpr,
+                 BK: tl.constexpr, BVS: tl.constexpr, C: tl.constexpr, HAS_INIT: tl.constexpr,
                  PREC: tl.constexpr):
     n, h, bos, eos, c0, ck, cv, mk, mv, state_off, state_mask, state = state_program(
-        h0, cu_seqlens, first_chunk, H, K, V, BK, BV, HAS_INIT)
+        h0, cu_seqlens, first_chunk, H, K, V, BK, BVS, HAS_INIT)
     for c in range(tl.cdiv(eos - bos, C)):
         t0 = bos + c * C
         last = tl.minimum(t0 + C, eos) - 1
         rows = t0 + tl.arange(0, C)
-        tl.store(Hs + ((c0 + c) * H + h) * K * V + state_off, state, mask=state_mask)
+        tl.store(Hs + ((c0 + c) * H + h) * K * V + state_off, state.to(Hs.dtype.element_ty), mask=state_mask)
         v_new = load_rows(U, rows, last, h, H, cv, V, mv) - mm(load_rows(W, rows, last, h, H, ck, K, mk),
                                                                state, PREC)
-        tl.store(VN + (rows[:, None] * H + h) * V + cv[None, :], v_new,
+        tl.store(VN + (rows[:, None] * H + h) * V + cv[None, :], v_new.to(VN.dtype.element_ty),
                  mask=(rows <= last)[:, None] & mv[None, :])
         G_last = load_G_row(Gc, last, last, h, H, ck, K, mk)
-        to_end = tl.exp(G_last[None, :] - load_G(Gc, rows, last, h, H, ck, K, mk))
-        k_end = load_rows(k, rows, last, h, H, ck, K, mk) * to_end
-        state = state * tl.exp(G_last)[:, None] + mm(tl.trans(k_end), v_new, PREC)
+        state = state * tl.exp(G_last)[:, None] + mm(tl.trans(load_rows(KG, rows, last, h, H, ck, K, mk)),
+                                                     v_new, PREC)
     tl.store(ht + (n * H + h).to(tl.int64) * K * V + state_off, state, mask=state_mask)
 
 
@@ -220,36 +230,49 @@ def output_kernel(q, Gc, Aqk, Hs, VN, o, cu_seqlens, chunks, scale, H, K: tl.con
              mask=(rows <= last)[:, None] & mv[None, :])
 
 
-def forward_intermediates(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_chunk, NT, prec):
-    """Steps 1-4 on packed [T, H, D] views. Returns a dict of the fp32 intermediates and the final state."""
+def forward_intermediates(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_chunk, NT, prec,
+                          backward: bool = False):
+    """Steps 1-4 on packed [T, H, D] views. Returns a dict of the intermediates and the final states.
+
+    What feeds only matmuls (Aqk, Ainv, W, KG, QG, the entering states Hs, V_new) is stored in the
+    inputs' dtype: `mm` rounds its operands to that dtype anyway, so half-precision storage loses little
+    and halves the bytes. G and L stay fp32 (exponentials, the fp32 substitution), and so does U, which
+    enters V_new = U - W S unrounded: V_new is small where the state predicts the values well."""
     T, H, K = q.shape
     V = v.shape[-1]
     N = cu_seqlens.numel() - 1
-    BK, BKD, BV = tiles(K, V)
+    BK, BKD, BV, _, _ = tiles(K, V)
+    BVS = state_block(N, H, V, q.device)
+    dt = q.dtype
     Gc = chunk_cumsum(g, cu_seqlens, chunks, NT)
-    L, Aqk, Ainv = (scratch(T, H, CHUNK, like=q) for _ in range(3))  # [C, C] per chunk, row by row
-    W, U = scratch(T, H, K, like=q), scratch(T, H, V, like=q)
-    Hs = scratch(NT, H, K, V, like=q)
-    VN = scratch(T, H, V, like=q)
+    L = scratch(T, H, CHUNK, like=q)  # [C, C] per chunk, row by row
+    Aqk, Ainv = scratch(T, H, CHUNK, like=q, dtype=dt), scratch(T, H, CHUNK, like=q, dtype=dt)
+    W, KG = scratch(T, H, K, like=q, dtype=dt), scratch(T, H, K, like=q, dtype=dt)
+    U = scratch(T, H, V, like=q)  # fp32: V_new = U - W S cancels, and U enters it as is
+    QG = scratch(T, H, K, like=q, dtype=dt) if backward else W  # W: a placeholder pointer, never written
+    Hs = scratch(NT, H, K, V, like=q, dtype=dt)
+    VN = scratch(T, H, V, like=q, dtype=dt)
     ht = scratch(N, H, K, V, like=q)
     if NT:
+        # 8 warps: with 4, the [t, s, d] decay tiles and the [C, K] rows spill registers at K = 128
         scores_kernel[(NT, H)](q, k, Gc, L, Aqk, cu_seqlens, chunks, scale, H, K, BK, BKD, CHUNK, SUB,
-                               prec)
+                               prec, num_warps=8)
         solve_kernel[(NT, H)](L, beta, Ainv, cu_seqlens, chunks, H, CHUNK, SUB)
-        wu_kernel[(NT, H)](k, v, beta, Gc, Ainv, W, U, cu_seqlens, chunks, H, K, V, BK, BV, CHUNK, prec)
+        wu_kernel[(NT, H)](q, k, v, beta, Gc, Ainv, W, U, KG, QG, cu_seqlens, chunks, scale, H, K, V, BK, BV,
+                           CHUNK, backward, prec, num_warps=8)
     if N:
         h0 = initial_state if initial_state is not None else ht
-        state_kernel[(N, H, triton.cdiv(V, BV))](
-            k, Gc, W, U, h0, Hs, VN, ht, cu_seqlens, first_chunk, H, K, V, BK, BV, CHUNK,
-            initial_state is not None, prec)
-    return dict(Gc=Gc, L=L, Aqk=Aqk, Ainv=Ainv, W=W, U=U, Hs=Hs, VN=VN), ht
+        state_kernel[(N, H, triton.cdiv(V, BVS))](
+            KG, Gc, W, U, h0, Hs, VN, ht, cu_seqlens, first_chunk, H, K, V, BK, BVS, CHUNK,
+            initial_state is not None, prec, num_stages=1)  # a pipelined chunk loop overflows shared memory
+    return dict(Gc=Gc, L=L, Aqk=Aqk, Ainv=Ainv, W=W, U=U, KG=KG, QG=QG, Hs=Hs, VN=VN), ht
 
 
 def chunk_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_chunk, NT, prec):
     """o [T, H, V] (v's dtype) and the final states [N, H, K, V] (fp32) of packed [T, H, D] inputs."""
     T, H, K = q.shape
     V = v.shape[-1]
-    BK, BKD, BV = tiles(K, V)
+    BK, _, BV, _, _ = tiles(K, V)
     mid, ht = forward_intermediates(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_chunk,
                                     NT, prec)
     o = scratch(*v.shape, like=v, dtype=v.dtype)

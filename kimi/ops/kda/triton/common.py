@@ -5,7 +5,9 @@ All kernels see one packed batch: q, k, g [1, T, H, K], v [1, T, H, V], beta [1,
 each sequence is cut into its own chunks of C tokens, the last one short, and `chunk_table` lists them all.
 """
 
+import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -35,14 +37,20 @@ def check_device(*tensors: torch.Tensor) -> None:
 
 
 def dot_precision(dtype: torch.dtype) -> int:
-    """The `PREC` constexpr of `mm`: 0 fp32 (IEEE), 1 bf16, 2 fp16 operands.
+    """The `PREC` constexpr of `mm`: how its operands are multiplied.
 
-    The interpreter mishandles bf16 dots (docs/environment.md): it always multiplies in fp32. Compiled, fp32
-    inputs get exact fp32 products (not TF32) so they meet fp32 tolerances; half inputs use tensor cores.
+    Compiled: 1 bf16 and 2 fp16 operands on tensor cores; fp32 inputs 3, "tf32x3" (each operand split into
+    a TF32 high part and a TF32 remainder, three tensor-core products: about fp32 accuracy, not TF32's
+    1e-3). Exact IEEE fp32 products (0) have no tensor-core path: their FMA loops hold whole operand tiles per
+    thread, and at K = 128 ptxas moves them to local memory (tens of KB of spills per kernel).
+    Interpreted (the tests): the interpreter mishandles half-precision dots (docs/environment.md), so 4 and 5
+    round the operands to bf16 / fp16 and multiply in fp32, which is what a tensor core computes (products
+    of half-precision numbers are exact in fp32); fp32 inputs multiply in IEEE fp32 (0).
     """
-    if INTERPRET or dtype == torch.float32:
-        return 0
-    return 1 if dtype == torch.bfloat16 else 2
+    half = {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)
+    if INTERPRET:
+        return half + 3 if half else 0
+    return half or 3
 
 
 def block(n: int, cap: int) -> int:
@@ -50,13 +58,40 @@ def block(n: int, cap: int) -> int:
     return min(max(16, triton.next_power_of_2(n)), cap)
 
 
-def tiles(K: int, V: int) -> tuple[int, int, int]:
-    """(BK, BKD, BV): all K key channels in one tile, [t, s, d] tiles of BKD channels, value blocks of BV.
-    Under the interpreter both BKD and BV are 16, so the tests' small heads (K, V <= 40) still run several
-    key slices and value blocks, the code paths a d = 128 head takes on a GPU (BKD 32, BV 64)."""
+class Tiles(NamedTuple):
+    BK: int  # all K key channels in one tile
+    BKD: int  # key channels per slice of the [t, s, d] decay tiles
+    BV: int  # value channels per block of the per-chunk kernels
+    BVS: int  # value channels per program of the two sequential state passes (see state_block)
+    BKC: int  # key channels per block of the chunk backward's state terms
+
+
+STATE_BLOCKS = (32, 64)  # the state passes' BVS candidates (all compiled by bench/kda.py --compile-check)
+
+
+def tiles(K: int, V: int) -> Tiles:
+    """Tile sizes. Under the interpreter BKD, BV, BVS and BKC are 16, so the tests' small heads (K, V <= 40)
+    still run several key slices and value blocks, the code paths a d = 128 head takes on a GPU."""
     if K > 256:
         raise ValueError(f"KDA backend='triton' supports key head dims up to 256, got {K}")
-    return block(K, 256), 16 if INTERPRET else 32, block(V, 16 if INTERPRET else 64)
+    small = 16 if INTERPRET else None
+    return Tiles(BK=block(K, 256), BKD=small or 32, BV=block(V, small or 64),
+                 BVS=block(V, small or STATE_BLOCKS[-1]), BKC=block(K, small or 32))
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def state_block(N: int, H: int, V: int, device: torch.device) -> int:
+    """BVS of the state passes: one program per (sequence, head, value block) runs the only sequential loop,
+    so a few long sequences (N * H small) would leave multiprocessors idle with 64-wide blocks; then 32,
+    twice the programs, each rereading the keys. Both spill-free at K = 128 (bench/results/kda_sm*_compile)."""
+    wide = block(V, 16 if INTERPRET else STATE_BLOCKS[-1])
+    if INTERPRET or device.type != "cuda":
+        return wide
+    return wide if N * H * triton.cdiv(V, wide) >= _multiprocessors(device) else block(V, STATE_BLOCKS[0])
 
 
 def scratch(*shape: int, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -94,6 +129,12 @@ def mm(a, b, PREC: tl.constexpr):
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     elif PREC == 2:
         return tl.dot(a.to(tl.float16), b.to(tl.float16))
+    elif PREC == 3:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
+    elif PREC == 4:
+        return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
+    elif PREC == 5:
+        return tl.dot(a.to(tl.float16).to(tl.float32), b.to(tl.float16).to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
@@ -153,7 +194,7 @@ def chunk_cumsum(x: torch.Tensor, cu_seqlens, chunks, NT: int, reverse: bool = F
     T, H, K = x.shape
     out = scratch(T, H, K, like=x)
     if NT:
-        chunk_cumsum_kernel[(NT, H)](x, out, cu_seqlens, chunks, H, K, tiles(K, 16)[0], CHUNK, reverse)
+        chunk_cumsum_kernel[(NT, H)](x, out, cu_seqlens, chunks, H, K, tiles(K, 16).BK, CHUNK, reverse)
     return out
 
 

@@ -48,7 +48,7 @@ def recurrent_fwd(q, k, v, g, beta, scale: float, initial_state, cu_seqlens, fin
     if final_state is None:
         final_state = scratch(N, H, K, V, like=q)
     h0 = initial_state.contiguous() if initial_state is not None else final_state
-    BK, _, BV = tiles(K, V)
+    BK, _, BV, _, _ = tiles(K, V)
     if N:
         recurrent_kernel[(N, H, triton.cdiv(V, BV))](
             q, k, v, g, beta, o, h0, final_state, cu_seqlens, scale, H, K, V, BK, BV,
