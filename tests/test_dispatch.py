@@ -20,7 +20,9 @@ import kimi.ops.kda.triton.op as kda_op
 from kimi.ops import dispatch
 from kimi.ops.attention import attention
 from kimi.ops.dispatch import TritonKernelError, is_triton_failure
+import kimi.ops.kda.gate
 from kimi.ops.kda import chunk_kda, fused_recurrent_kda
+from kimi.ops.kda.gate import normalize_and_gate
 
 
 def compile_error(*_, **__):
@@ -177,6 +179,66 @@ def test_is_triton_failure():
     assert not is_triton_failure(RuntimeError("CUDA out of memory"))
     assert not is_triton_failure(ValueError("bad shape"))
     assert not is_triton_failure(TritonKernelError("already explained"))
+
+
+# the KDA layer's fused l2norm and gate kernels
+
+
+class FailingLaunch:
+    """Stands in for a @triton.jit kernel: `kernel[grid](...)` raises `error` as a failed launch would."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def __getitem__(self, grid):
+        return self.error
+
+
+def gate_inputs(seed=0, grad=True):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, f = (torch.randn(2, 6, 2, 16, generator=gen) for _ in range(3))
+    A_log, dt_bias = torch.randn(2, generator=gen), torch.randn(32, generator=gen)
+    return [x.requires_grad_(grad) for x in (q, k, f, A_log, dt_bias)]
+
+
+def gate_run(backend, inputs):
+    q, k, g = normalize_and_gate(*inputs, backend=backend)
+    outputs = (q, k, g)
+    if not inputs[0].requires_grad:
+        return outputs
+    w = [torch.randn(x.shape, generator=torch.Generator().manual_seed(i)) for i, x in enumerate(outputs)]
+    grads = torch.autograd.grad(sum((x * c).sum() for x, c in zip(outputs, w)), inputs)
+    return (*(x.detach() for x in outputs), *grads)
+
+
+@pytest.mark.parametrize("kernel", ["l2norm_fwd_kernel", "gate_bwd_kernel"])
+def test_gate_and_l2norm_auto_fall_back_and_forced_raises(monkeypatch, kernel):
+    """A failing forward or backward kernel: auto gives the PyTorch formulas' outputs and gradients (the
+    backward found by the probe, before any Triton output enters the graph), forced raises."""
+    import kimi.ops.kda.triton.gate as gate_kernels
+
+    inputs = gate_inputs()
+    want = gate_run("chunk", inputs)
+    monkeypatch.setattr(gate_kernels, kernel, FailingLaunch(out_of_shared_memory))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            got = gate_run(None, inputs)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+    (warning,) = fallback_warnings(record, "kda_gate/l2norm")
+    assert "OutOfResources" in str(warning.message) and "falling back" in str(warning.message)
+    dispatch.reset()
+    with pytest.raises(TritonKernelError, match=r"kda_gate/l2norm.*forced.*kda_backend=triton"):
+        gate_run("triton", inputs)
+
+
+def test_gate_and_l2norm_triton_path_matches_pytorch():
+    """Without failures auto runs the fused kernels (interpreted here): same values to fp32 rounding."""
+    inputs = gate_inputs(seed=3)
+    for a, b in zip(gate_run(None, inputs), gate_run("chunk", inputs)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert not kimi.ops.kda.gate._GUARD.failed
 
 
 # attention: auto picks Triton for fp16/bf16 only

@@ -20,6 +20,7 @@ from torch import nn
 from kimi.config import ModelConfig
 from kimi.ops.documents import segment_ids
 from kimi.ops.kda import CHUNK_SIZE, chunk_kda, fused_recurrent_kda
+from kimi.ops.kda.gate import normalize_and_gate
 
 from .cache import KDACache
 from .init import Rules, apply_rules, constant, dt_bias, log_uniform_decay, normal, prefixed, uniform
@@ -78,11 +79,6 @@ class ShortConv(ParamViews, nn.Module):
         return y, xp[:, xp.shape[1] - (K - 1) :]
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    xf = x.double() if x.dtype == torch.float64 else x.float()
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 class KDA(ParamViews, nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -135,19 +131,9 @@ class KDA(ParamViews, nn.Module):
             qkv.append(F.silu(y).view(B, T, -1, self.head_dim))
         q, k, v = qkv
         # Gates in fp32 (fp64 in fp64 models): they are summed over a chunk and exponentiated.
-        gdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-        f = self.f_proj_up(self.f_proj_down(x))
-        A_log, dt_bias = self.param("A_log"), self.param("dt_bias")
-        on_triton = self.chunk_backend is None and x.is_cuda and gdt == torch.float32  # "auto" on CUDA
-        if self.chunk_backend == "triton" or on_triton:
-            from kimi.ops.kda.triton.gate import kda_gate, l2norm  # one Triton pass each, same math
-
-            q, k = l2norm(q), l2norm(k)
-            g = kda_gate(f.view(B, T, -1, self.head_dim), A_log, dt_bias)
-        else:
-            q, k = l2_normalize(q), l2_normalize(k)
-            f = f.to(gdt) + dt_bias.to(gdt)
-            g = -A_log.to(gdt).exp()[:, None] * F.softplus(f).view(B, T, -1, self.head_dim)
+        f = self.f_proj_up(self.f_proj_down(x)).view(B, T, -1, self.head_dim)
+        q, k, g = normalize_and_gate(q, k, f, self.param("A_log"), self.param("dt_bias"), self.chunk_backend)
+        gdt = g.dtype
         beta = torch.sigmoid(self.b_proj(x).to(gdt))
         if cache is not None and T <= _RECURRENT_MAX_T:
             kda, backend = fused_recurrent_kda, self.recurrent_backend

@@ -21,8 +21,9 @@ shared memory, a ptxas/driver mismatch) depend on the dtypes and tile sizes, not
 the probe sees them. A backward failure that only the full-size launch hits still raises.
 
 Not covered: inside torch.compile (trainer.compile=true) the kernels run inside the compiled graph where no
-Python handler sees their errors; the dispatch then follows the state reached so far in eager calls. The KDA
-layer's own Triton gate and l2norm kernels (kimi.model.kda, auto on CUDA) are called directly, unguarded.
+Python handler sees their errors; the dispatch then follows the state reached so far in eager calls.
+Guarded ops: chunk_kda, fused_recurrent_kda (kimi.ops.kda), the KDA layer's fused l2norm and gate
+(kimi.ops.kda.gate.normalize_and_gate) and attention (kimi.ops.attention).
 
 Tests: `AUTO_TRITON_ON_CPU = True` makes `auto` choose the Triton kernels for CPU tensors too (they run under
 TRITON_INTERPRET=1), and `reset()` forgets every fallback and probe.
