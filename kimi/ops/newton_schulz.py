@@ -8,7 +8,7 @@ training.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -17,7 +17,8 @@ DEFAULT_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 def newton_schulz(G: torch.Tensor, steps: int = 5,
                   coefficients: Tuple[float, float, float] = DEFAULT_COEFFICIENTS,
-                  eps: float = 1e-7, dtype: torch.dtype = torch.float32, overwrite: bool = False) -> torch.Tensor:
+                  eps: float = 1e-7, dtype: torch.dtype = torch.float32, overwrite: bool = False,
+                  buffers: Optional[dict] = None) -> torch.Tensor:
     """Orthogonalise a matrix [A, B] or each matrix of a batch [N, A, B]; runs in ``dtype``, returns G's.
 
     Each matrix is divided by its Frobenius norm (an upper bound on the spectral norm, so all singular
@@ -25,6 +26,8 @@ def newton_schulz(G: torch.Tensor, steps: int = 5,
     the cheaper side, and the same result because the iteration commutes with transposition.
     ``overwrite=True`` lets it scale G in place (a scratch batch of the caller's) instead of copying it.
     A wide G already in ``dtype`` comes back without a copy or cast at the end (MuonClip's batches).
+    ``buffers``: a dict kept by the caller across calls, where the scratch tensors live (by shape), so a
+    step allocates nothing; the result may then be one of them, valid until the next call.
     """
     if G.ndim not in (2, 3):
         raise ValueError(f"newton_schulz takes a matrix [A, B] or a batch [N, A, B], not {tuple(G.shape)}")
@@ -36,19 +39,31 @@ def newton_schulz(G: torch.Tensor, steps: int = 5,
     norm = torch.linalg.matrix_norm(X, keepdim=True) + eps
     # a fresh copy (G cast to dtype) or the caller's scratch: scale in place, else into a new tensor
     X = X.div_(norm) if (overwrite or X.data_ptr() != G.data_ptr()) else X / norm
-    # Buffers allocated once and reused by every step (large fresh allocations cost page faults on CPU)
-    A = X.new_empty(X.shape[:-1] + X.shape[-2:-1])
-    B, Y = torch.empty_like(A), torch.empty_like(X, memory_format=torch.contiguous_format)
+    # Buffers allocated once and reused by every iteration (large fresh allocations cost page faults on CPU)
+    A = scratch(buffers, "gram", X.shape[:-1] + X.shape[-2:-1], X)
+    B, Y = scratch(buffers, "poly", A.shape, X), scratch(buffers, "iterate", X.shape, X)
     for _ in range(steps):
         torch.bmm(X, X.mT, out=A)
         # X <- a X + (b A + c A^2) X, as two fused multiply-adds
         torch.baddbmm(A, A, A, beta=b, alpha=c, out=B)
         torch.baddbmm(X, B, X, beta=a, out=Y)
-        X, Y = Y, (X if X.is_contiguous() else torch.empty_like(Y))
+        X, Y = Y, (X if X.is_contiguous() else scratch(buffers, "iterate 2", Y.shape, Y))
     if tall:
         X = X.mT
     X = X if G.ndim == 3 else X.squeeze(0)
     return X.to(G.dtype).contiguous()
+
+
+def scratch(buffers: Optional[dict], name: str, shape, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised contiguous tensor of like's dtype and device: from ``buffers`` (created there on first
+    use) when given, else new."""
+    shape, dtype, device = tuple(shape), like.dtype, like.device
+    if buffers is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    key = (name, shape, dtype, device)
+    if key not in buffers:
+        buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+    return buffers[key]
 
 
 def newton_schulz_reference(G: torch.Tensor, steps: int = 5,

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from kimi.config import ADJUST_LR_FNS
-from kimi.ops.newton_schulz import DEFAULT_COEFFICIENTS, newton_schulz
+from kimi.ops.newton_schulz import DEFAULT_COEFFICIENTS, newton_schulz, scratch
 from kimi.optim.groups import weight_decay_groups
 from kimi.optim.owners import ParamPlan, Router, build_plans, like_param, local_tensor, ns_flops
 from kimi.model.layouts import QKClipSpec, RowSplit
@@ -162,6 +162,10 @@ class MuonClip(torch.optim.Optimizer):
         self.qk_clip_tau, self.qk_clip_specs = qk_clip_tau, list(qk_clip_specs)
         self._qk_clip = QKClip(named, self.qk_clip_specs, qk_clip_tau, group=process_group)
         self.step_stats: dict = {}
+        # Newton-Schulz batches and scratch kept across steps on CPU (4 bytes per Muon parameter in bf16), where
+        # tensors this large come from fresh mmaps whose page faults cost a few percent of a step (`small`,
+        # bench/optim.py); CUDA's caching allocator reuses its blocks anyway.
+        self._ns_buffers: dict = {}
 
     def routing_table(self) -> str:
         """One line per parameter (name, shape, family, weight decay) and a per-family total."""
@@ -298,8 +302,13 @@ class MuonClip(torch.optim.Optimizer):
                     (n, j, math.prod(shape[:-2]), rows > cols, shape, m))
             blocks[n] = [None] * len(mats)
         count = flops = 0
-        for (rows, cols, (steps, coefficients, eps, ns_dtype)), items in buckets.items():
-            X = torch.empty(sum(k for _, _, k, *_ in items), rows, cols, dtype=ns_dtype, device=grads[items[0][0]].device)
+        for (rows, cols, settings), items in buckets.items():
+            steps, coefficients, eps, ns_dtype = settings
+            like = grads[items[0][0]].new_empty(0, dtype=ns_dtype)
+            # one set per bucket: every bucket's output must live until the updates are applied
+            keep = like.device.type == "cpu"
+            buffers = self._ns_buffers.setdefault((rows, cols, settings), {}) if keep else None
+            X = scratch(buffers, "batch", (sum(k for _, _, k, *_ in items), rows, cols), like)
             start = 0
             for n, j, k, tall, shape, m in items:
                 slot = _slot(X, start, k, tall, shape)
@@ -313,7 +322,7 @@ class MuonClip(torch.optim.Optimizer):
                     torch.lerp(grads[n], buf, group["momentum"], out=slot)
                 else:
                     slot.copy_(buf)
-            ortho = newton_schulz(X, steps, coefficients, eps, ns_dtype, overwrite=True)
+            ortho = newton_schulz(X, steps, coefficients, eps, ns_dtype, overwrite=True, buffers=buffers)
             count += X.shape[0]
             flops += ns_flops(X.shape, steps)
             start = 0
