@@ -15,6 +15,15 @@
 #                         wheel index with TORCH_CUDA_INDEX=<URL> (also on PyTorch's installation page).
 # cpu and cuda check the build that was installed; `make venv` prints it. TORCH_PIP_ARGS adds pip arguments.
 # Sizes measured for torch 2.13.0, Python 3.11, x86-64 Linux: docs/environment.md.
+#
+# GPU check (bench/gpu_check.py; results in bench/results/gpu, or --out DIR):
+#   make gpu-check                            every GPU check, about 8 minutes on one CUDA GPU
+#   make gpu-check GPU_CHECK_ARGS=--dry-run   the same code on CPU at tiny sizes (about a minute)
+#   make gpu-wheels                           downloads into .whl/ the wheels a GPU machine's python3 lacks
+# gpu-check runs GPU_PYTHON: the .venv's python where there is one, else python3 (a GPU machine whose
+# python3 has torch and triton). When that python lacks hydra, omegaconf, datasets or fla-core and .whl/
+# exists, the wheels go into $(GPU_SITE) first, which joins the repository on PYTHONPATH. With the device
+# tool: `make gpu-wheels` here, then run carrying .whl: make gpu-check GPU_CHECK_ARGS="--out $OUT"
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= auto
@@ -49,7 +58,23 @@ if want == "auto" and cuda:
 endef
 export TORCH_CHECK
 
-.PHONY: train test venv venv-dev bench clean-venv
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+GPU_CHECK_ARGS ?=
+GPU_WHEELS ?= .whl
+GPU_SITE ?= /tmp/kimi-site
+# What the GPU machine's python3 lacks (it has torch, triton, numpy, pandas, pyarrow, xxhash, fsspec,
+# huggingface_hub 1.33, einops): Hydra for the configs, datasets (kimi.data imports it) with the two of its
+# dependencies not there, and fla-core for the KDA comparison. wandb is imported only when logging to it.
+GPU_WHEEL_SPECS ?= hydra-core==1.3.8 omegaconf==2.3.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+                   fla-core==0.6.0
+# hydra 1.3 needs antlr4-python3-runtime 4.9.*, published only as a source archive: its pure-Python wheel
+# is built here
+GPU_WHEEL_BUILT ?= antlr4-python3-runtime==4.9.3
+GPU_WHEEL_TARGET := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+                    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+GPU_NEEDS := hydra omegaconf antlr4 datasets dill multiprocess fla
+
+.PHONY: train test venv venv-dev bench clean-venv gpu-check gpu-wheels
 
 train: $(VENV)/.installed
 	$(PY) train.py $(ARGS)
@@ -82,6 +107,22 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) bench/kda.py
+
+gpu-check:
+	@if [ -d "$(GPU_WHEELS)" ] && ! $(GPU_PYTHON) -c "import importlib.util as u, sys; \
+	    sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))" $(GPU_NEEDS); then \
+	  echo "[make] installing $(GPU_WHEELS)/*.whl into $(GPU_SITE)"; \
+	  $(GPU_PYTHON) -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --upgrade \
+	    --target "$(GPU_SITE)" $(GPU_WHEELS)/*.whl || exit 1; fi
+	PYTHONPATH="$(CURDIR):$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
+
+gpu-wheels:
+	rm -rf $(GPU_WHEELS)
+	$(PYTHON) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: $(GPU_WHEEL_TARGET) \
+	  -d $(GPU_WHEELS) $(GPU_WHEEL_SPECS)
+	$(PYTHON) -m pip wheel -q --disable-pip-version-check --no-deps --no-binary=:all: -w $(GPU_WHEELS) \
+	  $(GPU_WHEEL_BUILT)
+	@ls -l $(GPU_WHEELS); du -ch $(GPU_WHEELS)/*.whl | tail -1
 
 clean-venv:
 	rm -rf $(VENV)

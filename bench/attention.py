@@ -8,15 +8,18 @@ SDPA, max logits under 2%. Also the SDPA path's separate max-logit pass, the cos
 On a GPU it first checks the compiled kernels (bf16, fp16; forward and gradients) against fp32 at odd
 lengths, with fixed tiles; --check-only stops there (about a minute, mostly compilation).
 On CPU timing means nothing: it runs a correctness spot-check under the Triton interpreter instead.
+--dry-run runs the GPU code (check and timing) on CPU, interpreted, on tiny check cases and whatever sizes
+are given: plumbing, not measurements (bench/gpu_check.py --dry-run). --skip-check times without checking.
 --compile-check (no GPU needed) compiles every kernel and tile candidate for sm_90 (--arch 90, default),
 sm_80 (--arch 80) or both (--arch all) with triton's ptxas and reports registers, spills and shared memory
 (attention_sm90_compile.json, attention_sm80_compile.json); bench/compile_check.py does the compiling.
 
     python bench/attention.py [--T 2048 4096 8192 16384] [--tokens 16384] [--heads 16]
-                              [--dims 128/128 192/128] [--check-only] [--compile-check [--arch 90|80|all]]
+                              [--dims 128/128 192/128] [--check-only | --skip-check] [--out PATH]
+                              [--compile-check [--arch 90|80|all]]
 
 Prints markdown tables and writes bench/results/attention.json (attention_gpu_check.json with --check-only,
-attention_cpu_check.json on CPU).
+attention_cpu_check.json on CPU), or --out. A failed GPU check exits 1 (after writing).
 """
 
 import argparse
@@ -24,13 +27,14 @@ import itertools
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 # Before the kernels are defined, which is when triton reads it. --compile-check needs real kernels.
-if not torch.cuda.is_available() and "--compile-check" not in sys.argv:
+if (not torch.cuda.is_available() or "--dry-run" in sys.argv) and "--compile-check" not in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kimi.ops.attention import attention  # noqa: E402
@@ -60,27 +64,37 @@ GPU_CHECKS = {
     "packed GQA 192/128": (1, 1500, 1500, 4, 2, 192, 128, True, [0, 100, 611, 612, 1400]),
     "not causal 64/64": (2, 300, 500, 2, 2, 64, 64, False, None),
 }
+# the same kinds of case small enough for the interpreter (--dry-run)
+DRY_CHECKS = {
+    "causal 32/32": (1, 40, 40, 2, 2, 32, 32, True, None),
+    "packed MQA 48/32": (1, 50, 50, 2, 1, 48, 32, True, [0, 7, 8, 50]),
+    "not causal 16/16": (1, 20, 33, 1, 1, 16, 16, False, None),
+}
 
 
-def gpu_check(dtypes=(torch.bfloat16, torch.float16)) -> list[dict]:
+def gpu_check(dtypes=(torch.bfloat16, torch.float16), device="cuda", cases=None, plant=False) -> list[dict]:
     """Kernels on the GPU (compiled, not interpreted) against an fp32 reference built from the same
-    rounded inputs: O, LSE, max logits, dQ, dK, dV. Fixed tiles, so it costs no autotuning."""
+    rounded inputs: O, LSE, max logits, dQ, dK, dV. Fixed tiles, so it costs no autotuning. device="cpu"
+    (with TRITON_INTERPRET=1) runs the same code interpreted; plant=True (tests) perturbs one result."""
     from kimi.ops.attention.triton import common, flash_attention
 
     common.AUTOTUNE, tuned, atomic = False, common.AUTOTUNE, common.DQ_ATOMIC
     rows = []
-    for dtype, atomic_dq, (name, case) in itertools.product(dtypes, (False, True), GPU_CHECKS.items()):
+    cases = GPU_CHECKS if cases is None else cases
+    for dtype, atomic_dq, (name, case) in itertools.product(dtypes, (False, True), cases.items()):
         B, Tq, Tk, H, Hkv, dqk, dv, causal, cu = case
         common.DQ_ATOMIC = atomic_dq
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(B, Tq, H, dqk, generator=gen, device="cuda").to(dtype).requires_grad_()
-        k = torch.randn(B, Tk, Hkv, dqk, generator=gen, device="cuda").to(dtype).requires_grad_()
-        v = torch.randn(B, Tk, Hkv, dv, generator=gen, device="cuda").to(dtype).requires_grad_()
-        cu_seqlens = None if cu is None else torch.tensor(cu, device="cuda")
+        gen = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(B, Tq, H, dqk, generator=gen, device=device).to(dtype).requires_grad_()
+        k = torch.randn(B, Tk, Hkv, dqk, generator=gen, device=device).to(dtype).requires_grad_()
+        v = torch.randn(B, Tk, Hkv, dv, generator=gen, device=device).to(dtype).requires_grad_()
+        cu_seqlens = None if cu is None else torch.tensor(cu, device=device)
         scale = dqk**-0.5
         o, lse, m = flash_attention(q, k, v, causal, scale, cu_seqlens, return_max_logits=True)
-        do = torch.randn(o.shape, generator=gen, device="cuda").to(dtype)
+        do = torch.randn(o.shape, generator=gen, device=device).to(dtype)
         grads = torch.autograd.grad(o, (q, k, v), do)
+        if plant and not rows:
+            grads = (grads[0] * 1.1, *grads[1:])
         q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
         o_ref, lse_ref, m_ref = scores_reference(q32, k32, v32, causal, scale, cu_seqlens)
         grads_ref = torch.autograd.grad(o_ref, (q32, k32, v32), do.float())
@@ -104,13 +118,21 @@ def gpu_check(dtypes=(torch.bfloat16, torch.float16)) -> list[dict]:
     return rows
 
 
-def gpu_bench(args) -> dict:
+def gpu_bench(args, device="cuda", done=lambda rows: None) -> dict:
+    """Timing per (head dims, T); done(rows) after each, to keep what is measured should a later one hang."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from kimi.ops.attention.triton import common
     from triton.testing import do_bench
 
     def ms(fn, grads=()):
+        if device == "cpu":  # a dry run: the code path, not a measurement (one call after a warm-up)
+            for x in grads:
+                x.grad = None
+            fn()
+            start = time.perf_counter()
+            fn()
+            return 1e3 * (time.perf_counter() - start)
         return do_bench(fn, warmup=25, rep=100, grad_to_none=list(grads), return_mode="median")
 
     rows = []
@@ -118,8 +140,8 @@ def gpu_bench(args) -> dict:
         dqk, dv = (int(x) for x in dims.split("/"))
         for T in args.T:
             B = max(1, args.tokens // T)
-            q, k, v = make_inputs(B, T, args.heads, dqk, dv, torch.bfloat16, "cuda")
-            do = torch.randn(B, T, args.heads, dv, device="cuda", dtype=torch.bfloat16)
+            q, k, v = make_inputs(B, T, args.heads, dqk, dv, torch.bfloat16, device)
+            do = torch.randn(B, T, args.heads, dv, device=device, dtype=torch.bfloat16)
             # SDPA layout [B, H, T, D] as views of the same [B, T, H, D] storage; v padded when dv != dqk
             v_sdpa = F.pad(v.detach(), (0, dqk - dv)).requires_grad_() if dv != dqk else v
             do_sdpa = F.pad(do, (0, dqk - dv))
@@ -157,6 +179,7 @@ def gpu_bench(args) -> dict:
             common.DQ_ATOMIC = False
             rows.append(row)
             print(row, flush=True)
+            done(rows)
             del q, k, v, v_sdpa, do, do_sdpa
             torch.cuda.empty_cache()
 
@@ -172,7 +195,12 @@ def gpu_bench(args) -> dict:
               f"{100 * (r['triton_fwdbwd_max_ms'] / r['triton_fwdbwd_ms'] - 1):+.1f}% | "
               f"{r['triton_fwdbwd_atomic_dq_ms'] / r['sdpa_fwdbwd_ms']:.2f}x | "
               f"{100 * (r['sdpa_path_fwd_max_ms'] / r['sdpa_fwd_ms'] - 1):+.0f}% |")
-    return dict(heads=args.heads, tokens=args.tokens, dtype="bfloat16", causal=True, rows=rows)
+    # the backward's one switch (kimi/ops/attention/triton/common.py), both timed above
+    dq_modes = {"separate": "default: a second kernel recomputes P and dP, deterministic",
+                "atomic": "fp32 atomic adds in the dK/dV kernel (KIMI_ATTENTION_DQ=atomic), not bitwise "
+                          "deterministic: triton_fwdbwd_atomic_dq_ms"}
+    return dict(heads=args.heads, tokens=args.tokens, dtype="bfloat16", causal=True, dq_modes=dq_modes,
+                rows=rows)
 
 
 def cpu_check() -> dict:
@@ -285,6 +313,11 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--dims", nargs="+", default=["128/128", "192/128"], help="Dqk/Dv pairs")
     parser.add_argument("--check-only", action="store_true", help="GPU: correctness check, no timing")
+    parser.add_argument("--skip-check", action="store_true", help="GPU: timing only")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="the GPU code on CPU, interpreted, tiny check cases: plumbing only")
+    parser.add_argument("--plant-failure", action="store_true", help="tests: the GPU check must fail")
+    parser.add_argument("--out", type=Path, default=None, help="the JSON's path (default: bench/results/)")
     parser.add_argument("--compile-check", action="store_true",
                         help="no GPU needed: compile all kernels for --arch, report registers and spills")
     parser.add_argument("--arch", default="90", choices=["90", "80", "all"], help="--compile-check target")
@@ -306,16 +339,33 @@ def main() -> None:
         if failed:
             raise SystemExit(1)
         return
-    elif torch.cuda.is_available():
-        checks = gpu_check()
-        result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, checks=checks)
+    elif torch.cuda.is_available() or args.dry_run:
+        import triton
+
+        device = "cpu" if args.dry_run else "cuda"
+        name = "CPU (dry run, Triton interpreted)" if args.dry_run else torch.cuda.get_device_name()
+        result = dict(device=name, torch=torch.__version__, triton=triton.__version__)
+        if not args.skip_check:
+            checks = gpu_check(device=device, cases=DRY_CHECKS if args.dry_run else GPU_CHECKS,
+                               plant=args.plant_failure)
+            result.update(checks=checks, ok=all(r["ok"] for r in checks))
+        path = args.out or RESULTS / ("attention_gpu_check.json" if args.check_only else "attention.json")
         if not args.check_only:
-            result.update(gpu_bench(args))
-        path = RESULTS / ("attention_gpu_check.json" if args.check_only else "attention.json")
+            def done(rows):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                partial = dict(result, heads=args.heads, tokens=args.tokens, rows=rows, complete=False)
+                path.write_text(json.dumps(partial, indent=2) + "\n")
+
+            result.update(gpu_bench(args, device, done), complete=True)
     else:
         result, path = cpu_check(), RESULTS / "attention_cpu_check.json"
+    path = args.out or path
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
+    if result.get("ok") is False:
+        failed = [f"{r['dtype']} {r['case']} ({r['dq_mode']} dQ)" for r in result["checks"] if not r["ok"]]
+        raise SystemExit(f"attention check FAILED: {'; '.join(failed)}")
 
 
 if __name__ == "__main__":

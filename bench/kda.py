@@ -4,7 +4,12 @@ On a CUDA GPU (compiled Triton; do not set TRITON_INTERPRET): forward and forwar
 Triton chunk_kda, fla-core's chunk_kda (when installed) and causal softmax attention (SDPA) at
 T = 2k..32k with B*T = 32k tokens, H = 16, d = 128, bf16; achieved TFLOP/s against a measured bf16 matmul
 peak; and one decoding step (our fused recurrent kernel, fla-core's, and attention over a KV cache of T
-tokens). Writes bench/results/kda_cuda.json.
+tokens). It first checks every KDA Triton op against the PyTorch path and fp64 (kda_check: chunk forward and
+backward, fp32 and bf16, packed documents with an initial state; fused recurrent prefill and decoding; the
+layer's l2norm and gate kernels); --check runs that check alone (kda_gpu_check.json, exit 1 on a failure),
+--no-self-check skips it. Writes bench/results/kda_cuda.json. --dry-run runs this GPU code on CPU with the
+Triton kernels interpreted, at whatever (tiny) sizes are given: plumbing, not measurements
+(bench/gpu_check.py --dry-run).
 
 On CPU: forward+backward time of the token-by-token reference, the PyTorch chunkwise path and SDPA, fp32,
 B = 1 (the shape of the cost, not peak speed: KDA grows linearly in T, attention quadratically once the
@@ -12,6 +17,7 @@ T^2 term dominates). Writes bench/results/kda_cpu.json.
 
     python bench/kda.py [--T ...] [--repeats 3] [--skip-naive-above 4096] [--threads N]   (CPU)
     python bench/kda.py [--T 2048 4096 8192 16384 32768] [--tokens 32768] [--heads 16] [--dim 128]  (GPU)
+    python bench/kda.py --check [--check-docs 100 1 199 137 63] [--check-heads 4] [--check-dim 128]  (GPU)
     python bench/kda.py --compile-check [--arch 90|80|all] [--quick] [--jobs N]   (no GPU needed)
 
 --compile-check compiles every KDA Triton kernel (kimi/ops/kda/triton/) for sm_90 and sm_80 with triton's
@@ -149,14 +155,24 @@ def run_cpu(args) -> None:
 
 
 def cuda_ms(fn) -> float:
-    """Median milliseconds of fn() on the GPU (Triton's do_bench: warm-up, cache flush, CUDA events)."""
+    """Median milliseconds of fn() on the GPU (Triton's do_bench: warm-up, cache flush, CUDA events). In a
+    dry run on CPU: the wall time of one call after one warm-up, which only shows the code path runs."""
+    if DEVICE == "cpu":
+        fn()
+        start = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - start)
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def device_name() -> str:
+    return torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (dry run, Triton interpreted)"
+
+
 def matmul_peak_tflops(dtype=torch.bfloat16) -> float:
-    n = 8192
+    n = 8192 if DEVICE == "cuda" else 256  # a dry run only needs the code path
     a, b = (torch.randn(n, n, device=DEVICE, dtype=dtype) for _ in range(2))
     return 2 * n**3 / cuda_ms(lambda: a @ b) / 1e9
 
@@ -165,40 +181,167 @@ def kda_flops(B: int, T: int, H: int, d: int) -> float:
     return B * H * T * (6 * d * d + 5 * CHUNK * d)
 
 
-def load_fla():
-    """fla-core's chunk_kda and fused_recurrent_kda, or None when it is not installed."""
+def load_fla(skip: bool = False):
+    """(fla-core's chunk_kda and fused_recurrent_kda or None, what became of them in words)."""
+    if skip or DEVICE == "cpu":  # fla's kernels are not meant for the interpreter
+        return None, "skipped"
     try:
         from fla.ops.kda import chunk_kda as fla_chunk, fused_recurrent_kda as fla_recurrent
-    except ImportError:
-        return None
-    return fla_chunk, fla_recurrent
+    except ImportError as exc:
+        return None, f"fla not installed ({exc})"
+    except Exception as exc:  # installed but broken here (a triton it does not know): still our numbers
+        return None, f"fla failed to import ({type(exc).__name__}: {exc})"
+    import fla
+
+    return (fla_chunk, fla_recurrent), f"fla-core {getattr(fla, '__version__', '?')}"
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def self_check(H: int, d: int) -> dict:
-    """Compiled kernels vs the PyTorch chunk path on one small packed batch (fp32 and bf16 inputs): the
-    largest relative error over output, final state and all input gradients. Tests cover the kernels
-    interpreted; this covers the compiled ones (expect ~1e-6 in fp32, ~1e-2 in bf16)."""
-    errors = {}
-    cu_seqlens = torch.tensor([0, 100, 300, 301, 500], device=DEVICE)
+# Pass marks of kda_check: relative error (norm of the difference / norm of the fp64 result on the same
+# rounded inputs). fp32: the kernels multiply in IEEE fp32 (no TF32) with fp32 sums, ~1e-6 when interpreted;
+# 1e-4 leaves room for longer compiled sums and exp(g) spans inside a chunk, while a wrong mask, index or
+# state hand-over gives errors of order 1. bf16: the kernels feed the tensor cores bf16 operands (8-bit
+# mantissa, 2^-9 = 2e-3 per rounding, then sums over a chunk): ~5e-3 expected; 2e-2 as the attention check.
+TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def _errors(got: dict, want: dict) -> dict:
+    return {name: rel(got[name], want[name]) for name in want}
+
+
+def _row(op: str, what: str, dtype, fn) -> dict:
+    """One row of kda_check. fn() -> (Triton, PyTorch path, fp64 reference) results as {tensor: value} on the
+    same rounded inputs. Passes when Triton is within the dtype's mark of fp64 and the PyTorch path (fp32)
+    within the fp32 mark; a kernel that raises fails its row and the check goes on."""
+    name = str(dtype).removeprefix("torch.")
+    row = {"op": op, "what": what, "dtype": name, "tol": TOLERANCE[name]}
+    try:
+        ours, torch_path, fp64 = fn()
+    except Exception as exc:
+        from kimi.ops.dispatch import describe
+
+        return {**row, "error": describe(exc), "ok": False}
+    row.update(triton_vs_fp64=_errors(ours, fp64), triton_vs_torch=_errors(ours, torch_path),
+               torch_vs_fp64=_errors(torch_path, fp64),
+               finite=all(t.isfinite().all().item() for t in ours.values()))
+    worst = max(row["triton_vs_fp64"], key=row["triton_vs_fp64"].get)
+    row.update(worst=worst, max_vs_fp64=row["triton_vs_fp64"][worst],
+               ok=row["finite"] and row["triton_vs_fp64"][worst] < row["tol"]
+               and max(row["torch_vs_fp64"].values()) < TOLERANCE["float32"])
+    return row
+
+
+def _chunk_case(dtype, cu_seqlens, H: int, d: int, plant: bool):
+    """chunk_kda on packed documents with an initial state: Triton vs the PyTorch chunk path (fp32) and the
+    naive recurrence (fp64), on the same rounded inputs and output gradients; output, final state and every
+    input gradient (dh0 included)."""
+    T, N = int(cu_seqlens[-1]), len(cu_seqlens) - 1
+    q, k, v, g, beta = kda_inputs(1, T, H, d, dtype, DEVICE, seed=2)
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    h0 = torch.randn(N, H, d, d, device=DEVICE, generator=gen)
+    do = torch.randn(1, T, H, d, device=DEVICE, generator=gen).to(dtype)
+    dht = torch.randn(N, H, d, d, device=DEVICE, generator=gen)
+    out = {}
+    for backend, cast in (("triton", None), ("chunk", torch.float32), ("naive", torch.float64)):
+        leaves = [x.detach().to(cast or x.dtype).requires_grad_() for x in (q, k, v, g, beta, h0)]
+        o, s = chunk_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                         cu_seqlens=cu_seqlens, backend=backend)
+        grads = torch.autograd.grad((o, s), leaves, (do.to(o.dtype), dht.to(s.dtype)))
+        out[backend] = dict(o=o, final_state=s, **dict(zip(GRAD_NAMES, grads)))
+    if plant:  # tests: a result the check must catch
+        out["triton"]["dq"] = out["triton"]["dq"] * 1.1
+    return out["triton"], out["chunk"], out["naive"]
+
+
+@torch.no_grad()
+def _recurrent_case(dtype, cu_seqlens, H: int, d: int, decode: bool):
+    """fused_recurrent_kda (forward only): Triton vs the PyTorch recurrence (fp32) and fp64. decode: one
+    token for each of N sequences from a state (the decoding step); else the packed documents at once."""
+    N = len(cu_seqlens) - 1
+    B, T, cu = (N, 1, None) if decode else (1, int(cu_seqlens[-1]), cu_seqlens)
+    inputs = kda_inputs(B, T, H, d, dtype, DEVICE, seed=4)
+    h0 = torch.randn(N, H, d, d, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(5))
+    out = {}
+    for backend, cast in (("triton", None), ("recurrent", torch.float32), ("naive", torch.float64)):
+        args = [x.to(cast or x.dtype) for x in (*inputs, h0)]
+        o, s = fused_recurrent_kda(*args[:5], initial_state=args[5], output_final_state=True, cu_seqlens=cu,
+                                   backend=backend)
+        out[backend] = {"o": o, "final_state": s}
+    return out["triton"], out["recurrent"], out["naive"]
+
+
+def _gate_case(dtype, T: int, H: int, d: int):
+    """The layer's fused l2norm and gate kernels (kimi/model/kda.py) vs its PyTorch formulas: forward and
+    gradients, fp64 reference and fp32 PyTorch; gate inputs span softplus's regimes (x > 20 passes
+    through)."""
+    from kimi.ops.kda.triton.gate import kda_gate, l2norm
+
+    gen = torch.Generator(device=DEVICE).manual_seed(6)
+    x = torch.randn(1, T, H, d, device=DEVICE, generator=gen).to(dtype)
+    f = (torch.rand(1, T, H, d, device=DEVICE, generator=gen) * 60 - 30).to(dtype)
+    A_log = torch.randn(H, device=DEVICE, generator=gen)
+    dt_bias = torch.randn(H * d, device=DEVICE, generator=gen)
+    dy = torch.randn(1, T, H, d, device=DEVICE, generator=gen).to(dtype)
+    dg = torch.randn(1, T, H, d, device=DEVICE, generator=gen)
+
+    def torch_path(x, f, A_log, dt_bias):
+        y = x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+        return y, -A_log.exp()[:, None] * F.softplus(f + dt_bias.view(H, d))
+
+    out = {}
+    for name, fn, cast in (("triton", lambda *a: (l2norm(a[0]), kda_gate(*a[1:])), None),
+                           ("torch", torch_path, torch.float32), ("fp64", torch_path, torch.float64)):
+        leaves = [t.detach().to(cast or t.dtype).requires_grad_() for t in (x, f, A_log, dt_bias)]
+        y, g = fn(*leaves)
+        grads = torch.autograd.grad((y, g), leaves, (dy.to(y.dtype), dg.to(g.dtype)))
+        out[name] = dict(zip(("y", "g", "dx", "df", "dA_log", "ddt_bias"), (y, g, *grads)))
+    return out["triton"], out["torch"], out["fp64"]
+
+
+def kda_check(docs: list[int], H: int, d: int, plant: bool = False) -> dict:
+    """Every KDA Triton op against the PyTorch path and fp64, fp32 and bf16 inputs, on packed documents of
+    these lengths (ones of length 1 and not multiples of 64 exercise the chunk edges); g, beta and states
+    fp32, as the layer feeds them. Tests cover the kernels interpreted; on a GPU this covers them compiled."""
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(docs)], device=DEVICE)
+    rows = []
     for dtype in (torch.float32, torch.bfloat16):
-        inputs = kda_inputs(1, 500, H, d, dtype, DEVICE, seed=2)
-        h0 = torch.randn(4, H, d, d, device=DEVICE)
-        results = []
-        for backend in ("chunk", "triton"):
-            leaves = [x.detach().float().requires_grad_() if backend == "chunk" else
-                      x.detach().requires_grad_() for x in (*inputs, h0)]
-            o, s = chunk_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True,
-                             cu_seqlens=cu_seqlens, backend=backend)
-            gen = torch.Generator(device=DEVICE).manual_seed(0)
-            do = torch.randn(o.shape, device=DEVICE, generator=gen)
-            ds = torch.randn(s.shape, device=DEVICE, generator=gen)
-            results.append([o, s, *torch.autograd.grad((o.float() * do).sum() + (s * ds).sum(), leaves)])
-        errors[str(dtype).removeprefix("torch.")] = max(rel(a, b) for a, b in zip(results[1], results[0]))
-    return errors
+        rows.append(_row("chunk", "chunk_kda forward and backward, packed documents, initial state", dtype,
+                         lambda: _chunk_case(dtype, cu_seqlens, H, d, plant)))
+        rows.append(_row("recurrent", "fused_recurrent_kda, packed documents, initial state", dtype,
+                         lambda: _recurrent_case(dtype, cu_seqlens, H, d, decode=False)))
+        rows.append(_row("decode", "fused_recurrent_kda, one token per sequence from a state", dtype,
+                         lambda: _recurrent_case(dtype, cu_seqlens, H, d, decode=True)))
+        rows.append(_row("gate", "the layer's l2norm and kda_gate kernels, forward and backward", dtype,
+                         lambda: _gate_case(dtype, sum(docs), H, d)))
+    print(f"\nKDA Triton ops vs fp64 (and vs the PyTorch path), {device_name()}, H={H}, d={d}, "
+          f"documents {docs}\n")
+    print("| op | dtype | worst tensor | rel. error vs fp64 | PyTorch path vs fp64 | tolerance | ok |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['what']} | {r['dtype']} | - | {r['error']} | - | {r['tol']:.0e} | FAILED |")
+            continue
+        print(f"| {r['what']} | {r['dtype']} | {r['worst']} | {r['max_vs_fp64']:.1e} | "
+              f"{max(r['torch_vs_fp64'].values()):.1e} | {r['tol']:.0e} | {'ok' if r['ok'] else 'FAILED'} |")
+    return {"device": device_name(), "torch": torch.__version__, "H": H, "d": d, "docs": list(docs),
+            "tolerance": TOLERANCE, "planted_failure": plant, "ok": all(r["ok"] for r in rows), "rows": rows}
+
+
+def timed(where: str, row: dict, errors: list, name: str, fn) -> None:
+    """fn() (which fills row); a kernel that cannot run here records its error in row and errors, and the
+    other measurements go on."""
+    try:
+        fn()
+    except Exception as exc:
+        from kimi.ops.dispatch import describe
+
+        row[f"{name}_error"] = describe(exc)
+        errors.append({"where": where, "impl": name, "error": row[f"{name}_error"]})
+        print(f"{where} {name} failed: {row[f'{name}_error']}", flush=True)
 
 
 def run_cuda(args) -> None:
@@ -206,16 +349,22 @@ def run_cuda(args) -> None:
     H, d = args.heads or 16, args.dim or 128
     dtype = torch.bfloat16
     peak = matmul_peak_tflops(dtype)
-    fla = load_fla()
-    print(f"{torch.cuda.get_device_name()}: measured bf16 matmul peak {peak:.0f} TFLOP/s; "
-          f"fla-core {'found' if fla else 'not installed: its columns stay empty'}", flush=True)
-    check = self_check(H, d)
-    print(f"self-check, compiled Triton vs PyTorch chunk path, max relative error: {check}", flush=True)
+    fla, fla_status = load_fla(args.no_fla)
+    print(f"{device_name()}: measured bf16 matmul peak {peak:.0f} TFLOP/s; {fla_status}", flush=True)
+    check = None if args.no_self_check else kda_check(args.check_docs, args.check_heads, args.check_dim)
 
     impls = {"ours": lambda *a, **kw: chunk_kda(*a, **kw, backend="triton")}
     if fla:
         impls["fla"] = lambda q, k, v, g, beta, **kw: fla[0](q, k, v, g, beta, **kw)
-    rows = []
+    import triton
+
+    rows, errors = [], []
+    record = {"config": {"H": H, "d": d, "tokens": args.tokens, "dtype": "bfloat16", "device": device_name(),
+                         "torch": torch.__version__, "triton": triton.__version__, "fla": fla_status,
+                         "matmul_peak_tflops": peak},
+              "self_check": check, "errors": errors, "rows": rows, "complete": False}
+    out = args.out or RESULTS / "kda_cuda.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     for T in Ts:
         B = max(1, args.tokens // T)
         q, k, v, g, beta = kda_inputs(B, T, H, d, dtype, DEVICE)
@@ -224,17 +373,18 @@ def run_cuda(args) -> None:
         results = {}  # output and input gradients of one call, to compare ours with fla's
         for name, fn in impls.items():
             leaves = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
-            o = fn(*leaves)[0]
-            results[name] = [o.detach(), *torch.autograd.grad(o, leaves, do)]
-            row[f"{name}_fwd_ms"] = cuda_ms(lambda: fn(q, k, v, g, beta))
 
-            def fwd_bwd():
-                fn(*leaves)[0].backward(do)
+            def measure():
+                o = fn(*leaves)[0]
+                results[name] = [o.detach(), *torch.autograd.grad(o, leaves, do)]
+                row[f"{name}_fwd_ms"] = cuda_ms(lambda: fn(q, k, v, g, beta))
+                row[f"{name}_fwdbwd_ms"] = cuda_ms(lambda: fn(*leaves)[0].backward(do))
 
-            row[f"{name}_fwdbwd_ms"] = cuda_ms(fwd_bwd)
-        if "fla" in results:
-            row["rel_diff_ours_vs_fla"] = {n: rel(a, b) for n, a, b in
-                                           zip("o dq dk dv dg dbeta".split(), results["ours"], results["fla"])}
+            timed(f"T={T}", row, errors, name, measure)
+        if "fla" in results and "ours" in results:
+            names = "o dq dk dv dg dbeta".split()
+            pairs = zip(names, results["ours"], results["fla"])
+            row["rel_diff_ours_vs_fla"] = {n: rel(a, b) for n, a, b in pairs}
         qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
         row["sdpa_fwd_ms"] = cuda_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True))
         qa, ka, va = (x.detach().requires_grad_() for x in (qt, kt, vt))
@@ -243,13 +393,15 @@ def run_cuda(args) -> None:
             lambda: F.scaled_dot_product_attention(qa, ka, va, is_causal=True).backward(do_a))
         flops, attn_flops = kda_flops(B, T, H, d), 2 * B * H * T * T * d
         for name in impls:
-            row[f"{name}_fwd_tflops"] = flops / row[f"{name}_fwd_ms"] / 1e9
-            row[f"{name}_fwdbwd_tflops"] = 3 * flops / row[f"{name}_fwdbwd_ms"] / 1e9
+            if f"{name}_fwd_ms" in row:
+                row[f"{name}_fwd_tflops"] = flops / row[f"{name}_fwd_ms"] / 1e9
+                row[f"{name}_fwdbwd_tflops"] = 3 * flops / row[f"{name}_fwdbwd_ms"] / 1e9
         row["sdpa_fwd_tflops"] = attn_flops / row["sdpa_fwd_ms"] / 1e9
         row["sdpa_fwdbwd_tflops"] = 3.5 * attn_flops / row["sdpa_fwdbwd_ms"] / 1e9
-        row.update(decode_step(B, T, H, d, dtype, fla))
+        row.update(decode_step(B, T, H, d, dtype, fla, errors))
         rows.append(row)
         print(json.dumps(row), flush=True)
+        out.write_text(json.dumps(record, indent=2) + "\n")  # what is done so far, should a later T hang
         torch.cuda.empty_cache()
 
     print(f"\nbf16, H={H}, d={d}, B*T={args.tokens}; ms per call (TFLOP/s, % of the {peak:.0f} TFLOP/s "
@@ -265,7 +417,8 @@ def run_cuda(args) -> None:
                 tf = r[f"{name}_{mode}_tflops"]
                 return f"{ms:.2f} ({tf:.0f}, {100 * tf / peak:.0f}%)"
 
-            ratio = r["fla_" + mode + "_ms"] / r["ours_" + mode + "_ms"] if f"fla_{mode}_ms" in r else None
+            mine, theirs = r.get(f"ours_{mode}_ms"), r.get(f"fla_{mode}_ms")
+            ratio = theirs / mine if mine and theirs else None
             print(f"| {r['T']} | {r['B']} | {cell('ours')} | {cell('fla')} | {fmt(ratio, '.2f')} | "
                   f"{cell('sdpa')} |")
         print()
@@ -273,31 +426,36 @@ def run_cuda(args) -> None:
     print("| T | B | ours (fused recurrent) | fla fused recurrent | attention over the KV cache |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['T']} | {r['B']} | {r['decode_ours_us']:.1f} | {fmt(r.get('decode_fla_us'), '.1f')} | "
-              f"{r['decode_sdpa_us']:.1f} |")
-    record = {"config": {"H": H, "d": d, "tokens": args.tokens, "dtype": "bfloat16",
-                         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                         "matmul_peak_tflops": peak}, "self_check_max_rel_err": check, "rows": rows}
-    write(args.out or RESULTS / "kda_cuda.json", record)
+        print(f"| {r['T']} | {r['B']} | {fmt(r.get('decode_ours_us'), '.1f')} | "
+              f"{fmt(r.get('decode_fla_us'), '.1f')} | {r['decode_sdpa_us']:.1f} |")
+    record["complete"] = True
+    write(out, record)
 
 
 @torch.no_grad()
-def decode_step(B: int, T: int, H: int, d: int, dtype, fla) -> dict:
+def decode_step(B: int, T: int, H: int, d: int, dtype, fla, errors: list | None = None) -> dict:
     """One token for B sequences: KDA reads and updates a [H, d, d] fp32 state per sequence; attention
     reads a KV cache of T tokens per sequence."""
     q, k, v, g, beta = kda_inputs(B, 1, H, d, dtype, DEVICE, seed=1)
     state = torch.randn(B, H, d, d, device=DEVICE)
+    out = {}
+
     def ours():
         return fused_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True,
                                    backend="triton")
 
-    out = {"decode_ours_us": 1e3 * cuda_ms(ours)}
+    errors = [] if errors is None else errors
+    timed(f"T={T}", out, errors, "decode_ours", lambda: out.update(decode_ours_us=1e3 * cuda_ms(ours)))
     if fla:
         def theirs():
             return fla[1](q, k, v, g, beta, initial_state=state, output_final_state=True)
 
-        out["decode_fla_us"] = 1e3 * cuda_ms(theirs)
-        out["decode_rel_diff_state_ours_vs_fla"] = rel(ours()[1], theirs()[1])
+        def both():
+            out["decode_fla_us"] = 1e3 * cuda_ms(theirs)
+            if "decode_ours_us" in out:
+                out["decode_rel_diff_state_ours_vs_fla"] = rel(ours()[1], theirs()[1])
+
+        timed(f"T={T}", out, errors, "decode_fla", both)
     cache_k, cache_v = (torch.randn(B, H, T, d, device=DEVICE, dtype=dtype) for _ in range(2))
     q_a = q.transpose(1, 2)
     out["decode_sdpa_us"] = 1e3 * cuda_ms(lambda: F.scaled_dot_product_attention(q_a, cache_k, cache_v))
@@ -560,6 +718,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="CPU: torch intra-op threads")
     parser.add_argument("--cpu", action="store_true", help="the CPU table even when a GPU is present")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--check", action="store_true",
+                        help="GPU: only the correctness check of every KDA Triton op (exit 1 when one fails)")
+    parser.add_argument("--check-docs", type=int, nargs="+", default=[100, 1, 199, 137, 63],
+                        help="GPU check: lengths of the packed documents")
+    parser.add_argument("--check-heads", type=int, default=4, help="GPU check: heads")
+    parser.add_argument("--check-dim", type=int, default=128, help="GPU check: head dim")
+    parser.add_argument("--no-self-check", action="store_true", help="GPU timing without the check first")
+    parser.add_argument("--no-fla", action="store_true", help="GPU: leave fla-core out")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="the GPU path's code on CPU, Triton interpreted: plumbing only (tiny sizes)")
+    parser.add_argument("--plant-failure", action="store_true",
+                        help="tests: perturb one Triton result, so --check must fail")
     parser.add_argument("--compile-check", action="store_true",
                         help="no GPU needed: compile every KDA kernel for --arch, report regs and spills")
     parser.add_argument("--arch", default="all", choices=["90", "80", "all"], help="--compile-check target")
@@ -570,7 +740,20 @@ def main() -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         compile_check(args)
         return
-    if torch.cuda.is_available() and not args.cpu:
+    if args.dry_run:
+        global DEVICE
+        DEVICE = "cpu"
+        if "triton" not in sys.modules:  # triton reads it at import, when the kernels are decorated
+            os.environ["TRITON_INTERPRET"] = "1"
+    elif args.check and not torch.cuda.is_available():
+        raise SystemExit("--check needs a CUDA GPU (or --dry-run, which runs its code on CPU)")
+    if args.check:
+        result = kda_check(args.check_docs, args.check_heads, args.check_dim, args.plant_failure)
+        write(args.out or RESULTS / "kda_gpu_check.json", result)
+        if not result["ok"]:
+            failed = [f"{r['what']} ({r['dtype']})" for r in result["rows"] if not r["ok"]]
+            raise SystemExit(f"KDA check FAILED: {'; '.join(failed)}")
+    elif args.dry_run or (torch.cuda.is_available() and not args.cpu):
         run_cuda(args)
     else:
         run_cpu(args)

@@ -8,6 +8,7 @@ collectives and the matmul FLOPs it runs (both counted below DTensor, on the loc
 torch.optim.Muon on the same DTensors.
 
     python bench/optim.py [--models tiny small] [--repeats 3] [--ranks 4] [--dist-model tiny]
+    python bench/optim.py --device cuda --models 1b --ranks 0    # one GPU: the step on CUDA tensors
 
 Prints markdown tables and writes bench/results/optim.json.
 """
@@ -66,9 +67,11 @@ def optimizers(model: torch.nn.Module) -> dict[str, list[torch.optim.Optimizer]]
 
 
 def fill_grads(model: torch.nn.Module, seed: int = 0) -> None:
-    g = torch.Generator().manual_seed(seed)
+    first = next(model.parameters())
+    device = "cpu" if isinstance(first, DTensor) else first.device  # full DTensor gradients, then sharded
+    g = torch.Generator(device=device).manual_seed(seed)
     for p in model.parameters():
-        full = torch.randn(p.shape, generator=g)
+        full = torch.randn(p.shape, generator=g, device=device)
         if isinstance(p, DTensor):
             p.grad = distribute_tensor(full, p.device_mesh, p.placements)
         else:
@@ -87,18 +90,22 @@ def time_steps(opts: list[torch.optim.Optimizer], repeats: int) -> float:
     return statistics.median(times)
 
 
-def side_by_side(optims: dict[str, list[torch.optim.Optimizer]], repeats: int) -> dict[str, float]:
+def side_by_side(optims: dict[str, list[torch.optim.Optimizer]], repeats: int, sync=lambda: None) -> dict[str, float]:
     """Median seconds of one step of each entry, the entries interleaved within every repeat (so a shared,
-    noisy machine slows them alike), after a warm-up step each (which also creates the state)."""
+    noisy machine slows them alike) in an order reversed every other repeat (so none always runs right
+    after the same one: after MuonClip's fp32 step the caches hold other data than after AdamW's), after a
+    warm-up step each (which also creates the state). sync waits for the device (CUDA runs asynchronously)."""
     for opts in optims.values():
         for o in opts:
             o.step()
     times = {k: [] for k in optims}
-    for _ in range(repeats):
-        for k, opts in optims.items():
+    for r in range(repeats):
+        for k, opts in (optims.items() if r % 2 == 0 else reversed(optims.items())):
+            sync()
             start = time.perf_counter()
             for o in opts:
                 o.step()
+            sync()
             times[k].append(time.perf_counter() - start)
     return {k: statistics.median(v) for k, v in times.items()}
 
@@ -110,18 +117,23 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} logical CPUs visible, load average {load} at the end of the run"
 
 
-def single_process(models: list[str], repeats: int) -> list[dict]:
+def single_process(models: list[str], repeats: int, device: str = "cpu") -> list[dict]:
+    cuda = torch.device(device).type == "cuda"
     rows = []
     for name in models:
         torch.manual_seed(0)
-        model = KimiModel(model_config(name))
+        with torch.device(device):  # built in place: a 1b model initialised on CPU would take longer than its steps
+            model = KimiModel(model_config(name))
         fill_grads(model)
-        times = side_by_side(optimizers(model), repeats)
+        times = side_by_side(optimizers(model), repeats, torch.cuda.synchronize if cuda else lambda: None)
         rows.append({"model": name, "params": model.num_params(), "step_s": times,
                      "ratio_to_adamw": {k: t / times["adamw"] for k, t in times.items()},
                      "ratio_to_torch_muon": {k: t / times["torch_muon"] for k, t in times.items()}})
         del model
         gc.collect()
+        if cuda:
+            rows[-1]["peak_mem_bytes"] = torch.cuda.max_memory_allocated()
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -187,6 +199,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4, help="0 skips the distributed table")
     parser.add_argument("--dist-model", default="tiny")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--device", default="cpu", help="of the single-process table: cpu or cuda")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "optim.json")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -194,10 +207,12 @@ def main() -> None:
         return distributed(args.dist_model, args.repeats, args.worker)
 
     torch.set_num_threads(args.threads)
-    record = {"threads": args.threads, "torch": torch.__version__, "single": single_process(args.models, args.repeats)}
-    record["machine"] = machine()
-    print(f"\noptimizer.step() on random gradients, {args.threads} threads, median of {args.repeats} interleaved"
-          f" repeats; in brackets: x AdamW, x torch.optim.Muon + AdamW\n({record['machine']})\n")
+    record = {"threads": args.threads, "torch": torch.__version__, "device": args.device,
+              "single": single_process(args.models, args.repeats, args.device)}
+    record["machine"] = machine() + (f"; {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else "")
+    print(f"\noptimizer.step() on random gradients on {args.device}, {args.threads} threads, median of "
+          f"{args.repeats} interleaved repeats; in brackets: x AdamW, x torch.optim.Muon + AdamW\n"
+          f"({record['machine']})\n")
     print("| model | params | AdamW | MuonClip fp32 NS | MuonClip bf16 NS | torch.optim.Muon + AdamW |")
     print("|---|---|---|---|---|---|")
     for r in record["single"]:

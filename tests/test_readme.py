@@ -58,6 +58,9 @@ SKIPPED = {
     "parallel.pp_microbatches=8 trainer.micro_batch_size=8 hydra.run.dir=runs/exp4": GPUS_8,
     ".venv/bin/python bench/parallel.py --layouts single --model 1b --batch 4 --set trainer.seq_len=4096 "
     "trainer.precision=bf16": "a GPU benchmark: the 1b model at 4096 tokens in bf16",
+    "make gpu-check": "needs a CUDA GPU (its dry run is the next line)",
+    "make gpu-check GPU_CHECK_ARGS=--dry-run": "tests/test_gpu_check.py runs it (about a minute)",
+    "make gpu-wheels": "downloads from the package index",
 }
 MAX_MULTIPROCESS = 1  # 2-process torchrun launches run here (each about 10 s on 2 CPU cores)
 

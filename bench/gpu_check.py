@@ -1,0 +1,473 @@
+"""`make gpu-check`: every GPU check of this repository in one command, on one CUDA GPU, offline, in about 8
+minutes from a cold Triton cache.
+
+Six steps, each a subprocess with its own time budget, so a step that hangs or crashes loses only itself:
+
+  1 kda_check        bench/kda.py --check: every KDA Triton op vs the PyTorch path and fp64 (fp32, bf16)
+  2 attention_check  bench/attention.py --check-only: the flash-attention kernels vs fp32
+  3 kda_speed        bench/kda.py: ours vs fla-core's chunk_kda / fused_recurrent_kda and SDPA, bf16,
+                     T = 4k..64k at 64k tokens, H = 32, d = 128: TFLOP/s, ratios, decoding
+  4 attention_speed  bench/attention.py --skip-check: vs SDPA's flash backend, max logits, atomic dQ
+  5 optim            bench/optim.py --device cuda: optimizer.step() of MuonClip vs torch.optim.Muon + AdamW
+  6 train            bench/parallel.py --layouts single: 20 bf16 steps of model=small and model=1b with
+                     parallel.compile=true on a corpus made of this repository's text: tokens/s, MFU, memory
+
+After each step it writes <out>/<step>.json (status, seconds, commands, each command's log tail and its own
+JSON under runs.<name>.result) and <out>/summary.md (the table so far); all output goes to
+<out>/gpu_check.log: 8 files, what the device tool brings back from $OUT. At the end it prints one markdown
+table (summary.md, ready for the README) and exits 1 if a check failed, a step crashed or ran out of time.
+Each step's sizes are in SIZES below; --step-args NAME="..." appends to a step's arguments (the scripts take
+the last value of a repeated option), e.g. --step-args kda_speed="--T 4096 8192" to shrink one.
+
+On the GPU machine python3 lacks hydra-core, omegaconf, datasets and fla-core: `make gpu-wheels` (here, where
+pip can download) puts their wheels in .whl/, and a device session carries .whl and runs
+
+    make gpu-check GPU_CHECK_ARGS="--out $OUT"        (the device tool's run: carry [".whl"], timeout_s 600)
+
+The Makefile installs the wheels into /tmp/kimi-site and puts it and the repository on PYTHONPATH; without
+make, the same is
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kimi-site .whl/*.whl
+    PYTHONPATH=$PWD:/tmp/kimi-site python3 bench/gpu_check.py --out $OUT
+
+    python bench/gpu_check.py [--out DIR] [--steps NAME ...] [--budget NAME=SECONDS ...] [--total SECONDS]
+                              [--step-args NAME="ARGS" ...] [--verbose]
+    python bench/gpu_check.py --dry-run [--out DIR]
+
+--dry-run runs every step's code on CPU at tiny sizes (Triton interpreted, fla-core left out, the tiny model
+without torch.compile instead of small and 1b, two steps), so a plumbing bug shows without a GPU; it writes
+to a new temporary directory unless --out is given (tests/test_gpu_check.py). For those tests,
+--plant-failure NAME perturbs a check step's result (and crashes any other step) and --plant-hang NAME makes
+a step hang until its budget ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+LOG = "gpu_check.log"
+LOG_TAIL = 40  # lines of each command's output kept in its step's JSON
+CHECK_STEPS = ("kda_check", "attention_check")  # whose results --plant-failure perturbs
+PLANTED_CRASH = "raise SystemExit('planted failure (--plant-failure)')"
+PLANTED_HANG = "import time; print('planted hang (--plant-hang)', flush=True); time.sleep(3600)"
+
+# name: (what it measures, budget in seconds on the GPU from cold caches)
+STEPS = {
+    "kda_check": ("KDA Triton ops vs PyTorch and fp64", 150),
+    "attention_check": ("flash attention vs fp32", 120),
+    "kda_speed": ("KDA vs fla-core and SDPA", 150),
+    "attention_speed": ("flash attention vs SDPA", 120),
+    "optim": ("optimizer step", 90),
+    "train": ("training on one GPU", 300),
+}
+# Each step's size arguments: (on the GPU, in a dry run). The dry run's are tiny because the interpreter
+# runs each program of a kernel in Python; fla-core is left out there (not written for the interpreter).
+SIZES = {
+    "kda_check": ("--check-docs 100 1 199 137 63 --check-heads 4 --check-dim 128",
+                  "--dry-run --check-docs 5 1 70 --check-heads 1 --check-dim 16"),
+    "attention_check": ("", "--dry-run"),  # cases: bench/attention.py's GPU_CHECKS (DRY_CHECKS in a dry run)
+    "kda_speed": ("--T 4096 8192 16384 32768 65536 --tokens 65536 --heads 32 --dim 128",
+                  "--dry-run --T 64 --tokens 64 --heads 1 --dim 16"),
+    "attention_speed": ("--T 4096 8192 16384 --tokens 16384 --heads 16 --dims 128/128 192/128",
+                        "--dry-run --T 64 --tokens 64 --heads 1 --dims 48/32"),
+    "optim": ("--device cuda --models 1b --repeats 5", "--device cpu --models tiny --repeats 1"),
+}
+# train: model -> (sequences per step, timed steps, seq_len); the presets' 32k vocabulary (the tokenizer
+# trained on this repository's ~1 MB of text has 4096 pieces)
+TRAIN = {"small": (8, 20, 2048), "1b": (4, 20, 4096)}
+TRAIN_DRY = {"tiny": (4, 2, 64)}
+
+
+def commands(step: str, ctx: "Context") -> list[tuple[str, list[str]]]:
+    """(name, arguments after `python bench/`) of each command of a step."""
+    if step == "train":
+        vocab, pieces, compiled = (512, 384, "false") if ctx.dry else (32000, 4096, "true")
+        return [(model, ["parallel.py", "--layouts", "single", "--model", model, "--batch", str(batch),
+                         "--steps", str(steps), "--set", f"trainer.seq_len={seq}", "trainer.precision=bf16",
+                         f"parallel.compile={compiled}", f"model.vocab_size={vocab}", "data=files",
+                         f"data.data_files=[{ctx.corpus()}/*.txt]", f"data.cache_dir={ctx.tmp / 'data'}",
+                         f"data.tokenizer.vocab_size={pieces}", "data.val_fraction=0.15"])
+                for model, (batch, steps, seq) in (TRAIN_DRY if ctx.dry else TRAIN).items()]
+    script = {"kda_check": "kda.py --check", "attention_check": "attention.py --check-only",
+              "kda_speed": "kda.py --no-self-check", "attention_speed": "attention.py --skip-check",
+              "optim": "optim.py --ranks 0"}[step]
+    return [(script.split(".")[0], [*script.split(), *SIZES[step][ctx.dry].split()])]
+
+
+class Context:
+    def __init__(self, dry: bool, tmp: Path):
+        self.dry, self.tmp, self._corpus = dry, tmp, None
+
+    def corpus(self) -> Path:
+        """This repository's .md and .py files as .txt documents: about 1 MB of text on a machine that cannot
+        download any (200 kB in a dry run, enough for its tiny tokenizer)."""
+        if self._corpus is None:
+            self._corpus = self.tmp / "corpus"
+            self._corpus.mkdir(parents=True)
+            skip = {"outputs", "runs", "results", "__pycache__"}  # and hidden folders (.venv, .git, .whl)
+            limit, total = (200_000 if self.dry else float("inf")), 0
+            for top, dirs, files in os.walk(ROOT):  # in sorted order, skipped folders never entered
+                dirs[:] = sorted(d for d in dirs
+                                 if not (d in skip or d.startswith(".") or d.endswith(".egg-info")))
+                for name in sorted(f for f in files if f.endswith((".md", ".py"))):
+                    if total > limit:
+                        break
+                    path = Path(top, name)
+                    text = path.read_text(errors="replace")
+                    (self._corpus / ("__".join(path.relative_to(ROOT).parts) + ".txt")).write_text(text)
+                    total += len(text)
+        return self._corpus
+
+
+# ----------------------------------------------------------------------------------- reading the results
+# Each returns (rows of (what, result) for the table, failures) from one command's JSON.
+
+
+def kda_check_rows(r: dict):
+    rows, failures = [], []
+    for dtype in ("float32", "bfloat16"):
+        mine = [x for x in r["rows"] if x["dtype"] == dtype]
+        cells = [f"{x['op']} " + ("error" if "error" in x else f"{x['max_vs_fp64']:.1e}") for x in mine]
+        rows.append((f"KDA Triton vs fp64, {dtype}: H={r['H']} d={r['d']}, packed docs {r['docs']}",
+                     ", ".join(cells) + f" (max rel. error; pass < {mine[0]['tol']:.0e})"))
+        failures += [f"{x['what']} ({dtype}): " + (x["error"] if "error" in x else
+                     f"{x['worst']} {x['max_vs_fp64']:.1e} from fp64 (pass < {x['tol']:.0e}), PyTorch path "
+                     f"{max(x['torch_vs_fp64'].values()):.1e}") for x in mine if not x["ok"]]
+    return rows, failures
+
+
+def attention_check_rows(r: dict):
+    rows, failures = [], []
+    keys = ("o", "lse", "max_logits", "dq", "dk", "dv")
+    for dtype in sorted({x["dtype"] for x in r["checks"]}):
+        mine = [x for x in r["checks"] if x["dtype"] == dtype]
+        worst = ", ".join(f"{k} {max(x[k] for x in mine):.1e}" for k in keys)
+        rows.append((f"attention vs fp32, {dtype}: {len(mine)} cases x dQ modes",
+                     f"{worst} (max rel. error); {sum(x['ok'] for x in mine)}/{len(mine)} pass"))
+        failures += [f"{x['dtype']} {x['case']} ({x['dq_mode']} dQ): "
+                     + ", ".join(f"{k} {x[k]:.1e}" for k in keys) for x in mine if not x["ok"]]
+    return rows, failures
+
+
+def kda_speed_rows(r: dict):
+    c, rows = r["config"], []
+    for x in r["rows"]:
+        parts = []
+        for mode, name in (("fwd", "fwd"), ("fwdbwd", "fwd+bwd")):
+            if f"ours_{mode}_ms" not in x:
+                parts.append(f"{name}: ours failed")
+                continue
+            ours, fla = x[f"ours_{mode}_ms"], x.get(f"fla_{mode}_ms")
+            parts.append(f"{name} {ours:.2f} ms ({x[f'ours_{mode}_tflops']:.0f} TFLOP/s)"
+                         + (f", fla {fla:.2f} ms = {fla / ours:.2f}x ours" if fla else "")
+                         + f", SDPA {x[f'sdpa_{mode}_ms']:.2f} ms")
+        decode = f"decode {x['decode_ours_us']:.0f} us" if "decode_ours_us" in x else "decode: ours failed"
+        decode += f" (fla {x['decode_fla_us']:.0f} us)" if "decode_fla_us" in x else ""
+        parts.append(decode + f", attention over the cache {x['decode_sdpa_us']:.0f} us")
+        rows.append((f"KDA bf16 T={x['T']} B={x['B']} H={c['H']} d={c['d']}", "; ".join(parts)))
+    if not any("fla_fwd_ms" in x for x in r["rows"]):
+        rows.append(("fla-core", c["fla"]))
+    # fla-core's own failures are noted in the JSON; only ours fail the step
+    return rows, [f"{e['where']} {e['impl']}: {e['error']}" for e in r["errors"] if "fla" not in e["impl"]]
+
+
+def attention_speed_rows(r: dict):
+    rows, failures = [], []
+    for x in r["rows"]:
+        fwd, both = x["triton_fwd_ms"], x["triton_fwdbwd_ms"]
+        fwd_max, both_max = x["triton_fwd_max_ms"] / fwd - 1, x["triton_fwdbwd_max_ms"] / both - 1
+        atomic = x["triton_fwdbwd_atomic_dq_ms"] / x["sdpa_fwdbwd_ms"]
+        rows.append((f"attention bf16 {x['dims']} T={x['T']} B={x['B']} H={r['heads']}",
+                     f"fwd {fwd:.2f} ms = {fwd / x['sdpa_fwd_ms']:.2f}x SDPA, max logits "
+                     f"{100 * fwd_max:+.1f}%; fwd+bwd {both:.2f} ms = {both / x['sdpa_fwdbwd_ms']:.2f}x, max "
+                     f"logits {100 * both_max:+.1f}%, atomic dQ {atomic:.2f}x"))
+        if not x["rel_err_vs_fp32"] < 2e-2:  # bench/attention.py's bf16 mark
+            failures.append(f"{x['dims']} T={x['T']}: output {x['rel_err_vs_fp32']:.1e} from fp32 SDPA "
+                            "(pass < 2e-2)")
+    return rows, failures
+
+
+def optim_rows(r: dict):
+    rows = []
+    for x in r["single"]:
+        t = {k: v * 1e3 for k, v in x["step_s"].items()}
+        ratio = x["ratio_to_torch_muon"]["muonclip_bf16"]
+        rows.append((f"optimizer.step() {x['model']} ({x['params'] / 1e6:.0f}M params), {r['device']}",
+                     f"MuonClip (bf16 NS) {t['muonclip_bf16']:.1f} ms = {ratio:.2f}x torch.optim.Muon + "
+                     f"AdamW ({t['torch_muon']:.1f} ms); MuonClip fp32 NS {t['muonclip']:.1f} ms; AdamW "
+                     f"{t['adamw']:.1f} ms"))
+    return rows, []
+
+
+def train_rows(r: dict):
+    x = r["layouts"]["single"][0]
+    seq = next(s.split("=", 1)[1] for s in r["set"] if s.startswith("trainer.seq_len="))
+    flags = " ".join(s for s in r["set"] if s.startswith(("trainer.precision", "parallel.compile")))
+    return [(f"train {r['model']}: {r['batch']} x {seq} tokens per step, {flags}",
+             f"{x['tokens_per_s']:,.0f} tokens/s, MFU {100 * x['mfu']:.1f}%, peak memory "
+             f"{x['peak_mem_bytes'] / 2**30:.1f} GiB, {1e3 * x['step_s']:.0f} ms per step "
+             f"({r['steps']} timed)")], []
+
+
+SUMMARIES = {"kda_check": kda_check_rows, "attention_check": attention_check_rows,
+             "kda_speed": kda_speed_rows, "attention_speed": attention_speed_rows, "optim": optim_rows,
+             "train": train_rows}
+
+
+# ------------------------------------------------------------------------------------------ running them
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """End a command and whatever it started: SIGTERM to its process group (start_new_session gave it one),
+    time to exit (torchrun passes the signal on to its workers, which sit in sessions of their own and
+    which it kills if they linger), then SIGKILL to whatever is left of the group."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        for _ in range(50):
+            proc.poll()  # reap the command itself, so only live members keep the group
+            os.killpg(proc.pid, 0)
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the group is gone
+        pass
+    proc.wait()
+
+
+def run(argv: list[str], env: dict, timeout: float, log, verbose: bool) -> tuple[int | None, list[str]]:
+    """(exit status, or None when it ran out of time; the last lines of its output). All output goes to
+    the log, and with verbose to stdout too."""
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, errors="replace", start_new_session=True)
+    tail = collections.deque(maxlen=LOG_TAIL)
+
+    def pump():
+        for line in proc.stdout:
+            log.write(line)
+            tail.append(line.rstrip("\n"))
+            if verbose:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout=max(timeout, 1))
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        code = None
+    except BaseException:  # Ctrl-C: take the command down too
+        kill_group(proc)
+        raise
+    reader.join(timeout=10)
+    log.flush()
+    return code, list(tail)
+
+
+def child_env(dry: bool, tmp: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONUNBUFFERED"] = "1"
+    # nothing may wait on the network (the GPU machine has none); datasets' caches stay in the run's tmp
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp / "hf_datasets"))
+    if dry:  # triton reads it at import: the kernels are interpreted on CPU tensors; no GPU even if present
+        env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def run_step(step: str, index: int, args, ctx: Context, env: dict, deadline: float, log) -> dict:
+    title, budget = STEPS[step]
+    budget = args.budget.get(step, budget)
+    record = {"step": step, "title": title, "budget_s": budget, "dry_run": args.dry_run, "status": "ok",
+              "seconds": 0.0, "summary": [], "failures": [], "runs": {}}
+    start = time.monotonic()
+    if deadline - start < 10:
+        record.update(status="skipped", failures=[f"not run: the {args.total:.0f} s total was spent"])
+        print(f"[gpu-check {index}/{len(args.steps)}] {step}: skipped, no time left", flush=True)
+        return record
+    print(f"[gpu-check {index}/{len(args.steps)}] {step} ({title}) ...", flush=True)
+    for name, script_args in commands(step, ctx):
+        raw = ctx.tmp / f"{step}.{name}.json"
+        argv = [sys.executable, str(BENCH / script_args[0]), *script_args[1:],
+                *shlex.split(args.step_args.get(step, "")), "--out", str(raw)]
+        if step in args.plant_failure:
+            argv = argv + ["--plant-failure"] if step in CHECK_STEPS else [sys.executable, "-c",
+                                                                             PLANTED_CRASH]
+        if step in args.plant_hang:
+            argv = [sys.executable, "-c", PLANTED_HANG]
+        timeout = min(budget - (time.monotonic() - start), deadline - time.monotonic())
+        if record["runs"] and timeout < 5:  # an earlier command of this step spent its budget
+            record["runs"][name] = {"command": shlex.join(argv), "returncode": None, "seconds": 0.0,
+                                    "status": "timeout", "log_tail": []}
+            record["failures"].append(f"{name}: not started, the step's {budget:.0f} s were spent")
+            continue
+        log.write(f"\n===== {step} / {name}: {shlex.join(argv)}\n")
+        log.flush()
+        t0 = time.monotonic()
+        code, tail = run(argv, env, timeout, log, args.verbose)
+        entry = {"command": shlex.join(argv), "returncode": code, "seconds": round(time.monotonic() - t0, 1),
+                 "log_tail": tail}
+        result, rows, failures, unreadable = read_json(raw), [], [], None
+        if result is not None:  # after a timeout too: the scripts write what they measured so far
+            entry["result"] = result
+            try:
+                rows, failures = SUMMARIES[step](result)
+            except (KeyError, TypeError, ValueError, ZeroDivisionError, StopIteration) as exc:
+                unreadable = f"{name}: unreadable result ({type(exc).__name__}: {exc}); {_last_line(tail)}"
+        if code is None:
+            entry["status"] = "timeout"
+            failures.append(f"{name}: out of time after {entry['seconds']:.0f} s (budget {budget:.0f} s)")
+        elif result is None or unreadable:
+            entry["status"] = "crashed"
+            failures.append(unreadable or f"{name}: exit {code}, no result: {_last_line(tail)}")
+        else:
+            entry["status"] = "failed" if failures else "crashed" if code else "ok"
+            if code and not failures:
+                failures.append(f"{name}: exit {code}: {_last_line(tail)}")
+        record["runs"][name] = entry
+        record["summary"] += [list(row) for row in rows]
+        record["failures"] += failures
+        if deadline - time.monotonic() < 1:
+            break
+    statuses = [e["status"] for e in record["runs"].values()]
+    record["status"] = next((s for s in ("crashed", "timeout", "failed") if s in statuses), "ok")
+    record["seconds"] = round(time.monotonic() - start, 1)
+    print(f"[gpu-check {index}/{len(args.steps)}] {step}: {record['status']}, {record['seconds']:.0f} s",
+          flush=True)
+    for failure in record["failures"]:
+        print(f"    {failure}", flush=True)
+    return record
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # none, or cut short by a kill
+        return None
+
+
+def _last_line(tail: list[str]) -> str:
+    return next((line.strip() for line in reversed(tail) if line.strip()), "(no output)")[:300]
+
+
+def table(records: dict[str, dict], steps: list[str], started: float) -> str:
+    """The markdown summary: a line on the machine, then one row per result."""
+    results = [e["result"] for r in records.values() for e in r["runs"].values() if "result" in e]
+    def first(*keys):
+        for res in results:
+            for source in (res, res.get("config", {})):
+                if all(k in source for k in keys):
+                    return source
+        return {}
+    env = first("device", "triton") or first("device", "torch")
+    done = [records[s] for s in steps if s in records]
+    counts = collections.Counter(r["status"] for r in done)
+    dry = " (DRY RUN on CPU: plumbing, not measurements)" if done and done[0]["dry_run"] else ""
+    when = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
+    head = (f"GPU check{dry}: {env.get('device', 'device unknown')}, torch {env.get('torch', '?')}, "
+            f"triton {env.get('triton', '?')}, {when}; {len(done)} of {len(steps)} steps in "
+            f"{time.monotonic() - started:.0f} s: "
+            + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    lines = [head, "", "| step | what | result | status |", "|---|---|---|---|"]
+    for step in steps:
+        if step not in records:
+            lines.append(f"| {step} | {STEPS[step][0]} | not run yet | - |")
+            continue
+        r = records[step]
+        status = {"ok": "ok", "failed": "FAILED", "crashed": "CRASHED", "timeout": "OUT OF TIME",
+                  "skipped": "SKIPPED"}[r["status"]]
+        rows = r["summary"] or [(r["title"], "; ".join(r["failures"]) or "-")]
+        for i, (what, result) in enumerate(rows):
+            cell = f"{step} ({r['seconds']:.0f} s)" if i == 0 else ""
+            lines.append(f"| {cell} | {_cell(what)} | {_cell(result)} | {status if i == 0 else ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "/").replace("\n", " ")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results directory (default bench/results/gpu; a temporary one in a dry run)")
+    parser.add_argument("--steps", nargs="+", choices=list(STEPS), default=list(STEPS),
+                        help="a subset (run in the usual order)")
+    parser.add_argument("--dry-run", action="store_true", help="every step's code on CPU at tiny sizes")
+    parser.add_argument("--total", type=float, default=480,
+                        help="seconds for all steps: a step gets at most what is left, then none run")
+    parser.add_argument("--budget", nargs="+", default=[], metavar="NAME=SECONDS",
+                        help="a step's own time limit")
+    parser.add_argument("--step-args", nargs="+", default=[], metavar='NAME="ARGS"',
+                        help="arguments appended to a step's commands")
+    parser.add_argument("--verbose", action="store_true", help="show every command's output as it runs")
+    parser.add_argument("--keep-tmp", action="store_true", help="keep the corpus, token cache and raw JSONs")
+    parser.add_argument("--plant-failure", nargs="+", default=[], choices=list(STEPS), metavar="NAME",
+                        help="tests: a check step's result is perturbed, any other step crashes")
+    parser.add_argument("--plant-hang", nargs="+", default=[], choices=list(STEPS), metavar="NAME",
+                        help="tests: the step hangs until its budget ends")
+    args = parser.parse_args(argv)
+    args.steps = [s for s in STEPS if s in args.steps]
+    for option in ("budget", "step_args"):
+        pairs = {}
+        for item in getattr(args, option):
+            name, sep, value = item.partition("=")
+            if not sep or name not in STEPS:
+                parser.error(f"--{option.replace('_', '-')} {item!r}: expected NAME=VALUE with NAME one of "
+                             f"{', '.join(STEPS)}")
+            pairs[name] = float(value) if option == "budget" else value
+        setattr(args, option, pairs)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    deadline = started + args.total
+    out = args.out or (Path(tempfile.mkdtemp(prefix="kimi-gpu-check-dry-")) if args.dry_run
+                       else BENCH / "results" / "gpu")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in [*(f"{s}.json" for s in STEPS), "summary.md", LOG]:  # no stale results beside new ones
+        (out / name).unlink(missing_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="kimi-gpu-check-"))
+    ctx, env = Context(args.dry_run, tmp), child_env(args.dry_run, tmp)
+    print(f"[gpu-check] {len(args.steps)} steps{' (dry run on CPU)' if args.dry_run else ''}, at most "
+          f"{args.total:.0f} s; results in {out}", flush=True)
+    records: dict[str, dict] = {}
+    try:
+        with open(out / LOG, "w") as log:
+            for index, step in enumerate(args.steps, 1):
+                records[step] = run_step(step, index, args, ctx, env, deadline, log)
+                (out / f"{step}.json").write_text(json.dumps(records[step], indent=2) + "\n")
+                (out / "summary.md").write_text(table(records, args.steps, started))
+    finally:
+        if not args.keep_tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    summary = table(records, args.steps, started)
+    print("\n" + summary)
+    failures = [f"{step}: {f}" for step, r in records.items() for f in r["failures"]]
+    for failure in failures:
+        print(f"FAILED {failure}")
+    print(f"results: {out} (summary.md, one JSON per step, {LOG})")
+    return 1 if failures or any(r["status"] != "ok" for r in records.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

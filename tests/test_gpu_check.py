@@ -1,0 +1,105 @@
+"""`make gpu-check` without a GPU: its dry run runs every step's code on CPU at tiny sizes (Triton kernels
+interpreted, the tiny model for two steps), through the Makefile as a device session runs it, so a plumbing
+bug in bench/gpu_check.py or the bench scripts it drives shows here. Planted failures (a wrong KDA result, a
+crashed step, a hung one) must make it exit non-zero and name the failing check. About 1.5 minutes on 2
+cores; results go to temporary directories."""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import gpu_check  # noqa: E402
+
+STEPS = list(gpu_check.STEPS)
+FILES = sorted([*(f"{s}.json" for s in STEPS), "summary.md", gpu_check.LOG])  # all the device tool returns
+
+
+def make_gpu_check(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the driver sets it per step
+    cmd = ["make", "-s", "gpu-check", f"GPU_PYTHON={sys.executable}", f"GPU_CHECK_ARGS={shlex.join(args)}"]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def step_json(out: Path, step: str) -> dict:
+    return json.loads((out / f"{step}.json").read_text())
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_step(tmp_path):
+    out = tmp_path / "gpu"
+    proc = make_gpu_check("--dry-run", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == FILES
+    for i, step in enumerate(STEPS, 1):
+        assert f"[gpu-check {i}/{len(STEPS)}] {step}: ok" in proc.stdout
+        record = step_json(out, step)
+        assert record["step"] == step and record["status"] == "ok" and record["dry_run"]
+        assert record["failures"] == [] and record["summary"] and record["seconds"] > 0
+        assert all(run["returncode"] == 0 and "result" in run for run in record["runs"].values())
+
+    def result(step: str) -> dict:
+        (run,) = step_json(out, step)["runs"].values()
+        return run["result"]
+
+    kda = result("kda_check")
+    assert {(r["op"], r["dtype"]) for r in kda["rows"]} == {
+        (op, dtype) for op in ("chunk", "recurrent", "decode", "gate") for dtype in ("float32", "bfloat16")}
+    chunk = next(r for r in kda["rows"] if r["op"] == "chunk")
+    assert set(chunk["triton_vs_fp64"]) == {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"}
+    assert kda["ok"] and 1 in kda["docs"] and all(r["max_vs_fp64"] < r["tol"] for r in kda["rows"])
+    attention = result("attention_check")
+    assert attention["ok"] and {r["dq_mode"] for r in attention["checks"]} == {"separate", "atomic"}
+    (speed,) = result("kda_speed")["rows"]
+    assert {"ours_fwd_ms", "ours_fwdbwd_ms", "sdpa_fwdbwd_ms", "decode_ours_us"} <= set(speed)
+    assert result("kda_speed")["config"]["fla"] == "skipped" and result("kda_speed")["errors"] == []
+    attn_speed = result("attention_speed")
+    assert set(attn_speed["dq_modes"]) == {"separate", "atomic"}
+    assert {"triton_fwd_max_ms", "triton_fwdbwd_atomic_dq_ms"} <= set(attn_speed["rows"][0])
+    (optim,) = result("optim")["single"]
+    assert set(optim["step_s"]) == {"adamw", "muonclip", "muonclip_bf16", "torch_muon"}
+    train = step_json(out, "train")["runs"]["tiny"]["result"]["layouts"]["single"][0]
+    assert train["tokens_per_s"] > 0 and 0 < train["mfu"] <= 1 and train["peak_mem_bytes"] > 0
+
+    summary = (out / "summary.md").read_text()
+    assert summary in proc.stdout  # the table printed at the end is the file
+    assert summary.count("| step | what | result | status |") == 1 and "DRY RUN" in summary
+    rows = [line for line in summary.splitlines() if line.startswith("| ")][2:]
+    assert all(line.count(" | ") == 3 for line in rows)
+    for step in STEPS:
+        assert f"| {step} (" in summary
+
+
+@pytest.mark.slow
+def test_planted_failures_fail_the_run_and_are_named(tmp_path):
+    """A wrong Triton gradient, a crashed step and a hung one: each is reported, the others still run."""
+    out = tmp_path / "gpu"
+    proc = make_gpu_check("--dry-run", "--out", str(out), "--steps", "kda_check", "optim", "train",
+                          "--plant-failure", "kda_check", "optim", "--plant-hang", "train", "--budget", "train=5",
+                          timeout=200)
+    assert proc.returncode != 0, proc.stdout[-4000:]
+    assert {s: step_json(out, s)["status"] for s in ("kda_check", "optim", "train")} == {
+        "kda_check": "failed", "optim": "crashed", "train": "timeout"}
+    failed = [line for line in proc.stdout.splitlines() if line.startswith("FAILED ")]
+    assert any(line.startswith("FAILED kda_check: chunk_kda forward and backward") and "(float32): dq " in line
+               for line in failed), failed
+    assert any(line.startswith("FAILED optim: optim: exit 1") and "planted failure" in line for line in failed)
+    assert any(line.startswith("FAILED train: tiny: out of time") for line in failed), failed
+    kda = step_json(out, "kda_check")
+    assert [r["op"] for r in kda["runs"]["kda"]["result"]["rows"] if not r["ok"]] == ["chunk", "chunk"]
+    summary = (out / "summary.md").read_text()
+    assert "| FAILED |" in summary and "| CRASHED |" in summary and "| OUT OF TIME |" in summary
+    assert "not run yet" not in summary and "attention_check" not in summary
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--budget", "nope=3"])
+    args = gpu_check.parse_args(["--steps", "train", "kda_check", "--step-args", "kda_speed=--T 64 128"])
+    assert args.steps == ["kda_check", "train"] and args.step_args == {"kda_speed": "--T 64 128"}
