@@ -42,6 +42,7 @@ AC_MODES = ("none", "full", "selective")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage per rank; the others run pp_virtual_stages each
 ENGINES = ("torch",)
+MOE_IMPLS = ("grouped", "loop")
 
 
 def one_of(choices: Tuple[str, ...], default: Optional[str]) -> Any:
@@ -77,7 +78,21 @@ class ModelConfig:
     v_head_dim: int = 64
     rope_theta: float = 10000.0
     # MLP
-    mlp_hidden: int = 768  # SwiGLU inner width
+    mlp_hidden: int = 768  # SwiGLU inner width (of the dense blocks when moe_num_experts > 0)
+    # Mixture of experts (kimi/model/moe.py): 0 experts keeps every block dense. Otherwise blocks from
+    # moe_first_dense on route each token to moe_top_k of moe_num_experts SwiGLU experts of width moe_hidden,
+    # plus moe_shared_experts shared ones (one SwiGLU of moe_shared_experts * moe_hidden).
+    moe_num_experts: int = 0
+    moe_top_k: int = 2
+    moe_hidden: int = 256
+    moe_shared_experts: int = 1
+    moe_first_dense: int = 1  # leading blocks that keep the dense MLP (Kimi Linear: 1)
+    moe_groups: int = 1  # expert groups; tokens choose among the experts of moe_topk_groups of them
+    moe_topk_groups: int = 1
+    moe_routed_scale: float = 1.0  # routed_scaling_factor, multiplies the routed output (Kimi Linear: 2.446)
+    moe_norm_topk: bool = True  # renormalise the chosen experts' scores to sum to 1 (before the scale)
+    moe_bias_rate: float = 1e-3  # aux-loss-free balancing: bias step per optimizer step (0 = no update)
+    moe_impl: str = one_of(MOE_IMPLS, "grouped")  # grouped GEMM, or the per-expert loop (the reference)
     tie_embeddings: bool = False
     # Residuals: standard pre-norm, or Attention Residuals over every layer / over blocks of layers.
     residual: str = one_of(RESIDUAL_MODES, "attnres_block")
@@ -224,6 +239,11 @@ class ConfigError(ValueError):
     """A configuration value that cannot work; the one-line message names the key(s) and how to fix it."""
 
 
+def moe_layer_indices(m: ModelConfig) -> List[int]:
+    """0-based indices of the blocks whose MLP is a mixture of experts."""
+    return list(range(m.moe_first_dense, m.num_layers)) if m.moe_num_experts else []
+
+
 def mla_layer_indices(m: ModelConfig) -> List[int]:
     """0-based indices of the blocks whose token mixer is MLA."""
     if m.mla_layers is not None:
@@ -322,6 +342,29 @@ def validate_model(m: ModelConfig) -> None:
     # RoPE turns pair i by theta**(-2i/d) radians a token: with theta <= 1 no pair turns slower than one
     # radian a token, so distant positions look alike
     _check(m.rope_theta > 1, "model.rope_theta", m.rope_theta, "must be > 1 (10000 is usual)")
+    if m.moe_num_experts:
+        _validate_moe(m)
+
+
+def _validate_moe(m: ModelConfig) -> None:
+    E = m.moe_num_experts
+    _check(E >= 2, "model.moe_num_experts", E, "must be 0 (dense) or >= 2")
+    _check_positive(m, "model", ("moe_top_k", "moe_hidden", "moe_groups", "moe_topk_groups"))
+    _check(m.moe_shared_experts >= 0, "model.moe_shared_experts", m.moe_shared_experts, "must be >= 0")
+    _check(0 <= m.moe_first_dense <= m.num_layers, "model.moe_first_dense", m.moe_first_dense,
+           f"must be in [0, model.num_layers = {m.num_layers}]")
+    _check(E % m.moe_groups == 0 and E // m.moe_groups >= 2, "model.moe_groups", m.moe_groups,
+           f"must divide model.moe_num_experts = {E} into groups of at least 2 experts (a group's score is "
+           "the sum of its two best experts')")
+    _check(m.moe_topk_groups <= m.moe_groups, "model.moe_topk_groups", m.moe_topk_groups,
+           f"must be <= model.moe_groups = {m.moe_groups}")
+    reachable = m.moe_topk_groups * (E // m.moe_groups)
+    _check(m.moe_top_k <= reachable, "model.moe_top_k", m.moe_top_k,
+           f"must be <= the experts of the chosen groups ({m.moe_topk_groups} x {E // m.moe_groups} = "
+           f"{reachable})")
+    _check(m.moe_routed_scale > 0, "model.moe_routed_scale", m.moe_routed_scale, "must be > 0 (1 = none)")
+    _check(m.moe_bias_rate >= 0, "model.moe_bias_rate", m.moe_bias_rate,
+           "must be >= 0 (0 = no bias update; DeepSeek-V3 used 1e-3)")
 
 
 def _validate_data(d: DataConfig) -> None:

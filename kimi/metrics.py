@@ -226,12 +226,16 @@ def _wandb_id(run_dir: Path) -> str:
 
 def progress_line(step: int, max_steps: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float,
                   mfu: Optional[float], eta_s: float, memory_gib: Optional[float] = None,
-                  loss_steps: int = 1) -> str:
+                  loss_steps: int = 1, moe_imbalance: Optional[float] = None) -> str:
     """One line per logging window. `loss` is the mean over the window's `loss_steps` steps (metrics.jsonl's
-    `loss`), labelled `loss(avg N)` when N > 1; lr and gnorm are the last step's."""
+    `loss`), labelled `loss(avg N)` when N > 1; lr, gnorm and the experts' load imbalance (max/mean tokens
+    per expert, the worst MoE layer) are the last step's."""
     label = f"loss(avg {loss_steps})" if loss_steps > 1 else "loss"
     parts = [f"step {step:>{len(str(max_steps))}}/{max_steps}", f"{label} {loss:.4f}", f"lr {lr:.2e}",
-             f"gnorm {grad_norm:.3f}", f"{format_count(tokens_per_s)} tok/s"]
+             f"gnorm {grad_norm:.3f}"]
+    if moe_imbalance is not None:
+        parts.append(f"moe {moe_imbalance:.2f}x")
+    parts.append(f"{format_count(tokens_per_s)} tok/s")
     if mfu is not None and math.isfinite(mfu):
         parts.append(f"MFU {100 * mfu:.1f}%")
     if memory_gib is not None:
@@ -279,9 +283,10 @@ class ProgressWindow:
         # this rank's peak allocation on its GPU so far (ranks differ little but for pipeline stages)
         memory = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
         line = progress_line(step, self.max_steps, loss, out["lr"], out["grad_norm"], tps, mfu, eta, memory,
-                             loss_steps=n)
+                             loss_steps=n, moe_imbalance=out.get("moe_imbalance"))
         record = {"step": step, "loss": loss, "lr": out["lr"], "grad_norm": out["grad_norm"],
                   "tokens_per_s": tps, "mfu": mfu, "tokens": step * self.tokens_per_step}
+        record.update({k: v for k, v in out.items() if k.startswith("moe_")})
         if memory is not None:
             record["peak_memory_gib"] = memory
         self.t0, self.losses = time.perf_counter(), []

@@ -36,11 +36,13 @@ from torch import nn
 from kimi.config import Config, ConfigError, mla_layer_indices, register_configs, stages_per_rank, validate_model
 
 from kimi.model import KDA, MLA, KimiModel, RMSNorm, SwiGLU
+from kimi.model.moe import MoE
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GIB = 1024**3
 
-FAMILIES = ("embedding", "LM head", "KDA mixers", "MLA mixers", "MLPs", "norms + AttnRes queries")
+FAMILIES = ("embedding", "LM head", "KDA mixers", "MLA mixers", "MLPs", "routed experts",
+            "norms + AttnRes queries")
 # Tensor-parallel plan (kimi/parallel/tensor_parallel.py): sublayer linears that stay whole on every tp rank,
 # and the row-parallel ones (split along their input dimension, dim 1 of the weight). Everything else that is
 # not a norm weight or an AttnRes query is split along dim 0 (heads, MLP width or vocabulary).
@@ -79,6 +81,7 @@ class Summary:
     vocab_note: Optional[str]
     families: Dict[str, int]  # parameter count per family (a tied LM head counts 0: it is the embedding)
     total: int
+    active: int  # parameters one token uses (all of them in a dense model)
     muon: int  # under optim=muonclip with the config's patterns
     adamw: int
     flops_per_token: float
@@ -133,6 +136,8 @@ def family(model: KimiModel, name: str) -> str:
             return "MLA mixers"
         if isinstance(mod, SwiGLU):
             return "MLPs"
+        if isinstance(mod, MoE):  # its router; the shared experts are SwiGLUs, found above
+            return "MLPs" if parts[i] == "router" else "routed experts"
     if isinstance(_owner(model, name), RMSNorm) or parts[-1] in ATTNRES_QUERIES:
         return "norms + AttnRes queries"
     raise ValueError(f"parameter {name} belongs to no known family: teach kimi.summary about it")
@@ -259,8 +264,8 @@ def summarize(cfg: Config) -> Summary:
     fpt = model.flops_per_token(t.seq_len)
     ranks = [rank_state(cfg, model, routes, r, *layout) for r, layout in enumerate(pipeline_ranks(cfg))]
     heaviest = max(ranks, key=lambda r: (r.persistent_bytes, -r.pp_rank))
-    return Summary(cfg, model, note, families, total, muon, total - muon, fpt, tokens, fpt * tokens,
-                   p.dp_replicate * p.dp_shard * p.tp * p.pp, ranks, heaviest)
+    return Summary(cfg, model, note, families, total, model.num_active_params(), muon, total - muon, fpt,
+                   tokens, fpt * tokens, p.dp_replicate * p.dp_shard * p.tp * p.pp, ranks, heaviest)
 
 
 # ---- printing ----------------------------------------------------------------------------------------------
@@ -321,7 +326,9 @@ def report(s: Summary) -> str:
               "MLA mixers": f"MLA mixers (x{n_mla})", "MLPs": f"MLPs (x{m.num_layers})"}
     rows = [[labels.get(k, k), f"{v:,}", human(v), share(v)] for k, v in s.families.items()]
     rows.append(["total", f"{s.total:,}", human(s.total), share(s.total)])
-    rows.append(["  Muon (2-D hidden matrices)", f"{s.muon:,}", human(s.muon), share(s.muon)])
+    if s.active != s.total:
+        rows.append(["  active per token", f"{s.active:,}", human(s.active), share(s.active)])
+    rows.append(["  Muon (hidden matrices)", f"{s.muon:,}", human(s.muon), share(s.muon)])
     rows.append(["  AdamW (the rest)", f"{s.adamw:,}", human(s.adamw), share(s.adamw)])
     out += ["", "Parameters (the Muon/AdamW split is MuonClip's routing, optim=muonclip)",
             table(rows, ["family", "parameters", "", "share"], "lrrr")]

@@ -36,7 +36,8 @@ def meta_model(s) -> KimiModel:
 def counts_by_name(model: KimiModel) -> dict:
     """Families by parameter name alone (block index -> KDA or MLA from the config)."""
     mla = set(mla_layer_indices(model.cfg))
-    out = dict.fromkeys(["embedding", "LM head", "KDA mixers", "MLA mixers", "MLPs", "norms + AttnRes queries"], 0)
+    out = dict.fromkeys(["embedding", "LM head", "KDA mixers", "MLA mixers", "MLPs", "routed experts",
+                         "norms + AttnRes queries"], 0)
     for name, p in model.named_parameters():
         if name.startswith("embed."):
             key = "embedding"
@@ -44,6 +45,8 @@ def counts_by_name(model: KimiModel) -> dict:
             key = "LM head"
         elif m := re.match(r"blocks\.(\d+)\.mixer\.", name):
             key = "MLA mixers" if int(m.group(1)) in mla else "KDA mixers"
+        elif re.match(r"blocks\.\d+\.mlp\.w_(gate|up|down)$", name):  # a MoE layer's 3-D expert weights
+            key = "routed experts"
         elif re.match(r"blocks\.\d+\.mlp\.", name):
             key = "MLPs"
         else:
@@ -53,15 +56,17 @@ def counts_by_name(model: KimiModel) -> dict:
     return out
 
 
-@pytest.mark.parametrize("preset", ["tiny", "48b_dense"])
+@pytest.mark.parametrize("preset", ["tiny", "48b_dense", "moe_tiny"])
 def test_families_add_up_to_the_model(preset):
     s = summary(f"model={preset}")
     model = meta_model(s)
     assert s.families == counts_by_name(model)
     assert sum(s.families.values()) == s.total == model.num_params()
-    # MuonClip's default routing: 2-D matrices except the embedding and the LM head
+    # MuonClip's default routing: 2-D matrices (and MoE experts' 3-D batches of them) except the embedding
+    # and the LM head
     muon = sum(p.numel() for n, p in model.named_parameters()
-               if p.ndim == 2 and not n.startswith(("embed.", "lm_head.")))
+               if (p.ndim == 2 or n.endswith((".mlp.w_gate", ".mlp.w_up", ".mlp.w_down")))
+               and not n.startswith(("embed.", "lm_head.")))
     assert (s.muon, s.adamw) == (muon, model.num_params() - muon)
     if preset == "48b_dense":
         assert 47.5e9 < s.total < 48.5e9 and s.families["MLA mixers"] > 0 and len(mla_layer_indices(model.cfg)) == 7
@@ -198,3 +203,19 @@ def test_cli_sizes_48b_quickly():
         total = KimiModel(compose_config(LAYOUT_48B).model).num_params()
     assert f"{total:,}" in proc.stdout and "heaviest" in proc.stdout
     assert math.isclose(total, 48e9, rel_tol=0.01)
+
+
+def test_moe_active_parameters_and_flops():
+    """moe_tiny: a token uses the router, the shared expert and top_k of the routed experts of each MoE
+    block; the FLOPs count exactly those (6 per active parameter besides attention and KDA terms)."""
+    s = summary("model=moe_tiny")
+    m = s.cfg.model
+    per_expert = 3 * m.moe_hidden * m.d_model
+    moe_blocks = m.num_layers - m.moe_first_dense
+    assert s.families["routed experts"] == moe_blocks * m.moe_num_experts * per_expert
+    assert s.total - s.active == moe_blocks * (m.moe_num_experts - m.moe_top_k) * per_expert
+    dense = summary("model=moe_tiny", "model.moe_num_experts=0")
+    # the same model with dense MLPs of the same layout: FLOPs differ by exactly the MLP parameters' 6 N
+    mlp_dense = moe_blocks * 3 * m.mlp_hidden * m.d_model
+    mlp_moe = moe_blocks * (m.moe_top_k + m.moe_shared_experts) * per_expert + moe_blocks * m.moe_num_experts * m.d_model
+    assert s.flops_per_token - dense.flops_per_token == pytest.approx(6 * (mlp_moe - mlp_dense))

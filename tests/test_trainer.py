@@ -67,8 +67,14 @@ def test_loss_falls_over_30_steps(tmp_path, corpus, cache_dir):
     assert checkpoint.latest_complete(run / "checkpoints").step == 30
 
 
-def test_resume_equals_uninterrupted(tmp_path, corpus, cache_dir):
-    common = ["trainer.max_steps=20", "trainer.eval_every=0", "trainer.checkpoint_every=0"]
+# A mixture of experts in block 1 whose bias update moves every step: the biases (buffers) resume too.
+MOE = ["model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_hidden=16", "model.moe_groups=2",
+       "model.moe_topk_groups=2", "model.moe_bias_rate=0.01"]
+
+
+@pytest.mark.parametrize("model", [[], MOE], ids=["dense", "moe"])
+def test_resume_equals_uninterrupted(tmp_path, corpus, cache_dir, model):
+    common = ["trainer.max_steps=20", "trainer.eval_every=0", "trainer.checkpoint_every=0", *model]
     full = Trainer(make_cfg(tmp_path / "full", corpus, cache_dir, *common))
     full.fit()
 
@@ -90,6 +96,8 @@ def test_resume_equals_uninterrupted(tmp_path, corpus, cache_dir):
     assert a == b  # bit-exact per-step losses
     for (name, p), q in zip(full.model.state_dict().items(), second.model.state_dict().values()):
         assert torch.equal(p, q), name
+    biases = [v for k, v in second.model.state_dict().items() if k.endswith("expert_bias")]
+    assert len(biases) == (1 if model else 0) and all(b.abs().sum() > 0 for b in biases)
     a_state, b_state = full.optimizer.state_dict()["state"], second.optimizer.state_dict()["state"]
     assert a_state.keys() == b_state.keys()
     for key, entry in a_state.items():  # Muon momentum and Adam moments alike

@@ -340,7 +340,7 @@ def test_fixed_choice_keys_stay_plain_strings():
     for section in dataclasses.fields(cfg):
         walk(getattr(cfg, section.name), section.name)
     assert sorted(choice_keys) == sorted([
-        "model.residual", "model.kda_backend", "optim.name", "optim.schedule", "optim.ns_dtype",
+        "model.residual", "model.kda_backend", "model.moe_impl", "optim.name", "optim.schedule", "optim.ns_dtype",
         "optim.adjust_lr_fn", "trainer.precision", "trainer.device", "logging.wandb.mode", "data.source",
         "data.format", "parallel.activation_checkpointing", "parallel.pp_schedule", "parallel.engine"])
     assert ENGINES == ("torch",) and AC_MODES == ("none", "full", "selective")

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kimi.config import ModelConfig, mla_layer_indices
+from kimi.config import ModelConfig, mla_layer_indices, moe_layer_indices
 from kimi.ops.documents import cu_seqlens_from_starts
 from kimi.ops.kda import CHUNK_SIZE
 
@@ -22,21 +22,23 @@ from .kda import KDA
 from .layouts import QKClipSpec
 from .mla import MLA
 from .mlp import SwiGLU
+from .moe import MoE
 from .norm import RMSNorm
 from .views import ParamViews
 
 Runner = Callable[..., torch.Tensor]
 
 class Block(ParamViews, nn.Module):
-    """One token mixer and one MLP, each a sublayer with its own pre-norm and (with AttnRes) pseudo-query."""
+    """One token mixer and one MLP (dense, or a mixture of experts), each a sublayer with its own pre-norm
+    and (with AttnRes) pseudo-query."""
 
-    def __init__(self, cfg: ModelConfig, use_mla: bool, first: bool):
+    def __init__(self, cfg: ModelConfig, use_mla: bool, first: bool, use_moe: bool = False):
         super().__init__()
         d = cfg.d_model
         self.mixer_norm = RMSNorm(d, cfg.norm_eps)
         self.mixer = MLA(cfg) if use_mla else KDA(cfg)
         self.mlp_norm = RMSNorm(d, cfg.norm_eps)
-        self.mlp = SwiGLU(d, cfg.mlp_hidden)
+        self.mlp = MoE(cfg) if use_moe else SwiGLU(d, cfg.mlp_hidden)
         attnres = cfg.residual != "standard"
         # The model's first sublayer has one source (the embedding), whose softmax weight is 1 whatever
         # its query: a query there would be a parameter with an identically zero gradient, so it has none.
@@ -79,9 +81,10 @@ class KimiModel(ParamViews, nn.Module):
         # not), seeds every parameter's own generator (init_parameter): the weights follow torch.manual_seed
         # but not the device, order or place in which parameters are initialised.
         self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
-        mla = set(mla_layer_indices(cfg))
+        mla, moe = set(mla_layer_indices(cfg)), set(moe_layer_indices(cfg))
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, i in mla, first=i == 0) for i in range(cfg.num_layers)})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i in mla, first=i == 0, use_moe=i in moe)
+                                     for i in range(cfg.num_layers)})
         self.final_query = nn.Parameter(torch.zeros(cfg.d_model)) if cfg.residual != "standard" else None
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -157,10 +160,17 @@ class KimiModel(ParamViews, nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Initialise every parameter (see init_rules) in place."""
+        """Initialise every parameter (see init_rules) and buffer in place."""
         rules = self.init_rules()
         for name, p in self.named_parameters():
             self.init_parameter(name, p, rules)
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Every buffer starts at zero: the MoE layers' score-correction biases and token counts."""
+        for b in self.buffers():
+            b.zero_()
 
     def attnres_queries(self) -> list[nn.Parameter]:
         """Every AttnRes pseudo-query (empty in standard mode), in depth order, the final one last."""
@@ -234,6 +244,11 @@ class KimiModel(ParamViews, nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.embed.weight.numel() if exclude_embedding and self.embed is not None else n
 
+    def num_active_params(self) -> int:
+        """Parameters one token uses (num_params less the routed experts it is not sent to)."""
+        return self.num_params() - sum(b.mlp.inactive_params() for b in self.blocks.values()
+                                       if isinstance(b.mlp, MoE))
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token of the whole model at sequence length seq_len:
         the sum of :func:`training_flops` over its blocks and its end (the same numbers that balance
@@ -250,7 +265,8 @@ def training_flops(cfg: ModelConfig, seq_len: int) -> tuple[list[float], float]:
 
     * N = the parameters involved: every one does one multiply-add per token forward and two backward.
       The LM head always counts (even tied); the embedding lookup does not (it is a gather). Norm weights,
-      biases, A_log etc. are counted too, a negligible overcount.
+      biases, A_log etc. are counted too, a negligible overcount. In a MoE block only the token's experts
+      count (its top_k routed ones, the shared ones and the router, which scores every expert).
     * Softmax attention, causal: per token and head, q.k over T/2 keys on average (2 Dqk T/2) and the
       weighted sum of values (2 Dv T/2), times 3 for fwd+bwd. Dqk = qk_nope + qk_rope.
     * KDA chunkwise (docs/algorithms.md section 1): about 6 T K^2 + 3 T C K + T C^2 forward per head for a
@@ -258,14 +274,16 @@ def training_flops(cfg: ModelConfig, seq_len: int) -> tuple[list[float], float]:
     Not counted: the AttnRes depth mixing (O(sources * d) per sublayer), short convs, gates' elementwise
     work, softmax exponentials: all well under 1% at useful sizes. Counted on the meta device: no memory.
     """
-    mla = set(mla_layer_indices(cfg))
+    mla, moe = set(mla_layer_indices(cfg)), set(moe_layer_indices(cfg))
     K, C = cfg.kda_head_dim, CHUNK_SIZE
     attn = 3 * cfg.mla_num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * seq_len
     kda = 3 * cfg.kda_num_heads * (6 * K * K + 3 * C * K + C * C)
     blocks = []
     with torch.device("meta"):
         for i in range(cfg.num_layers):
-            params = sum(p.numel() for p in Block(cfg, i in mla, first=i == 0).parameters())
+            block = Block(cfg, i in mla, first=i == 0, use_moe=i in moe)
+            params = sum(p.numel() for p in block.parameters())
+            params -= block.mlp.inactive_params() if i in moe else 0
             blocks.append(6.0 * params + (attn if i in mla else kda))
     end = cfg.d_model * (cfg.vocab_size + 1 + (cfg.residual != "standard"))  # LM head, final norm and query
     return blocks, 6.0 * end

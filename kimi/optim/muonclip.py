@@ -10,7 +10,7 @@ KimiModel.muon_splits()).
 Routing (first rule that matches wins):
   1. name matches ``muon_patterns`` -> Muon (must have 2+ dims; a 3-D weight is a batch of matrices)
   2. name matches ``adamw_patterns`` (default: embeddings and the LM head) -> AdamW
-  3. a 2-D tensor -> Muon
+  3. a 2-D tensor, or a 3-D batch of matrices (MoE experts' [E, out, in]) -> Muon, each matrix apart
   4. anything else (norms, biases, A_log, dt_bias, AttnRes queries, [C, 1, K] conv kernels) -> AdamW
 Embeddings and the LM head are matrices, but their rows are looked up or scored one token at a time, not
 mixed as a linear map of the hidden state, so orthogonalising their update has no meaning (Muon's authors
@@ -60,7 +60,8 @@ def route(name: str, p: torch.Tensor, adamw_patterns: Sequence[str], muon_patter
         return "muon"
     if any(fnmatchcase(name, pat) for pat in adamw_patterns):
         return "adamw"
-    return "muon" if p.ndim == 2 else "adamw"
+    matrices = p.ndim == 2 or (p.ndim == 3 and min(p.shape[-2:]) > 1)  # a [C, 1, K] conv kernel is not
+    return "muon" if matrices else "adamw"
 
 
 def _slot(batch: torch.Tensor, start: int, k: int, tall: bool, shape: Tuple[int, ...]) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
@@ -28,6 +29,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from kimi.config import Config, pipeline_microbatches
 from kimi.data import Batch
 from kimi.model import KimiModel, lm_loss
+from kimi.model.moe import update_expert_bias
 from kimi.optim import build_optimizer, build_qk_clip, build_scheduler
 
 from .dims import ParallelDims
@@ -58,6 +60,7 @@ def materialize(model: KimiModel, device: torch.device) -> None:
             p.to_local().copy_(full[tuple(slice(o, o + s) for o, s in zip(offset, shape))])
         else:
             p.copy_(full)
+    model.init_buffers()
 
 
 class TorchEngine:
@@ -148,7 +151,21 @@ class TorchEngine:
             self.qk_clip()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return {"grad_norm": _plain(grad_norm).item(), "lr": lr}
+        return {"grad_norm": _plain(grad_norm).item(), "lr": lr, **self._balance_experts()}
+
+    def _balance_experts(self) -> dict:
+        """The aux-loss-free bias update of every MoE layer, from the step's loads summed over the ranks that
+        hold the same layers (tensor-parallel ranks count the same tokens again: that scales all loads alike,
+        which changes neither the update's sign nor max/mean); statistics as their max over the stages."""
+        if not self.cfg.model.moe_num_experts:
+            return {}
+        stats = update_expert_bias(self.model, self.cfg.model.moe_bias_rate, self.dims.stage_group(self.mesh))
+        if self.dims.pp > 1:  # every stage joins, one without MoE layers with zeros
+            keys = ("moe_imbalance", "moe_bias_range")
+            both = torch.tensor([stats.get(k, 0.0) for k in keys], device=self.device)
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.mesh["pp"].get_group())
+            stats = dict(zip(keys, both.tolist()))
+        return stats
 
     @property
     def qk_clip_stats(self) -> dict:

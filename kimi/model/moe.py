@@ -1,0 +1,177 @@
+"""Mixture of experts as Kimi Linear and DeepSeek-V3 define it: a sigmoid router, a score-correction bias that
+only steers the choice, grouped top-k, shared experts beside the routed ones, and load balancing without an
+auxiliary loss (docs/algorithms.md section 5).
+
+    s      = sigmoid(W_r x)                                   fp32, one score per expert
+    chosen = top-k of (s + bias) among the experts of the top `topk_groups` of `groups` expert groups
+             (a group's score: the sum of its two best biased scores)
+    w_e    = routed_scale * s_e / sum_{chosen} s             (renormalised unless norm_topk=False)
+    y      = sum_{e in chosen} w_e SwiGLU_e(x) + SharedSwiGLU(x)
+
+Routed experts keep their weights as 3-D tensors [E, out, in] (w_gate, w_up: [E, hidden, d]; w_down:
+[E, d, hidden]); every token goes to all of its chosen experts (dropless). Two implementations of the
+expert computation give the same result: "grouped" sorts the tokens by expert and runs one grouped GEMM per
+projection (torch._grouped_mm where the dtype and device support it, else one matmul per expert on its
+contiguous rows), "loop" gathers each expert's tokens by mask (the reference).
+
+Load balancing: each forward with gradients adds the number of tokens routed to each expert to `load`; after
+an optimizer step `update_expert_bias` moves every bias by `rate` towards balance (up for an expert below the
+mean load, down above it: the sign of the difference), from the loads summed over all micro-batches and,
+given a process group, all data-parallel ranks, so every replica makes the same update.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from kimi.config import ModelConfig
+
+from .init import Rules, normal
+from .mlp import SwiGLU
+from .views import ParamViews
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int,
+          topk_groups: int, norm_topk: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [N, d] -> (weights [N, top_k] fp32, experts [N, top_k] int64, scores [N, E] fp32)."""
+    scores = F.linear(x.float(), weight.float()).sigmoid()
+    biased = scores + bias.float()
+    N, E = scores.shape
+    if groups > 1:
+        best_two = biased.view(N, groups, E // groups).topk(2, dim=-1).values.sum(-1)
+        chosen = best_two.topk(topk_groups, dim=-1).indices
+        keep = torch.zeros_like(best_two, dtype=torch.bool).scatter_(1, chosen, True)
+        biased = biased.masked_fill(~keep.repeat_interleave(E // groups, dim=1), float("-inf"))
+    experts = biased.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if norm_topk:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scale, experts, scores
+
+
+def grouped_mm_ok(x: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm runs for x: CPU fp32/bf16/fp16, CUDA bf16 on Hopper or newer."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return (x.device.type == "cuda" and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
+def experts_grouped(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
+                    w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """sum over each token's chosen experts of weight * SwiGLU_e(token): tokens sorted by expert, one grouped
+    GEMM per projection."""
+    N, d = x.shape
+    E, k = w_gate.shape[0], experts.shape[1]
+    flat = experts.reshape(-1)
+    order = flat.argsort(stable=True)
+    rows = x[order // k]  # the (token, choice) pairs in expert order
+    counts = torch.bincount(flat, minlength=E)
+    if grouped_mm_ok(x):
+        ends = counts.cumsum(0).to(torch.int32)
+        gate, up = (torch._grouped_mm(rows, w.mT, offs=ends) for w in (w_gate, w_up))
+        h = F.silu(gate) * up
+        y = torch._grouped_mm(h, w_down.mT, offs=ends)
+    else:  # one matmul per expert on its contiguous rows (fp64, or devices without the grouped kernel)
+        pieces, start = [], 0
+        for e, n in enumerate(counts.tolist()):
+            r = rows[start:start + n]
+            pieces.append((F.silu(r @ w_gate[e].T) * (r @ w_up[e].T)) @ w_down[e].T)
+            start += n
+        y = torch.cat(pieces)
+    y = y * weights.reshape(-1)[order, None]
+    return torch.zeros(N, d, dtype=torch.promote_types(y.dtype, x.dtype), device=x.device).index_add_(
+        0, order // k, y).to(x.dtype)
+
+
+def experts_loop(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
+                 w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """The same sum, one expert at a time over the tokens that chose it (the reference)."""
+    out = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
+    for e in range(w_gate.shape[0]):
+        token, slot = torch.where(experts == e)
+        if token.numel():
+            r = x[token]
+            y = (F.silu(r @ w_gate[e].T) * (r @ w_up[e].T)) @ w_down[e].T
+            out.index_add_(0, token, y * weights[token, slot, None])
+    return out.to(x.dtype)
+
+
+EXPERT_IMPLS = {"grouped": experts_grouped, "loop": experts_loop}
+
+
+class MoE(ParamViews, nn.Module):
+    """Routed SwiGLU experts plus shared ones (kimi.model.moe docstring). Buffers: ``expert_bias`` (the
+    score-correction bias, saved in checkpoints) and ``load`` (tokens per expert since the last bias
+    update, not saved)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, E, hidden = cfg.d_model, cfg.moe_num_experts, cfg.moe_hidden
+        self.top_k, self.groups, self.topk_groups = cfg.moe_top_k, cfg.moe_groups, cfg.moe_topk_groups
+        self.norm_topk, self.scale, self.impl = cfg.moe_norm_topk, cfg.moe_routed_scale, cfg.moe_impl
+        self.router = nn.Linear(d, E, bias=False)
+        self.w_gate = nn.Parameter(torch.empty(E, hidden, d))
+        self.w_up = nn.Parameter(torch.empty(E, hidden, d))
+        self.w_down = nn.Parameter(torch.empty(E, d, hidden))
+        self.shared = SwiGLU(d, hidden * cfg.moe_shared_experts) if cfg.moe_shared_experts else None
+        self.register_buffer("expert_bias", torch.zeros(E))
+        self.register_buffer("load", torch.zeros(E), persistent=False)
+
+    def inactive_params(self) -> int:
+        """Parameters a token does not use: the routed experts it is not sent to."""
+        E = self.w_gate.shape[0]
+        return (E - self.top_k) * (self.w_gate[0].numel() + self.w_up[0].numel() + self.w_down[0].numel())
+
+    def init_rules(self, std: float, out_std: float) -> Rules:
+        rules = {"router.weight": normal(std), "w_gate": normal(std), "w_up": normal(std),
+                 "w_down": normal(out_std)}
+        if self.shared is not None:
+            rules.update({f"shared.{n}": fill for n, fill in self.shared.init_rules(std, out_std).items()})
+        return rules
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        weights, experts, _ = route(h, self.router.weight, self.expert_bias, self.top_k, self.groups,
+                                    self.topk_groups, self.norm_topk, self.scale)
+        # Training forwards count, evaluation does not. Activation checkpointing's recomputation counts a
+        # layer's tokens again, scaling all its loads alike: neither the bias update nor max/mean changes.
+        if torch.is_grad_enabled():
+            self.load += torch.bincount(experts.reshape(-1), minlength=self.load.numel()).to(self.load.dtype)
+        y = EXPERT_IMPLS[self.impl](h, experts, weights, self.param("w_gate"), self.param("w_up"),
+                                    self.param("w_down"))
+        if self.shared is not None:
+            y = y + self.shared(h)
+        return y.view(shape)
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, rate: float, group: dist.ProcessGroup | None = None) -> dict:
+    """After an optimizer step: sum every MoE layer's `load` over `group` (one all-reduce for all layers),
+    move each bias by rate * sign(mean load - load), reset the loads. Returns the step's statistics:
+    ``moe_imbalance`` (max over layers of max/mean tokens per expert) and ``moe_bias_range`` (max - min
+    bias over all layers)."""
+    layers = moe_layers(model)
+    if not layers:
+        return {}
+    loads = torch.stack([m.load for m in layers])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(loads, group=group)
+    mean = loads.mean(dim=1, keepdim=True)
+    imbalance = (loads.max(dim=1).values / mean.squeeze(1).clamp_min(1e-9)).max()
+    for m, load, avg in zip(layers, loads, mean):
+        if rate and load.sum() > 0:
+            m.expert_bias += rate * torch.sign(avg - load)
+        m.load.zero_()
+    biases = torch.cat([m.expert_bias for m in layers])
+    return {"moe_imbalance": float(imbalance), "moe_bias_range": float(biases.max() - biases.min())}

@@ -1,0 +1,151 @@
+"""Mixture of experts (kimi/model/moe.py): the router and the whole layer equal transformers' Kimi Linear MoE
+(an independent definition), the grouped expert computation equals the per-expert loop, and the
+aux-loss-free bias update balances the load."""
+
+import pytest
+import torch
+
+from helpers import tiny_model_cfg
+from kimi.config import ConfigError, validate_model
+from kimi.model.moe import MoE, experts_grouped, experts_loop, route, update_expert_bias
+from kimi.model.transformer import KimiModel
+
+F64 = torch.float64
+
+
+def moe_cfg(**overrides):
+    base = dict(d_model=32, moe_num_experts=8, moe_top_k=2, moe_hidden=16, moe_shared_experts=1, moe_groups=4,
+                moe_topk_groups=2, moe_routed_scale=2.5, moe_first_dense=1)
+    return tiny_model_cfg(**{**base, **overrides})
+
+
+def filled_moe(cfg, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    moe = MoE(cfg).to(dtype)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+        moe.expert_bias.copy_(torch.linspace(-0.2, 0.3, cfg.moe_num_experts).to(dtype))
+    return moe
+
+
+def hf_moe(cfg, ours: MoE):
+    """transformers' KimiLinearMoE with our layer's weights (its fused gate_up is our w_gate over w_up)."""
+    hf = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear",
+                             reason="transformers (dev extra) not installed")
+    from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
+
+    config = KimiLinearConfig(hidden_size=cfg.d_model, moe_intermediate_size=cfg.moe_hidden,
+                              num_local_experts=cfg.moe_num_experts, num_experts_per_tok=cfg.moe_top_k,
+                              n_group=cfg.moe_groups, topk_group=cfg.moe_topk_groups,
+                              routed_scaling_factor=cfg.moe_routed_scale, n_shared_experts=cfg.moe_shared_experts,
+                              norm_topk_prob=cfg.moe_norm_topk, num_hidden_layers=2, vocab_size=64)
+    theirs = hf.KimiLinearMoE(config).to(ours.router.weight.dtype)
+    with torch.no_grad():
+        theirs.gate.weight.copy_(ours.router.weight)
+        theirs.gate.e_score_correction_bias.copy_(ours.expert_bias)
+        theirs.experts.gate_up_proj.copy_(torch.cat([ours.w_gate, ours.w_up], dim=1))
+        theirs.experts.down_proj.copy_(ours.w_down)
+        for name in ("gate", "up", "down"):
+            getattr(theirs.shared_experts, f"{name}_proj").weight.copy_(getattr(ours.shared, f"w_{name}").weight)
+    return theirs
+
+
+@pytest.mark.parametrize("groups,topk_groups,norm", [(4, 2, True), (1, 1, True), (2, 1, False)])
+def test_layer_equals_transformers_kimi_linear_moe(groups, topk_groups, norm):
+    cfg = moe_cfg(moe_groups=groups, moe_topk_groups=topk_groups, moe_norm_topk=norm)
+    ours = filled_moe(cfg)
+    theirs = hf_moe(cfg, ours)
+    x = torch.randn(3, 11, cfg.d_model, generator=torch.Generator().manual_seed(1))
+    _, w_ref, e_ref = theirs.gate(x)
+    w, e, _ = route(x.view(-1, cfg.d_model), ours.router.weight, ours.expert_bias, cfg.moe_top_k, groups,
+                    topk_groups, norm, cfg.moe_routed_scale)
+    # the same experts (topk's order may differ) with the same weights
+    order, order_ref = e.argsort(dim=1), e_ref.argsort(dim=1)
+    assert torch.equal(e.gather(1, order), e_ref.gather(1, order_ref))
+    torch.testing.assert_close(w.gather(1, order), w_ref.gather(1, order_ref), rtol=1e-6, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-6)
+
+
+def test_bias_steers_the_choice_not_the_weights():
+    """A large bias on one expert makes every token choose it, with its unbiased score as weight."""
+    cfg = moe_cfg(moe_groups=1, moe_topk_groups=1, moe_norm_topk=False, moe_routed_scale=1.0)
+    moe = filled_moe(cfg)
+    x = torch.randn(20, cfg.d_model)
+    bias = torch.zeros(cfg.moe_num_experts)
+    bias[5] = 10.0
+    w, e, scores = route(x, moe.router.weight, bias, 2, 1, 1, False, 1.0)
+    assert (e == 5).any(dim=1).all()
+    torch.testing.assert_close(w, scores.gather(1, e))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_grouped_equals_loop_forward_and_backward(dtype):
+    """fp32 runs torch._grouped_mm, fp64 the per-expert matmuls on sorted rows; both equal the loop,
+    including an expert no token chose."""
+    cfg = moe_cfg()
+    moe = filled_moe(cfg, dtype)
+    x = torch.randn(40, cfg.d_model, dtype=dtype, generator=torch.Generator().manual_seed(2))
+    w, e, _ = route(x, moe.router.weight, moe.expert_bias, 2, 4, 2, True, 2.5)
+    e = torch.where(e == 3, torch.full_like(e, 4), e)  # expert 3 gets no token
+    weights = [moe.w_gate, moe.w_up, moe.w_down]
+    results = []
+    for fn in (experts_grouped, experts_loop):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(xs, e, ws, *weights)
+        cot = torch.randn(y.shape, dtype=dtype, generator=torch.Generator().manual_seed(3))
+        results.append([y, *torch.autograd.grad((y * cot).sum(), [xs, ws, *weights])])
+    tol = 1e-12 if dtype == F64 else 1e-5
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    assert results[0][4][3].abs().sum() == 0  # no gradient for the unused expert
+
+
+def test_bias_update_balances_and_resets():
+    cfg = moe_cfg(moe_groups=1, moe_topk_groups=1)
+    model = KimiModel(moe_cfg(moe_groups=1, moe_topk_groups=1, num_layers=3, vocab_size=61))
+    layers = [b.mlp for b in model.blocks.values() if isinstance(b.mlp, MoE)]
+    assert len(layers) == 2  # block 0 stays dense
+    tokens = torch.randint(0, 61, (2, 16))
+    model(tokens).sum().backward()
+    loads = [m.load.clone() for m in layers]
+    assert all(load.sum() == 2 * 16 * cfg.moe_top_k for load in loads)
+    with torch.no_grad():
+        model(tokens)  # evaluation does not count
+    assert all(torch.equal(m.load, load) for m, load in zip(layers, loads))
+    stats = update_expert_bias(model, rate=0.01)
+    for m, load in zip(layers, loads):
+        expected = 0.01 * torch.sign(load.mean() - load)
+        torch.testing.assert_close(m.expert_bias, expected)
+        assert m.load.sum() == 0
+    assert stats["moe_imbalance"] == pytest.approx(max(float(ld.max() / ld.mean()) for ld in loads))
+    assert any(k.endswith("mlp.expert_bias") for k in model.state_dict())  # saved in checkpoints
+    assert not any(k.endswith("mlp.load") for k in model.state_dict())
+
+
+def test_bias_update_makes_an_overloaded_expert_lose_tokens():
+    """Tokens all prefer expert 0; repeated updates lower its bias until other experts take tokens."""
+    cfg = moe_cfg(moe_groups=1, moe_topk_groups=1, moe_top_k=1, moe_shared_experts=0)
+    moe = filled_moe(cfg)
+    with torch.no_grad():
+        moe.expert_bias.zero_()
+        moe.router.weight.zero_()
+        moe.router.weight[0] += 0.05  # every token's top score
+    x = torch.randn(64, cfg.d_model).abs()
+    holder = torch.nn.Sequential(moe)
+    first = None
+    for _ in range(200):
+        moe(x.requires_grad_())
+        share = moe.load[0] / moe.load.sum()
+        first = share if first is None else first
+        update_expert_bias(holder, rate=0.01)
+    assert first == 1.0 and share < 0.5
+
+
+def test_validation_names_the_key():
+    for overrides, key in [(dict(moe_groups=3), "model.moe_groups"), (dict(moe_top_k=9), "model.moe_top_k"),
+                           (dict(moe_topk_groups=5), "model.moe_topk_groups"),
+                           (dict(moe_num_experts=1, moe_groups=1, moe_topk_groups=1), "model.moe_num_experts")]:
+        with pytest.raises(ConfigError, match=key):
+            validate_model(moe_cfg(**overrides))
