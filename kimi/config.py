@@ -92,6 +92,7 @@ class ModelConfig:
     moe_routed_scale: float = 1.0  # routed_scaling_factor, multiplies the routed output (Kimi Linear: 2.446)
     moe_norm_topk: bool = True  # renormalise the chosen experts' scores to sum to 1 (before the scale)
     moe_bias_rate: float = 1e-3  # aux-loss-free balancing: bias step per optimizer step (0 = no update)
+    moe_aux_loss_coef: float = 0.0  # weight of the sequence-wise balance loss (DeepSeek-V3: 1e-4; 0 = none)
     moe_impl: str = one_of(MOE_IMPLS, "grouped")  # grouped GEMM, or the per-expert loop (the reference)
     tie_embeddings: bool = False
     # Residuals: standard pre-norm, or Attention Residuals over every layer / over blocks of layers.
@@ -365,6 +366,8 @@ def _validate_moe(m: ModelConfig) -> None:
     _check(m.moe_routed_scale > 0, "model.moe_routed_scale", m.moe_routed_scale, "must be > 0 (1 = none)")
     _check(m.moe_bias_rate >= 0, "model.moe_bias_rate", m.moe_bias_rate,
            "must be >= 0 (0 = no bias update; DeepSeek-V3 used 1e-3)")
+    _check(m.moe_aux_loss_coef >= 0, "model.moe_aux_loss_coef", m.moe_aux_loss_coef,
+           "must be >= 0 (0 = no auxiliary loss; DeepSeek-V3 used 1e-4)")
 
 
 def _validate_data(d: DataConfig) -> None:

@@ -304,9 +304,11 @@ def banner(cfg, dims, num_params, flops_per_token: float, data, device, routing:
     n, n_emb = num_params[0], num_params[0] - num_params[1]
     tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps * dims.dp
     ranks = f" x {dims.dp} data-parallel ranks" if dims.enabled else ""
+    moe = (f", MLPs from block {m.moe_first_dense} on: {m.moe_num_experts} experts, top-{m.moe_top_k} + "
+           f"{m.moe_shared_experts} shared" if m.moe_num_experts else "")
     lines = [f"[kimi] model {m.name}: {n / 1e6:.2f}M parameters ({n_emb / 1e6:.2f}M embedding), blocks {pattern} "
-             f"(K=KDA, M=MLA), residual={m.residual}, vocab {m.vocab_size}, {flops_per_token / 1e6:.1f} MFLOP/token "
-             "(train)",
+             f"(K=KDA, M=MLA){moe}, residual={m.residual}, vocab {m.vocab_size}, {flops_per_token / 1e6:.1f} "
+             "MFLOP/token (train)",
              f"[kimi] data {cfg.data.name}: {data.train_meta['num_tokens']:,} train / {data.val_meta['num_tokens']:,} "
              f"val tokens; batch {t.micro_batch_size}x{t.seq_len}x{t.grad_accum_steps}{ranks} = {tokens:,} tokens/step;"
              f" device {device}; run dir {t.run_dir}"]

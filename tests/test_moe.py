@@ -38,8 +38,9 @@ def hf_moe(cfg, ours: MoE):
     config = KimiLinearConfig(hidden_size=cfg.d_model, moe_intermediate_size=cfg.moe_hidden,
                               num_local_experts=cfg.moe_num_experts, num_experts_per_tok=cfg.moe_top_k,
                               n_group=cfg.moe_groups, topk_group=cfg.moe_topk_groups,
-                              routed_scaling_factor=cfg.moe_routed_scale, n_shared_experts=cfg.moe_shared_experts,
-                              norm_topk_prob=cfg.moe_norm_topk, num_hidden_layers=2, vocab_size=64)
+                              routed_scaling_factor=cfg.moe_routed_scale,
+                              n_shared_experts=cfg.moe_shared_experts, norm_topk_prob=cfg.moe_norm_topk,
+                              num_hidden_layers=2, vocab_size=64)
     theirs = hf.KimiLinearMoE(config).to(ours.router.weight.dtype)
     with torch.no_grad():
         theirs.gate.weight.copy_(ours.router.weight)
@@ -47,7 +48,8 @@ def hf_moe(cfg, ours: MoE):
         theirs.experts.gate_up_proj.copy_(torch.cat([ours.w_gate, ours.w_up], dim=1))
         theirs.experts.down_proj.copy_(ours.w_down)
         for name in ("gate", "up", "down"):
-            getattr(theirs.shared_experts, f"{name}_proj").weight.copy_(getattr(ours.shared, f"w_{name}").weight)
+            theirs_proj = getattr(theirs.shared_experts, f"{name}_proj")
+            theirs_proj.weight.copy_(getattr(ours.shared, f"w_{name}").weight)
     return theirs
 
 
@@ -144,8 +146,56 @@ def test_bias_update_makes_an_overloaded_expert_lose_tokens():
 
 
 def test_validation_names_the_key():
-    for overrides, key in [(dict(moe_groups=3), "model.moe_groups"), (dict(moe_top_k=9), "model.moe_top_k"),
-                           (dict(moe_topk_groups=5), "model.moe_topk_groups"),
-                           (dict(moe_num_experts=1, moe_groups=1, moe_topk_groups=1), "model.moe_num_experts")]:
+    cases = [(dict(moe_groups=3), "model.moe_groups"), (dict(moe_top_k=9), "model.moe_top_k"),
+             (dict(moe_topk_groups=5), "model.moe_topk_groups"),
+             (dict(moe_aux_loss_coef=-1.0), "model.moe_aux_loss_coef"),
+             (dict(moe_num_experts=1, moe_groups=1, moe_topk_groups=1), "model.moe_num_experts")]
+    for overrides, key in cases:
         with pytest.raises(ConfigError, match=key):
             validate_model(moe_cfg(**overrides))
+
+
+def test_sequence_balance_loss_matches_its_definition():
+    """DeepSeek-V3 eq. 17-20, literally, one sequence and one expert at a time."""
+    from kimi.model.moe import sequence_balance_loss
+
+    gen = torch.Generator().manual_seed(4)
+    B, T, E, k = 3, 10, 6, 2
+    scores = torch.rand(B, T, E, generator=gen, dtype=F64)
+    experts = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(B * T)]).view(B, T, k)
+    total = 0.0
+    for b in range(B):
+        for e in range(E):
+            f = E / (k * T) * sum(int(e in experts[b, t].tolist()) for t in range(T))
+            P = sum(float(scores[b, t, e] / scores[b, t].sum()) for t in range(T)) / T
+            total += f * P
+    assert float(sequence_balance_loss(scores, experts, k)) == pytest.approx(total / B, rel=1e-12)
+
+
+def test_aux_loss_enters_the_gradient_not_the_output():
+    """With moe_aux_loss_coef = c the layer's output is unchanged, and every gradient equals that of
+    loss + c * scale * aux computed explicitly."""
+    from kimi.model.moe import sequence_balance_loss
+
+    c, scale = 0.3, 0.5
+    cfg = moe_cfg(moe_aux_loss_coef=c)
+    with_aux = filled_moe(cfg, F64)
+    with_aux.aux_grad_scale = scale
+    plain = filled_moe(moe_cfg(moe_aux_loss_coef=0.0), F64)
+    x = torch.randn(2, 9, cfg.d_model, dtype=F64, generator=torch.Generator().manual_seed(5))
+    cot = torch.randn(2, 9, cfg.d_model, dtype=F64, generator=torch.Generator().manual_seed(6))
+    y = with_aux(x)
+    grads = torch.autograd.grad((y * cot).sum(), list(with_aux.parameters()))
+    y_ref = plain(x)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    _, experts, scores = route(x.view(-1, cfg.d_model), plain.router.weight, plain.expert_bias,
+                               cfg.moe_top_k, cfg.moe_groups, cfg.moe_topk_groups, cfg.moe_norm_topk,
+                               cfg.moe_routed_scale)
+    aux = sequence_balance_loss(scores.view(2, 9, -1), experts.view(2, 9, -1), cfg.moe_top_k)
+    grads_ref = torch.autograd.grad((y_ref * cot).sum() + c * scale * aux, list(plain.parameters()))
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    assert float(with_aux.aux_loss) == pytest.approx(aux.item())
+    router = dict(zip((n for n, _ in with_aux.named_parameters()), grads))["router.weight"]
+    no_aux = torch.autograd.grad((plain(x) * cot).sum(), plain.router.weight)[0]
+    assert not torch.allclose(router, no_aux)  # the router's gradient includes the auxiliary term

@@ -67,9 +67,10 @@ def test_loss_falls_over_30_steps(tmp_path, corpus, cache_dir):
     assert checkpoint.latest_complete(run / "checkpoints").step == 30
 
 
-# A mixture of experts in block 1 whose bias update moves every step: the biases (buffers) resume too.
+# A mixture of experts in block 1 whose bias update moves every step (the biases, buffers, resume too), with
+# the auxiliary balance loss on.
 MOE = ["model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_hidden=16", "model.moe_groups=2",
-       "model.moe_topk_groups=2", "model.moe_bias_rate=0.01"]
+       "model.moe_topk_groups=2", "model.moe_bias_rate=0.01", "model.moe_aux_loss_coef=0.01"]
 
 
 @pytest.mark.parametrize("model", [[], MOE], ids=["dense", "moe"])
@@ -98,6 +99,8 @@ def test_resume_equals_uninterrupted(tmp_path, corpus, cache_dir, model):
         assert torch.equal(p, q), name
     biases = [v for k, v in second.model.state_dict().items() if k.endswith("expert_bias")]
     assert len(biases) == (1 if model else 0) and all(b.abs().sum() > 0 for b in biases)
+    moe_keys = {"moe_imbalance", "moe_bias_range", "moe_aux_loss"}
+    assert all(moe_keys <= r.keys() if model else not moe_keys & r.keys() for r in read_metrics(run) if "loss" in r)
     a_state, b_state = full.optimizer.state_dict()["state"], second.optimizer.state_dict()["state"]
     assert a_state.keys() == b_state.keys()
     for key, entry in a_state.items():  # Muon momentum and Adam moments alike

@@ -14,6 +14,9 @@ expert computation give the same result: "grouped" sorts the tokens by expert an
 projection (torch._grouped_mm where the dtype and device support it, else one matmul per expert on its
 contiguous rows), "loop" gathers each expert's tokens by mask (the reference).
 
+Optionally (moe_aux_loss_coef > 0) DeepSeek-V3's sequence-wise balance loss joins the training loss with that
+weight, through the backward of the layer's output (`_AddGrad`), so no loss function needs to know about it.
+
 Load balancing: each forward with gradients adds the number of tokens routed to each expert to `load`; after
 an optimizer step `update_expert_bias` moves every bias by `rate` towards balance (up for an expert below the
 mean load, down above it: the sign of the difference), from the loads summed over all micro-batches and,
@@ -36,9 +39,10 @@ from .views import ParamViews
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int,
           topk_groups: int, norm_topk: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [N, d] -> (weights [N, top_k] fp32, experts [N, top_k] int64, scores [N, E] fp32)."""
-    scores = F.linear(x.float(), weight.float()).sigmoid()
-    biased = scores + bias.float()
+    """x [N, d] -> (weights [N, top_k], experts [N, top_k] int64, scores [N, E]); fp32 (fp64 for fp64 x)."""
+    dt = torch.promote_types(x.dtype, torch.float32)
+    scores = F.linear(x.to(dt), weight.to(dt)).sigmoid()
+    biased = scores + bias.to(dt)
     N, E = scores.shape
     if groups > 1:
         best_two = biased.view(N, groups, E // groups).topk(2, dim=-1).values.sum(-1)
@@ -105,6 +109,33 @@ def experts_loop(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, 
 EXPERT_IMPLS = {"grouped": experts_grouped, "loop": experts_loop}
 
 
+def sequence_balance_loss(scores: torch.Tensor, experts: torch.Tensor, top_k: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss, averaged over sequences: for each sequence (a row of T
+    tokens) sum_e f_e P_e with f_e = E / (top_k T) * (tokens choosing e) and P_e the mean over its tokens of
+    e's score normalised over all experts. scores [B, T, E], experts [B, T, top_k]; 1 when perfectly
+    balanced, up to E / top_k when one group of experts takes every token."""
+    B, T, E = scores.shape
+    counts = scores.new_zeros(B, E).scatter_add_(1, experts.reshape(B, -1), scores.new_ones(B, T * top_k))
+    f = counts * (E / (top_k * T))
+    P = (scores / scores.sum(-1, keepdim=True)).mean(1)
+    return (f * P).sum(-1).mean()
+
+
+class _AddGrad(torch.autograd.Function):
+    """Identity on y whose backward also gives `aux` the gradient `weight`: differentiating any loss through
+    y then differentiates loss + weight * aux, on every layout (pipeline stages included) without the loss
+    having to carry aux."""
+
+    @staticmethod
+    def forward(ctx, y, aux, weight: float):
+        ctx.weight, ctx.aux_shape, ctx.aux_dtype = weight, aux.shape, aux.dtype
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.new_full(ctx.aux_shape, ctx.weight, dtype=ctx.aux_dtype), None
+
+
 class MoE(ParamViews, nn.Module):
     """Routed SwiGLU experts plus shared ones (kimi.model.moe docstring). Buffers: ``expert_bias`` (the
     score-correction bias, saved in checkpoints) and ``load`` (tokens per expert since the last bias
@@ -122,6 +153,11 @@ class MoE(ParamViews, nn.Module):
         self.shared = SwiGLU(d, hidden * cfg.moe_shared_experts) if cfg.moe_shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(E))
         self.register_buffer("load", torch.zeros(E), persistent=False)
+        self.aux_coef = cfg.moe_aux_loss_coef
+        # The multiplier of the auxiliary loss's gradient besides aux_coef: the engine sets it to the scale of
+        # the step's loss (1 / gradient-accumulation steps) before each forward.
+        self.aux_grad_scale = 1.0
+        self.aux_loss: torch.Tensor | None = None  # the last training forward's, for metrics
 
     def inactive_params(self) -> int:
         """Parameters a token does not use: the routed experts it is not sent to."""
@@ -138,8 +174,8 @@ class MoE(ParamViews, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         h = x.reshape(-1, shape[-1])
-        weights, experts, _ = route(h, self.router.weight, self.expert_bias, self.top_k, self.groups,
-                                    self.topk_groups, self.norm_topk, self.scale)
+        weights, experts, scores = route(h, self.router.weight, self.expert_bias, self.top_k, self.groups,
+                                         self.topk_groups, self.norm_topk, self.scale)
         # Training forwards count, evaluation does not. Activation checkpointing's recomputation counts a
         # layer's tokens again, scaling all its loads alike: neither the bias update nor max/mean changes.
         if torch.is_grad_enabled():
@@ -148,6 +184,12 @@ class MoE(ParamViews, nn.Module):
                                     self.param("w_down"))
         if self.shared is not None:
             y = y + self.shared(h)
+        if self.aux_coef and torch.is_grad_enabled():
+            rows = shape[0] if len(shape) == 3 else 1
+            aux = sequence_balance_loss(scores.view(rows, -1, scores.shape[-1]),
+                                        experts.view(rows, -1, self.top_k), self.top_k)
+            self.aux_loss = aux.detach()
+            y = _AddGrad.apply(y, aux, self.aux_coef * self.aux_grad_scale)
         return y.view(shape)
 
 
@@ -174,4 +216,14 @@ def update_expert_bias(model: nn.Module, rate: float, group: dist.ProcessGroup |
             m.expert_bias += rate * torch.sign(avg - load)
         m.load.zero_()
     biases = torch.cat([m.expert_bias for m in layers])
-    return {"moe_imbalance": float(imbalance), "moe_bias_range": float(biases.max() - biases.min())}
+    stats = {"moe_imbalance": float(imbalance), "moe_bias_range": float(biases.max() - biases.min())}
+    aux = [m.aux_loss for m in layers if m.aux_loss is not None]
+    if aux:  # this rank's last training forward, averaged over the layers
+        stats["moe_aux_loss"] = float(torch.stack(aux).mean())
+    return stats
+
+
+def set_aux_grad_scale(model: nn.Module, scale: float) -> None:
+    """The scale of the loss the next backward differentiates (see MoE.aux_grad_scale)."""
+    for m in moe_layers(model):
+        m.aux_grad_scale = scale

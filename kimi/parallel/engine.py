@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from kimi.config import Config, pipeline_microbatches
 from kimi.data import Batch
 from kimi.model import KimiModel, lm_loss
-from kimi.model.moe import update_expert_bias
+from kimi.model.moe import set_aux_grad_scale, update_expert_bias
 from kimi.optim import build_optimizer, build_qk_clip, build_scheduler
 
 from .dims import ParallelDims
@@ -117,6 +117,9 @@ class TorchEngine:
         added to those of earlier batches of the step; returns the batch's mean loss (detached)."""
         self.model.train()
         batch = batch.to(self.device, non_blocking=True)
+        # MoE auxiliary losses enter the backward beside the loss, scaled like it (the pipeline schedule
+        # divides all gradients by its micro-batches afterwards, theirs included)
+        set_aux_grad_scale(self.model, scale)
         if self.schedule is not None:
             if scale != 1.0:
                 raise ValueError("the pipeline accumulates over its micro-batches: no gradient accumulation")
@@ -161,10 +164,11 @@ class TorchEngine:
             return {}
         stats = update_expert_bias(self.model, self.cfg.model.moe_bias_rate, self.dims.stage_group(self.mesh))
         if self.dims.pp > 1:  # every stage joins, one without MoE layers with zeros
-            keys = ("moe_imbalance", "moe_bias_range")
-            both = torch.tensor([stats.get(k, 0.0) for k in keys], device=self.device)
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.mesh["pp"].get_group())
-            stats = dict(zip(keys, both.tolist()))
+            keys = ["moe_imbalance", "moe_bias_range"]
+            keys += ["moe_aux_loss"] if self.cfg.model.moe_aux_loss_coef else []  # same keys on every stage
+            values = torch.tensor([stats.get(k, 0.0) for k in keys], device=self.device)
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.mesh["pp"].get_group())
+            stats = dict(zip(keys, values.tolist()))
         return stats
 
     @property
