@@ -13,7 +13,8 @@ after
      the first stage also the embedding, the last the final norm, final AttnRes query and LM head;
   2. tensor parallelism (the plan of kimi/parallel/tensor_parallel.py): every matrix split by heads, MLP
      width or vocabulary is divided by tp (row-parallel ones along their input dimension); RMSNorm weights,
-     AttnRes queries, KDA's f_proj_down / g_proj_down and MLA's wkv_a (and q-LoRA's wq_a) stay replicated;
+     AttnRes queries, KDA's f_proj_down / g_proj_down, MLA's wkv_a (and q-LoRA's wq_a) and MoE layers stay
+     replicated;
   3. FSDP2: every parameter's dim 0 is split over dp_shard (the largest shard, ceil, is counted); nothing is
      divided by dp_replicate.
 
@@ -148,6 +149,8 @@ def tp_dim(model: KimiModel, name: str) -> Optional[int]:
     parts = name.split(".")
     if parts[-1] in ATTNRES_QUERIES or isinstance(_owner(model, name), RMSNorm):
         return None
+    if len(parts) >= 3 and parts[2] == "mlp" and isinstance(model.get_submodule(".".join(parts[:3])), MoE):
+        return None  # MoE layers stay whole on every tp rank (kimi.parallel.tensor_parallel._moe_plan)
     if len(parts) >= 2 and parts[-2] in TP_REPLICATED:
         return None
     if len(parts) >= 2 and parts[-2] in TP_ROW_PARALLEL and parts[-1] == "weight":

@@ -38,6 +38,8 @@ register_configs()
 # under eps 1e-8. The test compares layouts, not how Adam amplifies that noise.
 STEPS = ["trainer.max_steps=3", "trainer.eval_every=3", "trainer.checkpoint_every=0", "model.num_layers=4",
          "optim.eps=1e-4"]
+MOE = ["model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_hidden=16", "model.moe_groups=2",
+       "model.moe_topk_groups=1", "model.moe_bias_rate=0.01", "model.moe_aux_loss_coef=0.01"]
 LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case reads 4 windows per step in total
     "dp_shard2": (2, 2, ["parallel.dp_shard=2"]),
     # exact options ride along: weights kept gathered between forward and backward, recomputed activations
@@ -66,6 +68,12 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
     "pp2_interleaved": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
                                "parallel.activation_checkpointing=full"]),
     "pp2_zero_bubble": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=zero_bubble"]),
+    # mixture of experts in blocks 1-3: expert weights sharded by FSDP, replicated over tp, split by stage;
+    # the bias update sums the ranks' loads, the auxiliary loss's gradient follows the loss's scaling
+    "moe_dp_shard2": (2, 2, [*MOE, "parallel.dp_shard=2"]),
+    "moe_tp2_sp": (2, 1, [*MOE, "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "moe_pp2": (2, 1, [*MOE, "parallel.pp=2", "parallel.pp_microbatches=4"]),
+    "moe_dp2xtp2": (4, 2, [*MOE, "parallel.dp_shard=2", "parallel.tp=2"]),
 }
 # every layout the issue names, with both optimizers; the rest (options riding along) with one
 BOTH = ["dp_shard2", "dp_replicate2", "tp2", "tp2_sp", "dp2xtp2", "pp2_1f1b", "pp2_interleaved", "pp2xdp2",
@@ -73,7 +81,8 @@ BOTH = ["dp_shard2", "dp_replicate2", "tp2", "tp2_sp", "dp2xtp2", "pp2_1f1b", "p
 CASES = [(layout, optim) for layout in BOTH for optim in ("adamw", "muonclip")] + [
     ("hsdp2x2", "muonclip"), ("tp2_tied", "muonclip"), ("pp2_gpipe", "adamw"), ("pp2_zero_bubble", "adamw"),
     ("pp2xtp2_sp_tied", "muonclip"), ("pp4_tied", "adamw"), ("pp2xdp2_tied", "adamw"), ("pp2_tied", "muonclip"),
-    ("pp2_varlen", "adamw"), ("tp2_sp_varlen", "muonclip")]
+    ("pp2_varlen", "adamw"), ("tp2_sp_varlen", "muonclip"), ("moe_dp_shard2", "muonclip"),
+    ("moe_tp2_sp", "muonclip"), ("moe_pp2", "muonclip"), ("moe_dp2xtp2", "muonclip")]
 
 
 @pytest.fixture(scope="module")

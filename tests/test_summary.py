@@ -131,17 +131,20 @@ def local_params(model) -> int:
     return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
 
 
-def test_tp_divides_what_it_says(fake_world):
+@pytest.mark.parametrize("preset", ["tiny", "moe_tiny"])
+def test_tp_divides_what_it_says(fake_world, preset):
     from torch.distributed.device_mesh import init_device_mesh
 
     from kimi.parallel.fsdp import apply_data_parallel
     from kimi.parallel.tensor_parallel import apply_tensor_parallel
 
-    s_tp = summary("model=tiny", "parallel.tp=2")
-    s_both = summary("model=tiny", "parallel.tp=2", "parallel.dp_shard=2")
+    s_tp = summary(f"model={preset}", "parallel.tp=2")
+    s_both = summary(f"model={preset}", "parallel.tp=2", "parallel.dp_shard=2")
     model = meta_model(s_tp)
-    # replicated over tp, by name: norms, AttnRes queries, KDA's low-rank down-projections, MLA's W_dkv
-    kept = r"norm\.weight$|_query$|f_proj_down\.weight$|g_proj_down\.weight$|wkv_a\.weight$"
+    # replicated over tp, by name: norms, AttnRes queries, KDA's low-rank down-projections, MLA's W_dkv,
+    # and everything of a MoE layer (router, shared experts, the routed experts' 3-D weights)
+    kept = (r"norm\.weight$|_query$|f_proj_down\.weight$|g_proj_down\.weight$|wkv_a\.weight$"
+            r"|\.mlp\.(router|shared)\.|\.mlp\.w_(gate|up|down)$")
     replicated = sum(p.numel() for n, p in model.named_parameters() if re.search(kept, n))
     assert s_tp.heaviest.tp_replicated == replicated
     assert s_tp.heaviest.tp_split == model.num_params() - replicated

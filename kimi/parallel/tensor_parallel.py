@@ -12,6 +12,8 @@ sums the ranks' contributions (one all-reduce per sublayer in the forward, one i
               down-projection replicated; wo row-parallel; each rank records the max logits of its own
               heads (QK-Clip places them by tp rank)
   MLP         gate and up column-parallel, down row-parallel
+  MoE         replicated: every rank computes the layer on all tokens (experts are split by expert
+              parallelism, not by tensor parallelism)
   LM head     column-parallel over the vocabulary; logits stay sharded for a loss-parallel cross-entropy
               (also inside a pipeline schedule, which the trainer runs under loss_parallel())
 Norms and AttnRes queries act per token on replicated activations and stay plain (replicated) tensors.
@@ -30,8 +32,8 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, parallelize_module)
 
 
 class _SumGradOverRanks(torch.autograd.Function):
@@ -84,6 +86,17 @@ def _mlp_plan(mlp: nn.Module, mesh: DeviceMesh, row: RowwiseParallel) -> None:
     parallelize_module(mlp, mesh, {"w_gate": col, "w_up": col, "w_down": row})
 
 
+def _moe_plan(moe: nn.Module, mesh: DeviceMesh, row: RowwiseParallel) -> None:
+    """Router, routed and shared experts stay whole on every tp rank, which all compute the layer alike on
+    the same (gathered) tokens: their gradients agree without communication. Splitting the experts is expert
+    parallelism's job, not tensor parallelism's. Under sequence parallelism each rank keeps its share of the
+    output's tokens (a slice of a replicated tensor, where a row-parallel layer reduce-scatters)."""
+    out = row.output_layouts[0]
+    if out != Replicate():
+        parallelize_module(moe, mesh, PrepareModuleOutput(output_layouts=(Replicate(),),
+                                                          desired_output_layouts=(out,), use_local_output=True))
+
+
 def _kda_plan(kda: nn.Module, mesh: DeviceMesh, row: RowwiseParallel) -> None:
     col = ColwiseParallel()
     parallelize_module(kda, mesh, {"q_proj": col, "k_proj": col, "v_proj": col, "f_proj_up": col,
@@ -98,8 +111,9 @@ def _mla_plan(mla: nn.Module, mesh: DeviceMesh, row: RowwiseParallel) -> None:
 
 def _plans() -> dict:
     from kimi.model import KDA, MLA, SwiGLU
+    from kimi.model.moe import MoE
 
-    return {KDA: _kda_plan, MLA: _mla_plan, SwiGLU: _mlp_plan}
+    return {KDA: _kda_plan, MLA: _mla_plan, SwiGLU: _mlp_plan, MoE: _moe_plan}
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False,
