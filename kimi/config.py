@@ -66,6 +66,7 @@ class ModelConfig:
     kda_num_heads: int = 4
     kda_head_dim: int = 64  # dk = dv; also the rank of the low-rank gate projections
     conv_size: int = 4
+    kda_gate_bias: bool = True  # a bias on the output gate's up-projection (Kimi Linear's has none)
     # KDA kernels: auto = Triton on CUDA, PyTorch on CPU; torch / triton force one (triton on CPU needs
     # TRITON_INTERPRET=1 and is slow: for tests).
     kda_backend: str = one_of(KDA_BACKENDS, "auto")
@@ -74,7 +75,10 @@ class ModelConfig:
     q_lora_rank: int = 0  # 0: full-rank query projection (Kimi Linear)
     kv_lora_rank: int = 128
     qk_nope_head_dim: int = 64
-    qk_rope_head_dim: int = 0  # 0: NoPE (Kimi Linear default)
+    qk_rope_head_dim: int = 0  # dims of the key part shared by all heads (with its query part); 0: none
+    # Rotate that shared part by position (RoPE, DeepSeek's MLA), or not: Kimi Linear keeps 64 shared key dims
+    # unrotated (NoPE everywhere)
+    mla_rotary: bool = True
     v_head_dim: int = 64
     rope_theta: float = 10000.0
     # MLP

@@ -60,7 +60,7 @@ def naive_mla(layer: MLA, x: torch.Tensor):
         q = q_all[b, :, h * c : (h + 1) * c]
         kv = kv_all[b, :, h * (layer.nope + layer.v_dim) : (h + 1) * (layer.nope + layer.v_dim)]
         k_rope = kv_a[b, :, layer.kv_lora_rank :]
-        if layer.rope:
+        if layer.rope and layer.rotary:  # unrotated (Kimi Linear): the shared dims enter as they are
             pos = torch.arange(T, dtype=F64)[:, None]
             q = torch.cat([q[:, : layer.nope], rotate(q[:, layer.nope :], pos, layer.rope_theta)], -1)
             k_rope = rotate(k_rope, pos, layer.rope_theta)
@@ -73,10 +73,11 @@ def naive_mla(layer: MLA, x: torch.Tensor):
     return out @ layer.wo.weight.T, max_logit
 
 
-@pytest.mark.parametrize("rope,q_lora", [(0, 0), (8, 0), (0, 12), (8, 12)])
-def test_mla_matches_naive(rope, q_lora):
+@pytest.mark.parametrize("rope,q_lora,rotary", [(0, 0, True), (8, 0, True), (0, 12, True), (8, 12, True),
+                                                (8, 0, False), (8, 12, False)])
+def test_mla_matches_naive(rope, q_lora, rotary):
     torch.manual_seed(rope + q_lora)
-    layer = make_mla(qk_rope_head_dim=rope, q_lora_rank=q_lora)
+    layer = make_mla(qk_rope_head_dim=rope, q_lora_rank=q_lora, mla_rotary=rotary)
     layer.track_max_logits = True
     x = torch.randn(2, 11, 32, dtype=F64)
     want, want_max = naive_mla(layer, x)

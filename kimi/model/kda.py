@@ -4,7 +4,7 @@
     q, k    = L2-normalised per head
     g       = -exp(A_log[h]) * softplus(W_f_up W_f_down x + dt_bias)     per-channel log decay, <= 0
     beta    = sigmoid(W_b x)                                              one per head
-    o       = W_o( sigmoid(W_g_up W_g_down x + b_g) * RMSNorm_per_head(KDA(q, k, v, g, beta)) )
+    o       = W_o( sigmoid(W_g_up W_g_down x + b_g) * RMSNorm_per_head(KDA(q, k, v, g, beta)) )  (b_g: optional)
 
 Head counts come from tensor shapes, so a tensor-parallel shard (a slice of heads) runs this same code.
 """
@@ -97,7 +97,7 @@ class KDA(ParamViews, nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(H * K))
         self.b_proj = nn.Linear(d, H, bias=False)
         self.g_proj_down = nn.Linear(d, K, bias=False)  # low-rank output gate, bias on the up-projection
-        self.g_proj_up = nn.Linear(K, H * K, bias=True)
+        self.g_proj_up = nn.Linear(K, H * K, bias=cfg.kda_gate_bias)
         self.o_norm = RMSNorm(K, eps=1e-5)  # one weight over each head's V channels, shared by the heads
         self.o_proj = nn.Linear(H * K, d, bias=False)
 
@@ -106,8 +106,10 @@ class KDA(ParamViews, nn.Module):
         convs as nn.Conv1d, the output norm 1, A_log and dt_bias as Kimi Linear / Mamba (kimi.model.init)."""
         rules = {f"{name}.weight": normal(std) for name in ("q_proj", "k_proj", "v_proj", "f_proj_down",
                                                              "f_proj_up", "b_proj", "g_proj_down", "g_proj_up")}
-        rules.update({"g_proj_up.bias": constant(0.0), "o_proj.weight": normal(out_std),
-                      "o_norm.weight": constant(1.0), "A_log": log_uniform_decay, "dt_bias": dt_bias})
+        rules.update({"o_proj.weight": normal(out_std), "o_norm.weight": constant(1.0),
+                      "A_log": log_uniform_decay, "dt_bias": dt_bias})
+        if self.g_proj_up.bias is not None:
+            rules["g_proj_up.bias"] = constant(0.0)
         for name in ("q_conv", "k_conv", "v_conv"):
             rules.update(prefixed(name, getattr(self, name).init_rules()))
         return rules

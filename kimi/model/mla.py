@@ -17,7 +17,8 @@ Row layout of the head-sized weights (QK-Clip scales these rows per head; nn.Lin
     k_nope, then `v` rows of values.
   * W_dkv (`wkv_a`): rows [0, kv_lora_rank) the latent, the last `rope` rows the shared rotary key, which
     QK-Clip never touches.
-qk_rope_head_dim = 0 is NoPE (Kimi Linear's default); RoPE uses the half-split rotation (NeoX style).
+qk_rope_head_dim = 0 is NoPE; RoPE uses the half-split rotation (NeoX style). mla_rotary=false keeps the
+shared key part and its query part unrotated: Kimi Linear's MLA (64 such dims, NoPE throughout).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class MLA(nn.Module):
         d, H = cfg.d_model, cfg.mla_num_heads
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank, self.rope_theta = cfg.kv_lora_rank, cfg.rope_theta
+        self.rotary = cfg.mla_rotary
         qk = self.nope + self.rope
         self.q_lora = cfg.q_lora_rank > 0  # compressed queries: W_uq RMSNorm(W_dq x)
         if self.q_lora:
@@ -130,7 +132,7 @@ class MLA(nn.Module):
         q = q.view(B, T, -1, self.nope + self.rope)
         c_kv, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)
         c_kv = self.kv_norm(c_kv)
-        if self.rope > 0:
+        if self.rope > 0 and self.rotary:
             # RoPE scores depend only on position differences, and packed documents never attend across
             # a boundary, so global positions are as good as per-document ones under cu_seqlens.
             start = 0 if cache is None else cache.length
