@@ -79,6 +79,7 @@ class ModelConfig:
     # Rotate that shared part by position (RoPE, DeepSeek's MLA), or not: Kimi Linear keeps 64 shared key dims
     # unrotated (NoPE everywhere)
     mla_rotary: bool = True
+    mla_norm_eps: Optional[float] = None  # MLA latent / q-LoRA norms' eps; null: norm_eps (Kimi Linear: 1e-6)
     v_head_dim: int = 64
     rope_theta: float = 10000.0
     # MLP
@@ -344,6 +345,9 @@ def validate_model(m: ModelConfig) -> None:
     # a large std saturates the gates and softmaxes at step 0 and leaves (almost) no gradient to train on
     _check(0 < m.init_std <= 1, "model.init_std", m.init_std, "must be in (0, 1] (0.02 is usual)")
     _check(0 < m.norm_eps < 1, "model.norm_eps", m.norm_eps, "must be in (0, 1) (1e-5 or 1e-6 is usual)")
+    if m.mla_norm_eps is not None:
+        _check(0 < m.mla_norm_eps < 1, "model.mla_norm_eps", m.mla_norm_eps,
+               "must be in (0, 1), or null to use model.norm_eps")
     # RoPE turns pair i by theta**(-2i/d) radians a token: with theta <= 1 no pair turns slower than one
     # radian a token, so distant positions look alike
     _check(m.rope_theta > 1, "model.rope_theta", m.rope_theta, "must be > 1 (10000 is usual)")

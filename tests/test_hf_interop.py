@@ -37,7 +37,7 @@ def test_configs_map_both_ways():
     small = tiny_model_cfg(residual="standard", kda_gate_bias=False, q_lora_rank=8, qk_rope_head_dim=8,
                            mla_rotary=False, moe_num_experts=4, moe_top_k=2, moe_groups=2, moe_topk_groups=1)
     again = model_fields(KimiLinearConfig(**hf_config(small)).to_dict())
-    assert all(getattr(small, k) == v for k, v in again.items() if k != "mla_layers")
+    assert all(getattr(small, k) == v for k, v in again.items() if k not in ("mla_layers", "mla_norm_eps"))
     assert again["mla_layers"] == [1]
 
 
@@ -51,3 +51,56 @@ REFUSED = [(dict(residual="attnres_block"), "model.residual"),
 def test_what_transformers_cannot_express_is_refused_by_name(overrides, key):
     with pytest.raises(NotExpressible, match=key):
         hf_config(tiny_model_cfg(**overrides))
+
+
+@pytest.fixture
+def torch_kda(monkeypatch):
+    """transformers routes KDA to fla-core's GPU kernels when fla is importable (decided at import): use
+    its PyTorch path, which runs on CPU."""
+    for name in ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"):
+        fn = getattr(hf_model, name)
+        monkeypatch.setattr(hf_model, name, getattr(fn, "__wrapped__", fn))
+
+
+def small_hf_config(**overrides):
+    base = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, intermediate_size=48,
+                layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                mlp_layer_types=["dense", "sparse", "sparse", "sparse"], linear_num_heads=2,
+                linear_head_dim=16, linear_conv_kernel_dim=4, num_attention_heads=2, num_key_value_heads=2,
+                kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, q_lora_rank=None,
+                num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                n_group=4, topk_group=2, routed_scaling_factor=2.446, rms_norm_eps=1e-5,
+                tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    return KimiLinearConfig(**{**base, **overrides})
+
+
+@pytest.mark.parametrize("q_lora", [None, 12])
+def test_logits_equal_transformers_after_conversion(torch_kda, q_lora):
+    """A random transformers Kimi Linear (KDA + MLA with unrotated shared key dims, a dense first block, MoE
+    with grouped routing and a non-zero correction bias), converted: our logits equal its in fp32; and
+    back (ours -> transformers) to the same tensors."""
+    from kimi.interop.hf import from_hf_state, to_hf_state
+    from kimi.model import KimiModel
+
+    torch.manual_seed(0)
+    config = small_hf_config(q_lora_rank=q_lora)
+    theirs = hf_model.KimiLinearForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():  # away from init, so a misplaced tensor shows
+            p.add_(torch.randn_like(p) * 0.05)
+        for name, buf in theirs.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.linspace(-0.1, 0.1, buf.numel()))
+    cfg = ModelConfig(**model_fields(config.to_dict()))
+    ours = KimiModel(cfg).eval()
+    state = theirs.state_dict()
+    missing = ours.load_state_dict(dict(from_hf_state(state, cfg)), strict=False)
+    assert not missing.missing_keys and not missing.unexpected_keys, missing
+    tokens = torch.randint(0, 96, (2, 70), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = theirs(tokens).logits
+        got = ours(tokens)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5  # measured 1.2e-6
+    back = dict(to_hf_state(ours.state_dict(), cfg))
+    assert back.keys() == {k for k in state if not k.endswith("rotary_emb.inv_freq")}
+    assert all(torch.equal(back[k], state[k]) for k in back)

@@ -53,16 +53,17 @@ class MLA(nn.Module):
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank, self.rope_theta = cfg.kv_lora_rank, cfg.rope_theta
         self.rotary = cfg.mla_rotary
+        eps = cfg.norm_eps if cfg.mla_norm_eps is None else cfg.mla_norm_eps
         qk = self.nope + self.rope
         self.q_lora = cfg.q_lora_rank > 0  # compressed queries: W_uq RMSNorm(W_dq x)
         if self.q_lora:
             self.wq_a = nn.Linear(d, cfg.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, eps)
             self.wq_b = nn.Linear(cfg.q_lora_rank, H * qk, bias=False)
         else:
             self.wq = nn.Linear(d, H * qk, bias=False)
         self.wkv_a = nn.Linear(d, self.kv_lora_rank + self.rope, bias=False)
-        self.kv_norm = RMSNorm(self.kv_lora_rank, cfg.norm_eps)
+        self.kv_norm = RMSNorm(self.kv_lora_rank, eps)
         self.wkv_b = nn.Linear(self.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(H * self.v_dim, d, bias=False)
         # When set (through KimiModel.record_max_logits, for QK-Clip), every forward that builds a graph records its per-head
