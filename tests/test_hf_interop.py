@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import tiny_model_cfg
-from kimi.config import ModelConfig
+from kimi.config import ModelConfig, register_configs
 from kimi.interop.hf import NotExpressible, hf_config, model_fields
 from kimi.summary import compose_config, summarize
 
@@ -104,3 +104,90 @@ def test_logits_equal_transformers_after_conversion(torch_kda, q_lora):
     back = dict(to_hf_state(ours.state_dict(), cfg))
     assert back.keys() == {k for k in state if not k.endswith("rotary_emb.inv_freq")}
     assert all(torch.equal(back[k], state[k]) for k in back)
+
+
+def random_hf(config):
+    torch.manual_seed(0)
+    model = hf_model.KimiLinearForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.linspace(-0.1, 0.1, buf.numel()))
+    return model
+
+
+TOKENS = torch.randint(0, 96, (2, 70), generator=torch.Generator().manual_seed(1))
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_load_hf_reads_a_transformers_directory(torch_kda, tmp_path):
+    """save_pretrained (sharded) -> kimi.convert.load_hf: the same logits."""
+    from kimi.convert import load_hf
+
+    theirs = random_hf(small_hf_config())
+    theirs.save_pretrained(tmp_path / "hf", max_shard_size="200KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    ours = load_hf(tmp_path / "hf")
+    with torch.no_grad():
+        assert rel(ours(TOKENS), theirs(TOKENS).logits) < 1e-5
+
+
+def test_save_hf_loads_in_transformers(torch_kda, tmp_path):
+    """ours -> kimi.convert.save_hf (sharded) -> AutoModelForCausalLM.from_pretrained: the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from kimi.convert import load_hf, save_hf
+
+    theirs = random_hf(small_hf_config(q_lora_rank=12))
+    theirs.save_pretrained(tmp_path / "src")
+    ours = load_hf(tmp_path / "src")
+    save_hf(ours, tmp_path / "out", shard_bytes=200_000)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(again).__name__ == "KimiLinearForCausalLM"
+    with torch.no_grad():
+        assert rel(again(TOKENS).logits, ours(TOKENS)) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from helpers import corpus_overrides
+
+    register_configs()
+    return corpus_overrides(tmp_path_factory)
+
+
+KIMI_LINEAR_LIKE = ["model.residual=standard", "model.kda_gate_bias=false", "model.qk_rope_head_dim=8",
+                    "model.mla_rotary=false", "model.moe_num_experts=4", "model.moe_top_k=2",
+                    "model.moe_hidden=16", "model.moe_groups=2", "model.moe_topk_groups=1",
+                    "model.mla_norm_eps=1e-6"]
+
+
+def test_to_hf_command_writes_what_transformers_loads(torch_kda, tmp_path, data, capsys):
+    """A trained run (KDA, MLA with unrotated shared dims, MoE) -> python -m kimi.convert to-hf ->
+    AutoModelForCausalLM: the same logits as the run's model; a default run (Attention Residuals) is
+    refused, naming the setting, exit code 2."""
+    from helpers import train_run
+    from transformers import AutoModelForCausalLM
+
+    from kimi.convert import main
+    from kimi.generate import load_from_checkpoint
+
+    run = tmp_path / "run"
+    train_run(run, data, "trainer.max_steps=2", *KIMI_LINEAR_LIKE)
+    assert main(["to-hf", str(run), str(tmp_path / "hf")]) == 0
+    ours, _, _ = load_from_checkpoint(str(run))
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = torch.randint(0, ours.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert rel(theirs(tokens).logits, ours(tokens)) < 1e-5
+    default = tmp_path / "default"
+    train_run(default, data, "trainer.max_steps=1")
+    capsys.readouterr()
+    assert main(["to-hf", str(default), str(tmp_path / "refused")]) == 2
+    assert "model.residual=attnres_block" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()

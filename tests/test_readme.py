@@ -61,6 +61,11 @@ SKIPPED = {
     "make gpu-check": "needs a CUDA GPU (its dry run is the next line)",
     "make gpu-check GPU_CHECK_ARGS=--dry-run": "tests/test_gpu_check.py runs it (about a minute)",
     "make gpu-wheels": "downloads from the package index",
+    ".venv/bin/python -m kimi.convert to-hf 'outputs/<date>/<time>' hf_out":
+        "a placeholder run dir; tests/test_hf_interop.py converts a trained run with the same command and "
+        "loads it in transformers",
+    ".venv/bin/python -c 'from kimi.convert import load_hf; model = load_hf('\"'\"'hf_dir'\"'\"')'":
+        "a placeholder directory; tests/test_hf_interop.py loads save_pretrained's output with load_hf",
 }
 MAX_MULTIPROCESS = 1  # 2-process torchrun launches run here (each about 10 s on 2 CPU cores)
 

@@ -172,3 +172,54 @@ def from_hf_state(state: Dict[str, torch.Tensor], m: ModelConfig) -> Iterator[Tu
             yield mine[0], t.reshape(-1) if shape else t
         else:
             yield from zip(mine, t.chunk(len(mine), dim))
+
+
+# ---- files ---------------------------------------------------------------------------------------------
+# In files (the released checkpoints, and what save_pretrained writes) transformers keeps the original
+# names: block_sparse_moe for every feed-forward, one tensor per expert (w1 gate, w3 up, w2 down), the three
+# short convs apart, the gate's parameters directly under self_attn. from_pretrained converts them.
+# One entry per file tensor: (its name, our tensor's name, index into our tensor's first dim or None, the
+# file tensor's shape when it differs from ours: None keeps it).
+FileEntry = Tuple[str, str, Optional[int], Optional[Tuple[int, ...]]]
+
+
+def file_map(m: ModelConfig) -> List[FileEntry]:
+    """Every tensor of a transformers Kimi Linear checkpoint file for model config `m`, and its source."""
+    out: List[FileEntry] = [("model.embed_tokens.weight", "embed.weight", None, None),
+                            ("model.norm.weight", "norm.weight", None, None)]
+    if not m.tie_embeddings:
+        out.append(("lm_head.weight", "lm_head.weight", None, None))
+    mla, moe = set(mla_layer_indices(m)), set(moe_layer_indices(m))
+    for i in range(m.num_layers):
+        hf, ours = f"model.layers.{i}.", f"blocks.{i}."
+        pairs = [("input_layernorm.weight", "mixer_norm.weight"), ("post_attention_layernorm.weight",
+                                                                   "mlp_norm.weight")]
+        if i in mla:
+            q = ([("q_a_proj", "wq_a"), ("q_a_layernorm", "q_norm"), ("q_b_proj", "wq_b")] if m.q_lora_rank
+                 else [("q_proj", "wq")])
+            q += [("kv_a_proj_with_mqa", "wkv_a"), ("kv_a_layernorm", "kv_norm"), ("kv_b_proj", "wkv_b"),
+                  ("o_proj", "wo")]
+            pairs += [(f"self_attn.{a}.weight", f"mixer.{b}.weight") for a, b in q]
+        else:
+            pairs += [(f"self_attn.{a}.weight", f"mixer.{b}.weight") for a, b in
+                      [("q_proj", "q_proj"), ("k_proj", "k_proj"), ("v_proj", "v_proj"),
+                       ("q_conv1d", "q_conv"), ("k_conv1d", "k_conv"), ("v_conv1d", "v_conv"),
+                       ("f_a_proj", "f_proj_down"), ("f_b_proj", "f_proj_up"), ("b_proj", "b_proj"),
+                       ("g_a_proj", "g_proj_down"), ("g_b_proj", "g_proj_up"), ("o_norm", "o_norm"),
+                       ("o_proj", "o_proj")]]
+            pairs.append(("self_attn.dt_bias", "mixer.dt_bias"))
+            out.append((hf + "self_attn.A_log", ours + "mixer.A_log", None, (1, 1, m.kda_num_heads, 1)))
+        if i in moe:
+            pairs += [("block_sparse_moe.gate.weight", "mlp.router.weight"),
+                      ("block_sparse_moe.gate.e_score_correction_bias", "mlp.expert_bias")]
+            for e in range(m.moe_num_experts):
+                for w, mine in (("w1", "w_gate"), ("w3", "w_up"), ("w2", "w_down")):
+                    out.append((f"{hf}block_sparse_moe.experts.{e}.{w}.weight", f"{ours}mlp.{mine}", e, None))
+            if m.moe_shared_experts:
+                pairs += [(f"block_sparse_moe.shared_experts.{x}_proj.weight", f"mlp.shared.w_{x}.weight")
+                          for x in ("gate", "up", "down")]
+        else:
+            pairs += [(f"block_sparse_moe.{x}_proj.weight", f"mlp.w_{x}.weight")
+                      for x in ("gate", "up", "down")]
+        out += [(hf + a, ours + b, None, None) for a, b in pairs]
+    return out
