@@ -213,3 +213,25 @@ def test_decoding_equals_transformers_generate_with_cache(torch_kda, tmp_path):
             assert rel(logits, out.logits[step][0]) < 1e-5, step
             assert int(logits.argmax()) == token
             logits = ours(torch.tensor([[token]]), cache=cache)[0, -1]
+
+
+def test_to_hf_from_a_sharded_run(torch_kda, tmp_path, data):
+    """A run trained with FSDP over 2 ranks (its checkpoint sharded) converts like a one-process run:
+    the checkpoint is read into one model whatever layout wrote it."""
+    from helpers import TINY_TRAINER
+    from test_parallel import torchrun
+    from transformers import AutoModelForCausalLM
+
+    from kimi.convert import main
+    from kimi.generate import load_from_checkpoint
+
+    run = tmp_path / "fsdp"
+    torchrun(2, run, [*TINY_TRAINER, *data, "trainer.max_steps=2", "trainer.eval_every=0",
+                      "parallel.dp_shard=2", "trainer.micro_batch_size=2", *KIMI_LINEAR_LIKE])
+    assert main(["to-hf", str(run), str(tmp_path / "hf")]) == 0
+    ours, _, step = load_from_checkpoint(str(run))
+    assert step == 2
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = torch.randint(0, ours.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert rel(theirs(tokens).logits, ours(tokens)) < 1e-5
