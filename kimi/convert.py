@@ -27,13 +27,13 @@ from kimi.model import KimiModel
 INDEX = "model.safetensors.index.json"
 
 
-class _LazyTensors(dict):
-    """Tensors of a safetensors directory by name, read from disk when first asked for and not kept."""
+class _LazyTensors:
+    """Tensors of a safetensors directory (one file, or shards and their index) by name, each read from disk
+    when asked for and not kept."""
 
     def __init__(self, directory: Path):
         from safetensors import safe_open
 
-        super().__init__()
         index = directory / INDEX
         files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
                  else ["model.safetensors"])
@@ -42,11 +42,8 @@ class _LazyTensors(dict):
             with safe_open(directory / name, framework="pt") as f:
                 self._where.update({key: directory / name for key in f.keys()})
 
-    def __contains__(self, key) -> bool:
+    def __contains__(self, key: str) -> bool:
         return key in self._where
-
-    def keys(self):
-        return self._where.keys()
 
     def __getitem__(self, key: str) -> torch.Tensor:
         from safetensors import safe_open

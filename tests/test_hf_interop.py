@@ -74,38 +74,6 @@ def small_hf_config(**overrides):
     return KimiLinearConfig(**{**base, **overrides})
 
 
-@pytest.mark.parametrize("q_lora", [None, 12])
-def test_logits_equal_transformers_after_conversion(torch_kda, q_lora):
-    """A random transformers Kimi Linear (KDA + MLA with unrotated shared key dims, a dense first block, MoE
-    with grouped routing and a non-zero correction bias), converted: our logits equal its in fp32; and
-    back (ours -> transformers) to the same tensors."""
-    from kimi.interop.hf import from_hf_state, to_hf_state
-    from kimi.model import KimiModel
-
-    torch.manual_seed(0)
-    config = small_hf_config(q_lora_rank=q_lora)
-    theirs = hf_model.KimiLinearForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in theirs.parameters():  # away from init, so a misplaced tensor shows
-            p.add_(torch.randn_like(p) * 0.05)
-        for name, buf in theirs.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(torch.linspace(-0.1, 0.1, buf.numel()))
-    cfg = ModelConfig(**model_fields(config.to_dict()))
-    ours = KimiModel(cfg).eval()
-    state = theirs.state_dict()
-    missing = ours.load_state_dict(dict(from_hf_state(state, cfg)), strict=False)
-    assert not missing.missing_keys and not missing.unexpected_keys, missing
-    tokens = torch.randint(0, 96, (2, 70), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = theirs(tokens).logits
-        got = ours(tokens)
-    assert ((got - want).norm() / want.norm()).item() < 1e-5  # measured 1.2e-6
-    back = dict(to_hf_state(ours.state_dict(), cfg))
-    assert back.keys() == {k for k in state if not k.endswith("rotary_emb.inv_freq")}
-    assert all(torch.equal(back[k], state[k]) for k in back)
-
-
 def random_hf(config):
     torch.manual_seed(0)
     model = hf_model.KimiLinearForCausalLM(config).eval()
@@ -123,6 +91,31 @@ TOKENS = torch.randint(0, 96, (2, 70), generator=torch.Generator().manual_seed(1
 
 def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
+
+
+def file_tensors(directory):
+    """Every tensor of a safetensors directory (one file or shards), by name."""
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize("q_lora", [None, 12])
+def test_logits_equal_transformers_after_conversion(torch_kda, tmp_path, q_lora):
+    """A random transformers Kimi Linear (KDA + MLA with unrotated shared key dims, a dense first block, MoE
+    with grouped routing and a non-zero correction bias), saved and loaded as ours: our logits equal its in
+    fp32; and saved back by us, the same tensors under the same names as save_pretrained wrote."""
+    from kimi.convert import load_hf, save_hf
+
+    theirs = random_hf(small_hf_config(q_lora_rank=q_lora))
+    theirs.save_pretrained(tmp_path / "hf")
+    ours = load_hf(tmp_path / "hf")
+    with torch.no_grad():
+        assert rel(ours(TOKENS), theirs(TOKENS).logits) < 1e-5  # measured 1.2e-6
+    save_hf(ours, tmp_path / "back")
+    written, original = file_tensors(tmp_path / "back"), file_tensors(tmp_path / "hf")
+    assert written.keys() == original.keys()
+    assert all(torch.equal(written[k], original[k]) for k in written)
 
 
 def test_load_hf_reads_a_transformers_directory(torch_kda, tmp_path):
@@ -204,8 +197,9 @@ def test_decoding_equals_transformers_generate_with_cache(torch_kda, tmp_path):
     prompt = TOKENS[:1, :37]
     with torch.no_grad():
         # every prompt token is real: without the mask generate would take token 0 for padding
-        out = theirs.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
-                              use_cache=True, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        out = theirs.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6,
+                              do_sample=False, use_cache=True, output_logits=True,
+                              return_dict_in_generate=True, pad_token_id=0)
         new = out.sequences[0, prompt.shape[1]:]
         cache = ours.new_cache()
         logits = ours(prompt, cache=cache)[0, -1]

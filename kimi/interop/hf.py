@@ -3,21 +3,18 @@ mapping between its config and ours.
 
 `hf_config(cfg)` gives the `KimiLinearConfig` keyword arguments of a model config, or refuses, naming the
 setting, a model that `transformers`' class cannot express (Attention Residuals, a rotated MLA key, a bias
-on KDA's output gate, different head dims for KDA's keys and values). `model_fields(hf)` goes back: the
+on KDA's output gate). `model_fields(hf)` goes back: the
 `model.*` values of a `transformers` config (its `to_dict()`, or a config.json it wrote).
 
-`weight_map(cfg)` lists every tensor of theirs with the tensors of ours it is made of;
-`to_hf_state` / `from_hf_state` convert a state dict tensor by tensor (their fused short conv is our three
-convs one after another, their experts' gate_up_proj our w_gate over w_up, their A_log [1, 1, H, 1] our
-[H]). Equal logits are tested (tests/test_hf_interop.py: 1.2e-6 relative in fp32). transformers keeps the
-MLA latent norm's eps at 1e-6 whatever rms_norm_eps says: `model_fields` sets `mla_norm_eps` to match.
+`file_map(cfg)` lists every tensor of a transformers checkpoint file with the tensor of ours (or the
+expert of it) it comes from; kimi.convert reads and writes such files one tensor at a time. Equal logits
+are tested (tests/test_hf_interop.py: 1.2e-6 relative in fp32). transformers keeps the MLA latent norm's
+eps at 1e-6 whatever rms_norm_eps says: `model_fields` sets `mla_norm_eps` to match.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional, Tuple
-
-import torch
+from typing import Any, Dict, List, Optional, Tuple
 
 from kimi.config import ModelConfig, mla_layer_indices, moe_layer_indices
 
@@ -100,78 +97,6 @@ def model_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
                       moe_routed_scale=hf.get("routed_scaling_factor", 1.0),
                       moe_norm_topk=bool(hf.get("norm_topk_prob", True)))
     return fields
-
-
-# ---- weights ------------------------------------------------------------------------------------------
-# One entry per transformers tensor: (its name, our names whose concatenation along `dim` it is, dim, and how
-# our (concatenated) tensor is shaped into theirs: None keeps the shape).
-Entry = Tuple[str, List[str], int, Optional[Tuple[int, ...]]]
-
-
-def weight_map(m: ModelConfig) -> List[Entry]:
-    """Every tensor of transformers' KimiLinearForCausalLM for model config `m`, and where it comes from."""
-    out: List[Entry] = [("model.embed_tokens.weight", ["embed.weight"], 0, None),
-                        ("model.norm.weight", ["norm.weight"], 0, None)]
-    if not m.tie_embeddings:
-        out.append(("lm_head.weight", ["lm_head.weight"], 0, None))
-    mla, moe = set(mla_layer_indices(m)), set(moe_layer_indices(m))
-    for i in range(m.num_layers):
-        hf, ours = f"model.layers.{i}.", f"blocks.{i}."
-
-        def one(theirs: str, mine: str, shape=None) -> None:
-            out.append((hf + theirs, [ours + mine], 0, shape))
-
-        one("input_layernorm.weight", "mixer_norm.weight")
-        one("post_attention_layernorm.weight", "mlp_norm.weight")
-        if i in mla:
-            if m.q_lora_rank:
-                for theirs, mine in (("q_a_proj", "wq_a"), ("q_a_layernorm", "q_norm"), ("q_b_proj", "wq_b")):
-                    one(f"self_attn.{theirs}.weight", f"mixer.{mine}.weight")
-            else:
-                one("self_attn.q_proj.weight", "mixer.wq.weight")
-            for theirs, mine in (("kv_a_proj_with_mqa", "wkv_a"), ("kv_a_layernorm", "kv_norm"),
-                                 ("kv_b_proj", "wkv_b"), ("o_proj", "wo")):
-                one(f"self_attn.{theirs}.weight", f"mixer.{mine}.weight")
-        else:
-            for theirs, mine in (("q_proj", "q_proj"), ("k_proj", "k_proj"), ("v_proj", "v_proj"),
-                                 ("forget_gate.f_a_proj", "f_proj_down"),
-                                 ("forget_gate.f_b_proj", "f_proj_up"), ("b_proj", "b_proj"),
-                                 ("g_a_proj", "g_proj_down"), ("g_b_proj", "g_proj_up"), ("o_norm", "o_norm"),
-                                 ("o_proj", "o_proj")):
-                one(f"self_attn.{theirs}.weight", f"mixer.{mine}.weight")
-            one("self_attn.forget_gate.dt_bias", "mixer.dt_bias")
-            one("self_attn.forget_gate.A_log", "mixer.A_log", (1, 1, m.kda_num_heads, 1))
-            convs = [ours + f"mixer.{x}_conv.weight" for x in "qkv"]
-            out.append((hf + "self_attn.conv1d.weight", convs, 0, None))
-        if i in moe:
-            one("mlp.gate.weight", "mlp.router.weight")
-            one("mlp.gate.e_score_correction_bias", "mlp.expert_bias")
-            out.append((hf + "mlp.experts.gate_up_proj", [ours + "mlp.w_gate", ours + "mlp.w_up"], 1, None))
-            one("mlp.experts.down_proj", "mlp.w_down")
-            if m.moe_shared_experts:
-                for x in ("gate", "up", "down"):
-                    one(f"mlp.shared_experts.{x}_proj.weight", f"mlp.shared.w_{x}.weight")
-        else:
-            for x in ("gate", "up", "down"):
-                one(f"mlp.{x}_proj.weight", f"mlp.w_{x}.weight")
-    return out
-
-
-def to_hf_state(state: Dict[str, torch.Tensor], m: ModelConfig) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Our model's state (names as KimiModel.state_dict) as transformers' tensors, one at a time."""
-    for theirs, mine, dim, shape in weight_map(m):
-        t = state[mine[0]] if len(mine) == 1 else torch.cat([state[n] for n in mine], dim)
-        yield theirs, (t.reshape(shape) if shape else t).contiguous()
-
-
-def from_hf_state(state: Dict[str, torch.Tensor], m: ModelConfig) -> Iterator[Tuple[str, torch.Tensor]]:
-    """transformers' tensors as ours, one at a time (the inverse of to_hf_state)."""
-    for theirs, mine, dim, shape in weight_map(m):
-        t = state[theirs]
-        if len(mine) == 1:
-            yield mine[0], t.reshape(-1) if shape else t
-        else:
-            yield from zip(mine, t.chunk(len(mine), dim))
 
 
 # ---- files ---------------------------------------------------------------------------------------------
