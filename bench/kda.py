@@ -469,9 +469,9 @@ HOT = {"scores_kernel": "chunk fwd", "solve_kernel": "chunk fwd", "wu_kernel": "
        "output_kernel": "chunk fwd", "state_kernel": "state pass fwd", "state_bwd_kernel": "state pass bwd",
        "chunk_bwd_kernel": "chunk bwd", "scores_bwd_kernel": "chunk bwd"}
 # pointers typed by the inputs' dtype: inputs, outputs and the intermediates that only feed matmuls (the rest
-# are fp32: gates, G, L, final states, score gradients, fp32 grads)
-INPUT_TYPED = {"q", "k", "v", "beta", "o", "do", "dq", "dv", "x", "y", "dy", "dx", "f",
-               "Aqk", "Ainv", "W", "U", "KG", "QG", "Hs", "VN", "DH", "DVN"}
+# are fp32: gates, G, L, U, final states, score gradients, fp32 partial grads)
+INPUT_TYPED = {"q", "k", "v", "beta", "o", "do", "dq", "dk", "dv", "dbeta", "x", "y", "dy", "dx", "f",
+               "Aqk", "Ainv", "W", "KG", "QG", "Hs", "VN", "DH", "DVN"}
 SWITCHES = ("HAS_INIT", "HAS_DFINAL", "REVERSE", "WITH_QG")  # constexpr booleans: both values compiled
 BASE = dict(dtype="bf16", K=128, V=128)  # the model's shape: where the cu_seqlens dtype is varied too
 # Why the spills left in hot kernels are left (written into the JSONs beside the numbers).
@@ -487,6 +487,8 @@ NOTES = {
     "chunk_bwd_kernel": "sm_80 only, ~84 B: its ptxas keeps a few more registers live across the key-block "
                         "loop than sm_90's (0 B there); smaller key blocks would reread dO, V_new and dV_new "
                         "more often.",
+    "state_kernel": "sm_80 only, at BVS = 64, 12-48 B; BVS = 32 (chosen when the sequences and heads do "
+                    "not fill the GPU) does not spill.",
     "state_bwd_kernel": "sm_80 only, at BVS = 64, ~50 B; BVS = 32 (chosen when the sequences and heads do "
                         "not fill the GPU) does not spill.",
     "fp32": "fp32 inputs (trainer.precision=fp32 on a GPU) multiply as tf32x3 (three TF32 tensor-core "
