@@ -45,7 +45,8 @@ def compile_kernel(fn, signature: dict, constexprs: dict, attrs: dict, arch: int
                    num_stages: int = 3) -> dict:
     """Compile one specialisation of a @triton.jit function for sm_<arch>. Returns regs, spill_stores,
     spill_loads (bytes, from ptxas -v), spill_stack (bytes of stack frame, from cuobjdump), smem (bytes,
-    triton's allocation) and smem_over_limit (above the per-block limit of that GPU); or error."""
+    triton's allocation), smem_over_limit (above the per-block limit of that GPU) and narrow_half
+    (narrow_half_operands); or error."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton import knobs
@@ -73,7 +74,8 @@ def compile_kernel(fn, signature: dict, constexprs: dict, attrs: dict, arch: int
                                    capture_output=True, text=True).stdout
         stores = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
         smem = compiled.metadata.shared
-        row.update(regs=int(re.search(r"REG:(\d+)", usage).group(1)),
+        row.update(narrow_half=narrow_half_operands(compiled.asm.get("ttgir", "")),
+                   regs=int(re.search(r"REG:(\d+)", usage).group(1)),
                    spill_stores=int(stores.group(1)), spill_loads=int(stores.group(2)),
                    spill_stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
                    smem=smem, smem_over_limit=smem > ARCHS[arch][2])
@@ -81,6 +83,14 @@ def compile_kernel(fn, signature: dict, constexprs: dict, attrs: dict, arch: int
         text = str(e)
         row["error"] = next((line for line in text.splitlines() if line.strip()), repr(e))[:300]
     return row
+
+
+def narrow_half_operands(ttgir: str) -> list[str]:
+    """The 16-bit tensor-core operand layouts with a shared-memory swizzle under 128 bytes (rows of fewer than
+    64 elements) in a kernel's TritonGPU IR: on Hopper, Triton's wgmma reads those out of bounds
+    (kimi/ops/kda/triton/common.py, HALF_MIN_ROW). sm_80 code has no such layouts."""
+    found = re.findall(r"swizzlingByteWidth = (\d+), transposed = (\w+), elementBitWidth = 16", ttgir)
+    return sorted({f"{w} B swizzle{', transposed' if t == 'true' else ''}" for w, t in found if int(w) < 128})
 
 
 def spilled(row: dict) -> bool:

@@ -213,17 +213,37 @@ def _errors(got: dict, want: dict) -> dict:
     return {name: rel(got[name], want[name]) for name in want}
 
 
+_LOST = []  # the row after which the CUDA context was lost, if one was
+
+
+def _context_lost() -> bool:
+    """After an illegal memory access every later CUDA call fails too: tell that apart from a kernel error."""
+    if DEVICE != "cuda":
+        return False
+    try:
+        torch.cuda.synchronize()
+        torch.zeros(1, device=DEVICE).item()
+        return False
+    except Exception:
+        return True
+
+
 def _row(op: str, what: str, dtype, fn) -> dict:
     """One row of kda_check. fn() -> (Triton, PyTorch path, fp64 reference) results as {tensor: value} on the
     same rounded inputs. Passes when Triton is within the dtype's mark of fp64 and the PyTorch path (fp32)
-    within the fp32 mark; a kernel that raises fails its row and the check goes on."""
+    within the fp32 mark; a kernel that raises fails its row and the check goes on, unless it took the CUDA
+    context with it: then the later rows say they did not run, rather than repeat that row's error."""
     name = str(dtype).removeprefix("torch.")
     row = {"op": op, "what": what, "dtype": name, "tol": TOLERANCE[name]}
+    if _LOST:
+        return {**row, "error": f"not run: the CUDA context was lost in '{_LOST[0]}'", "ok": False}
     try:
         ours, torch_path, fp64 = fn()
     except Exception as exc:
         from kimi.ops.dispatch import describe
 
+        if _context_lost():
+            _LOST.append(f"{what} ({name})")
         return {**row, "error": describe(exc), "ok": False}
     row.update(triton_vs_fp64=_errors(ours, fp64), triton_vs_torch=_errors(ours, torch_path),
                torch_vs_fp64=_errors(torch_path, fp64),
@@ -484,13 +504,16 @@ NOTES = {
                      "form there too, which loses the exactness of strong gates.",
     "scores_bwd_kernel": "bf16 K = 128: ~100-250 B of spills remain, for the same [16, 16, BKD] diagonal "
                          "tiles as scores_kernel, here three of them (dq, dk by row and by column).",
-    "chunk_bwd_kernel": "sm_80 only, ~84 B: its ptxas keeps a few more registers live across the key-block "
-                        "loop than sm_90's (0 B there); smaller key blocks would reread dO, V_new and dV_new "
-                        "more often.",
-    "state_kernel": "sm_80 only, at BVS = 64, 12-48 B; BVS = 32 (chosen when the sequences and heads do "
-                    "not fill the GPU) does not spill.",
-    "state_bwd_kernel": "sm_80 only, at BVS = 64, ~50 B; BVS = 32 (chosen when the sequences and heads do "
-                        "not fill the GPU) does not spill.",
+    "chunk_bwd_kernel": "sm_90: ~200 B, since its two products with a [C, BKC] operand multiply as tf32x3 "
+                        "on fp32 operands there (a 32-wide bf16 operand faults on Hopper, "
+                        "common.HALF_MIN_ROW; 0 B before that change). sm_80: ~84 B, its ptxas keeps a few "
+                        "more registers live across the key-block loop; smaller key blocks would reread dO, "
+                        "V_new and dV_new more often.",
+    "state_kernel": "sm_80 only, at BVS = 64, 12-48 B; BVS = 32 (chosen for fp32 inputs when the sequences "
+                    "and heads do not fill the GPU; half precision always takes 64, common.HALF_MIN_ROW) "
+                    "does not spill.",
+    "state_bwd_kernel": "sm_80 only, at BVS = 64, ~50 B; BVS = 32 (fp32 inputs only, as for "
+                        "state_kernel) does not spill.",
     "fp32": "fp32 inputs (trainer.precision=fp32 on a GPU) multiply as tf32x3 (three TF32 tensor-core "
             "products, about fp32 accuracy); some fp32 variants at K = 128 still spill, and sm_80's "
             "ptxas puts whole operand tiles on the stack (its '32 registers' rows). Train in bf16 for "
@@ -565,7 +588,7 @@ def kda_variants(fn, quick: bool) -> list[dict]:
     return variants
 
 
-def kda_signature(fn, variant: dict, extra: dict) -> tuple[dict, dict, dict]:
+def kda_signature(fn, variant: dict, extra: dict, hopper: bool) -> tuple[dict, dict, dict]:
     """(signature, constexprs, attrs) for ASTSource, with the tiles the launch sites use."""
     from kimi.ops.kda.triton import common, gate
 
@@ -575,6 +598,7 @@ def kda_signature(fn, variant: dict, extra: dict) -> tuple[dict, dict, dict]:
     values = dict(K=K, D=K, V=V, BK=BK, BD=BK, BKD=BKD, BV=BV, BVS=BVS, BKC=BKC, C=common.CHUNK,
                   BC=common.SUB,
                   BR=gate.ROWS, PREC=common.dot_precision(dtype))
+    values["PREC_KB"] = common.key_block_precision(values["PREC"], BKC, hopper)
     values.update({s: variant[s] for s in SWITCHES if s in variant})
     values.update(extra)
     if fn.__name__ == "chunk_cumsum_kernel":  # launched with tiles(K, 16)[0]
@@ -603,13 +627,21 @@ def _constexpr_names(fn) -> set[str]:
     return {p.name for p in fn.params if p.is_constexpr}
 
 
+def launched(variant: dict, extra: dict, arch: int) -> bool:
+    """Whether state_block can pick this value block for this dtype there (Hopper, half precision: 64 only)."""
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[variant["dtype"]]
+    from kimi.ops.kda.triton import common
+
+    return "BVS" not in extra or extra["BVS"] in common.state_blocks(dtype, arch == 90)
+
+
 def _compile_job(job: tuple) -> dict:
     name, variant, config, arch = job
     from compile_check import compile_kernel
 
     _, fn, _ = kda_kernels()[name]
     extra, warps, stages = config
-    signature, constexprs, attrs = kda_signature(fn, variant, extra)
+    signature, constexprs, attrs = kda_signature(fn, variant, extra, arch == 90)
     missing = {k for k, v in constexprs.items() if v is None}
     row = dict(kernel=name, hot=HOT.get(name, ""), arch=arch, **variant, config=dict(extra),
                warps=warps, stages=stages)
@@ -643,6 +675,7 @@ def _report(arch: int, mine: list[dict], kernels, helpers, seconds: float, args)
         print(f"| {r['kernel']} | {r['hot']} | {_variant_text(r)} | {r['config'] or '-'} | "
               f"{r['warps']} | {r['stages']} | {tail} |")
     failed = [r for r in mine if "error" in r]
+    narrow = [r for r in mine if r.get("narrow_half")]
     spills = [r for r in mine if spilled(r)]
     over = [r for r in mine if r.get("smem_over_limit")]
     hot = [r for r in mine if r["hot"] and "error" not in r and r["cu"] == "i32"
@@ -655,9 +688,13 @@ def _report(arch: int, mine: list[dict], kernels, helpers, seconds: float, args)
               f"{r['regs']} | "
               f"{r['spill_stores']}/{r['spill_loads']} | {r['smem']} |")
     print(f"\n{len(mine) - len(failed)} of {len(mine)} compiled for {name}; "
-          f"{len(spills)} spill, {len(over)} over {per_block} B of shared memory")
+          f"{len(spills)} spill, {len(over)} over {per_block} B of shared memory, "
+          f"{len(narrow)} with narrow half-precision operands")
     for r in failed:
         print(f"  FAILED {r['kernel']} [{_variant_text(r)}]: {r['error']}")
+    for r in narrow:
+        print(f"  FAILED {r['kernel']} [{_variant_text(r)}, {r['config'] or '-'}]: narrow half-precision "
+              f"operands ({', '.join(r['narrow_half'])}), which fault on Hopper (common.HALF_MIN_ROW)")
     for r in spills:
         print(f"  spills {r['kernel']} [{_variant_text(r)}, warps {r['warps']}]: "
               f"{r['spill_stores']} B stores / {r['spill_loads']} B loads, {r['regs']} regs")
@@ -666,7 +703,8 @@ def _report(arch: int, mine: list[dict], kernels, helpers, seconds: float, args)
     result = dict(target=f"{name}, compiled, not run", triton=triton.__version__, quick=args.quick,
                   smem_limit_per_block=per_block, smem_per_sm=per_sm, kernels=sorted(kernels),
                   helpers_inlined=helpers, hot=HOT, seconds_so_far=round(seconds, 1),
-                  failed=len(failed), spilled=len(spills), smem_over_limit=len(over), notes=NOTES,
+                  failed=len(failed), spilled=len(spills), smem_over_limit=len(over),
+                  narrow_half=len(narrow), notes=NOTES,
                   rows=mine)
     suffix = "_quick" if args.quick else ""
     write(RESULTS / f"kda_sm{arch}_compile{suffix}.json", result)
@@ -686,7 +724,7 @@ def compile_check(args) -> None:
     _, helpers = kernels_and_helpers(kda_kernel_paths())
     jobs = [(name, variant, config, arch) for arch in arch_list(args.arch)
             for name, (_, fn, configs) in kernels.items() for config in configs
-            for variant in kda_variants(fn, args.quick)]
+            for variant in kda_variants(fn, args.quick) if launched(variant, config[0], arch)]
     print(f"{len(jobs)} compilations ({len(kernels)} kernels) on {args.jobs} processes", flush=True)
     rows = []
     with ProcessPoolExecutor(args.jobs) as pool:  # results in job order: each arch written once complete
@@ -698,7 +736,7 @@ def compile_check(args) -> None:
                         time.perf_counter() - start, args)
     seconds = time.perf_counter() - start
     print(f"compile check: {seconds:.0f} s")
-    if any("error" in r for r in rows):
+    if any("error" in r or r.get("narrow_half") for r in rows):
         raise SystemExit(1)
 
 

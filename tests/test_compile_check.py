@@ -67,9 +67,14 @@ def check_kda(results: list[dict]) -> None:
         compiled = {r["kernel"] for r in result["rows"] if "error" not in r}
         assert compiled == set(kernels), set(kernels) - compiled
         assert all("regs" in r and "smem" in r and "spill_stores" in r for r in result["rows"])
-        # the switches were compiled both ways, the state passes at each value-block candidate
+        # the switches were compiled both ways, the state passes at each value-block candidate they can
+        # launch with (bf16 on Hopper: 64 only, common.HALF_MIN_ROW), and no sm_90 kernel has a narrow
+        # half-precision operand
         assert {r["HAS_INIT"] for r in result["rows"] if r["kernel"] == "state_kernel"} == {False, True}
-        assert {r["config"].get("BVS") for r in result["rows"] if r["kernel"] == "state_kernel"} == {32, 64}
+        hopper = result["target"].startswith("sm_90")
+        assert {r["config"].get("BVS") for r in result["rows"]
+                if r["kernel"] == "state_kernel" and r["dtype"] == "bf16"} == ({64} if hopper else {32, 64})
+        assert not [(r["kernel"], r["narrow_half"]) for r in result["rows"] if r["narrow_half"]]
         # every kernel fits the GPU's shared memory; hot kernels at the model's shape (bf16, K = V = 128)
         # do not spill registers, except those whose reason is written in the JSON's notes
         assert not [r["kernel"] for r in result["rows"] if r["smem_over_limit"]], result["target"]
@@ -85,6 +90,22 @@ def check_attention(results: list[dict]) -> None:
         compiled = {r["fn"] for r in result["rows"] if "error" not in r}
         assert compiled == set(kernels), set(kernels) ^ compiled
         assert all("error" not in r for r in result["rows"])
+
+
+def test_narrow_half_operands_are_found():
+    """The check that keeps the Hopper fault out (narrow_half_operands) sees the layout that faulted on an
+    H200: state_kernel with bf16 inputs at BVS = 32; at BVS = 64 it finds none."""
+    code = (f"import sys, json; sys.path.insert(0, {str(BENCH)!r}); import kda, compile_check; "
+            "fn = kda.kda_kernels()['state_kernel'][1]; "
+            "v = dict(dtype='bf16', K=128, V=128, cu='i32', HAS_INIT=True); "
+            "print(json.dumps([compile_check.compile_kernel(fn, *kda.kda_signature(fn, v, {'BVS': b}, True), "
+            "90, 4, 1).get('narrow_half') for b in (32, 64)]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    at32, at64 = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert at32 == ["64 B swizzle"] and at64 == []
 
 
 def test_kda_compile_check_quick(tmp_path):

@@ -142,6 +142,41 @@ def test_chunk_kda_forced_triton_raises_a_backward_failure_at_forward_time(monke
     assert not kda_ops._CHUNK_GUARD.failed  # forced never records a fallback
 
 
+def test_half_precision_small_heads_on_hopper_are_refused_before_launch(monkeypatch):
+    """On Hopper, bf16 KDA with head dims under 64 would fault in the kernels (common.HALF_MIN_ROW): the
+    launch is refused (KernelUnsupported) before any kernel runs, so auto falls back to the PyTorch path with
+    its exact outputs and gradients, and a forced backend says why. Hopper is simulated on CPU."""
+    from kimi.ops.kda.triton import common
+
+    monkeypatch.setattr(common, "narrow_operands_fault", lambda device: True)
+    inputs = [x.detach().to(torch.bfloat16 if i < 3 else x.dtype).requires_grad_()
+              for i, x in enumerate(kda_inputs(T=8))]
+    w = (torch.randn(2, 8, 2, 16), torch.randn(2, 2, 16, 16))
+    with pytest.warns(RuntimeWarning, match=r"KernelUnsupported: KDA backend='triton' with torch.bfloat16 "
+                                            r"inputs on a Hopper GPU needs head dims of at least 64"):
+        got = kda_run(chunk_kda, None, inputs, w)
+    assert_identical(got, kda_run(chunk_kda, "chunk", inputs, w))
+    with pytest.raises(TritonKernelError, match=r"K = 16, V = 16.*forced"):
+        kda_run(chunk_kda, "triton", inputs, w)
+    # fp32 inputs of the same shape are not narrow (64-byte rows of fp32 feed no tensor core as bf16)
+    dispatch.reset()
+    kda_run(chunk_kda, "triton", kda_inputs(T=8), w)
+
+
+def test_hopper_tile_rules():
+    """What the Hopper rule changes: half precision keeps 64-wide state blocks and multiplies chunk_bwd's
+    32-wide key-block products as tf32x3; fp32 inputs and Ampere keep their tiles and precision."""
+    from kimi.ops.kda.triton import common
+
+    assert common.state_blocks(torch.bfloat16, hopper=True) == (64,)
+    assert common.state_blocks(torch.bfloat16, hopper=False) == common.state_blocks(torch.float32, True) == (32, 64)
+    assert common.key_block_precision(1, 32, hopper=True) == 3 == common.key_block_precision(2, 32, True)
+    assert common.key_block_precision(1, 32, hopper=False) == 1
+    assert common.key_block_precision(1, 64, hopper=True) == 1
+    assert common.key_block_precision(3, 32, hopper=True) == 3
+    assert not common.narrow_operands_fault(torch.device("cpu"))
+
+
 def test_fused_recurrent_kda_auto_falls_back(monkeypatch):
     monkeypatch.setattr(kda_op, "recurrent_fwd", driver_error)
     inputs = kda_inputs(T=1, grad=False)
@@ -179,6 +214,7 @@ def test_is_triton_failure():
     assert not is_triton_failure(RuntimeError("CUDA out of memory"))
     assert not is_triton_failure(ValueError("bad shape"))
     assert not is_triton_failure(TritonKernelError("already explained"))
+    assert is_triton_failure(dispatch.KernelUnsupported("a launch known to fault on this GPU"))
 
 
 # the KDA layer's fused l2norm and gate kernels

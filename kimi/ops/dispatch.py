@@ -20,8 +20,11 @@ gradients are the PyTorch path's exactly. Compile-time failures (the common case
 shared memory, a ptxas/driver mismatch) depend on the dtypes and tile sizes, not on the sequence length, so
 the probe sees them. A backward failure that only the full-size launch hits still raises.
 
-Not covered: inside torch.compile (trainer.compile=true) the kernels run inside the compiled graph where no
-Python handler sees their errors; the dispatch then follows the state reached so far in eager calls.
+Not covered: a kernel that faults while it runs (an illegal memory access) leaves the CUDA context unusable,
+so nothing can fall back after it; `make gpu-check` is what finds those, and launches known to fault are
+refused before they start (KernelUnsupported). Inside torch.compile (trainer.compile=true) the kernels run
+inside the compiled graph where no Python handler sees their errors; the dispatch then follows the state
+reached so far in eager calls.
 Guarded ops: chunk_kda, fused_recurrent_kda (kimi.ops.kda), the KDA layer's fused l2norm and gate
 (kimi.ops.kda.gate.normalize_and_gate) and attention (kimi.ops.attention).
 
@@ -51,6 +54,11 @@ class TritonKernelError(RuntimeError):
     """A Triton kernel failed with its backend forced to Triton (with auto the op would have fallen back)."""
 
 
+class KernelUnsupported(RuntimeError):
+    """Raised by our host code before a launch that is known to go wrong on this GPU (a compiler bug, not a
+    bad argument): a Triton failure, so auto falls back and a forced backend says why."""
+
+
 def _triton_dir() -> str | None:
     spec = importlib.util.find_spec("triton")
     if spec is None or not spec.submodule_search_locations:
@@ -78,7 +86,7 @@ def is_triton_failure(exc: BaseException) -> bool:
         from triton.errors import TritonError
     except Exception:  # triton missing or broken: nothing can be a TritonError
         TritonError = ()
-    if TritonError and isinstance(exc, TritonError):
+    if (TritonError and isinstance(exc, TritonError)) or isinstance(exc, KernelUnsupported):
         return True
     if isinstance(exc, ImportError) and (exc.name or "").split(".")[0] == "triton":
         return True

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .chunk_fwd import forward_intermediates, load_square
 from .common import (CHUNK, SUB, chunk_bounds, chunk_cumsum, load_G, load_G_row, load_rows, mm, scratch,
-                     state_block, state_program, tiles)
+                     key_block_precision, narrow_operands_fault, state_block, state_program, tiles)
 
 
 @triton.jit
@@ -51,11 +51,12 @@ def state_bwd_kernel(QG, KG, Gc, W, Aqk, do, dht, DH, DVN, dh0, cu_seqlens, firs
 @triton.jit
 def chunk_bwd_kernel(q, k, v, beta, Gc, L, Ainv, W, U, Hs, VN, do, DH, DVN, dqs, dks, dv, dG, dbeta, dAqk, dL,
                      cu_seqlens, chunks, H, K: tl.constexpr, V: tl.constexpr, BKC: tl.constexpr,
-                     BV: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr):
+                     BV: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr, PREC_KB: tl.constexpr):
     """Two passes over the value blocks: first what needs no key channels (dV, dA_qk, the U part of dA),
     then, per block of BKC key channels, the state terms. Holding all K channels of the three [C, K]
     accumulators at once spilled registers at K = 128 (bench/results/kda_sm90_compile.json); the second
-    pass rereads dO, V_new and dV_new once per key block instead."""
+    pass rereads dO, V_new and dV_new once per key block instead. PREC_KB: the two products with a [C, BKC]
+    operand (common.key_block_precision)."""
     i_c, h = tl.program_id(0), tl.program_id(1)
     t0, last = chunk_bounds(cu_seqlens, chunks, i_c, C)
     o = tl.arange(0, C)
@@ -100,10 +101,10 @@ def chunk_bwd_kernel(q, k, v, beta, Gc, L, Ainv, W, U, Hs, VN, do, DH, DVN, dqs,
         decay = tl.exp(G)
         to_end = tl.exp(G_last[None, :] - G)
         k_decayed = b_k * decay
-        Z_W = mm(tl.trans(A_inv), d_W, PREC)
+        Z_W = mm(tl.trans(A_inv), d_W, PREC_KB)
         d_kdecayed = b_beta[:, None] * Z_W
         d_beta += tl.sum(Z_W * k_decayed, axis=1)
-        d_A -= mm(Z_W, tl.trans(load_rows(W, rows, last, h, H, ck, K, mk)), PREC)
+        d_A -= mm(Z_W, tl.trans(load_rows(W, rows, last, h, H, ck, K, mk)), PREC_KB)
         out = (rows[:, None] * H + h) * K + ck[None, :]
         mask = valid[:, None] & mk[None, :]
         tl.store(dqs + out, d_qs * decay, mask=mask)
@@ -197,7 +198,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_
     V = v.shape[-1]
     N = cu_seqlens.numel() - 1
     BK, BKD, BV, _, BKC = tiles(K, V)
-    BVS = state_block(N, H, V, q.device)
+    BVS = state_block(N, H, V, q.device, q.dtype)
     mid, _ = forward_intermediates(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_chunk,
                                    NT, prec, backward=True)
     DH = scratch(NT, H, K, V, like=q, dtype=q.dtype)  # matmul operands only, like the forward's states
@@ -217,6 +218,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_
         chunk_bwd_kernel[(NT, H)](
             q, k, v, beta, mid["Gc"], mid["L"], mid["Ainv"], mid["W"], mid["U"], mid["Hs"], mid["VN"], do, DH,
             DVN, dqs, dks, dv, dG, dbeta, dAqk, dL, cu_seqlens, chunks, H, K, V, BKC, BV, CHUNK, prec,
+            key_block_precision(prec, BKC, narrow_operands_fault(q.device)),
             num_warps=8, num_stages=1)  # four [C, C] and three [C, BKC] fp32 tiles; no loop pipelining
         scores_bwd_kernel[(NT, H)](q, k, mid["Gc"], dAqk, dL, dqs, dks, dq, dk, dG, cu_seqlens, chunks, scale,
                                    H, K, BK, BKD, CHUNK, SUB, prec, num_warps=8)  # 4 warps spill at K = 128

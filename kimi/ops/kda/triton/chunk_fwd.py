@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .common import (CHUNK, SUB, chunk_bounds, chunk_cumsum, load_G, load_G_row, load_rows, mm, scratch,
-                     state_block, state_program, tiles)
+                     check_head_dims, state_block, state_program, tiles)
 
 
 @triton.jit
@@ -242,7 +242,8 @@ def forward_intermediates(q, k, v, g, beta, scale, initial_state, cu_seqlens, ch
     V = v.shape[-1]
     N = cu_seqlens.numel() - 1
     BK, BKD, BV, _, _ = tiles(K, V)
-    BVS = state_block(N, H, V, q.device)
+    check_head_dims(q.dtype, K, V, q.device)
+    BVS = state_block(N, H, V, q.device, q.dtype)
     dt = q.dtype
     Gc = chunk_cumsum(g, cu_seqlens, chunks, NT)
     L = scratch(T, H, CHUNK, like=q)  # [C, C] per chunk, row by row

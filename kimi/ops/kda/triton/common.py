@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...dispatch import KernelUnsupported
 from ..chunk import CHUNK_SIZE
 
 # Triton decides at decoration time whether @triton.jit kernels are compiled or interpreted, from this
@@ -68,6 +69,16 @@ class Tiles(NamedTuple):
 
 STATE_BLOCKS = (32, 64)  # the state passes' BVS candidates (all compiled by bench/kda.py --compile-check)
 
+# A half-precision matmul operand whose rows in shared memory are narrower than 128 bytes (under 64 bf16/fp16
+# elements) gets a 64-byte swizzle, and Triton's Hopper (wgmma) code reads such operands outside their shared
+# memory. Seen on an H200 on 2026-11-30 (Triton 3.6.0): with bf16 and fp16 inputs, state_kernel at BVS = 32
+# and chunk_bwd_kernel at BKC = 32 ended in "illegal memory access" (compute-sanitizer: out-of-range shared
+# address at the dot), while fp32 inputs (tf32x3: 32 fp32 = 128-byte rows) ran clean. The same failure with
+# 32-wide bf16 tiles is triton-lang/triton issue 11366 (Triton 3.7.1, H20); Triton 3.9.0 emits the same
+# shared-memory code for these kernels. So no half-precision operand here is narrower than this; the
+# compile check (bench/kda.py --compile-check) fails any kernel whose sm_90 code has one.
+HALF_MIN_ROW = 64
+
 
 def tiles(K: int, V: int) -> Tiles:
     """Tile sizes. Under the interpreter BKD, BV, BVS and BKC are 16, so the tests' small heads (K, V <= 40)
@@ -84,14 +95,50 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def state_block(N: int, H: int, V: int, device: torch.device) -> int:
+def narrow_operands_fault(device: torch.device) -> bool:
+    """Whether this device runs the kernels through Hopper's wgmma, where narrow half-precision operands
+    fault (HALF_MIN_ROW). Ampere's tensor-core path (mma) has no such layouts."""
+    return not INTERPRET and device.type == "cuda" and _capability(device)[0] == 9
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def state_block(N: int, H: int, V: int, device: torch.device, dtype: torch.dtype) -> int:
     """BVS of the state passes: one program per (sequence, head, value block) runs the only sequential loop,
     so a few long sequences (N * H small) would leave multiprocessors idle with 64-wide blocks; then 32,
-    twice the programs, each rereading the keys. Both spill-free at K = 128 (bench/results/kda_sm*_compile)."""
+    twice the programs, each rereading the keys. Both spill-free at K = 128 (bench/results/kda_sm*_compile),
+    except that half-precision inputs on Hopper always take 64 (a 32-wide block is a narrow operand)."""
     wide = block(V, 16 if INTERPRET else STATE_BLOCKS[-1])
     if INTERPRET or device.type != "cuda":
         return wide
-    return wide if N * H * triton.cdiv(V, wide) >= _multiprocessors(device) else block(V, STATE_BLOCKS[0])
+    if N * H * triton.cdiv(V, wide) >= _multiprocessors(device):
+        return wide
+    return block(V, state_blocks(dtype, narrow_operands_fault(device))[0])
+
+
+def state_blocks(dtype: torch.dtype, hopper: bool) -> tuple[int, ...]:
+    """The BVS values state_block can pick for inputs of this dtype on a GPU (what the compile check builds)."""
+    return STATE_BLOCKS[-1:] if hopper and dtype.itemsize < 4 else STATE_BLOCKS
+
+
+def key_block_precision(prec: int, BKC: int, hopper: bool) -> int:
+    """PREC of chunk_bwd's two products whose operand is a [C, BKC] tile: on Hopper, with half-precision
+    operands and BKC < HALF_MIN_ROW that tile is a narrow operand, so those two multiply as tf32x3 on fp32
+    operands (rows of 4 * BKC = 128 bytes) instead; everything else in the kernel keeps `prec`."""
+    return 3 if hopper and prec in (1, 2) and BKC < HALF_MIN_ROW else prec
+
+
+def check_head_dims(dtype: torch.dtype, K: int, V: int, device: torch.device) -> None:
+    """Half-precision kernels on Hopper need K, V >= HALF_MIN_ROW: smaller heads make narrow operands."""
+    if dtype.itemsize < 4 and min(K, V) < HALF_MIN_ROW and narrow_operands_fault(device):
+        raise KernelUnsupported(
+            f"KDA backend='triton' with {dtype} inputs on a Hopper GPU needs head dims of at least "
+            f"{HALF_MIN_ROW} (got K = {K}, V = {V}): narrower half-precision matmul operands hit a Triton "
+            "code-generation bug there (kimi/ops/kda/triton/common.py, HALF_MIN_ROW); use fp32 inputs or "
+            "the PyTorch path")
 
 
 def scratch(*shape: int, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
