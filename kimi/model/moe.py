@@ -66,30 +66,38 @@ def grouped_mm_ok(x: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
+def swiglu_sorted(rows: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                  w_down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU_e of rows sorted by expert (counts[e] rows for expert e, in expert order): one grouped GEMM per
+    projection (torch._grouped_mm), or one matmul per expert where that kernel does not run."""
+    if grouped_mm_ok(rows):
+        ends = counts.cumsum(0).to(torch.int32)
+        gate, up = (torch._grouped_mm(rows, w.mT, offs=ends) for w in (w_gate, w_up))
+        return torch._grouped_mm(F.silu(gate) * up, w_down.mT, offs=ends)
+    pieces, start = [], 0  # fp64, or devices without the grouped kernel
+    for e, n in enumerate(counts.tolist()):
+        r = rows[start:start + n]
+        pieces.append((F.silu(r @ w_gate[e].T) * (r @ w_up[e].T)) @ w_down[e].T)
+        start += n
+    return torch.cat(pieces)
+
+
 def experts_grouped(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
                     w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """sum over each token's chosen experts of weight * SwiGLU_e(token): tokens sorted by expert, one grouped
     GEMM per projection."""
-    N, d = x.shape
     E, k = w_gate.shape[0], experts.shape[1]
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)
-    rows = x[order // k]  # the (token, choice) pairs in expert order
-    counts = torch.bincount(flat, minlength=E)
-    if grouped_mm_ok(x):
-        ends = counts.cumsum(0).to(torch.int32)
-        gate, up = (torch._grouped_mm(rows, w.mT, offs=ends) for w in (w_gate, w_up))
-        h = F.silu(gate) * up
-        y = torch._grouped_mm(h, w_down.mT, offs=ends)
-    else:  # one matmul per expert on its contiguous rows (fp64, or devices without the grouped kernel)
-        pieces, start = [], 0
-        for e, n in enumerate(counts.tolist()):
-            r = rows[start:start + n]
-            pieces.append((F.silu(r @ w_gate[e].T) * (r @ w_up[e].T)) @ w_down[e].T)
-            start += n
-        y = torch.cat(pieces)
+    y = swiglu_sorted(x[order // k], torch.bincount(flat, minlength=E), w_gate, w_up, w_down)
+    return combine(y, order, k, weights, x)
+
+
+def combine(y: torch.Tensor, order: torch.Tensor, k: int, weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """y [N k, d]: the expert outputs of the (token, choice) pairs in the order `order` sorted them; their
+    weighted sum per token, [N, d] in x's dtype."""
     y = y * weights.reshape(-1)[order, None]
-    return torch.zeros(N, d, dtype=torch.promote_types(y.dtype, x.dtype), device=x.device).index_add_(
+    return torch.zeros(x.shape, dtype=torch.promote_types(y.dtype, x.dtype), device=x.device).index_add_(
         0, order // k, y).to(x.dtype)
 
 
