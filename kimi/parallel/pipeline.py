@@ -114,12 +114,56 @@ def stage_parts(model: nn.Module, ranges: Sequence[range], rank: int, pp: int, v
     return [model.part(ranges[i], i == 0, i == total - 1) for i in stage_indices(rank, pp, virtual)]
 
 
+def _recorded(part: nn.Module) -> list:
+    """What a training forward records in the model besides its output: MoE layers' token counts per expert
+    (and last auxiliary loss), MLA layers' max logits for QK-Clip."""
+    from kimi.model.mla import MLA
+    from kimi.model.moe import MoE
+
+    out = []
+    for m in part.modules():
+        if isinstance(m, MoE):
+            out += [(m, "load", m.load.clone()), (m, "aux_loss", m.aux_loss)]
+        elif isinstance(m, MLA):
+            out.append((m, "_seen_max_logits", list(m._seen_max_logits)))
+    return out
+
+
+def _restore(saved: list) -> None:
+    for m, name, value in saved:
+        if name == "load":
+            m.load.copy_(value)
+        else:
+            setattr(m, name, value)
+
+
+def _without_records(stage: PipelineStage, part: nn.Module) -> None:
+    """torch's PipelineStage (2.13) infers its shapes by running the stage's forward once with gradients
+    before the first real micro-batch: on the first micro-batch's tokens (first stage) or on uninitialised
+    activations (the others). What that forward records would skew the first step (one extra micro-batch of
+    MoE loads, hence another bias update; QK-Clip logits of garbage): undo it."""
+    infer = getattr(stage, "_forward_metadata_inference", None)
+    if infer is None:
+        return
+
+    def inference_leaving_no_records(*args, **kwargs):
+        saved = _recorded(part)
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            _restore(saved)
+
+    stage._forward_metadata_inference = inference_leaving_no_records
+
+
 def build_schedule(parts: Sequence[nn.Module], mesh: DeviceMesh, device: torch.device, schedule: str,
                    microbatches: int):
     pp, rank = mesh.size(), mesh.get_local_rank()
     total = pp * len(parts)
     stages = [PipelineStage(part, index, total, device, group=mesh.get_group())
               for part, index in zip(parts, stage_indices(rank, pp, len(parts)))]
+    for stage, part in zip(stages, parts):
+        _without_records(stage, part)
     if schedule in SINGLE_STAGE:
         return SCHEDULES[schedule](stages[0], n_microbatches=microbatches, loss_fn=lm_loss)
     return SCHEDULES[schedule](stages, n_microbatches=microbatches, loss_fn=lm_loss)
