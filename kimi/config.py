@@ -212,6 +212,9 @@ class ParallelConfig:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    # expert parallelism: the routed experts of every MoE layer split over this many of the dp_shard ranks
+    # (kimi/parallel/expert_parallel.py); the experts' weights are FSDP-sharded over the rest
+    ep: int = 1
     activation_checkpointing: str = one_of(AC_MODES, "none")  # see kimi/parallel/checkpointing.py
     compile: bool = False  # torch.compile each token mixer and MLP
     reshard_after_forward: bool = True  # FSDP2: False keeps weights gathered until the backward (ZeRO-2-like)
@@ -448,7 +451,7 @@ def _validate_logging(lg: LoggingConfig) -> None:
 
 def _validate_parallel(p: ParallelConfig) -> None:
     _check_choices(p, "parallel")
-    for key in ("dp_replicate", "dp_shard", "tp", "pp"):
+    for key in ("dp_replicate", "dp_shard", "tp", "pp", "ep"):
         _check(getattr(p, key) >= 1, f"parallel.{key}", getattr(p, key), "must be >= 1")
     _check(p.pp_virtual_stages >= 1, "parallel.pp_virtual_stages", p.pp_virtual_stages, "must be >= 1")
     _check(p.pp_microbatches >= 0, "parallel.pp_microbatches", p.pp_microbatches,
@@ -503,6 +506,22 @@ def _check_tensor_parallel(cfg: Config) -> None:
         _require(t.seq_len % p.tp == 0,
                  f"trainer.seq_len={t.seq_len} does not split over parallel.tp={p.tp} ranks for sequence "
                  f"parallelism: make it a multiple of {p.tp}")
+
+
+def _check_expert_parallel(cfg: Config) -> None:
+    """parallel.ep takes its ranks from dp_shard and splits every MoE layer's experts evenly."""
+    m, p = cfg.model, cfg.parallel
+    if p.ep == 1:
+        return
+    _require(m.moe_num_experts > 0, f"parallel.ep={p.ep} needs a mixture-of-experts model (model.moe_num_experts "
+                                    "> 0, e.g. model=moe_tiny): expert parallelism splits the routed experts; "
+                                    "set parallel.ep=1")
+    _require(p.dp_shard % p.ep == 0,
+             f"parallel.ep={p.ep} does not divide parallel.dp_shard={p.dp_shard}: the expert-parallel ranks are "
+             "taken from the dp_shard ranks; make dp_shard a multiple of ep")
+    _require(m.moe_num_experts % p.ep == 0,
+             f"model.moe_num_experts={m.moe_num_experts} is not divisible by parallel.ep={p.ep}: each "
+             "expert-parallel rank holds the same number of experts; choose an ep that divides it")
 
 
 def _check_pipeline(cfg: Config) -> None:
@@ -581,6 +600,7 @@ def validate(cfg: Config, world: Optional[int] = None) -> None:
     _validate_parallel(cfg.parallel)
     _check_layout(cfg.parallel, world)
     _check_tensor_parallel(cfg)
+    _check_expert_parallel(cfg)
     _check_pipeline(cfg)
     _check_vocab(cfg)
     _check_kernels(cfg)

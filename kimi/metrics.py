@@ -313,8 +313,9 @@ def banner(cfg, dims, num_params, flops_per_token: float, data, device, routing:
              f"val tokens; batch {t.micro_batch_size}x{t.seq_len}x{t.grad_accum_steps}{ranks} = {tokens:,} tokens/step;"
              f" device {device}; run dir {t.run_dir}"]
     if dims.enabled:
+        experts = f"; MoE experts split over ep={dims.ep} of the dp_shard ranks" if dims.ep > 1 else ""
         lines.append(f"[kimi] parallel: pp={dims.pp} x dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard} x "
-                     f"tp={dims.tp} over {dims.world} processes")
+                     f"tp={dims.tp} over {dims.world} processes{experts}")
     if routing:  # MuonClip: which parameters Muon and AdamW each update
         lines.append(routing)
     return "\n".join(lines)

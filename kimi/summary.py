@@ -15,8 +15,10 @@ after
      width or vocabulary is divided by tp (row-parallel ones along their input dimension); RMSNorm weights,
      AttnRes queries, KDA's f_proj_down / g_proj_down, MLA's wkv_a (and q-LoRA's wq_a) and MoE layers stay
      replicated;
-  3. FSDP2: every parameter's dim 0 is split over dp_shard (the largest shard, ceil, is counted); nothing is
-     divided by dp_replicate.
+  3. expert parallelism: the routed experts' dim 0 (the expert) is split over ep;
+  4. FSDP2: every parameter's dim 0 is split over dp_shard (the largest shard, ceil, is counted), the routed
+     experts' over dp_shard / ep (the rest of their data-parallel ranks); nothing is divided by
+     dp_replicate.
 
 With dp_shard > 1 it also shows, apart, the transient all-gathered copy of the largest FSDP unit (a token
 mixer, an MLP, or the root: embedding, LM head, norms and queries) in the compute dtype. Activations are not
@@ -226,15 +228,20 @@ def rank_state(cfg: Config, model: KimiModel, routes: Dict[str, str], pp_rank: i
             st.tp_replicated += n
         else:
             st.tp_split += n
-        local = local_numel(param.shape, dim, p.tp, p.dp_shard)
+        shape, shard, unit = param.shape, p.dp_shard, None
+        if p.ep > 1 and family(model, name) == "routed experts":  # an FSDP unit of their own
+            shape, shard = (_ceil_div(shape[0], p.ep), *shape[1:]), p.dp_shard // p.ep
+            unit = name.rsplit(".", 1)[0]
+        local = local_numel(shape, dim, p.tp, shard)
         st.local += local
         if cfg.optim.name == "muonclip" and routes[name] == "muon":
             st.local_muon += local
         else:
             st.local_adamw += local
         parts = name.split(".")
-        unit = ".".join(parts[:3]) if parts[0] == "blocks" and parts[2] in ("mixer", "mlp") else "root"
-        units[unit] = units.get(unit, 0) + local_numel(param.shape, dim, p.tp, 1)
+        if unit is None:
+            unit = ".".join(parts[:3]) if parts[0] == "blocks" and parts[2] in ("mixer", "mlp") else "root"
+        units[unit] = units.get(unit, 0) + local_numel(shape, dim, p.tp, 1)
     st.largest_unit = max(units.items(), key=lambda kv: kv[1])
     st.bytes = {"fp32 master weights": 4 * st.local, "fp32 gradients": 4 * st.local}
     if cfg.optim.name == "muonclip":
@@ -347,8 +354,9 @@ def report(s: Summary) -> str:
     out += ["", "Training compute", table(rows, ["", "value", ""], "lrl")]
 
     virtual = "" if p.pp == 1 or len(s.ranks[0].stages) == 1 else f", {len(s.ranks[0].stages)} stages per rank"
+    experts = f"; routed experts over ep {p.ep}" if p.ep > 1 else ""
     out += ["", f"Layout: dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard} x tp {p.tp} x pp {p.pp} = "
-                f"{s.world} ranks (pp_schedule {p.pp_schedule}{virtual})"]
+                f"{s.world} ranks (pp_schedule {p.pp_schedule}{virtual}){experts}"]
     rows = []
     for r in s.ranks:
         ends = "+".join(x for x, on in (("embed", r.first), ("head", r.last)) if on)

@@ -36,6 +36,9 @@ LAYOUTS = {
     # TP row shards under FSDP, an HSDP-like weight replicated over dp, and norms replicated over tp
     "dp2tp2": ((2, 2), {"*": (_StridedShard(0, split_factor=2), S0), "tall": (S0, S1), "wide": (S0, S1),
                         "sq2": (R, S0), "experts": (S0, S1), "norm": (S0, R), "bias": (R, R)}),
+    # expert parallelism over a mesh (edp, ep): the experts split by expert over ep, then FSDP-sharded over
+    # edp (FSDP2's _StridedShard over the ep shard), everything else FSDP-sharded over all four ranks
+    "ep2fsdp2": ((2, 2), {"*": (S0, S0), "experts": (_StridedShard(0, split_factor=2), S0)}),
 }
 
 

@@ -68,3 +68,18 @@ def test_mla_pattern_helpers():
     assert mla_layer_indices(ModelConfig(num_layers=3, mla_every=0)) == []
     assert mla_layer_indices(ModelConfig(num_layers=3, mla_every=1)) == [0, 1, 2]
     assert mla_layer_indices(ModelConfig(num_layers=5, mla_layers=[4, 1])) == [1, 4]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel.dp_shard=2", "parallel.ep=2"], "parallel.ep=2 needs a mixture-of-experts model"),
+    (["model=moe_tiny", "parallel.dp_shard=3", "parallel.ep=2"],
+     "parallel.ep=2 does not divide parallel.dp_shard=3"),
+    (["model=moe_tiny", "parallel.dp_shard=6", "parallel.ep=3"],
+     "model.moe_num_experts=8 is not divisible by parallel.ep=3"),
+    (["model=moe_tiny", "parallel.ep=0"], "parallel.ep"),
+])
+def test_expert_parallel_layouts_that_cannot_work_say_why(overrides, message):
+    cfg = compose_cfg(*overrides)
+    world = cfg.parallel.dp_replicate * cfg.parallel.dp_shard * cfg.parallel.tp * cfg.parallel.pp
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg, world=world)

@@ -45,8 +45,8 @@ def hf_moe(cfg, ours: MoE):
     with torch.no_grad():
         theirs.gate.weight.copy_(ours.router.weight)
         theirs.gate.e_score_correction_bias.copy_(ours.expert_bias)
-        theirs.experts.gate_up_proj.copy_(torch.cat([ours.w_gate, ours.w_up], dim=1))
-        theirs.experts.down_proj.copy_(ours.w_down)
+        theirs.experts.gate_up_proj.copy_(torch.cat([ours.experts.w_gate, ours.experts.w_up], dim=1))
+        theirs.experts.down_proj.copy_(ours.experts.w_down)
         for name in ("gate", "up", "down"):
             theirs_proj = getattr(theirs.shared_experts, f"{name}_proj")
             theirs_proj.weight.copy_(getattr(ours.shared, f"w_{name}").weight)
@@ -91,7 +91,7 @@ def test_grouped_equals_loop_forward_and_backward(dtype):
     x = torch.randn(40, cfg.d_model, dtype=dtype, generator=torch.Generator().manual_seed(2))
     w, e, _ = route(x, moe.router.weight, moe.expert_bias, 2, 4, 2, True, 2.5)
     e = torch.where(e == 3, torch.full_like(e, 4), e)  # expert 3 gets no token
-    weights = [moe.w_gate, moe.w_up, moe.w_down]
+    weights = [moe.experts.w_gate, moe.experts.w_up, moe.experts.w_down]
     results = []
     for fn in (experts_grouped, experts_loop):
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -199,3 +199,23 @@ def test_aux_loss_enters_the_gradient_not_the_output():
     router = dict(zip((n for n, _ in with_aux.named_parameters()), grads))["router.weight"]
     no_aux = torch.autograd.grad((plain(x) * cot).sum(), plain.router.weight)[0]
     assert not torch.allclose(router, no_aux)  # the router's gradient includes the auxiliary term
+
+
+def test_packed_rows_keep_a_per_row_sequence_loss():
+    """With packed documents (data.varlen) the model runs its B rows as one row [1, B*T]; the sequence-wise
+    loss must still be per batch row, or it would change with how rows are grouped into micro-batches (and
+    so with the parallel layout): packed and unpacked runs of the same rows record the same loss."""
+    from kimi.model.moe import moe_layers
+
+    cfg = moe_cfg(moe_aux_loss_coef=0.1, num_layers=2, vocab_size=61)
+    torch.manual_seed(0)
+    model = KimiModel(cfg)
+    model.init_weights()
+    ids = torch.randint(0, 61, (3, 12), generator=torch.Generator().manual_seed(1))
+    starts = torch.zeros(3, 12, dtype=torch.bool)
+    starts[:, 0] = True  # one document per row: packing changes nothing else
+    model(ids)
+    unpacked = [float(m.aux_loss) for m in moe_layers(model)]
+    model(ids, doc_starts=starts)
+    packed = [float(m.aux_loss) for m in moe_layers(model)]
+    assert packed == pytest.approx(unpacked, rel=1e-6) and len(packed) == 1

@@ -6,8 +6,9 @@ tensor-parallel ranks split every layer by heads, pipeline stages split the bloc
 validation losses and final weights must match the single-process run (to float summation order), with
 AdamW and with MuonClip. The cases run in one torchrun launch per process count (tests/dist_train.py):
 torch's start-up on every rank costs more than a tiny run. A checkpoint moves from dp2 x tp2 to two
-pipeline stages to one process with the same losses (and from tp2 to pp2 with tied embeddings), and a
-layout that does not fit exits with the message instead of hanging.
+pipeline stages to one process with the same losses (and from tp2 to pp2 with tied embeddings, and from
+expert parallelism over 4 ranks to 2 ranks), and a layout that does not fit exits with the message instead
+of hanging.
 """
 
 from __future__ import annotations
@@ -74,6 +75,14 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
     "moe_tp2_sp": (2, 1, [*MOE, "parallel.tp=2", "parallel.sequence_parallel=true"]),
     "moe_pp2": (2, 1, [*MOE, "parallel.pp=2", "parallel.pp_microbatches=4"]),
     "moe_dp2xtp2": (4, 2, [*MOE, "parallel.dp_shard=2", "parallel.tp=2"]),
+    # expert parallelism: 2 experts per rank, tokens exchanged by all-to-all; with dp_shard 4 the experts'
+    # weights are also FSDP-sharded over the 2 ranks that share them
+    "moe_ep2": (2, 2, [*MOE, "parallel.dp_shard=2", "parallel.ep=2"]),
+    "moe_dp4_ep2": (4, 4, [*MOE, "parallel.dp_shard=4", "parallel.ep=2"]),
+    "moe_ep2xtp2_sp": (4, 2, [*MOE, "parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2",
+                              "parallel.sequence_parallel=true"]),
+    "moe_ep2xpp2_varlen": (4, 2, [*MOE, "parallel.dp_shard=2", "parallel.ep=2", "parallel.pp=2",
+                                  "data.varlen=true"]),
 }
 # every layout the issue names, with both optimizers; the rest (options riding along) with one
 BOTH = ["dp_shard2", "dp_replicate2", "tp2", "tp2_sp", "dp2xtp2", "pp2_1f1b", "pp2_interleaved", "pp2xdp2",
@@ -82,7 +91,9 @@ CASES = [(layout, optim) for layout in BOTH for optim in ("adamw", "muonclip")] 
     ("hsdp2x2", "muonclip"), ("tp2_tied", "muonclip"), ("pp2_gpipe", "adamw"), ("pp2_zero_bubble", "adamw"),
     ("pp2xtp2_sp_tied", "muonclip"), ("pp4_tied", "adamw"), ("pp2xdp2_tied", "adamw"), ("pp2_tied", "muonclip"),
     ("pp2_varlen", "adamw"), ("tp2_sp_varlen", "muonclip"), ("moe_dp_shard2", "muonclip"),
-    ("moe_tp2_sp", "muonclip"), ("moe_pp2", "muonclip"), ("moe_dp2xtp2", "muonclip")]
+    ("moe_tp2_sp", "muonclip"), ("moe_pp2", "muonclip"), ("moe_dp2xtp2", "muonclip"), ("moe_ep2", "muonclip"),
+    ("moe_ep2", "adamw"), ("moe_dp4_ep2", "muonclip"), ("moe_ep2xtp2_sp", "muonclip"),
+    ("moe_ep2xpp2_varlen", "muonclip")]
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +201,7 @@ def test_layout_equals_one_process(tmp_path, launches, references, layout, optim
         assert (run / "sample.txt").read_text() == (ref / "sample.txt").read_text()
 
 
-@pytest.mark.parametrize("chain", [("dp2xtp2", "pp2_1f1b"), ("tp2_tied", "pp2_tied")])
+@pytest.mark.parametrize("chain", [("dp2xtp2", "pp2_1f1b"), ("tp2_tied", "pp2_tied"), ("moe_dp4_ep2", "moe_ep2")])
 def test_checkpoint_moves_between_layouts_then_to_one_process(tmp_path, data, references, chain):
     """Step 1 on the first layout, step 2 on the second, step 3 in one process: the same run (with tied
     embeddings: one matrix on one process, two copies on two stages)."""

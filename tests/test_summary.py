@@ -45,7 +45,7 @@ def counts_by_name(model: KimiModel) -> dict:
             key = "LM head"
         elif m := re.match(r"blocks\.(\d+)\.mixer\.", name):
             key = "MLA mixers" if int(m.group(1)) in mla else "KDA mixers"
-        elif re.match(r"blocks\.\d+\.mlp\.w_(gate|up|down)$", name):  # a MoE layer's 3-D expert weights
+        elif re.match(r"blocks\.\d+\.mlp\.experts\.w_(gate|up|down)$", name):  # a MoE layer's 3-D expert weights
             key = "routed experts"
         elif re.match(r"blocks\.\d+\.mlp\.", name):
             key = "MLPs"
@@ -65,7 +65,7 @@ def test_families_add_up_to_the_model(preset):
     # MuonClip's default routing: 2-D matrices (and MoE experts' 3-D batches of them) except the embedding
     # and the LM head
     muon = sum(p.numel() for n, p in model.named_parameters()
-               if (p.ndim == 2 or n.endswith((".mlp.w_gate", ".mlp.w_up", ".mlp.w_down")))
+               if (p.ndim == 2 or n.endswith((".experts.w_gate", ".experts.w_up", ".experts.w_down")))
                and not n.startswith(("embed.", "lm_head.")))
     assert (s.muon, s.adamw) == (muon, model.num_params() - muon)
     if preset == "48b_dense":
@@ -144,7 +144,7 @@ def test_tp_divides_what_it_says(fake_world, preset):
     # replicated over tp, by name: norms, AttnRes queries, KDA's low-rank down-projections, MLA's W_dkv,
     # and everything of a MoE layer (router, shared experts, the routed experts' 3-D weights)
     kept = (r"norm\.weight$|_query$|f_proj_down\.weight$|g_proj_down\.weight$|wkv_a\.weight$"
-            r"|\.mlp\.(router|shared)\.|\.mlp\.w_(gate|up|down)$")
+            r"|\.mlp\.(router|shared)\.|\.mlp\.experts\.w_(gate|up|down)$")
     replicated = sum(p.numel() for n, p in model.named_parameters() if re.search(kept, n))
     assert s_tp.heaviest.tp_replicated == replicated
     assert s_tp.heaviest.tp_split == model.num_params() - replicated
@@ -157,6 +157,27 @@ def test_tp_divides_what_it_says(fake_world, preset):
     assert local_params(real) == s_tp.heaviest.local
     apply_data_parallel(real, mesh["dp_shard"])
     assert local_params(real) == s_both.heaviest.local
+
+
+def test_expert_parallel_divides_what_it_says(fake_world):
+    """moe_tiny with dp_shard 4 and ep 2: each rank keeps half the experts, FSDP-sharded over 2 ranks, and the
+    rest of the model sharded over 4, as the real expert-parallel and FSDP plans place them (the same count
+    per rank as FSDP alone; what ep saves is the gathers and the expert all-gathered copy)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from kimi.parallel.dims import ParallelDims
+    from kimi.parallel.expert_parallel import apply_expert_parallel
+    from kimi.parallel.fsdp import apply_data_parallel
+
+    s = summary("model=moe_tiny", "parallel.dp_shard=4", "parallel.ep=2")
+    dims = ParallelDims(1, 4, 1, 1, 4, ep=2)
+    mesh, expert_mesh = dims.build_mesh("cpu"), dims.build_expert_mesh("cpu")
+    real = KimiModel(s.cfg.model)
+    apply_expert_parallel(real, expert_mesh["ep"])
+    apply_data_parallel(real, mesh["dp_replicate", "dp_shard"], expert_mesh=expert_mesh)
+    assert local_params(real) == s.heaviest.local
+    E = s.cfg.model.moe_num_experts
+    assert real.blocks["1"].mlp.experts.w_gate.to_local().shape[0] == E // 4  # E / ep, then / (dp_shard / ep)
 
 
 def test_pipeline_heaviest_stage():

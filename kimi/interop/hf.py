@@ -139,7 +139,8 @@ def file_map(m: ModelConfig) -> List[FileEntry]:
                       ("block_sparse_moe.gate.e_score_correction_bias", "mlp.expert_bias")]
             for e in range(m.moe_num_experts):
                 for w, mine in (("w1", "w_gate"), ("w3", "w_up"), ("w2", "w_down")):
-                    out.append((f"{hf}block_sparse_moe.experts.{e}.{w}.weight", f"{ours}mlp.{mine}", e, None))
+                    out.append((f"{hf}block_sparse_moe.experts.{e}.{w}.weight", f"{ours}mlp.experts.{mine}", e,
+                                None))
             if m.moe_shared_experts:
                 pairs += [(f"block_sparse_moe.shared_experts.{x}_proj.weight", f"mlp.shared.w_{x}.weight")
                           for x in ("gate", "up", "down")]

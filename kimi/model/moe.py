@@ -25,6 +25,8 @@ given a process group, all data-parallel ranks, so every replica makes the same 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -144,7 +146,26 @@ class _AddGrad(torch.autograd.Function):
         return grad, grad.new_full(ctx.aux_shape, ctx.weight, dtype=ctx.aux_dtype), None
 
 
-class MoE(ParamViews, nn.Module):
+class RoutedExperts(ParamViews, nn.Module):
+    """The E routed SwiGLU experts as 3-D weights [E, out, in]: forward(x [N, d], experts [N, k], weights
+    [N, k]) is the weighted sum over each token's chosen experts. A module of its own so parallelism can
+    place these weights apart from the rest of the layer: expert parallelism keeps E / ep of them per rank
+    (reading them through param views) and sets `dispatch` to its all-to-all version of the computation."""
+
+    def __init__(self, E: int, hidden: int, d: int, impl: str):
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.empty(E, hidden, d))
+        self.w_up = nn.Parameter(torch.empty(E, hidden, d))
+        self.w_down = nn.Parameter(torch.empty(E, d, hidden))
+        self.impl = impl
+        self.dispatch: Callable | None = None  # (x, experts, weights, w_gate, w_up, w_down) -> y
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        fn = self.dispatch or EXPERT_IMPLS[self.impl]
+        return fn(x, experts, weights, self.param("w_gate"), self.param("w_up"), self.param("w_down"))
+
+
+class MoE(nn.Module):
     """Routed SwiGLU experts plus shared ones (kimi.model.moe docstring). Buffers: ``expert_bias`` (the
     score-correction bias, saved in checkpoints) and ``load`` (tokens per expert since the last bias
     update, not saved)."""
@@ -153,11 +174,9 @@ class MoE(ParamViews, nn.Module):
         super().__init__()
         d, E, hidden = cfg.d_model, cfg.moe_num_experts, cfg.moe_hidden
         self.top_k, self.groups, self.topk_groups = cfg.moe_top_k, cfg.moe_groups, cfg.moe_topk_groups
-        self.norm_topk, self.scale, self.impl = cfg.moe_norm_topk, cfg.moe_routed_scale, cfg.moe_impl
+        self.norm_topk, self.scale = cfg.moe_norm_topk, cfg.moe_routed_scale
         self.router = nn.Linear(d, E, bias=False)
-        self.w_gate = nn.Parameter(torch.empty(E, hidden, d))
-        self.w_up = nn.Parameter(torch.empty(E, hidden, d))
-        self.w_down = nn.Parameter(torch.empty(E, d, hidden))
+        self.experts = RoutedExperts(E, hidden, d, cfg.moe_impl)
         self.shared = SwiGLU(d, hidden * cfg.moe_shared_experts) if cfg.moe_shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(E))
         self.register_buffer("load", torch.zeros(E), persistent=False)
@@ -169,17 +188,20 @@ class MoE(ParamViews, nn.Module):
 
     def inactive_params(self) -> int:
         """Parameters a token does not use: the routed experts it is not sent to."""
-        E = self.w_gate.shape[0]
-        return (E - self.top_k) * (self.w_gate[0].numel() + self.w_up[0].numel() + self.w_down[0].numel())
+        x = self.experts
+        return (x.w_gate.shape[0] - self.top_k) * (x.w_gate[0].numel() + x.w_up[0].numel() + x.w_down[0].numel())
 
     def init_rules(self, std: float, out_std: float) -> Rules:
-        rules = {"router.weight": normal(std), "w_gate": normal(std), "w_up": normal(std),
-                 "w_down": normal(out_std)}
+        rules = {"router.weight": normal(std), "experts.w_gate": normal(std), "experts.w_up": normal(std),
+                 "experts.w_down": normal(out_std)}
         if self.shared is not None:
             rules.update({f"shared.{n}": fill for n, fill in self.shared.init_rules(std, out_std).items()})
         return rules
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """x [B, T, d] (or [N, d]); rows: the batch rows of a packed x [1, B*T, d], for the sequence-wise
+        loss, which is per row whatever the packing and the micro-batching (so every layout gives one
+        process's loss)."""
         shape = x.shape
         h = x.reshape(-1, shape[-1])
         weights, experts, scores = route(h, self.router.weight, self.expert_bias, self.top_k, self.groups,
@@ -188,12 +210,11 @@ class MoE(ParamViews, nn.Module):
         # layer's tokens again, scaling all its loads alike: neither the bias update nor max/mean changes.
         if torch.is_grad_enabled():
             self.load += torch.bincount(experts.reshape(-1), minlength=self.load.numel()).to(self.load.dtype)
-        y = EXPERT_IMPLS[self.impl](h, experts, weights, self.param("w_gate"), self.param("w_up"),
-                                    self.param("w_down"))
+        y = self.experts(h, experts, weights)
         if self.shared is not None:
             y = y + self.shared(h)
         if self.aux_coef and torch.is_grad_enabled():
-            rows = shape[0] if len(shape) == 3 else 1
+            rows = rows or (shape[0] if len(shape) == 3 else 1)
             aux = sequence_balance_loss(scores.view(rows, -1, scores.shape[-1]),
                                         experts.view(rows, -1, self.top_k), self.top_k)
             self.aux_loss = aux.detach()

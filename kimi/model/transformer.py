@@ -55,12 +55,15 @@ class Block(ParamViews, nn.Module):
         recomputes a sublayer in the backward without replacing its forward or renaming its parameters."""
         self.__dict__.setdefault("_runners", {})[name] = run
 
-    def forward(self, stream, cu_seqlens: torch.Tensor | None = None, cache: KDACache | MLACache | None = None):
-        """Advance the residual stream (see kimi.model.attnres) through both sublayers; returns it."""
+    def forward(self, stream, cu_seqlens: torch.Tensor | None = None, cache: KDACache | MLACache | None = None,
+                rows: int | None = None):
+        """Advance the residual stream (see kimi.model.attnres) through both sublayers; returns it. rows: how
+        many batch rows a packed row [1, B*T] holds (an MoE layer's sequence-wise loss is per row)."""
         h = stream.mix(self.param("mixer_query"))
         stream.push(self.sublayer("mixer", self.mixer_norm(h), cu_seqlens=cu_seqlens, cache=cache))
         h = stream.mix(self.param("mlp_query"))
-        stream.push(self.sublayer("mlp", self.mlp_norm(h)))
+        kwargs = {"rows": rows} if rows is not None and isinstance(self.mlp, MoE) else {}
+        stream.push(self.sublayer("mlp", self.mlp_norm(h), **kwargs))
         return stream
 
 
@@ -229,8 +232,10 @@ class KimiModel(ParamViews, nn.Module):
         else:  # resume after the sublayers of the blocks before this part
             done = 2 * int(next(iter(self.blocks.keys())))
             stream = resume_stream(c.residual, list(inputs), done, c.attnres_block_size, c.norm_eps)
+        rows = B if doc_starts is not None else None
         for i, block in self.blocks.items():
-            stream = block(stream, cu_seqlens=cu_seqlens, cache=None if cache is None else cache.layers[int(i)])
+            stream = block(stream, cu_seqlens=cu_seqlens, cache=None if cache is None else cache.layers[int(i)],
+                           rows=rows)
         if cache is not None:
             cache.seen_tokens += T
         if self.lm_head is None:

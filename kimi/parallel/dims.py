@@ -4,6 +4,10 @@ The mesh dimensions, outermost first, are (pp, dp_replicate, dp_shard, tp): tens
 neighbours (the fastest links), pipeline stages the farthest apart, and a rank's data-parallel index is its
 position in the flattened (dp_replicate, dp_shard) pair. Ranks of one tp group, and the stages of one
 pipeline, read the same data.
+
+With expert parallelism a second mesh over the same ranks splits dp_shard into (edp, ep), ep innermost:
+(pp, dp_replicate, edp, ep, tp). The ep ranks of a group are neighbouring dp_shard ranks; the routed experts'
+weights are split over ep and FSDP-sharded over (dp_replicate, edp), the rest of the model as before.
 """
 
 from __future__ import annotations
@@ -27,12 +31,13 @@ class ParallelDims:
     tp: int
     pp: int
     world: int
+    ep: int = 1
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world: int | None = None) -> "ParallelDims":
         """The degrees of an already validated config (kimi.config.validate checks them against the world)."""
         world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
-        return cls(p.dp_replicate, p.dp_shard, p.tp, p.pp, world)
+        return cls(p.dp_replicate, p.dp_shard, p.tp, p.pp, world, p.ep)
 
     @property
     def loss_parallel(self) -> bool:
@@ -51,6 +56,13 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         return init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
                                 mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+
+    def build_expert_mesh(self, device_type: str) -> DeviceMesh | None:
+        """The (pp, dp_replicate, edp, ep, tp) mesh of expert parallelism (module docstring), or None."""
+        if self.ep == 1:
+            return None
+        return init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep,
+                                              self.tp), mesh_dim_names=("pp", "dp_replicate", "edp", "ep", "tp"))
 
     def dp_rank(self, mesh: DeviceMesh | None) -> int:
         """This rank's data-parallel index (which micro-batches it reads)."""

@@ -68,7 +68,9 @@ class TorchEngine:
                  model: KimiModel):
         p, t = cfg.parallel, cfg.trainer
         self.cfg, self.dims, self.mesh, self.device = cfg, dims, mesh, device
-        parts = parallelize(model, p, dims, mesh, bf16=t.precision == "bf16", seq_len=t.seq_len)
+        self.expert_mesh = dims.build_expert_mesh(device.type)
+        parts = parallelize(model, p, dims, mesh, bf16=t.precision == "bf16", seq_len=t.seq_len,
+                            expert_mesh=self.expert_mesh)
         for part in parts:  # before joining them: to_empty gives plain parameters new objects
             materialize(part, device)
         self.model = KimiModel.union(parts)
@@ -141,7 +143,7 @@ class TorchEngine:
         if self.tied_ends:  # the end stages' copies of tied embeddings take the whole gradient
             self.tied_ends.sum_grads(self.model)
         max_norm = max_norm if max_norm > 0 else float("inf")
-        if self.dims.tp > 1 or self.dims.pp > 1:
+        if self.dims.tp > 1 or self.dims.pp > 1 or self.dims.ep > 1:
             # plain and DTensor gradients on different meshes, stages' norms summed: torch's cannot do either
             pp_group = self.mesh["pp"] if self.dims.pp > 1 else None
             uncounted = self.tied_ends.duplicate(self.model) if self.tied_ends else None

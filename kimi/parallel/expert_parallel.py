@@ -19,11 +19,16 @@ tokens, routing weights and local experts follow from autograd. Bytes sent per r
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from kimi.model.moe import combine, swiglu_sorted
+from kimi.model.moe import RoutedExperts, combine, swiglu_sorted
 
 
 def dispatch_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -54,3 +59,31 @@ def experts_parallel(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     y = swiglu_sorted(rows[by_expert], received.sum(0), w_gate, w_up, w_down)
     y = torch.empty_like(y).index_copy(0, by_expert, y)  # back to arrival order
     return combine(all_to_all_single_autograd(y, send, recv, group), order, k, weights, x)
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Split every RoutedExperts of `model` over `ep_mesh` (module docstring)."""
+    group, ep = ep_mesh.get_group(), ep_mesh.size()
+    for experts in (m for m in model.modules() if isinstance(m, RoutedExperts)):
+        for name in ("w_gate", "w_up", "w_down"):
+            p = getattr(experts, name)
+            placed = distribute_tensor(p.detach(), ep_mesh, [Shard(0)])
+            setattr(experts, name, nn.Parameter(placed, requires_grad=p.requires_grad))
+            experts.set_param_view(name, functools.partial(_local_experts, scale=1.0 / ep))
+        experts.dispatch = functools.partial(experts_parallel, group=group)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def _local_experts(p: torch.Tensor, scale: float) -> torch.Tensor:
+    """This rank's experts of an ep-sharded weight, their gradient scaled by 1 / ep (module docstring)."""
+    return _ScaleGrad.apply(p.to_local() if isinstance(p, DTensor) else p, scale)

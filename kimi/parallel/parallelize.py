@@ -1,5 +1,6 @@
 """Apply parallelism to a single-device model, in torchtitan's fixed order (docs/architecture.md): cut the
-pipeline stages, then on each stage tensor parallelism, activation checkpointing, torch.compile, FSDP2."""
+pipeline stages, then on each stage tensor parallelism, expert parallelism, activation checkpointing,
+torch.compile, FSDP2."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ from kimi.model import KimiModel
 
 from .checkpointing import apply_activation_checkpointing, apply_compile
 from .dims import ParallelDims
+from .expert_parallel import apply_expert_parallel
 from .fsdp import apply_data_parallel
 from .pipeline import split_blocks, stage_parts
 from .tensor_parallel import apply_tensor_parallel
 
 
 def parallelize(model: KimiModel, cfg: ParallelConfig, dims: ParallelDims, mesh: DeviceMesh | None,
-                bf16: bool = False, seq_len: int = 0) -> list[KimiModel]:
+                bf16: bool = False, seq_len: int = 0, expert_mesh: DeviceMesh | None = None) -> list[KimiModel]:
     """Returns the parts of `model` this rank runs, parallelised: its pipeline stages, or `model` itself
     without a pipeline. KimiModel.union(parts) is every parameter this rank holds, under the whole model's
     names (what the optimizer and checkpoints see); build it once the parts are materialised."""
@@ -28,9 +30,12 @@ def parallelize(model: KimiModel, cfg: ParallelConfig, dims: ParallelDims, mesh:
     for part in parts:
         if dims.tp > 1:
             apply_tensor_parallel(part, mesh["tp"], cfg.sequence_parallel, loss_parallel=dims.loss_parallel)
+        if expert_mesh is not None:
+            apply_expert_parallel(part, expert_mesh["ep"])
         apply_activation_checkpointing(part, cfg.activation_checkpointing)
         if cfg.compile:
             apply_compile(part)
         if dims.dp > 1:  # each stage is an FSDP root: it is what the schedule calls
-            apply_data_parallel(part, mesh["dp_replicate", "dp_shard"], cfg.reshard_after_forward, bf16)
+            apply_data_parallel(part, mesh["dp_replicate", "dp_shard"], cfg.reshard_after_forward, bf16,
+                                expert_mesh)
     return parts
