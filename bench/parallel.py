@@ -13,6 +13,9 @@ plus the running partial sum) with sending every sublayer output so far (what a 
 whole residual history, as Full AttnRes needs, would send), for the tiny and small presets.
 
     python bench/parallel.py [--layouts single dp_shard2 tp2 pp2 ...] [--model tiny] [--set key=value ...]
+    # expert parallelism against FSDP alone, on the mixture-of-experts preset:
+    python bench/parallel.py --model moe_tiny --layouts single dp_shard2 ep2 dp_shard4 dp4_ep2 ep4 \
+        --out bench/results/moe_parallel.json
     # the 1b preset on one GPU:
     python bench/parallel.py --layouts single --model 1b --batch 4 --set trainer.seq_len=4096 trainer.precision=bf16
 
@@ -50,7 +53,13 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides)
     "pp2xtp2": (4, 1, ["parallel.pp=2", "parallel.tp=2", "parallel.pp_microbatches=4"]),
     "pp2xtp2_sp": (4, 1, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                           "parallel.pp_microbatches=4"]),
+    "dp_shard4": (4, 4, ["parallel.dp_shard=4"]),
+    # expert parallelism: a mixture-of-experts model only (--model moe_tiny)
+    "ep2": (2, 2, ["parallel.dp_shard=2", "parallel.ep=2"]),
+    "dp4_ep2": (4, 4, ["parallel.dp_shard=4", "parallel.ep=2"]),
+    "ep4": (4, 4, ["parallel.dp_shard=4", "parallel.ep=4"]),
 }
+DEFAULT_LAYOUTS = [name for name in LAYOUTS if name not in ("dp_shard4", "ep2", "dp4_ep2", "ep4")]
 
 
 def worker(out: Path, model: str, overrides: list[str], steps: int) -> None:
@@ -149,7 +158,7 @@ def fmt_bytes(n: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS, choices=list(LAYOUTS))
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--batch", type=int, default=16, help="sequences per step over all data-parallel ranks")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per layout (after two untimed ones)")
