@@ -10,7 +10,9 @@ Six steps, each a subprocess with its own time budget, so a step that hangs or c
   4 attention_speed  bench/attention.py --skip-check: vs SDPA's flash backend, max logits, atomic dQ
   5 optim            bench/optim.py --device cuda: optimizer.step() of MuonClip vs torch.optim.Muon + AdamW
   6 train            bench/parallel.py --layouts single: 20 bf16 steps of model=small and model=1b with
-                     parallel.compile=true on a corpus made of this repository's text: tokens/s, MFU, memory
+                     parallel.compile=true on a corpus made of this repository's text: tokens/s, MFU, memory,
+                     the losses, the dtypes reaching the KDA kernels, any fallback to PyTorch, and (small)
+                     the costliest CUDA kernels of one profiled step
 
 After each step it writes <out>/<step>.json (status, seconds, commands, each command's log tail and its own
 JSON under runs.<name>.result) and <out>/summary.md (the table so far); all output goes to
@@ -98,7 +100,8 @@ def commands(step: str, ctx: "Context") -> list[tuple[str, list[str]]]:
     if step == "train":
         vocab, pieces, compiled = (512, 384, "false") if ctx.dry else (32000, 4096, "true")
         return [(model, ["parallel.py", "--layouts", "single", "--model", model, "--batch", str(batch),
-                         "--steps", str(steps), "--set", f"trainer.seq_len={seq}", "trainer.precision=bf16",
+                         "--steps", str(steps), *(["--profile"] if model == "small" else []),
+                         "--set", f"trainer.seq_len={seq}", "trainer.precision=bf16",
                          f"parallel.compile={compiled}", f"model.vocab_size={vocab}", "data=files",
                          f"data.data_files=[{ctx.corpus()}/*.txt]", f"data.cache_dir={ctx.tmp / 'data'}",
                          f"data.tokenizer.vocab_size={pieces}", "data.val_fraction=0.15"])
@@ -218,10 +221,18 @@ def train_rows(r: dict):
     x = r["layouts"]["single"][0]
     seq = next(s.split("=", 1)[1] for s in r["set"] if s.startswith("trainer.seq_len="))
     flags = " ".join(s for s in r["set"] if s.startswith(("trainer.precision", "parallel.compile")))
+    losses = x.get("losses") or [float("nan")]
+    extra = f"; loss {losses[0]:.3f} -> {losses[-1]:.3f}; KDA inputs {x.get('kda_dtypes') or '-'}"
+    extra += f"; fell back to PyTorch: {x['fallbacks']}" if x.get("fallbacks") else ""
+    top = x.get("top_kernels") or []
+    extra += ("; costliest kernels: " + ", ".join(f"{k['kernel'][:40]} {k['ms']:.1f} ms" for k in top[:3])
+              if top else "")
+    failures = [f"train {r['model']}: loss not finite"] if not all(v == v and abs(v) != float("inf")
+                                                                  for v in losses) else []
     return [(f"train {r['model']}: {r['batch']} x {seq} tokens per step, {flags}",
              f"{x['tokens_per_s']:,.0f} tokens/s, MFU {100 * x['mfu']:.1f}%, peak memory "
              f"{x['peak_mem_bytes'] / 2**30:.1f} GiB, {1e3 * x['step_s']:.0f} ms per step "
-             f"({r['steps']} timed)")], []
+             f"({r['steps']} timed){extra}")], failures
 
 
 SUMMARIES = {"kda_check": kda_check_rows, "attention_check": attention_check_rows,

@@ -62,7 +62,46 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides)
 DEFAULT_LAYOUTS = [name for name in LAYOUTS if name not in ("dp_shard4", "ep2", "dp4_ep2", "ep4")]
 
 
-def worker(out: Path, model: str, overrides: list[str], steps: int) -> None:
+def _dispatch_state() -> dict:
+    """Which guarded Triton ops fell back to PyTorch in this process, and why (kimi.ops.dispatch)."""
+    import kimi.ops.attention as attention
+    import kimi.ops.kda as kda
+    import kimi.ops.kda.gate as gate
+
+    guards = {"chunk_kda": kda._CHUNK_GUARD, "fused_recurrent_kda": kda._RECURRENT_GUARD,
+              "kda_gate/l2norm": gate._GUARD, "attention": attention._GUARD}
+    return {name: g.reason for name, g in guards.items() if g.failed}
+
+
+def _kda_dtypes() -> set:
+    """Records the dtypes of q, k, v, g, beta at every chunk_kda call (which kernel precision ran)."""
+    import kimi.ops.kda as kda
+
+    seen, chunk = set(), kda.chunk_kda
+
+    def recording(q, k, v, g, beta, *args, **kwargs):
+        seen.add(tuple(str(x.dtype).removeprefix("torch.") for x in (q, k, v, g, beta)))
+        return chunk(q, k, v, g, beta, *args, **kwargs)
+
+    import kimi.model.kda as layer
+
+    layer.chunk_kda = recording
+    return seen
+
+
+def _profile(trainer, top: int = 15) -> list[dict]:
+    """One training step under torch.profiler on CUDA: the kernels that took the most device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        trainer.train_step()
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    return [{"kernel": e.key[:120], "ms": e.self_device_time_total / 1e3, "calls": e.count} for e in rows]
+
+
+def worker(out: Path, model: str, overrides: list[str], steps: int, profile: bool = False) -> None:
     from kimi.config import register_configs
     from kimi.metrics import peak_flops
     from kimi.parallel import destroy_distributed
@@ -83,23 +122,27 @@ def worker(out: Path, model: str, overrides: list[str], steps: int) -> None:
             sent.append(sum(t.numel() * t.element_size() for t in outputs))
 
     torch.nn.modules.module.register_module_forward_hook(recording)
-    trainer.train_step()  # warm-up: optimizer state, MuonClip's layout exchange, pipeline shape inference
+    kda_dtypes = _kda_dtypes()
+    losses = [trainer.train_step()["loss"]]  # warm-up: optimizer state, MuonClip's exchange, pipeline shapes
     sent.clear()  # then one counted step, then the timed ones
     counter = CommCounter()
     with counter:
-        trainer.train_step()
+        losses.append(trainer.train_step()["loss"])
     cuda = trainer.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
     t0 = time.perf_counter()
     for _ in range(steps):
-        trainer.train_step()
+        losses.append(trainer.train_step()["loss"])
     sync()
     seconds = (time.perf_counter() - t0) / steps
+    kernels = _profile(trainer) if profile and cuda else []
     t = cfg.trainer
     tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps * trainer.dims.dp
     peak = peak_flops(trainer.device, t.peak_flops)
     record = {"calls": dict(counter.calls), "bytes": dict(counter.bytes), "stage_sends": sent,
+              "losses": losses, "fallbacks": _dispatch_state(), "kda_dtypes": sorted(kda_dtypes),
+              "top_kernels": kernels,
               "step_s": seconds, "tokens_per_s": tokens / seconds,
               "mfu": tokens / seconds * trainer.flops_per_token / (peak * trainer.dims.world),
               # what this rank's device allocated at most (CUDA), or the process's peak resident memory
@@ -119,7 +162,8 @@ def run_layout(name: str, args) -> list[dict]:
     nproc, dp, extra = LAYOUTS[name]
     out = Path(tempfile.mkdtemp()) / "result.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
-           "--worker", str(out), "--model", args.model, "--steps", str(args.steps), "--", *extra,
+           "--worker", str(out), "--model", args.model, "--steps", str(args.steps),
+           *(["--profile"] if args.profile else []), "--", *extra,
            f"trainer.micro_batch_size={args.batch // dp}", *args.set]
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -165,11 +209,13 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], help="more overrides for every layout, e.g. "
                         "trainer.seq_len=2048 trainer.precision=bf16")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "parallel.json")
+    parser.add_argument("--profile", action="store_true",
+                        help="CUDA: also profile one step and keep its 15 costliest kernels")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.model, args.overrides, args.steps)
+        return worker(args.worker, args.model, args.overrides, args.steps, args.profile)
 
     results = {name: run_layout(name, args) for name in args.layouts}
     kinds = sorted({k for ranks in results.values() for r in ranks for k in r["bytes"]})

@@ -156,6 +156,22 @@ def test_short_conv_matches_conv1d():
     torch.testing.assert_close(tail, x[:, -3:])
 
 
+def test_bf16_autocast_feeds_the_kda_kernels_bf16(monkeypatch):
+    """Under trainer.precision=bf16 (autocast, fp32 weights) q, k, v reach chunk_kda in bf16 and the gates in
+    fp32: the short convolutions' fp32 weights must not promote them (they did, so bf16 training ran the
+    fp32 kernels)."""
+    import kimi.model.kda as layer
+
+    seen = []
+    real = layer.chunk_kda
+    monkeypatch.setattr(layer, "chunk_kda", lambda q, k, v, g, beta, *a, **kw: seen.append(
+        [x.dtype for x in (q, k, v, g, beta)]) or real(q, k, v, g, beta, *a, **kw))
+    kda = KDA(tiny_model_cfg())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kda(torch.randn(2, 8, tiny_model_cfg().d_model))
+    assert seen == [[torch.bfloat16] * 3 + [torch.float32] * 2]
+
+
 def test_kda_packed_equals_separate():
     """Documents packed with cu_seqlens (one shorter than the conv kernel) match separate runs: neither
     the recurrent state nor the short convs carry anything across a boundary."""

@@ -69,14 +69,17 @@ class ShortConv(ParamViews, nn.Module):
         doc_pos = None
         if cu_seqlens is not None:  # position of each token inside its own document
             doc_pos = torch.arange(T, device=x.device) - cu_seqlens[segment_ids(cu_seqlens, T)]
-        y = torch.zeros_like(x)
+        # Sums in fp32 (fp64 for fp64), output in x's dtype: under autocast x is bf16 while the weight is fp32,
+        # and a bf16 x times an fp32 weight would promote q, k and v, and so the KDA kernels, to fp32.
+        acc = torch.promote_types(x.dtype, torch.float32)
+        y = torch.zeros(x.shape, dtype=acc, device=x.device)
         for j in range(K):
-            tap = xp[:, j : j + T] * weight[:, 0, j]
+            tap = xp[:, j : j + T].to(acc) * weight[:, 0, j].to(acc)
             lag = K - 1 - j  # this tap reads x_{t - lag}
             if doc_pos is not None and lag > 0:
-                tap = tap * (doc_pos >= lag).to(x.dtype)[None, :, None]
+                tap = tap * (doc_pos >= lag).to(acc)[None, :, None]
             y = y + tap
-        return y, xp[:, xp.shape[1] - (K - 1) :]
+        return y.to(x.dtype), xp[:, xp.shape[1] - (K - 1) :]
 
 
 class KDA(ParamViews, nn.Module):
