@@ -176,6 +176,9 @@ class TrainerConfig:
     keep_checkpoints: int = 2  # complete checkpoints kept on disk (oldest removed first)
     run_dir: str = "runs/default"  # set to Hydra's output dir by conf/config.yaml
     resume: bool = True  # pick up the newest intact checkpoint in run_dir/checkpoints
+    # A new run (nothing to resume) starts from these weights: a checkpoint dir, or a run dir's newest one;
+    # weights only, step 0, fresh optimizer. Empty: run_dir/init when it exists (kimi.convert from-hf).
+    init_from: str = ""
     # With resume=false in a run dir that already holds checkpoints: true moves the old run aside (into
     # run_dir/previous/<time>/, never deleted); false refuses to start.
     overwrite: bool = False

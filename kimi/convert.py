@@ -1,6 +1,15 @@
 """Checkpoints to and from Hugging Face `transformers`' Kimi Linear (`KimiLinearForCausalLM`).
 
     python -m kimi.convert to-hf RUN_DIR HF_DIR [--shard-gb 5]
+    python -m kimi.convert from-hf HF_DIR RUN_DIR
+
+from-hf makes a new run directory from a transformers Kimi Linear directory: RUN_DIR/init (a weights-only
+checkpoint, fp32), RUN_DIR/model/hf.yaml (the model settings) and, when HF_DIR has a sentencepiece
+tokenizer.model, a copy of it. It prints the train.py command that starts training from those weights
+(step 0, fresh optimizer state: `trainer.init_from`, which defaults to RUN_DIR/init);
+`python -m kimi.generate run=RUN_DIR` samples from it. Kimi's released checkpoints ship a tiktoken
+tokenizer, which kimi cannot load yet: the weights convert, and training then needs a sentencepiece
+tokenizer of at most the model's vocabulary (data.tokenizer.model_path).
 
 writes HF_DIR/config.json and model(-0000i-of-0000n).safetensors (+ the index when sharded) from a run
 directory's newest complete checkpoint (or a checkpoint directory named directly), which
@@ -122,6 +131,46 @@ def save_hf(model: KimiModel, directory: str | Path, shard_bytes: int = 5 * 2**3
     return directory
 
 
+def from_hf(hf_dir: str | Path, run_dir: str | Path) -> list[str]:
+    """Write a new run directory from a transformers directory (module docstring); returns the lines to
+    print (what was written and the command that trains from it)."""
+    import dataclasses
+    import shutil
+
+    from omegaconf import OmegaConf
+
+    from kimi import checkpoint
+    from kimi.cli import RunError
+    from kimi.data import Tokenizer
+    from kimi.data.errors import DataError
+
+    hf_dir, run_dir = Path(hf_dir), Path(run_dir)
+    if (run_dir / "init").exists() or checkpoint.list_checkpoints(run_dir / "checkpoints"):
+        raise RunError(f"{run_dir} already holds a run or converted weights; from-hf writes a new run dir: "
+                       "choose another, or move that one aside")
+    model = load_hf(hf_dir)
+    fields = dataclasses.asdict(model.cfg)
+    extra, lines = {"source": str(hf_dir.resolve())}, []
+    tokenizer = hf_dir / "tokenizer.model"
+    if tokenizer.is_file():
+        try:
+            extra["tokenizer_sha256"] = Tokenizer(tokenizer).sha256
+        except DataError:
+            lines.append(f"[kimi] {tokenizer} is not a sentencepiece model (Kimi's releases use tiktoken): not "
+                         "copied; train with data.tokenizer.model_path=<a sentencepiece .model>")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if "tokenizer_sha256" in extra:
+        shutil.copyfile(tokenizer, run_dir / "tokenizer.model")
+    checkpoint.save_weights(run_dir / "init", model.state_dict(), {"model": fields}, extra)
+    (run_dir / "model").mkdir(exist_ok=True)
+    (run_dir / "model" / "hf.yaml").write_text(
+        f"# {hf_dir}, converted by python -m kimi.convert from-hf\n" + OmegaConf.to_yaml({**fields, "name": "hf"}))
+    data = f" data.tokenizer.model_path={run_dir / 'tokenizer.model'}" if "tokenizer_sha256" in extra else ""
+    lines += [f"[kimi] wrote {run_dir}/init ({model.num_params():,} parameters, fp32) and {run_dir}/model/hf.yaml",
+              f"[kimi] train from it: python train.py --config-dir {run_dir} model=hf hydra.run.dir={run_dir}{data}"]
+    return lines
+
+
 def _to_hf(run: str, out: str, shard_gb: float) -> int:
     from kimi.generate import load_from_checkpoint
 
@@ -144,8 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     to_hf.add_argument("run")
     to_hf.add_argument("out")
     to_hf.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors file (GiB)")
+    from_hf_cmd = sub.add_parser("from-hf", help="a transformers directory -> a new run dir that trains from it")
+    from_hf_cmd.add_argument("hf_dir")
+    from_hf_cmd.add_argument("run_dir")
     args = parser.parse_args(argv)
     try:
+        if args.command == "from-hf":
+            print("\n".join(from_hf(args.hf_dir, args.run_dir)))
+            return 0
         return _to_hf(args.run, args.out, args.shard_gb)
     except (NotExpressible, FileNotFoundError, ValueError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -82,7 +82,8 @@ def _whole(logits: torch.Tensor) -> torch.Tensor:
 
 def load_from_checkpoint(path: str, device: str = "cpu"):
     """(model, tokenizer, step) from a checkpoint directory, or from a run directory (its newest complete
-    checkpoint). The model is rebuilt from the config saved in the checkpoint."""
+    checkpoint, else the weights kimi.convert from-hf put in <run>/init). The model is rebuilt from the
+    config saved in the checkpoint."""
     from pathlib import Path
 
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -99,16 +100,24 @@ def load_from_checkpoint(path: str, device: str = "cpu"):
             raise RunError(f"checkpoint {ckpt} is damaged: {'; '.join(problems[:3])}")
     else:
         latest = checkpoint.newest_intact(ckpt / "checkpoints", log=lambda line: print(line, file=sys.stderr))
-        if latest is None:
+        init = ckpt / "init"  # the weights kimi.convert from-hf writes, before any training
+        if latest is None and (init / checkpoint.COMPLETE).is_file() and not checkpoint.verify(init):
+            ckpt = init
+        elif latest is None:
             raise FileNotFoundError(f"{ckpt} is neither a complete checkpoint nor a run dir with one "
                                     f"(looked for {ckpt / 'checkpoints'}/step_*/{checkpoint.COMPLETE})")
-        ckpt = latest.path
+        else:
+            ckpt = latest.path
     saved = checkpoint.read_trainer_state(ckpt)
     model = KimiModel(ModelConfig(**saved["config"]["model"])).to(device)
     state = get_model_state_dict(model)
     checkpoint.load_model(ckpt, state)
     set_model_state_dict(model, state)
-    run_copy = ckpt.parent.parent / "tokenizer.model"  # <run>/checkpoints/step_N -> <run>/tokenizer.model
+    run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+    run_copy = run / "tokenizer.model"  # the run's own copy
+    if not run_copy.is_file() and "tokenizer_path" not in saved["extra"]:
+        raise FileNotFoundError(f"{run} has no tokenizer.model: these weights came without a sentencepiece "
+                                "tokenizer (kimi.convert from-hf copies one only when the source has it)")
     tokenizer = Tokenizer(run_copy if run_copy.is_file() else saved["extra"]["tokenizer_path"])
     return model.eval(), tokenizer, saved["step"]
 

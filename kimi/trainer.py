@@ -22,7 +22,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from kimi import checkpoint, rundir
-from kimi.config import Config, config_dict, resolve_vocab, to_config, validate
+from kimi.cli import RunError
+from kimi.config import Config, ConfigError, config_dict, resolve_vocab, to_config, validate
 from kimi.data import Batch, TokenLoader, prepare
 from kimi.data.pack import open_tokens
 from kimi.metrics import MetricsLogger, PeakFlops, ProgressWindow, banner, qk_clip_record
@@ -101,6 +102,7 @@ class Trainer:
         self._stop_signal: Optional[str] = None
         self._last_val: Optional[float] = None
         resume = self._checkpoint_to_resume()
+        weights = None if resume else self._weights_to_start_from()
         self.idle = self.step >= t.max_steps or bool(t.stop_at_step and self.step >= t.stop_at_step)
         if self.idle:  # nothing to train: no weights allocated or loaded; fit says so
             return
@@ -108,6 +110,8 @@ class Trainer:
         self.model, self.optimizer = self.engine.model, self.engine.optimizer
         if resume:
             self._resume(*resume)
+        elif weights:
+            self._load_weights(weights)
 
     def log(self, message: str) -> None:
         """Console output, from rank 0 only."""
@@ -137,6 +141,34 @@ class Trainer:
         checkpoint.check_compatible(saved, latest.path, config_dict(self.cfg), self.data.tokenizer.sha256)
         self.step = int(saved["step"])
         return latest, saved
+
+    def _weights_to_start_from(self) -> Optional[Path]:
+        """The weights a new run starts from (trainer.init_from, else run_dir/init if present), checked against
+        this config; or None."""
+        given = self.cfg.trainer.init_from
+        path = Path(given) if given else self.run_dir / "init"
+        if not given and not path.exists():
+            return None
+        if not (path / checkpoint.COMPLETE).is_file():  # a run dir: its newest intact checkpoint
+            latest = checkpoint.newest_intact(path / "checkpoints", self.log)
+            if latest is None:
+                raise ConfigError(f"trainer.init_from={path} is neither a complete checkpoint nor a run dir with one; "
+                                  "name a checkpoint directory (<run>/checkpoints/step_N) or a run dir")
+            path = latest.path
+        problems = checkpoint.verify(path)
+        if problems:
+            raise RunError(f"cannot start from the weights in {path}: {'; '.join(problems[:3])}")
+        saved = checkpoint.read_trainer_state(path)
+        checkpoint.check_same_model(saved, path, config_dict(self.cfg), self.data.tokenizer.sha256)
+        return path
+
+    def _load_weights(self, path: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+        state = get_model_state_dict(self.model)
+        checkpoint.load_model(path, state)
+        set_model_state_dict(self.model, state)
+        self.log(f"[kimi] weights from {path}; a new run: step 0, fresh optimizer state")
 
     def _resume(self, latest: checkpoint.CheckpointInfo, saved: Dict[str, Any]) -> None:
         changes = checkpoint.config_changes(saved["config"], config_dict(self.cfg))

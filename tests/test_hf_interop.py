@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import tiny_model_cfg
+from helpers import ROOT, tiny_model_cfg
 from kimi.config import ModelConfig, register_configs
 from kimi.interop.hf import NotExpressible, hf_config, model_fields
 from kimi.summary import compose_config, summarize
@@ -229,3 +229,59 @@ def test_to_hf_from_a_sharded_run(torch_kda, tmp_path, data):
     tokens = torch.randint(0, ours.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert rel(theirs(tokens).logits, ours(tokens)) < 1e-5
+
+
+def test_from_hf_makes_a_run_that_samples_and_trains_from_the_weights(torch_kda, tmp_path, data, capsys):
+    """python -m kimi.convert from-hf on a transformers directory with a sentencepiece tokenizer: the run dir
+    samples with kimi.generate from exactly transformers' model, and the printed train.py command starts
+    training from those weights (at a learning rate too small to move them: after a step the weights are
+    still transformers')."""
+    import subprocess
+    import sys
+
+    import sentencepiece as spm
+
+    from kimi.convert import main
+    from kimi.generate import generate, load_from_checkpoint
+
+    theirs = random_hf(small_hf_config(vocab_size=512))
+    hf = tmp_path / "hf"
+    theirs.save_pretrained(hf)
+    text = [f"line {i}: the quick brown fox jumps over the lazy dog {i * 7}" for i in range(300)]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_prefix=str(hf / "tokenizer"),
+                                   vocab_size=200, model_type="bpe", minloglevel=2)
+    run = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["from-hf", str(hf), str(run)]) == 0
+    command = capsys.readouterr().out.strip().splitlines()[-1].split("train from it: ")[1]
+    assert f"--config-dir {run} model=hf hydra.run.dir={run}" in command
+
+    ours, tokenizer, step = load_from_checkpoint(str(run))
+    tokens = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert step == 0 and rel(ours(tokens), theirs(tokens).logits) < 1e-5
+    assert len(generate(ours, tokenizer.encode("the quick"), 5, temperature=0)) == 5
+    assert main(["from-hf", str(hf), str(run)]) == 2  # never over an existing run
+
+    from helpers import TINY_TRAINER
+
+    train = [t for t in TINY_TRAINER if not t.startswith(("model.", "data.tokenizer"))]
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *command.split()[2:], *train, *data,
+                           "trainer.max_steps=1", "trainer.eval_every=0", "optim.lr=1e-12"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert f"[kimi] weights from {run / 'init'}" in proc.stdout
+    trained, _, step = load_from_checkpoint(str(run))
+    assert step == 1
+    moved = ours.state_dict()
+    for name, tensor in trained.state_dict().items():  # the routers' balancing biases move by design
+        if not name.endswith("expert_bias"):
+            torch.testing.assert_close(tensor, moved[name], rtol=0, atol=1e-9, msg=name)
+
+    from helpers import run_cfg
+
+    from kimi.config import ConfigError
+    from kimi.trainer import Trainer
+
+    with pytest.raises(ConfigError, match=r"cannot start from the weights in .*step_00000001: the model differs"):
+        Trainer(run_cfg(tmp_path / "other", data, f"trainer.init_from={run}"))  # the tiny model, not these

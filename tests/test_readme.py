@@ -66,6 +66,11 @@ SKIPPED = {
         "loads it in transformers",
     ".venv/bin/python -c 'from kimi.convert import load_hf; model = load_hf('\"'\"'hf_dir'\"'\"')'":
         "a placeholder directory; tests/test_hf_interop.py loads save_pretrained's output with load_hf",
+    ".venv/bin/python -m kimi.convert from-hf hf_dir runs/from_hf":
+        "a placeholder directory; tests/test_hf_interop.py runs from-hf on save_pretrained's output, samples "
+        "from the run and trains from it with the printed command",
+    ".venv/bin/torchrun --standalone --nproc_per_node 8 train.py model=moe_tiny parallel.dp_shard=8 "
+    "parallel.ep=4 hydra.run.dir=runs/exp5": GPUS_8 + "; tests/test_parallel.py checks ep 2 and ep 2 over dp_shard 4",
 }
 MAX_MULTIPROCESS = 1  # 2-process torchrun launches run here (each about 10 s on 2 CPU cores)
 

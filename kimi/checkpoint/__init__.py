@@ -128,6 +128,27 @@ def save(root: Path, step: int, engine, loader, config: Dict[str, Any], extra: O
 
     A failed write (a full disk, say) removes the partial directory and raises: the earlier checkpoints stay."""
     path = step_dir(root, step)
+    _write(path, _full_state(engine, loader, step, config, extra or {}), {"step": step, "run_id": run_id},
+           latest_complete(root))
+    if _is_rank0():
+        _rotate(root, step, keep, run_id)
+    _barrier()
+    return path
+
+
+def save_weights(path: Path, model_state: Dict[str, Any], config: Dict[str, Any], extra: Dict[str, Any]) -> Path:
+    """A weights-only checkpoint at `path` (no optimizer, schedule, data position or RNG): what
+    ``trainer.init_from`` starts a new run from (kimi.convert from-hf writes one). Same files, manifest and
+    COMPLETE marker as :func:`save`; `extra` is marked ``weights_only``."""
+    state = {"model": model_state, "trainer": {"step": 0, "config": json.dumps(config),
+                                               "extra": json.dumps({**extra, "weights_only": True})}}
+    _write(Path(path), state, {"step": 0, "run_id": "", "weights_only": True}, None)
+    return Path(path)
+
+
+def _write(path: Path, state: Dict[str, Any], marker: Dict[str, Any], kept: Optional[CheckpointInfo]) -> None:
+    """DCP-save `state` into a fresh `path`, then the manifest and COMPLETE marker (holding `marker`). `kept`:
+    the checkpoint a failed write leaves in place, for the message."""
     if _is_rank0():
         if path.exists():  # a leftover from an interrupted save of the same step
             shutil.rmtree(path)
@@ -135,27 +156,23 @@ def save(root: Path, step: int, engine, loader, config: Dict[str, Any], extra: O
     _barrier()
     t0 = time.time()
     try:
-        dcp.save(_full_state(engine, loader, step, config, extra or {}), checkpoint_id=str(path))
+        dcp.save(state, checkpoint_id=str(path))
         _barrier()
         files = _gather_manifest(path)
     except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
         _discard(path)
         cause = _cause(e, OSError)
         if cause is not None and cause.errno in STORAGE_ERRORS:
-            kept = latest_complete(root)
             earlier = f"the newest complete checkpoint {kept.path} is intact" if kept else "no earlier checkpoint exists"
             raise RunError(f"{STORAGE_ERRORS[cause.errno]} while saving checkpoint {path}; {earlier}. Fix that and "
                            "rerun the same command to continue") from e
         raise
     if _is_rank0():
-        marker = {"step": step, "run_id": run_id, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                  "seconds": round(time.time() - t0, 3), "files": manifest.to_json(files)}
+        marker = {**marker, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "seconds": round(time.time() - t0, 3),
+                  "files": manifest.to_json(files)}
         tmp = path / (COMPLETE + ".tmp")
         tmp.write_text(json.dumps(marker) + "\n")
         os.replace(tmp, path / COMPLETE)
-        _rotate(root, step, keep, run_id)
-    _barrier()
-    return path
 
 
 def _gather_manifest(path: Path) -> manifest.Manifest:
@@ -311,10 +328,8 @@ def check_compatible(saved: Dict[str, Any], path: Path, config: Dict[str, Any], 
     """Refuse to resume into a different model, tokenizer or optimizer: the weights or the optimizer state
     would not load, or tokens would silently mean other things. `saved` is read_trainer_state(path); config
     is this run's (config_dict)."""
-    old_model, model_config = saved["config"].get("model", {}), config["model"]
-    diff = {k: (old_model.get(k), v) for k, v in model_config.items() if old_model.get(k) != v and k != "name"}
-    if diff:
-        lines = ", ".join(f"model.{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+    lines = _model_diff(saved, config, "checkpoint")
+    if lines:
         raise ConfigError(f"cannot resume from {path}: the model differs ({lines}). Use the same model settings, "
                           "another run dir (hydra.run.dir=...), or trainer.resume=false trainer.overwrite=true to "
                           "start over (the old run is moved aside)")
@@ -323,10 +338,32 @@ def check_compatible(saved: Dict[str, Any], path: Path, config: Dict[str, Any], 
         raise ConfigError(f"cannot resume from {path} with optim={config['optim']['name']}: it was trained with "
                           f"optim={old_optim}, whose state does not carry over. Use optim={old_optim}, or start "
                           "over in another run dir (or with trainer.resume=false trainer.overwrite=true)")
+    check_tokenizer(saved, path, tokenizer_sha256, "resume from")
+
+
+def _model_diff(saved: Dict[str, Any], config: Dict[str, Any], theirs: str) -> str:
+    """'model.key: <theirs> old vs now new, ...' for every model setting (but the name) that differs."""
+    old = saved["config"].get("model", {})
+    return ", ".join(f"model.{k}: {theirs} {old.get(k)!r} vs now {v!r}" for k, v in config["model"].items()
+                     if old.get(k) != v and k != "name")
+
+
+def check_tokenizer(saved: Dict[str, Any], path: Path, tokenizer_sha256: str, verb: str) -> None:
     old_tok = saved["extra"].get("tokenizer_sha256")
     if old_tok and old_tok != tokenizer_sha256:
-        raise ConfigError(f"cannot resume from {path}: it was trained with tokenizer {old_tok[:12]}, this run "
+        raise ConfigError(f"cannot {verb} {path}: it was trained with tokenizer {old_tok[:12]}, this run "
                           f"uses {tokenizer_sha256[:12]}; use the original data/tokenizer settings")
+
+
+def check_same_model(saved: Dict[str, Any], path: Path, config: Dict[str, Any], tokenizer_sha256: str) -> None:
+    """Refuse to start a run from the weights of `path` (trainer.init_from) when its model or tokenizer
+    differs from this run's."""
+    lines = _model_diff(saved, config, "weights")
+    if lines:
+        raise ConfigError(f"cannot start from the weights in {path}: the model differs ({lines}). Use the model "
+                          "settings they were written with (kimi.convert from-hf writes them as <run>/model/hf.yaml:"
+                          " --config-dir <run> model=hf)")
+    check_tokenizer(saved, path, tokenizer_sha256, "start from the weights in")
 
 
 # Keys that name where and how this invocation runs, not what it trains.
