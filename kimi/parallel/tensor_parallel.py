@@ -162,16 +162,33 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None, uncounted=None) 
     """Global gradient-norm clipping for a mix of plain tensors and DTensors on different meshes (which
     torch.nn.utils.clip_grad_norm_ cannot stack), summed over the pipeline stages in `pp_group`; returns
     the total norm before clipping. `uncounted`: a parameter whose gradient another stage already counts
-    (the last stage's copy of tied embeddings); it is clipped but not counted."""
+    (the last stage's copy of tied embeddings); it is clipped but not counted.
+
+    Squared norms are summed locally per (mesh, sharded mesh dims) and reduced once per such group, not once
+    per gradient: a sharded gradient's pieces are disjoint, so its square is the sum of the local ones over
+    the dims that shard it (replicated dims hold copies and are not summed)."""
     params = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in params]
-    squares = [torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")]
+    device = grads[0].device if grads else "cpu"
+    plain = torch.zeros((), dtype=torch.float32, device=device)
+    groups: dict = {}  # (mesh, sharded dims) -> summed local squares
     for p, g in zip(params, grads):
         if p is uncounted:
             continue
-        norm = torch.linalg.vector_norm(g, dtype=torch.float32)
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
-    total = torch.stack(squares).sum()
+        if not isinstance(g, DTensor):
+            plain = plain + torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+        elif any(pl.is_partial() for pl in g.placements):  # not seen from our plans: let DTensor reduce it
+            plain = plain + torch.linalg.vector_norm(g, dtype=torch.float32).full_tensor() ** 2
+        else:
+            dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
+            key = (g.device_mesh, dims)
+            local = torch.linalg.vector_norm(g.to_local(), dtype=torch.float32) ** 2
+            groups[key] = groups.get(key, 0) + local
+    total = plain
+    for (mesh, dims), square in groups.items():
+        for dim in dims:
+            square = funcol.all_reduce(square, "sum", group=(mesh, dim)).wait()
+        total = total + square
     if pp_group is not None:
         total = funcol.all_reduce(total, "sum", group=pp_group).wait()
     total = total.sqrt()
