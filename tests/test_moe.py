@@ -219,3 +219,14 @@ def test_packed_rows_keep_a_per_row_sequence_loss():
     model(ids, doc_starts=starts)
     packed = [float(m.aux_loss) for m in moe_layers(model)]
     assert packed == pytest.approx(unpacked, rel=1e-6) and len(packed) == 1
+
+
+def test_layer_compiles_on_cpu_fp32():
+    """Under torch.compile the grouped GEMM's fake kernel takes only bf16: fp32 on CPU (tests, CPU
+    training with parallel.compile=true) takes the per-expert matmuls, with the same result."""
+    cfg = moe_cfg()
+    moe = filled_moe(cfg)
+    x = torch.randn(2, 9, cfg.d_model, generator=torch.Generator().manual_seed(7))
+    torch._dynamo.reset()
+    compiled = torch.compile(moe, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), moe(x), rtol=1e-5, atol=1e-6)

@@ -59,10 +59,13 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
 
 
 def grouped_mm_ok(x: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm runs for x: CPU fp32/bf16/fp16, CUDA bf16 on Hopper or newer."""
+    """Whether torch._grouped_mm runs for x: CPU fp32/bf16/fp16 (bf16 only under torch.compile, whose fake
+    kernel accepts nothing else), CUDA bf16 on Hopper or newer."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.device.type == "cpu":
+        if torch.compiler.is_compiling():
+            return x.dtype == torch.bfloat16
         return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     return (x.device.type == "cuda" and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
