@@ -75,15 +75,13 @@ def _dispatch_state() -> dict:
 
 def _kda_dtypes() -> set:
     """Records the dtypes of q, k, v, g, beta at every chunk_kda call (which kernel precision ran)."""
-    import kimi.ops.kda as kda
+    import kimi.model.kda as layer
 
-    seen, chunk = set(), kda.chunk_kda
+    seen, chunk = set(), layer.chunk_kda
 
     def recording(q, k, v, g, beta, *args, **kwargs):
         seen.add(tuple(str(x.dtype).removeprefix("torch.") for x in (q, k, v, g, beta)))
         return chunk(q, k, v, g, beta, *args, **kwargs)
-
-    import kimi.model.kda as layer
 
     layer.chunk_kda = recording
     return seen

@@ -149,15 +149,16 @@ class Trainer:
         path = Path(given) if given else self.run_dir / "init"
         if not given and not path.exists():
             return None
-        if not (path / checkpoint.COMPLETE).is_file():  # a run dir: its newest intact checkpoint
+        if (path / checkpoint.COMPLETE).is_file():  # a checkpoint named directly: it must be intact
+            problems = checkpoint.verify(path)
+            if problems:
+                raise RunError(f"cannot start from the weights in {path}: {'; '.join(problems[:3])}")
+        else:  # a run dir: its newest intact checkpoint (newest_intact verifies it)
             latest = checkpoint.newest_intact(path / "checkpoints", self.log)
             if latest is None:
                 raise ConfigError(f"trainer.init_from={path} is neither a complete checkpoint nor a run dir with one; "
                                   "name a checkpoint directory (<run>/checkpoints/step_N) or a run dir")
             path = latest.path
-        problems = checkpoint.verify(path)
-        if problems:
-            raise RunError(f"cannot start from the weights in {path}: {'; '.join(problems[:3])}")
         saved = checkpoint.read_trainer_state(path)
         checkpoint.check_same_model(saved, path, config_dict(self.cfg), self.data.tokenizer.sha256)
         return path

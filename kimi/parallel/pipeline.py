@@ -131,10 +131,7 @@ def _recorded(part: nn.Module) -> list:
 
 def _restore(saved: list) -> None:
     for m, name, value in saved:
-        if name == "load":
-            m.load.copy_(value)
-        else:
-            setattr(m, name, value)
+        setattr(m, name, value)
 
 
 def _without_records(stage: PipelineStage, part: nn.Module) -> None:
