@@ -4,12 +4,11 @@
     python -m kimi.convert from-hf HF_DIR RUN_DIR
 
 from-hf makes a new run directory from a transformers Kimi Linear directory: RUN_DIR/init (a weights-only
-checkpoint, fp32), RUN_DIR/model/hf.yaml (the model settings) and, when HF_DIR has a sentencepiece
-tokenizer.model, a copy of it. It prints the train.py command that starts training from those weights
-(step 0, fresh optimizer state: `trainer.init_from`, which defaults to RUN_DIR/init);
-`python -m kimi.generate run=RUN_DIR` samples from it. Kimi's released checkpoints ship a tiktoken
-tokenizer, which kimi cannot load yet: the weights convert, and training then needs a sentencepiece
-tokenizer of at most the model's vocabulary (data.tokenizer.model_path).
+checkpoint, fp32), RUN_DIR/model/hf.yaml (the model settings) and RUN_DIR/tokenizer.model, a copy of the
+directory's tokenizer: the tiktoken.model (+ tokenizer_config.json) Kimi's releases ship, or a sentencepiece
+tokenizer.model. It prints the train.py command that starts training from those weights (step 0, fresh
+optimizer state: `trainer.init_from`, which defaults to RUN_DIR/init) on data tokenised by that tokenizer;
+`python -m kimi.generate run=RUN_DIR` samples from it.
 
 writes HF_DIR/config.json and model(-0000i-of-0000n).safetensors (+ the index when sharded) from a run
 directory's newest complete checkpoint (or a checkpoint directory named directly), which
@@ -135,7 +134,6 @@ def from_hf(hf_dir: str | Path, run_dir: str | Path) -> list[str]:
     """Write a new run directory from a transformers directory (module docstring); returns the lines to
     print (what was written and the command that trains from it)."""
     import dataclasses
-    import shutil
 
     from omegaconf import OmegaConf
 
@@ -151,21 +149,24 @@ def from_hf(hf_dir: str | Path, run_dir: str | Path) -> list[str]:
     model = load_hf(hf_dir)
     fields = dataclasses.asdict(model.cfg)
     extra, lines = {"source": str(hf_dir.resolve())}, []
-    tokenizer = hf_dir / "tokenizer.model"
-    if tokenizer.is_file():
+    tokenizer = None
+    found = [hf_dir / name for name in ("tiktoken.model", "tokenizer.model") if (hf_dir / name).is_file()]
+    if found:
         try:
-            extra["tokenizer_sha256"] = Tokenizer(tokenizer).sha256
-        except DataError:
-            lines.append(f"[kimi] {tokenizer} is not a sentencepiece model (Kimi's releases use tiktoken): not "
-                         "copied; train with data.tokenizer.model_path=<a sentencepiece .model>")
+            tokenizer = Tokenizer(found[0])
+        except DataError as e:
+            lines.append(f"[kimi] {found[0]} not copied: {e}; train with data.tokenizer.model_path=<a tokenizer>")
+    if tokenizer is not None and tokenizer.vocab_size > model.cfg.vocab_size:
+        raise RunError(f"{found[0]} has {tokenizer.vocab_size} tokens, more than the model's vocabulary "
+                       f"({model.cfg.vocab_size}): it is not this model's tokenizer")
     run_dir.mkdir(parents=True, exist_ok=True)
-    if "tokenizer_sha256" in extra:
-        shutil.copyfile(tokenizer, run_dir / "tokenizer.model")
+    if tokenizer is not None:
+        extra["tokenizer_sha256"] = tokenizer.copy_to(run_dir / "tokenizer.model").sha256
     checkpoint.save_weights(run_dir / "init", model.state_dict(), {"model": fields}, extra)
     (run_dir / "model").mkdir(exist_ok=True)
     (run_dir / "model" / "hf.yaml").write_text(
         f"# {hf_dir}, converted by python -m kimi.convert from-hf\n" + OmegaConf.to_yaml({**fields, "name": "hf"}))
-    data = f" data.tokenizer.model_path={run_dir / 'tokenizer.model'}" if "tokenizer_sha256" in extra else ""
+    data = f" data.tokenizer.model_path={run_dir / 'tokenizer.model'}" if tokenizer is not None else ""
     lines += [f"[kimi] wrote {run_dir}/init ({model.num_params():,} parameters, fp32) and {run_dir}/model/hf.yaml",
               f"[kimi] train from it: python train.py --config-dir {run_dir} model=hf hydra.run.dir={run_dir}{data}"]
     return lines

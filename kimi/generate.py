@@ -116,8 +116,8 @@ def load_from_checkpoint(path: str, device: str = "cpu"):
     run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
     run_copy = run / "tokenizer.model"  # the run's own copy
     if not run_copy.is_file() and "tokenizer_path" not in saved["extra"]:
-        raise FileNotFoundError(f"{run} has no tokenizer.model: these weights came without a sentencepiece "
-                                "tokenizer (kimi.convert from-hf copies one only when the source has it)")
+        raise FileNotFoundError(f"{run} has no tokenizer.model: these weights came without a tokenizer "
+                                "(kimi.convert from-hf copies one only when the source directory has one)")
     tokenizer = Tokenizer(run_copy if run_copy.is_file() else saved["extra"]["tokenizer_path"])
     return model.eval(), tokenizer, saved["step"]
 

@@ -6,14 +6,14 @@
   for every start that trained (written only once all checks passed: a command that fails changes neither).
 - ``optimizer_routing.txt`` (``optimizer_routing_pp<k>.txt`` per pipeline rank k, whose stages hold other
   parameters): which parameters MuonClip's Muon and AdamW each update; the console gets one summary line.
-- ``tokenizer.model``: the run's own copy, so ``python -m kimi.generate`` needs only the run dir.
+- ``tokenizer.model``: the run's own copy, so ``python -m kimi.generate`` needs only the run dir (a tiktoken
+  tokenizer's ``tokenizer_config.json`` beside it).
 """
 
 from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import socket
 import sys
 import time
@@ -160,7 +160,7 @@ def data_identity(run_dir: Path, data, is_main: bool) -> Dict[str, Any]:
     copies it once) so `python -m kimi.generate` needs only the run."""
     tok_copy = Path(run_dir) / "tokenizer.model"
     if is_main and not tok_copy.exists():
-        shutil.copyfile(data.tokenizer.path, tok_copy)
+        data.tokenizer.copy_to(tok_copy)
     return {"tokenizer_sha256": data.tokenizer.sha256, "tokenizer_path": str(tok_copy.resolve()),
             "data_dir": str(data.data_dir)}
 

@@ -92,3 +92,31 @@ def copy_run(trained: Path, tmp_path: Path) -> Path:
     run = tmp_path / "run"
     shutil.copytree(trained, run, ignore=shutil.ignore_patterns(".lock"))
     return run
+
+
+# Text for a small Kimi-style tiktoken BPE: Latin, Han glued to Latin, digits, punctuation, accents.
+MIXED_TEXT = ("The quick brown fox jumps over the lazy dog. It's 2026; we've 12345 tokens! "
+              "月之暗面的模型Kimi训练了很长的上下文。中文和English混合mixedText在一起，文abc文abc。"
+              "\tcafé naïve Ünïcödé\r\n  indented\n\n")
+GPT_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
+def write_kimi_tiktoken(directory: Path, vocab: int = 400) -> Path:
+    """A tiktoken.model + tokenizer_config.json laid out as Kimi's releases lay them out (special tokens
+    [BOS], [EOS], <|im_end|> right after the ranks, [UNK] and [PAD] last), trained with tiktoken's
+    teaching BPE under GPT's pattern, so that some tokens cross from Han into Latin letters."""
+    import base64
+    import json
+
+    import tiktoken._educational as edu
+
+    ranks = edu.bpe_train(MIXED_TEXT * 4, vocab, GPT_PATTERN, visualise=None)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "tiktoken.model"
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    n = len(ranks)
+    names = {n: "[BOS]", n + 1: "[EOS]", n + 2: "<|im_end|>", n + 254: "[UNK]", n + 255: "[PAD]"}
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "added_tokens_decoder": {str(i): {"content": c, "special": True} for i, c in names.items()},
+        "bos_token": "[BOS]", "eos_token": {"content": "[EOS]"}}, indent=1))
+    return path

@@ -324,7 +324,7 @@ DATA = [
     case("tokenizer model missing", {}, ["data.tokenizer.model_path='{corpus}/gone.model'"],
          ["data.tokenizer.model_path=", "gone.model' does not exist"]),
     case("tokenizer model not one", {"fake.model": b"not a sentencepiece model\n"},
-         ["data.tokenizer.model_path='{corpus}/fake.model'"], ["fake.model is not a sentencepiece model"]),
+         ["data.tokenizer.model_path='{corpus}/fake.model'"], ["fake.model is neither a sentencepiece model"]),
 ]
 
 
@@ -541,7 +541,7 @@ GENERATE = [
     case("planted empty metadata", empty_metadata, RUN, EXIT_FAILED,
          ["refusing to load checkpoint", "step_00000004"], ()),
     case("damaged tokenizer copy", damaged_tokenizer, RUN, EXIT_BAD_INPUT,
-         ["tokenizer.model is not a sentencepiece model"], ()),
+         ["tokenizer.model is neither a sentencepiece model"], ()),
 ]
 
 

@@ -285,3 +285,30 @@ def test_from_hf_makes_a_run_that_samples_and_trains_from_the_weights(torch_kda,
 
     with pytest.raises(ConfigError, match=r"cannot start from the weights in .*step_00000001: the model differs"):
         Trainer(run_cfg(tmp_path / "other", data, f"trainer.init_from={run}"))  # the tiny model, not these
+
+
+def test_from_hf_carries_a_kimi_release_tiktoken_tokenizer(torch_kda, tmp_path, capsys):
+    """A directory laid out like Kimi's releases (tiktoken.model + tokenizer_config.json): the run dir gets
+    both, kimi.generate reads them, and a model whose vocabulary cannot hold the tokenizer is refused before
+    anything is written."""
+    from helpers import write_kimi_tiktoken
+
+    from kimi.cli import RunError
+    from kimi.convert import from_hf, main
+    from kimi.data import Tokenizer
+    from kimi.generate import generate, load_from_checkpoint
+
+    source = Tokenizer(write_kimi_tiktoken(tmp_path / "hf"))
+    random_hf(small_hf_config(vocab_size=source.vocab_size)).save_pretrained(tmp_path / "hf")
+    run = tmp_path / "run"
+    assert main(["from-hf", str(tmp_path / "hf"), str(run)]) == 0
+    assert f"data.tokenizer.model_path={run / 'tokenizer.model'}" in capsys.readouterr().out
+    model, tokenizer, _ = load_from_checkpoint(str(run))
+    assert (tokenizer.kind, tokenizer.sha256, tokenizer.eos_id) == ("tiktoken", source.sha256, source.eos_id)
+    prompt = tokenizer.encode("月之暗面的模型Kimi")
+    assert len(generate(model, prompt, 4, temperature=0)) == 4
+
+    random_hf(small_hf_config(vocab_size=source.vocab_size - 1)).save_pretrained(tmp_path / "hf")
+    with pytest.raises(RunError, match=f"has {source.vocab_size} tokens, more than the model's vocabulary"):
+        from_hf(tmp_path / "hf", tmp_path / "small")
+    assert not (tmp_path / "small").exists()

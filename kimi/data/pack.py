@@ -214,9 +214,8 @@ def _tokenizer(cfg: DataConfig, data_dir: Path, train_docs: datasets.Dataset) ->
         return Tokenizer(path)
     tc = cfg.tokenizer
     if tc.model_path:
-        user = Tokenizer(Path(tc.model_path).expanduser())  # refuses a file that is no sentencepiece model
-        _write_atomic(path, user.path.read_bytes())
-        return Tokenizer(path)
+        user = Tokenizer(Path(tc.model_path).expanduser())  # refuses a file that is no tokenizer
+        return user.copy_to(path)
     print(f"[data] training a {tc.vocab_size}-piece BPE tokenizer on up to {tc.train_chars:,} characters",
           flush=True)
     t0 = time.perf_counter()

@@ -1,4 +1,5 @@
-"""A sentencepiece BPE tokenizer: trained on the training split, or a user's ``.model``.
+"""The tokenizer: a sentencepiece BPE trained on the training split, or a user's file (a sentencepiece
+``.model``, or the tiktoken BPE of Kimi's releases, :mod:`kimi.data.tiktoken_bpe`).
 
 Training settings are chosen so that ``decode(encode(s)) == s`` for any string (except ones containing
 sentencepiece's own meta symbol U+2581): identity normalisation, no whitespace collapsing, no dummy prefix,
@@ -17,6 +18,7 @@ from typing import Iterable, Iterator, List, Sequence, Union
 import sentencepiece as spm
 
 from kimi.data.sources import DataError
+from kimi.data.tiktoken_bpe import TiktokenBPE, is_tiktoken_file
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 # sentencepiece drops training sentences longer than max_sentence_length bytes; long lines are cut into
@@ -25,33 +27,19 @@ _CHUNK_CHARS = 4096
 _MAX_SENTENCE_BYTES = 4 * _CHUNK_CHARS
 
 
-class Tokenizer:
-    """A loaded sentencepiece model; ``sha256`` identifies it in token-file metadata."""
+class _SentencePiece:
+    """A sentencepiece model (the interface of :class:`Tokenizer`); its file bytes are its identity."""
 
-    def __init__(self, path: Union[str, os.PathLike]):
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"tokenizer model {self.path} does not exist "
-                                    "(data.tokenizer.model_path must name a sentencepiece .model file)")
-        data = self.path.read_bytes()
+    def __init__(self, path: Path, data: bytes):
         self.sha256 = hashlib.sha256(data).hexdigest()
+        self.files = [path]
         try:
             self._sp = spm.SentencePieceProcessor(model_proto=data)
         except RuntimeError:  # sentencepiece's message is an internal source location, no help to a user
-            raise DataError(f"{self.path} is not a sentencepiece model (it does not parse); point "
-                            "data.tokenizer.model_path at a .model file written by sentencepiece") from None
-
-    @property
-    def vocab_size(self) -> int:
-        return self._sp.get_piece_size()
-
-    @property
-    def eos_id(self) -> int:
-        return self._sp.eos_id()
-
-    @property
-    def bos_id(self) -> int:
-        return self._sp.bos_id()
+            raise DataError(f"{path} is neither a sentencepiece model (it does not parse) nor a tiktoken BPE "
+                            "file; point data.tokenizer.model_path at a .model file written by sentencepiece "
+                            "or at a Kimi release's tiktoken.model") from None
+        self.vocab_size, self.eos_id, self.bos_id = self._sp.get_piece_size(), self._sp.eos_id(), self._sp.bos_id()
 
     def encode(self, text: str) -> List[int]:
         return self._sp.encode(text, out_type=int)
@@ -62,8 +50,57 @@ class Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
 
+
+class Tokenizer:
+    """A loaded tokenizer file, sentencepiece or (as Kimi's releases ship) tiktoken BPE, told apart by its
+    content; ``sha256`` identifies it in token-file metadata and checkpoints."""
+
+    def __init__(self, path: Union[str, os.PathLike]):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"tokenizer model {self.path} does not exist (data.tokenizer.model_path "
+                                    "must name a sentencepiece .model file or a tiktoken BPE file)")
+        data = self.path.read_bytes()
+        self._impl = TiktokenBPE(self.path, data) if is_tiktoken_file(data) else _SentencePiece(self.path, data)
+        self.kind = "tiktoken" if isinstance(self._impl, TiktokenBPE) else "sentencepiece"
+        self.sha256 = self._impl.sha256
+
+    @property
+    def vocab_size(self) -> int:
+        return self._impl.vocab_size
+
+    @property
+    def eos_id(self) -> int:
+        return self._impl.eos_id
+
+    @property
+    def bos_id(self) -> int:
+        return self._impl.bos_id
+
+    def encode(self, text: str) -> List[int]:
+        return self._impl.encode(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        return self._impl.encode_batch(texts)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._impl.decode(ids)
+
+    def copy_to(self, path: Union[str, os.PathLike]) -> "Tokenizer":
+        """Copy the tokenizer's files so that ``path`` names the model file (a tiktoken file's config goes
+        beside it, under its own name, and is written first: the model file marks the copy complete)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        model, *sidecars = self._impl.files
+        for src, dst in [*((f, path.parent / f.name) for f in sidecars), (model, path)]:
+            tmp = dst.with_name(f"{dst.name}.tmp-{os.getpid()}")
+            tmp.write_bytes(src.read_bytes())
+            os.replace(tmp, dst)
+        return Tokenizer(path)
+
     def __repr__(self) -> str:
-        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, sha256={self.sha256[:12]})"
+        return (f"Tokenizer({str(self.path)!r}, {self.kind}, vocab_size={self.vocab_size}, "
+                f"sha256={self.sha256[:12]})")
 
 
 def _training_sentences(texts: Iterable[str], max_chars: int) -> Iterator[str]:
