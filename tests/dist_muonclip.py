@@ -7,6 +7,7 @@ its weights laid out in several ways; rank 0 writes the full weights and per-ste
 from __future__ import annotations
 
 import gc
+import math
 import sys
 from pathlib import Path
 
@@ -18,6 +19,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
+
+from kimi.optim.owners import Fragment  # noqa: E402
+from kimi.optim.zero import FragmentGather  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from muonclip_problem import (SHAPES, extra_shapes, gradients, initial_weights,  # noqa: E402
@@ -40,6 +44,25 @@ LAYOUTS = {
     # edp (FSDP2's _StridedShard over the ep shard), everything else FSDP-sharded over all four ranks
     "ep2fsdp2": ((2, 2), {"*": (S0, S0), "experts": (_StridedShard(0, split_factor=2), S0)}),
 }
+# DeepSpeed's ZeRO partitions (kimi/optim/zero.py): flat fragments, not blocks. zero12: an equal share of all
+# weights concatenated, so weights are cut mid-row between ranks; zero3: an equal share of each weight.
+ZERO = {"zero12", "zero3"}
+
+
+def zero_fragments(case: str, shapes: dict, rank: int, world: int) -> dict[str, Fragment]:
+    numels = {n: math.prod(s) for n, s in shapes.items()}
+    frags, offset = {}, 0
+    part = -(-sum(numels.values()) // world)
+    for n, numel in numels.items():
+        if case == "zero3":
+            each = -(-numel // world)
+            start = rank * each
+            frags[n] = Fragment(tuple(shapes[n]), start, max(0, min(each, numel - start)))
+        else:
+            lo, hi = max(offset, rank * part), min(offset + numel, (rank + 1) * part)
+            frags[n] = Fragment(tuple(shapes[n]), max(lo - offset, 0), max(0, hi - lo))
+        offset += numel
+    return frags
 
 
 def distribute(full: torch.Tensor, mesh, placements) -> torch.Tensor:
@@ -53,13 +76,18 @@ def distribute(full: torch.Tensor, mesh, placements) -> torch.Tensor:
 class Weights(torch.nn.Module):
     def __init__(self, case: str, shapes: dict):
         super().__init__()
-        mesh_shape, layout = LAYOUTS[case]
+        mesh_shape, layout = LAYOUTS.get(case, (None, {}))
         self.mesh = init_device_mesh("cpu", mesh_shape) if mesh_shape else None
         self.placements = {n: layout.get(n, layout.get("*")) for n in shapes}
+        self.fragments = (zero_fragments(case, shapes, dist.get_rank(), dist.get_world_size())
+                          if case in ZERO else None)
         for n, w in initial_weights(shapes).items():
             self.register_parameter(n, torch.nn.Parameter(self.lay_out(n, w)))
 
     def lay_out(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        if self.fragments is not None:
+            frag = self.fragments[name]
+            return full.reshape(-1)[frag.start : frag.start + frag.numel].clone()
         if self.mesh is None:
             return full
         placements = self.placements[name]
@@ -76,7 +104,7 @@ def run(case: str, out: Path, steps: range, name: str | None = None, load: str |
     model = Weights(case, shapes)
     current = {"step": None}
     opt = make_optimizer(list(model.named_parameters()), lambda i: None if current["step"] is None
-                         else max_logits(current["step"], rank)[i])
+                         else max_logits(current["step"], rank)[i], fragments=model.fragments)
     if load:  # continue from a checkpoint written under another layout
         msd, osd = get_state_dict(model, opt)
         state = {"model": msd, "optim": osd}
@@ -93,8 +121,12 @@ def run(case: str, out: Path, steps: range, name: str | None = None, load: str |
         if save_after is not None and step == save_after:
             msd, osd = get_state_dict(model, opt)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(out / "ckpt"))
-    weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-               for n, p in model.named_parameters()}
+    if model.fragments is not None:
+        gather = FragmentGather({n: (f, 0) for n, f in model.fragments.items()}, dist.group.WORLD)
+        weights = gather.full({n: p.detach() for n, p in model.named_parameters()})
+    else:
+        weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                   for n, p in model.named_parameters()}
     # optimizer state elements this rank keeps (step counters aside): under ZeRO-1 no two ranks keep the same
     state_numel = sum(v.numel() for st in opt.state.values() for k, v in st.items() if k != "step")
     everyone = [None] * dist.get_world_size()

@@ -3,7 +3,8 @@
 The same weights, gradients and per-rank QK-Clip logits (tests/muonclip_problem.py) laid out as plain
 replicas, FSDP Shard(0) over 2 and 4 ranks (uneven and empty blocks), TP Shard(0)/Shard(1) with replicated
 norms, dp2 x tp2 (FSDP's _StridedShard over TP columns, TP rows under FSDP, HSDP-like replicas) and expert
-parallelism (experts split over ep, FSDP-sharded over the other dp ranks): after
+parallelism (experts split over ep, FSDP-sharded over the other dp ranks) and DeepSpeed's ZeRO partitions
+(flat fragments: an equal share of all weights concatenated, cut mid-row, or of each weight): after
 3 steps every layout equals single-process MuonClip. Per step each logical matrix is orthogonalised exactly
 once over all ranks, the collectives do not grow with the number of matrices, no rank duplicates optimizer
 state, and a checkpoint written at dp=2 continues exactly at 4 ranks and in one process.
@@ -22,8 +23,8 @@ from muonclip_problem import (LOGICAL_MATRICES, SHAPES, gradients, initial_weigh
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 TESTS = Path(__file__).parent
-LAUNCHES = {2: ["replicated", "fsdp", "tp", "fsdp_more", "fsdp_save"],
-            4: ["fsdp4", "dp2tp2", "ep2fsdp2", "fsdp4_load"]}
+LAUNCHES = {2: ["replicated", "fsdp", "tp", "fsdp_more", "fsdp_save", "zero12"],
+            4: ["fsdp4", "dp2tp2", "ep2fsdp2", "fsdp4_load", "zero3"]}
 WORLD = {case: n for n, cases in LAUNCHES.items() for case in cases}
 
 
@@ -63,7 +64,7 @@ def test_the_problem_depends_on_every_ranks_logits():
     assert not torch.allclose(initial_weights()["tall"], one["tall"])
 
 
-@pytest.mark.parametrize("case", ["replicated", "fsdp", "tp", "fsdp4", "dp2tp2", "ep2fsdp2"])
+@pytest.mark.parametrize("case", ["replicated", "fsdp", "tp", "fsdp4", "dp2tp2", "ep2fsdp2", "zero12", "zero3"])
 def test_layout_equals_one_process(runs, case):
     assert_weights_close(result(runs, case)["weights"], reference(3, WORLD[case]))
 
@@ -85,7 +86,7 @@ def test_collectives_do_not_grow_with_the_number_of_matrices(runs):
     assert count == {3}
 
 
-@pytest.mark.parametrize("case", ["replicated", "fsdp4", "dp2tp2", "ep2fsdp2"])
+@pytest.mark.parametrize("case", ["replicated", "fsdp4", "dp2tp2", "ep2fsdp2", "zero12", "zero3"])
 def test_no_rank_duplicates_optimizer_state(runs, case):
     adamw = {"embed", "norm", "bias"}
     sizes = [torch.Size(s).numel() * (2 if n in adamw else 1) for n, s in SHAPES.items()]

@@ -14,31 +14,41 @@ from kimi.optim.schedules import build_scheduler, lr_multiplier
 __all__ = ["MuonClip", "QKClip", "build_optimizer", "build_qk_clip", "build_scheduler", "lr_multiplier", "weight_decay_groups"]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, process_group=None) -> torch.optim.Optimizer:
-    """process_group: the ranks holding this model part (MuonClip coordinates over them; default: all)."""
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, process_group=None, named=None,
+                    fragments=None) -> torch.optim.Optimizer:
+    """process_group: the ranks holding this model part (MuonClip coordinates over them; default: all).
+    named, fragments: the tensors to update by name when they are not the model's parameters but flat
+    pieces of them (DeepSpeed's fp32 masters, kimi/optim/zero.py), and where each piece lies."""
+    named = list(model.named_parameters()) if named is None else named
     if cfg.name == "adamw":
-        groups = weight_decay_groups(model.named_parameters(), cfg.weight_decay)
+        groups = weight_decay_groups(named, cfg.weight_decay, fragments)
         fused = all(p.is_cuda for g in groups for p in g["params"])
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused or None)
     if cfg.name == "muonclip":
         patterns = DEFAULT_ADAMW_PATTERNS if cfg.adamw_patterns is None else tuple(cfg.adamw_patterns)
-        return MuonClip(model.named_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+        return MuonClip(named, lr=cfg.lr, weight_decay=cfg.weight_decay,
                         momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
                         adjust_lr_fn=cfg.adjust_lr_fn,
                         ns_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.ns_dtype],
                         betas=tuple(cfg.betas), adamw_eps=cfg.eps, adamw_patterns=patterns,
                         muon_patterns=tuple(cfg.muon_patterns),
                         splits=model.muon_splits() if hasattr(model, "muon_splits") else None,
-                        process_group=process_group)
+                        process_group=process_group, fragments=fragments)
     raise ValueError(f"optim.name={cfg.name!r} is not available; choose one of: adamw, muonclip")
 
 
-def build_qk_clip(model: torch.nn.Module, cfg: OptimConfig, group=None, head_group=None) -> QKClip | None:
+def build_qk_clip(model: torch.nn.Module, cfg: OptimConfig, group=None, head_group=None, named=None,
+                  fragments=None, specs=None) -> QKClip | None:
     """The QK-Clip hook for any optimizer (None when optim.qk_clip_tau = 0 or the model has no softmax
     attention). It turns on the max-logit recording it needs. group: the ranks holding this model part
-    (their logits are max-reduced); head_group: the tensor-parallel ranks that split the heads."""
-    specs = model.qk_clip_specs() if cfg.qk_clip_tau > 0 and hasattr(model, "qk_clip_specs") else []
+    (their logits are max-reduced); head_group: the tensor-parallel ranks that split the heads; named,
+    fragments: as for build_optimizer; specs: the model's QK-Clip specs, taken before its weights were
+    partitioned (default: asked now)."""
+    if specs is None:
+        specs = model.qk_clip_specs() if hasattr(model, "qk_clip_specs") else []
+    specs = specs if cfg.qk_clip_tau > 0 else []
     if not specs:
         return None
     model.record_max_logits(True)
-    return QKClip(model.named_parameters(), specs, cfg.qk_clip_tau, group=group, head_group=head_group)
+    return QKClip(model.named_parameters() if named is None else named, specs, cfg.qk_clip_tau, group=group,
+                  head_group=head_group, fragments=fragments)

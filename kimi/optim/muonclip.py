@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from kimi.config import ADJUST_LR_FNS
 from kimi.ops.newton_schulz import DEFAULT_COEFFICIENTS, newton_schulz, scratch
 from kimi.optim.groups import weight_decay_groups
-from kimi.optim.owners import ParamPlan, Router, build_plans, like_param, local_tensor, ns_flops
+from kimi.optim.owners import Fragment, ParamPlan, Router, build_plans, like_param, local_tensor, ns_flops
 from kimi.model.layouts import QKClipSpec, RowSplit
 from kimi.optim.qk_clip import QKClip
 
@@ -91,7 +91,9 @@ class MuonClip(torch.optim.Optimizer):
     gradients already averaged (DDP), DTensors as laid out by their placements. Every rank calls step(),
     state_dict() and load_state_dict() together. A parameter without a gradient is skipped on one process
     and treated as a zero gradient on several (the ranks must not disagree about it). Under pipeline
-    parallelism pass the ranks of one stage. ``step_stats`` counts the last step's Newton-Schulz matrices and
+    parallelism pass the ranks of one stage. ``fragments`` names the parameters given as flat pieces
+    (:class:`kimi.optim.owners.Fragment`: DeepSpeed's ZeRO partitions, kimi/optim/zero.py); they are routed,
+    decayed and orthogonalised by their full shapes. ``step_stats`` counts the last step's Newton-Schulz matrices and
     FLOPs on this rank, collectives and bytes sent.
     """
 
@@ -115,6 +117,7 @@ class MuonClip(torch.optim.Optimizer):
         qk_clip_specs: Sequence[QKClipSpec] = (),
         splits: Mapping[str, RowSplit] | None = None,
         process_group: Optional[dist.ProcessGroup] = None,
+        fragments: Mapping[str, Fragment] | None = None,
     ) -> None:
         if lr < 0 or weight_decay < 0:
             raise ValueError(f"lr={lr} and weight_decay={weight_decay} must be >= 0")
@@ -133,7 +136,11 @@ class MuonClip(torch.optim.Optimizer):
         if not all(isinstance(x, tuple) and isinstance(x[0], str) for x in named):
             raise TypeError("MuonClip routes by name: pass model.named_parameters(), not model.parameters()")
         named = [(n, p) for n, p in named if p.requires_grad]
-        family = {n: route(n, p, tuple(adamw_patterns), tuple(muon_patterns)) for n, p in named}
+        self.fragments = dict(fragments or {})
+        # Routing and decay go by each parameter's full shape (a fragment's tensor is a flat piece of it).
+        full = {n: torch.empty(self.fragments[n].shape, device="meta") if n in self.fragments else p
+                for n, p in named}
+        family = {n: route(n, full[n], tuple(adamw_patterns), tuple(muon_patterns)) for n, p in named}
         muon = [(n, p) for n, p in named if family[n] == "muon"]
         adamw = [(n, p) for n, p in named if family[n] == "adamw"]
         name_of = {id(p): n for n, p in adamw}
@@ -141,15 +148,14 @@ class MuonClip(torch.optim.Optimizer):
         groups = [{"params": muon, "family": "muon", "momentum": momentum, "nesterov": nesterov,
                    "ns_coefficients": tuple(ns_coefficients), "eps": eps, "ns_steps": ns_steps,
                    "adjust_lr_fn": adjust_lr_fn, "ns_dtype": ns_dtype}]
-        for g in weight_decay_groups(adamw, weight_decay):
+        for g in weight_decay_groups(adamw, weight_decay, self.fragments):
             groups.append({"params": [(name_of[id(p)], p) for p in g["params"]], "family": "adamw",
                            "weight_decay": g["weight_decay"], "betas": tuple(betas), "eps": adamw_eps})
         super().__init__([g for g in groups if g["params"]], {"lr": lr, "weight_decay": weight_decay})
 
-        by_name = dict(named)
         self.splits = dict(splits or {})
         for name, split in self.splits.items():
-            p = by_name.get(name)
+            p = full.get(name)
             if p is None or family[name] != "muon" or p.ndim != 2 or p.shape[0] % split.stride:
                 got = None if p is None else tuple(p.shape)
                 raise ValueError(f"splits[{name!r}]: must name a 2-D Muon weight whose rows are a multiple "
@@ -161,7 +167,7 @@ class MuonClip(torch.optim.Optimizer):
         self._router = Router(process_group)
         self._stepped = False  # the same on every rank: they step together
         self.qk_clip_tau, self.qk_clip_specs = qk_clip_tau, list(qk_clip_specs)
-        self._qk_clip = QKClip(named, self.qk_clip_specs, qk_clip_tau, group=process_group)
+        self._qk_clip = QKClip(named, self.qk_clip_specs, qk_clip_tau, group=process_group, fragments=self.fragments)
         self.step_stats: dict = {}
         # Newton-Schulz batches and scratch kept across steps on CPU (4 bytes per Muon parameter in bf16), where
         # tensors this large come from fresh mmaps whose page faults cost a few percent of a step (`small`,
@@ -173,13 +179,14 @@ class MuonClip(torch.optim.Optimizer):
         rows, totals = [("name", "shape", "family", "wd")], defaultdict(lambda: [0, 0])
         for g in self.param_groups:
             for n, p in zip(g["param_names"], g["params"]):
-                shape = "x".join(map(str, p.shape)) or "scalar"
+                full = self.fragments[n].shape if n in self.fragments else tuple(p.shape)
+                shape = "x".join(map(str, full)) or "scalar"
                 rows.append((n, shape, g["family"], f"{g['weight_decay']:g}"))
                 totals[g["family"]][0] += 1
-                totals[g["family"]][1] += p.numel()
+                totals[g["family"]][1] += math.prod(full)
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        lines.append(", ".join(f"{f}: {k} tensors, {c:,} params" for f, (k, c) in totals.items()))
+        lines.append("; ".join(f"{f}: {k} tensors, {c:,} params" for f, (k, c) in totals.items()))
         return "\n".join(lines)
 
     # ---- layout -------------------------------------------------------------------------------------
@@ -198,7 +205,7 @@ class MuonClip(torch.optim.Optimizer):
         if self._plans is None:
             named = [(n, p) for g in self.param_groups for n, p in zip(g["param_names"], g["params"])]
             muon = [g["family"] == "muon" for g in self.param_groups for _ in g["params"]]
-            plans = build_plans(named, muon, self.process_group)
+            plans = build_plans(named, muon, self.process_group, self.fragments)
             self._plans = {id(p): plan for (_, p), plan in zip(named, plans)}
         return [(g, p, self._plans[id(p)]) for g in self.param_groups if g["family"] == family
                 for p in g["params"]]

@@ -5,7 +5,9 @@ may be a plain tensor replicated over the data-parallel ranks, or a DTensor whos
 mesh by FSDP2 (Shard(0), or _StridedShard over tensor parallelism) and TP (Shard(0) / Shard(1)), and
 replicated over any remaining mesh dimension. Rather than special-casing layouts, every rank asks where
 its own block sits in the full tensor (compute_local_shape_and_global_offset, the function DCP relies on)
-and the ranks swap these answers once. From then on:
+and the ranks swap these answers once. A block may also be a range of the flattened tensor (a
+:class:`Fragment`): DeepSpeed's ZeRO partitions cut the concatenation of all parameters into equal flat
+ranges, so a matrix may be split anywhere, mid-row. From then on:
 
   * every Muon matrix has ONE owner, chosen to balance Newton-Schulz FLOPs over the ranks (preferring a
     rank that already holds much of the matrix). The owner keeps the matrix's momentum (so Muon state per
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,12 +34,24 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 
 @dataclass(frozen=True)
+class Fragment:
+    """This rank's share of a parameter stored flat: elements [start, start + numel) of the full tensor of
+    ``shape`` in row-major order (a DeepSpeed ZeRO partition's piece of it; numel 0: none)."""
+
+    shape: Tuple[int, ...]
+    start: int
+    numel: int
+
+
+@dataclass(frozen=True)
 class Piece:
-    """One block of a parameter: where it sits in the full tensor, and the ranks that hold a copy."""
+    """One block of a parameter: where it sits in the full tensor, and the ranks that hold a copy. A flat
+    piece is a range of the flattened tensor: offset (start,), shape (numel,)."""
 
     offset: Tuple[int, ...]
     shape: Tuple[int, ...]
     holders: Tuple[int, ...]
+    flat: bool = False
 
     @property
     def slices(self) -> Tuple[slice, ...]:
@@ -46,6 +60,12 @@ class Piece:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def of(self, full: torch.Tensor) -> torch.Tensor:
+        """This piece of the full tensor (a view, except for a flat piece of a non-contiguous tensor)."""
+        if self.flat:
+            return full.reshape(-1)[self.offset[0] : self.offset[0] + self.shape[0]]
+        return full[self.slices]
 
 
 @dataclass
@@ -92,11 +112,21 @@ def ns_flops(shape: Sequence[int], steps: int = 5) -> int:
     return math.prod(shape[:-2]) * steps * (4 * m * m * n + 2 * m**3)
 
 
+def _layout(name: str, p: torch.Tensor, fragments: Mapping[str, Fragment]):
+    """(full shape, dtype, offset, block shape, flat) of this rank's block of a parameter."""
+    frag = fragments.get(name)
+    if frag is not None:
+        return tuple(frag.shape), str(p.dtype), (frag.start,), (frag.numel,), True
+    return (tuple(p.shape), str(p.dtype), *local_block(p), False)
+
+
 def build_plans(named: Sequence[Tuple[str, torch.Tensor]], muon: Sequence[bool],
-                group: Optional[dist.ProcessGroup]) -> List[ParamPlan]:
-    """Swap block positions with every rank of ``group`` (one all_gather_object) and assign owners."""
+                group: Optional[dist.ProcessGroup],
+                fragments: Optional[Mapping[str, Fragment]] = None) -> List[ParamPlan]:
+    """Swap block positions with every rank of ``group`` (one all_gather_object) and assign owners.
+    ``fragments``: the parameters stored flat, by name (the tensor given is then the fragment itself)."""
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
-    mine = [(n, tuple(p.shape), str(p.dtype), *local_block(p)) for n, p in named]
+    mine = [(n, *_layout(n, p, fragments or {})) for n, p in named]
     everyone = [mine]
     if world > 1:
         everyone = [None] * world
@@ -112,19 +142,20 @@ def build_plans(named: Sequence[Tuple[str, torch.Tensor]], muon: Sequence[bool],
     plans = []
     for i, (name, p) in enumerate(named):
         by_block = {}
+        full_shape = mine[i][1]
         for r in range(world):
-            _, _, _, offset, shape = everyone[r][i]
+            _, _, _, offset, shape, flat = everyone[r][i]
             if math.prod(shape) > 0:
-                by_block.setdefault((offset, shape), []).append(r)
-        pieces = [Piece(o, s, tuple(h)) for (o, s), h in by_block.items()]
-        if sum(pc.numel for pc in pieces) != p.numel():
-            raise ValueError(f"{name}: the ranks' blocks do not tile its {tuple(p.shape)} elements exactly")
+                by_block.setdefault((offset, shape, flat), []).append(r)
+        pieces = [Piece(o, s, tuple(h), f) for (o, s, f), h in by_block.items()]
+        if sum(pc.numel for pc in pieces) != math.prod(full_shape):
+            raise ValueError(f"{name}: the ranks' blocks do not tile its {full_shape} elements exactly")
         keepers = []
         for pc in pieces:
             keeper = min(pc.holders, key=lambda r: (keep_load[r], r))
             keep_load[keeper] += pc.numel
             keepers.append(keeper)
-        plans.append(ParamPlan(name, tuple(p.shape), p.dtype, local_tensor(p).device, pieces, [], keepers,
+        plans.append(ParamPlan(name, full_shape, p.dtype, local_tensor(p).device, pieces, [], keepers,
                                -1, next((k for k, pc in enumerate(pieces) if rank in pc.holders), None)))
     # Owners: largest matrices first, each to the least-loaded rank, ties to the rank holding most of it.
     for i in sorted((i for i, m in enumerate(muon) if m), key=lambda i: -ns_flops(plans[i].shape)):
@@ -187,16 +218,16 @@ class Router:
                     full = torch.empty(plan.shape, dtype=plan.dtype, device=plan.device)
                     for k, pc in enumerate(plan.pieces):
                         if plan.senders[k] == rank:
-                            full[pc.slices] = t
+                            pc.of(full).copy_(t)
                         else:
-                            recvs.append((plan.senders[k], pc.shape, plan.dtype, full[pc.slices].copy_))
+                            recvs.append((plan.senders[k], pc.shape, plan.dtype, pc.of(full).copy_))
                     results[n] = full
             elif kind == "from_owner":
                 if plan.owner == rank:
-                    sends.extend((h, t[pc.slices], plan.dtype) for pc in plan.pieces for h in pc.holders
+                    sends.extend((h, pc.of(t), plan.dtype) for pc in plan.pieces for h in pc.holders
                                  if h != rank)
                     if piece is not None:
-                        results[n] = t[piece.slices]
+                        results[n] = piece.of(t)
                 elif piece is not None:
                     recvs.append((plan.owner, piece.shape, plan.dtype, self._setter(results, n)))
             elif kind == "from_keeper":

@@ -17,13 +17,15 @@ is one of the ablations), over plain or sharded parameters on any number of rank
 
 from __future__ import annotations
 
+import math
+
 from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from kimi.model.layouts import QKClipSpec, RowRule
-from kimi.optim.owners import local_block, local_tensor
+from kimi.optim.owners import Fragment, local_block, local_tensor
 
 __all__ = ["QKClip", "QKClipSpec", "RowRule", "apply_qk_clip"]
 
@@ -43,12 +45,14 @@ def apply_qk_clip(
     tau: float,
     max_logits: Sequence[torch.Tensor | None] | None = None,
     rows: Mapping[str, Tuple[int, int]] | None = None,
+    fragments: Mapping[str, Fragment] | None = None,
 ) -> Dict[str, Dict[str, float]]:
     """Scale the q/k rows of heads whose max logit exceeds tau, in place.
 
     ``max_logits`` (aligned with specs) are the S_max already reduced over ranks; by default each spec's
     own. A tensor may be a block of rows of its weight (a shard): ``rows[name] = (first row, total rows)``
-    of the full weight, and only the block's rows are scaled.
+    of the full weight, and only the block's rows are scaled; or a flat piece of it, ``fragments[name]``
+    (kimi.optim.owners.Fragment), whose elements are scaled by the factor of the row each belongs to.
     Returns {layer: {"max_logit": max over heads, "clipped_frac": fraction of heads clipped}} for the layers
     that reported logits. Unclipped heads are multiplied by exactly 1.0 (gamma = min(1, .) is exactly 1 and
     1 ** e == 1), so their weights stay bit-identical.
@@ -68,11 +72,21 @@ def apply_qk_clip(
         gamma = torch.where(clipped, tau / s_max, torch.ones_like(s_max))
         for rule in spec.rows:
             p = params_by_name[rule.param]
-            first, total = (0, p.shape[0]) if rows is None else rows[rule.param]
+            frag = (fragments or {}).get(rule.param)
+            if frag is not None:
+                first, total = 0, frag.shape[0]
+            else:
+                first, total = (0, p.shape[0]) if rows is None else rows[rule.param]
             if total != spec.num_heads * rule.stride:
                 raise ValueError(f"{rule.param}: {total} rows, want {spec.num_heads} heads x {rule.stride}")
-            scale = _row_scale(rule, gamma.to(p.device))[first : first + p.shape[0]]
-            p.mul_(scale.to(p.dtype).view(-1, *([1] * (p.ndim - 1))))
+            scale = _row_scale(rule, gamma.to(p.device))
+            if frag is not None:
+                row_len = math.prod(frag.shape[1:])
+                element_rows = torch.arange(frag.start, frag.start + frag.numel, device=p.device) // row_len
+                p.mul_(scale.view(-1)[element_rows].to(p.dtype))
+            else:
+                scale = scale[first : first + p.shape[0]]
+                p.mul_(scale.to(p.dtype).view(-1, *([1] * (p.ndim - 1))))
     if not reported:
         return {}
     # One host sync for all layers, not two per layer.
@@ -86,16 +100,18 @@ class QKClip:
 
     Parameters may be plain tensors (whole, or replicated over ``group``) or DTensors sharded by FSDP2 and
     tensor parallelism: each rank scales the rows of its own block, located in the full weight by its
-    placements. Under tensor parallelism a layer reports only the heads it computed, a contiguous share in
+    placements, or flat fragments of them (``fragments``, DeepSpeed's ZeRO partitions). Under tensor parallelism a layer reports only the heads it computed, a contiguous share in
     head order; ``head_group`` (the tensor-parallel ranks) says which share this rank computed. ``stats``
     holds {layer: {"max_logit", "clipped_frac"}} of the last call.
     """
 
     def __init__(self, named_params: Iterable[Tuple[str, torch.Tensor]], specs: Sequence[QKClipSpec], tau: float,
-                 group: Optional[dist.ProcessGroup] = None, head_group: Optional[dist.ProcessGroup] = None):
+                 group: Optional[dist.ProcessGroup] = None, head_group: Optional[dist.ProcessGroup] = None,
+                 fragments: Optional[Mapping[str, Fragment]] = None):
         if not tau > 0:
             raise ValueError(f"qk_clip_tau={tau} must be > 0")
         self.specs, self.tau, self.group, self.head_group = list(specs), tau, group, head_group
+        self.fragments = dict(fragments or {})
         params = dict(named_params)
         missing = [r.param for s in self.specs for r in s.rows if r.param not in params]
         if missing:
@@ -135,5 +151,5 @@ class QKClip:
         for name, p in self.params.items():
             offset, _ = local_block(p)
             blocks[name], rows[name] = local_tensor(p), (offset[0], p.shape[0])
-        self.stats = apply_qk_clip(blocks, self.specs, self.tau, s_max, rows)
+        self.stats = apply_qk_clip(blocks, self.specs, self.tau, s_max, rows, self.fragments)
         return self.stats
