@@ -41,7 +41,7 @@ WANDB_MODES = ("offline", "online", "disabled")
 AC_MODES = ("none", "full", "selective")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage per rank; the others run pp_virtual_stages each
-ENGINES = ("torch",)
+ENGINES = ("torch", "deepspeed")
 MOE_IMPLS = ("grouped", "loop")
 
 
@@ -210,6 +210,18 @@ class LoggingConfig:
 
 
 @dataclass
+class DeepSpeedConfig:
+    """parallel.engine=deepspeed (kimi/parallel/deepspeed_engine.py): ZeRO over the dp_shard ranks; the
+    DeepSpeed JSON config is generated from these and the rest of the config (run_dir/deepspeed.json)."""
+
+    zero_stage: int = 2  # 1: optimizer state partitioned; 2: + gradients; 3: + parameters
+    reduce_bucket_size: int = 500_000_000  # elements per gradient reduction bucket
+    allgather_bucket_size: int = 500_000_000  # elements per parameter all-gather bucket (stages 1-2)
+    overlap_comm: bool = False  # overlap gradient reduction with the backward
+    offload_optimizer: bool = False  # keep optimizer state and fp32 masters in CPU memory (ZeRO-Offload)
+
+
+@dataclass
 class ParallelConfig:
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -226,8 +238,9 @@ class ParallelConfig:
     pp_virtual_stages: int = 2  # stages per rank for interleaved_1f1b and zero_bubble
     pp_microbatches: int = 0  # micro-batches per step through the pipeline; 0: as many as stages
     pp_split: Optional[List[int]] = None  # first block of stages 1..pp-1; null: balanced by FLOPs
-    # torch: FSDP2/TP/PP from torch.distributed (a later issue adds deepspeed)
+    # torch: FSDP2/TP/PP from torch.distributed; deepspeed: DeepSpeed's ZeRO 1-3 over dp_shard ranks
     engine: str = one_of(ENGINES, "torch")
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
 
 @dataclass
@@ -459,6 +472,10 @@ def _validate_parallel(p: ParallelConfig) -> None:
     _check(p.pp_virtual_stages >= 1, "parallel.pp_virtual_stages", p.pp_virtual_stages, "must be >= 1")
     _check(p.pp_microbatches >= 0, "parallel.pp_microbatches", p.pp_microbatches,
            "must be >= 0 (0: as many as pipeline ranks)")
+    ds = p.deepspeed
+    _check(ds.zero_stage in (1, 2, 3), "parallel.deepspeed.zero_stage", ds.zero_stage, "choose 1, 2 or 3")
+    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+        _check(getattr(ds, key) >= 1, f"parallel.deepspeed.{key}", getattr(ds, key), "must be >= 1 (elements)")
 
 
 # ---- across sections -------------------------------------------------------------------------------------
@@ -509,6 +526,20 @@ def _check_tensor_parallel(cfg: Config) -> None:
         _require(t.seq_len % p.tp == 0,
                  f"trainer.seq_len={t.seq_len} does not split over parallel.tp={p.tp} ranks for sequence "
                  f"parallelism: make it a multiple of {p.tp}")
+
+
+def _check_deepspeed(cfg: Config) -> None:
+    """DeepSpeed's engine partitions over plain data parallelism: the layouts it does not take are named."""
+    p = cfg.parallel
+    if p.engine != "deepspeed":
+        return
+    unsupported = [f"parallel.{k}={getattr(p, k)}" for k in ("dp_replicate", "tp", "pp", "ep") if getattr(p, k) > 1]
+    unsupported += [f"parallel.{k}={getattr(p, k)}" for k in ("compile", "sequence_parallel") if getattr(p, k)]
+    if p.activation_checkpointing != "none":
+        unsupported.append(f"parallel.activation_checkpointing={p.activation_checkpointing}")
+    _require(not unsupported,
+             f"parallel.engine=deepspeed runs ZeRO over data parallelism only (parallel.dp_shard ranks), without "
+             f"{', '.join(unsupported)}: reset those, or use parallel.engine=torch, which has them all")
 
 
 def _check_expert_parallel(cfg: Config) -> None:
@@ -604,6 +635,7 @@ def validate(cfg: Config, world: Optional[int] = None) -> None:
     _check_layout(cfg.parallel, world)
     _check_tensor_parallel(cfg)
     _check_expert_parallel(cfg)
+    _check_deepspeed(cfg)
     _check_pipeline(cfg)
     _check_vocab(cfg)
     _check_kernels(cfg)

@@ -24,8 +24,8 @@ from kimi.config import ConfigError
 
 LOCK = ".lock"
 # What belongs to one run (patterns in the run dir), moved aside together by trainer.overwrite=true.
-RUN_FILES = ("checkpoints", "metrics.jsonl", "loss_curve.png", "tokenizer.model", "tokenizer_config.json", "wandb", "train.log",
-             "config.yaml", "configs", "optimizer_routing*.txt", "exit_code")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "loss_curve.png", "tokenizer.model", "tokenizer_config.json", "wandb",
+             "train.log", "config.yaml", "configs", "optimizer_routing*.txt", "exit_code", "deepspeed.json")
 
 
 def new_run_id() -> str:

@@ -17,7 +17,6 @@ import shlex
 import socket
 import sys
 import time
-from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -123,17 +122,15 @@ def write_routing(run_dir: Path, engine, mesh, optim_name: str) -> Optional[str]
     """Write the optimizer's routing table (MuonClip's; None for one without) into the run dir and return
     the console's summary line. Under pipeline parallelism each pipeline rank's stages hold other parameters:
     one file per pipeline rank k, written by the first of the ranks holding those stages (None elsewhere)."""
-    table = getattr(engine.optimizer, "routing_table", None)
+    optimizer = getattr(engine.optimizer, "inner", engine.optimizer)  # DeepSpeed's client wraps ours
+    table = getattr(optimizer, "routing_table", None)
     if table is None or (mesh is not None and any(mesh.get_coordinate()[1:])):  # (pp, dp_rep, dp_shard, tp)
         return None
     stage, stages = engine.pp_rank or 0, engine.dims.pp
     path = Path(run_dir) / ("optimizer_routing.txt" if stages == 1 else f"optimizer_routing_pp{stage}.txt")
-    path.write_text(table() + "\n")
-    totals: Dict[str, List[int]] = defaultdict(lambda: [0, 0])
-    for g in engine.optimizer.param_groups:
-        totals[g.get("family", "other")][0] += len(g["params"])
-        totals[g.get("family", "other")][1] += sum(p.numel() for p in g["params"])
-    summary = "; ".join(f"{f}: {k} tensors, {c:,} params" for f, (k, c) in totals.items())
+    text = table()
+    path.write_text(text + "\n")
+    summary = text.splitlines()[-1]  # the table's per-family totals
     where = f" (pipeline rank {stage} of {stages}: each pipeline rank has its own file)" if stages > 1 else ""
     return f"[kimi] optimizer {optim_name}: {summary}; table in {path}{where}"
 

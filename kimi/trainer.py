@@ -11,6 +11,7 @@ Everything that depends on how the model is distributed lives in the engine (kim
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import time
@@ -164,11 +165,9 @@ class Trainer:
         return path
 
     def _load_weights(self, path: Path) -> None:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-        state = get_model_state_dict(self.model)
+        state = self.engine.model_state_dict()
         checkpoint.load_model(path, state)
-        set_model_state_dict(self.model, state)
+        self.engine.load_model_state_dict(state)
         self.log(f"[kimi] weights from {path}; a new run: step 0, fresh optimizer state")
 
     def _resume(self, latest: checkpoint.CheckpointInfo, saved: Dict[str, Any]) -> None:
@@ -269,6 +268,8 @@ class Trainer:
                         write_routing(self.run_dir, self.engine, self.mesh, cfg.optim.name)))
         if self.is_main:
             save_config(self.run_dir, config_dict(cfg), self.step)
+            if getattr(self.engine, "ds_config", None) is not None:  # what DeepSpeed was given
+                (self.run_dir / "deepspeed.json").write_text(json.dumps(self.engine.ds_config, indent=2) + "\n")
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, config_dict(cfg), resume_step=self.step,
                                      enabled=self.is_main)
 

@@ -4,9 +4,9 @@ The trainer's loop only asks an engine to run a micro-batch forward and backward
 to evaluate one (``eval_loss``), to finish the step (``step``: gradient clipping, the optimizer, QK-Clip,
 the lr schedule) and for its checkpoint state; gradient accumulation, the NaN check, metrics and logging
 stay in the trainer. ``TorchEngine`` is the torch-native stack (FSDP2 / HSDP, tensor, sequence and pipeline
-parallelism from torch.distributed), selected by ``parallel.engine=torch``. Another engine (DeepSpeed)
-implements the same methods and is added to ``ENGINES``; a new parallel dimension changes
-``parallelize`` and this class, not the trainer.
+parallelism from torch.distributed), selected by ``parallel.engine=torch``; ``DeepSpeedEngine``
+(deepspeed_engine.py, ``parallel.engine=deepspeed``) implements the same methods over DeepSpeed's ZeRO. A
+new parallel dimension changes ``parallelize`` and the engines, not the trainer.
 
 The model arrives built on the meta device: the engine applies parallelism to it, then materialises only
 this rank's shards on the device and initialises them (``materialize``), so no rank ever holds the whole
@@ -15,12 +15,13 @@ model, and every layout starts from the weights of one process (per-parameter se
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -200,16 +201,32 @@ class TorchEngine:
         """Weights, optimizer moments and the schedule's position come from `state`; hyper-parameters (lr,
         weight decay, betas, ...) and the schedule's shape stay this run's config, so a resumed run can
         change them (the trainer lists what changed)."""
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         back = {v: k for k, v in self._optim_aliases().items()}
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=_rename(state["optim"], back))
-        self.scheduler.load_state_dict(state["scheduler"])
-        for group, h in zip(self.optimizer.param_groups, hyper):
-            group.update(h)
-        self.scheduler.base_lrs = [h["initial_lr"] for h in hyper]
-        for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
-            group["lr"] = base * fn(self.scheduler.last_epoch)
+        with keep_hyperparameters(self.optimizer, self.scheduler, state["scheduler"]):
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=_rename(state["optim"], back))
+
+    def model_state_dict(self) -> dict:
+        """The weights alone, laid out as in ``state_dict`` (trainer.init_from loads into it). Collective."""
+        return get_model_state_dict(self.model)
+
+    def load_model_state_dict(self, state: dict) -> None:
+        set_model_state_dict(self.model, state)
+
+
+@contextmanager
+def keep_hyperparameters(optimizer, scheduler, scheduler_state: dict):
+    """Around loading optimizer state: the lr schedule's position comes from ``scheduler_state``, while the
+    hyper-parameters and the schedule's shape stay this run's config, and lr is set to where that schedule
+    is at the loaded position."""
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    yield
+    scheduler.load_state_dict(scheduler_state)
+    for group, h in zip(optimizer.param_groups, hyper):
+        group.update(h)
+    scheduler.base_lrs = [h["initial_lr"] for h in hyper]
+    for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * fn(scheduler.last_epoch)
 
 
 def _rename(optim_sd: dict, names: dict[str, str]) -> dict:
@@ -220,10 +237,16 @@ def _rename(optim_sd: dict, names: dict[str, str]) -> dict:
                              for g in optim_sd["param_groups"]]}
 
 
-ENGINES = {"torch": TorchEngine}
+def _deepspeed_engine(*args):
+    from .deepspeed_engine import DeepSpeedEngine  # imports deepspeed, which only this engine needs
+
+    return DeepSpeedEngine(*args)
+
+
+ENGINES = {"torch": TorchEngine, "deepspeed": _deepspeed_engine}
 
 
 def build_engine(cfg: Config, dims: ParallelDims, mesh: DeviceMesh | None, device: torch.device,
-                 model: KimiModel) -> TorchEngine:
+                 model: KimiModel):
     """The engine named by parallel.engine, wrapping `model` (built on the meta device)."""
     return ENGINES[cfg.parallel.engine](cfg, dims, mesh, device, model)

@@ -1,0 +1,131 @@
+"""parallel.engine=deepspeed (DeepSpeed's ZeRO 1-3 on its CPU accelerator, gloo) equals one process of the
+torch engine.
+
+Two ranks with micro-batch 2 see what one process sees with micro-batch 4, so losses and final weights
+must match the single-process run (to float summation order) under every ZeRO stage, with AdamW and with
+MuonClip (orthogonalising each matrix once across DeepSpeed's flat partitions: kimi/optim/zero.py), with
+gradient accumulation, with QK-Clip firing on the fp32 masters, and with a mixture of experts under ZeRO-3.
+The cases run in one torchrun launch (tests/dist_train.py). Checkpoints hold whole tensors under their
+names, as the torch engine's: a DeepSpeed run resumes exactly, and moves to the torch engine and back.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import make_corpus
+from layout_runs import ROOT, assert_same_run, metrics, overrides, single_process, torchrun
+
+from kimi import checkpoint
+from kimi.metrics import read_metrics
+
+pytest.importorskip("deepspeed", reason="deepspeed (dev extra) not installed")
+
+MOE = ["model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_hidden=16", "model.moe_groups=2",
+       "model.moe_topk_groups=1", "model.moe_bias_rate=0.01"]
+TAU = ["optim.qk_clip_tau=0.02"]  # the tiny model's max logits are ~0.03: heads clip every step
+ACCUM = ["trainer.grad_accum_steps=2"]
+
+
+def zero(stage: int, *extra: str) -> list[str]:
+    return ["parallel.engine=deepspeed", "parallel.dp_shard=2", "trainer.micro_batch_size=2",
+            f"parallel.deepspeed.zero_stage={stage}", *extra]
+
+
+CASES = {  # name: (optim, overrides)
+    **{f"zero{s}_{o}": (o, zero(s)) for s in (1, 2, 3) for o in ("adamw", "muonclip")},
+    # the end-of-run sample too: every rank decodes, ZeRO-3 gathering each layer's weights as it runs
+    "zero3_sample_muonclip": ("muonclip", zero(3, "trainer.sample_tokens=24")),
+    **{f"zero{s}_accum2_muonclip": ("muonclip", zero(s, *ACCUM)) for s in (1, 2, 3)},
+    "zero2_accum2_adamw": ("adamw", zero(2, *ACCUM)),
+    "zero2_qkclip_muonclip": ("muonclip", zero(2, *TAU)),
+    "zero3_qkclip_adamw": ("adamw", zero(3, *TAU)),
+    "zero3_moe_muonclip": ("muonclip", zero(3, *MOE)),
+}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> list[str]:
+    corpus = make_corpus(tmp_path_factory.mktemp("corpus"))
+    files = ",".join(str(p) for p in sorted(corpus.glob("*.txt")))
+    return [f"data.data_files=[{files}]", f"data.cache_dir={tmp_path_factory.mktemp('cache')}"]
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory, data):
+    """Every case trained by one 2-rank launch of tests/dist_train.py: (run dirs by case, the result)."""
+    out = tmp_path_factory.mktemp("deepspeed")
+    runs = {name: out / name for name in CASES}
+    spec = [{"run_dir": str(runs[name]), "overrides": overrides(data, optim, *extra)}
+            for name, (optim, extra) in CASES.items()]
+    (out / "runs.json").write_text(json.dumps(spec))
+    return runs, torchrun(2, None, [str(ROOT / "tests" / "dist_train.py"), str(out / "runs.json")], check=False)
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, data):
+    out, runs = tmp_path_factory.mktemp("single"), {}
+
+    def reference(optim: str, *extra: str) -> str:
+        key = (optim, *extra)
+        if key not in runs:
+            runs[key] = out / f"ref{len(runs)}"
+            single_process(runs[key], data, optim, *extra)
+        return runs[key]
+
+    return reference
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_zero_equals_one_process(tmp_path, launch, references, case):
+    runs, proc = launch
+    run = runs[case]
+    if checkpoint.latest_complete(run / "checkpoints") is None:
+        pytest.fail(f"the launch exited {proc.returncode} before {case} finished:\n{proc.stdout[-3000:]}\n"
+                    f"{proc.stderr[-5000:]}")
+    optim, extra = CASES[case]
+    same = [o for o in extra if o.startswith(("model.", "optim.", "trainer.grad_accum", "trainer.sample"))]
+    ref = references(optim, *same)
+    assert_same_run(run, ref, tmp_path)
+    if (ref / "sample.txt").exists():
+        assert (run / "sample.txt").read_text() == (ref / "sample.txt").read_text()
+    config = json.loads((run / "deepspeed.json").read_text())  # what DeepSpeed was given, for the user
+    assert config["zero_optimization"]["stage"] == int(case[4])
+    if "qkclip" in case:  # the clip fired, on the masters DeepSpeed then copied into the model
+        clipped = [r["qk_clipped_frac"] for r in read_metrics(run / "metrics.jsonl") if "qk_clipped_frac" in r]
+        assert len(clipped) == 3 and min(clipped) > 0
+
+
+def test_resume_continues_exactly(tmp_path, data, launch):
+    """Stopped after step 1 and restarted: the same losses and weights as the uninterrupted ZeRO-2 run."""
+    run = tmp_path / "resumed"
+    for stop in (1, 3):
+        torchrun(2, run, overrides(data, "muonclip", *zero(2), f"trainer.stop_at_step={stop}"))
+    assert checkpoint.latest_complete(run / "checkpoints").step == 3
+    assert metrics(run) == metrics(launch[0]["zero2_muonclip"])
+    assert_same_run(run, launch[0]["zero2_muonclip"], tmp_path, atol=0.0)
+
+
+@pytest.mark.parametrize("first,second", [("deepspeed", "torch"), ("torch", "deepspeed")])
+def test_a_run_changes_engine(tmp_path, data, references, first, second):
+    """Step 1 under one engine, steps 2-3 under the other (DeepSpeed ZeRO-2 / ZeRO-3 on 2 ranks, the torch
+    engine's FSDP on 2 ranks): the single-process run."""
+    run = tmp_path / "moved"
+    layouts = {"deepspeed": zero(2 if first == "deepspeed" else 3),
+               "torch": ["parallel.dp_shard=2", "trainer.micro_batch_size=2"]}
+    for engine, stop in ((first, 1), (second, 3)):
+        torchrun(2, run, overrides(data, "muonclip", *layouts[engine], f"trainer.stop_at_step={stop}"))
+    assert checkpoint.latest_complete(run / "checkpoints").step == 3
+    assert_same_run(run, references("muonclip"), tmp_path)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("parallel.tp=2", "parallel.engine=deepspeed runs ZeRO over data parallelism only (parallel.dp_shard ranks), "
+                      "without parallel.tp=2"),
+    ("parallel.deepspeed.zero_stage=4", "parallel.deepspeed.zero_stage=4 is invalid: choose 1, 2 or 3"),
+])
+def test_what_deepspeed_does_not_take_exits_with_the_message(tmp_path, data, override, message):
+    proc = torchrun(2, tmp_path / "bad", overrides(data, "adamw", "parallel.engine=deepspeed", override),
+                    check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-3000:]
