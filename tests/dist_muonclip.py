@@ -46,7 +46,7 @@ LAYOUTS = {
 }
 # DeepSpeed's ZeRO partitions (kimi/optim/zero.py): flat fragments, not blocks. zero12: an equal share of all
 # weights concatenated, so weights are cut mid-row between ranks; zero3: an equal share of each weight.
-ZERO = {"zero12", "zero3"}
+ZERO = ("zero12", "zero3")  # "_more" cases: the same with more matrices
 
 
 def zero_fragments(case: str, shapes: dict, rank: int, world: int) -> dict[str, Fragment]:
@@ -54,7 +54,7 @@ def zero_fragments(case: str, shapes: dict, rank: int, world: int) -> dict[str, 
     frags, offset = {}, 0
     part = -(-sum(numels.values()) // world)
     for n, numel in numels.items():
-        if case == "zero3":
+        if case.startswith("zero3"):
             each = -(-numel // world)
             start = rank * each
             frags[n] = Fragment(tuple(shapes[n]), start, max(0, min(each, numel - start)))
@@ -80,7 +80,7 @@ class Weights(torch.nn.Module):
         self.mesh = init_device_mesh("cpu", mesh_shape) if mesh_shape else None
         self.placements = {n: layout.get(n, layout.get("*")) for n in shapes}
         self.fragments = (zero_fragments(case, shapes, dist.get_rank(), dist.get_world_size())
-                          if case in ZERO else None)
+                          if case.startswith(ZERO) else None)
         for n, w in initial_weights(shapes).items():
             self.register_parameter(n, torch.nn.Parameter(self.lay_out(n, w)))
 

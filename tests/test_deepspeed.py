@@ -42,7 +42,11 @@ CASES = {  # name: (optim, overrides)
     "zero2_qkclip_muonclip": ("muonclip", zero(2, *TAU)),
     "zero3_qkclip_adamw": ("adamw", zero(3, *TAU)),
     "zero3_moe_muonclip": ("muonclip", zero(3, *MOE)),
+    # ZeRO-Offload: optimizer state and fp32 masters in CPU memory, stepped by DeepSpeed's offload path
+    "zero2_offload_muonclip": ("muonclip", zero(2, "parallel.deepspeed.offload_optimizer=true")),
+    "zero3_offload_adamw": ("adamw", zero(3, "parallel.deepspeed.offload_optimizer=true")),
 }
+BF16 = {"zero2_bf16_muonclip": ("muonclip", zero(2, "trainer.precision=bf16"))}  # bf16 weights, fp32 masters
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +60,9 @@ def data(tmp_path_factory) -> list[str]:
 def launch(tmp_path_factory, data):
     """Every case trained by one 2-rank launch of tests/dist_train.py: (run dirs by case, the result)."""
     out = tmp_path_factory.mktemp("deepspeed")
-    runs = {name: out / name for name in CASES}
+    runs = {name: out / name for name in {**CASES, **BF16}}
     spec = [{"run_dir": str(runs[name]), "overrides": overrides(data, optim, *extra)}
-            for name, (optim, extra) in CASES.items()]
+            for name, (optim, extra) in {**CASES, **BF16}.items()]
     (out / "runs.json").write_text(json.dumps(spec))
     return runs, torchrun(2, None, [str(ROOT / "tests" / "dist_train.py"), str(out / "runs.json")], check=False)
 
@@ -97,6 +101,15 @@ def test_zero_equals_one_process(tmp_path, launch, references, case):
         assert len(clipped) == 3 and min(clipped) > 0
 
 
+def test_bf16_trains_like_fp32(launch):
+    """DeepSpeed's bf16: bf16 weights and activations, fp32 master weights and optimizer state. Its losses
+    stay within bf16's rounding of the fp32 run's."""
+    (loss, val), (ref_loss, ref_val) = metrics(launch[0]["zero2_bf16_muonclip"]), metrics(launch[0]["zero2_muonclip"])
+    assert len(loss) == 3 and loss != ref_loss
+    for a, b in zip(loss + val, ref_loss + ref_val):
+        assert abs(a - b) < 1e-2 * b, (loss + val, ref_loss + ref_val)
+
+
 def test_resume_continues_exactly(tmp_path, data, launch):
     """Stopped after step 1 and restarted: the same losses and weights as the uninterrupted ZeRO-2 run."""
     run = tmp_path / "resumed"
@@ -105,6 +118,23 @@ def test_resume_continues_exactly(tmp_path, data, launch):
     assert checkpoint.latest_complete(run / "checkpoints").step == 3
     assert metrics(run) == metrics(launch[0]["zero2_muonclip"])
     assert_same_run(run, launch[0]["zero2_muonclip"], tmp_path, atol=0.0)
+
+
+def test_deepspeeds_launcher_runs_train_py(tmp_path, data, launch):
+    """The README's `deepspeed --no_local_rank` launch (on CPU, --num_gpus is the number of processes)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = tmp_path / "launched"
+    launcher = Path(sys.executable).parent / "deepspeed"
+    cmd = [str(launcher), "--no_local_rank", "--num_gpus", "2", str(ROOT / "train.py"), f"hydra.run.dir={run}",
+           *overrides(data, "muonclip", *zero(2))]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert metrics(run) == metrics(launch[0]["zero2_muonclip"])
 
 
 @pytest.mark.parametrize("first,second", [("deepspeed", "torch"), ("torch", "deepspeed")])

@@ -23,7 +23,7 @@ from muonclip_problem import (LOGICAL_MATRICES, SHAPES, gradients, initial_weigh
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 TESTS = Path(__file__).parent
-LAUNCHES = {2: ["replicated", "fsdp", "tp", "fsdp_more", "fsdp_save", "zero12"],
+LAUNCHES = {2: ["replicated", "fsdp", "tp", "fsdp_more", "fsdp_save", "zero12", "zero12_more"],
             4: ["fsdp4", "dp2tp2", "ep2fsdp2", "fsdp4_load", "zero3"]}
 WORLD = {case: n for n, cases in LAUNCHES.items() for case in cases}
 
@@ -79,8 +79,9 @@ def test_each_matrix_is_orthogonalised_once_per_step(runs, case):
         assert max(per_rank) < expected  # shared out, not all on one rank
 
 
-def test_collectives_do_not_grow_with_the_number_of_matrices(runs):
-    few, many = (result(runs, c)["stats"] for c in ("fsdp", "fsdp_more"))
+@pytest.mark.parametrize("layout", ["fsdp", "zero12"])
+def test_collectives_do_not_grow_with_the_number_of_matrices(runs, layout):
+    few, many = (result(runs, c)["stats"] for c in (layout, f"{layout}_more"))
     count = {r["steps"][s]["collectives"] for stats in (few, many) for r in stats for s in range(3)}
     # gradient blocks to owners, updates back, one max-reduce of the QK-Clip logits
     assert count == {3}

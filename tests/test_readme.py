@@ -71,6 +71,11 @@ SKIPPED = {
         "from the run and trains from it with the printed command",
     ".venv/bin/torchrun --standalone --nproc_per_node 8 train.py model=moe_tiny parallel.dp_shard=8 "
     "parallel.ep=4 hydra.run.dir=runs/exp5": GPUS_8 + "; tests/test_parallel.py checks ep 2 and ep 2 over dp_shard 4",
+    ".venv/bin/torchrun --standalone --nproc_per_node 8 train.py parallel.engine=deepspeed "
+    "parallel.deepspeed.zero_stage=2 parallel.dp_shard=8 hydra.run.dir=runs/ds8":
+        GPUS_8 + "; tests/test_deepspeed.py runs ZeRO 1, 2 and 3 on 2 ranks against one process",
+    ".venv/bin/deepspeed --no_local_rank --num_gpus 8 train.py parallel.engine=deepspeed parallel.dp_shard=8 "
+    "hydra.run.dir=runs/ds8": GPUS_8 + "; tests/test_deepspeed.py runs the same launcher with --num_gpus 2 on CPU",
 }
 MAX_MULTIPROCESS = 1  # 2-process torchrun launches run here (each about 10 s on 2 CPU cores)
 

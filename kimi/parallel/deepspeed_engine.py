@@ -72,15 +72,22 @@ class DeepSpeedEngine:
         self.cfg, self.dims, self.mesh, self.device = cfg, dims, mesh, device
         self.pp_rank, self.schedule = None, None
         materialize(model, device)
-        client = ZeroClient(model, cfg.optim.lr, inner_factory(cfg.optim, model))
-        self.ds_config = deepspeed_config(cfg, dims)
-        self.ds, zero_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=client, config=self.ds_config,
-                                                             dist_init_required=False)
+        client, optimizer_config = self.client_optimizer(cfg, model)
+        self.ds_config = {**deepspeed_config(cfg, dims), **optimizer_config}
+        self.ds, zero_optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=client, model_parameters=None if client else model.parameters(),
+            config=self.ds_config, dist_init_required=False)
         if cfg.parallel.deepspeed.zero_stage == 3:
             _declare_parameter_uses(deepspeed, model)
-        client.bind(zero_optimizer)
-        self.model, self.optimizer = model, client
-        self.scheduler = build_scheduler(client, cfg.optim, cfg.trainer.max_steps)
+        if client is not None:
+            client.bind(zero_optimizer)
+        self.model, self.optimizer = model, client if client is not None else zero_optimizer
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
+
+    def client_optimizer(self, cfg: Config, model: KimiModel) -> tuple[ZeroClient | None, dict]:
+        """The optimizer DeepSpeed wraps (ours, over its partitions), and DeepSpeed config entries for it.
+        A subclass may return (None, {"optimizer": ...}) for one of DeepSpeed's own (bench/deepspeed.py)."""
+        return ZeroClient(model, cfg.optim.lr, inner_factory(cfg.optim, model)), {}
 
     # ---- one step -----------------------------------------------------------------------------------
     def _loss(self, batch: Batch) -> torch.Tensor:
@@ -123,7 +130,7 @@ class DeepSpeedEngine:
 
     @property
     def qk_clip(self):
-        return self.optimizer._after
+        return getattr(self.optimizer, "_after", None)
 
     @property
     def qk_clip_stats(self) -> dict:

@@ -1,0 +1,185 @@
+"""DeepSpeed's ZeRO stages with our MuonClip as its client, against DeepSpeed's built-in Muon and AdamW.
+
+For each ZeRO stage and optimizer the trainer runs under torchrun on --ranks ranks (parallel.engine=
+deepspeed; gradient accumulation 2 by default, so an optimizer that orthogonalises per micro-batch shows
+it), on the same model and batches:
+
+- muonclip: ours, a client optimizer over DeepSpeed's partitions (kimi/optim/zero.py): each matrix
+  orthogonalised once per step by one owner rank;
+- deepspeed_muon: DeepSpeed's own ``"optimizer": {"type": "Muon"}`` (its Newton-Schulz, its lr scale, no
+  QK-Clip), built here as a baseline engine through the same seam;
+- adamw: torch's AdamW as our client.
+
+After a warm-up step one step is counted on every rank: bytes this rank put into collectives (all of
+ZeRO's traffic, forward and backward included), the matmul FLOPs of Newton-Schulz (measured inside the
+optimizer's orthogonalisation, not computed from shapes) and how many times the whole model's matrices
+were orthogonalised (all ranks' Newton-Schulz FLOPs over those of orthogonalising each matrix once, which
+MuonClip does); then --steps steps are timed; optimizer state bytes per rank.
+
+    python bench/deepspeed.py [--stages 1 2 3] [--ranks 2] [--model tiny] [--set key=value ...]
+
+Prints a markdown table and writes bench/results/deepspeed.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+
+from comm_count import CommCounter
+
+ROOT = Path(__file__).resolve().parents[1]
+ARMS = ("muonclip", "deepspeed_muon", "adamw")
+
+
+class FlopsOf:
+    """Wraps a module-level function so that the matmul FLOPs of its calls are added up."""
+
+    def __init__(self, module, name: str):
+        self.module, self.name, self.flops = module, name, 0
+        self.original = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            counter = CommCounter()
+            with counter:
+                out = self.original(*args, **kwargs)
+            self.flops += counter.flops
+            return out
+
+        setattr(module, name, counted)
+
+
+def builtin_muon_engine(cfg, dims, mesh, device, model):
+    """DeepSpeed's own Muon through the engine seam (a baseline for this benchmark only)."""
+    from kimi.parallel.deepspeed_engine import DeepSpeedEngine
+
+    class BuiltinMuon(DeepSpeedEngine):
+        def client_optimizer(self, cfg, model):
+            o = cfg.optim
+            return None, {"optimizer": {"type": "Muon", "params": {
+                "lr": o.lr, "momentum": o.momentum, "weight_decay": o.weight_decay, "betas": list(o.betas),
+                "eps": o.eps}}}
+
+    return BuiltinMuon(cfg, dims, mesh, device, model)
+
+
+def state_bytes(optimizer) -> int:
+    inner = getattr(optimizer, "inner", None) or getattr(optimizer, "optimizer", None) or optimizer
+    return sum(v.numel() * v.element_size() for st in inner.state.values() for v in st.values()
+               if torch.is_tensor(v) and v.dim() > 0)
+
+
+def worker(out: Path, arm: str, overrides: list[str], steps: int) -> None:
+    import deepspeed.runtime.zero.muon.original_muon as ds_muon
+
+    import kimi.optim.muonclip as ours
+    import kimi.trainer
+    from kimi.config import register_configs
+    from kimi.parallel import destroy_distributed
+    from kimi.trainer import Trainer
+
+    register_configs()
+    run = Path(tempfile.mkdtemp(prefix="kimi_bench_deepspeed_"))
+    optim = "muonclip" if arm == "deepspeed_muon" else arm
+    with initialize_config_dir(str(ROOT / "conf"), version_base=None):
+        cfg = compose("config", overrides=[f"trainer.run_dir={run}", "logging.wandb.mode=disabled",
+                                           "trainer.checkpoint_every=0", "trainer.eval_every=0", "trainer.threads=1",
+                                           "trainer.resume=false", "parallel.engine=deepspeed", f"optim={optim}",
+                                           *overrides])
+    if arm == "deepspeed_muon":
+        kimi.trainer.build_engine = builtin_muon_engine
+    trainer = Trainer(cfg)
+    ns = [FlopsOf(ours, "newton_schulz"), FlopsOf(ds_muon, "muon_update")]
+    trainer.train_step()  # warm-up: optimizer state, the owners' plan
+    for f in ns:
+        f.flops = 0
+    counter = CommCounter()
+    with counter:
+        trainer.train_step()
+    ns_flops = sum(f.flops for f in ns)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    seconds = (time.perf_counter() - t0) / steps
+    record = {"bytes": counter.total_bytes, "calls": dict(counter.calls), "ns_flops": ns_flops, "step_s": seconds,
+              "optimizer_state_bytes": state_bytes(trainer.engine.optimizer)}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, record)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(everyone))
+    destroy_distributed()
+
+
+def run(arm: str, stage: int, args) -> list[dict]:
+    out = Path(tempfile.mkdtemp()) / "result.json"
+    overrides = [f"model={args.model}", f"parallel.dp_shard={args.ranks}", f"parallel.deepspeed.zero_stage={stage}",
+                 f"trainer.micro_batch_size={args.batch // args.ranks // args.accum}",
+                 f"trainer.grad_accum_steps={args.accum}", *args.set]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}", __file__,
+           "--worker", str(out), "--arm", arm, "--steps", str(args.steps), "--", *overrides]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{arm} at ZeRO-{stage} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stages", nargs="+", type=int, default=[1, 2, 3], choices=[1, 2, 3])
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step over all ranks and micro-batches")
+    parser.add_argument("--accum", type=int, default=2, help="gradient accumulation steps")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (after two untimed ones)")
+    parser.add_argument("--set", nargs="*", default=[], help="more overrides, e.g. trainer.seq_len=256")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "deepspeed.json")
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker, args.arm, args.overrides, args.steps)
+
+    results = {f"zero{s}/{arm}": run(arm, s, args) for s in args.stages for arm in args.arms}
+    settings = " ".join(args.set) or "defaults"
+    print(f"\n{args.model} model on {args.ranks} ranks, {args.batch} sequences per step in {args.accum} micro-batches "
+          f"({settings}); per rank, the fullest rank where ranks differ\n")
+    print("| ZeRO | optimizer | bytes sent per step | Newton-Schulz FLOPs | matrices orthogonalised | step time | "
+          "vs adamw | optimizer state |")
+    print("|---|---|---|---|---|---|---|---|")
+    for s in args.stages:
+        once = sum(r["ns_flops"] for r in results.get(f"zero{s}/muonclip", [])) or None
+        base = results.get(f"zero{s}/adamw")
+        for arm in args.arms:
+            ranks = results[f"zero{s}/{arm}"]
+            total = sum(r["ns_flops"] for r in ranks)
+            times = f"{total / once:.2f}x once" if once and total else "-"
+            step = max(r["step_s"] for r in ranks)
+            ratio = f"{step / max(r['step_s'] for r in base):.2f}x" if base else "-"
+            print(f"| {s} | {arm} | {mib(max(r['bytes'] for r in ranks))} | "
+                  f"{max(r['ns_flops'] for r in ranks) / 1e9:.3f} G | {times} | {step * 1e3:.0f} ms | {ratio} | "
+                  f"{mib(max(r['optimizer_state_bytes'] for r in ranks))} |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"model": args.model, "ranks": args.ranks, "batch": args.batch,
+                                    "accum": args.accum, "set": args.set, "steps": args.steps,
+                                    "results": results}, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
