@@ -120,6 +120,19 @@ def test_resume_continues_exactly(tmp_path, data, launch):
     assert_same_run(run, launch[0]["zero2_muonclip"], tmp_path, atol=0.0)
 
 
+def test_one_process_without_a_launcher(tmp_path, data, references):
+    """`python train.py parallel.engine=deepspeed`: DeepSpeed gets a one-rank process group of its own."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "alone"
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run}",
+                           *overrides(data, "muonclip", "parallel.engine=deepspeed", "parallel.deepspeed.zero_stage=3")],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert_same_run(run, references("muonclip"), tmp_path)
+
+
 def test_deepspeeds_launcher_runs_train_py(tmp_path, data, launch):
     """The README's `deepspeed --no_local_rank` launch (on CPU, --num_gpus is the number of processes)."""
     import os

@@ -13,7 +13,10 @@ written to the run dir as deepspeed.json. DeepSpeed's CPU accelerator runs on gl
 
 from __future__ import annotations
 
+import os
+
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from kimi.config import Config, ConfigError
@@ -69,6 +72,11 @@ class DeepSpeedEngine:
     def __init__(self, cfg: Config, dims: ParallelDims, mesh: DeviceMesh | None, device: torch.device,
                  model: KimiModel):
         deepspeed = _import_deepspeed()
+        if not dist.is_initialized():  # one process without torchrun: DeepSpeed still wants a process group
+            for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+                os.environ.setdefault(key, value)
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                    world_size=1)
         self.cfg, self.dims, self.mesh, self.device = cfg, dims, mesh, device
         self.pp_rank, self.schedule = None, None
         materialize(model, device)
@@ -81,7 +89,8 @@ class DeepSpeedEngine:
             _declare_parameter_uses(deepspeed, model)
         if client is not None:
             client.bind(zero_optimizer)
-        self.model, self.optimizer = model, client if client is not None else zero_optimizer
+        # the optimizer whose param groups DeepSpeed steps (its own, inside its ZeRO wrapper, when not ours)
+        self.model, self.optimizer = model, client if client is not None else zero_optimizer.optimizer
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
 
     def client_optimizer(self, cfg: Config, model: KimiModel) -> tuple[ZeroClient | None, dict]:
