@@ -14,6 +14,7 @@ This module is pure data: it imports neither torch nor the rest of kimi (it is i
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -533,8 +534,11 @@ def _check_deepspeed(cfg: Config) -> None:
     p = cfg.parallel
     if p.engine != "deepspeed":
         return
+    _require(importlib.util.find_spec("deepspeed") is not None,
+             "parallel.engine=deepspeed needs the deepspeed package, which is not installed: pip install deepspeed "
+             "(or the project's extra: pip install -e '.[deepspeed]'), or use parallel.engine=torch")
     unsupported = [f"parallel.{k}={getattr(p, k)}" for k in ("dp_replicate", "tp", "pp", "ep") if getattr(p, k) > 1]
-    unsupported += [f"parallel.{k}={getattr(p, k)}" for k in ("compile", "sequence_parallel") if getattr(p, k)]
+    unsupported += [f"parallel.{k}=true" for k in ("compile", "sequence_parallel") if getattr(p, k)]
     if p.activation_checkpointing != "none":
         unsupported.append(f"parallel.activation_checkpointing={p.activation_checkpointing}")
     _require(not unsupported,

@@ -76,3 +76,18 @@ def assert_same_run(run: Path, ref: Path, tmp: Path, atol: float = 1e-5) -> None
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def reference_runs(out: Path, data: list[str]):
+    """reference(optim, *overrides) -> the run dir of one process of the torch engine with those settings,
+    trained once per combination (under ``out``)."""
+    runs: dict = {}
+
+    def reference(optim: str, *extra: str) -> Path:
+        key = (optim, *extra)
+        if key not in runs:
+            runs[key] = out / "_".join(k.replace("=", "-").replace("/", "_") for k in key)
+            single_process(runs[key], data, optim, *extra)
+        return runs[key]
+
+    return reference

@@ -83,3 +83,24 @@ def test_expert_parallel_layouts_that_cannot_work_say_why(overrides, message):
     world = cfg.parallel.dp_replicate * cfg.parallel.dp_shard * cfg.parallel.tp * cfg.parallel.pp
     with pytest.raises(ConfigError, match=message):
         validate(cfg, world=world)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel.dp_shard=2", "parallel.compile=true"], "without parallel.compile=true: reset those"),
+    (["parallel.dp_shard=2", "parallel.activation_checkpointing=full"], "parallel.activation_checkpointing=full"),
+    (["parallel.dp_replicate=2"], "without parallel.dp_replicate=2"),
+    (["parallel.deepspeed.reduce_bucket_size=0"], "parallel.deepspeed.reduce_bucket_size=0 is invalid"),
+])
+def test_deepspeed_layouts_that_cannot_work_say_why(overrides, message):
+    cfg = compose_cfg("parallel.engine=deepspeed", *overrides)
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg, world=cfg.parallel.dp_replicate * cfg.parallel.dp_shard)
+
+
+def test_deepspeed_engine_without_deepspeed_installed_says_how(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"needs the deepspeed package, which is not installed: pip install"):
+        validate(compose_cfg("parallel.engine=deepspeed"), world=1)

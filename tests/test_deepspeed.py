@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import make_corpus
-from layout_runs import ROOT, assert_same_run, metrics, overrides, single_process, torchrun
+from helpers import corpus_overrides
+from layout_runs import ROOT, assert_same_run, metrics, overrides, reference_runs, torchrun
 
 from kimi import checkpoint
 from kimi.metrics import read_metrics
@@ -51,9 +51,7 @@ BF16 = {"zero2_bf16_muonclip": ("muonclip", zero(2, "trainer.precision=bf16"))} 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> list[str]:
-    corpus = make_corpus(tmp_path_factory.mktemp("corpus"))
-    files = ",".join(str(p) for p in sorted(corpus.glob("*.txt")))
-    return [f"data.data_files=[{files}]", f"data.cache_dir={tmp_path_factory.mktemp('cache')}"]
+    return corpus_overrides(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -69,16 +67,7 @@ def launch(tmp_path_factory, data):
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, data):
-    out, runs = tmp_path_factory.mktemp("single"), {}
-
-    def reference(optim: str, *extra: str) -> str:
-        key = (optim, *extra)
-        if key not in runs:
-            runs[key] = out / f"ref{len(runs)}"
-            single_process(runs[key], data, optim, *extra)
-        return runs[key]
-
-    return reference
+    return reference_runs(tmp_path_factory.mktemp("single"), data)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_corpus
-from layout_runs import ROOT, assert_same_run, overrides, single_process, torchrun
+from helpers import corpus_overrides
+from layout_runs import ROOT, assert_same_run, overrides, reference_runs, single_process, torchrun
 
 from kimi import checkpoint
 # 4 blocks (KDA, MLA, KDA, MLA): enough for 2 ranks x 2 virtual pipeline stages
@@ -83,24 +82,12 @@ CASES = [(layout, optim) for layout in BOTH for optim in ("adamw", "muonclip")] 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> list[str]:
-    corpus = make_corpus(tmp_path_factory.mktemp("corpus"))
-    files = ",".join(str(p) for p in sorted(corpus.glob("*.txt")))
-    return [f"data.data_files=[{files}]", f"data.cache_dir={tmp_path_factory.mktemp('cache')}"]
+    return corpus_overrides(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, data):
-    """reference(optim, *model_overrides) -> the single-process run dir, trained once per combination."""
-    out, runs = tmp_path_factory.mktemp("single"), {}
-
-    def reference(optim: str, *model_overrides: str) -> Path:
-        key = (optim, *model_overrides)
-        if key not in runs:
-            runs[key] = out / "_".join(k.replace("=", "-") for k in key)
-            single_process(runs[key], data, optim, *model_overrides)
-        return runs[key]
-
-    return reference
+    return reference_runs(tmp_path_factory.mktemp("single"), data)
 
 
 @pytest.fixture(scope="module")

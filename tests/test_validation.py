@@ -86,7 +86,8 @@ IMPOSSIBLE = [
     (["data.format=csv"], 1, "data.format"),
     (["parallel.pp_schedule=dualpipe"], 1, "parallel.pp_schedule"),
     (["parallel.activation_checkpointing=some"], 1, "parallel.activation_checkpointing"),
-    (["parallel.engine=deepspeed"], 1, "parallel.engine"),
+    (["parallel.engine=megatron"], 1, "parallel.engine"),
+    (["parallel.engine=deepspeed", "parallel.deepspeed.zero_stage=0"], 1, "parallel.deepspeed.zero_stage"),
     # negative or zero sizes
     (["model.d_model=0"], 1, "model.d_model"),
     (["model.vocab_size=0"], 1, "model.vocab_size"),
@@ -343,7 +344,7 @@ def test_fixed_choice_keys_stay_plain_strings():
         "model.residual", "model.kda_backend", "model.moe_impl", "optim.name", "optim.schedule", "optim.ns_dtype",
         "optim.adjust_lr_fn", "trainer.precision", "trainer.device", "logging.wandb.mode", "data.source",
         "data.format", "parallel.activation_checkpointing", "parallel.pp_schedule", "parallel.engine"])
-    assert ENGINES == ("torch",) and AC_MODES == ("none", "full", "selective")
+    assert ENGINES == ("torch", "deepspeed") and AC_MODES == ("none", "full", "selective")
     assert PP_SCHEDULES == ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
     assert SINGLE_STAGE_SCHEDULES == ("gpipe", "1f1b")
 
