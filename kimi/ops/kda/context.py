@@ -1,0 +1,107 @@
+"""KDA over a sequence split into consecutive shards (context parallelism): each shard runs from a zero
+state, the shards' small summaries are joined, and each shard runs again from its true incoming state.
+
+One token maps the state affinely, S_t = A_t S_{t-1} + b_t k_t v_t^T with A_t = (I - b_t k_t k_t^T)
+Diag(exp(g_t)) (:func:`kimi.ops.kda.recurrent.kda_step`), so a whole shard does too:
+
+    S_end = P S_in + S_zero,   P = A_T ... A_1 (the shard's transition, [K, K] per head),
+
+where S_zero is the shard's final state from a zero state. P is the final state of the same recurrence
+run with v = 0 from the identity, so the KDA kernels compute it; :func:`naive_transition` is the reference
+beside it (the product of the A_t). Joining is a prefix fold over shards (:func:`incoming_states`), whose
+inputs per shard are two [B, H, K, *] tensors whatever the shard's length: what context-parallel ranks
+exchange.
+
+Packed documents (``cu_seqlens`` of the shard, with ``continues``: whether the shard's first token
+continues the previous shard's document): the incoming state reaches only the shard's first document, and
+leaves the shard only when that document is also its last, so P is zero otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import chunk_kda
+
+
+def naive_transition(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """P = A_T ... A_1 with A_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)), token by token: [B, H, K, K].
+    k, g: [B, T, H, K]; beta: [B, T, H] (the reference :func:`shard_summary` is tested against)."""
+    B, T, H, K = k.shape
+    P = torch.eye(K, dtype=k.dtype, device=k.device).expand(B, H, K, K)
+    for t in range(T):
+        kt, bt = k[:, t], beta[:, t][..., None, None]
+        A = (torch.eye(K, dtype=k.dtype, device=k.device) - bt * kt[..., :, None] * kt[..., None, :])
+        P = (A * g[:, t].exp()[..., None, :]) @ P
+    return P
+
+
+def shard_summary(q, k, v, g, beta, scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
+                  continues: bool = True, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, S_zero) of one shard (module docstring): P [B, H, K, K], S_zero [B, H, K, V] (B = 1 with
+    ``cu_seqlens``: the shard's last document's state)."""
+    _, state = chunk_kda(q, k, v, g, beta, scale, output_final_state=True, cu_seqlens=cu_seqlens, backend=backend)
+    B, T, H, K = k.shape
+    first_end = T if cu_seqlens is None else int(cu_seqlens[1])
+    if not continues or first_end < T:  # the incoming state stops at a document start inside the shard
+        return k.new_zeros(B, H, K, K, dtype=state.dtype), state[-1:] if cu_seqlens is not None else state
+    eye = torch.eye(K, dtype=state.dtype, device=k.device).expand(B, H, K, K).contiguous()
+    _, P = chunk_kda(q, k, torch.zeros_like(k), g, beta, scale, initial_state=eye, output_final_state=True,
+                     backend=backend)
+    return P, state[-1:] if cu_seqlens is not None else state
+
+
+def incoming_states(summaries: list[tuple[torch.Tensor, torch.Tensor]],
+                    initial: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Each shard's incoming state and, last, the final state: S_in(0) = initial (zero when None),
+    S_in(r + 1) = P_r S_in(r) + S_zero_r."""
+    P0, S0 = summaries[0]
+    states = [torch.zeros_like(S0) if initial is None else initial.to(S0.dtype)]
+    for P, S in summaries:
+        states.append(P @ states[-1] + S)
+    return states
+
+
+def sharded_kda(q, k, v, g, beta, shards: int, scale: float | None = None,
+                cu_seqlens: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+                backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """KDA of the whole sequence computed shard by shard as context-parallel ranks compute it (one
+    process: the exchange is a list): (o, final state), equal to chunk_kda's. T must divide by shards."""
+    T = q.shape[1]
+    if T % shards:
+        raise ValueError(f"T = {T} does not split into {shards} shards")
+    n = T // shards
+    parts = []
+    for r in range(shards):
+        part = tuple(x[:, r * n:(r + 1) * n] for x in (q, k, v, g, beta))
+        local, continues = local_cu_seqlens(cu_seqlens, r * n, n)
+        parts.append((part, local, continues))
+    summaries = [shard_summary(*part, scale, local, continues, backend) for part, local, continues in parts]
+    states = incoming_states(summaries, initial_state)
+    outputs = []
+    for (part, local, continues), s_in in zip(parts, states):
+        outputs.append(run_shard(part, s_in, scale, local, continues, backend))
+    return torch.cat(outputs, dim=1), states[-1]
+
+
+def local_cu_seqlens(cu_seqlens: torch.Tensor | None, start: int, length: int):
+    """A shard's own cu_seqlens (None without packing) and whether its first token continues a document."""
+    if cu_seqlens is None:
+        return None, True
+    inside = [int(c) - start for c in cu_seqlens.tolist() if start < int(c) < start + length]
+    continues = start not in cu_seqlens.tolist()
+    return torch.tensor([0, *inside, length], dtype=cu_seqlens.dtype, device=cu_seqlens.device), continues
+
+
+def run_shard(part, incoming: torch.Tensor, scale, cu_seqlens, continues: bool, backend=None) -> torch.Tensor:
+    """The shard's outputs from its incoming state (which only its first document, when continued, sees)."""
+    q, k, v, g, beta = part
+    init = incoming
+    if cu_seqlens is not None:
+        init = torch.zeros(cu_seqlens.numel() - 1, *incoming.shape[1:], dtype=incoming.dtype, device=incoming.device)
+        if continues:
+            init = torch.cat([incoming, init[1:]])
+    elif not continues:
+        init = torch.zeros_like(incoming)
+    o, _ = chunk_kda(q, k, v, g, beta, scale, initial_state=init, cu_seqlens=cu_seqlens, backend=backend)
+    return o

@@ -1,0 +1,63 @@
+"""KDA split along the sequence (kimi/ops/kda/context.py), the building block of context parallelism: a
+shard's transition P against the token-by-token product, the affine map it defines against running the
+shard from a given state, and shard-by-shard KDA (2 and 4 shards, packed documents crossing shard edges)
+equal to the whole sequence's in fp64: outputs, final state and every gradient."""
+
+import pytest
+import torch
+
+from kimi.ops.kda import chunk_kda
+from kimi.ops.kda.context import naive_transition, shard_summary, sharded_kda
+
+B, T, H, K, V = 2, 32, 2, 8, 6
+
+
+def inputs(b: int = B, seed: int = 0):
+    g_ = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, T, H, K, generator=g_, dtype=torch.float64)
+    k = torch.nn.functional.normalize(torch.randn(b, T, H, K, generator=g_, dtype=torch.float64), dim=-1)
+    v = torch.randn(b, T, H, V, generator=g_, dtype=torch.float64)
+    g = -torch.rand(b, T, H, K, generator=g_, dtype=torch.float64) * 0.3  # log decays
+    beta = torch.rand(b, T, H, generator=g_, dtype=torch.float64)
+    return [x.requires_grad_() for x in (q, k, v, g, beta)]
+
+
+def test_transition_is_the_product_and_the_shard_map_is_affine():
+    q, k, v, g, beta = inputs()
+    P, S_zero = shard_summary(q, k, v, g, beta)
+    torch.testing.assert_close(P, naive_transition(k, g, beta), rtol=1e-10, atol=1e-12)
+    S_in = torch.randn(B, H, K, V, dtype=torch.float64)
+    _, S_end = chunk_kda(q, k, v, g, beta, initial_state=S_in, output_final_state=True)
+    torch.testing.assert_close(S_end, P @ S_in + S_zero, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("shards", [2, 4])
+def test_sharded_equals_whole_with_gradients(shards):
+    args = inputs()
+    init = torch.randn(B, H, K, V, dtype=torch.float64, requires_grad=True)
+    whole_o, whole_s = chunk_kda(*args, initial_state=init, output_final_state=True)
+    o, s = sharded_kda(*args, shards, initial_state=init)
+    torch.testing.assert_close(o, whole_o, rtol=1e-10, atol=1e-11)
+    torch.testing.assert_close(s, whole_s, rtol=1e-10, atol=1e-11)
+    w_o, w_s = torch.randn_like(o), torch.randn_like(s)
+    want = torch.autograd.grad((whole_o * w_o).sum() + (whole_s * w_s).sum(), [*args, init])
+    got = torch.autograd.grad((o * w_o).sum() + (s * w_s).sum(), [*args, init])
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("starts", [[0, 5, 21], [0, 8, 16, 27], [0, 3, 4, 30]])
+def test_packed_documents_across_shard_edges(starts):
+    """Documents start inside shards, exactly at a shard edge (8, 16 with 4 shards of 8) or span shards."""
+    args = inputs(b=1, seed=1)
+    cu = torch.tensor([*starts, T], dtype=torch.int32)
+    whole_o, whole_s = chunk_kda(*args, output_final_state=True, cu_seqlens=cu)
+    w = torch.randn_like(whole_o)
+    want = torch.autograd.grad((whole_o * w).sum(), args)
+    for shards in (2, 4):
+        o, s = sharded_kda(*args, shards, cu_seqlens=cu)
+        torch.testing.assert_close(o, whole_o, rtol=1e-10, atol=1e-11)
+        torch.testing.assert_close(s, whole_s[-1:], rtol=1e-10, atol=1e-11)
+        got = torch.autograd.grad((o * w).sum(), args)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
