@@ -61,3 +61,33 @@ def test_packed_documents_across_shard_edges(starts):
         got = torch.autograd.grad((o * w).sum(), args)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_ranks_equal_one_device(tmp_path, world):
+    """tests/dist_kda_cp.py: each of `world` gloo ranks holds one shard; the ranks' outputs, the final state
+    and every input gradient (one all-gather of the shard summaries forward, one all-reduce backward) equal
+    the whole sequence's on one device, also with packed documents."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "cp.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+           str(Path(__file__).parent / "dist_kda_cp.py"), str(out)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = torch.load(out, weights_only=False)
+    for case, starts in (("plain", None), ("packed", [0, 5, 16, 27])):
+        r = results[case]
+        args = inputs(b=1 if starts else 2, seed=1)
+        cu = None if starts is None else torch.tensor([*starts, T], dtype=torch.int32)
+        o, states = chunk_kda(*args, output_final_state=True, cu_seqlens=cu)
+        state = states[-1:] if starts else states
+        grads = torch.autograd.grad((o * r["w"]).sum() + (state * r["w_s"]).sum(), args)
+        torch.testing.assert_close(r["o"], o.detach(), rtol=1e-10, atol=1e-11)
+        torch.testing.assert_close(r["state"], state.detach(), rtol=1e-10, atol=1e-11)
+        for name, a, b in zip(("q", "k", "v", "g", "beta"), r["grads"], grads):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=lambda m: f"{case} {name}: {m}")

@@ -1,0 +1,55 @@
+"""torchrun worker for tests/test_kda_context.py: KDA over a sequence split across the ranks
+(kimi/parallel/context_parallel.py); rank 0 writes the whole outputs, final state and input gradients,
+gathered from every rank's shard.
+
+    torchrun --nproc_per_node N tests/dist_kda_cp.py OUT.pt
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_kda_context import T, inputs  # noqa: E402
+
+from kimi.ops.kda.context import local_cu_seqlens  # noqa: E402
+from kimi.parallel.context_parallel import context_parallel_kda  # noqa: E402
+
+CASES = {"plain": None, "packed": [0, 5, 16, 27]}  # packed: documents inside shards and at a shard edge
+
+
+def gather_time(x: torch.Tensor) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=1)
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = T // world
+    results = {}
+    for case, starts in CASES.items():
+        full = inputs(b=1 if starts else 2, seed=1)
+        mine = [x.detach()[:, rank * n:(rank + 1) * n].clone().requires_grad_() for x in full]
+        cu = None if starts is None else torch.tensor([*starts, T], dtype=torch.int32)
+        local, continues = local_cu_seqlens(cu, rank * n, n)
+        o, state = context_parallel_kda(*mine, dist.group.WORLD, cu_seqlens=local, continues=continues)
+        w = torch.randn(o.shape[0], T, *o.shape[2:], generator=torch.Generator().manual_seed(7), dtype=o.dtype)
+        w_s = torch.randn(state.shape, generator=torch.Generator().manual_seed(8), dtype=o.dtype)
+        loss = (o * w[:, rank * n:(rank + 1) * n]).sum() + (state * w_s).sum() / world  # each rank has the state
+        grads = torch.autograd.grad(loss, mine)
+        results[case] = {"o": gather_time(o.detach()), "state": state.detach(),
+                         "grads": [gather_time(x) for x in grads], "w": w, "w_s": w_s}
+    if rank == 0:
+        torch.save(results, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
