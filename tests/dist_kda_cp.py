@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_kda_context import T, inputs  # noqa: E402
+from test_kda_context import T, conv_inputs, inputs  # noqa: E402
 
 from kimi.ops.kda.context import local_cu_seqlens  # noqa: E402
-from kimi.parallel.context_parallel import context_parallel_kda  # noqa: E402
+from kimi.parallel.context_parallel import context_parallel_kda, keep_in_graph, previous_tail  # noqa: E402
 
 CASES = {"plain": None, "packed": [0, 5, 16, 27]}  # packed: documents inside shards and at a shard edge
 
@@ -26,6 +26,21 @@ def gather_time(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=1)
+
+
+def conv_case(rank: int, n: int) -> dict:
+    """A short conv over packed documents split across the ranks: its K-1 halo from the previous rank."""
+    starts = CASES["packed"]
+    conv, x = conv_inputs()
+    mine = x.detach()[:, rank * n:(rank + 1) * n].clone().requires_grad_()
+    local, continues = local_cu_seqlens(torch.tensor([*starts, T], dtype=torch.int32), rank * n, n)
+    halo, tails = previous_tail(mine[:, n - (conv.weight.shape[-1] - 1):], dist.group.WORLD)
+    y, _ = conv(mine, local, halo if continues else None)
+    y = keep_in_graph(y, tails)
+    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(9), dtype=x.dtype)
+    (y * w[:, rank * n:(rank + 1) * n]).sum().backward()
+    dist.all_reduce(conv.weight.grad)  # each rank's copy of the weight saw its own tokens
+    return {"y": gather_time(y.detach()), "x_grad": gather_time(mine.grad), "w_grad": conv.weight.grad, "w": w}
 
 
 def main(out: Path) -> None:
@@ -41,10 +56,13 @@ def main(out: Path) -> None:
         o, state = context_parallel_kda(*mine, dist.group.WORLD, cu_seqlens=local, continues=continues)
         w = torch.randn(o.shape[0], T, *o.shape[2:], generator=torch.Generator().manual_seed(7), dtype=o.dtype)
         w_s = torch.randn(state.shape, generator=torch.Generator().manual_seed(8), dtype=o.dtype)
-        loss = (o * w[:, rank * n:(rank + 1) * n]).sum() + (state * w_s).sum() / world  # each rank has the state
+        loss = (o * w[:, rank * n:(rank + 1) * n]).sum()
+        if case == "plain":  # the final state too (every rank holds it); packed: outputs alone, as in training
+            loss = loss + (state * w_s).sum() / world
         grads = torch.autograd.grad(loss, mine)
         results[case] = {"o": gather_time(o.detach()), "state": state.detach(),
                          "grads": [gather_time(x) for x in grads], "w": w, "w_s": w_s}
+    results["conv"] = conv_case(rank, n)
     if rank == 0:
         torch.save(results, out)
     dist.barrier()

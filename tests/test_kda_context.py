@@ -22,6 +22,34 @@ def inputs(b: int = B, seed: int = 0):
     return [x.requires_grad_() for x in (q, k, v, g, beta)]
 
 
+def conv_inputs():
+    """A short conv (kernel 4) and a packed input [1, T, C] for it."""
+    from kimi.model.kda import ShortConv
+
+    torch.manual_seed(3)
+    conv = ShortConv(5, 4).double()
+    conv.reset_parameters()
+    x = torch.randn(1, T, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    return conv, x.requires_grad_()
+
+
+def test_short_conv_reads_the_previous_shards_tail():
+    """A shard given the previous shard's last K-1 inputs (its first document continued) equals the whole
+    packed sequence's conv; a shard whose first token starts a document gets none."""
+    from kimi.ops.kda.context import local_cu_seqlens
+
+    conv, x = conv_inputs()
+    cu = torch.tensor([0, 5, 16, 27, T], dtype=torch.int32)
+    whole, _ = conv(x, cu)
+    for shards in (2, 4):
+        n, tail, parts = T // shards, None, []
+        for r in range(shards):
+            local, continues = local_cu_seqlens(cu, r * n, n)
+            y, tail = conv(x[:, r * n:(r + 1) * n], local, tail if continues else None)
+            parts.append(y)
+        torch.testing.assert_close(torch.cat(parts, dim=1), whole, rtol=1e-12, atol=1e-13)
+
+
 def test_transition_is_the_product_and_the_shard_map_is_affine():
     q, k, v, g, beta = inputs()
     P, S_zero = shard_summary(q, k, v, g, beta)
@@ -67,7 +95,8 @@ def test_packed_documents_across_shard_edges(starts):
 def test_context_parallel_ranks_equal_one_device(tmp_path, world):
     """tests/dist_kda_cp.py: each of `world` gloo ranks holds one shard; the ranks' outputs, the final state
     and every input gradient (one all-gather of the shard summaries forward, one all-reduce backward) equal
-    the whole sequence's on one device, also with packed documents."""
+    the whole sequence's on one device, also with packed documents; and a short conv whose halo comes from
+    the previous rank."""
     import os
     import subprocess
     import sys
@@ -86,8 +115,16 @@ def test_context_parallel_ranks_equal_one_device(tmp_path, world):
         cu = None if starts is None else torch.tensor([*starts, T], dtype=torch.int32)
         o, states = chunk_kda(*args, output_final_state=True, cu_seqlens=cu)
         state = states[-1:] if starts else states
-        grads = torch.autograd.grad((o * r["w"]).sum() + (state * r["w_s"]).sum(), args)
+        loss = (o * r["w"]).sum() + ((state * r["w_s"]).sum() if starts is None else 0.0)
+        grads = torch.autograd.grad(loss, args)
         torch.testing.assert_close(r["o"], o.detach(), rtol=1e-10, atol=1e-11)
         torch.testing.assert_close(r["state"], state.detach(), rtol=1e-10, atol=1e-11)
         for name, a, b in zip(("q", "k", "v", "g", "beta"), r["grads"], grads):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=lambda m: f"{case} {name}: {m}")
+    conv, x = conv_inputs()  # the short conv's halo from the previous rank, and its gradient back
+    r = results["conv"]
+    y, _ = conv(x, torch.tensor([0, 5, 16, 27, T], dtype=torch.int32))
+    (y * r["w"]).sum().backward()
+    torch.testing.assert_close(r["y"], y.detach(), rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(r["x_grad"], x.grad, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(r["w_grad"], conv.weight.grad, rtol=1e-10, atol=1e-12)

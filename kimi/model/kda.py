@@ -56,19 +56,25 @@ class ShortConv(ParamViews, nn.Module):
     def forward(
         self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, prev: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, T, C]; prev: the (K-1) inputs before x ([B, K-1, C], zeros when None).
+        """x [B, T, C]; prev: the (K-1) inputs before x ([B, K-1, C], zeros when None). With cu_seqlens,
+        prev belongs to the document x's first segment continues (context parallelism: the previous shard's
+        last inputs); pass None when x's first token starts a document.
 
         Returns (y [B, T, C], the last K-1 inputs, i.e. the `prev` of the next call).
         """
         B, T, C = x.shape
         weight = self.param("weight")
         K = weight.shape[-1]
+        continued = prev is not None
         if prev is None:
             prev = x.new_zeros(B, K - 1, C)
         xp = torch.cat([prev, x], dim=1)
         doc_pos = None
         if cu_seqlens is not None:  # position of each token inside its own document
-            doc_pos = torch.arange(T, device=x.device) - cu_seqlens[segment_ids(cu_seqlens, T)]
+            segment = segment_ids(cu_seqlens, T)
+            doc_pos = torch.arange(T, device=x.device) - cu_seqlens[segment]
+            if continued:  # the first segment continues prev's document: its taps may read prev
+                doc_pos = doc_pos + (segment == 0) * (K - 1)
         # Sums in fp32 (fp64 for fp64), output in x's dtype: under autocast x is bf16 while the weight is fp32,
         # and a bf16 x times an fp32 weight would promote q, k and v, and so the KDA kernels, to fp32.
         acc = torch.promote_types(x.dtype, torch.float32)

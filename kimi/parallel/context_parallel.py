@@ -17,28 +17,48 @@ import torch.distributed as dist
 from kimi.ops.kda.context import incoming_states, run_shard, shard_summary
 
 
-class _GatherSummaries(torch.autograd.Function):
-    """Every rank's (P, S_zero), stacked [world, ...]; backward: each rank's own slice of the sum over ranks
-    of the gradients."""
+class _AllGather(torch.autograd.Function):
+    """Every rank's ``x`` stacked [world, *x.shape]; backward: this rank's slice of the gradient summed over
+    the ranks (an all-reduce: gloo has no reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, P: torch.Tensor, S: torch.Tensor, group: dist.ProcessGroup):
-        ctx.group, ctx.shapes = group, (P.shape, S.shape)
-        flat = torch.cat([P.reshape(-1), S.reshape(-1)]).contiguous()
-        gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, flat, group=group)
-        stacked = torch.stack(gathered)
-        return stacked[:, : P.numel()].reshape(-1, *P.shape), stacked[:, P.numel():].reshape(-1, *S.shape)
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts)
 
     @staticmethod
-    def backward(ctx, grad_P: torch.Tensor, grad_S: torch.Tensor):
-        world = grad_P.shape[0]
-        flat = torch.cat([grad_P.reshape(world, -1), grad_S.reshape(world, -1)], dim=1).contiguous()
-        dist.all_reduce(flat, group=ctx.group)
-        mine = flat[dist.get_rank(ctx.group)]
-        P_shape, S_shape = ctx.shapes
-        n = P_shape.numel()
-        return mine[:n].reshape(P_shape), mine[n:].reshape(S_shape), None
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
+
+
+def all_gather_stacked(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Each tensor of every rank, [world, *shape] each, in one all-gather (same dtype); differentiable."""
+    flat = _AllGather.apply(torch.cat([t.reshape(-1) for t in tensors]), group)
+    out, start = [], 0
+    for t in tensors:
+        out.append(flat[:, start : start + t.numel()].reshape(-1, *t.shape))
+        start += t.numel()
+    return out
+
+
+def keep_in_graph(y: torch.Tensor, *gathered: torch.Tensor) -> torch.Tensor:
+    """y, tied to gathered tensors by a zero term: the backward all-reduce of an all-gather must run on
+    every rank, also on one whose outputs do not use what it gathered (the first rank reads no halo and no
+    incoming state)."""
+    return y + sum(0.0 * t.sum() for t in gathered).to(y.dtype)
+
+
+def previous_tail(tail: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(the previous rank's ``tail``, or None on the first rank; every rank's tails, for keep_in_graph):
+    a short conv's last K-1 inputs, the halo this rank's first tokens read. Differentiable: the halo's
+    gradient returns to the rank it came from."""
+    rank = dist.get_rank(group)
+    (tails,) = all_gather_stacked([tail], group)
+    return (tails[rank - 1] if rank > 0 else None), tails
 
 
 def context_parallel_kda(q, k, v, g, beta, group: dist.ProcessGroup, scale: float | None = None,
@@ -50,8 +70,8 @@ def context_parallel_kda(q, k, v, g, beta, group: dist.ProcessGroup, scale: floa
     :func:`kimi.ops.kda.context.local_cu_seqlens` gives them), and the whole sequence's final state (the
     same on every rank). Collective: every rank of ``group`` calls it for the same layer."""
     P, S = shard_summary(q, k, v, g, beta, scale, cu_seqlens, continues, backend)
-    all_P, all_S = _GatherSummaries.apply(P, S, group)
+    all_P, all_S = all_gather_stacked([P, S], group)
     states = incoming_states(list(zip(all_P.unbind(0), all_S.unbind(0))), initial_state)
     rank = dist.get_rank(group)
     o = run_shard((q, k, v, g, beta), states[rank], scale, cu_seqlens, continues, backend)
-    return o, states[-1]
+    return keep_in_graph(o, all_P, all_S), states[-1]
