@@ -13,6 +13,7 @@ written to the run dir as deepspeed.json. DeepSpeed's CPU accelerator runs on gl
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -31,7 +32,17 @@ from .dims import ParallelDims
 from .engine import keep_hyperparameters, materialize
 
 
+class _OurClientIsTested(logging.Filter):
+    """DeepSpeed warns about any client optimizer it does not know; ours is tested with it (tests/)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "untested optimizer" not in record.getMessage()
+
+
 def _import_deepspeed():
+    # Importing it probes the C compiler for its async-IO op; those compiler commands are logged at INFO
+    # through the root logger Hydra configures, into train.log.
+    logging.getLogger("compilers").setLevel(logging.WARNING)
     try:
         import deepspeed
     except ImportError:
@@ -40,6 +51,7 @@ def _import_deepspeed():
     # Its shared-memory collectives extension compiles for over a minute at the first init_distributed and
     # only speeds up CPU-only all-reduce: gloo does the work here.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.utils.logger.addFilter(_OurClientIsTested())
     return deepspeed
 
 
