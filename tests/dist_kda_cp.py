@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_kda_context import T, conv_inputs, inputs  # noqa: E402
+from test_kda_context import T, attention_inputs, conv_inputs, inputs  # noqa: E402
 
 from kimi.ops.kda.context import local_cu_seqlens  # noqa: E402
-from kimi.parallel.context_parallel import context_parallel_kda, keep_in_graph, previous_tail  # noqa: E402
+from kimi.parallel.context_parallel import (context_parallel_kda, gather_prefix, keep_in_graph,  # noqa: E402
+                                           previous_tail)
 
 CASES = {"plain": None, "packed": [0, 5, 16, 27]}  # packed: documents inside shards and at a shard edge
 
@@ -43,6 +44,21 @@ def conv_case(rank: int, n: int) -> dict:
     return {"y": gather_time(y.detach()), "x_grad": gather_time(mine.grad), "w_grad": conv.weight.grad, "w": w}
 
 
+def attention_case(rank: int, n: int) -> dict:
+    """Causal attention with this rank's queries over the keys and values of every shard up to its own."""
+    from kimi.ops.attention import attention
+
+    q, k, v = attention_inputs()
+    mine = [x.detach()[:, rank * n:(rank + 1) * n].clone().requires_grad_() for x in (q, k, v)]
+    keys, values = (gather_prefix(x, dist.group.WORLD) for x in mine[1:])
+    o, max_logits = attention(mine[0], keys, values, causal=True, return_max_logits=True)
+    w = torch.randn(o.shape[0], T, *o.shape[2:], generator=torch.Generator().manual_seed(10), dtype=o.dtype)
+    grads = torch.autograd.grad((o * w[:, rank * n:(rank + 1) * n]).sum(), mine)
+    dist.all_reduce(max_logits, op=dist.ReduceOp.MAX)  # what QK-Clip's max-reduce over the cp ranks gives
+    return {"o": gather_time(o.detach()), "grads": [gather_time(g) for g in grads], "w": w,
+            "max_logits": max_logits}
+
+
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -63,6 +79,7 @@ def main(out: Path) -> None:
         results[case] = {"o": gather_time(o.detach()), "state": state.detach(),
                          "grads": [gather_time(x) for x in grads], "w": w, "w_s": w_s}
     results["conv"] = conv_case(rank, n)
+    results["attention"] = attention_case(rank, n)
     if rank == 0:
         torch.save(results, out)
     dist.barrier()

@@ -33,6 +33,11 @@ def conv_inputs():
     return conv, x.requires_grad_()
 
 
+def attention_inputs():
+    g_ = torch.Generator().manual_seed(5)
+    return [torch.randn(2, T, 2, 8, generator=g_, dtype=torch.float64).requires_grad_() for _ in range(3)]
+
+
 def test_short_conv_reads_the_previous_shards_tail():
     """A shard given the previous shard's last K-1 inputs (its first document continued) equals the whole
     packed sequence's conv; a shard whose first token starts a document gets none."""
@@ -128,3 +133,13 @@ def test_context_parallel_ranks_equal_one_device(tmp_path, world):
     torch.testing.assert_close(r["y"], y.detach(), rtol=1e-12, atol=1e-13)
     torch.testing.assert_close(r["x_grad"], x.grad, rtol=1e-12, atol=1e-13)
     torch.testing.assert_close(r["w_grad"], conv.weight.grad, rtol=1e-10, atol=1e-12)
+    from kimi.ops.attention import attention  # each rank's queries over the gathered prefix of keys
+
+    q, k, v = attention_inputs()
+    r = results["attention"]
+    o, max_logits = attention(q, k, v, causal=True, return_max_logits=True)
+    grads = torch.autograd.grad((o * r["w"]).sum(), (q, k, v))
+    torch.testing.assert_close(r["o"], o.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(r["max_logits"], max_logits.detach(), rtol=1e-12, atol=0)
+    for name, a, b in zip("qkv", r["grads"], grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=lambda m: f"attention {name}: {m}")

@@ -75,3 +75,13 @@ def context_parallel_kda(q, k, v, g, beta, group: dist.ProcessGroup, scale: floa
     rank = dist.get_rank(group)
     o = run_shard((q, k, v, g, beta), states[rank], scale, cu_seqlens, continues, backend)
     return keep_in_graph(o, all_P, all_S), states[-1]
+
+
+def gather_prefix(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's shard of x [B, n, ...] preceded by every earlier rank's: [B, (rank + 1) n, ...], what
+    causal attention over the whole sequence needs for this rank's queries (they are the last n of those
+    positions: attention's bottom-right causal alignment). For MLA, x is the compressed latent and the
+    shared key part, a fraction of full keys and values. Differentiable: the gradient of every earlier
+    shard returns to its rank."""
+    (shards,) = all_gather_stacked([x], group)
+    return torch.cat(list(shards[: dist.get_rank(group) + 1].unbind(0)), dim=1)
