@@ -96,6 +96,21 @@ def test_packed_documents_across_shard_edges(starts):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
 
 
+def test_packed_attention_of_a_shards_queries_over_the_prefix():
+    """A shard's queries (the last n of the prefix of keys up to its end) under packed documents: the
+    same rows as attention over the whole packed sequence."""
+    from kimi.ops.attention import attention
+
+    q, k, v = (x.detach()[:1] for x in attention_inputs())
+    cu = torch.tensor([0, 5, 16, 27, T], dtype=torch.int32)
+    whole = attention(q, k, v, causal=True, cu_seqlens=cu)
+    for end in (8, 16, 24, T):
+        prefix = cu[cu <= end].tolist() + ([end] if end not in cu.tolist() else [])
+        got = attention(q[:, end - 8:end], k[:, :end], v[:, :end], causal=True,
+                        cu_seqlens=torch.tensor(prefix, dtype=torch.int32))
+        torch.testing.assert_close(got, whole[:, end - 8:end], rtol=1e-12, atol=1e-13)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_ranks_equal_one_device(tmp_path, world):
     """tests/dist_kda_cp.py: each of `world` gloo ranks holds one shard; the ranks' outputs, the final state

@@ -4,8 +4,9 @@
 
 q [B, Tq, H, Dqk], k [B, Tk, Hkv, Dqk], v [B, Tk, Hkv, Dv] (H a multiple of Hkv; Dv may differ from Dqk)
 -> o [B, Tq, H, Dv], or (o, max_logits [B, H] fp32) with return_max_logits. scale defaults to Dqk ** -0.5.
-With a causal mask the queries are the last Tq key positions (decoding with a cache). cu_seqlens: offsets
-[N + 1] of documents packed along T (B = 1, Tq = Tk); no token attends across a boundary.
+With a causal mask the queries are the last Tq key positions (decoding with a cache, or a context-parallel
+rank's shard over the keys gathered up to it). cu_seqlens: offsets [N + 1] of documents packed along the key
+positions (B = 1); no token attends across a boundary (the Triton kernel takes Tq = Tk, SDPA any Tq <= Tk).
 
 Two backends compute it. "sdpa" (the default for CPU tensors, and the reference): SDPA for the output and,
 only when asked, a query-chunked pass for the max logits (SDPA does not expose its row maxima). "triton"
@@ -135,8 +136,8 @@ def attention(
     args = (q, k, v, causal, scale, cu_seqlens, return_max_logits)
     forced = backend is not None
     if _pick_backend(backend, q) == "triton" and _GUARD.use_triton(forced):
-        if cu_seqlens is not None and Tq != Tk:
-            raise ValueError(f"cu_seqlens needs as many queries as keys, got Tq={Tq}, Tk={Tk}")
+        if cu_seqlens is not None and Tq != Tk:  # the kernel packs queries and keys alike: SDPA's mask does it
+            return _sdpa(*args)
         if needs_grad(q, k, v):
             key = (q.device, q.dtype, k.dtype, v.dtype, H, Hkv, D, v.shape[-1], bool(causal), Tq == Tk,
                    None if cu_seqlens is None else cu_seqlens.dtype, bool(return_max_logits))

@@ -15,18 +15,19 @@ def attention_mask(
     """Boolean [Tq, Tk] mask (True = may attend), or None when every pair is allowed.
 
     Queries are the last Tq of the Tk key positions (bottom-right aligned), which is what decoding with a
-    cache needs: query i sits at position Tk - Tq + i. cu_seqlens (packed documents) needs Tq == Tk and
-    makes the mask block-diagonal.
+    cache needs: query i sits at position Tk - Tq + i, as do a context-parallel rank's queries over the keys
+    gathered up to its shard. cu_seqlens (packed documents) describes the Tk key positions and keeps each
+    query to its own document's keys.
     """
     mask = None
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)
     if causal:
-        q_pos = torch.arange(k_len - q_len, k_len, device=device)
         mask = q_pos[:, None] >= torch.arange(k_len, device=device)[None, :]
     if cu_seqlens is not None:
-        if q_len != k_len:
-            raise ValueError(f"cu_seqlens needs as many queries as keys, got Tq={q_len}, Tk={k_len}")
+        if q_len > k_len:
+            raise ValueError(f"cu_seqlens needs at most as many queries as keys, got Tq={q_len}, Tk={k_len}")
         seg = segment_ids(cu_seqlens.to(device), k_len)
-        same_doc = seg[:, None] == seg[None, :]
+        same_doc = seg[q_pos][:, None] == seg[None, :]
         mask = same_doc if mask is None else mask & same_doc
     return mask
 
