@@ -18,7 +18,6 @@ is one of the ablations), over plain or sharded parameters on any number of rank
 from __future__ import annotations
 
 import math
-
 from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -100,7 +99,8 @@ class QKClip:
 
     Parameters may be plain tensors (whole, or replicated over ``group``) or DTensors sharded by FSDP2 and
     tensor parallelism: each rank scales the rows of its own block, located in the full weight by its
-    placements, or flat fragments of them (``fragments``, DeepSpeed's ZeRO partitions). Under tensor parallelism a layer reports only the heads it computed, a contiguous share in
+    placements, or the elements of its flat fragment of the weight (``fragments``: DeepSpeed's ZeRO
+    partitions). Under tensor parallelism a layer reports only the heads it computed, a contiguous share in
     head order; ``head_group`` (the tensor-parallel ranks) says which share this rank computed. ``stats``
     holds {layer: {"max_logit", "clipped_frac"}} of the last call.
     """

@@ -79,7 +79,7 @@ class ZeroClient(torch.optim.Optimizer):
         self._names = {id(p): n for n, p in named}
         self._make_inner = make_inner
         self.inner: Optional[torch.optim.Optimizer] = None
-        self._after: Optional[Callable[[], object]] = None
+        self.qk_clip: Optional[Callable[[], object]] = None  # run after the inner optimizer's step
         self._layout: Layout = {}
         self._flat: Optional[torch.Tensor] = None
         self._views: List[Tuple[torch.Tensor, int]] = []
@@ -92,7 +92,7 @@ class ZeroClient(torch.optim.Optimizer):
         self.masters = dict(named)
         fragments = {n: frag for n, (frag, _) in self._layout.items()}
         group = zero_optimizer.dp_process_group
-        self.inner, self._after = self._make_inner(named, fragments, group)
+        self.inner, self.qk_clip = self._make_inner(named, fragments, group)
         self.gather = FragmentGather(self._layout, group)
 
     def _partition(self) -> torch.Tensor:
@@ -111,18 +111,16 @@ class ZeroClient(torch.optim.Optimizer):
         if self.inner is None:
             raise RuntimeError("ZeroClient.bind(deepspeed optimizer) must run before the first step")
         flat = self._partition()
-        if flat is not self._flat:  # DeepSpeed re-created its partition (e.g. reloaded): view the new one
-            self._flat = flat
-            for view, offset in self._views:
-                view.set_(flat.untyped_storage(), flat.storage_offset() + offset, view.shape)
+        if flat is not self._flat:  # the fragments view the partition found at bind
+            raise RuntimeError("DeepSpeed stepped ZeroClient with another partition than the one it was bound to")
         grad = flat.grad
         for view, offset in self._views:
             view.grad = None if grad is None else grad.narrow(0, offset, view.numel())
         for group in self.inner.param_groups:
             group["lr"] = self.param_groups[0]["lr"]
         self.inner.step()
-        if self._after is not None:
-            self._after()
+        if self.qk_clip is not None:
+            self.qk_clip()
         for view, _ in self._views:
             view.grad = None
 

@@ -151,7 +151,7 @@ class DeepSpeedEngine:
 
     @property
     def qk_clip(self):
-        return getattr(self.optimizer, "_after", None)
+        return getattr(self.optimizer, "qk_clip", None)  # ZeroClient's; DeepSpeed's own optimizers have none
 
     @property
     def qk_clip_stats(self) -> dict:

@@ -55,7 +55,7 @@ def incoming_states(summaries: list[tuple[torch.Tensor, torch.Tensor]],
                     initial: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Each shard's incoming state and, last, the final state: S_in(0) = initial (zero when None),
     S_in(r + 1) = P_r S_in(r) + S_zero_r."""
-    P0, S0 = summaries[0]
+    S0 = summaries[0][1]
     states = [torch.zeros_like(S0) if initial is None else initial.to(S0.dtype)]
     for P, S in summaries:
         states.append(P @ states[-1] + S)
