@@ -231,6 +231,9 @@ class ParallelConfig:
     # expert parallelism: the routed experts of every MoE layer split over this many of the dp_shard ranks
     # (kimi/parallel/expert_parallel.py); the experts' weights are FSDP-sharded over the rest
     ep: int = 1
+    # context parallelism: every sequence split into this many consecutive shards, one per rank
+    # (kimi/parallel/context_parallel.py); trainer.seq_len must divide by it
+    cp: int = 1
     activation_checkpointing: str = one_of(AC_MODES, "none")  # see kimi/parallel/checkpointing.py
     compile: bool = False  # torch.compile each token mixer and MLP
     reshard_after_forward: bool = True  # FSDP2: False keeps weights gathered until the backward (ZeRO-2-like)
@@ -468,7 +471,7 @@ def _validate_logging(lg: LoggingConfig) -> None:
 
 def _validate_parallel(p: ParallelConfig) -> None:
     _check_choices(p, "parallel")
-    for key in ("dp_replicate", "dp_shard", "tp", "pp", "ep"):
+    for key in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep"):
         _check(getattr(p, key) >= 1, f"parallel.{key}", getattr(p, key), "must be >= 1")
     _check(p.pp_virtual_stages >= 1, "parallel.pp_virtual_stages", p.pp_virtual_stages, "must be >= 1")
     _check(p.pp_microbatches >= 0, "parallel.pp_microbatches", p.pp_microbatches,
@@ -481,24 +484,24 @@ def _validate_parallel(p: ParallelConfig) -> None:
 
 # ---- across sections -------------------------------------------------------------------------------------
 def _layout_hint(p: ParallelConfig, world: int) -> str:
-    """How to make dp_replicate*dp_shard*tp*pp equal the number of processes: the dp_shard that does it with
-    the other degrees kept (when one exists), else the degrees that must change; and the process count this
-    layout needs."""
-    product = p.dp_replicate * p.dp_shard * p.tp * p.pp
-    others = p.dp_replicate * p.tp * p.pp
+    """How to make dp_replicate*dp_shard*cp*tp*pp equal the number of processes: the dp_shard that does it
+    with the other degrees kept (when one exists), else the degrees that must change; and the process count
+    this layout needs."""
+    product = p.dp_replicate * p.dp_shard * p.cp * p.tp * p.pp
+    others = p.dp_replicate * p.cp * p.tp * p.pp
     launch = f"torchrun --nproc_per_node {product} for this layout"
     if world % others == 0 and world // others != p.dp_shard:
         return f"set parallel.dp_shard={world // others} for {world} processes, or launch {launch}"
-    keys = [f"parallel.{k}" for k in ("dp_replicate", "tp", "pp") if getattr(p, k) > 1]
+    keys = [f"parallel.{k}" for k in ("dp_replicate", "cp", "tp", "pp") if getattr(p, k) > 1]
     return f"launch {launch}, or change {' and/or '.join(keys)} so that the product is {world}"
 
 
 def _check_layout(p: ParallelConfig, world: int) -> None:
     """The degrees against the number of processes."""
-    product = p.dp_replicate * p.dp_shard * p.tp * p.pp
-    degrees = f"{p.dp_replicate}*{p.dp_shard}*{p.tp}*{p.pp}"
+    product = p.dp_replicate * p.dp_shard * p.cp * p.tp * p.pp
+    degrees = f"{p.dp_replicate}*{p.dp_shard}*{p.cp}*{p.tp}*{p.pp}"
     if product != world:
-        raise ConfigError(f"parallel.dp_replicate*dp_shard*tp*pp = {degrees} = {product} but {world} "
+        raise ConfigError(f"parallel.dp_replicate*dp_shard*cp*tp*pp = {degrees} = {product} but {world} "
                           f"process(es) were launched; the product must equal the number of processes: "
                           f"{_layout_hint(p, world)}")
     _require(not p.sequence_parallel or p.tp > 1,
@@ -524,9 +527,31 @@ def _check_tensor_parallel(cfg: Config) -> None:
                  "model.vocab_size=null the vocabulary is padded to a multiple of it and tensor parallelism "
                  f"splits it over the tp ranks; make it a multiple of {p.tp} (or set model.vocab_size)")
     if p.sequence_parallel:
-        _require(t.seq_len % p.tp == 0,
-                 f"trainer.seq_len={t.seq_len} does not split over parallel.tp={p.tp} ranks for sequence "
-                 f"parallelism: make it a multiple of {p.tp}")
+        ranks = f"parallel.tp={p.tp} ranks" if p.cp == 1 else f"parallel.cp*tp={p.cp}*{p.tp} ranks"
+        _require(t.seq_len % (p.tp * p.cp) == 0,
+                 f"trainer.seq_len={t.seq_len} does not split over {ranks} for sequence parallelism: make it "
+                 f"a multiple of {p.tp * p.cp}")
+
+
+def _check_context_parallel(cfg: Config) -> None:
+    """parallel.cp splits every row into equal shards; what does not work across them yet is named."""
+    m, p, t = cfg.model, cfg.parallel, cfg.trainer
+    if p.cp == 1:
+        return
+    _require(t.seq_len % p.cp == 0,
+             f"trainer.seq_len={t.seq_len} does not split into parallel.cp={p.cp} equal shards: make it a "
+             f"multiple of {p.cp}")
+    _require(t.seq_len // p.cp >= m.conv_size - 1,
+             f"trainer.seq_len={t.seq_len} over parallel.cp={p.cp} gives shards of {t.seq_len // p.cp} tokens, "
+             f"shorter than the short convolutions' halo (model.conv_size - 1 = {m.conv_size - 1}): use a "
+             "longer sequence or a smaller cp")
+    unsupported = [f"parallel.{k}={getattr(p, k)}" for k in ("ep",) if getattr(p, k) > 1]
+    unsupported += ["parallel.compile=true"] if p.compile else []
+    unsupported += [f"model.moe_aux_loss_coef={m.moe_aux_loss_coef} (its balance statistics are per whole "
+                    "sequence; the aux-loss-free bias update works)"] if m.moe_aux_loss_coef else []
+    _require(not unsupported,
+             f"parallel.cp={p.cp} does not work with {', '.join(unsupported)} yet: reset those, or use "
+             "parallel.cp=1")
 
 
 def _check_deepspeed(cfg: Config) -> None:
@@ -537,7 +562,8 @@ def _check_deepspeed(cfg: Config) -> None:
     _require(importlib.util.find_spec("deepspeed") is not None,
              "parallel.engine=deepspeed needs the deepspeed package, which is not installed: pip install deepspeed "
              "(or the project's extra: pip install -e '.[deepspeed]'), or use parallel.engine=torch")
-    unsupported = [f"parallel.{k}={getattr(p, k)}" for k in ("dp_replicate", "tp", "pp", "ep") if getattr(p, k) > 1]
+    unsupported = [f"parallel.{k}={getattr(p, k)}" for k in ("dp_replicate", "cp", "tp", "pp", "ep")
+                   if getattr(p, k) > 1]
     unsupported += [f"parallel.{k}=true" for k in ("compile", "sequence_parallel") if getattr(p, k)]
     if p.activation_checkpointing != "none":
         unsupported.append(f"parallel.activation_checkpointing={p.activation_checkpointing}")
@@ -639,6 +665,7 @@ def validate(cfg: Config, world: Optional[int] = None) -> None:
     _check_layout(cfg.parallel, world)
     _check_tensor_parallel(cfg)
     _check_expert_parallel(cfg)
+    _check_context_parallel(cfg)
     _check_deepspeed(cfg)
     _check_pipeline(cfg)
     _check_vocab(cfg)

@@ -319,8 +319,10 @@ def banner(cfg, dims, num_params, flops_per_token: float, data, device, routing:
                      f"{offload}; its config in {t.run_dir}/deepspeed.json")
     elif dims.enabled:
         experts = f"; MoE experts split over ep={dims.ep} of the dp_shard ranks" if dims.ep > 1 else ""
+        context = (f"; each sequence split into cp={dims.cp} shards of {t.seq_len // dims.cp} tokens"
+                   if dims.cp > 1 else "")
         lines.append(f"[kimi] parallel: pp={dims.pp} x dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard} x "
-                     f"tp={dims.tp} over {dims.world} processes{experts}")
+                     f"cp={dims.cp} x tp={dims.tp} over {dims.world} processes{experts}{context}")
     if routing:  # MuonClip: which parameters Muon and AdamW each update
         lines.append(routing)
     return "\n".join(lines)

@@ -16,11 +16,11 @@ after
      AttnRes queries, KDA's f_proj_down / g_proj_down, MLA's wkv_a (and q-LoRA's wq_a) and MoE layers stay
      replicated;
   3. expert parallelism: the routed experts' dim 0 (the expert) is split over ep;
-  4. FSDP2: every parameter's dim 0 is split over dp_shard (the largest shard, ceil, is counted), the routed
-     experts' over dp_shard / ep (the rest of their data-parallel ranks); nothing is divided by
-     dp_replicate.
+  4. FSDP2: every parameter's dim 0 is split over dp_shard x cp (the largest shard, ceil, is counted; the
+     context-parallel ranks shard the weights like data-parallel ones), the routed experts' over
+     dp_shard / ep (the rest of their data-parallel ranks); nothing is divided by dp_replicate.
 
-With dp_shard > 1 it also shows, apart, the transient all-gathered copy of the largest FSDP unit (a token
+With dp_shard x cp > 1 it also shows, apart, the transient all-gathered copy of the largest FSDP unit (a token
 mixer, an MLP, or the root: embedding, LM head, norms and queries) in the compute dtype. Activations are not
 counted.
 """
@@ -228,7 +228,7 @@ def rank_state(cfg: Config, model: KimiModel, routes: Dict[str, str], pp_rank: i
             st.tp_replicated += n
         else:
             st.tp_split += n
-        shape, shard, unit = param.shape, p.dp_shard, None
+        shape, shard, unit = param.shape, p.dp_shard * p.cp, None
         if p.ep > 1 and family(model, name) == "routed experts":  # an FSDP unit of their own
             shape, shard = (_ceil_div(shape[0], p.ep), *shape[1:]), p.dp_shard // p.ep
             unit = name.rsplit(".", 1)[0]
@@ -249,7 +249,7 @@ def rank_state(cfg: Config, model: KimiModel, routes: Dict[str, str], pp_rank: i
         st.bytes["AdamW moments (fp32, 2 per AdamW param)"] = 8 * st.local_adamw
     else:
         st.bytes["AdamW moments (fp32, 2 per param)"] = 8 * st.local_adamw
-    if p.dp_shard > 1:
+    if p.dp_shard * p.cp > 1:
         st.bytes["transient"] = (2 if t.precision == "bf16" else 4) * st.largest_unit[1]
     return st
 
@@ -275,7 +275,7 @@ def summarize(cfg: Config) -> Summary:
     ranks = [rank_state(cfg, model, routes, r, *layout) for r, layout in enumerate(pipeline_ranks(cfg))]
     heaviest = max(ranks, key=lambda r: (r.persistent_bytes, -r.pp_rank))
     return Summary(cfg, model, note, families, total, model.num_active_params(), muon, total - muon, fpt,
-                   tokens, fpt * tokens, p.dp_replicate * p.dp_shard * p.tp * p.pp, ranks, heaviest)
+                   tokens, fpt * tokens, p.dp_replicate * p.dp_shard * p.cp * p.tp * p.pp, ranks, heaviest)
 
 
 # ---- printing ----------------------------------------------------------------------------------------------
@@ -355,7 +355,7 @@ def report(s: Summary) -> str:
 
     virtual = "" if p.pp == 1 or len(s.ranks[0].stages) == 1 else f", {len(s.ranks[0].stages)} stages per rank"
     experts = f"; routed experts over ep {p.ep}" if p.ep > 1 else ""
-    out += ["", f"Layout: dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard} x tp {p.tp} x pp {p.pp} = "
+    out += ["", f"Layout: dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard} x cp {p.cp} x tp {p.tp} x pp {p.pp} = "
                 f"{s.world} ranks (pp_schedule {p.pp_schedule}{virtual}){experts}"]
     rows = []
     for r in s.ranks:
@@ -381,7 +381,7 @@ def report(s: Summary) -> str:
                 f"(optim={o.name}, precision={t.precision})",
             table(rows, ["", "bytes", "GiB"], "lrr"),
             "  Counted: fp32 weights, fp32 gradients, fp32 optimizer state, after pp, then tp, then FSDP over "
-            "dp_shard (not dp_replicate).",
+            "dp_shard x cp (not dp_replicate).",
             "  Not counted: activations (they depend on micro_batch_size, seq_len and "
             "parallel.activation_checkpointing), communication buffers, the CUDA context and allocator slack."]
     return "\n".join(out)

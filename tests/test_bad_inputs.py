@@ -269,7 +269,7 @@ CONFIG = [
     case("val_fraction one", ["data.val_fraction=1.0"], ["data.val_fraction=1.0 is invalid", "[0, 1)"]),
     case("files without data_files", ["data.data_files=null"], ["data.source=files needs a list"]),
     case("tp without processes", ["parallel.tp=2"],
-         ["dp_replicate*dp_shard*tp*pp", "1 process(es)", "torchrun"]),
+         ["dp_replicate*dp_shard*cp*tp*pp", "1 process(es)", "torchrun"]),
     case("mla layer out of range", ["model.mla_layers=[7]"], ["model.mla_layers=[7] is invalid", "[0, 1]"]),
     case("empty sample prompt", ["trainer.sample_tokens=5", "trainer.sample_prompt="],
          ["trainer.sample_prompt='' is invalid", "trainer.sample_tokens=0"]),

@@ -158,3 +158,54 @@ def test_context_parallel_ranks_equal_one_device(tmp_path, world):
     torch.testing.assert_close(r["max_logits"], max_logits.detach(), rtol=1e-12, atol=0)
     for name, a, b in zip("qkv", r["grads"], grads):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=lambda m: f"attention {name}: {m}")
+
+
+def _rows_by_shards(starts: torch.Tensor, shards: int):
+    """For each shard of rows with document starts ``starts`` [R, T]: its columns, its packed cu_seqlens
+    (every row's first token a boundary) and which rows continue a document from the shard before."""
+    from kimi.ops.documents import cu_seqlens_from_starts
+
+    n = starts.shape[1] // shards
+    for r in range(shards):
+        cols = slice(r * n, (r + 1) * n)
+        local = starts[:, cols].clone()
+        continues = (~local[:, 0]) & (r > 0)
+        local[:, 0] = True
+        yield cols, cu_seqlens_from_starts(local), continues
+
+
+def test_packed_rows_continue_their_own_documents_across_shards():
+    """Two rows packed along T (data.varlen under context parallelism): each shard's rows carry their own
+    state and conv halo from the shard before, only where the row's first document continues; equal to the
+    whole rows packed, outputs and gradients."""
+    from kimi.ops.documents import cu_seqlens_from_starts
+    from kimi.ops.kda.context import incoming_states, run_shard
+
+    starts = torch.zeros(2, T, dtype=torch.bool)
+    for row, s in ((0, [0, 5, 21]), (1, [0, 8, 16, 27])):  # row 1: starts at the edges of 4 shards of 8
+        starts[row, s] = True
+    args = inputs(b=2, seed=2)
+    packed = [x.reshape(1, 2 * T, *x.shape[2:]) for x in args]
+    whole, _ = chunk_kda(*packed, cu_seqlens=cu_seqlens_from_starts(starts))
+    w = torch.randn_like(whole)
+    want = torch.autograd.grad((whole * w).sum(), args)
+    conv, _ = conv_inputs()
+    xc = torch.randn(2, T, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    whole_conv, _ = conv(xc.reshape(1, 2 * T, 5), cu_seqlens_from_starts(starts))
+    for shards in (2, 4):
+        n, parts, summaries, convs, tail = T // shards, [], [], [], None
+        for cols, cu, continues in _rows_by_shards(starts, shards):
+            part = tuple(x[:, cols].reshape(1, 2 * n, *x.shape[2:]) for x in args)
+            parts.append((part, cu, continues))
+            summaries.append(shard_summary(*part, cu_seqlens=cu, continues=continues))
+            y, tail = conv(xc[:, cols].reshape(1, 2 * n, 5), cu, tail, continues)
+            convs.append(y.view(2, n, 5))
+        states = incoming_states(summaries)
+        outs = [run_shard(part, s_in, None, cu, continues).view(2, n, H, V)
+                for (part, cu, continues), s_in in zip(parts, states)]
+        o = torch.cat(outs, dim=1).reshape(1, 2 * T, H, V)
+        torch.testing.assert_close(o, whole, rtol=1e-10, atol=1e-11)
+        for a, b in zip(torch.autograd.grad((o * w).sum(), args), want):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(torch.cat(convs, dim=1).reshape(1, 2 * T, 5), whole_conv, rtol=1e-12,
+                                   atol=1e-13)

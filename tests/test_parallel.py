@@ -1,14 +1,14 @@
-"""Parallel training (FSDP2 / HSDP / tensor, sequence and pipeline parallelism over gloo, torchrun
+"""Parallel training (FSDP2 / HSDP / tensor, sequence, pipeline and context parallelism over gloo, torchrun
 subprocesses) equals one process.
 
 N data-parallel ranks with micro-batch B/N see the windows one process sees with micro-batch B,
-tensor-parallel ranks split every layer by heads, pipeline stages split the blocks, so per-step losses,
-validation losses and final weights must match the single-process run (to float summation order), with
-AdamW and with MuonClip. The cases run in one torchrun launch per process count (tests/dist_train.py):
-torch's start-up on every rank costs more than a tiny run. A checkpoint moves from dp2 x tp2 to two
-pipeline stages to one process with the same losses (and from tp2 to pp2 with tied embeddings, and from
-expert parallelism over 4 ranks to 2 ranks), and a layout that does not fit exits with the message instead
-of hanging.
+tensor-parallel ranks split every layer by heads, pipeline stages split the blocks, context-parallel ranks
+split every row into consecutive shards, so per-step losses, validation losses and final weights must match
+the single-process run (to float summation order), with AdamW and with MuonClip. The cases run in one
+torchrun launch per process count (tests/dist_train.py): torch's start-up on every rank costs more than a
+tiny run. A checkpoint moves from dp2 x tp2 to two pipeline stages to one process with the same losses (and
+from tp2 to pp2 with tied embeddings, from expert parallelism over 4 ranks to 2 ranks, and from cp2 x tp2
+to cp2), and a layout that does not fit exits with the message instead of hanging.
 """
 
 from __future__ import annotations
@@ -67,17 +67,29 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
                               "parallel.sequence_parallel=true"]),
     "moe_ep2xpp2_varlen": (4, 2, [*MOE, "parallel.dp_shard=2", "parallel.ep=2", "parallel.pp=2",
                                   "data.varlen=true"]),
+    # context parallelism: each row split into cp shards; KDA's state and conv halo pass between ranks, MLA
+    # reads the latents of the shards before its own (rotary keys included: positions offset per shard)
+    "cp2": (2, 1, ["parallel.cp=2"]),
+    "cp4_rope": (4, 1, ["parallel.cp=4", "model.qk_rope_head_dim=8"]),
+    "cp2xdp2": (4, 2, ["parallel.cp=2", "parallel.dp_shard=2", "trainer.sample_tokens=24"]),  # sample: whole
+    "cp2xtp2_sp": (4, 1, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "cp2xpp2": (4, 1, ["parallel.cp=2", "parallel.pp=2"]),
+    # documents crossing shard edges; the recomputed forward repeats the exchanges
+    "cp2_varlen": (2, 1, ["parallel.cp=2", "data.varlen=true", "model.qk_rope_head_dim=8",
+                          "parallel.activation_checkpointing=selective"]),
+    "moe_cp2": (2, 1, [*MOE[:-1], "parallel.cp=2"]),  # the aux-loss-free bias alone (no sequence-wise loss)
 }
 # every layout the issue names, with both optimizers; the rest (options riding along) with one
 BOTH = ["dp_shard2", "dp_replicate2", "tp2", "tp2_sp", "dp2xtp2", "pp2_1f1b", "pp2_interleaved", "pp2xdp2",
-        "pp2xtp2"]
+        "pp2xtp2", "cp2"]
 CASES = [(layout, optim) for layout in BOTH for optim in ("adamw", "muonclip")] + [
     ("hsdp2x2", "muonclip"), ("tp2_tied", "muonclip"), ("pp2_gpipe", "adamw"), ("pp2_zero_bubble", "adamw"),
     ("pp2xtp2_sp_tied", "muonclip"), ("pp4_tied", "adamw"), ("pp2xdp2_tied", "adamw"), ("pp2_tied", "muonclip"),
     ("pp2_varlen", "adamw"), ("tp2_sp_varlen", "muonclip"), ("moe_dp_shard2", "muonclip"),
     ("moe_tp2_sp", "muonclip"), ("moe_pp2", "muonclip"), ("moe_dp2xtp2", "muonclip"), ("moe_ep2", "muonclip"),
     ("moe_ep2", "adamw"), ("moe_dp4_ep2", "muonclip"), ("moe_ep2xtp2_sp", "muonclip"),
-    ("moe_ep2xpp2_varlen", "muonclip")]
+    ("moe_ep2xpp2_varlen", "muonclip"), ("cp4_rope", "muonclip"), ("cp2xdp2", "muonclip"),
+    ("cp2xtp2_sp", "muonclip"), ("cp2xpp2", "adamw"), ("cp2_varlen", "muonclip"), ("moe_cp2", "muonclip")]
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +137,8 @@ def test_layout_equals_one_process(tmp_path, launches, references, layout, optim
         assert (run / "sample.txt").read_text() == (ref / "sample.txt").read_text()
 
 
-@pytest.mark.parametrize("chain", [("dp2xtp2", "pp2_1f1b"), ("tp2_tied", "pp2_tied"), ("moe_dp4_ep2", "moe_ep2")])
+@pytest.mark.parametrize("chain", [("dp2xtp2", "pp2_1f1b"), ("tp2_tied", "pp2_tied"), ("moe_dp4_ep2", "moe_ep2"),
+                                   ("cp2xtp2_sp", "cp2")])
 def test_checkpoint_moves_between_layouts_then_to_one_process(tmp_path, data, references, chain):
     """Step 1 on the first layout, step 2 on the second, step 3 in one process: the same run (with tied
     embeddings: one matrix on one process, two copies on two stages)."""
@@ -141,7 +154,7 @@ def test_checkpoint_moves_between_layouts_then_to_one_process(tmp_path, data, re
 
 
 @pytest.mark.parametrize("override,message", [
-    ("parallel.dp_shard=3", "parallel.dp_replicate*dp_shard*tp*pp = 1*3*1*1 = 3 but 2 process(es)"),
+    ("parallel.dp_shard=3", "parallel.dp_replicate*dp_shard*cp*tp*pp = 1*3*1*1*1 = 3 but 2 process(es)"),
     ("parallel.tp=2 model.mla_num_heads=3", "model.mla_num_heads=3 is not divisible by parallel.tp=2"),
     ("parallel.pp=2 parallel.pp_microbatches=3", "trainer.micro_batch_size=4 does not split into"),
     ("parallel.dp_shard=2 parallel.sequence_parallel=true", "parallel.sequence_parallel=true needs parallel.tp > 1"),

@@ -243,3 +243,17 @@ def test_moe_active_parameters_and_flops():
     mlp_dense = moe_blocks * 3 * m.mlp_hidden * m.d_model
     mlp_moe = moe_blocks * (m.moe_top_k + m.moe_shared_experts) * per_expert + moe_blocks * m.moe_num_experts * m.d_model
     assert s.flops_per_token - dense.flops_per_token == pytest.approx(6 * (mlp_moe - mlp_dense))
+
+
+def test_context_parallel_shards_weights_like_data_parallel(fake_world):
+    """dp_shard 2 x cp 2: FSDP shards every weight over the 4 ranks (the real mesh and plan), as the summary
+    counts them."""
+    from kimi.parallel.dims import ParallelDims
+    from kimi.parallel.fsdp import apply_data_parallel
+
+    s = summary("model=tiny", "parallel.dp_shard=2", "parallel.cp=2")
+    dims = ParallelDims(1, 2, 1, 1, 4, cp=2)
+    real = KimiModel(s.cfg.model)
+    apply_data_parallel(real, dims.fsdp_mesh(dims.build_mesh("cpu")))
+    assert local_params(real) == s.heaviest.local == summary("model=tiny", "parallel.dp_shard=4").heaviest.local
+    assert s.world == 4 and s.tokens_per_step == summary("model=tiny", "parallel.dp_shard=2").tokens_per_step

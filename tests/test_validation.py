@@ -49,10 +49,20 @@ IMPOSSIBLE = [
     # sequence parallelism
     (["parallel.tp=2", "parallel.sequence_parallel=true", "trainer.seq_len=127"], 2, "trainer.seq_len"),
     (["parallel.dp_shard=2", "parallel.sequence_parallel=true"], 2, "parallel.sequence_parallel"),
+    # context parallelism: equal shards, each longer than the conv halo; what it does not take yet
+    (["parallel.cp=3"], 3, "trainer.seq_len"),
+    (["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "trainer.seq_len=130"], 4,
+     "parallel.cp*tp"),
+    (["parallel.cp=64", "trainer.seq_len=128"], 64, "model.conv_size"),
+    (["parallel.cp=2", "model=moe_tiny", "model.moe_aux_loss_coef=0.01"], 2, "model.moe_aux_loss_coef"),
+    (["parallel.cp=2", "parallel.compile=true"], 2, "parallel.compile"),
+    (["parallel.cp=2", "parallel.engine=deepspeed"], 2, "parallel.cp=2"),
+    (["parallel.cp=0"], 1, "parallel.cp"),
     # degrees vs processes
-    (["parallel.dp_shard=3"], 2, "parallel.dp_replicate*dp_shard*tp*pp"),
-    (["parallel.tp=2"], 1, "parallel.dp_replicate*dp_shard*tp*pp"),
-    (["parallel.dp_replicate=2", "parallel.dp_shard=2"], 8, "parallel.dp_replicate*dp_shard*tp*pp"),
+    (["parallel.cp=2"], 1, "parallel.dp_replicate*dp_shard*cp*tp*pp"),
+    (["parallel.dp_shard=3"], 2, "parallel.dp_replicate*dp_shard*cp*tp*pp"),
+    (["parallel.tp=2"], 1, "parallel.dp_replicate*dp_shard*cp*tp*pp"),
+    (["parallel.dp_replicate=2", "parallel.dp_shard=2"], 8, "parallel.dp_replicate*dp_shard*cp*tp*pp"),
     # pipeline: blocks vs stages (plain and with virtual stages)
     ([*PP2, "model.num_layers=1", "model.mla_every=0"], 2, "parallel.pp"),
     ([*PP2, "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=3"], 2,
@@ -191,7 +201,7 @@ def test_the_messages_other_tests_match_are_unchanged():
         return str(err.value)
 
     assert message(2, "parallel.dp_shard=3").startswith(
-        "parallel.dp_replicate*dp_shard*tp*pp = 1*3*1*1 = 3 but 2 process(es)")
+        "parallel.dp_replicate*dp_shard*cp*tp*pp = 1*3*1*1*1 = 3 but 2 process(es)")
     assert message(2, "parallel.tp=2", "model.mla_num_heads=3").startswith(
         "model.mla_num_heads=3 is not divisible by parallel.tp=2")
     assert message(2, "parallel.pp=2", "parallel.pp_microbatches=3").startswith(
@@ -202,33 +212,33 @@ def test_the_messages_other_tests_match_are_unchanged():
         "model.residual='attnres_half' is invalid: choose one of standard|attnres_full|attnres_block")
 
 
-LAYOUT = ("parallel.dp_replicate*dp_shard*tp*pp = {} but {} process(es) were launched; the product must "
+LAYOUT = ("parallel.dp_replicate*dp_shard*cp*tp*pp = {} but {} process(es) were launched; the product must "
           "equal the number of processes: {}")
 
 
 @pytest.mark.parametrize("overrides,world,message", [
     # no dp_shard fixes it: name the degrees to change and the processes this layout needs
     (["parallel.tp=3"], 2,
-     LAYOUT.format("1*1*3*1 = 3", 2, "launch torchrun --nproc_per_node 3 for this layout, or change "
+     LAYOUT.format("1*1*1*3*1 = 3", 2, "launch torchrun --nproc_per_node 3 for this layout, or change "
                                      "parallel.tp so that the product is 2")),
     (["parallel.tp=2"], 1,
-     LAYOUT.format("1*1*2*1 = 2", 1, "launch torchrun --nproc_per_node 2 for this layout, or change "
+     LAYOUT.format("1*1*1*2*1 = 2", 1, "launch torchrun --nproc_per_node 2 for this layout, or change "
                                      "parallel.tp so that the product is 1")),
     (["parallel.pp=2", "parallel.tp=2"], 2,
-     LAYOUT.format("1*1*2*2 = 4", 2, "launch torchrun --nproc_per_node 4 for this layout, or change "
+     LAYOUT.format("1*1*1*2*2 = 4", 2, "launch torchrun --nproc_per_node 4 for this layout, or change "
                                      "parallel.tp and/or parallel.pp so that the product is 2")),
     (["parallel.dp_replicate=3"], 2,
-     LAYOUT.format("3*1*1*1 = 3", 2, "launch torchrun --nproc_per_node 3 for this layout, or change "
+     LAYOUT.format("3*1*1*1*1 = 3", 2, "launch torchrun --nproc_per_node 3 for this layout, or change "
                                      "parallel.dp_replicate so that the product is 2")),
     # a dp_shard makes the product the number of processes
     (["parallel.dp_shard=3"], 4,
-     LAYOUT.format("1*3*1*1 = 3", 4, "set parallel.dp_shard=4 for 4 processes, or launch torchrun "
+     LAYOUT.format("1*3*1*1*1 = 3", 4, "set parallel.dp_shard=4 for 4 processes, or launch torchrun "
                                      "--nproc_per_node 3 for this layout")),
     (["parallel.tp=2"], 4,
-     LAYOUT.format("1*1*2*1 = 2", 4, "set parallel.dp_shard=2 for 4 processes, or launch torchrun "
+     LAYOUT.format("1*1*1*2*1 = 2", 4, "set parallel.dp_shard=2 for 4 processes, or launch torchrun "
                                      "--nproc_per_node 2 for this layout")),
     (["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.tp=2"], 4,
-     LAYOUT.format("2*2*2*1 = 8", 4, "set parallel.dp_shard=1 for 4 processes, or launch torchrun "
+     LAYOUT.format("2*2*1*2*1 = 8", 4, "set parallel.dp_shard=1 for 4 processes, or launch torchrun "
                                      "--nproc_per_node 8 for this layout")),
 ])
 def test_layout_hint_makes_the_product_the_number_of_processes(overrides, world, message):
@@ -360,7 +370,7 @@ def test_pipeline_helpers():
 
 
 @pytest.mark.parametrize("world,overrides,key", [
-    ("1", ["parallel.tp=2"], "parallel.dp_replicate*dp_shard*tp*pp"),
+    ("1", ["parallel.tp=2"], "parallel.dp_replicate*dp_shard*cp*tp*pp"),
     ("2", ["model.kda_num_heads=3", "parallel.tp=2"], "model.kda_num_heads"),
     ("1", ["+trainer.max_stepz=3"], "trainer.max_stepz"),
 ])

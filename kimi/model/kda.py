@@ -54,38 +54,46 @@ class ShortConv(ParamViews, nn.Module):
         apply_rules(self, self.init_rules())
 
     def forward(
-        self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, prev: torch.Tensor | None = None
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, prev: torch.Tensor | None = None,
+        continues: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, T, C]; prev: the (K-1) inputs before x ([B, K-1, C], zeros when None). With cu_seqlens,
-        prev belongs to the document x's first segment continues (context parallelism: the previous shard's
-        last inputs); pass None when x's first token starts a document.
+        """x [B, T, C]; prev: the (K-1) inputs before each row ([R, K-1, C], zeros when None), R = B, or
+        with cu_seqlens the R rows packed along x's T (context parallelism: each row's previous shard's
+        last inputs), whose first segments continue prev's documents. continues [R] bool (default: every
+        row when prev is given): which rows read their prev; the others start a document.
 
-        Returns (y [B, T, C], the last K-1 inputs, i.e. the `prev` of the next call).
+        Returns (y [B, T, C], each row's last K-1 inputs [R, K-1, C], i.e. the `prev` of the next call).
         """
         B, T, C = x.shape
         weight = self.param("weight")
         K = weight.shape[-1]
-        continued = prev is not None
+        rows = prev.shape[0] if prev is not None else B if continues is None else continues.numel()
+        n = B * T // rows
         if prev is None:
-            prev = x.new_zeros(B, K - 1, C)
-        xp = torch.cat([prev, x], dim=1)
+            prev, continues = x.new_zeros(rows, K - 1, C), torch.zeros(rows, dtype=torch.bool, device=x.device)
+        elif continues is None:
+            continues = torch.ones(rows, dtype=torch.bool, device=x.device)
+        else:
+            prev = prev * continues[:, None, None].to(prev.dtype)
+        xp = torch.cat([prev, x.reshape(rows, n, C)], dim=1)
         doc_pos = None
-        if cu_seqlens is not None:  # position of each token inside its own document
-            segment = segment_ids(cu_seqlens, T)
-            doc_pos = torch.arange(T, device=x.device) - cu_seqlens[segment]
-            if continued:  # the first segment continues prev's document: its taps may read prev
-                doc_pos = doc_pos + (segment == 0) * (K - 1)
+        if cu_seqlens is not None:  # position of each token inside its own document, per row
+            segment = segment_ids(cu_seqlens, B * T)
+            doc_pos = (torch.arange(B * T, device=x.device) - cu_seqlens[segment]).view(rows, n)
+            first = segment.view(rows, n)
+            # a row's first segment continues prev's document: its taps may read prev
+            doc_pos = doc_pos + ((first == first[:, :1]) & continues[:, None]) * (K - 1)
         # Sums in fp32 (fp64 for fp64), output in x's dtype: under autocast x is bf16 while the weight is fp32,
         # and a bf16 x times an fp32 weight would promote q, k and v, and so the KDA kernels, to fp32.
         acc = torch.promote_types(x.dtype, torch.float32)
-        y = torch.zeros(x.shape, dtype=acc, device=x.device)
+        y = torch.zeros(rows, n, C, dtype=acc, device=x.device)
         for j in range(K):
-            tap = xp[:, j : j + T].to(acc) * weight[:, 0, j].to(acc)
+            tap = xp[:, j : j + n].to(acc) * weight[:, 0, j].to(acc)
             lag = K - 1 - j  # this tap reads x_{t - lag}
             if doc_pos is not None and lag > 0:
-                tap = tap * (doc_pos >= lag).to(acc)[None, :, None]
+                tap = tap * (doc_pos >= lag).to(acc)[:, :, None]
             y = y + tap
-        return y.to(x.dtype), xp[:, xp.shape[1] - (K - 1) :]
+        return y.to(x.dtype).view(B, T, C), xp[:, xp.shape[1] - (K - 1) :]
 
 
 class KDA(ParamViews, nn.Module):
@@ -127,16 +135,24 @@ class KDA(ParamViews, nn.Module):
         apply_rules(self, self.init_rules(std, out_std))
 
     def forward(
-        self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache: KDACache | None = None
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache: KDACache | None = None,
+        context=None,
     ) -> torch.Tensor:
+        """context: this rank's shard of a sequence split over ranks (kimi.parallel.context_parallel's
+        SequenceShard): the convs read the previous shard's last inputs, the state comes from earlier shards."""
         B, T, _ = x.shape
         if cache is not None and cu_seqlens is not None:
             raise ValueError("KDA decoding with a cache takes one sequence per batch row, not cu_seqlens")
-        conv_prev = {} if cache is None else cache.conv
+        names = ("q", "k", "v")
+        projected = [proj(x) for proj in (self.q_proj, self.k_proj, self.v_proj)]
+        conv_prev, continues = {} if cache is None else cache.conv, None
+        if context is not None:
+            rows, halo = context.rows, self.q_conv.weight.shape[-1] - 1
+            tails = [p.reshape(rows, -1, p.shape[-1])[:, context.length - halo:] for p in projected]
+            conv_prev, continues = dict(zip(names, context.halo(tails))), context.continues
         qkv = []
-        for name, proj, conv in (("q", self.q_proj, self.q_conv), ("k", self.k_proj, self.k_conv),
-                                 ("v", self.v_proj, self.v_conv)):
-            y, tail = conv(proj(x), cu_seqlens, conv_prev.get(name))
+        for name, p, conv in zip(names, projected, (self.q_conv, self.k_conv, self.v_conv)):
+            y, tail = conv(p, cu_seqlens, conv_prev.get(name), continues)
             if cache is not None:
                 cache.conv[name] = tail
             qkv.append(F.silu(y).view(B, T, -1, self.head_dim))
@@ -150,8 +166,11 @@ class KDA(ParamViews, nn.Module):
             kda, backend = fused_recurrent_kda, self.recurrent_backend
         else:
             kda, backend = chunk_kda, self.chunk_backend
-        o, state = kda(q, k, v, g, beta, initial_state=None if cache is None else cache.state,
-                       output_final_state=cache is not None, cu_seqlens=cu_seqlens, backend=backend)
+        if context is not None:
+            o = context.kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend)
+        else:
+            o, state = kda(q, k, v, g, beta, initial_state=None if cache is None else cache.state,
+                           output_final_state=cache is not None, cu_seqlens=cu_seqlens, backend=backend)
         if cache is not None:
             cache.state = state
         gate = torch.sigmoid(self.g_proj_up(self.g_proj_down(x))).view(B, T, -1, self.head_dim)

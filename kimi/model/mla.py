@@ -28,6 +28,7 @@ from torch import nn
 
 from kimi.config import ModelConfig
 from kimi.ops.attention import attention
+from kimi.ops.documents import cu_seqlens_from_starts
 
 from .cache import MLACache
 from .init import Rules, apply_rules, constant, normal
@@ -126,8 +127,11 @@ class MLA(nn.Module):
         apply_rules(self, self.init_rules(std, out_std))
 
     def forward(
-        self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache: MLACache | None = None
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache: MLACache | None = None,
+        context=None,
     ) -> torch.Tensor:
+        """context: this rank's shard of a sequence split over ranks (kimi.parallel.context_parallel's
+        SequenceShard): its queries attend over the latents of every shard up to its own."""
         B, T, _ = x.shape
         q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_lora else self.wq(x)
         q = q.view(B, T, -1, self.nope + self.rope)
@@ -136,21 +140,41 @@ class MLA(nn.Module):
         if self.rope > 0 and self.rotary:
             # RoPE scores depend only on position differences, and packed documents never attend across
             # a boundary, so global positions are as good as per-document ones under cu_seqlens.
-            start = 0 if cache is None else cache.length
-            positions = torch.arange(start, start + T, device=x.device)
+            if context is not None:  # the rows' positions, each row packed after the other under cu_seqlens
+                positions = context.positions(x.device).repeat(context.rows if cu_seqlens is not None else 1)
+            else:
+                start = 0 if cache is None else cache.length
+                positions = torch.arange(start, start + T, device=x.device)
             q = torch.cat([q[..., : self.nope], apply_rope(q[..., self.nope :], positions, self.rope_theta)], -1)
             k_rope = apply_rope(k_rope.unsqueeze(2), positions, self.rope_theta).squeeze(2)
         if cache is not None:
             c_kv, k_rope = cache.append(c_kv, k_rope)
-        kv = self.wkv_b(c_kv).view(B, c_kv.shape[1], -1, self.nope + self.v_dim)
+        if context is not None:  # the latent and the shared rotary key: a fraction of full keys and values
+            latent = torch.cat([c_kv, k_rope], dim=-1).reshape(context.rows, context.length, -1)
+            c_kv, k_rope = context.prefix(latent).split([self.kv_lora_rank, self.rope], dim=-1)
+            q = q.reshape(context.rows, context.length, *q.shape[2:])
+        kv = self.wkv_b(c_kv).view(c_kv.shape[0], c_kv.shape[1], -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         # Only forwards that build a graph feed an update, so only they count: evaluation and generation
         # run under no_grad and must not clip the next step. (Recomputed forwards of activation
         # checkpointing record the same values again, which a max ignores.)
         record = self.track_max_logits and torch.is_grad_enabled()
-        out = attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, return_max_logits=record)
+        if context is not None and cu_seqlens is not None:
+            out = self._rows_over_documents(q, k, v, context.prefix_doc_starts(), record)
+        else:
+            out = attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, return_max_logits=record)
         if record:
             out, max_logits = out
             self._seen_max_logits.append(max_logits.amax(dim=0).detach())
         return self.wo(out.reshape(B, T, -1))
+
+    @staticmethod
+    def _rows_over_documents(q, k, v, starts: torch.Tensor, record: bool):
+        """Each row's queries over its keys under its own documents (starts [rows, Tk]), as attention()
+        returns them for the rows stacked."""
+        outs = [attention(q[r:r + 1], k[r:r + 1], v[r:r + 1], causal=True, return_max_logits=record,
+                          cu_seqlens=cu_seqlens_from_starts(starts[r:r + 1])) for r in range(q.shape[0])]
+        if not record:
+            return torch.cat(outs)
+        return torch.cat([o for o, _ in outs]), torch.cat([m for _, m in outs])

@@ -56,11 +56,13 @@ class Block(ParamViews, nn.Module):
         self.__dict__.setdefault("_runners", {})[name] = run
 
     def forward(self, stream, cu_seqlens: torch.Tensor | None = None, cache: KDACache | MLACache | None = None,
-                rows: int | None = None):
+                rows: int | None = None, context=None):
         """Advance the residual stream (see kimi.model.attnres) through both sublayers; returns it. rows: how
-        many batch rows a packed row [1, B*T] holds (an MoE layer's sequence-wise loss is per row)."""
+        many batch rows a packed row [1, B*T] holds (an MoE layer's sequence-wise loss is per row); context:
+        the token mixer's shard of a sequence split over ranks (see KimiModel.forward)."""
         h = stream.mix(self.param("mixer_query"))
-        stream.push(self.sublayer("mixer", self.mixer_norm(h), cu_seqlens=cu_seqlens, cache=cache))
+        kwargs = {} if context is None else {"context": context}
+        stream.push(self.sublayer("mixer", self.mixer_norm(h), cu_seqlens=cu_seqlens, cache=cache, **kwargs))
         h = stream.mix(self.param("mlp_query"))
         kwargs = {"rows": rows} if rows is not None and isinstance(self.mlp, MoE) else {}
         stream.push(self.sublayer("mlp", self.mlp_norm(h), **kwargs))
@@ -220,9 +222,17 @@ class KimiModel(ParamViews, nn.Module):
         doc_starts: [B, T] bool, True where a document starts (kimi.ops.documents): the rows run as one
         packed row in which nothing crosses a document boundary.
         cache: continue the sequences held in it (see new_cache); it is updated in place.
+
+        Under context parallelism (``context_parallel`` set by kimi.parallel.parallelize; not with a cache)
+        the inputs are this rank's shard of every row, T its length, doc_starts its columns of the loader's
+        mask, and the outputs are the shard's.
         """
         B, T = inputs[0].shape[:2] if doc_starts is None else doc_starts.shape
-        cu_seqlens = None
+        cu_seqlens, context = None, None
+        split = self.__dict__.get("context_parallel")
+        if split is not None and cache is None:
+            context = split.shard(B, T, doc_starts, inputs[0].device)
+            doc_starts = None if doc_starts is None else context.packing_starts()
         if doc_starts is not None:
             cu_seqlens = cu_seqlens_from_starts(doc_starts)
             inputs = tuple(x.reshape(1, B * T, *x.shape[2:]) for x in inputs)
@@ -235,7 +245,7 @@ class KimiModel(ParamViews, nn.Module):
         rows = B if doc_starts is not None else None
         for i, block in self.blocks.items():
             stream = block(stream, cu_seqlens=cu_seqlens, cache=None if cache is None else cache.layers[int(i)],
-                           rows=rows)
+                           rows=rows, context=context)
         if cache is not None:
             cache.seen_tokens += T
         if self.lm_head is None:

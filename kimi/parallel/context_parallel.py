@@ -85,3 +85,74 @@ def gather_prefix(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     shard returns to its rank."""
     (shards,) = all_gather_stacked([x], group)
     return torch.cat(list(shards[: dist.get_rank(group) + 1].unbind(0)), dim=1)
+
+
+class SequenceShard:
+    """What the token mixers of one forward need to run their shard of the sequence (handed to them by
+    KimiModel.forward as ``context``): which positions this rank holds, which rows continue a document
+    from the previous rank, and the exchanges, each collective over the cp group.
+
+    rows: batch rows of the forward (packed along T under data.varlen); length: this rank's tokens per
+    row; doc_starts [rows, length]: the shard's document starts as the loader marks them (None without
+    varlen), where a False first column means the row's first document began on an earlier rank.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, rows: int, length: int, doc_starts: torch.Tensor | None,
+                 device: torch.device):
+        self.group, self.rank, self.size = group, dist.get_rank(group), dist.get_world_size(group)
+        self.rows, self.length, self.doc_starts = rows, length, doc_starts
+        self.offset = self.rank * length  # of this rank's first token in each row
+        first = self.rank > 0
+        self.continues = torch.full((rows,), first, dtype=torch.bool, device=device)
+        if doc_starts is not None:
+            self.continues &= ~doc_starts[:, 0]
+        self._prefix_starts: torch.Tensor | None = None
+
+    def packing_starts(self) -> torch.Tensor:
+        """doc_starts with every row's first token a start: the packed rows' sequence boundaries (the
+        state and halo a continued first document carries come in through ``continues``)."""
+        starts = self.doc_starts.clone()
+        starts[:, 0] = True
+        return starts
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """The row positions of this rank's tokens, [length]."""
+        return torch.arange(self.offset, self.offset + self.length, device=device)
+
+    def halo(self, tails: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The previous rank's ``tails`` (each [rows, K-1, C]: a short conv's last inputs), in one
+        all-gather; rank 0, which reads none, gets zeros still tied to the exchange so that it joins the
+        backward all-reduce."""
+        (gathered,) = all_gather_stacked([torch.cat(tails, dim=-1)], self.group)
+        prev = gathered[self.rank - 1] if self.rank > 0 else 0.0 * gathered[0]
+        return list(prev.split([t.shape[-1] for t in tails], dim=-1))
+
+    def kda(self, q, k, v, g, beta, cu_seqlens: torch.Tensor | None = None, backend: str | None = None):
+        """KDA's outputs for this shard (the whole sequence's state passed in from earlier ranks)."""
+        o, _ = context_parallel_kda(q, k, v, g, beta, self.group, cu_seqlens=cu_seqlens,
+                                    continues=self.continues, backend=backend)
+        return o
+
+    def prefix(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, length, ...] preceded by every earlier rank's: [rows, (rank + 1) * length, ...]."""
+        return gather_prefix(x, self.group)
+
+    def prefix_doc_starts(self) -> torch.Tensor:
+        """The document starts of every row up to this rank's last token, [rows, (rank + 1) * length]
+        (one all-gather, made on first use and kept for the forward)."""
+        if self._prefix_starts is None:
+            parts = [torch.empty_like(self.doc_starts, dtype=torch.uint8) for _ in range(self.size)]
+            dist.all_gather(parts, self.doc_starts.to(torch.uint8).contiguous(), group=self.group)
+            self._prefix_starts = torch.cat(parts[: self.rank + 1], dim=1).bool()
+        return self._prefix_starts
+
+
+class ContextParallel:
+    """Attached to a model by kimi.parallel.parallelize (``KimiModel.context_parallel``): its forwards
+    run one shard of every sequence, rank r of ``group`` the r-th of cp consecutive shards."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def shard(self, rows: int, length: int, doc_starts: torch.Tensor | None, device) -> SequenceShard:
+        return SequenceShard(self.group, rows, length, doc_starts, device)

@@ -1,9 +1,11 @@
 """Degrees of parallelism, the process group and the DeviceMesh.
 
-The mesh dimensions, outermost first, are (pp, dp_replicate, dp_shard, tp): tensor-parallel ranks are
-neighbours (the fastest links), pipeline stages the farthest apart, and a rank's data-parallel index is its
-position in the flattened (dp_replicate, dp_shard) pair. Ranks of one tp group, and the stages of one
-pipeline, read the same data.
+The mesh dimensions, outermost first, are (pp, dp_replicate, dp_shard, cp, tp): tensor-parallel ranks are
+neighbours (the fastest links), context-parallel ranks next (they exchange a few small tensors per layer),
+pipeline stages the farthest apart, and a rank's data-parallel index is its position in the flattened
+(dp_replicate, dp_shard) pair. Ranks of one tp or cp group, and the stages of one pipeline, read the same
+data (each cp rank keeps its shard of every row). FSDP shards over the flattened (dp_shard, cp) ranks, as
+torchtitan does: the cp ranks hold the same weights and their gradients are averaged like data parallelism's.
 
 With expert parallelism a second mesh over the same ranks splits dp_shard into (edp, ep), ep innermost:
 (pp, dp_replicate, edp, ep, tp). The ep ranks of a group are neighbouring dp_shard ranks; the routed experts'
@@ -32,12 +34,13 @@ class ParallelDims:
     pp: int
     world: int
     ep: int = 1
+    cp: int = 1
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world: int | None = None) -> "ParallelDims":
         """The degrees of an already validated config (kimi.config.validate checks them against the world)."""
         world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
-        return cls(p.dp_replicate, p.dp_shard, p.tp, p.pp, world, p.ep)
+        return cls(p.dp_replicate, p.dp_shard, p.tp, p.pp, world, p.ep, p.cp)
 
     @property
     def loss_parallel(self) -> bool:
@@ -54,8 +57,20 @@ class ParallelDims:
         return self.world > 1
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        return init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
-                                mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
+                                mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        return mesh
+
+    @staticmethod
+    def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+        """The (dp_replicate, dp_shard x cp) mesh FSDP places weights on (module docstring)."""
+        return mesh["dp_replicate", "dp_shard_cp"]
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether weights go through FSDP: with data or context parallelism (whose gradients it averages)."""
+        return self.dp * self.cp > 1
 
     def build_expert_mesh(self, device_type: str) -> DeviceMesh | None:
         """The (pp, dp_replicate, edp, ep, tp) mesh of expert parallelism (module docstring), or None."""
@@ -68,7 +83,7 @@ class ParallelDims:
         """This rank's data-parallel index (which micro-batches it reads)."""
         if mesh is None:
             return 0
-        _, replicate, shard, _ = mesh.get_coordinate()
+        _, replicate, shard, _, _ = mesh.get_coordinate()
         return replicate * self.dp_shard + shard
 
     def stage_group(self, mesh: DeviceMesh | None):
@@ -78,7 +93,7 @@ class ParallelDims:
             return None
         if self.pp == 1:
             return dist.group.WORLD
-        return mesh["dp_replicate", "dp_shard", "tp"]._flatten().get_group()
+        return mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten().get_group()
 
 
 def resolve_device(name: str) -> torch.device:

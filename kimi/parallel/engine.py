@@ -15,6 +15,7 @@ model, and every layout starts from the weights of one process (per-parameter se
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -76,6 +77,7 @@ class TorchEngine:
             materialize(part, device)
         self.model = KimiModel.union(parts)
         self.schedule = self.pp_rank = None
+        self.cp_rank = mesh["cp"].get_local_rank() if dims.cp > 1 else 0
         if dims.pp > 1:
             self.pp_rank = mesh["pp"].get_local_rank()  # 0 feeds the tokens, pp - 1 computes the loss
             self.schedule = build_schedule(parts, mesh["pp"], device, p.pp_schedule, pipeline_microbatches(cfg))
@@ -91,6 +93,19 @@ class TorchEngine:
     def loss_context(self):
         """torch's loss_parallel() when the LM head's logits are sharded over the vocabulary, else nothing."""
         return loss_parallel() if self.dims.loss_parallel else nullcontext()
+
+    def _shard(self, batch: Batch) -> Batch:
+        """The batch on this rank's device, cut to its context-parallel shard of every row: the cp ranks
+        read the same rows, rank r keeps the r-th of cp consecutive column ranges (tokens, labels and
+        document starts alike). Each shard's loss is the mean over its tokens; all shards hold as many, so
+        the gradient average over the cp ranks (FSDP's, see dims.py) is the whole rows' mean."""
+        batch = batch.to(self.device, non_blocking=True)
+        if self.dims.cp == 1:
+            return batch
+        n = batch.input_ids.shape[1] // self.dims.cp
+        cols = slice(self.cp_rank * n, (self.cp_rank + 1) * n)
+        return dataclasses.replace(batch, **{k: getattr(batch, k)[:, cols] for k in ("input_ids", "labels",
+                                                                                      "doc_starts")})
 
     def _doc_starts(self, batch: Batch) -> torch.Tensor | None:
         return batch.doc_starts if self.cfg.data.varlen else None
@@ -119,7 +134,7 @@ class TorchEngine:
         """Forward and backward of one batch, gradients scaled by `scale` (1 / accumulation steps) and
         added to those of earlier batches of the step; returns the batch's mean loss (detached)."""
         self.model.train()
-        batch = batch.to(self.device, non_blocking=True)
+        batch = self._shard(batch)
         # MoE auxiliary losses enter the backward beside the loss, scaled like it (the pipeline schedule
         # divides all gradients by its micro-batches afterwards, theirs included)
         set_aux_grad_scale(self.model, scale)
@@ -135,7 +150,7 @@ class TorchEngine:
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> torch.Tensor:
         self.model.eval()
-        batch = batch.to(self.device, non_blocking=True)
+        batch = self._shard(batch)
         return self._pipeline(batch, train=False) if self.schedule is not None else _plain(self._loss(batch))
 
     def step(self, max_norm: float) -> dict:

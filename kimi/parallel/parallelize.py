@@ -1,6 +1,6 @@
 """Apply parallelism to a single-device model, in torchtitan's fixed order (docs/architecture.md): cut the
-pipeline stages, then on each stage tensor parallelism, expert parallelism, activation checkpointing,
-torch.compile, FSDP2."""
+pipeline stages, then on each stage context parallelism (which only tells the stage's forward its group),
+tensor parallelism, expert parallelism, activation checkpointing, torch.compile, FSDP2."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from kimi.config import ParallelConfig, stages_per_rank
 from kimi.model import KimiModel
 
 from .checkpointing import apply_activation_checkpointing, apply_compile
+from .context_parallel import ContextParallel
 from .dims import ParallelDims
 from .expert_parallel import apply_expert_parallel
 from .fsdp import apply_data_parallel
@@ -28,6 +29,8 @@ def parallelize(model: KimiModel, cfg: ParallelConfig, dims: ParallelDims, mesh:
         ranges = split_blocks(model.cfg, dims.pp * virtual, seq_len, cfg.pp_split)
         parts = stage_parts(model, ranges, mesh["pp"].get_local_rank(), dims.pp, virtual)
     for part in parts:
+        if dims.cp > 1:
+            part.context_parallel = ContextParallel(mesh["cp"].get_group())
         if dims.tp > 1:
             apply_tensor_parallel(part, mesh["tp"], cfg.sequence_parallel, loss_parallel=dims.loss_parallel)
         if expert_mesh is not None:
@@ -35,7 +38,6 @@ def parallelize(model: KimiModel, cfg: ParallelConfig, dims: ParallelDims, mesh:
         apply_activation_checkpointing(part, cfg.activation_checkpointing)
         if cfg.compile:
             apply_compile(part)
-        if dims.dp > 1:  # each stage is an FSDP root: it is what the schedule calls
-            apply_data_parallel(part, mesh["dp_replicate", "dp_shard"], cfg.reshard_after_forward, bf16,
-                                expert_mesh)
+        if dims.fsdp:  # each stage is an FSDP root: it is what the schedule calls
+            apply_data_parallel(part, dims.fsdp_mesh(mesh), cfg.reshard_after_forward, bf16, expert_mesh)
     return parts

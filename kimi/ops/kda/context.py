@@ -36,19 +36,47 @@ def naive_transition(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> to
     return P
 
 
+def row_sequences(cu_seqlens: torch.Tensor | None, rows: int, length: int) -> tuple[list[int], list[int]]:
+    """Indices of the sequence that starts each row and of the one that ends it: the rows themselves
+    without ``cu_seqlens``; with it, the packed sequences at each row's start and end (a packed row of
+    ``rows`` rows of length / rows tokens, whose row starts are sequence boundaries)."""
+    if cu_seqlens is None:
+        return list(range(rows)), list(range(rows))
+    offsets, n = cu_seqlens.tolist(), length // rows
+    index = {c: i for i, c in enumerate(offsets)}
+    missing = [r * n for r in range(rows) if r * n not in index]
+    if missing:
+        raise ValueError(f"cu_seqlens {offsets} must start a sequence at every row start; missing {missing}")
+    first = [index[r * n] for r in range(rows)]
+    return first, [f - 1 for f in first[1:]] + [len(offsets) - 2]
+
+
+def _rows_continuing(continues, rows: int, device) -> torch.Tensor:
+    """``continues`` (one bool, or one per row) as a [rows] bool tensor."""
+    flags = torch.as_tensor(continues, dtype=torch.bool, device=device).reshape(-1)
+    return flags.expand(rows) if flags.numel() == 1 else flags
+
+
 def shard_summary(q, k, v, g, beta, scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
-                  continues: bool = True, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(P, S_zero) of one shard (module docstring): P [B, H, K, K], S_zero [B, H, K, V] (B = 1 with
-    ``cu_seqlens``: the shard's last document's state)."""
-    _, state = chunk_kda(q, k, v, g, beta, scale, output_final_state=True, cu_seqlens=cu_seqlens, backend=backend)
+                  continues=True, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, S_zero) of one shard (module docstring), one per row: P [R, H, K, K], S_zero [R, H, K, V].
+    Rows: the batch rows without ``cu_seqlens``; with it, the R = len(continues) rows packed along T
+    (R = 1 when ``continues`` is one bool). continues: per row, whether its first token continues the
+    previous shard's document."""
     B, T, H, K = k.shape
-    first_end = T if cu_seqlens is None else int(cu_seqlens[1])
-    if not continues or first_end < T:  # the incoming state stops at a document start inside the shard
-        return k.new_zeros(B, H, K, K, dtype=state.dtype), state[-1:] if cu_seqlens is not None else state
-    eye = torch.eye(K, dtype=state.dtype, device=k.device).expand(B, H, K, K).contiguous()
+    rows = B if cu_seqlens is None else torch.as_tensor(continues).numel()
+    flags = _rows_continuing(continues, rows, k.device)
+    _, states = chunk_kda(q, k, v, g, beta, scale, output_final_state=True, cu_seqlens=cu_seqlens, backend=backend)
+    first, last = row_sequences(cu_seqlens, rows, B * T)
+    S = states[last]
+    # the incoming state crosses the shard only along a row that is one continued document
+    through = flags & torch.tensor([a == b for a, b in zip(first, last)], device=k.device)
+    if not bool(through.any()):
+        return k.new_zeros(rows, H, K, K, dtype=states.dtype), S
+    eye = torch.eye(K, dtype=states.dtype, device=k.device).expand(states.shape[0], H, K, K).contiguous()
     _, P = chunk_kda(q, k, torch.zeros_like(k), g, beta, scale, initial_state=eye, output_final_state=True,
-                     backend=backend)
-    return P, state[-1:] if cu_seqlens is not None else state
+                     cu_seqlens=cu_seqlens, backend=backend)
+    return P[last] * through[:, None, None, None].to(P.dtype), S
 
 
 def incoming_states(summaries: list[tuple[torch.Tensor, torch.Tensor]],
@@ -93,15 +121,15 @@ def local_cu_seqlens(cu_seqlens: torch.Tensor | None, start: int, length: int):
     return torch.tensor([0, *inside, length], dtype=cu_seqlens.dtype, device=cu_seqlens.device), continues
 
 
-def run_shard(part, incoming: torch.Tensor, scale, cu_seqlens, continues: bool, backend=None) -> torch.Tensor:
-    """The shard's outputs from its incoming state (which only its first document, when continued, sees)."""
+def run_shard(part, incoming: torch.Tensor, scale, cu_seqlens, continues, backend=None) -> torch.Tensor:
+    """The shard's outputs from its rows' incoming states [R, H, K, V], which only each row's first
+    document sees, and only where it continues (rows as in :func:`shard_summary`)."""
     q, k, v, g, beta = part
-    init = incoming
+    rows = incoming.shape[0]
+    init = incoming * _rows_continuing(continues, rows, k.device)[:, None, None, None].to(incoming.dtype)
     if cu_seqlens is not None:
-        init = torch.zeros(cu_seqlens.numel() - 1, *incoming.shape[1:], dtype=incoming.dtype, device=incoming.device)
-        if continues:
-            init = torch.cat([incoming, init[1:]])
-    elif not continues:
-        init = torch.zeros_like(incoming)
+        first, _ = row_sequences(cu_seqlens, rows, k.shape[1])
+        zeros = init.new_zeros(cu_seqlens.numel() - 1, *init.shape[1:])
+        init = zeros.index_copy(0, torch.tensor(first, device=k.device), init)
     o, _ = chunk_kda(q, k, v, g, beta, scale, initial_state=init, cu_seqlens=cu_seqlens, backend=backend)
     return o
