@@ -72,6 +72,7 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
     "cp2": (2, 1, ["parallel.cp=2"]),
     "cp4_rope": (4, 1, ["parallel.cp=4", "model.qk_rope_head_dim=8"]),
     "cp2xdp2": (4, 2, ["parallel.cp=2", "parallel.dp_shard=2", "trainer.sample_tokens=24"]),  # sample: whole
+    "cp2xdp_replicate2": (4, 2, ["parallel.cp=2", "parallel.dp_replicate=2"]),
     "cp2xtp2_sp": (4, 1, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     "cp2xpp2": (4, 1, ["parallel.cp=2", "parallel.pp=2"]),
     # documents crossing shard edges; the recomputed forward repeats the exchanges
@@ -89,7 +90,7 @@ CASES = [(layout, optim) for layout in BOTH for optim in ("adamw", "muonclip")] 
     ("moe_tp2_sp", "muonclip"), ("moe_pp2", "muonclip"), ("moe_dp2xtp2", "muonclip"), ("moe_ep2", "muonclip"),
     ("moe_ep2", "adamw"), ("moe_dp4_ep2", "muonclip"), ("moe_ep2xtp2_sp", "muonclip"),
     ("moe_ep2xpp2_varlen", "muonclip"), ("cp4_rope", "muonclip"), ("cp2xdp2", "muonclip"),
-    ("cp2xtp2_sp", "muonclip"), ("cp2xpp2", "adamw"), ("cp2_varlen", "muonclip"), ("moe_cp2", "muonclip")]
+    ("cp2xdp_replicate2", "adamw"), ("cp2xtp2_sp", "muonclip"), ("cp2xpp2", "adamw"), ("cp2_varlen", "muonclip"), ("moe_cp2", "muonclip")]
 
 
 @pytest.fixture(scope="module")
