@@ -124,7 +124,7 @@ def write_routing(run_dir: Path, engine, mesh, optim_name: str) -> Optional[str]
     one file per pipeline rank k, written by the first of the ranks holding those stages (None elsewhere)."""
     optimizer = getattr(engine.optimizer, "inner", engine.optimizer)  # DeepSpeed's client wraps ours
     table = getattr(optimizer, "routing_table", None)
-    if table is None or (mesh is not None and any(mesh.get_coordinate()[1:])):  # (pp, dp_rep, dp_shard, tp)
+    if table is None or (mesh is not None and any(mesh.get_coordinate()[1:])):  # (pp, dp_rep, dp_shard, cp, tp)
         return None
     stage, stages = engine.pp_rank or 0, engine.dims.pp
     path = Path(run_dir) / ("optimizer_routing.txt" if stages == 1 else f"optimizer_routing_pp{stage}.txt")
