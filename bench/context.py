@@ -1,0 +1,386 @@
+"""Context parallelism's memory and traffic, measured on CPU, and a memory model for long sequences.
+
+1. Peak activation memory per rank vs sequence length T for cp = 1, 2, 4 (the `tiny` and `small` presets,
+   one row of T tokens, bf16, activation checkpointing `full`): each rank builds the model, runs
+   the forward and backward of its shard, and torch's MemTracker records the peak of the activation and
+   temporary bytes (parameters and gradients excluded: kimi.summary counts those). The last rank is the
+   heaviest (its MLA layers read the latents of every earlier shard).
+2. Bytes one rank puts into collectives per layer, forward + backward, vs T: a one-block model of each
+   mixer (KDA: the conv halo and the shard summaries, constant in T; MLA: the gathered latents, linear).
+3. A memory model of the heaviest (last) rank's peak, n * (a . features + e) + (T - n) * b + c with
+   n = T / cp: the features are 1, the sublayers and the Attention-Residual sources summed over the
+   sublayers (what activation checkpointing keeps per token: each sublayer's input, each depth mix's
+   sources); e is what a rank that continues the sequence holds more per token (KDA's transition pass;
+   0 at cp 1); b is MLA's prefix per token of the earlier shards (an estimate from the shapes). a, e and
+   c are fitted per model from short measured runs of cut-down models (4, 6 and 8 blocks at T 256 and
+   512; cp 2 at T 512 and 1024) and checked against the full-depth measurements of (1), at lengths and cp
+   the fit never saw. With kimi.summary's persistent state (fp32 weights, gradients and optimizer state,
+   FSDP-sharded over the cp ranks, plus one gathered FSDP unit) it gives the longest trainable sequence per
+   GPU for the `1b` and `kimi_linear_48b_a3b` presets at cp = 1..64 (one GPU per cp rank) on 80 GB and
+   141 GB devices, after a reserve for the CUDA context and allocator. Measured here, the activations are
+   those of the PyTorch paths on CPU (SDPA, the chunked KDA); on GPUs the Triton kernels keep no more.
+
+    python bench/context.py [--quick]
+
+Prints markdown tables and writes bench/results/context.json. About 25 minutes on 2 CPU cores; --report
+reprints the tables of a results file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(HERE), str(ROOT)]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from comm_count import CommCounter  # noqa: E402
+
+MEASURED = {"tiny": ["model=tiny", "model.vocab_size=32768"], "small": ["model=small", "model.vocab_size=32768"]}
+# cut-down models for the fit: which blocks are MLA (0-based), every other block KDA
+CUTS = {"A": (4, [3]), "B": (8, [3, 7]), "C": (6, [3])}
+PRESETS = {"1b": ["model=1b", "model.vocab_size=32768"],
+           # 16 routed experts instead of 256: a token's activations depend on top_k and moe_hidden, not on
+           # how many experts there are (the router's scores are 4 bytes per expert: added back below)
+           "kimi_linear_48b_a3b": ["model=kimi_linear_48b_a3b", "model.moe_num_experts=16"]}
+DEVICES = {"80 GB": 80e9, "141 GB": 141e9}
+GIB = 1024**3
+
+
+# ---- what one rank measures (under torchrun) ------------------------------------------------------------
+def build(overrides: list[str]):
+    from kimi.model import KimiModel
+    from kimi.summary import compose_config
+
+    cfg = compose_config(overrides)
+    torch.manual_seed(0)
+    return KimiModel(cfg.model)
+
+
+def shard_inputs(vocab: int, T: int, rank: int, cp: int):
+    ids = torch.randint(0, vocab, (1, T + 1), generator=torch.Generator().manual_seed(1))
+    n = T // cp
+    return ids[:, rank * n:(rank + 1) * n], ids[:, rank * n + 1:(rank + 1) * n + 1]
+
+
+def measure(job: dict) -> dict:
+    """One forward and backward of this rank's shard: peak activation bytes, or collective bytes."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from kimi.model import lm_loss
+    from kimi.parallel import apply_activation_checkpointing
+    from kimi.parallel.context_parallel import ContextParallel
+
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    # bf16 weights rather than autocast: autocast would keep a bf16 copy of every weight for the whole step,
+    # which under FSDP is one gathered unit at a time (kimi.summary counts that unit with the weights)
+    model = build(job["overrides"]).to(torch.bfloat16)
+    if cp > 1:
+        model.context_parallel = ContextParallel(dist.group.WORLD)
+    apply_activation_checkpointing(model, job.get("ac", "full"))
+    ids, labels = shard_inputs(model.cfg.vocab_size, job["T"], rank, cp)
+
+    def step():
+        lm_loss(model(ids), labels).backward()
+
+    if job["what"] == "bytes":
+        counter = CommCounter()
+        with counter:
+            step()
+        return {"bytes": counter.total_bytes, "by_kind": dict(counter.bytes)}
+    # drop each gradient once accumulated: the peak is then the activations' (kimi.summary counts gradients)
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        step()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    kinds = {str(k).rsplit(".", 1)[-1]: v for k, v in peak.items()}
+    return {"bytes": kinds["ACT"] + kinds["TEMP"]}
+
+
+def worker(spec: Path, out: Path) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    results = []
+    for job in json.loads(spec.read_text()):
+        got = measure(job)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, got["bytes"])
+        results.append({**job, "per_rank": every, "by_kind": got.get("by_kind")})
+        print(f"[context] {job['name']} T={job['T']}: {every}", flush=True)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(results))
+    from kimi.parallel import destroy_distributed
+
+    destroy_distributed()
+
+
+def launch(cp: int, jobs: list[dict], tmp: Path) -> list[dict]:
+    """The jobs on cp ranks: traffic counts in one torchrun, each memory run in its own (torch's MemTracker
+    keeps every model it tracked alive). Results are kept in ``tmp`` by job, so a rerun measures only what
+    is missing."""
+    batches = [[j for j in jobs if j["what"] == "bytes"]] + [[j] for j in jobs if j["what"] == "memory"]
+    rows = []
+    for batch in (b for b in batches if b):
+        key = hashlib.sha1(json.dumps([cp, batch], sort_keys=True).encode()).hexdigest()[:16]
+        spec, out = tmp / f"jobs_{key}.json", tmp / f"out_{key}.json"
+        if out.exists():
+            rows += [{**r, "cp": cp} for r in json.loads(out.read_text())]
+            continue
+        spec.write_text(json.dumps(batch))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cp}",
+               str(Path(__file__).resolve()), "--worker", str(spec), str(out)]
+        print(f"[context] cp {cp}: {', '.join(sorted({j['name'] for j in batch}))} "
+              f"T={','.join(str(j['T']) for j in batch)}", flush=True)
+        proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"torchrun on {cp} ranks exited {proc.returncode}:\n{proc.stdout[-2000:]}\n"
+                             f"{proc.stderr[-4000:]}")
+        rows += [{**r, "cp": cp} for r in json.loads(out.read_text())]
+    return rows
+
+
+# ---- the model -----------------------------------------------------------------------------------------
+def cut(overrides: list[str], name: str) -> list[str]:
+    layers, mla = CUTS[name]
+    return [*overrides, f"model.num_layers={layers}", f"model.mla_layers=[{','.join(map(str, mla))}]"]
+
+
+def fit_jobs(preset: str, overrides: list[str]) -> list[tuple[int, dict]]:
+    """(cp, job) of the short runs the fit needs."""
+    jobs = [(1, {"name": f"{preset}/{c}", "fit": preset, "cut": c, "overrides": cut(overrides, c), "T": T,
+                 "what": "memory"}) for c in CUTS for T in (256, 512)]
+    jobs += [(2, {"name": f"{preset}/A", "fit": preset, "cut": "A", "overrides": cut(overrides, "A"), "T": T,
+                  "what": "memory"}) for T in (512, 1024)]
+    return jobs
+
+
+def features(m) -> list[float]:
+    """[1, sublayers, AttnRes sources summed over the sublayers and the final mix] of a model config: under
+    activation checkpointing a sublayer keeps its input, and each AttnRes mix keeps its sources' norms and
+    weights, so per token the kept bytes are affine in these (a standard residual has one source)."""
+    sublayers = 2 * m.num_layers
+    if m.residual == "standard":
+        sources = sublayers + 1
+    elif m.residual == "attnres_full":
+        sources = sum(1 + done for done in range(sublayers + 1))
+    else:
+        bs = m.attnres_block_size
+        sources = sum(1 + done // bs + (done % bs > 0) for done in range(sublayers + 1))
+    return [1.0, float(sublayers), float(sources)]
+
+
+def prefix_bytes(m) -> float:
+    """What the last rank holds per token of the earlier shards while one MLA layer is recomputed and
+    differentiated (an estimate, not fitted: at cp 2 on CPU it is lost beside the KDA P pass): the gathered
+    latent three times (all-gather buffers, stacked, the prefix) and the keys and values up-projected from
+    it with their gradients, bf16."""
+    latent = m.kv_lora_rank + m.qk_rope_head_dim
+    keys_values = m.mla_num_heads * (2 * m.qk_nope_head_dim + m.qk_rope_head_dim + 2 * m.v_head_dim)
+    return 2 * (3 * latent + 2 * keys_values)
+
+
+def fit(rows: list[dict], name: str) -> dict:
+    """The coefficients of peak = n * (features . a + e) + (T - n) * b + c for the last of cp > 1 ranks
+    (n = T / cp tokens on the rank; e = 0 at cp 1), from the short runs of ``name``'s cut-down models:
+    each cut's slope in T at cp 1 is features . a (least squares over the cuts: with standard residuals two
+    features move together); e is what a rank that continues the sequence holds more than the first, per
+    token of its shard (KDA's transition pass P), from the cp 2 runs; b is prefix_bytes."""
+    from kimi.summary import compose_config
+
+    mine = [r for r in rows if r.get("fit") == name]
+    slopes, intercepts, feats = [], [], []
+    for c in CUTS:
+        (t0, p0), (t1, p1) = sorted((r["T"], max(r["per_rank"])) for r in mine if r["cut"] == c and r["cp"] == 1)
+        slopes.append((p1 - p0) / (t1 - t0))
+        intercepts.append(p0 - slopes[-1] * t0)
+        feats.append(features(compose_config(next(r["overrides"] for r in mine if r["cut"] == c)).model))
+    a = torch.linalg.lstsq(torch.tensor(feats, dtype=torch.float64),
+                           torch.tensor(slopes, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
+    b = prefix_bytes(compose_config(mine[0]["overrides"]).model)
+    excess = [((r["per_rank"][-1] - r["per_rank"][0]) - b * (r["T"] // 2)) / (r["T"] // 2)
+              for r in mine if r["cp"] == 2]
+    return {"a": a, "e": max(0.0, sum(excess) / len(excess)), "b": b, "c": max(0.0, max(intercepts))}
+
+
+def predict(coef: dict, m, T: int, cp: int, extra_per_token: float = 0.0) -> float:
+    n = T / cp
+    per_token = sum(a * f for a, f in zip(coef["a"], features(m))) + extra_per_token + (coef["e"] if cp > 1 else 0)
+    return n * per_token + (T - n) * coef["b"] + coef["c"]
+
+
+def persistent_bytes(overrides: list[str], cp: int) -> float:
+    """kimi.summary's per-rank state with FSDP over the cp ranks (dp_shard 1), bf16, plus one gathered unit."""
+    from kimi.summary import compose_config, summarize
+
+    s = summarize(compose_config([*overrides, f"parallel.cp={cp}", "trainer.precision=bf16"]))
+    return s.heaviest.persistent_bytes + s.heaviest.bytes.get("transient", 0)
+
+
+def longest(coef, m, cp, budget, router_extra) -> int:
+    """The longest T (a multiple of 1024 * cp) whose predicted peak fits ``budget`` bytes; 0 if none."""
+    step = 1024 * cp
+    lo, hi = 0, step
+    while predict(coef, m, hi, cp, router_extra) <= budget and hi < 2**40:
+        lo, hi = hi, hi * 2
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        if mid <= lo:
+            break
+        lo, hi = (mid, hi) if predict(coef, m, mid, cp, router_extra) <= budget else (lo, mid)
+    return lo
+
+
+# ---- tables --------------------------------------------------------------------------------------------
+def md(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def tokens(T: int) -> str:
+    return f"{T // 1024}K" if T < 1 << 20 else f"{T / (1 << 20):.2f}M"
+
+
+def exchange_bytes(m, mixer: str, T: int, cp: int, rows: int = 1) -> int:
+    """Bytes one rank puts into collectives per layer and step, bf16 activations, activation checkpointing
+    full (the recomputed forward repeats its all-gather): 2 all-gathers of the forward's message and one
+    all-reduce of all cp ranks' messages (its gradient; gloo has no reduce-scatter). KDA's message: the three
+    convs' halos (bf16) and the shard summary P, S_zero (fp32); MLA's: the shard's latent and shared key."""
+    if mixer == "KDA":
+        width = m.kda_num_heads * m.kda_head_dim
+        message = rows * (3 * (m.conv_size - 1) * width * 2 + m.kda_num_heads * m.kda_head_dim * 2 * m.kda_head_dim * 4)
+    else:
+        message = rows * T // cp * (m.kv_lora_rank + m.qk_rope_head_dim) * 2
+    return (2 + cp) * message
+
+
+def report(out: dict, reserve: float) -> str:
+    """The markdown tables from the measured rows (and the fits) in ``out``; adds the model's to it."""
+    from kimi.summary import compose_config
+
+    rows = out["rows"]
+    mem = [r for r in rows if r["what"] == "memory" and "fit" not in r]
+    names = list(dict.fromkeys(r["name"] for r in mem))
+    lengths = sorted({r["T"] for r in mem})
+    cps = sorted({r["cp"] for r in mem})
+    text = ["Peak activation memory per rank (MiB; the heaviest rank; bf16, activation checkpointing full, one "
+            "row of T tokens), and its ratio to cp = 1:"]
+    table = []
+    for name in names:
+        for T in lengths:
+            peaks = {r["cp"]: max(r["per_rank"]) for r in mem if r["name"] == name and r["T"] == T}
+            table.append([name, str(T)] + [f"{peaks[cp] / 2**20:.1f} ({peaks[cp] / peaks[1]:.2f}x)" for cp in cps])
+    text.append(md(["model", "T"] + [f"cp {cp}" for cp in cps], table))
+
+    traffic = [r for r in rows if r["what"] == "bytes"]
+    tiny = compose_config(MEASURED["tiny"]).model
+    table = []
+    for mixer in ("KDA", "MLA"):
+        for T in sorted({r["T"] for r in traffic}):
+            cells = []
+            for cp in sorted({r["cp"] for r in traffic}):
+                got = next(max(r["per_rank"]) for r in traffic
+                           if r["name"] == f"{mixer} layer" and r["T"] == T and r["cp"] == cp)
+                cells.append(f"{got / 1024:.1f} ({exchange_bytes(tiny, mixer, T, cp) / 1024:.1f})")
+            table.append([f"{mixer} layer", str(T)] + cells)
+    text += ["", "KiB one rank puts into collectives per layer and step, measured (and by formula: "
+             "`exchange_bytes`), one block of `tiny`:",
+             md(["layer", "T"] + [f"cp {cp}" for cp in sorted({r["cp"] for r in traffic})], table)]
+
+    checks = []
+    for name in names:
+        coef = fit(rows, name)
+        m = compose_config(MEASURED[name]).model
+        for r in (r for r in mem if r["name"] == name):
+            got, want = predict(coef, m, r["T"], r["cp"]), max(r["per_rank"])
+            checks.append([name, str(r["T"]), str(r["cp"]), f"{want / 2**20:.1f}", f"{got / 2**20:.1f}",
+                           f"{got / want:.2f}"])
+    out["model_check"] = checks
+    text += ["", "The memory model against those measurements (fitted on cut-down models of 4, 6 and 8 blocks, "
+             "T 256-1024, cp 1-2):", md(["model", "T", "cp", "measured MiB", "model MiB", "model / measured"], checks)]
+
+    presets = [p for p in PRESETS if any(r.get("fit") == p for r in rows)]
+    table, answers, cps = [], {}, (1, 2, 4, 8, 16, 32, 64)
+    for preset in presets:
+        coef = fit(rows, preset)
+        full = [o for o in PRESETS[preset] if not o.startswith("model.moe_num_experts")]
+        m = compose_config(full).model
+        router_extra = 4 * (m.moe_num_experts - 16) * (m.num_layers - m.moe_first_dense) if m.moe_num_experts else 0
+        out.setdefault("fits", {})[preset] = coef
+        for dev, cap in DEVICES.items():
+            cells = []
+            for cp in cps:
+                budget = cap * (1 - reserve) - persistent_bytes(full, cp)
+                T = longest(coef, m, cp, budget, router_extra) if budget > 0 else 0
+                cells.append(tokens(T) if T else "-")
+                if T >= 1 << 20:
+                    answers.setdefault((preset, dev), cp)
+            table.append([preset, dev] + cells)
+        per_token = sum(a * f for a, f in zip(coef["a"], features(m))) / 1024
+        text += ["", f"`{preset}`: {per_token:.0f} KiB per token of the rank's shard (+{coef['e'] / 1024:.0f} KiB on a "
+                 f"continuing rank), {coef['b'] / 1024:.0f} KiB per token of the earlier shards (MLA's prefix); exchange per layer and step at T = 1M, cp 64: KDA {exchange_bytes(m, 'KDA', 1 << 20, 64) / 2**20:.0f} "
+                 f"MiB, MLA {exchange_bytes(m, 'MLA', 1 << 20, 64) / 2**20:.0f} MiB"]
+    if presets:
+        text += ["", f"Longest trainable sequence per GPU (the model; activation checkpointing full, bf16, one GPU "
+                 f"per cp rank, FSDP over them; {reserve:.0%} of memory reserved; '-': the weights and optimizer "
+                 "state alone do not fit):", md(["preset", "device"] + [f"cp {c}" for c in cps], table)]
+        text += [f"- `{p}` on {d} GPUs: 1M tokens from cp = {cp}" for (p, d), cp in answers.items()]
+        out["longest"] = table
+    return "\n".join(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny only, shorter sequences (a smoke run)")
+    ap.add_argument("--reserve", type=float, default=0.1,
+                    help="fraction of device memory kept for the CUDA context, NCCL and allocator slack")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "context.json")
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "kimi_bench_context",
+                    help="where each measurement is kept: a rerun measures only what is missing")
+    ap.add_argument("--report", type=Path, help="print the tables of an earlier run's JSON (no measuring)")
+    ap.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(*args.worker)
+    if args.report:
+        print(report(json.loads(args.report.read_text()), args.reserve))
+        return
+    lengths = [256, 512] if args.quick else [512, 1024, 2048]
+    measured = {"tiny": MEASURED["tiny"]} if args.quick else MEASURED
+    presets = {} if args.quick else PRESETS
+    by_cp: dict[int, list[dict]] = {1: [], 2: [], 4: []}
+    for name, ov in measured.items():
+        for cp in by_cp:
+            by_cp[cp] += [{"name": name, "overrides": ov, "T": T, "what": "memory"} for T in lengths]
+            if name == "tiny" and cp > 1:  # one block of each mixer: bytes per layer
+                for mixer, mla in (("KDA", "[]"), ("MLA", "[0]")):
+                    by_cp[cp] += [{"name": f"{mixer} layer", "overrides": [*ov, "model.num_layers=1",
+                                   f"model.mla_layers={mla}", "model.residual=standard"], "T": T, "what": "bytes"}
+                                  for T in lengths]
+    for name, ov in {**measured, **presets}.items():
+        for cp, job in fit_jobs(name, ov):
+            by_cp[cp].append(job)
+    args.work.mkdir(parents=True, exist_ok=True)
+    rows = [r for cp, jobs in by_cp.items() for r in launch(cp, jobs, args.work)]
+    out = {"device": "cpu", "torch": torch.__version__, "precision": "bf16", "ac": "full", "rows": rows}
+    text = report(out, args.reserve)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1))
+    print(text)
+    print(f"\n[context] wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
