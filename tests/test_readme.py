@@ -74,6 +74,14 @@ SKIPPED = {
     ".venv/bin/torchrun --standalone --nproc_per_node 8 train.py parallel.engine=deepspeed "
     "parallel.deepspeed.zero_stage=2 parallel.dp_shard=8 hydra.run.dir=runs/ds8":
         GPUS_8 + "; tests/test_deepspeed.py runs ZeRO 1, 2 and 3 on 2 ranks against one process",
+    ".venv/bin/torchrun --standalone --nproc_per_node 8 train.py model=1b parallel.cp=4 parallel.dp_shard=2 "
+    "trainer.seq_len=65536 trainer.micro_batch_size=1 parallel.activation_checkpointing=full "
+    "trainer.precision=bf16 hydra.run.dir=runs/cp4": GPUS_8 + "; tests/test_parallel.py checks cp 4 and cp 2 x "
+                                                      "dp_shard 2 against one process",
+    ".venv/bin/torchrun --standalone --nproc_per_node 2 train.py parallel.cp=2 trainer.seq_len=256 "
+    "trainer.max_steps=20 hydra.run.dir=runs/cp2": "a second 2-process launch (one is the budget, the First "
+                                                   "hour's runs); tests/test_parallel.py runs train.py with "
+                                                   "parallel.cp=2 under torchrun and checks it against one process",
     ".venv/bin/deepspeed --no_local_rank --num_gpus 8 train.py parallel.engine=deepspeed parallel.dp_shard=8 "
     "hydra.run.dir=runs/ds8": GPUS_8 + "; tests/test_deepspeed.py runs the same launcher with --num_gpus 2 on CPU",
 }
