@@ -82,6 +82,11 @@ SKIPPED = {
     "trainer.max_steps=20 hydra.run.dir=runs/cp2": "a second 2-process launch (one is the budget, the First "
                                                    "hour's runs); tests/test_parallel.py runs train.py with "
                                                    "parallel.cp=2 under torchrun and checks it against one process",
+    "docker build -f docker/Dockerfile -t kimi .": "no container engine here; tests/test_docker.py checks the "
+                                                   "Dockerfile's copied paths and entrypoint against this line",
+    "docker run --gpus all --rm -v '$PWD/runs:/kimi/runs' kimi model=small trainer.precision=bf16 "
+    "hydra.run.dir=runs/small": "a CUDA host with a container engine; tests/test_docker.py checks that its "
+                                "overrides compose and its run directory is in the mounted volume",
     ".venv/bin/deepspeed --no_local_rank --num_gpus 8 train.py parallel.engine=deepspeed parallel.dp_shard=8 "
     "hydra.run.dir=runs/ds8": GPUS_8 + "; tests/test_deepspeed.py runs the same launcher with --num_gpus 2 on CPU",
 }
