@@ -47,8 +47,9 @@ SKIPPED = {
         "the First hour's GPU step: on CPU it would repeat step 1's run",
     ".venv/bin/torchrun --standalone --nproc_per_node 8 train.py parallel.dp_shard=8 "
     "hydra.run.dir=runs/fsdp8": GPUS_8,
-    ".venv/bin/torchrun --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint '$HEAD:29500' "
-    "train.py parallel.dp_replicate=4 parallel.dp_shard=8 hydra.run.dir=runs/hsdp": "4 nodes of 8 GPUs",
+    ".venv/bin/torchrun --nnodes 2 --nproc_per_node 2 --rdzv_backend c10d --rdzv_endpoint '$HEAD:29500' "
+    "--rdzv_id kimi train.py parallel.dp_replicate=2 parallel.tp=2 hydra.run.dir=runs/two_nodes":
+        "two nodes: tests/test_multinode.py runs this line as two agents meeting at HEAD=127.0.0.1",
     ".venv/bin/torchrun --standalone --nproc_per_node 2 train.py parallel.dp_replicate=2 "
     "hydra.run.dir=runs/exp2": "a second 2-process launch (~10 s; one is the budget, the First hour's runs); "
                                "tests/test_parallel.py checks dp_replicate=2 against one process",
