@@ -123,8 +123,15 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
         return
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    kwargs = {}
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart:
+        # torchrun's agent keeps its store across restarts, with the previous group's addresses in it: a
+        # restarted rank would connect to its dead predecessor. Each restart's group gets keys of its own.
+        store, rank, world = next(dist.rendezvous("env://"))
+        kwargs = {"store": dist.PrefixStore(f"kimi/restart{restart}", store), "rank": rank, "world_size": world}
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=timeout_s + 60))
+                            timeout=datetime.timedelta(seconds=timeout_s + 60), **kwargs)
 
 
 def setup_group() -> dist.ProcessGroup:
