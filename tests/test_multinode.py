@@ -12,8 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import corpus_overrides
-from layout_runs import ROOT, assert_same_run, overrides, reference_runs
+from layout_runs import ROOT, assert_same_run, data, overrides, references  # noqa: F401 (fixtures)
 
 
 def readme_multinode() -> list[str]:
@@ -22,16 +21,6 @@ def readme_multinode() -> list[str]:
     match = re.search(r"^(\.venv/bin/torchrun --nnodes 2 .*?)(?<!\\)$", text, re.M | re.S)
     assert match, "README.md has no `.venv/bin/torchrun --nnodes 2 ...` command"
     return shlex.split(re.sub(r"\\\n\s*", " ", match.group(1)))
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> list[str]:
-    return corpus_overrides(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def references(tmp_path_factory, data):
-    return reference_runs(tmp_path_factory.mktemp("single"), data)
 
 
 @pytest.mark.parametrize("per_node,layout", [(2, []), (1, ["parallel.tp=1"])])

@@ -18,8 +18,8 @@ import os
 
 import pytest
 import torch
-from helpers import corpus_overrides
-from layout_runs import ROOT, assert_same_run, overrides, reference_runs, single_process, torchrun
+from layout_runs import (ROOT, assert_same_run, data, overrides, references,  # noqa: F401 (fixtures)
+                         single_process, torchrun)
 
 from kimi import checkpoint
 # 4 blocks (KDA, MLA, KDA, MLA): enough for 2 ranks x 2 virtual pipeline stages
@@ -91,16 +91,6 @@ CASES = [(layout, optim) for layout in BOTH for optim in ("adamw", "muonclip")] 
     ("moe_ep2", "adamw"), ("moe_dp4_ep2", "muonclip"), ("moe_ep2xtp2_sp", "muonclip"),
     ("moe_ep2xpp2_varlen", "muonclip"), ("cp4_rope", "muonclip"), ("cp2xdp2", "muonclip"),
     ("cp2xdp_replicate2", "adamw"), ("cp2xtp2_sp", "muonclip"), ("cp2xpp2", "adamw"), ("cp2_varlen", "muonclip"), ("moe_cp2", "muonclip")]
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> list[str]:
-    return corpus_overrides(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def references(tmp_path_factory, data):
-    return reference_runs(tmp_path_factory.mktemp("single"), data)
 
 
 @pytest.fixture(scope="module")
