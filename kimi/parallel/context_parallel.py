@@ -123,8 +123,8 @@ class SequenceShard:
         """The previous rank's ``tails`` (each [rows, K-1, C]: a short conv's last inputs), in one
         all-gather; rank 0, which reads none, gets zeros still tied to the exchange so that it joins the
         backward all-reduce."""
-        (gathered,) = all_gather_stacked([torch.cat(tails, dim=-1)], self.group)
-        prev = gathered[self.rank - 1] if self.rank > 0 else 0.0 * gathered[0]
+        prev, gathered = previous_tail(torch.cat(tails, dim=-1), self.group)
+        prev = 0.0 * gathered[0] if prev is None else prev
         return list(prev.split([t.shape[-1] for t in tails], dim=-1))
 
     def kda(self, q, k, v, g, beta, cu_seqlens: torch.Tensor | None = None, backend: str | None = None):
