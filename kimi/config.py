@@ -175,6 +175,10 @@ class TrainerConfig:
     log_every: int = 10
     checkpoint_every: int = 200  # 0: only the final checkpoint
     keep_checkpoints: int = 2  # complete checkpoints kept on disk (oldest removed first)
+    # Write periodic checkpoints in the background (DCP async_save): training pauses only while the state is
+    # copied to CPU memory (one more copy of it in host memory while the write runs). The final checkpoint,
+    # and one at a stop, are waited for.
+    async_checkpoint: bool = False
     run_dir: str = "runs/default"  # set to Hydra's output dir by conf/config.yaml
     resume: bool = True  # pick up the newest intact checkpoint in run_dir/checkpoints
     # A new run (nothing to resume) starts from these weights: a checkpoint dir, or a run dir's newest one;

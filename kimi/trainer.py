@@ -29,7 +29,8 @@ from kimi.data import Batch, TokenLoader, prepare
 from kimi.data.pack import open_tokens
 from kimi.metrics import MetricsLogger, PeakFlops, ProgressWindow, banner, qk_clip_record
 from kimi.model import KimiModel
-from kimi.parallel import ParallelDims, build_engine, init_distributed, mean_over_ranks, resolve_device, setup_group
+from kimi.parallel import (ParallelDims, build_engine, checkpoint_group, init_distributed, mean_over_ranks,
+                           resolve_device, setup_group)
 from kimi.parallel.watchdog import Watchdog
 from kimi.runlog import RunLog, data_identity, nothing_to_train, save_config, schedule_change, write_routing
 
@@ -101,6 +102,8 @@ class Trainer:
         self.num_params = (model.num_params(), model.num_params(exclude_embedding=True))
         self.step, self.run_id = 0, rundir.new_run_id()  # a resumed run keeps the checkpoint's run id
         self._stop_signal: Optional[str] = None
+        self.saving = None  # the checkpoint being written in the background (trainer.async_checkpoint), if any
+        self._save_group = checkpoint_group(t.collective_timeout_s) if t.async_checkpoint and dims.enabled else None
         self._last_val: Optional[float] = None
         resume = self._checkpoint_to_resume()
         weights = None if resume else self._weights_to_start_from()
@@ -205,12 +208,31 @@ class Trainer:
         losses = torch.stack([self.engine.eval_loss(b) for b in self.val_batches])
         return mean_over_ranks(losses.mean()).item()
 
-    def save_checkpoint(self) -> Path:
-        t0 = time.time()
-        path = checkpoint.save(self.ckpt_dir, self.step, self.engine, self.loader, config_dict(self.cfg),
-                               data_identity(self.run_dir, self.data, self.is_main),
-                               keep=self.cfg.trainer.keep_checkpoints, run_id=self.run_id)
-        self.log(f"[kimi] saved checkpoint {path} ({time.time() - t0:.1f}s)")
+    def save_checkpoint(self, wait: bool = True) -> Path:
+        """Checkpoint this step. With trainer.async_checkpoint and wait=False, return once the state is staged
+        and let it be written while training goes on (finish_checkpoint completes it); at most one save is
+        in flight, so a new one first finishes the previous."""
+        self.finish_checkpoint()
+        t0, t = time.time(), self.cfg.trainer
+        args = (self.ckpt_dir, self.step, self.engine, self.loader, config_dict(self.cfg),
+                data_identity(self.run_dir, self.data, self.is_main))
+        if not t.async_checkpoint:
+            path = checkpoint.save(*args, keep=t.keep_checkpoints, run_id=self.run_id)
+            self.log(f"[kimi] saved checkpoint {path} ({time.time() - t0:.1f}s)")
+            return path
+        self.saving = checkpoint.save_in_background(*args, keep=t.keep_checkpoints, run_id=self.run_id,
+                                                     group=self._save_group)
+        self.log(f"[kimi] writing checkpoint {self.saving.path} in the background (staged in "
+                 f"{self.saving.staged_s:.2f}s)")
+        return self.finish_checkpoint() if wait else self.saving.path
+
+    def finish_checkpoint(self) -> Optional[Path]:
+        """Wait for the checkpoint in flight (if any), then mark it complete and rotate; collective."""
+        if self.saving is None:
+            return None
+        saving, self.saving = self.saving, None
+        path = saving.finish()
+        self.log(f"[kimi] saved checkpoint {path} (written in {saving.write_s:.1f}s in the background)")
         return path
 
     def _on_signal(self, signum, frame) -> None:
@@ -222,11 +244,17 @@ class Trainer:
               "then exiting (send it again to exit at once)", flush=True)
 
     def _stop_requested(self) -> bool:
-        """Whether any rank got a signal: all must stop at the same step, or the checkpoint would hang."""
-        stop = torch.tensor(float(self._stop_signal is not None), device=self.device)
+        """Whether any rank got a signal: all must stop at the same step, or the checkpoint would hang. The
+        same reduction tells whether every rank has written its part of a background save, which is then
+        completed here (finishing is collective, so all ranks must agree it will not wait)."""
+        writing = self.saving is not None and not self.saving.done()
+        flags = torch.tensor([float(self._stop_signal is not None), float(writing)], device=self.device)
         if self.dims.enabled:
-            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-        return bool(stop.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop, writing = flags.tolist()
+        if self.saving is not None and not writing:
+            self.finish_checkpoint()
+        return bool(stop)
 
     def fit(self) -> Dict[str, Any]:
         with self.runlog.tee():  # rank 0's console output, also in <run_dir>/train.log
@@ -244,6 +272,9 @@ class Trainer:
         finally:
             for s, h in old_handlers.items():
                 signal.signal(s, h)
+            if self.saving is not None:  # the run failed while a save was in flight
+                self.log(f"[kimi] checkpoint {self.saving.path} was still being written: it has no "
+                         f"{checkpoint.COMPLETE} marker, and a resume skips it for the newest complete one")
             if self.metrics is not None:
                 self.metrics.close()
             self.close()
@@ -299,9 +330,10 @@ class Trainer:
             if record:
                 self.metrics.log(record)
             stop = self._stop_requested() or bool(t.stop_at_step and self.step >= t.stop_at_step)
-            if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or self.step == t.max_steps or stop:
+            last = self.step == t.max_steps or stop
+            if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last:
                 with window.paused():
-                    last_saved = self.save_checkpoint()
+                    last_saved = self.save_checkpoint(wait=last)
             if stop:
                 why = self._stop_signal or ("a signal on another rank" if not t.stop_at_step
                                             else f"trainer.stop_at_step={t.stop_at_step}")

@@ -25,12 +25,15 @@ from kimi import checkpoint
 # 4 blocks (KDA, MLA, KDA, MLA): enough for 2 ranks x 2 virtual pipeline stages
 MOE = ["model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_hidden=16", "model.moe_groups=2",
        "model.moe_topk_groups=1", "model.moe_bias_rate=0.01", "model.moe_aux_loss_coef=0.01"]
+ASYNC_CHECKPOINTS = ["trainer.async_checkpoint=true", "trainer.checkpoint_every=1"]
 LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case reads 4 windows per step in total
     "dp_shard2": (2, 2, ["parallel.dp_shard=2"]),
     # exact options ride along: weights kept gathered between forward and backward, recomputed activations
     "dp_replicate2": (2, 2, ["parallel.dp_replicate=2", "parallel.reshard_after_forward=false"]),
+    # and every step's checkpoint written in the background while the next step trains (final weights read
+    # back from the last of them)
     "hsdp2x2": (4, 4, ["parallel.dp_replicate=2", "parallel.dp_shard=2",
-                       "parallel.activation_checkpointing=selective"]),
+                       "parallel.activation_checkpointing=selective", *ASYNC_CHECKPOINTS]),
     "tp2": (2, 1, ["parallel.tp=2"]),
     "tp2_sp": (2, 1, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     # checkpointing recomputes the whole sublayer call, sequence-parallel gather included
@@ -42,7 +45,7 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
                        "parallel.activation_checkpointing=full"]),
     "pp2_1f1b": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
     "pp2_gpipe": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=4"]),
-    "pp2xdp2": (4, 2, ["parallel.pp=2", "parallel.dp_shard=2"]),
+    "pp2xdp2": (4, 2, ["parallel.pp=2", "parallel.dp_shard=2", *ASYNC_CHECKPOINTS]),
     "pp2xtp2": (4, 1, ["parallel.pp=2", "parallel.tp=2"]),
     "pp2xtp2_sp_tied": (4, 1, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                                "model.tie_embeddings=true"]),

@@ -15,6 +15,7 @@ tensor is a number, a string or a plain container of those.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -130,10 +131,20 @@ def save(root: Path, step: int, engine, loader, config: Dict[str, Any], extra: O
     path = step_dir(root, step)
     _write(path, _full_state(engine, loader, step, config, extra or {}), {"step": step, "run_id": run_id},
            latest_complete(root))
-    if _is_rank0():
-        _rotate(root, step, keep, run_id)
-    _barrier()
+    _rotate_after(root, step, keep, run_id)
     return path
+
+
+def save_in_background(root: Path, step: int, engine, loader, config: Dict[str, Any],
+                       extra: Optional[Dict[str, Any]] = None, keep: int = 2, run_id: str = "", group=None):
+    """As :func:`save`, but returns once the state is copied (staged): DCP writes it from a thread while
+    training goes on. The returned :class:`~kimi.checkpoint.background.BackgroundSave`'s ``finish()`` writes
+    the COMPLETE marker and rotates. `group`: a process group for the writer's collectives, not used by the
+    training thread (kimi.parallel.dims.checkpoint_group)."""
+    from .background import BackgroundSave
+
+    return BackgroundSave(root, step, _full_state(engine, loader, step, config, extra or {}),
+                          {"step": step, "run_id": run_id}, keep, group)
 
 
 def save_weights(path: Path, model_state: Dict[str, Any], config: Dict[str, Any], extra: Dict[str, Any]) -> Path:
@@ -149,16 +160,29 @@ def save_weights(path: Path, model_state: Dict[str, Any], config: Dict[str, Any]
 def _write(path: Path, state: Dict[str, Any], marker: Dict[str, Any], kept: Optional[CheckpointInfo]) -> None:
     """DCP-save `state` into a fresh `path`, then the manifest and COMPLETE marker (holding `marker`). `kept`:
     the checkpoint a failed write leaves in place, for the message."""
+    _fresh_dir(path)
+    t0 = time.time()
+    with _saving(path, kept):
+        dcp.save(state, checkpoint_id=str(path))
+        _barrier()
+        files = _gather_manifest(path)
+    _mark_complete(path, {**marker, "seconds": round(time.time() - t0, 3)}, files)
+
+
+def _fresh_dir(path: Path) -> None:
     if _is_rank0():
         if path.exists():  # a leftover from an interrupted save of the same step
             shutil.rmtree(path)
         path.mkdir(parents=True)
     _barrier()
-    t0 = time.time()
+
+
+@contextlib.contextmanager
+def _saving(path: Path, kept: Optional[CheckpointInfo]):
+    """A failed save removes its partial directory; a storage error (full disk, read-only) becomes one line
+    that says the older checkpoint `kept` is intact."""
     try:
-        dcp.save(state, checkpoint_id=str(path))
-        _barrier()
-        files = _gather_manifest(path)
+        yield
     except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
         _discard(path)
         cause = _cause(e, OSError)
@@ -167,24 +191,38 @@ def _write(path: Path, state: Dict[str, Any], marker: Dict[str, Any], kept: Opti
             raise RunError(f"{STORAGE_ERRORS[cause.errno]} while saving checkpoint {path}; {earlier}. Fix that and "
                            "rerun the same command to continue") from e
         raise
+
+
+def _mark_complete(path: Path, marker: Dict[str, Any], files: manifest.Manifest) -> None:
+    """The marker goes last, by rename, so a checkpoint is complete exactly when its marker exists."""
     if _is_rank0():
-        marker = {**marker, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "seconds": round(time.time() - t0, 3),
-                  "files": manifest.to_json(files)}
+        marker = {**marker, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": manifest.to_json(files)}
         tmp = path / (COMPLETE + ".tmp")
         tmp.write_text(json.dumps(marker) + "\n")
         os.replace(tmp, path / COMPLETE)
 
 
-def _gather_manifest(path: Path) -> manifest.Manifest:
-    """Sizes and checksums of every file of the checkpoint, each rank checksumming a share."""
+def _manifest_share(path: Path) -> manifest.Manifest:
+    """Sizes and checksums of this rank's share of the checkpoint's files."""
     names = sorted(p.name for p in path.iterdir())
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    mine = manifest.describe(path, names[rank::world])
-    if world == 1:
+    return manifest.describe(path, names[rank::world])
+
+
+def _gather_manifest(path: Path) -> manifest.Manifest:
+    """Sizes and checksums of every file of the checkpoint, each rank checksumming a share."""
+    mine = _manifest_share(path)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return mine
-    shares: List[Any] = [None] * world
+    shares: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(shares, mine)
     return {k: v for share in shares for k, v in share.items()}
+
+
+def _rotate_after(root: Path, step: int, keep: int, run_id: str) -> None:
+    if _is_rank0():
+        _rotate(root, step, keep, run_id)
+    _barrier()
 
 
 def _rotate(root: Path, step: int, keep: int, run_id: str) -> None:

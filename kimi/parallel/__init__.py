@@ -7,11 +7,12 @@ dp_replicate > 1); an engine (``engine.TorchEngine``, chosen by parallel.engine)
 """
 
 from .checkpointing import apply_activation_checkpointing, apply_compile
-from .dims import ParallelDims, destroy_distributed, init_distributed, mean_over_ranks, resolve_device, setup_group
+from .dims import (ParallelDims, checkpoint_group, destroy_distributed, init_distributed, mean_over_ranks,
+                   resolve_device, setup_group)
 from .engine import ENGINES, TorchEngine, build_engine
 from .fsdp import apply_data_parallel
 from .parallelize import parallelize
 
 __all__ = ["ENGINES", "ParallelDims", "TorchEngine", "apply_activation_checkpointing", "apply_compile",
-           "apply_data_parallel", "build_engine", "destroy_distributed", "init_distributed", "mean_over_ranks", "parallelize",
-           "resolve_device", "setup_group"]
+           "apply_data_parallel", "build_engine", "checkpoint_group", "destroy_distributed", "init_distributed",
+           "mean_over_ranks", "parallelize", "resolve_device", "setup_group"]

@@ -140,6 +140,13 @@ def setup_group() -> dist.ProcessGroup:
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
 
 
+def checkpoint_group(timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group for the collectives of checkpoints written in the background (trainer.async_checkpoint):
+    they run on a thread of their own, and two threads must not share a group. Gloo because DCP stages and
+    plans on the CPU, also when training runs on NCCL."""
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s + 60))
+
+
 def destroy_distributed() -> None:
     """Leave cleanly: gloo can abort at exit if its threads outlive the group (docs/environment.md)."""
     if dist.is_initialized():
