@@ -26,6 +26,7 @@ TINY_TRAINER = [
     "trainer.micro_batch_size=4", "trainer.seq_len=32", "trainer.eval_batches=2", "trainer.log_every=1",
     "trainer.sample_tokens=0", "trainer.threads=1", "optim.warmup_steps=2", "optim.lr=1e-2",
     "logging.wandb.mode=disabled", "data=files", "data.tokenizer.vocab_size=384", "data.val_fraction=0.1",
+    "trainer.peak_flops=1e11",  # MFU's denominator given: measuring the CPU costs half a second per run
 ]
 
 
@@ -71,6 +72,9 @@ def run_cfg(run: Path, data: list, *overrides: str):
     """train.py's config for a tiny run in `run` (no periodic validation), composed as Hydra would."""
     from hydra import compose, initialize_config_dir
 
+    from kimi.config import register_configs
+
+    register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose("config", overrides=[f"trainer.run_dir={run}", *data, *TINY_TRAINER, "trainer.eval_every=0",
                                             *overrides])
