@@ -18,8 +18,8 @@ from layout_runs import ROOT, final_weights, metrics, overrides
 
 from kimi import checkpoint
 
-STEPS = ["trainer.max_steps=24", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2",
-         "trainer.eval_every=24", "parallel.dp_shard=2", "trainer.micro_batch_size=2"]
+STEPS = ["trainer.max_steps=10", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2",
+         "trainer.eval_every=10", "parallel.dp_shard=2", "trainer.micro_batch_size=2"]
 
 
 def launch(run: Path, data: list[str], tag: str, restarts: int) -> subprocess.Popen:
