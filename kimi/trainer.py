@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -39,6 +40,10 @@ class Trainer:
     def __init__(self, cfg: Union[Config, DictConfig, Dict[str, Any]]):
         self.cfg = cfg = to_config(cfg)
         validate(cfg)
+        # A scheduler's SIGTERM while the run starts (data, model, resume) is kept, not fatal: the run stops
+        # with a checkpoint after its first step. Ctrl-C still interrupts the start at once.
+        self.step, self.rank, self._stop_signal = 0, int(os.environ.get("RANK", "0")), None
+        self._handlers = {signal.SIGTERM: signal.signal(signal.SIGTERM, self._on_signal)}
         self.dims = dims = ParallelDims.from_config(cfg.parallel)
         t = cfg.trainer
         self.run_dir = Path(t.run_dir)
@@ -100,8 +105,7 @@ class Trainer:
             model = KimiModel(cfg.model)
         self.flops_per_token = model.flops_per_token(t.seq_len)  # whole-model figures, before any split
         self.num_params = (model.num_params(), model.num_params(exclude_embedding=True))
-        self.step, self.run_id = 0, rundir.new_run_id()  # a resumed run keeps the checkpoint's run id
-        self._stop_signal: Optional[str] = None
+        self.run_id = rundir.new_run_id()  # a resumed run keeps the checkpoint's run id
         self.saving = None  # the checkpoint being written in the background (trainer.async_checkpoint), if any
         self._save_group = checkpoint_group(t.collective_timeout_s) if t.async_checkpoint and dims.enabled else None
         self._last_val: Optional[float] = None
@@ -123,7 +127,10 @@ class Trainer:
             print(message, flush=True)
 
     def close(self) -> None:
-        """Stop the watchdog and unlock the run dir (the process's end does both too)."""
+        """Restore the signal handlers, stop the watchdog and unlock the run dir (the process's end does the
+        last two too)."""
+        while self._handlers:
+            signal.signal(*self._handlers.popitem())
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.lock is not None:
@@ -265,13 +272,11 @@ class Trainer:
 
     def _fit(self) -> Dict[str, Any]:
         t, cfg = self.cfg.trainer, self.cfg
-        old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        self._handlers.setdefault(signal.SIGINT, signal.signal(signal.SIGINT, self._on_signal))
         try:
             self._start()
             result = self._loop()
         finally:
-            for s, h in old_handlers.items():
-                signal.signal(s, h)
             if self.saving is not None:  # the run failed while a save was in flight
                 self.log(f"[kimi] checkpoint {self.saving.path} was still being written: it has no "
                          f"{checkpoint.COMPLETE} marker, and a resume skips it for the newest complete one")

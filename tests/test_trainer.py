@@ -131,6 +131,17 @@ def test_sigterm_saves_and_exits(tmp_path, corpus, cache_dir):
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
+def test_sigterm_while_starting_stops_after_the_first_step(tmp_path, corpus, cache_dir):
+    """A scheduler's signal during start-up (here: after the model is built, before training) is kept."""
+    run = tmp_path / "run"
+    trainer = Trainer(make_cfg(run, corpus, cache_dir, "trainer.max_steps=50", "trainer.eval_every=0"))
+    os.kill(os.getpid(), signal.SIGTERM)
+    result = trainer.fit()
+    assert result == {"finished": False, "step": 1, "val_loss": None}
+    assert checkpoint.latest_complete(run / "checkpoints").step == 1
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
 def test_nan_loss_names_the_step(tmp_path, corpus, cache_dir):
     trainer = Trainer(make_cfg(tmp_path / "run", corpus, cache_dir, "trainer.max_steps=5", "trainer.eval_every=0"))
     calls = {"n": 0}
