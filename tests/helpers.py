@@ -1,6 +1,7 @@
 """Helpers shared by test files (pytest puts tests/ on sys.path, so `from helpers import ...` works)."""
 
 import random
+import socket
 from pathlib import Path
 
 import datasets
@@ -124,3 +125,24 @@ def write_kimi_tiktoken(directory: Path, vocab: int = 400) -> Path:
         "added_tokens_decoder": {str(i): {"content": c, "special": True} for i, c in names.items()},
         "bos_token": "[BOS]", "eos_token": {"content": "[EOS]"}}, indent=1))
     return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def worker_pid(tag: str, local_rank: int) -> int | None:
+    """The pid of the training process started with KIMI_TEST_TAG=tag and this LOCAL_RANK (a torchrun agent
+    has no LOCAL_RANK)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"KIMI_TEST_TAG={tag}".encode() in env and f"LOCAL_RANK={local_rank}".encode() in env:
+            return int(entry.name)
+    return None

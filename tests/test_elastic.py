@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 
 import torch
-from helpers import corpus_overrides
+from helpers import corpus_overrides, worker_pid
 from layout_runs import ROOT, final_weights, metrics, overrides
 
 from kimi import checkpoint
@@ -28,20 +28,6 @@ def launch(run: Path, data: list[str], tag: str, restarts: int) -> subprocess.Po
            *overrides(data, "muonclip", *STEPS)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "KIMI_TEST_TAG": tag}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def worker_pid(tag: str, local_rank: int) -> int | None:
-    """The pid of the training process with this tag and LOCAL_RANK (the agent itself has no LOCAL_RANK)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"KIMI_TEST_TAG={tag}".encode() in env and f"LOCAL_RANK={local_rank}".encode() in env:
-            return int(entry.name)
-    return None
 
 
 def test_a_killed_rank_restarts_the_group_which_resumes_to_the_same_weights(tmp_path_factory, tmp_path):

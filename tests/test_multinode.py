@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import free_port
 from layout_runs import ROOT, assert_same_run, data, overrides, references  # noqa: F401 (fixtures)
 
 
@@ -27,8 +28,6 @@ def readme_multinode() -> list[str]:
 def test_two_agents_rendezvous_and_train_like_one_process(tmp_path, data, references, per_node, layout):
     """The README's line as it is (2 ranks per node: replicas across the nodes, tp 2 inside), and with one
     rank per node (tp 1: plain replicas across the nodes)."""
-    from test_launch import free_port
-
     words = readme_multinode()
     assert words[0] == ".venv/bin/torchrun" and "train.py" in words
     script = words.index("train.py")
