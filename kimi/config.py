@@ -157,6 +157,9 @@ class OptimConfig:
     # fnmatch patterns over parameter names that force a family; null keeps the default (embed, lm_head)
     adamw_patterns: Optional[List[str]] = None
     muon_patterns: List[str] = field(default_factory=list)
+    # Orthogonalise MLA's fused projections per logical matrix (true) or each weight whole (false: what
+    # torch.optim.Muon and Moonlight do); one of the ablations (conf/experiment)
+    muon_split_fused: bool = True
     # QK-Clip threshold on each MLA head's max scaled logit (K2: 100); 0 disables QK-Clip
     qk_clip_tau: float = 100.0
 

@@ -58,6 +58,30 @@ def test_muon_family_matches_torch_muon_in_bf16():
         assert rel(a.detach() - w0, b.detach() - w0) < 1e-5  # measured 0: same momentum form, same bf16 ops
 
 
+@pytest.mark.parametrize("split", [True, False])
+def test_fused_mla_weights_are_orthogonalised_per_logical_matrix_or_whole(split):
+    """optim.muon_split_fused=false updates every Muon matrix as torch.optim.Muon does (each weight whole);
+    true differs from it exactly on MLA's fused weights."""
+    model = KimiModel(tiny_model_cfg())
+    opt = build_optimizer(model, OptimConfig(name="muonclip", lr=0.02, ns_dtype="bf16", muon_split_fused=split))
+    muon = [(n, p) for g in opt.param_groups if g["family"] == "muon" for n, p in zip(g["param_names"], g["params"])]
+    init = {n: p.detach().clone() for n, p in muon}
+    theirs = {n: torch.nn.Parameter(p.detach().clone()) for n, p in muon}
+    ref = torch.optim.Muon(list(theirs.values()), lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
+                           adjust_lr_fn="match_rms_adamw")
+    g = torch.Generator().manual_seed(3)
+    for n, p in muon:
+        p.grad = torch.randn(p.shape, generator=g)
+        theirs[n].grad = p.grad.clone()
+    opt.step()
+    ref.step()
+    fused = set(model.muon_splits())
+    assert fused and fused <= set(init)
+    for n, p in muon:
+        same = rel(p.detach() - init[n], theirs[n].detach() - init[n]) < 1e-5
+        assert same == (not split or n not in fused), n
+
+
 def test_adamw_family_matches_torch_adamw():
     model = KimiModel(tiny_model_cfg())
     named = [(n, p) for n, p in model.named_parameters() if p.ndim != 2 or "embed" in n or "lm_head" in n]

@@ -32,7 +32,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, process_group=None
                         ns_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.ns_dtype],
                         betas=tuple(cfg.betas), adamw_eps=cfg.eps, adamw_patterns=patterns,
                         muon_patterns=tuple(cfg.muon_patterns),
-                        splits=model.muon_splits() if hasattr(model, "muon_splits") else None,
+                        splits=model.muon_splits() if cfg.muon_split_fused and hasattr(model, "muon_splits") else None,
                         process_group=process_group, fragments=fragments)
     raise ValueError(f"optim.name={cfg.name!r} is not available; choose one of: adamw, muonclip")
 
