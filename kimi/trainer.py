@@ -42,8 +42,15 @@ class Trainer:
         validate(cfg)
         # A scheduler's SIGTERM while the run starts (data, model, resume) is kept, not fatal: the run stops
         # with a checkpoint after its first step. Ctrl-C still interrupts the start at once.
-        self.step, self.rank, self._stop_signal = 0, int(os.environ.get("RANK", "0")), None
-        self._handlers = {signal.SIGTERM: signal.signal(signal.SIGTERM, self._on_signal)}
+        self.step, self.rank, self._stop_signal, self._handlers = 0, int(os.environ.get("RANK", "0")), None, {}
+        self._catch_signals(signal.SIGTERM)
+        try:
+            self._open()
+        finally:  # fit installs its own handlers: a Trainer that is never fit leaves none behind
+            self._restore_signals()
+
+    def _open(self) -> None:
+        cfg = self.cfg
         self.dims = dims = ParallelDims.from_config(cfg.parallel)
         t = cfg.trainer
         self.run_dir = Path(t.run_dir)
@@ -129,8 +136,7 @@ class Trainer:
     def close(self) -> None:
         """Restore the signal handlers, stop the watchdog and unlock the run dir (the process's end does the
         last two too)."""
-        while self._handlers:
-            signal.signal(*self._handlers.popitem())
+        self._restore_signals()
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.lock is not None:
@@ -242,6 +248,14 @@ class Trainer:
         self.log(f"[kimi] saved checkpoint {path} (written in {saving.write_s:.1f}s in the background)")
         return path
 
+    def _catch_signals(self, *signals: signal.Signals) -> None:
+        for s in signals:
+            self._handlers.setdefault(s, signal.signal(s, self._on_signal))
+
+    def _restore_signals(self) -> None:
+        while self._handlers:
+            signal.signal(*self._handlers.popitem())
+
     def _on_signal(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self._stop_signal is not None:  # second signal: the user really wants out now
@@ -272,7 +286,7 @@ class Trainer:
 
     def _fit(self) -> Dict[str, Any]:
         t, cfg = self.cfg.trainer, self.cfg
-        self._handlers.setdefault(signal.SIGINT, signal.signal(signal.SIGINT, self._on_signal))
+        self._catch_signals(signal.SIGTERM, signal.SIGINT)
         try:
             self._start()
             result = self._loop()
