@@ -147,16 +147,13 @@ def test_checkpoint_moves_between_layouts_then_to_one_process(tmp_path, data, re
     assert_same_run(run, references("muonclip", *model), tmp_path)
 
 
-@pytest.mark.parametrize("override,message", [
-    ("parallel.dp_shard=3", "parallel.dp_replicate*dp_shard*cp*tp*pp = 1*3*1*1*1 = 3 but 2 process(es)"),
-    ("parallel.tp=2 model.mla_num_heads=3", "model.mla_num_heads=3 is not divisible by parallel.tp=2"),
-    ("parallel.pp=2 parallel.pp_microbatches=3", "trainer.micro_batch_size=4 does not split into"),
-    ("parallel.dp_shard=2 parallel.sequence_parallel=true", "parallel.sequence_parallel=true needs parallel.tp > 1"),
-])
-def test_a_layout_that_does_not_fit_exits_with_the_message(tmp_path, data, override, message):
-    proc = torchrun(2, tmp_path / "bad", overrides(data, "adamw", *override.split()), check=False)
+def test_a_layout_that_does_not_fit_exits_with_the_message(tmp_path, data):
+    """Under torchrun a misfit layout ends every rank with the message instead of hanging (the other misfits
+    are config checks, tested without processes in test_validation.py)."""
+    proc = torchrun(2, tmp_path / "bad", overrides(data, "adamw", "parallel.dp_shard=3"), check=False)
     assert proc.returncode != 0
-    assert message in proc.stderr, proc.stderr[-3000:]
+    assert "parallel.dp_replicate*dp_shard*cp*tp*pp = 1*3*1*1*1 = 3 but 2 process(es)" in proc.stderr, \
+        proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
