@@ -174,6 +174,10 @@ class TrainerConfig:
     precision: str = one_of(PRECISIONS, "fp32")  # bf16: autocast; weights and optimizer stay fp32
     device: str = one_of(DEVICES, "auto")
     eval_every: int = 100  # 0 disables periodic validation (a final one still runs)
+    # Diagnostics of every building block (AttnRes weights, MLA logits, KDA decay, MoE load, Muon/AdamW
+    # updates; kimi/diagnostics) every this many steps and at the last; null: at the evaluation steps
+    # (eval_every) and the last; 0: never.
+    diag_every: Optional[int] = None
     eval_batches: int = 8
     log_every: int = 10
     checkpoint_every: int = 200  # 0: only the final checkpoint
@@ -208,13 +212,15 @@ class WandbConfig:
     project: str = "kimi"
     entity: Optional[str] = None
     name: Optional[str] = None
+    group: Optional[str] = None  # runs shown together (an ablation's experiment)
+    tags: List[str] = field(default_factory=list)  # e.g. an ablation's arm and seed
 
 
 @dataclass
 class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     metrics_file: str = "metrics.jsonl"
-    plot: bool = True  # write loss_curve.png in the run dir at the end
+    plot: bool = True  # write loss_curve.png in the run dir at the end, and diagnostics/*.png (README: Diagnostics)
 
 
 @dataclass
@@ -462,6 +468,8 @@ def _validate_trainer(t: TrainerConfig) -> None:
     for key in ("eval_every", "checkpoint_every", "sample_tokens", "threads", "stop_at_step"):
         _check(getattr(t, key) >= 0, f"trainer.{key}", getattr(t, key), "must be >= 0 (0 disables)")
     _check(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", t.keep_checkpoints, "must be >= 1")
+    _check(t.diag_every is None or t.diag_every >= 0, "trainer.diag_every", t.diag_every,
+           "must be >= 0 (0 disables diagnostics), or null for the evaluation steps")
     # the end-of-training sample continues this text; an empty one would fail after the whole run
     _check(t.sample_tokens == 0 or t.sample_prompt != "", "trainer.sample_prompt", t.sample_prompt,
            "must be non-empty when trainer.sample_tokens > 0 (set trainer.sample_tokens=0 for no sample)")

@@ -168,19 +168,27 @@ class MetricsLogger:
             import wandb
 
             self._wandb = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name,
+                                     group=cfg.wandb.group, tags=list(cfg.wandb.tags) or None,
                                      mode=cfg.wandb.mode, dir=str(run_dir), config=config_dict,
                                      resume="allow", id=_wandb_id(run_dir),
                                      # our own progress line already says everything wandb would print
                                      settings=wandb.Settings(quiet=True, console="off"))
 
-    def log(self, record: Dict[str, Any]) -> None:
+    def log(self, record: Dict[str, Any], images: Optional[Dict[str, Path]] = None,
+            tables: Optional[Dict[str, Tuple[List[str], List[list]]]] = None) -> None:
+        """Append `record` (it has a "step"); images (PNG paths) and tables ((columns, rows)) go to wandb
+        only, at the same step, as wandb.Image and wandb.Table under their keys."""
         if not self.enabled:
             return
         record = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in record.items()}
         self.history.append(record)
         self._append(record)
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+            import wandb
+
+            media = {k: wandb.Image(str(path)) for k, path in (images or {}).items()}
+            media.update({k: wandb.Table(columns=cols, data=rows) for k, (cols, rows) in (tables or {}).items()})
+            self._wandb.log({**{k: v for k, v in record.items() if k != "step"}, **media}, step=record["step"])
 
     def _append(self, record: Dict[str, Any]) -> None:
         with self.path.open("a") as f:

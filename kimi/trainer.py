@@ -28,6 +28,7 @@ from kimi.cli import RunError
 from kimi.config import Config, ConfigError, config_dict, resolve_vocab, to_config, validate
 from kimi.data import Batch, TokenLoader, prepare
 from kimi.data.pack import open_tokens
+from kimi.diagnostics import Diagnostics
 from kimi.metrics import MetricsLogger, PeakFlops, ProgressWindow, banner, qk_clip_record
 from kimi.model import KimiModel
 from kimi.parallel import (ParallelDims, build_engine, checkpoint_group, init_distributed, mean_over_ranks,
@@ -123,6 +124,7 @@ class Trainer:
             return
         self.engine = build_engine(cfg, dims, self.mesh, self.device, model)
         self.model, self.optimizer = self.engine.model, self.engine.optimizer
+        self.diagnostics = Diagnostics(cfg, self.run_dir, self.engine, self.mesh, dims, self.is_main, self.log)
         if resume:
             self._resume(*resume)
         elif weights:
@@ -200,7 +202,9 @@ class Trainer:
             self.log(note)
 
     # ---- the loop ------------------------------------------------------------------------------------
-    def train_step(self) -> Dict[str, float]:
+    def train_step(self, family_stats: bool = False) -> Dict[str, float]:
+        """One optimizer step; family_stats: also each optimizer family's gradient norm and update RMS (a
+        diagnostics step)."""
         accum = self.cfg.trainer.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for _ in range(accum):
@@ -212,7 +216,7 @@ class Trainer:
             raise FloatingPointError(
                 f"loss is {loss.item()} at step {self.step + 1}: stopping before the update{where}. "
                 "Try a lower optim.lr, more optim.warmup_steps or trainer.precision=fp32")
-        out = self.engine.step(self.cfg.optim.grad_clip)
+        out = self.engine.step(self.cfg.optim.grad_clip, family_stats=family_stats)
         self.step += 1
         return {"loss": loss.item(), **out}
 
@@ -327,6 +331,8 @@ class Trainer:
         t = self.cfg.trainer
         peak = PeakFlops(self.device, t.peak_flops, self.dims.world)  # MFU over all devices
         self.log(peak.describe() + "\n" + ProgressWindow.header(t.log_every))
+        if self.diagnostics.note():
+            self.log(self.diagnostics.note())
         tokens_per_step = t.micro_batch_size * t.seq_len * t.grad_accum_steps * self.dims.dp
         if self.step == 0 and t.eval_every:  # the starting point of the validation curve
             self._validate_and_report({"step": 0})
@@ -334,7 +340,8 @@ class Trainer:
                                 self.device)
         last_saved = None
         while self.step < t.max_steps:
-            out = self.train_step()
+            diagnose = self.diagnostics.due(self.step + 1)
+            out = self.train_step(family_stats=diagnose)
             if self.watchdog is not None:
                 self.watchdog.progress(self.step)
             window.add(out["loss"])
@@ -346,8 +353,15 @@ class Trainer:
             if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps:
                 with window.paused():  # throughput is about training only
                     record = self._validate_and_report({**record, "step": self.step}, log=False)
+            images, tables = {}, {}
+            if diagnose:
+                with window.paused():
+                    found, images, tables = self.diagnostics.run(self.step, self.val_batches[0], out)
+                # QK-Clip's summary keys, in both, are the diagnostics' there: the same numbers, but gathered
+                # from every pipeline stage (the log step's come from rank 0's stage)
+                record = {"step": self.step, **record, **found}
             if record:
-                self.metrics.log(record)
+                self.metrics.log(record, images, tables)
             stop = self._stop_requested() or bool(t.stop_at_step and self.step >= t.stop_at_step)
             last = self.step == t.max_steps or stop
             if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last:

@@ -28,6 +28,7 @@ TINY_TRAINER = [
     "trainer.sample_tokens=0", "trainer.threads=1", "optim.warmup_steps=2", "optim.lr=1e-2",
     "logging.wandb.mode=disabled", "data=files", "data.tokenizer.vocab_size=384", "data.val_fraction=0.1",
     "trainer.peak_flops=1e11",  # MFU's denominator given: measuring the CPU costs half a second per run
+    "trainer.diag_every=0",  # diagnostics (a third of a second per run) where a test asks for them
 ]
 
 

@@ -25,6 +25,8 @@ from kimi import checkpoint
 # 4 blocks (KDA, MLA, KDA, MLA): enough for 2 ranks x 2 virtual pipeline stages
 MOE = ["model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_hidden=16", "model.moe_groups=2",
        "model.moe_topk_groups=1", "model.moe_bias_rate=0.01", "model.moe_aux_loss_coef=0.01"]
+# and diagnostics at the last step, which must not change what is trained
+DIAGNOSE = ["trainer.diag_every=null"]
 ASYNC_CHECKPOINTS = ["trainer.async_checkpoint=true", "trainer.checkpoint_every=1"]
 LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case reads 4 windows per step in total
     "dp_shard2": (2, 2, ["parallel.dp_shard=2"]),
@@ -35,7 +37,7 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
     "hsdp2x2": (4, 4, ["parallel.dp_replicate=2", "parallel.dp_shard=2",
                        "parallel.activation_checkpointing=selective", *ASYNC_CHECKPOINTS]),
     "tp2": (2, 1, ["parallel.tp=2"]),
-    "tp2_sp": (2, 1, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "tp2_sp": (2, 1, ["parallel.tp=2", "parallel.sequence_parallel=true", *DIAGNOSE]),
     # checkpointing recomputes the whole sublayer call, sequence-parallel gather included
     "tp2_sp_varlen": (2, 1, ["parallel.tp=2", "parallel.sequence_parallel=true", "data.varlen=true",
                              "parallel.activation_checkpointing=selective"]),
@@ -54,7 +56,7 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
     "pp2_tied": (2, 1, ["parallel.pp=2", "model.tie_embeddings=true"]),
     "pp2_varlen": (2, 1, ["parallel.pp=2", "parallel.pp_microbatches=4", "data.varlen=true"]),
     "pp2_interleaved": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
-                               "parallel.activation_checkpointing=full"]),
+                               "parallel.activation_checkpointing=full", *DIAGNOSE]),
     "pp2_zero_bubble": (2, 1, ["parallel.pp=2", "parallel.pp_schedule=zero_bubble"]),
     # mixture of experts in blocks 1-3: expert weights sharded by FSDP, replicated over tp, split by stage;
     # the bias update sums the ranks' loads, the auxiliary loss's gradient follows the loss's scaling
@@ -72,7 +74,7 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
                                   "data.varlen=true"]),
     # context parallelism: each row split into cp shards; KDA's state and conv halo pass between ranks, MLA
     # reads the latents of the shards before its own (rotary keys included: positions offset per shard)
-    "cp2": (2, 1, ["parallel.cp=2"]),
+    "cp2": (2, 1, ["parallel.cp=2", *DIAGNOSE]),
     "cp4_rope": (4, 1, ["parallel.cp=4", "model.qk_rope_head_dim=8"]),
     "cp2xdp2": (4, 2, ["parallel.cp=2", "parallel.dp_shard=2", "trainer.sample_tokens=24"]),  # sample: whole
     "cp2xdp_replicate2": (4, 2, ["parallel.cp=2", "parallel.dp_replicate=2"]),

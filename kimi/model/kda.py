@@ -25,6 +25,7 @@ from kimi.ops.kda.gate import normalize_and_gate
 from .cache import KDACache
 from .init import Rules, apply_rules, constant, dt_bias, log_uniform_decay, normal, prefixed, uniform
 from .norm import RMSNorm
+from .probe import PROBE
 from .views import ParamViews
 
 # Below one chunk the chunked form has nothing to parallelise: step the recurrence instead.
@@ -162,6 +163,8 @@ class KDA(ParamViews, nn.Module):
         q, k, g = normalize_and_gate(q, k, f, self.param("A_log"), self.param("dt_bias"), self.chunk_backend)
         gdt = g.dtype
         beta = torch.sigmoid(self.b_proj(x).to(gdt))
+        if PROBE.on:  # a diagnostic pass (kimi/diagnostics) summarises the decay exp(g) and beta
+            PROBE.record(self, g=g, beta=beta)
         if cache is not None and T <= _RECURRENT_MAX_T:
             kda, backend = fused_recurrent_kda, self.recurrent_backend
         else:

@@ -34,6 +34,7 @@ from .cache import MLACache
 from .init import Rules, apply_rules, constant, normal
 from .layouts import QKClipSpec, RowRule, RowSplit
 from .norm import RMSNorm
+from .probe import PROBE
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -160,13 +161,19 @@ class MLA(nn.Module):
         # run under no_grad and must not clip the next step. (Recomputed forwards of activation
         # checkpointing record the same values again, which a max ignores.)
         record = self.track_max_logits and torch.is_grad_enabled()
+        # a diagnostic pass (kimi/diagnostics) wants them from its no_grad forward too, without QK-Clip
+        measure = record or PROBE.on
         if context is not None and cu_seqlens is not None:
-            out = self._rows_over_documents(q, k, v, context.prefix_doc_starts(), record)
+            out = self._rows_over_documents(q, k, v, context.prefix_doc_starts(), measure)
         else:
-            out = attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, return_max_logits=record)
-        if record:
+            out = attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, return_max_logits=measure)
+        if measure:
             out, max_logits = out
-            self._seen_max_logits.append(max_logits.amax(dim=0).detach())
+            max_logits = max_logits.amax(dim=0).detach()
+            if record:
+                self._seen_max_logits.append(max_logits)
+            if PROBE.on:
+                PROBE.record(self, max_logits=max_logits)
         return self.wo(out.reshape(B, T, -1))
 
     @staticmethod

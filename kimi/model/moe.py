@@ -36,6 +36,7 @@ from kimi.config import ModelConfig
 
 from .init import Rules, normal
 from .mlp import SwiGLU
+from .probe import PROBE
 from .views import ParamViews
 
 
@@ -213,6 +214,8 @@ class MoE(nn.Module):
         # layer's tokens again, scaling all its loads alike: neither the bias update nor max/mean changes.
         if torch.is_grad_enabled():
             self.load += torch.bincount(experts.reshape(-1), minlength=self.load.numel()).to(self.load.dtype)
+        if PROBE.on:  # a diagnostic pass (kimi/diagnostics) counts the choices of its own forward
+            PROBE.record(self, experts=experts)
         y = self.experts(h, experts, weights)
         if self.shared is not None:
             y = y + self.shared(h)

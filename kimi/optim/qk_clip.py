@@ -102,7 +102,8 @@ class QKClip:
     placements, or the elements of its flat fragment of the weight (``fragments``: DeepSpeed's ZeRO
     partitions). Under tensor parallelism a layer reports only the heads it computed, a contiguous share in
     head order; ``head_group`` (the tensor-parallel ranks) says which share this rank computed. ``stats``
-    holds {layer: {"max_logit", "clipped_frac"}} of the last call.
+    holds {layer: {"max_logit", "clipped_frac"}} of the last call, ``head_max_logits`` {layer: S_max [H]}
+    (every head, reduced over ``group``; kept as tensors, read only by diagnostics: kimi/diagnostics).
     """
 
     def __init__(self, named_params: Iterable[Tuple[str, torch.Tensor]], specs: Sequence[QKClipSpec], tau: float,
@@ -119,6 +120,7 @@ class QKClip:
         self.params = {r.param: params[r.param] for s in self.specs for r in s.rows}
         self.collectives = 0
         self.stats: Dict[str, Dict[str, float]] = {}
+        self.head_max_logits: Dict[str, torch.Tensor] = {}
 
     def _all_heads(self, spec: QKClipSpec, local: torch.Tensor, device: torch.device) -> torch.Tensor:
         full = torch.full((spec.num_heads,), float("-inf"), device=device)
@@ -147,6 +149,7 @@ class QKClip:
             dist.all_reduce(full, op=dist.ReduceOp.MAX, group=self.group)
             self.collectives += 1
             s_max = [None if torch.isneginf(row).all() else row for row in full]
+        self.head_max_logits = {spec.layer: s for spec, s in zip(self.specs, s_max) if s is not None}
         blocks, rows = {}, {}
         for name, p in self.params.items():
             offset, _ = local_block(p)

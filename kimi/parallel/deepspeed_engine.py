@@ -103,6 +103,7 @@ class DeepSpeedEngine:
             client.bind(zero_optimizer)
         # the optimizer whose param groups DeepSpeed steps (its own, inside its ZeRO wrapper, when not ours)
         self.model, self.optimizer = model, client if client is not None else zero_optimizer.optimizer
+        self.parts = [model]  # what diagnostics observe (as TorchEngine.parts)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
 
     def client_optimizer(self, cfg: Config, model: KimiModel) -> tuple[ZeroClient | None, dict]:
@@ -135,9 +136,11 @@ class DeepSpeedEngine:
         self.ds.eval()
         return self._loss(batch.to(self.device, non_blocking=True))
 
-    def step(self, max_norm: float) -> dict:
+    def step(self, max_norm: float, family_stats: bool = False) -> dict:
         """Reduce, clip (DeepSpeed's gradient_clipping is optim.grad_clip), update through the client
-        optimizer (and QK-Clip), advance the lr schedule. Returns the gradient norm before clipping and lr."""
+        optimizer (and QK-Clip), advance the lr schedule. Returns the gradient norm before clipping and lr.
+        No per-family statistics (`family_stats`): DeepSpeed clips and steps its flat partitions in one
+        call, with no point between to read them (the trainer's diagnostics say so once)."""
         lr = self.optimizer.param_groups[0]["lr"]
         self.ds.step()
         grad_norm = self.ds.get_global_grad_norm()

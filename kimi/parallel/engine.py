@@ -35,6 +35,7 @@ from kimi.model.moe import set_aux_grad_scale, update_expert_bias
 from kimi.optim import build_optimizer, build_qk_clip, build_scheduler
 
 from .dims import ParallelDims
+from .family_stats import FamilyStats
 from .parallelize import parallelize
 from .pipeline import TiedEnds, build_schedule
 from .tensor_parallel import clip_grad_norm_
@@ -75,6 +76,7 @@ class TorchEngine:
                             expert_mesh=self.expert_mesh)
         for part in parts:  # before joining them: to_empty gives plain parameters new objects
             materialize(part, device)
+        self.parts = parts  # the model parts this rank runs (its pipeline stages), whose forwards diagnostics observe
         self.model = KimiModel.union(parts)
         self.schedule = self.pp_rank = None
         self.cp_rank = mesh["cp"].get_local_rank() if dims.cp > 1 else 0
@@ -153,26 +155,30 @@ class TorchEngine:
         batch = self._shard(batch)
         return self._pipeline(batch, train=False) if self.schedule is not None else _plain(self._loss(batch))
 
-    def step(self, max_norm: float) -> dict:
+    def step(self, max_norm: float, family_stats: bool = False) -> dict:
         """Finish the step's gradients, clip them to `max_norm` (0: no clipping), update, QK-Clip, advance
-        the lr schedule. Returns the gradient norm before clipping and the lr used."""
+        the lr schedule. Returns the gradient norm before clipping and the lr used; with `family_stats`
+        (the trainer's diagnostics steps) also each optimizer family's gradient norm before clipping and
+        update RMS (family_stats.py: it copies the parameters, so only when asked)."""
         if self.tied_ends:  # the end stages' copies of tied embeddings take the whole gradient
             self.tied_ends.sum_grads(self.model)
         max_norm = max_norm if max_norm > 0 else float("inf")
+        pp_group = self.mesh["pp"] if self.dims.pp > 1 else None
+        uncounted = self.tied_ends.duplicate(self.model) if self.tied_ends else None
+        families = FamilyStats(self.optimizer, pp_group, uncounted) if family_stats else None
         if self.dims.tp > 1 or self.dims.pp > 1 or self.dims.ep > 1:
             # plain and DTensor gradients on different meshes, stages' norms summed: torch's cannot do either
-            pp_group = self.mesh["pp"] if self.dims.pp > 1 else None
-            uncounted = self.tied_ends.duplicate(self.model) if self.tied_ends else None
             grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, pp_group, uncounted)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
+        stats = families.finish() if families is not None else {}  # the optimizer's update, before QK-Clip's
         if self.qk_clip is not None:  # after any optimizer's update (K2)
             self.qk_clip()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return {"grad_norm": _plain(grad_norm).item(), "lr": lr, **self._balance_experts()}
+        return {"grad_norm": _plain(grad_norm).item(), "lr": lr, **self._balance_experts(), **stats}
 
     def _balance_experts(self) -> dict:
         """The aux-loss-free bias update of every MoE layer, from the step's loads summed over the ranks that

@@ -158,23 +158,19 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
     return model
 
 
-def clip_grad_norm_(parameters, max_norm: float, pp_group=None, uncounted=None) -> torch.Tensor:
-    """Global gradient-norm clipping for a mix of plain tensors and DTensors on different meshes (which
-    torch.nn.utils.clip_grad_norm_ cannot stack), summed over the pipeline stages in `pp_group`; returns
-    the total norm before clipping. `uncounted`: a parameter whose gradient another stage already counts
-    (the last stage's copy of tied embeddings); it is clipped but not counted.
+def squared_norm(tensors, pp_group=None, device=None) -> torch.Tensor:
+    """The squared L2 norm of `tensors` taken together, a mix of plain tensors (whole, or replicated over the
+    stage's ranks) and DTensors on different meshes (which torch.nn.utils.clip_grad_norm_ cannot stack),
+    summed over the pipeline stages in `pp_group`; the same fp32 value on every rank.
 
     Squared norms are summed locally per (mesh, sharded mesh dims) and reduced once per such group, not once
-    per gradient: a sharded gradient's pieces are disjoint, so its square is the sum of the local ones over
+    per tensor: a sharded tensor's pieces are disjoint, so its square is the sum of the local ones over
     the dims that shard it (replicated dims hold copies and are not summed)."""
-    params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    device = grads[0].device if grads else "cpu"
+    tensors = list(tensors)
+    device = device if device is not None else tensors[0].device if tensors else "cpu"
     plain = torch.zeros((), dtype=torch.float32, device=device)
     groups: dict = {}  # (mesh, sharded dims) -> summed local squares
-    for p, g in zip(params, grads):
-        if p is uncounted:
-            continue
+    for g in tensors:
         if not isinstance(g, DTensor):
             plain = plain + torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
         elif any(pl.is_partial() for pl in g.placements):  # not seen from our plans: let DTensor reduce it
@@ -191,7 +187,18 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None, uncounted=None) 
         total = total + square
     if pp_group is not None:
         total = funcol.all_reduce(total, "sum", group=pp_group).wait()
-    total = total.sqrt()
+    return total
+
+
+def clip_grad_norm_(parameters, max_norm: float, pp_group=None, uncounted=None) -> torch.Tensor:
+    """Global gradient-norm clipping for a mix of plain tensors and DTensors on different meshes, summed over
+    the pipeline stages in `pp_group` (see :func:`squared_norm`); returns the total norm before clipping.
+    `uncounted`: a parameter whose gradient another stage already counts (the last stage's copy of tied
+    embeddings); it is clipped but not counted."""
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    device = grads[0].device if grads else "cpu"
+    total = squared_norm([p.grad for p in params if p is not uncounted], pp_group, device).sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.device))
