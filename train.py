@@ -1,5 +1,10 @@
 """Train a Kimi-style model: `python train.py [model=tiny] [trainer.max_steps=300] ...` (see README).
 
+Hydra's multirun runs several jobs one after another in this process, e.g. an ablation's arms x seeds:
+`python train.py -m +experiment=ablate_residual` (conf/experiment/, docs/ablations.md); a failed job does not
+stop the others, the command exits 1 at the end if one failed, and a signal stops the sweep after the current
+job's checkpoint.
+
 Exit codes (kimi/cli.py): 0 finished, 75 stopped early with a checkpoint (rerun to continue), 2 bad config,
 data or run directory, 1 failure. Under torchrun a stopped run's ranks exit 0 and <run_dir>/exit_code holds
 75 (torchrun would call any other code a failure); the launch scripts exit with it."""
@@ -24,11 +29,25 @@ def train(cfg: DictConfig) -> int:
     return EXIT_OK if result["finished"] else EXIT_STOPPED
 
 
+# Hydra's multirun (`train.py -m ...`, e.g. `-m +experiment=ablate_residual`, conf/experiment/) runs its jobs
+# one after another in this process: (run dir, exit code) of each job that failed, reported once all have run.
+FAILED_JOBS: list = []
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from kimi.cli import finish, run_main
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
-    sys.exit(finish(run_main(lambda: train(cfg)), cfg.trainer.run_dir))
+    from kimi.cli import EXIT_OK, EXIT_STOPPED, finish, run_main
+
+    code = finish(run_main(lambda: train(cfg)), cfg.trainer.run_dir)
+    if HydraConfig.get().mode != RunMode.MULTIRUN or code in (EXIT_STOPPED, 130):  # 130: Ctrl-C at start-up
+        # one run; or a multirun job stopped by a signal, which stops the sweep (rerun it to continue: the
+        # finished jobs say so and exit, the stopped one resumes from its checkpoint)
+        sys.exit(code)
+    if code != EXIT_OK:  # a failed job (a diverged lr, a bad arm) does not stop the others
+        FAILED_JOBS.append((cfg.trainer.run_dir, code))
 
 
 def cli() -> None:
@@ -43,6 +62,12 @@ def cli() -> None:
         run_dir = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("hydra.run.dir=")), "")
         sys.exit(finish(code, run_dir))
     main()
+    if FAILED_JOBS:  # only after a multirun
+        from kimi.cli import EXIT_FAILED
+
+        for run_dir, code in FAILED_JOBS:
+            print(f"error: multirun job {run_dir} exited with code {code}", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from kimi.ablate import tokens_to_reach  # training tokens to a validation loss, between evaluations
 from kimi.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,17 +44,6 @@ def train(optim: str, steps: int, eval_every: int, overrides: list[str], run_dir
     tokens_per_step = next(r["tokens"] / r["step"] for r in records if r.get("tokens"))
     return {"optim": optim, "seconds": seconds, "tokens_per_step": tokens_per_step,
             "evals": [{"step": s, "tokens": s * tokens_per_step, "val_loss": v} for s, _, v in evals]}
-
-
-def tokens_to_reach(evals: list[dict], target: float) -> float | None:
-    """Training tokens at which validation loss first reaches target, linearly between evaluations."""
-    for a, b in zip(evals, evals[1:]):
-        if b["val_loss"] <= target:
-            if a["val_loss"] <= target:
-                return a["tokens"]
-            frac = (a["val_loss"] - target) / (a["val_loss"] - b["val_loss"])
-            return a["tokens"] + frac * (b["tokens"] - a["tokens"])
-    return None
 
 
 def main() -> None:

@@ -71,7 +71,8 @@ def run_main(body: Callable[[], int]) -> int:
 def finish(code: int, run_dir: str | os.PathLike) -> int:
     """Record `code` for the launch scripts (rank 0, when the run dir exists) and return the process's own
     exit code."""
-    if os.environ.get("RANK", "0") == "0" and Path(run_dir).is_dir():
+    # run_dir "": a command refused before it had one (Path("") would be the working directory)
+    if os.environ.get("RANK", "0") == "0" and str(run_dir) and Path(run_dir).is_dir():
         try:
             (Path(run_dir) / "exit_code").write_text(f"{code}\n")
         except OSError:

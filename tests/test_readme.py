@@ -62,6 +62,18 @@ SKIPPED = {
     "make gpu-check": "needs a CUDA GPU (its dry run is the next line)",
     "make gpu-check GPU_CHECK_ARGS=--dry-run": "tests/test_gpu_check.py runs it (about a minute)",
     "make gpu-wheels": "downloads from the package index",
+    ".venv/bin/python -m kimi.ablate all": "the whole ablation study (hours); tests/test_ablate.py runs one "
+                                           "experiment end to end at 2 steps, reruns it (nothing trained) and "
+                                           "reports it",
+    ".venv/bin/python train.py -m +experiment=ablate_residual": "Hydra's multirun of a whole experiment (9 runs of "
+                                                                "600 steps); tests/test_ablate.py runs it at 2 "
+                                                                "steps with trainer.seed=1",
+    ".venv/bin/python -m kimi.ablate report": "needs the study's runs; tests/test_ablate.py reports a 2-step "
+                                              "experiment with the same command",
+    ".venv/bin/python -m kimi.dashboard runs/ablate/ablate_residual/standard_seed1 "
+    "runs/ablate/ablate_residual/attnres_block_seed1 --out dashboard.png":
+        "needs the study's runs; tests/test_dashboard.py draws a trained run and one with every diagnostic key "
+        "with the same command",
     ".venv/bin/python -m kimi.convert to-hf 'outputs/<date>/<time>' hf_out":
         "a placeholder run dir; tests/test_hf_interop.py converts a trained run with the same command and "
         "loads it in transformers",

@@ -1,0 +1,251 @@
+"""The ablation study (kimi/ablate.py, conf/experiment/ablate_*.yaml, conf/ablate/): each experiment varies
+one factor; the runner trains an experiment end to end, resumes (a rerun skips finished runs), runs the lr
+sweep before the seeds; Hydra's multirun names the runs as the runner does; the report's statistics and
+files."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import ROOT, TINY_TRAINER, corpus_overrides
+
+from kimi import ablate
+from kimi.metrics import read_metrics
+
+# What each arm must set, and which keys an arm may change at all (everything else equal to the baseline).
+ARMS = {
+    "ablate_optimizer": ({"adamw": {"optim.name": "adamw", "optim.qk_clip_tau": 0.0},
+                          "adamw_qkclip": {"optim.name": "adamw", "optim.qk_clip_tau": 100.0},
+                          "muonclip": {"optim.name": "muonclip", "optim.qk_clip_tau": 100.0}}, ("optim.",)),
+    "ablate_mixer": ({"all_mla": {"model.mla_every": 1}, "hybrid_3to1": {"model.mla_every": 4},
+                      "all_kda": {"model.mla_every": 0}}, ("model.mla_every",)),
+    "ablate_residual": ({a: {"model.residual": a} for a in ("standard", "attnres_block", "attnres_full")},
+                        ("model.residual",)),
+    "ablate_qk_clip": ({"off": {"optim.qk_clip_tau": 0.0}, "tau100": {"optim.qk_clip_tau": 100.0},
+                        "tau2": {"optim.qk_clip_tau": 2.0}}, ("optim.qk_clip_tau",)),
+    "ablate_muon_split": ({"whole": {"optim.muon_split_fused": False},
+                           "split": {"optim.muon_split_fused": True}}, ("optim.muon_split_fused",)),
+}
+
+
+def _compose(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    from kimi.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=["trainer.run_dir=unused", *overrides])
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_each_experiment_varies_one_factor():
+    from omegaconf import OmegaConf
+
+    assert ablate.experiment_names() == list(ablate.ORDER)
+    for name, (arms, allowed) in ARMS.items():
+        exp = ablate.load_experiment(name)  # also checks hydra.sweep.subdir against the runner's names
+        assert exp.arms == list(arms) and exp.seeds == [1, 2, 3], name
+        configs = {a: _flat(OmegaConf.to_container(_compose(f"+experiment={name}", f"+ablate/{name}={a}")))
+                   for a in exp.arms}
+        base = configs[exp.baseline]
+        scale = (base["trainer.max_steps"], base["trainer.eval_every"], base["model.name"])
+        assert scale == (600, 50, "tiny"), name
+        for arm, expect in arms.items():
+            cfg = configs[arm]
+            assert {k: cfg[k] for k in expect} == expect, (name, arm)
+            changed = {k for k in set(cfg) | set(base) if cfg.get(k) != base.get(k)}
+            assert all(k.startswith(allowed) for k in changed), (name, arm, changed)
+    assert ablate.load_experiment("ablate_optimizer").sweep == [("optim.lr", ["0.001", "0.003", "0.01"])]
+
+
+def test_run_names_parse_back():
+    exp = ablate.load_experiment("ablate_optimizer")
+    for arm in exp.arms:
+        for values in exp.grid():
+            name = exp.run_name(arm, values, 3)
+            assert exp.parse_name(name) == (arm, values, 3), name
+    assert exp.run_name("adamw_qkclip", {"optim.lr": "0.003"}, 1) == "adamw_qkclip_lr0.003_seed1"
+    assert exp.parse_name("adamw_seedx") is None and exp.parse_name("sgd_lr0.1_seed1") is None
+
+
+def test_overrides_that_erase_the_factor_are_refused(tmp_path):
+    """An override after -- applies to every arm: one that sets the swept key or makes two arms equal would
+    waste the study, so nothing runs."""
+    with pytest.raises(ablate.AblateError, match="sweeps optim.lr"):
+        ablate.run_study(["ablate_optimizer"], tmp_path, [1], ["optim.lr=0.01"], dry_run=True, log=print)
+    with pytest.raises(ablate.AblateError, match="arms all_mla and hybrid_3to1 are the same config"):
+        ablate.run_study(["ablate_mixer"], tmp_path, [1], ["model.mla_every=2"], dry_run=True, log=print)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return corpus_overrides(tmp_path_factory)
+
+
+def _run(argv, timeout=240):
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_runner_end_to_end_then_report_then_resume(tmp_path, data, capsys):
+    """Two arms x one seed, 2 steps of the tiny test model; a rerun trains nothing; the report's JSON, PNGs
+    and README section. (The rerun and the report run in this process: the same main() as the command.)"""
+    from omegaconf import OmegaConf
+
+    root, out = tmp_path / "runs", tmp_path / "results"
+    cmd = [sys.executable, "-m", "kimi.ablate", "ablate_muon_split", "--seeds", "1", "--steps", "2", "--root",
+           str(root), "--quiet", "--", *TINY_TRAINER, *data, "trainer.eval_every=1"]
+    first = _run(cmd)
+    assert "2 trained" in first.splitlines()[-1], first
+    runs = {arm: root / "ablate_muon_split" / f"{arm}_seed1" for arm in ("whole", "split")}
+    for arm, run in runs.items():
+        assert ablate.status(run, 2) == "done"
+        cfg = OmegaConf.load(run / "config.yaml")
+        assert cfg.optim.muon_split_fused == (arm == "split") and cfg.trainer.seed == 1
+        assert cfg.logging.wandb.name == f"ablate_muon_split/{arm}_seed1"
+        if "group" in cfg.logging.wandb:  # the config has wandb grouping: the runner sets it
+            assert cfg.logging.wandb.group == "ablate_muon_split"
+            assert list(cfg.logging.wandb.tags) == [arm, "seed=1"]
+    stamps = {p: p.stat().st_mtime_ns for p in root.rglob("metrics.jsonl")}
+
+    capsys.readouterr()
+    assert ablate.main(cmd[3:]) == 0
+    second = capsys.readouterr().out
+    assert second.splitlines()[-1].startswith("[ablate] 2 done;"), second
+    assert {p: p.stat().st_mtime_ns for p in root.rglob("metrics.jsonl")} == stamps  # nothing trained again
+
+    assert ablate.main(["report", "ablate_muon_split", "--root", str(root), "--out", str(out)]) == 0
+    report = capsys.readouterr().out
+    result = json.loads((out / "ablate_muon_split.json").read_text())
+    assert result["baseline"] == "whole" and [a["arm"] for a in result["arms"]] == ["whole", "split"]
+    for a in result["arms"]:
+        vals = [r["val_loss"] for r in read_metrics(runs[a["arm"]] / "metrics.jsonl") if r.get("step") == 2
+                and "val_loss" in r]
+        assert a["seeds"] == [1] and a["final_val_loss"] == [vals[-1]] and math.isfinite(a["mean"])
+        assert a["params"] > 40_000 and a["flops_per_token"] > 6 * a["params"] * 0.5
+        assert a["train_flops"] == pytest.approx(a["flops_per_token"] * 2 * 4 * 32)
+        assert a["tokens_per_s"] > 0 and [p["step"] for p in a["curve"]] == [0, 1, 2]
+    assert result["arms"][1]["verdict"] == "no verdict (one seed)"
+    section = (out / "README_section.md").read_text()
+    assert "| `whole` |" in section and "| `split` |" in section and ablate.RULE in section
+    assert section.strip() in report
+    import matplotlib.image
+
+    for png in ("ablate_muon_split.png", "cost_vs_loss.png"):
+        h, w = matplotlib.image.imread(out / png).shape[:2]
+        assert w > 1000 and h > 400, (png, w, h)
+
+
+def test_hydra_multirun_names_runs_like_the_runner(tmp_path, data):
+    """train.py -m +experiment=ablate_residual: one run dir per arm, named as kimi.ablate names them."""
+    from omegaconf import OmegaConf
+
+    sweep = tmp_path / "multirun"
+    _run([sys.executable, "train.py", "-m", "+experiment=ablate_residual", "trainer.seed=1", *TINY_TRAINER,
+          *data, "trainer.max_steps=2", "trainer.eval_every=0", f"hydra.sweep.dir={sweep}"])
+    exp = ablate.load_experiment("ablate_residual")
+    assert {p.name for p in sweep.iterdir() if p.is_dir()} == {exp.run_name(a, {}, 1) for a in exp.arms}
+    for arm in exp.arms:
+        run = sweep / exp.run_name(arm, {}, 1)
+        assert ablate.status(run, 2) == "done"
+        assert OmegaConf.load(run / "config.yaml").model.residual == arm
+
+
+_CONFIGS: dict = {}
+
+
+def _fake_run(run: Path, arm: str, lr: str, seed: int, final: float | None, steps: int = 600) -> None:
+    """A finished run dir without training: config.yaml as train.py writes it, a linear validation curve from
+    7.0 to `final`, the COMPLETE marker (final None: a run that diverged and exited with 1)."""
+    from omegaconf import OmegaConf
+
+    if arm not in _CONFIGS:
+        _CONFIGS[arm] = _compose("+experiment=ablate_optimizer", f"+ablate/ablate_optimizer={arm}",
+                                 "model.vocab_size=2048")
+    cfg = _CONFIGS[arm].copy()
+    cfg.optim.lr, cfg.trainer.seed = float(lr), seed
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    records = [{"event": "start", "step": 0}]
+    for step in range(0, steps + 1, 100):
+        if step:
+            records.append({"step": step, "loss": 5.0, "lr": 1e-3, "tokens": step * 2048,
+                            "tokens_per_s": 5000.0})
+        if final is not None:
+            records.append({"step": step, "val_loss": 7.0 - (7.0 - final) * step / steps})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if final is None:
+        (run / "exit_code").write_text("1\n")
+    else:
+        (run / "checkpoints" / f"step_{steps:08d}").mkdir(parents=True)
+        (run / "checkpoints" / f"step_{steps:08d}" / "COMPLETE").write_text("{}")
+
+
+# seed-1 final losses of the sweep: adamw best at 0.003, adamw_qkclip's 0.01 diverged, muonclip's best at the
+# grid's edge
+SWEEP = {"adamw": {"0.001": 4.3, "0.003": 4.0, "0.01": 4.2}, "adamw_qkclip": {"0.001": 4.01, "0.003": 4.05,
+                                                                              "0.01": None},
+         "muonclip": {"0.001": 4.1, "0.003": 3.9, "0.01": 3.8}}
+
+
+def test_sweep_then_seeds_and_statistics(tmp_path):
+    """The lr sweep decides which runs the other seeds get; the report's means, verdicts and compute
+    multipliers on runs with known curves."""
+    root = tmp_path / "runs"
+    exp = ablate.load_experiment("ablate_optimizer")
+    for arm, losses in SWEEP.items():
+        for lr, final in losses.items():
+            _fake_run(root / exp.name / exp.run_name(arm, {"optim.lr": lr}, 1), arm, lr, 1, final)
+    lines: list = []
+    counts = ablate.run_study([exp.name], root, [1, 2], [], dry_run=True, log=lines.append)
+    assert counts["done"] == 8 and counts["skipped"] == 1 and counts["planned"] == 3, lines
+    planned = sorted(line.split()[1].rstrip(":") for line in lines if "would run" in line)
+    assert planned == ["adamw_lr0.003_seed2", "adamw_qkclip_lr0.001_seed2", "muonclip_lr0.01_seed2"]
+    retried = ablate.run_study([exp.name], root, [1, 2], [], dry_run=True, retry_failed=True,
+                               log=lambda _: None)
+    assert retried["planned"] == 4
+    with pytest.raises(ablate.AblateError, match="started with trainer.max_steps=600, this study runs 300"):
+        ablate.run_study([exp.name], root, [1, 2], ["trainer.max_steps=300"], dry_run=True, log=lambda _: None)
+
+    # the seeds' runs, then the report: adamw 4.0/4.02 (baseline), adamw_qkclip 4.01/4.03 (a tie), muonclip
+    # 3.8/3.82 (a win)
+    for arm, lr, final in (("adamw", "0.003", 4.02), ("adamw_qkclip", "0.001", 4.03),
+                           ("muonclip", "0.01", 3.82)):
+        _fake_run(root / exp.name / exp.run_name(arm, {"optim.lr": lr}, 2), arm, lr, 2, final)
+    results = ablate.report([exp.name], root, tmp_path / "out", log=lambda _: None)
+    arms = {a["arm"]: a for a in results[0]["arms"]}
+    assert {a: r["chosen"] for a, r in results[0]["sweep"].items()} == {
+        "adamw": {"optim.lr": "0.003"}, "adamw_qkclip": {"optim.lr": "0.001"},
+        "muonclip": {"optim.lr": "0.01"}}
+    sweep = results[0]["sweep"]
+    assert sweep["muonclip"]["at_grid_edge"] and not sweep["adamw"]["at_grid_edge"]
+    assert arms["adamw"]["mean"] == pytest.approx(4.01)
+    assert arms["adamw"]["std"] == pytest.approx(0.02 / 2**0.5)
+    assert [arms[a]["verdict"] for a in SWEEP] == ["baseline", "tie", "win"]
+    # linear curves from 7.0: muonclip's mean (3.81) reaches 4.01 at 600 * 2.99 / 3.19 steps
+    assert arms["muonclip"]["tokens_to_baseline"] == pytest.approx(600 * 2048 * 2.99 / 3.19)
+    assert arms["muonclip"]["compute_multiplier"] == pytest.approx(3.19 / 2.99)
+    assert arms["adamw"]["compute_multiplier"] == pytest.approx(1.0)
+    assert arms["adamw_qkclip"]["tokens_to_baseline"] is None  # its mean (4.02) never reaches 4.01
+    section = (tmp_path / "out" / "README_section.md").read_text()
+    assert "Moonlight" in section and "0.01 (grid edge)" in section and "diverged" not in section
+    assert "| `adamw_qkclip` | 4.0100 | 4.0500 | failed |" in section
