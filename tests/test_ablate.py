@@ -1,4 +1,4 @@
-"""The ablation study (kimi/ablate.py, conf/experiment/ablate_*.yaml, conf/ablate/): each experiment varies
+"""The ablation study (kimi/ablate/, conf/experiment/ablate_*.yaml, conf/ablate/): each experiment varies
 one factor; the runner trains an experiment end to end, resumes (a rerun skips finished runs), runs the lr
 sweep before the seeds; Hydra's multirun names the runs as the runner does; the report's statistics and
 files."""

@@ -1,0 +1,101 @@
+"""Ablation studies: one factor at a time at matched tokens, several seeds, and their report.
+
+    python -m kimi.ablate NAME [NAME ...] [--seeds 1 2 3] [--steps N] [--arms ARM ...] [--root runs/ablate]
+                          [--dry-run] [--quiet] [--retry-failed] [-- OVERRIDE ...]
+    python -m kimi.ablate all                 # every experiment, one after another (the whole study)
+    python -m kimi.ablate report [NAME ...]   # statistics, plots and a README section from the runs
+    python -m kimi.ablate list                # the experiments and their arms
+
+An experiment is a Hydra config, ``conf/experiment/<NAME>.yaml``: it includes the study's scale
+(``conf/ablate/study.yaml``) and lists its arms (``conf/ablate/<NAME>/<ARM>.yaml``, each the overrides that
+make it; the first arm is the baseline) and seeds in ``hydra.sweeper.params``, so Hydra's multirun runs the
+same study: ``python train.py -m +experiment=NAME`` (arms x seeds, one process). This wrapper runs the same
+runs instead as subprocesses of train.py, one after another, into the same run directories
+(``<root>/<NAME>/<ARM>_seed<N>``), and resumes a study that was stopped: a run whose final checkpoint (at
+trainer.max_steps) is complete is done and skipped, a run stopped half-way resumes from its newest
+checkpoint, and a run that failed (its ``exit_code`` file says 1 or 2: a diverged lr) is skipped unless
+``--retry-failed``. A run started with another trainer.max_steps (an earlier ``--steps``) is refused rather
+than stretched. Ctrl-C lets the current run save a checkpoint, then stops the study.
+
+Any other key in ``hydra.sweeper.params`` is a sweep run on the first seed only (``ablate_optimizer``'s
+``optim.lr``): each arm's value with the lowest final validation loss is chosen (recorded in
+``<root>/<NAME>/sweep.json``) and the other seeds run at that value only. Those runs are named
+``<ARM>_<key's last part><value>_seed<N>`` (``adamw_lr0.003_seed1``), as the multirun names them.
+
+When the config has them (``logging.wandb.group`` / ``.tags``), every run is grouped under its experiment and
+tagged with its arm and seed (docs/dashboards.md); ``logging.wandb.name`` is ``<NAME>/<run directory>``.
+
+``report`` reads the finished runs and writes, per experiment, ``<out>/<NAME>.json`` and ``<out>/<NAME>.png``
+(validation loss per arm, mean +- std over seeds), ``<out>/cost_vs_loss.png`` over all experiments, and
+``<out>/README_section.md``, which it also prints (docs/ablations.md says what each number means).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from .report import PAPERS, RULE, analyse, report, tokens_to_reach
+from .study import (DEFAULT_OUT, DEFAULT_ROOT, ORDER, AblateError, experiment_names, load_experiment, run_study,
+                    status)
+
+__all__ = ["AblateError", "DEFAULT_OUT", "DEFAULT_ROOT", "ORDER", "PAPERS", "RULE", "analyse", "experiment_names",
+           "load_experiment", "main", "report", "run_study", "status", "tokens_to_reach"]
+
+
+# ---- command line ------------------------------------------------------------------------------------------
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides: List[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, overrides = argv[:i], argv[i + 1:]
+    parser = argparse.ArgumentParser(prog="python -m kimi.ablate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="+", metavar="NAME",
+                        help="experiments (conf/experiment/ablate_*.yaml) or all; report [NAME...]; list")
+    parser.add_argument("--seeds", type=int, nargs="+", help="seeds (default: the experiment file's, 1 2 3)")
+    parser.add_argument("--steps", type=int, help="trainer.max_steps of every run (default: the study's 600)")
+    parser.add_argument("--arms", nargs="+", help="run only these arms")
+    parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="the runs' directory (runs/ablate)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help="report: the JSON, PNGs and README section go here (bench/results/ablations)")
+    parser.add_argument("--dry-run", action="store_true", help="list the runs and their state; train nothing")
+    parser.add_argument("--quiet", action="store_true", help="train.py's output only in each run's train.log")
+    parser.add_argument("--retry-failed", action="store_true", help="rerun failed runs (exit code 1 or 2)")
+    args = parser.parse_args(argv)
+    try:
+        if args.names[0] == "list":
+            for name in experiment_names():
+                exp = load_experiment(name)
+                sweep = "".join(f"; sweep {k} over {' '.join(v)}" for k, v in exp.sweep)
+                print(f"{name}: arms {' '.join(exp.arms)} (baseline {exp.baseline}); seeds "
+                      f"{' '.join(map(str, exp.seeds))}{sweep}")
+            return 0
+        if args.names[0] == "report":
+            names = args.names[1:] or [n for n in experiment_names() if (args.root / n).is_dir()]
+            report(names, args.root, args.out)
+            return 0
+        names = experiment_names() if args.names == ["all"] else args.names
+        user = ([f"trainer.max_steps={args.steps}"] if args.steps else []) + overrides
+        counts = run_study(names, args.root, args.seeds, user, args.arms, args.dry_run, args.quiet,
+                           args.retry_failed)
+    except AblateError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("[ablate] stopped; rerun the same command to continue", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001: a config error from composing the overrides
+        from kimi.cli import exit_code_for
+
+        if exit_code_for(e) is None:
+            raise
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return exit_code_for(e)
+    summary = ", ".join(f"{v} {k}" for k, v in counts.items() if v)
+    print(f"[ablate] {summary or 'nothing to do'}; report: python -m kimi.ablate report "
+          + " ".join(names) + (f" --root {args.root}" if args.root != DEFAULT_ROOT else ""))
+    return 1 if counts["failed"] else 0

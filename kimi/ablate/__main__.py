@@ -1,0 +1,5 @@
+import sys
+
+from kimi.ablate import main
+
+sys.exit(main())

@@ -1,0 +1,440 @@
+"""The report of an ablation study: per-arm statistics over seeds, the plots and the README section."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .study import ROOT, AblateError, Experiment, Run, load_experiment, status
+
+# The papers' directions, set beside ours in the report (docs/ablations.md)
+PAPERS = {
+    "ablate_optimizer": ("Moonlight (arXiv 2502.16982): Muon reaches AdamW's loss with about half the "
+                         "training FLOPs (~2x compute efficiency)", "muonclip"),
+    "ablate_residual": ("Attention Residuals (arXiv 2603.15031): Block AttnRes matches the baseline trained "
+                        "with ~1.25x the compute", "attnres_block"),
+    "ablate_mixer": ("Kimi Linear (arXiv 2510.26692): the 3:1 KDA:MLA hybrid is at least as good as all-MLA "
+                     "attention", "hybrid_3to1"),
+}
+RULE = ("An arm wins (or loses) against the baseline only when the gap between their mean final validation "
+        "losses is larger than the sum of their standard deviations over seeds; a smaller gap is a tie at "
+        "this scale, and with one seed there is no verdict.")
+
+
+# ---- report ------------------------------------------------------------------------------------------------
+def tokens_to_reach(evals: List[dict], target: float) -> Optional[float]:
+    """Training tokens at which validation loss first reaches target, linearly between evaluations (also
+    bench/convergence.py's)."""
+    for a, b in zip(evals, evals[1:]):
+        if b["val_loss"] <= target:
+            if a["val_loss"] <= target:
+                return a["tokens"]
+            frac = (a["val_loss"] - target) / (a["val_loss"] - b["val_loss"])
+            return a["tokens"] + frac * (b["tokens"] - a["tokens"])
+    return None
+
+
+_COST_CACHE: Dict[str, Tuple[int, float]] = {}
+
+
+def model_cost(model: Dict[str, Any], seq_len: int) -> Tuple[int, float]:
+    """(parameters, training FLOPs per token) of a run's model config, built on the meta device."""
+    key = json.dumps([model, seq_len], sort_keys=True)
+    if key not in _COST_CACHE:
+        import torch
+
+        from kimi.config import ModelConfig
+        from kimi.model import KimiModel
+
+        with torch.device("meta"):
+            m = KimiModel(ModelConfig(**model))
+        _COST_CACHE[key] = (m.num_params(), m.flops_per_token(seq_len))
+    return _COST_CACHE[key]
+
+
+def read_run(run: Run) -> Optional[dict]:
+    """What the report needs of one run dir; None if it has no config.yaml yet."""
+    from omegaconf import OmegaConf
+
+    from kimi.metrics import read_metrics
+
+    cfg_path, metrics = run.dir / "config.yaml", run.dir / "metrics.jsonl"
+    if not cfg_path.is_file() or not metrics.is_file():
+        return None
+    cfg = OmegaConf.to_container(OmegaConf.load(cfg_path))
+    t = cfg["trainer"]
+    max_steps, tokens_per_step = t["max_steps"], t["micro_batch_size"] * t["seq_len"] * t["grad_accum_steps"]
+    records = read_metrics(metrics)
+    logged = [r for r in records if "tokens_per_s" in r and r.get("tokens_per_s")]
+    if logged and logged[0].get("tokens"):
+        tokens_per_step = round(logged[0]["tokens"] / logged[0]["step"])  # all ranks together
+    evals = [{"step": r["step"], "tokens": r["step"] * tokens_per_step, "val_loss": r["val_loss"]}
+             for r in records if "val_loss" in r]
+    seconds, prev = 0.0, 0
+    for r in logged:  # training time only: each logging window's tokens over its rate
+        seconds += (r["tokens"] - prev) / r["tokens_per_s"]
+        prev = r["tokens"]
+    clip = [r["qk_clipped_frac"] for r in records if "qk_clipped_frac" in r]
+    logits = [(r["step"], r["qk_max_logit"]) for r in records if "qk_max_logit" in r]
+    params, fpt = model_cost(cfg["model"], t["seq_len"])
+    st = status(run.dir, max_steps)
+    return {"run": run.name, "dir": str(run.dir), "arm": run.arm, "values": run.values, "seed": run.seed,
+            "status": st, "max_steps": max_steps, "tokens_per_step": tokens_per_step,
+            "final_val_loss": next((e["val_loss"] for e in reversed(evals) if e["step"] == max_steps), None)
+            if st == "done" else None,
+            "evals": evals, "train_seconds": seconds, "tokens_per_s": prev / seconds if seconds else None,
+            "params": params, "flops_per_token": fpt, "qk_clip_tau": cfg["optim"].get("qk_clip_tau"),
+            "qk_clipped_frac_mean": sum(clip) / len(clip) if clip else None,
+            "qk_max_logit": logits, "qk_max_logit_final": logits[-1][1] if logits else None}
+
+
+def _mean_std(xs: List[float]) -> Tuple[Optional[float], Optional[float]]:
+    if not xs:
+        return None, None
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else None)
+
+
+def _mean_curve(runs: List[dict]) -> List[dict]:
+    """Validation loss at the evaluation steps every run has: mean and std over runs."""
+    steps = sorted(set.intersection(*(set(e["step"] for e in r["evals"]) for r in runs))) if runs else []
+    out = []
+    for s in steps:
+        vals = [next(e["val_loss"] for e in r["evals"] if e["step"] == s) for r in runs]
+        mean, std = _mean_std(vals)
+        out.append({"step": s, "tokens": s * runs[0]["tokens_per_step"], "val_loss": mean, "std": std or 0.0})
+    return out
+
+
+def _fmt(x: Optional[float], spec: str = ".4f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _human(x: float) -> str:
+    for unit, div in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.2f}{unit}"
+    return f"{x:.0f}"
+
+
+def analyse(exp: Experiment, root: Path) -> Optional[dict]:
+    """Every arm's statistics from the experiment's run dirs (None if it has no runs)."""
+    exp_dir = Path(root) / exp.name
+    if not exp_dir.is_dir():
+        return None
+    runs = []
+    for d in sorted(p for p in exp_dir.iterdir() if p.is_dir()):
+        parsed = exp.parse_name(d.name)
+        if parsed:
+            info = read_run(Run(exp, *parsed, d))
+            if info:
+                runs.append(info)
+    if not runs:
+        return None
+    # the sweep: each arm's values with the lowest final loss on the sweep's seed (sweep.json's, else the
+    # lowest seed)
+    sweep = {}
+    if exp.sweep:
+        recorded = exp_dir / "sweep.json"
+        rec_seed = json.loads(recorded.read_text()).get("seed") if recorded.is_file() else None
+        for arm in exp.arms:
+            mine = [r for r in runs if r["arm"] == arm]
+            if not mine:
+                continue
+            seed = rec_seed if rec_seed in {r["seed"] for r in mine} else min(r["seed"] for r in mine)
+            table = {json.dumps(r["values"], sort_keys=True): r for r in mine if r["seed"] == seed}
+            done = [r for r in table.values() if r["final_val_loss"] is not None]
+            best = min(done, key=lambda r: r["final_val_loss"])["values"] if done else None
+            grid_values = [v for _, vals in exp.sweep for v in vals]
+            edge = best is not None and any(best[k] in (vals[0], vals[-1]) for k, vals in exp.sweep)
+            sweep[arm] = {"seed": seed, "chosen": best, "at_grid_edge": edge and len(grid_values) > 1,
+                          "runs": [{"values": r["values"], "status": r["status"],
+                                    "final_val_loss": r["final_val_loss"]} for r in table.values()]}
+    arms_out = []
+    for arm in exp.arms:
+        mine = [r for r in runs if r["arm"] == arm
+                and (not exp.sweep or (sweep.get(arm) and r["values"] == sweep[arm]["chosen"]))]
+        done = [r for r in mine if r["final_val_loss"] is not None]
+        if not mine:
+            continue
+        finals = [r["final_val_loss"] for r in sorted(done, key=lambda r: r["seed"])]
+        mean, std = _mean_std(finals)
+        ref = done[0] if done else mine[0]
+        tps = [r["tokens_per_s"] for r in done if r["tokens_per_s"]]
+        arms_out.append({
+            "arm": arm, "values": ref["values"], "seeds": sorted(r["seed"] for r in done),
+            "incomplete": sorted((r["run"], r["status"]) for r in mine if r["final_val_loss"] is None),
+            "final_val_loss": finals, "mean": mean, "std": std,
+            "params": ref["params"], "flops_per_token": ref["flops_per_token"],
+            "tokens": ref["max_steps"] * ref["tokens_per_step"],
+            "train_flops": ref["flops_per_token"] * ref["max_steps"] * ref["tokens_per_step"],
+            "tokens_per_s": statistics.fmean(tps) if tps else None,
+            "train_seconds": statistics.fmean(r["train_seconds"] for r in done) if done else None,
+            "qk_clip_tau": ref["qk_clip_tau"],
+            "qk_clipped_frac_mean": _mean_std([r["qk_clipped_frac_mean"] for r in done
+                                               if r["qk_clipped_frac_mean"] is not None])[0],
+            "qk_max_logit_final": _mean_std([r["qk_max_logit_final"] for r in done
+                                             if r["qk_max_logit_final"] is not None])[0],
+            "curve": _mean_curve(done),
+            "qk_max_logit": [r["qk_max_logit"] for r in sorted(done, key=lambda r: r["seed"])],
+        })
+    base = next((a for a in arms_out if a["arm"] == exp.baseline and a["mean"] is not None), None)
+    target = base["mean"] if base else None
+    base_need = tokens_to_reach(base["curve"], target) if base else None
+    for a in arms_out:
+        a["delta"] = None if base is None or a["mean"] is None else a["mean"] - base["mean"]
+        spread = None if base is None or a["std"] is None or base["std"] is None else a["std"] + base["std"]
+        if a is base:
+            a["verdict"] = "baseline"
+        elif a["delta"] is None or spread is None:
+            a["verdict"] = "no verdict (one seed)" if a["delta"] is not None else "no verdict"
+        else:
+            a["verdict"] = "win" if a["delta"] < -spread else "loss" if a["delta"] > spread else "tie"
+        need = tokens_to_reach(a["curve"], target) if target is not None and a["curve"] else None
+        a["tokens_to_baseline"] = need
+        a["flops_to_baseline"] = None if need is None else need * a["flops_per_token"]
+        a["compute_multiplier"] = (None if need is None or not base_need or not a["flops_to_baseline"] else
+                                   base_need * base["flops_per_token"] / a["flops_to_baseline"])
+    ref = runs[0]
+    return {"experiment": exp.name, "baseline": exp.baseline, "rule": RULE, "root": str(exp_dir),
+            "scale": {"steps": ref["max_steps"], "tokens_per_step": ref["tokens_per_step"]},
+            "baseline_final_val_loss": target, "sweep": sweep, "arms": arms_out,
+            "paper": PAPERS.get(exp.name, (None, None))[0],
+            "failed": sorted(r["run"] for r in runs if r["status"] == "failed")}
+
+
+def _band(ax, xs, mean, std, label, color=None):
+    line, = ax.plot(xs, mean, "-", lw=1.6, label=label, color=color)
+    lo = [m - s for m, s in zip(mean, std)]
+    hi = [m + s for m, s in zip(mean, std)]
+    ax.fill_between(xs, lo, hi, alpha=0.2, color=line.get_color())
+    return line
+
+
+def plot_experiment(result: dict, out: Path) -> Path:
+    """Validation loss per arm (mean +- std over seeds) against tokens; QK max logit per arm when logged;
+    the sweep's final losses when there is one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = [a for a in result["arms"] if a["curve"]]
+    has_qk = any(trace for a in arms for trace in a["qk_max_logit"])
+    panels = ["loss"] + (["qk"] if has_qk else []) + (["sweep"] if result["sweep"] else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.2), dpi=110, squeeze=False)
+    axes = dict(zip(panels, axes[0]))
+    ax = axes["loss"]
+    tail = []
+    for a in arms:
+        xs = [p["tokens"] for p in a["curve"]]
+        n = len(a["seeds"])
+        label = (f"{a['arm']} ({n} seed{'s' * (n != 1)})"
+                 + (" [baseline]" if a["arm"] == result["baseline"] else ""))
+        _band(ax, xs, [p["val_loss"] for p in a["curve"]], [p["std"] for p in a["curve"]], label)
+        tail += [p["val_loss"] + p["std"] for p in a["curve"] if p["tokens"] >= 0.25 * xs[-1]]
+        tail += [p["val_loss"] - p["std"] for p in a["curve"] if p["tokens"] >= 0.25 * xs[-1]]
+    if tail:  # the first evaluations (loss ~ log(vocab)) would flatten the comparison
+        lo, hi = min(tail), max(tail)
+        ax.set_ylim(lo - 0.05 * (hi - lo + 1e-9), hi + 0.05 * (hi - lo + 1e-9))
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title(f"{result['experiment']}: validation loss, mean +- std over seeds")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    if "qk" in axes:
+        ax = axes["qk"]
+        for a in arms:
+            traces = [t for t in a["qk_max_logit"] if t]
+            if not traces:
+                continue
+            steps = sorted(set.intersection(*(set(s for s, _ in t) for t in traces)))
+            vals = [[dict(t)[s] for s in steps] for t in traces]
+            mean = [statistics.fmean(v[i] for v in vals) for i in range(len(steps))]
+            std = [statistics.stdev(v[i] for v in vals) if len(vals) > 1 else 0.0 for i in range(len(steps))]
+            line = _band(ax, steps, mean, std, a["arm"])
+            tau = a["qk_clip_tau"]
+            if tau and tau <= 2 * max(mean):
+                ax.axhline(tau, ls=":", color=line.get_color(), lw=1)
+        ax.set_xlabel("step")
+        ax.set_ylabel("max scaled QK logit (all MLA heads)")
+        ax.set_title("QK max logit (dotted: an arm's tau)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if "sweep" in axes:
+        ax = axes["sweep"]
+        for arm, s in result["sweep"].items():
+            pts = sorted((float(next(iter(r["values"].values()))), r["final_val_loss"])
+                         for r in s["runs"] if r["final_val_loss"] is not None and len(r["values"]) == 1)
+            if pts:
+                ax.plot(*zip(*pts), "o-", label=f"{arm} (seed {s['seed']})")
+        ax.set_xscale("log")
+        ax.set_xlabel(" ".join(k for k, _ in result.get("sweep_keys", [])) or "swept value")
+        ax.set_ylabel("final validation loss")
+        ax.set_title("the sweep (diverged runs are missing)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def plot_cost(results: List[dict], out: Path) -> Optional[Path]:
+    """Final validation loss (mean +- std) against training FLOPs and against training seconds, every arm
+    of every experiment."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [(r["experiment"], a) for r in results for a in r["arms"] if a["mean"] is not None]
+    if not points:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), dpi=110)
+    colors = {name: f"C{i}" for i, name in enumerate(dict.fromkeys(e for e, _ in points))}
+    for ax, key, label in ((axes[0], "train_flops", "training FLOPs (model, forward + backward)"),
+                           (axes[1], "train_seconds", "training seconds (this machine)")):
+        seen, near = set(), {}
+        xs = [a[key] for _, a in points if a[key]]
+        ys = [a["mean"] for _, a in points]
+        dx, dy = 0.02 * (max(xs) - min(xs)) if xs else 0.0, 0.02 * (max(ys) - min(ys))
+        for name, a in points:
+            if a[key] is None:
+                continue
+            ax.errorbar(a[key], a["mean"], yerr=a["std"] or 0.0, fmt="o", color=colors[name], capsize=3,
+                        label=None if name in seen else name)
+            seen.add(name)
+            # arms at (nearly) the same point, e.g. the baseline configuration in several experiments:
+            # their labels stacked instead of printed over each other
+            spot = (round(a[key] / dx) if dx else 0, round(a["mean"] / dy) if dy else 0)
+            k = near[spot] = near.get(spot, -1) + 1
+            ax.annotate(a["arm"], (a[key], a["mean"]), fontsize=7, color=colors[name], xytext=(4, 3 + 8 * k),
+                        textcoords="offset points")
+        xs = [a[key] for _, a in points if a[key]]
+        if xs and max(xs) > 3 * min(xs):
+            ax.set_xscale("log")
+        ax.set_xlabel(label)
+        ax.set_ylabel("final validation loss, mean +- std over seeds")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_title("cost vs loss: every arm of every experiment")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def markdown(results: List[dict], out_dir: Path) -> str:
+    """The README section, generated from the results."""
+    lines = ["<!-- generated by `python -m kimi.ablate report`; do not edit by hand -->", ""]
+    for r in results:
+        base = r["baseline"]
+        scale = r["scale"]
+        lines += [f"**{r['experiment']}** ({scale['steps']} steps of {scale['tokens_per_step']:,} tokens; "
+                  f"baseline `{base}`, final validation loss {_fmt(r['baseline_final_val_loss'])}):", ""]
+        extra_qk = any(a["qk_clipped_frac_mean"] for a in r["arms"])  # QK-Clip acted in some arm
+        head = ["arm", "params", "train FLOPs", "final val loss (mean +- std)", "seeds", "vs baseline",
+                "verdict", "tokens to baseline's loss", "compute multiplier", "tokens/s"]
+        if r["sweep"]:
+            swept = sorted({k for s in r["sweep"].values() for k in (s["chosen"] or {})})
+            head.insert(1, "chosen " + ", ".join(swept))
+        if extra_qk:
+            head += ["QK-Clip: heads clipped per step (mean)", "QK max logit at the end"]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for a in r["arms"]:
+            std = f" +- {a['std']:.4f}" if a["std"] is not None else ""
+            cells = [f"`{a['arm']}`", _human(a["params"]), _human(a["train_flops"]),
+                     f"{_fmt(a['mean'])}{std}", str(len(a["seeds"])),
+                     "-" if a["delta"] is None or a["arm"] == base else f"{a['delta']:+.4f}", a["verdict"],
+                     "not reached" if a["tokens_to_baseline"] is None and a["mean"] is not None
+                     else _fmt(a["tokens_to_baseline"], ",.0f"),
+                     _fmt(a["compute_multiplier"], ".2f") + ("x" if a["compute_multiplier"] else ""),
+                     _fmt(a["tokens_per_s"], ",.0f")]
+            if r["sweep"]:
+                s = r["sweep"].get(a["arm"], {})
+                chosen = s.get("chosen") or {}
+                edge = " (grid edge)" if s.get("at_grid_edge") else ""
+                cells.insert(1, ", ".join(chosen.values()) + edge)
+            if extra_qk:
+                cells += [_fmt(a["qk_clipped_frac_mean"], ".3f"), _fmt(a["qk_max_logit_final"], ".2f")]
+            lines.append("| " + " | ".join(cells) + " |")
+        if r["sweep"]:
+            lines += ["", "The sweep (final validation loss on seed "
+                      + ", ".join(sorted({str(s['seed']) for s in r['sweep'].values()})) + "):", ""]
+            keys = {json.dumps(run["values"], sort_keys=True)
+                    for s in r["sweep"].values() for run in s["runs"]}
+            cols = sorted(keys, key=lambda k: [float(v) if _isfloat(v) else v
+                                               for v in json.loads(k).values()])
+            lines += ["| arm | " + " | ".join(", ".join(json.loads(c).values()) for c in cols) + " |",
+                      "|" + "---|" * (len(cols) + 1)]
+            for arm, s in r["sweep"].items():
+                by = {json.dumps(run["values"], sort_keys=True): run for run in s["runs"]}
+                lines.append(f"| `{arm}` | " + " | ".join(
+                    "-" if c not in by else by[c]["status"] if by[c]["final_val_loss"] is None
+                    else _fmt(by[c]["final_val_loss"]) for c in cols) + " |")
+        paper, ours = PAPERS.get(r["experiment"], (None, None))
+        if paper:
+            arm = next((a for a in r["arms"] if a["arm"] == ours), None)
+            if arm and arm["compute_multiplier"]:
+                m = arm["compute_multiplier"]
+                measured = (f"`{ours}` reached `{base}`'s final loss with {1 / m:.2f}x its training FLOPs (a "
+                            f"compute multiplier of {m:.2f}x); verdict on the final loss: {arm['verdict']}")
+            elif arm and arm["mean"] is not None:
+                measured = (f"`{ours}` did not reach `{base}`'s final loss; verdict on the final loss: "
+                            f"{arm['verdict']}")
+            else:
+                measured = "no finished runs of that arm"
+            lines += ["", f"Papers: {paper}. Here: {measured}."]
+        if r["failed"]:
+            lines += ["", "Failed runs (not counted): " + ", ".join(f"`{f}`" for f in r["failed"]) + "."]
+        lines += ["", f"![{r['experiment']}]({_rel(out_dir / (r['experiment'] + '.png'))})", ""]
+    lines += [RULE + " The compute multiplier is the baseline's training FLOPs to its own final loss over "
+              "the arm's FLOPs to the same loss (from the seed-mean curves, interpolated between "
+              "evaluations): above 1 the arm is more compute-efficient. tokens/s is the mean training "
+              "throughput on the machine the runs shared.", "",
+              f"![cost vs loss]({_rel(out_dir / 'cost_vs_loss.png')})", ""]
+    return "\n".join(lines)
+
+
+def _isfloat(v: str) -> bool:
+    try:
+        float(v)
+        return True
+    except ValueError:
+        return False
+
+
+def _rel(p: Path) -> str:
+    try:
+        return str(Path(p).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(p)
+
+
+def report(names: Sequence[str], root: Path, out: Path, log=print) -> List[dict]:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name in names:
+        exp = load_experiment(name)
+        result = analyse(exp, root)
+        if result is None:
+            log(f"[ablate] {name}: no runs in {Path(root) / name}")
+            continue
+        result["sweep_keys"] = exp.sweep
+        (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+        plot_experiment(result, out / f"{name}.png")
+        results.append(result)
+        log(f"[ablate] {name}: wrote {out / (name + '.json')} and {out / (name + '.png')}")
+    if not results:
+        raise AblateError(f"no finished ablation runs under {root}: run python -m kimi.ablate NAME first")
+    plot_cost(results, out / "cost_vs_loss.png")
+    section = markdown(results, out)
+    (out / "README_section.md").write_text(section)
+    log(section)
+    log(f"[ablate] wrote {out / 'cost_vs_loss.png'} and {out / 'README_section.md'}")
+    return results
+
+
