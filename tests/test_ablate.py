@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, TINY_TRAINER, corpus_overrides
 
-from kimi import ablate
+from kimi import ablate, checkpoint
 from kimi.metrics import read_metrics
 
 # What each arm must set, and which keys an arm may change at all (everything else equal to the baseline).
@@ -44,16 +44,6 @@ def _compose(*overrides: str):
         return compose("config", overrides=["trainer.run_dir=unused", *overrides])
 
 
-def _flat(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def test_each_experiment_varies_one_factor():
     from omegaconf import OmegaConf
 
@@ -61,7 +51,7 @@ def test_each_experiment_varies_one_factor():
     for name, (arms, allowed) in ARMS.items():
         exp = ablate.load_experiment(name)  # also checks hydra.sweep.subdir against the runner's names
         assert exp.arms == list(arms) and exp.seeds == [1, 2, 3], name
-        configs = {a: _flat(OmegaConf.to_container(_compose(f"+experiment={name}", f"+ablate/{name}={a}")))
+        configs = {a: checkpoint.flatten(OmegaConf.to_container(_compose(f"+experiment={name}", f"+ablate/{name}={a}")))
                    for a in exp.arms}
         base = configs[exp.baseline]
         scale = (base["trainer.max_steps"], base["trainer.eval_every"], base["model.name"])

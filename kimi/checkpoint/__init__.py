@@ -411,16 +411,17 @@ _UNREPORTED = ("trainer.run_dir", "trainer.resume", "trainer.overwrite")
 def config_changes(saved: Dict[str, Any], config: Dict[str, Any]) -> List[str]:
     """'key: checkpoint value -> this run's value' for every setting that differs (the run's values apply:
     model, tokenizer and optimizer changes are refused by check_compatible before this is asked)."""
-    old, new = _flatten(saved), _flatten(config)
+    old, new = flatten(saved), flatten(config)
     keys = sorted((set(old) | set(new)) - set(_UNREPORTED))
     return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}" for k in keys if old.get(k) != new.get(k)]
 
 
-def _flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+def flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """A nested dict as one level of dotted keys ("trainer.max_steps")."""
     out: Dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
