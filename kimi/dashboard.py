@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from kimi.diagnostics import attnres_matrix
-from kimi.diagnostics.record import Matrix  # rows, columns, values (nan: not logged)
+from kimi.diagnostics.record import Matrix, natural_key  # Matrix: rows, columns, values (nan: not logged)
+from kimi.diagnostics.render import draw_heatmap
 
 Record = Dict[str, Any]
 STYLES = ("-", "--", ":", "-.")
@@ -77,14 +77,10 @@ def series(records: Sequence[Record], key: str) -> Tuple[List[int], List[float]]
     return [s for s, _ in pts], [v for _, v in pts]
 
 
-def _natural(s: str) -> list:
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
-
-
 def keys_under(runs: Sequence[Run], prefix: str, depth: int = 1) -> List[str]:
     """The distinct key suffixes after `prefix` of `depth` parts (split on '/'), in natural order."""
     found = {k[len(prefix):] for run in runs for r in run.records for k in r if k.startswith(prefix)}
-    return sorted((k for k in found if k and len(k.split("/")) == depth), key=_natural)
+    return sorted((k for k in found if k and len(k.split("/")) == depth), key=natural_key)
 
 
 # ---- panels ------------------------------------------------------------------------------------------------
@@ -178,24 +174,6 @@ def _last_attnres(run: Run) -> Tuple[Optional[Matrix], Optional[int]]:
     return None, None
 
 
-def _heatmap(ax, fig, matrix: Matrix, title: str) -> None:
-    rows, cols, values = matrix
-    im = ax.imshow(values, cmap="viridis", vmin=0.0, aspect="auto")
-    ax.set_xticks(range(len(cols)), cols, rotation=45, ha="right", fontsize=7)
-    ax.set_yticks(range(len(rows)), rows, fontsize=7)
-    ax.set_xlabel("source")
-    ax.set_ylabel("sublayer")
-    if len(rows) * len(cols) <= 150:
-        top = max((x for r in values for x in r if not math.isnan(x)), default=1.0)
-        for i, row in enumerate(values):
-            for j, v in enumerate(row):
-                if not math.isnan(v):
-                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6,
-                            color="white" if v < 0.5 * top else "black")
-    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
-    ax.set_title(title, fontsize=9)
-
-
 def draw(run_dirs: Sequence[Path], out: Path, columns: int = 3) -> Dashboard:
     """The dashboard of `run_dirs` as one PNG at `out`."""
     runs = load_runs(run_dirs)
@@ -235,7 +213,7 @@ def draw(run_dirs: Sequence[Path], out: Path, columns: int = 3) -> Dashboard:
     if matrix is not None:
         ax = flat[len(have)]
         title = f"{ATTNRES_TITLE}: {runs[0].label}, step {step}"
-        _heatmap(ax, fig, matrix, title)
+        draw_heatmap(ax, fig, matrix, title, "source", "sublayer", "{:.2f}", "viridis", 0.0, 1.0)
         titles.append(title)
     for ax in flat[n:]:
         ax.axis("off")

@@ -90,7 +90,7 @@ def _qk_heads(tallies: Sequence, cfg: ModelConfig, tau: Optional[float]) -> Dict
             acc = heads.setdefault(layer, [-math.inf] * cfg.mla_num_heads)
             for h, v in enumerate(values, start=first):
                 acc[h] = max(acc[h], v)
-    heads = {layer: heads[layer] for layer in sorted(heads, key=_natural)}
+    heads = {layer: heads[layer] for layer in sorted(heads, key=natural_key)}
     record = {f"qk_max_logit/{layer}/h{h}": v for layer, values in heads.items() for h, v in enumerate(values)}
     if clip:  # QK-Clip's stats computed as it computes them (fp32), here over every pipeline stage's layers
         stats = {}
@@ -105,7 +105,8 @@ def _qk_heads(tallies: Sequence, cfg: ModelConfig, tau: Optional[float]) -> Dict
 
 
 # ---- parsers: a record (one line of metrics.jsonl) back into matrices -----------------------------------
-def _natural(name: str) -> list:
+def natural_key(name: str) -> list:
+    """Sort key that orders the numbers inside names as numbers (blocks.10 after blocks.9)."""
     return [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", name)]
 
 
@@ -145,12 +146,12 @@ def attnres_matrix(record: Dict[str, float]) -> Matrix:
 
 def head_matrix(record: Dict[str, float]) -> Matrix:
     """(MLA layers, heads "h0".., max scaled logit[layer][head]), layers in depth order."""
-    return _grid(record, r"qk_max_logit/(.+)/(h\d+)", _natural, _natural)
+    return _grid(record, r"qk_max_logit/(.+)/(h\d+)", natural_key, natural_key)
 
 
 def moe_matrix(record: Dict[str, float]) -> Matrix:
     """(MoE blocks, experts "e0".., fraction of the routed tokens[block][expert])."""
-    return _grid(record, r"moe/load/(\d+)/(e\d+)", _natural, _natural)
+    return _grid(record, r"moe/load/(\d+)/(e\d+)", natural_key, natural_key)
 
 
 def per_block(record: Dict[str, float], name: str) -> Dict[int, float]:

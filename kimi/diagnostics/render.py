@@ -12,18 +12,14 @@ from .record import Matrix, attnres_matrix, head_matrix, moe_matrix, per_block
 Table = Tuple[List[str], List[list]]  # (columns, rows)
 
 
-def _heatmap(path: Path, matrix: Matrix, title: str, xlabel: str, ylabel: str, fmt: str, cmap: str,
-             vmin: Optional[float] = None, vmax: Optional[float] = None) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def draw_heatmap(ax, fig, matrix: Matrix, title: str, xlabel: str, ylabel: str, fmt: str = "{:.2f}",
+                 cmap: str = "viridis", vmin: Optional[float] = None, vmax: Optional[float] = None) -> None:
+    """`matrix` as a heatmap on `ax` (of `fig`), NaN cells blank, the values written in while legible; the
+    run dir's PNGs and kimi.dashboard's AttnRes panel."""
     import numpy as np
 
     rows, cols, values = matrix
     data = np.ma.masked_invalid(np.array(values, dtype=float))
-    fig, ax = plt.subplots(figsize=(min(max(5.5, 2.5 + 0.55 * len(cols)), 24), min(2.2 + 0.4 * len(rows), 24)),
-                           dpi=100)
     image = ax.imshow(data, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto")
     ax.set_xticks(range(len(cols)), cols, rotation=60, ha="right", fontsize=8)
     ax.set_yticks(range(len(rows)), rows, fontsize=8)
@@ -37,6 +33,19 @@ def _heatmap(path: Path, matrix: Matrix, title: str, xlabel: str, ylabel: str, f
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     fig.colorbar(image, ax=ax)
+
+
+def _heatmap(path: Path, matrix: Matrix, title: str, xlabel: str, ylabel: str, fmt: str, cmap: str,
+             vmin: Optional[float] = None, vmax: Optional[float] = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, cols, _ = matrix
+    fig, ax = plt.subplots(figsize=(min(max(5.5, 2.5 + 0.55 * len(cols)), 24), min(2.2 + 0.4 * len(rows), 24)),
+                           dpi=100)
+    draw_heatmap(ax, fig, matrix, title, xlabel, ylabel, fmt, cmap, vmin, vmax)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
