@@ -331,8 +331,8 @@ class Trainer:
         t = self.cfg.trainer
         peak = PeakFlops(self.device, t.peak_flops, self.dims.world)  # MFU over all devices
         self.log(peak.describe() + "\n" + ProgressWindow.header(t.log_every))
-        if self.diagnostics.note():
-            self.log(self.diagnostics.note())
+        if note := self.diagnostics.note():
+            self.log(note)
         tokens_per_step = t.micro_batch_size * t.seq_len * t.grad_accum_steps * self.dims.dp
         if self.step == 0 and t.eval_every:  # the starting point of the validation curve
             self._validate_and_report({"step": 0})

@@ -144,7 +144,9 @@ def plan_run(exp: Experiment, root: Path, arm: str, values: Dict[str, str], seed
 
 def complete_at(run_dir: Path, step: int) -> bool:
     """Whether the run dir holds a complete checkpoint of `step` (its COMPLETE marker is written last)."""
-    return (run_dir / "checkpoints" / f"step_{step:08d}" / "COMPLETE").is_file()
+    from kimi import checkpoint
+
+    return (checkpoint.step_dir(run_dir / "checkpoints", step) / checkpoint.COMPLETE).is_file()
 
 
 def exit_code(run_dir: Path) -> Optional[int]:
