@@ -78,9 +78,10 @@ def test_overrides_that_erase_the_factor_are_refused(tmp_path):
     """An override after -- applies to every arm: one that sets the swept key or makes two arms equal would
     waste the study, so nothing runs."""
     with pytest.raises(ablate.AblateError, match="sweeps optim.lr"):
-        ablate.run_study(["ablate_optimizer"], tmp_path, [1], ["optim.lr=0.01"], dry_run=True, log=print)
+        ablate.run_study(["ablate_optimizer"], tmp_path, tmp_path, [1], ["optim.lr=0.01"], dry_run=True, log=print)
     with pytest.raises(ablate.AblateError, match="arms all_mla and hybrid_3to1 are the same config"):
-        ablate.run_study(["ablate_mixer"], tmp_path, [1], ["model.mla_every=2"], dry_run=True, log=print)
+        ablate.run_study(["ablate_mixer"], tmp_path, tmp_path, [1], ["model.mla_every=2"], dry_run=True,
+                         log=print)
     assert not any(tmp_path.iterdir())
 
 
@@ -103,7 +104,7 @@ def test_runner_end_to_end_then_report_then_resume(tmp_path, data, capsys):
 
     root, out = tmp_path / "runs", tmp_path / "results"
     cmd = [sys.executable, "-m", "kimi.ablate", "ablate_muon_split", "--seeds", "1", "--steps", "2", "--root",
-           str(root), "--quiet", "--", *TINY_TRAINER, *data, "trainer.eval_every=1"]
+           str(root), "--out", str(out), "--quiet", "--", *TINY_TRAINER, *data, "trainer.eval_every=1"]
     first = _run(cmd)
     assert "2 trained" in first.splitlines()[-1], first
     runs = {arm: root / "ablate_muon_split" / f"{arm}_seed1" for arm in ("whole", "split")}
@@ -144,6 +145,20 @@ def test_runner_end_to_end_then_report_then_resume(tmp_path, data, capsys):
         h, w = matplotlib.image.imread(out / png).shape[:2]
         assert w > 1000 and h > 400, (png, w, h)
 
+    # each run left a record in <out>/runs: without the run dirs (a fresh clone of a committed study) the
+    # runs are still finished and the report is the same
+    recs = {r["run"]: r for r in ablate.records.of_experiment(out, "ablate_muon_split")}
+    assert set(recs) == {"whole_seed1", "split_seed1"} and recs["whole_seed1"]["status"] == "done"
+    assert recs["whole_seed1"]["fingerprint"] != recs["split_seed1"]["fingerprint"]
+    import shutil
+
+    shutil.rmtree(root)
+    assert ablate.main(cmd[3:]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("[ablate] 2 done;")
+    assert not root.exists() or not any(root.rglob("metrics.jsonl"))  # nothing trained
+    again = ablate.report(["ablate_muon_split"], root, out, log=lambda _: None)[0]
+    assert [a["final_val_loss"] for a in again["arms"]] == [a["final_val_loss"] for a in result["arms"]]
+
 
 def test_hydra_multirun_names_runs_like_the_runner(tmp_path, data):
     """train.py -m +experiment=ablate_residual: one run dir per arm, named as kimi.ablate names them."""
@@ -163,16 +178,19 @@ def test_hydra_multirun_names_runs_like_the_runner(tmp_path, data):
 _CONFIGS: dict = {}
 
 
-def _fake_run(run: Path, arm: str, lr: str, seed: int, final: float | None, steps: int = 600) -> None:
+def _fake_run(run: Path, arm: str, lr: str | None, seed: int, final: float | None, steps: int = 600,
+              experiment: str = "ablate_optimizer") -> None:
     """A finished run dir without training: config.yaml as train.py writes it, a linear validation curve from
     7.0 to `final`, the COMPLETE marker (final None: a run that diverged and exited with 1)."""
     from omegaconf import OmegaConf
 
-    if arm not in _CONFIGS:
-        _CONFIGS[arm] = _compose("+experiment=ablate_optimizer", f"+ablate/ablate_optimizer={arm}",
-                                 "model.vocab_size=2048")
-    cfg = _CONFIGS[arm].copy()
-    cfg.optim.lr, cfg.trainer.seed = float(lr), seed
+    if (experiment, arm) not in _CONFIGS:
+        _CONFIGS[experiment, arm] = _compose(f"+experiment={experiment}", f"+ablate/{experiment}={arm}",
+                                             "model.vocab_size=2048")
+    cfg = _CONFIGS[experiment, arm].copy()
+    cfg.trainer.seed = seed
+    if lr is not None:
+        cfg.optim.lr = float(lr)
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     records = [{"event": "start", "step": 0}]
@@ -206,15 +224,17 @@ def test_sweep_then_seeds_and_statistics(tmp_path):
         for lr, final in losses.items():
             _fake_run(root / exp.name / exp.run_name(arm, {"optim.lr": lr}, 1), arm, lr, 1, final)
     lines: list = []
-    counts = ablate.run_study([exp.name], root, [1, 2], [], dry_run=True, log=lines.append)
+    out = tmp_path / "out"
+    counts = ablate.run_study([exp.name], root, out, [1, 2], [], dry_run=True, log=lines.append)
     assert counts["done"] == 8 and counts["skipped"] == 1 and counts["planned"] == 3, lines
     planned = sorted(line.split()[1].rstrip(":") for line in lines if "would run" in line)
     assert planned == ["adamw_lr0.003_seed2", "adamw_qkclip_lr0.001_seed2", "muonclip_lr0.01_seed2"]
-    retried = ablate.run_study([exp.name], root, [1, 2], [], dry_run=True, retry_failed=True,
+    retried = ablate.run_study([exp.name], root, out, [1, 2], [], dry_run=True, retry_failed=True,
                                log=lambda _: None)
     assert retried["planned"] == 4
     with pytest.raises(ablate.AblateError, match="started with trainer.max_steps=600, this study runs 300"):
-        ablate.run_study([exp.name], root, [1, 2], ["trainer.max_steps=300"], dry_run=True, log=lambda _: None)
+        ablate.run_study([exp.name], root, out, [1, 2], ["trainer.max_steps=300"], dry_run=True,
+                         log=lambda _: None)
 
     # the seeds' runs, then the report: adamw 4.0/4.02 (baseline), adamw_qkclip 4.01/4.03 (a tie), muonclip
     # 3.8/3.82 (a win)
@@ -239,3 +259,46 @@ def test_sweep_then_seeds_and_statistics(tmp_path):
     section = (tmp_path / "out" / "README_section.md").read_text()
     assert "Moonlight" in section and "0.01 (grid edge)" in section and "diverged" not in section
     assert "| `adamw_qkclip` | 4.0100 | 4.0500 | failed |" in section
+
+
+def test_the_same_run_in_two_experiments_is_trained_once(tmp_path):
+    """The default config is an arm of four experiments: its fingerprint is the same in each (and no other
+    arm's is), and once one of them has finished, the others reuse its record instead of training."""
+    def fp(name, arm, seed=1, values=None):
+        exp = ablate.load_experiment(name)
+        return ablate.study.run_fingerprint(ablate.study.plan_run(exp, tmp_path, arm, values or {}, seed), [])
+
+    default = fp("ablate_qk_clip", "tau100")
+    assert fp("ablate_mixer", "hybrid_3to1") == fp("ablate_residual", "attnres_block") == default
+    assert fp("ablate_optimizer", "muonclip", values={"optim.lr": "0.003"}) == default
+    others = [fp("ablate_mixer", "all_mla"), fp("ablate_residual", "standard"), fp("ablate_qk_clip", "off"),
+              fp("ablate_muon_split", "split"), fp("ablate_qk_clip", "tau100", seed=2),
+              fp("ablate_optimizer", "muonclip", values={"optim.lr": "0.01"}),
+              fp("ablate_optimizer", "adamw_qkclip", values={"optim.lr": "0.003"})]
+    assert default not in others and len(set(others)) == len(others)
+
+    root, out = tmp_path / "runs", tmp_path / "out"
+    _fake_run(root / "ablate_qk_clip" / "tau100_seed1", "tau100", None, 1, 3.9, experiment="ablate_qk_clip")
+    quiet = lambda _: None  # noqa: E731
+    # a run dir finished before records were kept gets one (nothing is trained: it is done)
+    counts = ablate.run_study(["ablate_qk_clip"], root, out, [1], [], arms=["tau100"], log=quiet)
+    assert counts["done"] == 1 and counts["trained"] == 0
+    original = ablate.records.read(out, "ablate_qk_clip", "tau100_seed1")
+    assert original["fingerprint"] == default and original["final_val_loss"] == pytest.approx(3.9)
+
+    lines: list = []
+    counts = ablate.run_study(["ablate_residual"], root, out, [1, 2], [], arms=["attnres_block"],
+                              dry_run=True, log=lines.append)
+    assert counts["shared"] == 1 and counts["planned"] == 1, lines  # seed 2 has no twin
+    assert not (out / "runs" / "ablate_residual").exists()  # a dry run writes nothing
+    counts = ablate.run_study(["ablate_residual"], root, out, [1], [], arms=["attnres_block"], log=quiet)
+    assert counts["shared"] == 1 and counts["trained"] == 0
+    twin = ablate.records.read(out, "ablate_residual", "attnres_block_seed1")
+    assert twin["same_as"] == "ablate_qk_clip/tau100_seed1" and twin["arm"] == "attnres_block"
+    assert twin["evals"] == original["evals"]
+    again = ablate.run_study(["ablate_residual"], root, out, [1], [], arms=["attnres_block"], log=quiet)
+    assert again["done"] == 1 and again["shared"] == 0
+    result = ablate.report(["ablate_residual"], root, out, log=quiet)[0]
+    assert result["arms"][0]["final_val_loss"] == [pytest.approx(3.9)]
+    section = (out / "README_section.md").read_text()
+    assert "`attnres_block_seed1` is `ablate_qk_clip/tau100_seed1`" in section

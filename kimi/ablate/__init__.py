@@ -25,9 +25,17 @@ Any other key in ``hydra.sweeper.params`` is a sweep run on the first seed only 
 When the config has them (``logging.wandb.group`` / ``.tags``), every run is grouped under its experiment and
 tagged with its arm and seed (docs/dashboards.md); ``logging.wandb.name`` is ``<NAME>/<run directory>``.
 
-``report`` reads the finished runs and writes, per experiment, ``<out>/<NAME>.json`` and ``<out>/<NAME>.png``
-(validation loss per arm, mean +- std over seeds), ``<out>/cost_vs_loss.png`` over all experiments, and
-``<out>/README_section.md``, which it also prints (docs/ablations.md says what each number means).
+Each finished run (done, or failed) leaves a record, ``<out>/runs/<NAME>/<run>.json``
+(kimi/ablate/records.py): its validation curve, speed, cost and config fingerprint. A run with a record counts
+as finished even where its run directory is gone, so a study whose records are committed continues, and its
+report is redrawn, in a fresh clone. A run whose config and seed equal a finished run of another experiment
+(the default model is the middle arm of several) is not trained again: its record points at that run
+(``same_as``).
+
+``report`` reads the records (and run directories that have none yet) and writes, per experiment,
+``<out>/<NAME>.json`` and ``<out>/<NAME>.png`` (validation loss per arm, mean +- std over seeds),
+``<out>/cost_vs_loss.png`` over all experiments, and ``<out>/README_section.md``, which it also prints
+(docs/ablations.md says what each number means).
 """
 
 from __future__ import annotations
@@ -37,12 +45,13 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from . import records
 from .report import PAPERS, RULE, analyse, report, tokens_to_reach
 from .study import (DEFAULT_OUT, DEFAULT_ROOT, ORDER, AblateError, experiment_names, load_experiment, run_study,
                     status)
 
 __all__ = ["AblateError", "DEFAULT_OUT", "DEFAULT_ROOT", "ORDER", "PAPERS", "RULE", "analyse", "experiment_names",
-           "load_experiment", "main", "report", "run_study", "status", "tokens_to_reach"]
+           "load_experiment", "main", "records", "report", "run_study", "status", "tokens_to_reach"]
 
 
 # ---- command line ------------------------------------------------------------------------------------------
@@ -61,7 +70,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--arms", nargs="+", help="run only these arms")
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="the runs' directory (runs/ablate)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help="report: the JSON, PNGs and README section go here (bench/results/ablations)")
+                        help="each finished run's record (<out>/runs/NAME/), and the report's JSON, PNGs and "
+                             "README section (bench/results/ablations)")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and their state; train nothing")
     parser.add_argument("--quiet", action="store_true", help="train.py's output only in each run's train.log")
     parser.add_argument("--retry-failed", action="store_true", help="rerun failed runs (exit code 1 or 2)")
@@ -75,12 +85,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       f"{' '.join(map(str, exp.seeds))}{sweep}")
             return 0
         if args.names[0] == "report":
-            names = args.names[1:] or [n for n in experiment_names() if (args.root / n).is_dir()]
+            names = args.names[1:] or [n for n in experiment_names()
+                                       if (args.root / n).is_dir() or (args.out / "runs" / n).is_dir()]
             report(names, args.root, args.out)
             return 0
         names = experiment_names() if args.names == ["all"] else args.names
         user = ([f"trainer.max_steps={args.steps}"] if args.steps else []) + overrides
-        counts = run_study(names, args.root, args.seeds, user, args.arms, args.dry_run, args.quiet,
+        counts = run_study(names, args.root, args.out, args.seeds, user, args.arms, args.dry_run, args.quiet,
                            args.retry_failed)
     except AblateError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -97,5 +108,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return exit_code_for(e)
     summary = ", ".join(f"{v} {k}" for k, v in counts.items() if v)
     print(f"[ablate] {summary or 'nothing to do'}; report: python -m kimi.ablate report "
-          + " ".join(names) + (f" --root {args.root}" if args.root != DEFAULT_ROOT else ""))
+          + " ".join(names) + (f" --root {args.root}" if args.root != DEFAULT_ROOT else "")
+          + (f" --out {args.out}" if args.out != DEFAULT_OUT else ""))
     return 1 if counts["failed"] else 0

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
-from .study import ROOT, AblateError, Experiment, Run, load_experiment, status
+from . import records
+from .study import ROOT, AblateError, Experiment, Run, load_experiment
 
 # The papers' directions, set beside ours in the report (docs/ablations.md)
 PAPERS = {
@@ -34,60 +35,6 @@ def tokens_to_reach(evals: List[dict], target: float) -> Optional[float]:
             frac = (a["val_loss"] - target) / (a["val_loss"] - b["val_loss"])
             return a["tokens"] + frac * (b["tokens"] - a["tokens"])
     return None
-
-
-_COST_CACHE: Dict[str, Tuple[int, float]] = {}
-
-
-def model_cost(model: Dict[str, Any], seq_len: int) -> Tuple[int, float]:
-    """(parameters, training FLOPs per token) of a run's model config, built on the meta device."""
-    key = json.dumps([model, seq_len], sort_keys=True)
-    if key not in _COST_CACHE:
-        import torch
-
-        from kimi.config import ModelConfig
-        from kimi.model import KimiModel
-
-        with torch.device("meta"):
-            m = KimiModel(ModelConfig(**model))
-        _COST_CACHE[key] = (m.num_params(), m.flops_per_token(seq_len))
-    return _COST_CACHE[key]
-
-
-def read_run(run: Run) -> Optional[dict]:
-    """What the report needs of one run dir; None if it has no config.yaml yet."""
-    from omegaconf import OmegaConf
-
-    from kimi.metrics import read_metrics
-
-    cfg_path, metrics = run.dir / "config.yaml", run.dir / "metrics.jsonl"
-    if not cfg_path.is_file() or not metrics.is_file():
-        return None
-    cfg = OmegaConf.to_container(OmegaConf.load(cfg_path))
-    t = cfg["trainer"]
-    max_steps, tokens_per_step = t["max_steps"], t["micro_batch_size"] * t["seq_len"] * t["grad_accum_steps"]
-    records = read_metrics(metrics)
-    logged = [r for r in records if "tokens_per_s" in r and r.get("tokens_per_s")]
-    if logged and logged[0].get("tokens"):
-        tokens_per_step = round(logged[0]["tokens"] / logged[0]["step"])  # all ranks together
-    evals = [{"step": r["step"], "tokens": r["step"] * tokens_per_step, "val_loss": r["val_loss"]}
-             for r in records if "val_loss" in r]
-    seconds, prev = 0.0, 0
-    for r in logged:  # training time only: each logging window's tokens over its rate
-        seconds += (r["tokens"] - prev) / r["tokens_per_s"]
-        prev = r["tokens"]
-    clip = [r["qk_clipped_frac"] for r in records if "qk_clipped_frac" in r]
-    logits = [(r["step"], r["qk_max_logit"]) for r in records if "qk_max_logit" in r]
-    params, fpt = model_cost(cfg["model"], t["seq_len"])
-    st = status(run.dir, max_steps)
-    return {"run": run.name, "dir": str(run.dir), "arm": run.arm, "values": run.values, "seed": run.seed,
-            "status": st, "max_steps": max_steps, "tokens_per_step": tokens_per_step,
-            "final_val_loss": next((e["val_loss"] for e in reversed(evals) if e["step"] == max_steps), None)
-            if st == "done" else None,
-            "evals": evals, "train_seconds": seconds, "tokens_per_s": prev / seconds if seconds else None,
-            "params": params, "flops_per_token": fpt, "qk_clip_tau": cfg["optim"].get("qk_clip_tau"),
-            "qk_clipped_frac_mean": sum(clip) / len(clip) if clip else None,
-            "qk_max_logit": logits, "qk_max_logit_final": logits[-1][1] if logits else None}
 
 
 def _mean_std(xs: List[float]) -> Tuple[Optional[float], Optional[float]]:
@@ -118,18 +65,18 @@ def _human(x: float) -> str:
     return f"{x:.0f}"
 
 
-def analyse(exp: Experiment, root: Path) -> Optional[dict]:
-    """Every arm's statistics from the experiment's run dirs (None if it has no runs)."""
+def analyse(exp: Experiment, root: Path, out: Path) -> Optional[dict]:
+    """Every arm's statistics from the experiment's records (<out>/runs/<NAME>/) and its run dirs that have
+    none yet (runs under way); None if it has no runs."""
     exp_dir = Path(root) / exp.name
-    if not exp_dir.is_dir():
-        return None
-    runs = []
-    for d in sorted(p for p in exp_dir.iterdir() if p.is_dir()):
+    found = {r["run"]: r for r in records.of_experiment(out, exp.name) if exp.parse_name(r["run"])}
+    for d in sorted(p for p in exp_dir.iterdir() if p.is_dir()) if exp_dir.is_dir() else []:
         parsed = exp.parse_name(d.name)
-        if parsed:
-            info = read_run(Run(exp, *parsed, d))
+        if parsed and d.name not in found:
+            info = records.summarise(Run(exp, *parsed, d))
             if info:
-                runs.append(info)
+                found[d.name] = info
+    runs = [found[k] for k in sorted(found)]
     if not runs:
         return None
     # the sweep: each arm's values with the lowest final loss on the sweep's seed (sweep.json's, else the
@@ -165,6 +112,7 @@ def analyse(exp: Experiment, root: Path) -> Optional[dict]:
         arms_out.append({
             "arm": arm, "values": ref["values"], "seeds": sorted(r["seed"] for r in done),
             "incomplete": sorted((r["run"], r["status"]) for r in mine if r["final_val_loss"] is None),
+            "shared": sorted((r["run"], r["same_as"]) for r in done if r.get("same_as")),
             "final_val_loss": finals, "mean": mean, "std": std,
             "params": ref["params"], "flops_per_token": ref["flops_per_token"],
             "tokens": ref["max_steps"] * ref["tokens_per_step"],
@@ -197,7 +145,7 @@ def analyse(exp: Experiment, root: Path) -> Optional[dict]:
         a["compute_multiplier"] = (None if need is None or not base_need or not a["flops_to_baseline"] else
                                    base_need * base["flops_per_token"] / a["flops_to_baseline"])
     ref = runs[0]
-    return {"experiment": exp.name, "baseline": exp.baseline, "rule": RULE, "root": str(exp_dir),
+    return {"experiment": exp.name, "baseline": exp.baseline, "rule": RULE, "root": _rel(exp_dir),
             "scale": {"steps": ref["max_steps"], "tokens_per_step": ref["tokens_per_step"]},
             "baseline_final_val_loss": target, "sweep": sweep, "arms": arms_out,
             "paper": PAPERS.get(exp.name, (None, None))[0],
@@ -360,6 +308,10 @@ def markdown(results: List[dict], out_dir: Path) -> str:
             if extra_qk:
                 cells += [_fmt(a["qk_clipped_frac_mean"], ".3f"), _fmt(a["qk_max_logit_final"], ".2f")]
             lines.append("| " + " | ".join(cells) + " |")
+        shared = [f"`{run}` is `{other}`" for a in r["arms"] for run, other in a["shared"]]
+        if shared:
+            lines += ["", "Trained once for two experiments (the same config and seed): " + "; ".join(shared)
+                      + "."]
         if r["sweep"]:
             lines += ["", "The sweep (final validation loss on seed "
                       + ", ".join(sorted({str(s['seed']) for s in r['sweep'].values()})) + "):", ""]
@@ -419,9 +371,9 @@ def report(names: Sequence[str], root: Path, out: Path, log=print) -> List[dict]
     results = []
     for name in names:
         exp = load_experiment(name)
-        result = analyse(exp, root)
+        result = analyse(exp, root, out)
         if result is None:
-            log(f"[ablate] {name}: no runs in {Path(root) / name}")
+            log(f"[ablate] {name}: no runs in {Path(root) / name} or {records.path(out, name, '*')}")
             continue
         result["sweep_keys"] = exp.sweep
         (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from . import records
+
 ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = ROOT / "conf"
 DEFAULT_ROOT = Path("runs/ablate")
@@ -199,9 +201,9 @@ def train_overrides(run: Run, user: Sequence[str]) -> List[str]:
             *user, f"hydra.run.dir={run.dir}"]
 
 
-def arm_config(exp: Experiment, arm: str, user: Sequence[str]) -> Dict[str, Any]:
-    """An arm's config under the user's overrides, composed as train.py would compose it (which also refuses
-    a misspelt override before hours of runs), as plain containers."""
+def arm_config(exp: Experiment, arm: str, user: Sequence[str], run: Sequence[str] = ()) -> Dict[str, Any]:
+    """An arm's config under the user's overrides (and a run's sweep values and seed), composed as train.py
+    would compose it (which also refuses a misspelt override before hours of runs), as plain containers."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -209,11 +211,34 @@ def arm_config(exp: Experiment, arm: str, user: Sequence[str]) -> Dict[str, Any]
     from kimi.config import register_configs
 
     register_configs()
-    check_overrides([f"+experiment={exp.name}", f"+{exp.arm_group}={arm}", *user], str(CONF_DIR))
+    overrides = [f"+experiment={exp.name}", f"+{exp.arm_group}={arm}", *run, *user]
+    check_overrides(overrides, str(CONF_DIR))
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["trainer.run_dir=unused", f"+experiment={exp.name}",
-                                           f"+{exp.arm_group}={arm}", *user])
+        cfg = compose("config", overrides=["trainer.run_dir=unused", *overrides])
     return OmegaConf.to_container(cfg, resolve=False)
+
+
+def run_fingerprint(run: Run, user: Sequence[str]) -> str:
+    """records.fingerprint of the config the run trains with."""
+    values = [f"{k}={v}" for k, v in run.values.items()]
+    return records.fingerprint(arm_config(run.exp, run.arm, user, [*values, f"trainer.seed={run.seed}"]))
+
+
+def outcome(run: Run, out: Path, max_steps: int) -> Tuple[str, Optional[float]]:
+    """(status, final validation loss) of a run: its record's if it has one, else its run dir's."""
+    rec = records.read(out, run.exp.name, run.name)
+    if rec is not None:
+        return rec["status"], rec["final_val_loss"]
+    st = status(run.dir, max_steps)
+    return st, final_val_loss(run.dir, max_steps) if st == "done" else None
+
+
+def record_run(run: Run, out: Path, user: Sequence[str]) -> None:
+    """Write the record of a finished (done or failed) run dir."""
+    info = records.summarise(run)
+    if info is not None:
+        info.pop("dir")
+        records.write(out, run.exp.name, {**info, "fingerprint": run_fingerprint(run, user)})
 
 
 def check_factor_kept(exp: Experiment, configs: Dict[str, Dict[str, Any]], user: Sequence[str]) -> None:
@@ -244,15 +269,14 @@ def final_val_loss(run_dir: Path, max_steps: int) -> Optional[float]:
     return vals[-1] if vals else None
 
 
-def choose(exp: Experiment, root: Path, arm: str, seed: int,
+def choose(exp: Experiment, root: Path, out: Path, arm: str, seed: int,
            max_steps: int) -> Tuple[Optional[Dict[str, str]], dict]:
     """The sweep values of `arm` with the lowest final validation loss on `seed` (None until every sweep run
     is done or failed; a failed run counts as infinite loss), and the table {run name: loss or None}."""
     table, best, best_loss, pending = {}, None, math.inf, False
     for values in exp.grid():
         run = plan_run(exp, root, arm, values, seed)
-        st = status(run.dir, max_steps)
-        loss = final_val_loss(run.dir, max_steps) if st == "done" else None
+        st, loss = outcome(run, out, max_steps)
         table[run.name] = {"values": values, "status": st, "final_val_loss": loss}
         if st in ("new", "partial"):
             pending = True
@@ -290,12 +314,13 @@ def _run_train(run: Run, overrides: List[str], quiet: bool) -> int:
                 print("\n".join(f"    {line}" for line in tail), flush=True)
 
 
-def run_study(names: Sequence[str], root: Path, seeds: Optional[Sequence[int]], user: Sequence[str],
-              arms: Optional[Sequence[str]] = None, dry_run: bool = False, quiet: bool = False,
-              retry_failed: bool = False, log=print) -> Dict[str, int]:
-    """Run (or, dry, list) every run of the experiments `names`; returns counts by outcome."""
-    counts = {"done": 0, "trained": 0, "failed": 0, "skipped": 0, "planned": 0, "waiting": 0}
-    root = Path(root).resolve()
+def run_study(names: Sequence[str], root: Path, out: Path, seeds: Optional[Sequence[int]],
+              user: Sequence[str], arms: Optional[Sequence[str]] = None, dry_run: bool = False,
+              quiet: bool = False, retry_failed: bool = False, log=print) -> Dict[str, int]:
+    """Run (or, dry, list) every run of the experiments `names`, keeping each finished run's record in `out`;
+    returns counts by outcome."""
+    counts = {"done": 0, "shared": 0, "trained": 0, "failed": 0, "skipped": 0, "planned": 0, "waiting": 0}
+    root, out = Path(root).resolve(), Path(out)
     for name in names:
         exp = load_experiment(name)
         chosen_arms = list(arms) if arms else exp.arms
@@ -311,7 +336,24 @@ def run_study(names: Sequence[str], root: Path, seeds: Optional[Sequence[int]], 
             f"{' '.join(map(str, exp_seeds))}, {steps[chosen_arms[0]]} steps{swept}; runs in {root / name}")
 
         def one(run: Run, max_steps: int) -> str:
-            st = status(run.dir, max_steps)
+            rec = records.read(out, name, run.name)
+            st = rec["status"] if rec else status(run.dir, max_steps)
+            if rec is None and st in ("done", "failed") and not dry_run:
+                record_run(run, out, user)  # finished before records were kept, or its record was lost
+            if st == "new":
+                same = records.find_done(out, run_fingerprint(run, user))
+                if same is not None:
+                    counts["shared"] += 1
+                    log(f"[ablate]   {run.name}: the same config and seed as {same['experiment']}/"
+                        f"{same['run']}, which is done: its result is this run's too")
+                    if not dry_run:
+                        mine = {"run": run.name, "arm": run.arm, "values": run.values, "seed": run.seed,
+                                "same_as": f"{same['experiment']}/{same['run']}"}
+                        theirs = {k: v for k, v in same.items() if k != "experiment"}
+                        records.write(out, name, {**theirs, **mine})
+                    return "done"
+            if st == "failed" and retry_failed and rec is not None and not dry_run:
+                records.path(out, name, run.name).unlink()
             args = train_overrides(run, user)
             started = started_steps(run.dir)
             if st in ("partial", "failed") and started not in (None, max_steps):
@@ -335,6 +377,8 @@ def run_study(names: Sequence[str], root: Path, seeds: Optional[Sequence[int]], 
             t0 = time.perf_counter()
             code = _run_train(run, args, quiet)
             took = time.perf_counter() - t0
+            if code in (0, 1, 2):
+                record_run(run, out, user)
             if code == 0:
                 counts["trained"] += 1
                 log(f"[ablate]   {run.name}: done in {took:.0f} s")
@@ -359,7 +403,7 @@ def run_study(names: Sequence[str], root: Path, seeds: Optional[Sequence[int]], 
         record = json.loads(record_path.read_text()) if record_path.is_file() else {}
         record.update({"seed": first, "grid": {k: v for k, v in exp.sweep}, "rule": "lowest final val_loss"})
         for arm in chosen_arms:
-            best, table = choose(exp, root, arm, first, steps[arm])
+            best, table = choose(exp, root, out, arm, first, steps[arm])
             record.setdefault("arms", {})[arm] = {"chosen": best, "runs": table}
             if best is None:
                 if rest:
