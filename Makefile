@@ -74,7 +74,7 @@ GPU_WHEEL_TARGET := --python-version 3.12 --implementation cp --platform manylin
                     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 GPU_NEEDS := hydra omegaconf antlr4 datasets dill multiprocess fla
 
-.PHONY: train test venv venv-dev bench clean-venv gpu-check gpu-wheels
+.PHONY: train test venv venv-dev bench clean-venv gpu-check gpu-wheels dashboard-sample
 
 train: $(VENV)/.installed
 	$(PY) train.py $(ARGS)
@@ -107,6 +107,20 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) bench/kda.py
+
+# A short run with the diagnostics at its evaluation steps, logged to wandb offline; its PNG dashboard, the
+# trainer's diagnostics PNGs of its last step and what its offline wandb record holds, read back, go to
+# bench/results/dashboard/ (about 2 minutes on 2 CPU cores; a second call resumes the finished run: no training)
+SAMPLE_DIR ?= runs/dashboard_sample
+dashboard-sample: $(VENV)/.installed
+	$(PY) train.py trainer.max_steps=200 trainer.eval_every=50 logging.wandb.mode=offline \
+	  logging.wandb.name=dashboard_sample logging.wandb.group=dashboard_sample hydra.run.dir=$(SAMPLE_DIR)
+	mkdir -p bench/results/dashboard
+	$(PY) -m kimi.dashboard $(SAMPLE_DIR) --out bench/results/dashboard/dashboard.png
+	$(PY) -m kimi.wandb_offline $(SAMPLE_DIR) --json bench/results/dashboard/wandb_offline.json \
+	  | tee bench/results/dashboard/wandb_offline.txt
+	cp $(SAMPLE_DIR)/diagnostics/attnres_step_00000200.png $(SAMPLE_DIR)/diagnostics/qk_heads_step_00000200.png \
+	  bench/results/dashboard/
 
 gpu-check:
 	@if [ -d "$(GPU_WHEELS)" ] && ! $(GPU_PYTHON) -c "import importlib.util as u, sys; \

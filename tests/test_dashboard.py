@@ -128,6 +128,19 @@ def test_command_line(tmp_path, real_run):
     assert f"wrote {out}" in proc.stdout and f"{len(ALL) + 1} panels" in proc.stdout
     assert out.stat().st_size > 50_000
 
+
 def test_a_directory_without_metrics_is_refused(tmp_path, capsys):
     assert dashboard.main([str(tmp_path / "nothing")]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_wandb_offline_reader_refuses_what_is_not_an_offline_run(tmp_path, capsys):
+    from kimi import wandb_offline
+
+    assert wandb_offline.main([str(tmp_path)]) == 2
+    assert "logging.wandb.mode=offline" in capsys.readouterr().err
+    bad = tmp_path / "wandb" / "offline-run-1" / "run-1.wandb"
+    bad.parent.mkdir(parents=True)
+    bad.write_bytes(b"not wandb")
+    assert wandb_offline.main([str(tmp_path)]) == 2
+    assert "is not a wandb run file" in capsys.readouterr().err

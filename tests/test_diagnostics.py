@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
-import zlib
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from helpers import tiny_model_cfg
 from layout_runs import data, final_weights, overrides, single_process, torchrun  # noqa: F401 (fixture)
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from kimi import wandb_offline
 from kimi.config import Config, ConfigError, validate
 from kimi.diagnostics import attnres_matrix, head_matrix, moe_matrix
 from kimi.diagnostics.observe import Tally, observe
@@ -222,47 +221,15 @@ def test_every_step_logs_each_building_block(runs, tmp_path):
     assert pngs == [f"{kind}_step_0000000{s}.png" for kind in ("attnres", "qk_heads") for s in (1, 2, 3)]
 
 
-def read_wandb(path: Path) -> list:
-    """The records of a .wandb file, parsed with wandb's protobuf Record. The file is a LevelDB-style log
-    (wandb 0.31 dropped the Python reader, its Go core writes it): a 7-byte header, then 32 KiB blocks of
-    chunks, each [crc32 of type + data (4), length (2), type (1): full 1, first 2, middle 3, last 4]."""
-    from wandb.proto import wandb_internal_pb2
-
-    data, block = path.read_bytes(), 32768
-    assert data[:4] == b":W&B"
-    records, pending, pos = [], b"", 7
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a block's tail too short for a header is padding
-            pos += block - pos % block
-            continue
-        crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
-        if kind == 0:
-            continue
-        assert zlib.crc32(bytes([kind]) + chunk) == crc
-        pending += chunk
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-            pending = b""
-    return records
-
-
 def test_wandb_offline_holds_the_keys_images_and_tables(runs):
     [path] = (runs["on"] / "wandb").glob("offline-run-*/run-*.wandb")
-    records = read_wandb(path)
+    records = wandb_offline.read_records(path)
     [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert run.run_group == "ablation" and list(run.tags) == ["muonclip", "seed=1"]
-    history = {}
-    for r in records:
-        if r.WhichOneof("record_type") == "history":
-            items = history.setdefault(r.history.step.num, {})
-            for item in r.history.item:
-                items.setdefault(item.nested_key[0], {})[".".join(item.nested_key[1:])] = json.loads(item.value_json)
+    history = wandb_offline.history(records)
     logged = diagnostics(runs["on"])
     for step in (1, 2, 3):
-        scalars = {k: v[""] for k, v in history[step].items() if "" in v}
+        scalars = {k: v for k, v in history[step].items() if not isinstance(v, dict)}
         assert scalars.items() >= logged[step].items()  # every diagnostics key, the same value
         for key in ("diagnostics/attnres", "diagnostics/qk_heads"):
             assert history[step][key]["_type"] == "image-file"
@@ -273,6 +240,12 @@ def test_wandb_offline_holds_the_keys_images_and_tables(runs):
             assert table["_type"] == "table-file" and table["nrows"] == rows
             saved = json.loads((path.parent / "files" / table["path"]).read_text())
             assert saved["columns"][0] in ("sublayer", "layer", "block") and len(saved["data"]) == rows
+    # the command's summary of the same file
+    summary = wandb_offline.contents(runs["on"])
+    assert summary["run"]["group"] == "ablation" and summary["scalars"]["kda/decay_mean/0"] == 3
+    assert {k: (m["type"], m["steps"], m["files_present"]) for k, m in summary["media"].items()} == {
+        **{f"diagnostics/{k}": ("image-file", [1, 2, 3], True) for k in ("attnres", "qk_heads")},
+        **{f"diagnostics/{k}_table": ("table-file", [1, 2, 3], True) for k in ("attnres", "qk_heads", "moe_load")}}
 
 
 def test_two_fsdp_ranks_diagnose_like_one_process(runs):

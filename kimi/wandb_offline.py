@@ -1,0 +1,152 @@
+"""What a run's offline wandb record holds, read back with wandb's own protobuf types, before (or instead of)
+``wandb sync``: the run's name, group and tags, and per key how many steps logged it, with the images and
+tables among them.
+
+    python -m kimi.wandb_offline RUN_DIR [--json OUT]
+
+The ``.wandb`` file is a LevelDB-style log (wandb 0.31 has no Python reader of its own; its Go core writes the
+file): a 7-byte header, then 32 KiB blocks of chunks, each [crc32 of type + data (4), length (2), type (1):
+full 1, first 2, middle 3, last 4]; a record is one full chunk or a first, middles and a last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+import sys
+import zlib
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+_BLOCK = 32768
+
+
+class WandbFileError(ValueError):
+    pass
+
+
+def read_records(path: Path) -> list:
+    """The records (wandb_internal_pb2.Record) of a .wandb file, in order."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    if data[:4] != b":W&B":
+        raise WandbFileError(f"{path} is not a wandb run file (it does not start with ':W&B')")
+    records, pending, pos = [], b"", 7
+    while pos + 7 <= len(data):
+        if _BLOCK - pos % _BLOCK < 7:  # a block's tail too short for a header is padding
+            pos += _BLOCK - pos % _BLOCK
+            continue
+        crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            continue
+        if zlib.crc32(bytes([kind]) + chunk) != crc:
+            raise WandbFileError(f"{path}: a chunk at byte {pos - 7 - length} fails its CRC (a torn write?)")
+        pending += chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def run_file(run_dir: Path) -> Path:
+    """The newest offline wandb file of a run directory."""
+    found = sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise WandbFileError(f"{run_dir} has no wandb/offline-run-*/run-*.wandb: was it trained with "
+                             "logging.wandb.mode=offline?")
+    return found[-1]
+
+
+def history(records: Sequence) -> Dict[int, Dict[str, Any]]:
+    """{step: {key: value}} of the history records; an image's or a table's value is its JSON description
+    (``_type`` image-file / table-file, ``path`` under the run's files/)."""
+    out: Dict[int, Dict[str, Any]] = {}
+    for r in records:
+        if r.WhichOneof("record_type") != "history":
+            continue
+        items = out.setdefault(r.history.step.num, {})
+        for item in r.history.item:
+            # a scalar is one key; a media value arrives as its fields, [key, field] each
+            key, *field = list(item.nested_key) or [item.key]
+            value = json.loads(item.value_json)
+            if field:
+                items.setdefault(key, {})[".".join(field)] = value
+            else:
+                items[key] = value
+    return out
+
+
+def contents(run_dir: Path) -> Dict[str, Any]:
+    """A summary of the run's offline wandb record (what the command prints)."""
+    path = run_file(run_dir)
+    records = read_records(path)
+    runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    steps = history(records)
+    scalars: Dict[str, int] = {}
+    media: Dict[str, Dict[str, Any]] = {}
+    for step in sorted(steps):
+        for key, value in steps[step].items():
+            if isinstance(value, dict) and value.get("_type") in ("image-file", "table-file"):
+                m = media.setdefault(key, {"type": value["_type"], "steps": []})
+                m["steps"].append(step)
+                if value["_type"] == "table-file":
+                    m["nrows"], m["ncols"] = value.get("nrows"), value.get("ncols")
+                m["files_present"] = m.get("files_present", True) and (path.parent / "files" /
+                                                                       value["path"]).is_file()
+            elif not key.startswith("_"):
+                scalars[key] = scalars.get(key, 0) + 1
+    run = runs[0] if runs else None
+    return {"file": str(path), "run": None if run is None else {
+                "name": run.display_name, "project": run.project, "group": run.run_group,
+                "tags": list(run.tags)},
+            "steps": len(steps), "first_step": min(steps, default=None), "last_step": max(steps, default=None),
+            "scalars": dict(sorted(scalars.items())), "media": media}
+
+
+def render(summary: Dict[str, Any]) -> List[str]:
+    run = summary["run"] or {}
+    lines = [f"{summary['file']}",
+             f"run {run.get('name')!r} project {run.get('project')!r} group {run.get('group')!r} tags "
+             f"{run.get('tags')}",
+             f"{summary['steps']} logged steps ({summary['first_step']} to {summary['last_step']})"]
+    families: Dict[str, List[str]] = {"(top level)": []}
+    for key in summary["scalars"]:
+        families.setdefault(key.split("/", 1)[0] if "/" in key else "(top level)", []).append(key)
+    lines.append(f"{len(summary['scalars'])} scalar keys:")
+    for family, keys in families.items():
+        if not keys:
+            continue
+        counts = sorted({summary["scalars"][k] for k in keys})
+        shown = ", ".join(keys[:4]) + (f", ... ({len(keys)} keys)" if len(keys) > 4 else "")
+        lines.append(f"  {family}: {shown}; logged at {'/'.join(map(str, counts))} steps")
+    for key, m in summary["media"].items():
+        size = f", {m['nrows']} rows x {m['ncols']} columns" if m["type"] == "table-file" else ""
+        files = "" if m["files_present"] else " (some files missing)"
+        lines.append(f"  {m['type']} {key}: steps {' '.join(map(str, m['steps']))}{size}{files}")
+    return lines
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kimi.wandb_offline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", type=Path, metavar="RUN_DIR")
+    parser.add_argument("--json", type=Path, help="also write the summary here as JSON")
+    args = parser.parse_args(argv)
+    try:
+        summary = contents(args.run)
+    except (WandbFileError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(render(summary)))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
