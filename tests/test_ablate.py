@@ -158,6 +158,11 @@ def test_runner_end_to_end_then_report_then_resume(tmp_path, data, capsys):
     assert not root.exists() or not any(root.rglob("metrics.jsonl"))  # nothing trained
     again = ablate.report(["ablate_muon_split"], root, out, log=lambda _: None)[0]
     assert [a["final_val_loss"] for a in again["arms"]] == [a["final_val_loss"] for a in result["arms"]]
+    # a study of another scale in the same --out is refused, not answered with these records
+    longer = cmd[3:]
+    longer[longer.index("--steps") + 1] = "3"
+    assert ablate.main(longer) == 2
+    assert "records a run of another config" in capsys.readouterr().err
 
 
 def test_hydra_multirun_names_runs_like_the_runner(tmp_path, data):

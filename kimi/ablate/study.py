@@ -337,6 +337,10 @@ def run_study(names: Sequence[str], root: Path, out: Path, seeds: Optional[Seque
 
         def one(run: Run, max_steps: int) -> str:
             rec = records.read(out, name, run.name)
+            if rec is not None and rec.get("fingerprint") != run_fingerprint(run, user):
+                raise AblateError(f"{records.path(out, name, run.name)} records a run of another config "
+                                  "(another --steps, or other overrides after --) than this study trains: "
+                                  "give this study its own --out (and --root), or move that record away")
             st = rec["status"] if rec else status(run.dir, max_steps)
             if rec is None and st in ("done", "failed") and not dry_run:
                 record_run(run, out, user)  # finished before records were kept, or its record was lost
