@@ -158,6 +158,19 @@ def test_runner_end_to_end_then_report_then_resume(tmp_path, data, capsys):
     assert not root.exists() or not any(root.rglob("metrics.jsonl"))  # nothing trained
     again = ablate.report(["ablate_muon_split"], root, out, log=lambda _: None)[0]
     assert [a["final_val_loss"] for a in again["arms"]] == [a["final_val_loss"] for a in result["arms"]]
+    # --readme puts the section between the README's markers and leaves the rest alone
+    from kimi.ablate.report import README_BEGIN, README_END
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n{README_BEGIN}\nold\n{README_END}\ntail\n")
+    assert ablate.main(["report", "ablate_muon_split", "--root", str(root), "--out", str(out), "--readme",
+                        str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("# title\n") and text.endswith(f"{README_END}\ntail\n")
+    assert "old" not in text and section.strip() in text
+    readme.write_text("no markers\n")
+    assert ablate.main(["report", "--root", str(root), "--out", str(out), "--readme", str(readme)]) == 2
+    assert "has no place for the results" in capsys.readouterr().err
     # a study of another scale in the same --out is refused, not answered with these records
     longer = cmd[3:]
     longer[longer.index("--steps") + 1] = "3"
