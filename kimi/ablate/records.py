@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional, Tuple
 
@@ -110,7 +111,9 @@ def summarise(run) -> Optional[dict]:
             "status": st, "max_steps": max_steps, "tokens_per_step": tokens_per_step,
             "final_val_loss": next((e["val_loss"] for e in reversed(evals) if e["step"] == max_steps), None)
             if st == "done" else None,
-            "evals": evals, "train_seconds": seconds, "tokens_per_s": prev / seconds if seconds else None,
+            # the median window: a stretch slowed by other work on the machine does not move it
+            "evals": evals, "train_seconds": seconds,
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in logged) if logged else None,
             "params": params, "flops_per_token": fpt, "qk_clip_tau": cfg["optim"].get("qk_clip_tau"),
             "qk_clipped_frac_mean": sum(clip) / len(clip) if clip else None,
             "qk_max_logit": logits, "qk_max_logit_final": logits[-1][1] if logits else None}

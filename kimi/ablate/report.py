@@ -344,8 +344,8 @@ def markdown(results: List[dict], out_dir: Path) -> str:
         lines += ["", f"![{r['experiment']}]({_rel(out_dir / (r['experiment'] + '.png'))})", ""]
     lines += [RULE + " The compute multiplier is the baseline's training FLOPs to its own final loss over "
               "the arm's FLOPs to the same loss (from the seed-mean curves, interpolated between "
-              "evaluations): above 1 the arm is more compute-efficient. tokens/s is the mean training "
-              "throughput on the machine the runs shared.", "",
+              "evaluations): above 1 the arm is more compute-efficient. tokens/s is the training throughput "
+              "on the machine the runs shared (each run's median logging window, averaged over seeds).", "",
               f"![cost vs loss]({_rel(out_dir / 'cost_vs_loss.png')})", ""]
     return "\n".join(lines)
 
