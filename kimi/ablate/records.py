@@ -99,10 +99,10 @@ def summarise(run) -> Optional[dict]:
         tokens_per_step = round(logged[0]["tokens"] / logged[0]["step"])  # all ranks together
     evals = [{"step": r["step"], "tokens": r["step"] * tokens_per_step, "val_loss": r["val_loss"]}
              for r in records if "val_loss" in r]
-    seconds, prev = 0.0, 0
-    for r in logged:  # training time only: each logging window's tokens over its rate
-        seconds += (r["tokens"] - prev) / r["tokens_per_s"]
-        prev = r["tokens"]
+    # training speed: the median logging window's, so that a stretch slowed by other work on the machine
+    # moves neither it nor the training time derived from it (evaluation and checkpoints excluded)
+    rate = statistics.median(r["tokens_per_s"] for r in logged) if logged else None
+    trained = logged[-1]["tokens"] if logged else 0
     clip = [r["qk_clipped_frac"] for r in records if "qk_clipped_frac" in r]
     logits = [(r["step"], r["qk_max_logit"]) for r in records if "qk_max_logit" in r]
     params, fpt = model_cost(cfg["model"], t["seq_len"])
@@ -111,9 +111,7 @@ def summarise(run) -> Optional[dict]:
             "status": st, "max_steps": max_steps, "tokens_per_step": tokens_per_step,
             "final_val_loss": next((e["val_loss"] for e in reversed(evals) if e["step"] == max_steps), None)
             if st == "done" else None,
-            # the median window: a stretch slowed by other work on the machine does not move it
-            "evals": evals, "train_seconds": seconds,
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in logged) if logged else None,
+            "evals": evals, "train_seconds": trained / rate if rate else 0.0, "tokens_per_s": rate,
             "params": params, "flops_per_token": fpt, "qk_clip_tau": cfg["optim"].get("qk_clip_tau"),
             "qk_clipped_frac_mean": sum(clip) / len(clip) if clip else None,
             "qk_max_logit": logits, "qk_max_logit_final": logits[-1][1] if logits else None}
