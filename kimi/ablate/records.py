@@ -79,7 +79,7 @@ def model_cost(model: Dict[str, Any], seq_len: int) -> Tuple[int, float]:
 
 
 def summarise(run) -> Optional[dict]:
-    """What the report needs of one run dir (a study.Run), its record without the fingerprint; None if it has
+    """What the report needs of one run dir (a study.Run): its record without the fingerprint; None if it has
     no config.yaml yet."""
     from omegaconf import OmegaConf
 
@@ -107,7 +107,7 @@ def summarise(run) -> Optional[dict]:
     logits = [(r["step"], r["qk_max_logit"]) for r in records if "qk_max_logit" in r]
     params, fpt = model_cost(cfg["model"], t["seq_len"])
     st = status(run.dir, max_steps)
-    return {"run": run.name, "dir": str(run.dir), "arm": run.arm, "values": run.values, "seed": run.seed,
+    return {"run": run.name, "arm": run.arm, "values": run.values, "seed": run.seed,
             "status": st, "max_steps": max_steps, "tokens_per_step": tokens_per_step,
             "final_val_loss": next((e["val_loss"] for e in reversed(evals) if e["step"] == max_steps), None)
             if st == "done" else None,

@@ -233,12 +233,11 @@ def outcome(run: Run, out: Path, max_steps: int) -> Tuple[str, Optional[float]]:
     return st, final_val_loss(run.dir, max_steps) if st == "done" else None
 
 
-def record_run(run: Run, out: Path, user: Sequence[str]) -> None:
+def record_run(run: Run, out: Path, fingerprint: str) -> None:
     """Write the record of a finished (done or failed) run dir."""
     info = records.summarise(run)
     if info is not None:
-        info.pop("dir")
-        records.write(out, run.exp.name, {**info, "fingerprint": run_fingerprint(run, user)})
+        records.write(out, run.exp.name, {**info, "fingerprint": fingerprint})
 
 
 def check_factor_kept(exp: Experiment, configs: Dict[str, Dict[str, Any]], user: Sequence[str]) -> None:
@@ -336,16 +335,16 @@ def run_study(names: Sequence[str], root: Path, out: Path, seeds: Optional[Seque
             f"{' '.join(map(str, exp_seeds))}, {steps[chosen_arms[0]]} steps{swept}; runs in {root / name}")
 
         def one(run: Run, max_steps: int) -> str:
-            rec = records.read(out, name, run.name)
-            if rec is not None and rec.get("fingerprint") != run_fingerprint(run, user):
+            rec, fp = records.read(out, name, run.name), run_fingerprint(run, user)
+            if rec is not None and rec.get("fingerprint") != fp:
                 raise AblateError(f"{records.path(out, name, run.name)} records a run of another config "
                                   "(another --steps, or other overrides after --) than this study trains: "
                                   "give this study its own --out (and --root), or move that record away")
             st = rec["status"] if rec else status(run.dir, max_steps)
             if rec is None and st in ("done", "failed") and not dry_run:
-                record_run(run, out, user)  # finished before records were kept, or its record was lost
+                record_run(run, out, fp)  # finished before records were kept, or its record was lost
             if st == "new":
-                same = records.find_done(out, run_fingerprint(run, user))
+                same = records.find_done(out, fp)
                 if same is not None:
                     counts["shared"] += 1
                     log(f"[ablate]   {run.name}: the same config and seed as {same['experiment']}/"
@@ -382,7 +381,7 @@ def run_study(names: Sequence[str], root: Path, out: Path, seeds: Optional[Seque
             code = _run_train(run, args, quiet)
             took = time.perf_counter() - t0
             if code in (0, 1, 2):
-                record_run(run, out, user)
+                record_run(run, out, fp)
             if code == 0:
                 counts["trained"] += 1
                 log(f"[ablate]   {run.name}: done in {took:.0f} s")
