@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -150,6 +151,11 @@ def test_runner_end_to_end_then_report_then_resume(tmp_path, data, capsys):
     recs = {r["run"]: r for r in ablate.records.of_experiment(out, "ablate_muon_split")}
     assert set(recs) == {"whole_seed1", "split_seed1"} and recs["whole_seed1"]["status"] == "done"
     assert recs["whole_seed1"]["fingerprint"] != recs["split_seed1"]["fingerprint"]
+    for arm, run in runs.items():  # the machine's rate, recovered from the logged MFU: the one the run printed
+        said = re.search(r"MFU against ([\d.]+) ([TGM])FLOP/s", (run / "train.log").read_text())
+        unit = {"T": 1e12, "G": 1e9, "M": 1e6}[said.group(2)]
+        assert recs[f"{arm}_seed1"]["peak_flops"] == pytest.approx(float(said.group(1)) * unit, abs=0.051 * unit)
+    assert "Machine: one kind for every run" in section
     import shutil
 
     shutil.rmtree(root)
@@ -277,6 +283,7 @@ def test_sweep_then_seeds_and_statistics(tmp_path):
     section = (tmp_path / "out" / "README_section.md").read_text()
     assert "Moonlight" in section and "0.01 (grid edge)" in section and "diverged" not in section
     assert "| `adamw_qkclip` | 4.0100 | 4.0500 | failed |" in section
+    assert "compute multiplier of 1.07x); verdict on the final loss: win; this agrees with the paper." in section
 
 
 def test_the_same_run_in_two_experiments_is_trained_once(tmp_path):
@@ -320,3 +327,31 @@ def test_the_same_run_in_two_experiments_is_trained_once(tmp_path):
     assert result["arms"][0]["final_val_loss"] == [pytest.approx(3.9)]
     section = (out / "README_section.md").read_text()
     assert "`attnres_block_seed1` is `ablate_qk_clip/tau100_seed1`" in section
+    assert "verdict on the final loss: no verdict; no verdict yet to set beside the paper" in section
+
+
+def test_the_report_says_whether_each_paper_is_borne_out():
+    """The section's sentence beside each paper follows the verdict on the paper's arm: a tie does not
+    confirm a claimed gain, and 'at least as good' (Kimi Linear) is borne out by a tie."""
+    from kimi.ablate.report import PAPERS, paper_agreement
+
+    _, arm, agreeing = PAPERS["ablate_residual"]
+    assert arm == "attnres_block"
+    assert paper_agreement("win", agreeing) == "this agrees with the paper"
+    assert "not seen at this scale" in paper_agreement("tie", agreeing)
+    assert "disagrees with the paper" in paper_agreement("loss", agreeing)
+    assert paper_agreement("tie", PAPERS["ablate_mixer"][2]) == "this agrees with the paper"
+    assert "disagrees" in paper_agreement("loss", PAPERS["ablate_mixer"][2])
+
+
+def test_the_report_names_the_machines_behind_its_tokens_per_s():
+    """Runs are told apart by the peak their MFU divided by: within 15% is one kind of machine; records
+    without it (older ones) are counted, so a table's tokens/s never silently mix machines."""
+    from kimi.ablate.report import machines_note
+
+    one = machines_note([{"arm": "a", "peak_flops": [370e9, 380e9]}, {"arm": "b", "peak_flops": [375e9]}])
+    assert one == "Machine: one kind for every run (the peak MFU divides by: 375 GFLOP/s (3 runs))."
+    two = machines_note([{"arm": "a", "peak_flops": [64e9, 66e9]}, {"arm": "b", "peak_flops": [375e9, None]}])
+    assert "65 GFLOP/s (2 runs), 375 GFLOP/s (1 run), and 1 run whose record predates it" in two
+    assert two.endswith("tokens/s compare only between runs of one machine.")
+    assert "predate" in machines_note([{"arm": "a", "peak_flops": [None, None]}])

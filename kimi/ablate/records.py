@@ -106,12 +106,16 @@ def summarise(run) -> Optional[dict]:
     clip = [r["qk_clipped_frac"] for r in records if "qk_clipped_frac" in r]
     logits = [(r["step"], r["qk_max_logit"]) for r in records if "qk_max_logit" in r]
     params, fpt = model_cost(cfg["model"], t["seq_len"])
+    # what MFU divided by (on a CPU its fp32 matmul rate, measured at the run's start), from the logged MFU:
+    # it tells the machines apart, so tokens/s are compared only between runs of one kind of machine
+    peaks = [r["tokens_per_s"] * fpt / r["mfu"] for r in logged if r.get("mfu")]
     st = status(run.dir, max_steps)
     return {"run": run.name, "arm": run.arm, "values": run.values, "seed": run.seed,
             "status": st, "max_steps": max_steps, "tokens_per_step": tokens_per_step,
             "final_val_loss": next((e["val_loss"] for e in reversed(evals) if e["step"] == max_steps), None)
             if st == "done" else None,
             "evals": evals, "train_seconds": trained / rate if rate else 0.0, "tokens_per_s": rate,
+            "peak_flops": statistics.median(peaks) if peaks else None,
             "params": params, "flops_per_token": fpt, "qk_clip_tau": cfg["optim"].get("qk_clip_tau"),
             "qk_clipped_frac_mean": sum(clip) / len(clip) if clip else None,
             "qk_max_logit": logits, "qk_max_logit_final": logits[-1][1] if logits else None}

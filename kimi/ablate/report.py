@@ -10,15 +10,29 @@ from typing import List, Optional, Sequence, Tuple
 from . import records
 from .study import ROOT, AblateError, Experiment, Run, load_experiment
 
-# The papers' directions, set beside ours in the report (docs/ablations.md)
+# The papers' directions, set beside ours in the report (docs/ablations.md): the claim, the arm it is about,
+# and the verdicts against the baseline that agree with it
 PAPERS = {
     "ablate_optimizer": ("Moonlight (arXiv 2502.16982): Muon reaches AdamW's loss with about half the "
-                         "training FLOPs (~2x compute efficiency)", "muonclip"),
+                         "training FLOPs (~2x compute efficiency)", "muonclip", ("win",)),
     "ablate_residual": ("Attention Residuals (arXiv 2603.15031): Block AttnRes matches the baseline trained "
-                        "with ~1.25x the compute", "attnres_block"),
+                        "with ~1.25x the compute", "attnres_block", ("win",)),
     "ablate_mixer": ("Kimi Linear (arXiv 2510.26692): the 3:1 KDA:MLA hybrid is at least as good as all-MLA "
-                     "attention", "hybrid_3to1"),
+                     "attention", "hybrid_3to1", ("win", "tie")),
 }
+
+
+def paper_agreement(verdict: str, agreeing: Sequence[str]) -> str:
+    """Whether our verdict on the paper's arm agrees with the paper's claim, said plainly."""
+    if verdict in agreeing:
+        return "this agrees with the paper"
+    if verdict == "tie":
+        return "the paper's gain is not seen at this scale: the difference is within the seed spread"
+    if verdict in ("win", "loss"):
+        return f"this disagrees with the paper: at this scale the arm is a {verdict} against the baseline"
+    return "no verdict yet to set beside the paper (the baseline or a second seed is missing)"
+
+
 RULE = ("An arm wins (or loses) against the baseline only when the gap between their mean final validation "
         "losses is larger than the sum of their standard deviations over seeds; a smaller gap is a tie at "
         "this scale, and with one seed there is no verdict.")
@@ -126,6 +140,7 @@ def analyse(exp: Experiment, root: Path, out: Path) -> Optional[dict]:
                                              if r["qk_max_logit_final"] is not None])[0],
             "curve": _mean_curve(done),
             "qk_max_logit": [r["qk_max_logit"] for r in sorted(done, key=lambda r: r["seed"])],
+            "peak_flops": [r.get("peak_flops") for r in sorted(done, key=lambda r: r["seed"])],
         })
     base = next((a for a in arms_out if a["arm"] == exp.baseline and a["mean"] is not None), None)
     target = base["mean"] if base else None
@@ -148,8 +163,32 @@ def analyse(exp: Experiment, root: Path, out: Path) -> Optional[dict]:
     return {"experiment": exp.name, "baseline": exp.baseline, "rule": RULE, "root": _rel(exp_dir),
             "scale": {"steps": ref["max_steps"], "tokens_per_step": ref["tokens_per_step"]},
             "baseline_final_val_loss": target, "sweep": sweep, "arms": arms_out,
-            "paper": PAPERS.get(exp.name, (None, None))[0],
+            "paper": PAPERS[exp.name][0] if exp.name in PAPERS else None,
             "failed": sorted(r["run"] for r in runs if r["status"] == "failed")}
+
+
+def machines_note(arms: List[dict], same: float = 0.15) -> str:
+    """Which machines an experiment's runs trained on, told apart by the peak their MFU divided by (a CPU's
+    measured fp32 matmul rate; runs within `same` of each other count as one kind of machine)."""
+    runs = [(a["arm"], rate) for a in arms for rate in a.get("peak_flops", [])]
+    known = sorted(rate for _, rate in runs if rate)
+    missing = len(runs) - len(known)
+    kinds: List[List[float]] = []
+    for rate in known:
+        if kinds and rate <= kinds[-1][0] * (1 + same):
+            kinds[-1].append(rate)
+        else:
+            kinds.append([rate])
+    names = ", ".join(f"{statistics.median(k) / 1e9:.0f} GFLOP/s ({len(k)} run{'s' * (len(k) != 1)})"
+                      for k in kinds)
+    if not kinds:
+        return "Machine: not in these records (they predate it), so tokens/s may mix machines."
+    if len(kinds) == 1 and not missing:
+        return f"Machine: one kind for every run (the peak MFU divides by: {names})."
+    text = f"Machines, by the peak MFU divides by: {names}"
+    if missing:
+        text += f", and {missing} run{'s' * (missing != 1)} whose record predates it"
+    return text + ": tokens/s compare only between runs of one machine."
 
 
 def _band(ax, xs, mean, std, label, color=None):
@@ -243,7 +282,7 @@ def plot_cost(results: List[dict], out: Path) -> Optional[Path]:
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), dpi=110)
     colors = {name: f"C{i}" for i, name in enumerate(dict.fromkeys(e for e, _ in points))}
     for ax, key, label in ((axes[0], "train_flops", "training FLOPs (model, forward + backward)"),
-                           (axes[1], "train_seconds", "training seconds (this machine)")):
+                           (axes[1], "train_seconds", "training seconds (on the machines that ran them)")):
         seen, near = set(), {}
         xs = [a[key] for _, a in points if a[key]]
         ys = [a["mean"] for _, a in points]
@@ -326,8 +365,8 @@ def markdown(results: List[dict], out_dir: Path) -> str:
                 lines.append(f"| `{arm}` | " + " | ".join(
                     "-" if c not in by else by[c]["status"] if by[c]["final_val_loss"] is None
                     else _fmt(by[c]["final_val_loss"]) for c in cols) + " |")
-        paper, ours = PAPERS.get(r["experiment"], (None, None))
-        if paper:
+        if r["experiment"] in PAPERS:
+            paper, ours, agreeing = PAPERS[r["experiment"]]
             arm = next((a for a in r["arms"] if a["arm"] == ours), None)
             if arm and arm["compute_multiplier"]:
                 m = arm["compute_multiplier"]
@@ -338,14 +377,18 @@ def markdown(results: List[dict], out_dir: Path) -> str:
                             f"{arm['verdict']}")
             else:
                 measured = "no finished runs of that arm"
+            if arm and arm["mean"] is not None:
+                measured += "; " + paper_agreement(arm["verdict"], agreeing)
             lines += ["", f"Papers: {paper}. Here: {measured}."]
+        lines += ["", machines_note(r["arms"])]
         if r["failed"]:
             lines += ["", "Failed runs (not counted): " + ", ".join(f"`{f}`" for f in r["failed"]) + "."]
         lines += ["", f"![{r['experiment']}]({_rel(out_dir / (r['experiment'] + '.png'))})", ""]
     lines += [RULE + " The compute multiplier is the baseline's training FLOPs to its own final loss over "
               "the arm's FLOPs to the same loss (from the seed-mean curves, interpolated between "
               "evaluations): above 1 the arm is more compute-efficient. tokens/s is the training throughput "
-              "on the machine the runs shared (each run's median logging window, averaged over seeds).", "",
+              "(each run's median logging window, averaged over seeds), on the machines each experiment's "
+              "line names; the training seconds of the cost plot follow from it.", "",
               f"![cost vs loss]({_rel(out_dir / 'cost_vs_loss.png')})", ""]
     return "\n".join(lines)
 
