@@ -206,11 +206,17 @@ def test_fused_l2norm_and_gate_match_pytorch():
         assert rel(a.double(), b) < 1e-5, name
 
 
+# Two fp32 paths through the whole model differ by their rounding, which depends on the CPU's kernels: each is
+# held to the fp64 model instead. Measured worst gradient (A_log, packed) against fp64: PyTorch 2.8e-6,
+# Triton 8.7e-6 on an AVX-512/AMX Xeon.
+MODEL_GRAD_RTOL = 3e-5
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_model_training_step_matches_pytorch_path(packed):
     """The tiny model's loss and every parameter gradient with model.kda_backend=triton (interpreted: chunk
-    kernels, fused L2 norm and gate) equal the PyTorch path's, for a plain batch and for packed documents
-    (cu_seqlens from document boundaries)."""
+    kernels, fused L2 norm and gate, fp32) equal the PyTorch path's in fp64, for a plain batch and for packed
+    documents (cu_seqlens from document boundaries)."""
     from helpers import tiny_model_cfg
 
     from kimi.model import KimiModel
@@ -222,17 +228,18 @@ def test_model_training_step_matches_pytorch_path(packed):
         starts = torch.zeros(1, 39, dtype=torch.bool)
         starts[0, [0, 13, 15]] = True
     results = []
-    for backend in ("torch", "triton"):
+    for backend, dtype in (("torch", F64), ("triton", torch.float32)):
         torch.manual_seed(1)
-        model = KimiModel(tiny_model_cfg(kda_backend=backend))
+        model = KimiModel(tiny_model_cfg(kda_backend=backend)).to(dtype)
         logits = model(ids[:, :-1], doc_starts=starts)
         loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
         results.append((loss, {n: p.grad for n, p in model.named_parameters()}))
     (loss_ref, grads_ref), (loss, grads) = results
-    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=0)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), loss_ref, rtol=1e-6, atol=0)
     for name, grad in grads.items():
-        assert rel(grad, grads_ref[name]) < 1e-5, name
+        assert rel(grad.double(), grads_ref[name]) < MODEL_GRAD_RTOL, name
 
 
 @torch.no_grad()
