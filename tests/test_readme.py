@@ -70,6 +70,13 @@ SKIPPED = {
                                                                 "steps with trainer.seed=1",
     ".venv/bin/python -m kimi.ablate report": "needs the study's runs; tests/test_ablate.py reports a 2-step "
                                               "experiment with the same command",
+    ".venv/bin/python -m kimi.ablate ablate_mixer --arms all_mla hybrid_3to1 --root runs/ablate_rope16 "
+    "--out bench/results/ablations/rope16 -- model.qk_rope_head_dim=16":
+        "6 runs of 600 steps (20 minutes); tests/test_ablate.py runs the runner end to end at 2 steps with "
+        "--root, --out and overrides, and a study limited to some arms",
+    ".venv/bin/python -m kimi.ablate report ablate_mixer --root runs/ablate_rope16 "
+    "--out bench/results/ablations/rope16": "needs those runs (their records are committed); tests/test_ablate.py "
+                                            "reports with --root and --out",
     ".venv/bin/python -m kimi.dashboard runs/ablate/ablate_residual/standard_seed1 "
     "runs/ablate/ablate_residual/attnres_block_seed1 --out dashboard.png":
         "needs the study's runs; tests/test_dashboard.py draws a trained run and one with every diagnostic key "
