@@ -5,6 +5,7 @@ two runs' losses and final weights."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -49,11 +50,19 @@ def torchrun(nproc: int, run: Path | None, args: list[str], check: bool = True) 
     script = [str(ROOT / "train.py"), f"hydra.run.dir={run}"] if run is not None else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            *script, *args]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=600)
+    # faulthandler: a rank killed by a signal in native code prints its Python stack first
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"},
+                          capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:
         pytest.fail(f"torchrun exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+def native_crash(proc: subprocess.CompletedProcess) -> str | None:
+    """torchrun's line for a rank that died of SIGSEGV or SIGBUS (a crash inside torch's native code, not a
+    Python error of ours), or None."""
+    return next((line.strip() for line in proc.stderr.splitlines()
+                 if "exitcode" in line and any(f"-{n} " in line for n in (signal.SIGSEGV, signal.SIGBUS))), None)
 
 
 def metrics(run: Path) -> tuple[list[float], list[float]]:
