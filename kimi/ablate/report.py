@@ -28,8 +28,8 @@ def paper_agreement(verdict: str, agreeing: Sequence[str]) -> str:
         return "this agrees with the paper"
     if verdict == "tie":
         return "the paper's gain is not seen at this scale: the difference is within the seed spread"
-    if verdict in ("win", "loss"):
-        return f"this disagrees with the paper: at this scale the arm is a {verdict} against the baseline"
+    if verdict == "loss":  # every claim counts a win as agreeing
+        return "this disagrees with the paper: at this scale the arm loses to the baseline"
     return "no verdict yet to set beside the paper (the baseline or a second seed is missing)"
 
 
@@ -170,9 +170,9 @@ def analyse(exp: Experiment, root: Path, out: Path) -> Optional[dict]:
 def machines_note(arms: List[dict], same: float = 0.15) -> str:
     """Which machines an experiment's runs trained on, told apart by the peak their MFU divided by (a CPU's
     measured fp32 matmul rate; runs within `same` of each other count as one kind of machine)."""
-    runs = [(a["arm"], rate) for a in arms for rate in a.get("peak_flops", [])]
-    known = sorted(rate for _, rate in runs if rate)
-    missing = len(runs) - len(known)
+    rates = [rate for a in arms for rate in a.get("peak_flops", [])]
+    known = sorted(rate for rate in rates if rate)
+    missing = len(rates) - len(known)
     kinds: List[List[float]] = []
     for rate in known:
         if kinds and rate <= kinds[-1][0] * (1 + same):
