@@ -4,7 +4,7 @@ For each ZeRO stage and optimizer the trainer runs under torchrun on --ranks ran
 deepspeed; gradient accumulation 2 by default, so an optimizer that orthogonalises per micro-batch shows
 it), on the same model and batches:
 
-- muonclip: ours, a client optimizer over DeepSpeed's partitions (kimi/optim/zero.py): each matrix
+- muonclip: ours, a client optimizer over DeepSpeed's partitions (kimi/parallel/zero_client.py): each matrix
   orthogonalised once per step by one owner rank;
 - deepspeed_muon: DeepSpeed's own ``"optimizer": {"type": "Muon"}`` (its Newton-Schulz, its lr scale, no
   QK-Clip), built here as a baseline engine through the same seam;

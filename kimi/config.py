@@ -8,19 +8,22 @@ per-key rule (a block size of zero, an unknown residual mode) and every cross-ke
 split over parallel.tp, more pipeline stages than blocks, degrees whose product is not the number of
 processes). Each failure is a one-line :class:`ConfigError` that names the key(s) and how to fix it.
 
-This module is pure data: it imports neither torch nor the rest of kimi (it is imported first).
+This module is pure data: it imports neither torch nor the rest of kimi (it is imported first), but for the
+engines' torch-free names and rules (kimi/parallel/engine_rules.py).
 """
 
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import math
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from omegaconf import DictConfig, OmegaConf
+
+# the engines' names and rules, torch-free (kimi.parallel imports its other modules on first use)
+from kimi.parallel.engine_rules import ENGINES, engine_problem
 
 # ---- keys that take one of a fixed set of values ---------------------------------------------------------
 # The installed OmegaConf (2.3) rejects typing.Literal in structured configs ("Unexpected type annotation:
@@ -42,7 +45,6 @@ WANDB_MODES = ("offline", "online", "disabled")
 AC_MODES = ("none", "full", "selective")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage per rank; the others run pp_virtual_stages each
-ENGINES = ("torch", "deepspeed")
 MOE_IMPLS = ("grouped", "loop")
 
 
@@ -569,22 +571,10 @@ def _check_context_parallel(cfg: Config) -> None:
              "parallel.cp=1")
 
 
-def _check_deepspeed(cfg: Config) -> None:
-    """DeepSpeed's engine partitions over plain data parallelism: the layouts it does not take are named."""
-    p = cfg.parallel
-    if p.engine != "deepspeed":
-        return
-    _require(importlib.util.find_spec("deepspeed") is not None,
-             "parallel.engine=deepspeed needs the deepspeed package, which is not installed: pip install deepspeed "
-             "(or the project's extra: pip install -e '.[deepspeed]'), or use parallel.engine=torch")
-    unsupported = [f"parallel.{k}={getattr(p, k)}" for k in ("dp_replicate", "cp", "tp", "pp", "ep")
-                   if getattr(p, k) > 1]
-    unsupported += [f"parallel.{k}=true" for k in ("compile", "sequence_parallel") if getattr(p, k)]
-    if p.activation_checkpointing != "none":
-        unsupported.append(f"parallel.activation_checkpointing={p.activation_checkpointing}")
-    _require(not unsupported,
-             f"parallel.engine=deepspeed runs ZeRO over data parallelism only (parallel.dp_shard ranks), without "
-             f"{', '.join(unsupported)}: reset those, or use parallel.engine=torch, which has them all")
+def _check_engine(cfg: Config) -> None:
+    """The layouts the engine parallel.engine names cannot run (kimi/parallel/engine_rules.py)."""
+    problem = engine_problem(cfg.parallel)
+    _require(problem is None, problem or "")
 
 
 def _check_expert_parallel(cfg: Config) -> None:
@@ -681,7 +671,7 @@ def validate(cfg: Config, world: Optional[int] = None) -> None:
     _check_tensor_parallel(cfg)
     _check_expert_parallel(cfg)
     _check_context_parallel(cfg)
-    _check_deepspeed(cfg)
+    _check_engine(cfg)
     _check_pipeline(cfg)
     _check_vocab(cfg)
     _check_kernels(cfg)

@@ -301,9 +301,11 @@ class ProgressWindow:
         return line, record, note
 
 
-def banner(cfg, dims, num_params, flops_per_token: float, data, device, routing: Optional[str] = None) -> str:
-    """The lines printed before training: model, data and batch, layout, and the optimizer's parameter routing
-    (a one-line summary: the table itself is a file, see kimi.runlog.write_routing)."""
+def banner(cfg, dims, num_params, flops_per_token: float, data, device, routing: Optional[str] = None,
+           layout: Optional[str] = None) -> str:
+    """The lines printed before training: model, data and batch, the engine's line on the layout (Engine.layout),
+    and the optimizer's parameter routing (a one-line summary: the table itself is a file, see
+    kimi.runlog.write_routing)."""
     from kimi.config import mla_layer_indices
 
     m, t = cfg.model, cfg.trainer
@@ -320,17 +322,8 @@ def banner(cfg, dims, num_params, flops_per_token: float, data, device, routing:
              f"[kimi] data {cfg.data.name}: {data.train_meta['num_tokens']:,} train / {data.val_meta['num_tokens']:,} "
              f"val tokens; batch {t.micro_batch_size}x{t.seq_len}x{t.grad_accum_steps}{ranks} = {tokens:,} tokens/step;"
              f" device {device}; run dir {t.run_dir}"]
-    if dims.enabled and cfg.parallel.engine == "deepspeed":
-        ds = cfg.parallel.deepspeed
-        offload = ", optimizer state offloaded to CPU" if ds.offload_optimizer else ""
-        lines.append(f"[kimi] parallel: DeepSpeed ZeRO-{ds.zero_stage} over dp_shard={dims.dp_shard} processes"
-                     f"{offload}; its config in {t.run_dir}/deepspeed.json")
-    elif dims.enabled:
-        experts = f"; MoE experts split over ep={dims.ep} of the dp_shard ranks" if dims.ep > 1 else ""
-        context = (f"; each sequence split into cp={dims.cp} shards of {t.seq_len // dims.cp} tokens"
-                   if dims.cp > 1 else "")
-        lines.append(f"[kimi] parallel: pp={dims.pp} x dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard} x "
-                     f"cp={dims.cp} x tp={dims.tp} over {dims.world} processes{experts}{context}")
+    if layout:
+        lines.append(layout)
     if routing:  # MuonClip: which parameters Muon and AdamW each update
         lines.append(routing)
     return "\n".join(lines)

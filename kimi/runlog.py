@@ -122,13 +122,16 @@ def write_routing(run_dir: Path, engine, mesh, optim_name: str) -> Optional[str]
     """Write the optimizer's routing table (MuonClip's; None for one without) into the run dir and return
     the console's summary line. Under pipeline parallelism each pipeline rank's stages hold other parameters:
     one file per pipeline rank k, written by the first of the ranks holding those stages (None elsewhere)."""
-    optimizer = getattr(engine.optimizer, "inner", engine.optimizer)  # DeepSpeed's client wraps ours
-    table = getattr(optimizer, "routing_table", None)
-    if table is None or (mesh is not None and any(mesh.get_coordinate()[1:])):  # (pp, dp_rep, dp_shard, cp, tp)
+    from kimi.optim import RoutedOptimizer
+
+    optimizer = engine.optimizer
+    if not isinstance(optimizer, RoutedOptimizer) or (mesh is not None and any(mesh.get_coordinate()[1:])):
+        return None  # mesh coordinates: (pp, dp_rep, dp_shard, cp, tp)
+    text = optimizer.routing_table()
+    if text is None:
         return None
     stage, stages = engine.pp_rank or 0, engine.dims.pp
     path = Path(run_dir) / ("optimizer_routing.txt" if stages == 1 else f"optimizer_routing_pp{stage}.txt")
-    text = table()
     path.write_text(text + "\n")
     summary = text.splitlines()[-1]  # the table's per-family totals
     where = f" (pipeline rank {stage} of {stages}: each pipeline rank has its own file)" if stages > 1 else ""

@@ -11,7 +11,6 @@ Everything that depends on how the model is distributed lives in the engine (kim
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -319,11 +318,10 @@ class Trainer:
         the banner, the config it trains with, and metrics.jsonl's start (and wandb's)."""
         cfg = self.cfg
         self.log(banner(cfg, self.dims, self.num_params, self.flops_per_token, self.data, self.device,
-                        write_routing(self.run_dir, self.engine, self.mesh, cfg.optim.name)))
+                        write_routing(self.run_dir, self.engine, self.mesh, cfg.optim.name), self.engine.layout()))
         if self.is_main:
             save_config(self.run_dir, config_dict(cfg), self.step)
-            if getattr(self.engine, "ds_config", None) is not None:  # what DeepSpeed was given
-                (self.run_dir / "deepspeed.json").write_text(json.dumps(self.engine.ds_config, indent=2) + "\n")
+            self.engine.write_run_files(self.run_dir)
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, config_dict(cfg), resume_step=self.step,
                                      enabled=self.is_main)
 

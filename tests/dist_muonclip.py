@@ -21,7 +21,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from kimi.optim.owners import Fragment  # noqa: E402
-from kimi.optim.zero import FragmentGather  # noqa: E402
+from kimi.parallel.zero_client import FragmentGather  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from muonclip_problem import (SHAPES, extra_shapes, gradients, initial_weights,  # noqa: E402
@@ -44,7 +44,7 @@ LAYOUTS = {
     # edp (FSDP2's _StridedShard over the ep shard), everything else FSDP-sharded over all four ranks
     "ep2fsdp2": ((2, 2), {"*": (S0, S0), "experts": (_StridedShard(0, split_factor=2), S0)}),
 }
-# DeepSpeed's ZeRO partitions (kimi/optim/zero.py): flat fragments, not blocks. zero12: an equal share of all
+# DeepSpeed's ZeRO partitions (kimi/parallel/zero_client.py): flat fragments, not blocks. zero12: an equal share of all
 # weights concatenated, so weights are cut mid-row between ranks; zero3: an equal share of each weight.
 ZERO = ("zero12", "zero3")  # "_more" cases: the same with more matrices
 

@@ -3,7 +3,7 @@ torch engine.
 
 Two ranks with micro-batch 2 see what one process sees with micro-batch 4, so losses and final weights
 must match the single-process run (to float summation order) under every ZeRO stage, with AdamW and with
-MuonClip (orthogonalising each matrix once across DeepSpeed's flat partitions: kimi/optim/zero.py), with
+MuonClip (orthogonalising each matrix once across DeepSpeed's flat partitions: kimi/parallel/zero_client.py), with
 gradient accumulation, with QK-Clip firing on the fp32 masters, and with a mixture of experts under ZeRO-3.
 The cases run in one torchrun launch (tests/dist_train.py). Checkpoints hold whole tensors under their
 names, as the torch engine's: a DeepSpeed run resumes exactly, and moves to the torch engine and back.

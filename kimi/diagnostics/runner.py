@@ -16,15 +16,17 @@ from .render import Table, console_line, tables, write_pngs
 
 if TYPE_CHECKING:
     from kimi.data import Batch
+    from kimi.parallel.interface import Engine
 
 
 class Diagnostics:
     """What each building block is doing, every trainer.diag_every steps (null: the evaluation steps) and at
     the last step; never at step 0 (the optimizer families need a step). The diagnostic forward is the
     engine's evaluation of the first validation batch, so every layout runs it as it evaluates; the
-    optimizer families' statistics come from the engine's step (TorchEngine.step(family_stats=True))."""
+    optimizer families' statistics come from the engine's step (Engine.step(family_stats=True))."""
 
-    def __init__(self, cfg: Config, run_dir: Path, engine, mesh, dims, is_main: bool, log: Callable[[str], None]):
+    def __init__(self, cfg: Config, run_dir: Path, engine: Engine, mesh, dims, is_main: bool,
+                 log: Callable[[str], None]):
         t = cfg.trainer
         self.cfg, self.engine, self.dims, self.is_main, self.log = cfg, engine, dims, is_main, log
         self.every = t.eval_every if t.diag_every is None else t.diag_every
@@ -41,9 +43,10 @@ class Diagnostics:
 
     def note(self) -> Optional[str]:
         """What diagnostics cannot measure in this run, said once at the start (None: everything)."""
-        if self.enabled and self.cfg.parallel.engine == "deepspeed":
-            return ("[kimi] diagnostics: no optim/grad_norm or optim/update_rms under parallel.engine=deepspeed "
-                    "(DeepSpeed clips and steps its partitions in one call); the model's diagnostics run")
+        why = self.engine.family_stats_missing() if self.enabled else None
+        if why is not None:
+            return (f"[kimi] diagnostics: no optim/grad_norm or optim/update_rms under {why}; the model's "
+                    "diagnostics run")
         return None
 
     @torch.no_grad()
@@ -52,17 +55,9 @@ class Diagnostics:
         """Observe the engine's evaluation of `batch` on every rank (collective); on rank 0 return the step's
         metrics (with the optimizer families' from `step_out`, the engine's step output), its PNGs and
         tables, and log one line. Other ranks get empty dicts."""
-        if getattr(self.engine, "schedule", None) is not None:
-            # Switching from training to evaluation, torch's pipeline schedule first runs every stage once to
-            # infer shapes (later stages on uninitialised tensors): an evaluation before the observed one
-            # takes that run.
-            self.engine.eval_loss(batch)
-        with observe(self.engine.parts, self.cfg.model, self.head_rank) as sums:
-            self.engine.eval_loss(batch)
+        sums = self.engine.eval_observed(batch, lambda parts: observe(parts, self.cfg.model, self.head_rank))
         tally = sums.tally()
-        clip = getattr(self.engine, "qk_clip", None)
-        if clip is not None:
-            tally.qk_clip = {layer: s.tolist() for layer, s in clip.head_max_logits.items()}
+        tally.qk_clip = {layer: s.tolist() for layer, s in self.engine.qk_clip_head_max_logits.items()}
         tallies = [tally]
         if self.dims.enabled:
             tallies = [None] * dist.get_world_size()

@@ -3,6 +3,8 @@ QK-Clip, a hook run after either optimizer's step (qk_clip.py)."""
 
 from __future__ import annotations
 
+from typing import Optional, Protocol, runtime_checkable
+
 import torch
 
 from kimi.config import OptimConfig
@@ -11,14 +13,23 @@ from kimi.optim.muonclip import DEFAULT_ADAMW_PATTERNS, MuonClip
 from kimi.optim.qk_clip import QKClip
 from kimi.optim.schedules import build_scheduler, lr_multiplier
 
-__all__ = ["MuonClip", "QKClip", "build_optimizer", "build_qk_clip", "build_scheduler", "lr_multiplier", "weight_decay_groups"]
+__all__ = ["MuonClip", "QKClip", "RoutedOptimizer", "build_optimizer", "build_qk_clip", "build_scheduler",
+           "lr_multiplier", "weight_decay_groups"]
+
+
+@runtime_checkable
+class RoutedOptimizer(Protocol):
+    """An optimizer that routes each parameter to one of several update rules (MuonClip: Muon or AdamW)."""
+
+    def routing_table(self) -> Optional[str]:
+        """One line per parameter and its family, then the per-family totals (None: nothing is routed)."""
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, process_group=None, named=None,
                     fragments=None) -> torch.optim.Optimizer:
     """process_group: the ranks holding this model part (MuonClip coordinates over them; default: all).
     named, fragments: the tensors to update by name when they are not the model's parameters but flat
-    pieces of them (DeepSpeed's fp32 masters, kimi/optim/zero.py), and where each piece lies."""
+    pieces of them (DeepSpeed's fp32 masters, kimi/parallel/zero_client.py), and where each piece lies."""
     named = list(model.named_parameters()) if named is None else named
     if cfg.name == "adamw":
         groups = weight_decay_groups(named, cfg.weight_decay, fragments)

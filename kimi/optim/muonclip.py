@@ -92,7 +92,7 @@ class MuonClip(torch.optim.Optimizer):
     state_dict() and load_state_dict() together. A parameter without a gradient is skipped on one process
     and treated as a zero gradient on several (the ranks must not disagree about it). Under pipeline
     parallelism pass the ranks of one stage. ``fragments`` names the parameters given as flat pieces
-    (:class:`kimi.optim.owners.Fragment`: DeepSpeed's ZeRO partitions, kimi/optim/zero.py); they are
+    (:class:`kimi.optim.owners.Fragment`: DeepSpeed's ZeRO partitions, kimi/parallel/zero_client.py); they are
     routed, decayed and orthogonalised by their full shapes. ``step_stats`` counts the last step's
     Newton-Schulz matrices and FLOPs on this rank, collectives and bytes sent.
     """

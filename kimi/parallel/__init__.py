@@ -3,16 +3,39 @@
 ``ParallelDims`` holds the (already validated) degrees and builds the DeviceMesh (pp, dp_replicate, dp_shard,
 tp); ``parallelize`` cuts the pipeline stages and applies to each, in order, tensor (and sequence)
 parallelism, activation checkpointing, torch.compile and FSDP2 (ZeRO-3 per sublayer; HSDP when
-dp_replicate > 1); an engine (``engine.TorchEngine``, chosen by parallel.engine) owns the step.
+dp_replicate > 1); an engine (interface.Engine: ``engine.TorchEngine`` or
+``deepspeed_engine.DeepSpeedEngine``, chosen by parallel.engine, built by ``build_engine``) owns the step.
+
+The names below are imported on first use: kimi.config reads engine_rules.py (torch-free) while it is being
+imported itself, before the modules here that import it in turn.
 """
 
-from .checkpointing import apply_activation_checkpointing, apply_compile
-from .dims import (ParallelDims, checkpoint_group, destroy_distributed, init_distributed, mean_over_ranks,
-                   resolve_device, setup_group)
-from .engine import ENGINES, TorchEngine, build_engine
-from .fsdp import apply_data_parallel
-from .parallelize import parallelize
+from importlib import import_module
+from typing import TYPE_CHECKING
 
-__all__ = ["ENGINES", "ParallelDims", "TorchEngine", "apply_activation_checkpointing", "apply_compile",
-           "apply_data_parallel", "build_engine", "checkpoint_group", "destroy_distributed", "init_distributed",
-           "mean_over_ranks", "parallelize", "resolve_device", "setup_group"]
+_WHERE = {
+    "apply_activation_checkpointing": "checkpointing", "apply_compile": "checkpointing",
+    "ParallelDims": "dims", "checkpoint_group": "dims", "destroy_distributed": "dims",
+    "init_distributed": "dims", "mean_over_ranks": "dims", "resolve_device": "dims", "setup_group": "dims",
+    "Engine": "interface", "TorchEngine": "engine", "build_engine": "build", "ENGINES": "engine_rules",
+    "apply_data_parallel": "fsdp", "parallelize": "parallelize",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
+
+
+if TYPE_CHECKING:
+    from .build import build_engine
+    from .checkpointing import apply_activation_checkpointing, apply_compile
+    from .dims import (ParallelDims, checkpoint_group, destroy_distributed, init_distributed, mean_over_ranks,
+                       resolve_device, setup_group)
+    from .engine import TorchEngine
+    from .engine_rules import ENGINES
+    from .fsdp import apply_data_parallel
+    from .interface import Engine
+    from .parallelize import parallelize

@@ -1,9 +1,9 @@
 """parallel.engine=deepspeed: DeepSpeed's ZeRO, stages 1-3, over the data-parallel ranks (parallel.dp_shard).
 
-The same seam as :class:`kimi.parallel.engine.TorchEngine`; the trainer does not know which engine runs.
+The same seam (:class:`kimi.parallel.interface.Engine`) as TorchEngine; the trainer does not know which runs.
 DeepSpeed owns the model's memory layout (partitioned gradients, optimizer state and, at stage 3,
 parameters), the gradient reduction, clipping and the fp32 master weights under bf16. Our optimizer is its
-client (kimi/optim/zero.py), so MuonClip orthogonalises every matrix exactly once per step, after
+client (zero_client.py), so MuonClip orthogonalises every matrix exactly once per step, after
 accumulation, across DeepSpeed's partitions, and QK-Clip scales the fp32 masters.
 
 Every rank builds the whole model (seeded per parameter, so equal to one process's) before DeepSpeed
@@ -13,8 +13,10 @@ written to the run dir as deepspeed.json. DeepSpeed's CPU accelerator runs on gl
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,10 +28,12 @@ from kimi.model import KimiModel, lm_loss
 from kimi.model.moe import MoE, set_aux_grad_scale, update_expert_bias
 from kimi.model.transformer import Block
 from kimi.optim import build_scheduler
-from kimi.optim.zero import ZeroClient, inner_factory
 
 from .dims import ParallelDims
 from .engine import keep_hyperparameters, materialize
+from .engine_rules import DEEPSPEED_MISSING
+from .interface import Engine
+from .zero_client import ZeroClient, inner_factory
 
 
 class _OurClientIsTested(logging.Filter):
@@ -46,8 +50,7 @@ def _import_deepspeed():
     try:
         import deepspeed
     except ImportError:
-        raise ConfigError("parallel.engine=deepspeed needs the deepspeed package: pip install deepspeed "
-                          "(or the project's extra: pip install -e '.[deepspeed]'), or use parallel.engine=torch") from None
+        raise ConfigError(DEEPSPEED_MISSING) from None
     # Its shared-memory collectives extension compiles for over a minute at the first init_distributed and
     # only speeds up CPU-only all-reduce: gloo does the work here.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -80,7 +83,7 @@ def deepspeed_config(cfg: Config, dims: ParallelDims) -> dict:
     }
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(Engine):
     def __init__(self, cfg: Config, dims: ParallelDims, mesh: DeviceMesh | None, device: torch.device,
                  model: KimiModel):
         deepspeed = _import_deepspeed()
@@ -154,11 +157,37 @@ class DeepSpeedEngine:
 
     @property
     def qk_clip(self):
-        return getattr(self.optimizer, "qk_clip", None)  # ZeroClient's; DeepSpeed's own optimizers have none
+        """ZeroClient's QK-Clip hook; DeepSpeed's own optimizers have none."""
+        return self.optimizer.qk_clip if isinstance(self.optimizer, ZeroClient) else None
 
     @property
     def qk_clip_stats(self) -> dict:
         return self.qk_clip.stats if self.qk_clip is not None else {}
+
+    @property
+    def qk_clip_head_max_logits(self) -> dict:
+        return self.qk_clip.head_max_logits if self.qk_clip is not None else {}
+
+    # ---- diagnostics and the run dir ----------------------------------------------------------------
+    def family_stats_missing(self) -> str | None:
+        return "parallel.engine=deepspeed (DeepSpeed clips and steps its partitions in one call)"
+
+    def eval_observed(self, batch: Batch, observe):
+        with observe(self.parts) as seen:
+            self.eval_loss(batch)
+        return seen
+
+    def layout(self) -> str | None:
+        if not self.dims.enabled:
+            return None
+        ds = self.cfg.parallel.deepspeed
+        offload = ", optimizer state offloaded to CPU" if ds.offload_optimizer else ""
+        return (f"[kimi] parallel: DeepSpeed ZeRO-{ds.zero_stage} over dp_shard={self.dims.dp_shard} processes"
+                f"{offload}; its config in {self.cfg.trainer.run_dir}/deepspeed.json")
+
+    def write_run_files(self, run_dir: Path) -> None:
+        """deepspeed.json: what DeepSpeed was given."""
+        (Path(run_dir) / "deepspeed.json").write_text(json.dumps(self.ds_config, indent=2) + "\n")
 
     # ---- checkpoint state: the torch engine's layout (whole tensors under single-device names) ------------
     def _state_names(self) -> dict[str, str]:

@@ -1,12 +1,12 @@
-"""The engine seam: one object owns everything about a step that depends on how the model is distributed.
+"""The torch engine: one object owns everything about a step that depends on how the model is distributed.
 
-The trainer's loop only asks an engine to run a micro-batch forward and backward (``forward_backward``),
-to evaluate one (``eval_loss``), to finish the step (``step``: gradient clipping, the optimizer, QK-Clip,
-the lr schedule) and for its checkpoint state; gradient accumulation, the NaN check, metrics and logging
-stay in the trainer. ``TorchEngine`` is the torch-native stack (FSDP2 / HSDP, tensor, sequence and pipeline
-parallelism from torch.distributed), selected by ``parallel.engine=torch``; ``DeepSpeedEngine``
-(deepspeed_engine.py, ``parallel.engine=deepspeed``) implements the same methods over DeepSpeed's ZeRO. A
-new parallel dimension changes ``parallelize`` and the engines, not the trainer.
+The trainer's loop only asks an engine (interface.Engine) to run a micro-batch forward and backward
+(``forward_backward``), to evaluate one (``eval_loss``), to finish the step (``step``: gradient clipping, the
+optimizer, QK-Clip, the lr schedule) and for its checkpoint state; gradient accumulation, the NaN check,
+metrics and logging stay in the trainer. ``TorchEngine`` is the torch-native stack (FSDP2 / HSDP, tensor,
+sequence and pipeline parallelism from torch.distributed), selected by ``parallel.engine=torch``;
+``DeepSpeedEngine`` (deepspeed_engine.py, ``parallel.engine=deepspeed``) implements the same interface over
+DeepSpeed's ZeRO. A new parallel dimension changes ``parallelize`` and the engines, not the trainer.
 
 The model arrives built on the meta device: the engine applies parallelism to it, then materialises only
 this rank's shards on the device and initialises them (``materialize``), so no rank ever holds the whole
@@ -36,6 +36,7 @@ from kimi.optim import build_optimizer, build_qk_clip, build_scheduler
 
 from .dims import ParallelDims
 from .family_stats import FamilyStats
+from .interface import Engine
 from .parallelize import parallelize
 from .pipeline import TiedEnds, build_schedule
 from .tensor_parallel import clip_grad_norm_
@@ -66,7 +67,7 @@ def materialize(model: KimiModel, device: torch.device) -> None:
     model.init_buffers()
 
 
-class TorchEngine:
+class TorchEngine(Engine):
     def __init__(self, cfg: Config, dims: ParallelDims, mesh: DeviceMesh | None, device: torch.device,
                  model: KimiModel):
         p, t = cfg.parallel, cfg.trainer
@@ -200,6 +201,36 @@ class TorchEngine:
         """{layer: {"max_logit", "clipped_frac"}} of the last step (empty without QK-Clip)."""
         return self.qk_clip.stats if self.qk_clip is not None else {}
 
+    @property
+    def qk_clip_head_max_logits(self) -> dict:
+        return self.qk_clip.head_max_logits if self.qk_clip is not None else {}
+
+    # ---- diagnostics and the run dir ----------------------------------------------------------------
+    def family_stats_missing(self) -> str | None:
+        return None
+
+    def eval_observed(self, batch: Batch, observe):
+        if self.schedule is not None:
+            # Switching from training to evaluation, torch's pipeline schedule first runs every stage once to
+            # infer shapes (later stages on uninitialised tensors): an evaluation before the observed one
+            # takes that run.
+            self.eval_loss(batch)
+        with observe(self.parts) as seen:
+            self.eval_loss(batch)
+        return seen
+
+    def layout(self) -> str | None:
+        d, seq_len = self.dims, self.cfg.trainer.seq_len
+        if not d.enabled:
+            return None
+        experts = f"; MoE experts split over ep={d.ep} of the dp_shard ranks" if d.ep > 1 else ""
+        context = f"; each sequence split into cp={d.cp} shards of {seq_len // d.cp} tokens" if d.cp > 1 else ""
+        return (f"[kimi] parallel: pp={d.pp} x dp_replicate={d.dp_replicate} x dp_shard={d.dp_shard} x "
+                f"cp={d.cp} x tp={d.tp} over {d.world} processes{experts}{context}")
+
+    def write_run_files(self, run_dir) -> None:
+        """Nothing: the config says all there is."""
+
     # ---- checkpoint state ---------------------------------------------------------------------------
     def _optim_aliases(self) -> dict[str, str]:
         """Optimizer-state names that differ from a whole model's: a tied LM head held without its embedding
@@ -256,18 +287,3 @@ def _rename(optim_sd: dict, names: dict[str, str]) -> dict:
     return {"state": {names.get(k, k): v for k, v in optim_sd["state"].items()},
             "param_groups": [{**g, "params": [names.get(p, p) for p in g["params"]]}
                              for g in optim_sd["param_groups"]]}
-
-
-def _deepspeed_engine(*args):
-    from .deepspeed_engine import DeepSpeedEngine  # imports deepspeed, which only this engine needs
-
-    return DeepSpeedEngine(*args)
-
-
-ENGINES = {"torch": TorchEngine, "deepspeed": _deepspeed_engine}
-
-
-def build_engine(cfg: Config, dims: ParallelDims, mesh: DeviceMesh | None, device: torch.device,
-                 model: KimiModel):
-    """The engine named by parallel.engine, wrapping `model` (built on the meta device)."""
-    return ENGINES[cfg.parallel.engine](cfg, dims, mesh, device, model)

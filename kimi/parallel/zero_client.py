@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from kimi.config import OptimConfig
+from kimi.optim import RoutedOptimizer, build_optimizer, build_qk_clip
 from kimi.optim.owners import Fragment
 
 # (fragment, offset of its elements in this rank's flat partition) per parameter name
@@ -94,6 +95,10 @@ class ZeroClient(torch.optim.Optimizer):
         group = zero_optimizer.dp_process_group
         self.inner, self.qk_clip = self._make_inner(named, fragments, group)
         self.gather = FragmentGather(self._layout, group)
+
+    def routing_table(self) -> Optional[str]:
+        """The inner optimizer's routing (kimi.optim.RoutedOptimizer); None for one that routes nothing."""
+        return self.inner.routing_table() if isinstance(self.inner, RoutedOptimizer) else None
 
     def _partition(self) -> torch.Tensor:
         params = self.param_groups[0]["params"]  # DeepSpeed's flat partition while it steps
@@ -187,8 +192,6 @@ class ZeroClient(torch.optim.Optimizer):
 def inner_factory(cfg: OptimConfig, model: torch.nn.Module) -> InnerFactory:
     """The optimizer ``optim.name`` asks for over the fragments, and QK-Clip after it (None when off).
     Call it before ``deepspeed.initialize``."""
-    from kimi.optim import build_optimizer, build_qk_clip
-
     # read now: ZeRO-3 leaves the model's weights empty, and the specs count heads from their shapes
     specs = model.qk_clip_specs() if hasattr(model, "qk_clip_specs") else []
 
