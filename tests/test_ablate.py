@@ -100,7 +100,8 @@ def _run(argv, timeout=240):
 
 def test_runner_end_to_end_then_report_then_resume(tmp_path, data, capsys):
     """Two arms x one seed, 2 steps of the tiny test model; a rerun trains nothing; the report's JSON, PNGs
-    and README section. (The rerun and the report run in this process: the same main() as the command.)"""
+    and results section, also into a page (--docs). (The rerun and the report run in this process: the same
+    main() as the command.)"""
     from omegaconf import OmegaConf
 
     root, out = tmp_path / "runs", tmp_path / "results"
@@ -164,18 +165,26 @@ def test_runner_end_to_end_then_report_then_resume(tmp_path, data, capsys):
     assert not root.exists() or not any(root.rglob("metrics.jsonl"))  # nothing trained
     again = ablate.report(["ablate_muon_split"], root, out, log=lambda _: None)[0]
     assert [a["final_val_loss"] for a in again["arms"]] == [a["final_val_loss"] for a in result["arms"]]
-    # --readme puts the section between the README's markers and leaves the rest alone
-    from kimi.ablate.report import README_BEGIN, README_END
+    # --docs puts the section between the page's markers, its plots linked from the page's directory, and
+    # leaves the rest of the page (and README_section.md) alone
+    from kimi.ablate.report import SECTION_BEGIN, SECTION_END
 
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# title\n{README_BEGIN}\nold\n{README_END}\ntail\n")
-    assert ablate.main(["report", "ablate_muon_split", "--root", str(root), "--out", str(out), "--readme",
-                        str(readme)]) == 0
-    text = readme.read_text()
-    assert text.startswith("# title\n") and text.endswith(f"{README_END}\ntail\n")
-    assert "old" not in text and section.strip() in text
-    readme.write_text("no markers\n")
-    assert ablate.main(["report", "--root", str(root), "--out", str(out), "--readme", str(readme)]) == 2
+    page = tmp_path / "docs" / "ablations.md"
+    page.parent.mkdir()
+    page.write_text(f"# title\n{SECTION_BEGIN}\nold\n{SECTION_END}\ntail\n")
+    assert ablate.main(["report", "ablate_muon_split", "--root", str(root), "--out", str(out), "--docs",
+                        str(page)]) == 0
+    text = page.read_text()
+    assert text.startswith("# title\n") and text.endswith(f"{SECTION_END}\ntail\n")
+    assert "old" not in text and (out / "README_section.md").read_text() == section
+    plots = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert sorted(plots) == ["../results/ablate_muon_split.png", "../results/cost_vs_loss.png"], plots
+    assert all((page.parent / p).is_file() for p in plots)
+    linked_from_root = re.sub(r"!\[([^\]]*)\]\(([^)]+)\)", lambda m: f"![{m[1]}](LINK)", section)
+    assert re.sub(r"!\[([^\]]*)\]\(([^)]+)\)", lambda m: f"![{m[1]}](LINK)", text).count(
+        linked_from_root.strip()) == 1  # the same section but for its links
+    page.write_text("no markers\n")
+    assert ablate.main(["report", "--root", str(root), "--out", str(out), "--docs", str(page)]) == 2
     assert "has no place for the results" in capsys.readouterr().err
     # a study of another scale in the same --out is refused, not answered with these records
     longer = cmd[3:]
@@ -355,3 +364,27 @@ def test_the_report_names_the_machines_behind_its_tokens_per_s():
     assert "65 GFLOP/s (2 runs), 375 GFLOP/s (1 run), and 1 run whose record predates it" in two
     assert two.endswith("tokens/s compare only between runs of one machine.")
     assert "predate" in machines_note([{"arm": "a", "peak_flops": [None, None]}])
+
+
+def test_the_docs_page_holds_the_report_of_the_committed_records(tmp_path):
+    """docs/ablations.md shows, between its markers, exactly what `python -m kimi.ablate report --docs` writes
+    from the committed records (bench/results/ablations/runs/), its plots linked from docs/ and present."""
+    from kimi.ablate.report import DOCS_PAGE, SECTION_BEGIN, SECTION_END, markdown
+
+    out = ablate.DEFAULT_OUT
+    names = [n for n in ablate.experiment_names() if (out / "runs" / n).is_dir()]
+    assert names, "no committed ablation records"
+    results = []
+    for name in names:  # as report() does, reading nothing but the records (tmp_path: no run dirs)
+        result = ablate.analyse(ablate.load_experiment(name), tmp_path, out)
+        if result is not None:
+            result["sweep_keys"] = ablate.load_experiment(name).sweep
+            results.append(result)
+    text = DOCS_PAGE.read_text()
+    assert text.count(SECTION_BEGIN) == 1 and text.count(SECTION_END) == 1
+    shown = text[text.index(SECTION_BEGIN) + len(SECTION_BEGIN):text.index(SECTION_END)].strip()
+    assert shown == markdown(results, out, links_from=DOCS_PAGE.parent).strip(), (
+        "docs/ablations.md's results differ from the committed records' report: run "
+        "python -m kimi.ablate report --docs")
+    plots = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", shown)
+    assert len(plots) == len(results) + 1 and all((DOCS_PAGE.parent / p).is_file() for p in plots), plots

@@ -1,7 +1,8 @@
-"""README.md's commands, run the way a new user pastes them, so they cannot rot.
+"""The commands of README.md and of the pages under docs/, run the way a new user pastes them, so they cannot
+rot; and their relative links, followed, so they cannot break.
 
-Every line of every ```bash block in README.md is either run here or listed in SKIPPED with its reason;
-test_every_readme_command_is_classified fails on a line that is neither, so a new command has to be
+Every line of every ```bash block in README.md and docs/*.md is either run here or listed in SKIPPED with its
+reason; test_every_readme_command_is_classified fails on a line that is neither, so a new command has to be
 classified. How each kind runs (from the repository root, with `.venv/bin/` replaced by the directory of the
 interpreter running this test, the README's convention being `.venv/bin/python` / `.venv/bin/torchrun`):
 
@@ -17,7 +18,10 @@ interpreter running this test, the README's convention being `.venv/bin/python` 
 
 Relative paths (run dirs, `ls` arguments) are mapped into a temporary directory, the same README path to the
 same temporary path, so `kimi.generate run=runs/first` samples what `train.py hydra.run.dir=runs/first`
-trained. Caches (HF, kimi) are temporary and offline."""
+trained. Caches (HF, kimi) are temporary and offline.
+
+Every relative link of those pages (`[text](path)`, `![alt](path)`, outside code) must name a file or
+directory of the repository, and a `#fragment` a heading of the page it points to."""
 
 from __future__ import annotations
 
@@ -34,11 +38,12 @@ from helpers import TINY_TRAINER, make_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 BIN = Path(sys.executable).parent  # what `.venv/bin/` stands for
 VENV = BIN.parent
 
-# README lines not run here, each with why. Keys: the line without its comment, quoted as shlex.join quotes
-# (test_every_readme_command_is_classified prints a new line in this form).
+# README and docs lines not run here, each with why. Keys: the line without its comment, quoted as shlex.join
+# quotes (test_every_readme_command_is_classified prints a new line in this form).
 GPUS_8 = "8 processes (8 GPUs)"
 SKIPPED = {
     "make test": "runs the whole suite, this file included (minutes); `make test PYTEST_ARGS=...` is checked "
@@ -70,6 +75,9 @@ SKIPPED = {
                                                                 "steps with trainer.seed=1",
     ".venv/bin/python -m kimi.ablate report": "needs the study's runs; tests/test_ablate.py reports a 2-step "
                                               "experiment with the same command",
+    ".venv/bin/python -m kimi.ablate report --docs":
+        "rewrites bench/results/ablations/ and docs/ablations.md; tests/test_ablate.py writes a page's "
+        "section with --docs and checks that docs/ablations.md holds the committed records' report",
     ".venv/bin/python -m kimi.ablate ablate_mixer --arms all_mla hybrid_3to1 --root runs/ablate_rope16 "
     "--out bench/results/ablations/rope16 -- model.qk_rope_head_dim=16":
         "6 runs of 600 steps (20 minutes); tests/test_ablate.py runs the runner end to end at 2 steps with "
@@ -118,16 +126,32 @@ SET_HERE = {"trainer.max_steps", "trainer.eval_every", "trainer.sample_tokens", 
 RUN_DIR_FILES = {"metrics.jsonl", "loss_curve.png", "checkpoints", "train.log", "tokenizer.model"}
 
 
-def readme_commands() -> list[str]:
-    """The commands of README.md's ```bash blocks in order: continuations joined, comments dropped, each as
+def pages() -> list[Path]:
+    """The pages whose commands and links are checked: README.md, then docs/*.md in name order."""
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def page_commands(page: Path) -> list[str]:
+    """The commands of a page's ```bash blocks in order: continuations joined, comments dropped, each as
     shlex.join of its words (what a shell would pass on)."""
     commands = []
-    for block in re.findall(r"^```bash\n(.*?)^```", README.read_text(), flags=re.M | re.S):
+    for block in re.findall(r"^```bash\n(.*?)^```", page.read_text(), flags=re.M | re.S):
         for line in re.sub(r"\\\n\s*", " ", block).splitlines():
             words = shlex.split(line, comments=True)
             if words:
                 commands.append(shlex.join(words))
     return commands
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """(page relative to the repository root, command) for every page, README.md's first."""
+    return [(str(page.relative_to(ROOT)), c) for page in pages() for c in page_commands(page)]
+
+
+def readme_commands() -> list[str]:
+    """Every page's commands in order (README.md's first): the README and docs/ are one set of instructions,
+    whose run dirs are shared (a docs line may sample a run a README line trained)."""
+    return [c for _, c in documented_commands()]
 
 
 def kind(command: str) -> str | None:
@@ -177,18 +201,84 @@ def _tiny_steps(words: list[str]) -> int:
 
 def test_every_readme_command_is_classified():
     commands = readme_commands()
-    assert len(commands) >= 10, "README.md has lost its ```bash blocks?"
-    bare = [c for c in commands if c.split()[0] in ("python", "python3", "torchrun", "pip")]
-    assert not bare, (f"README commands must use the venv's programs (.venv/bin/python, .venv/bin/torchrun), "
-                      f"as the Quickstart says: {bare}")
-    unclassified = [c for c in commands if kind(c) is None]
-    assert not unclassified, ("README commands neither run by tests/test_readme.py nor in its SKIPPED list "
-                              "(add each to SKIPPED with a reason, or teach kind() to run it):\n"
+    assert len(page_commands(README)) >= 10, "README.md has lost its ```bash blocks?"
+    assert {"make train", "make test"} <= set(page_commands(README)), (
+        "README.md's Quick start must keep `make train` and `make test`, the two commands a fresh machine "
+        "needs")
+    bare = [f"{page}: {c}" for page, c in documented_commands()
+            if c.split()[0] in ("python", "python3", "torchrun", "pip")]
+    assert not bare, (f"README and docs commands must use the venv's programs (.venv/bin/python, "
+                      f".venv/bin/torchrun), as the README's Quick start says: {bare}")
+    unclassified = [f"{page}: {c}" for page, c in documented_commands() if kind(c) is None]
+    assert not unclassified, ("README or docs commands neither run by tests/test_readme.py nor in its "
+                              "SKIPPED list (add each to SKIPPED with a reason, or teach kind() to run it):\n"
                               + "\n".join(unclassified))
     stale = [c for c in SKIPPED if c not in commands]
-    assert not stale, f"SKIPPED names commands the README no longer has: {stale}"
+    assert not stale, f"SKIPPED names commands neither the README nor docs/ has any more: {stale}"
     multi = [c for c in commands if kind(c) == "torchrun"]
     assert len(multi) <= MAX_MULTIPROCESS, f"more 2-process launches than the time budget allows: {multi}"
+
+
+def _slug(heading: str) -> str:
+    """The anchor a heading gets: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _uncoded(page: Path) -> str:
+    """The page without its fenced code blocks (whose `#` lines are comments, not headings)."""
+    return re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+
+
+def _prose(page: Path) -> str:
+    """The page without its code, fenced or inline, where brackets are not links."""
+    return re.sub(r"`[^`\n]*`", "", _uncoded(page))
+
+
+def anchors(page: Path) -> set[str]:
+    """The #fragments a page's headings answer to (a repeated heading gets -1, -2, ...)."""
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", _uncoded(page), flags=re.M):
+        slug = _slug(heading)
+        out.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return out
+
+
+def relative_links(page: Path) -> list[str]:
+    """The targets of a page's links and images that point into the repository (no scheme)."""
+    targets = re.findall(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)", _prose(page))
+    return [t for t in targets if not re.match(r"[a-z][a-z0-9+.-]*:", t, flags=re.I)]
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_point_into_the_repository(page):
+    """Every relative link of README.md and docs/*.md names a file or directory of the repository, and its
+    #fragment a heading of the page it points to (a page's own headings for a bare #fragment)."""
+    links = relative_links(page)
+    assert page != README or len(links) >= 10, "README.md has lost its links to docs/?"
+    broken = []
+    for link in links:
+        path, _, fragment = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
+        if not target.exists():
+            broken.append(f"{link}: no such file")
+        elif not target.resolve().is_relative_to(ROOT):
+            broken.append(f"{link}: outside the repository")
+        elif fragment and target.suffix == ".md" and fragment not in anchors(target):
+            broken.append(f"{link}: {target.relative_to(ROOT)} has no heading #{fragment}")
+    assert not broken, f"{page.relative_to(ROOT)} has broken links:\n" + "\n".join(broken)
+
+
+def test_link_checker_sees_links_and_headings(tmp_path):
+    """The checker's own parsing: links in prose are found, links in code are not, anchors follow headings."""
+    page = tmp_path / "page.md"
+    page.write_text("# A page: its title\n\n## Runs, and more\n\nSee [x](other.md#a-b) and ![i](img/p.png).\n"
+                    "`[not](a link)` and [mail](mailto:someone).\n\n```bash\n# not a heading [n](x)\n```\n"
+                    "## Runs, and more\n### 5. Experts (`kimi/model/moe.py`)\n")
+    assert relative_links(page) == ["other.md#a-b", "img/p.png"]
+    assert anchors(page) == {"a-page-its-title", "runs-and-more", "runs-and-more-1",
+                             "5-experts-kimimodelmoepy"}
 
 
 class Sandbox:
@@ -309,15 +399,16 @@ def box(tmp_path_factory) -> Sandbox:
     return Sandbox(tmp_path_factory.mktemp("readme"))
 
 
-COMMANDS = readme_commands()
+COMMANDS = documented_commands()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", COMMANDS,
-                         ids=[f"{i:02d}-{' '.join(c.split()[:3])}" for i, c in enumerate(COMMANDS)])
-def test_readme_command_runs(box, command):
-    """In README order, so a generate or ls line finds the run its README neighbours trained (a line picked
-    alone with -k trains what it needs). Skipped lines show their reason in pytest's summary."""
+@pytest.mark.parametrize("page,command", COMMANDS,
+                         ids=[f"{i:02d}-{Path(p).stem}-{' '.join(c.split()[:3])}"
+                              for i, (p, c) in enumerate(COMMANDS)])
+def test_readme_command_runs(box, page, command):
+    """In page order (README.md first), so a generate or ls line finds the run its neighbours trained (a line
+    picked alone with -k trains what it needs). Skipped lines show their reason in pytest's summary."""
     if kind(command) == "skip":
-        pytest.skip(f"README: {command}: {SKIPPED[command]}")
+        pytest.skip(f"{page}: {command}: {SKIPPED[command]}")
     check(box, command)

@@ -3,7 +3,8 @@
     python -m kimi.ablate NAME [NAME ...] [--seeds 1 2 3] [--steps N] [--arms ARM ...] [--root runs/ablate]
                           [--dry-run] [--quiet] [--retry-failed] [-- OVERRIDE ...]
     python -m kimi.ablate all                 # every experiment, one after another (the whole study)
-    python -m kimi.ablate report [NAME ...]   # statistics, plots and a README section from the runs
+    python -m kimi.ablate report [NAME ...]   # statistics, plots and a results section from the runs
+    python -m kimi.ablate report --docs       # the same, and the section into docs/ablations.md
     python -m kimi.ablate list                # the experiments and their arms
 
 An experiment is a Hydra config, ``conf/experiment/<NAME>.yaml``: it includes the study's scale
@@ -35,8 +36,8 @@ report is redrawn, in a fresh clone. A run whose config and seed equal a finishe
 ``report`` reads the records (and run directories that have none yet) and writes, per experiment,
 ``<out>/<NAME>.json`` and ``<out>/<NAME>.png`` (validation loss per arm, mean +- std over seeds),
 ``<out>/cost_vs_loss.png`` over all experiments, and ``<out>/README_section.md``, which it also prints
-(docs/ablations.md says what each number means); ``--readme`` also puts that section into README.md, between
-its two markers.
+(docs/ablations.md says what each number means); ``--docs`` also puts that section into docs/ablations.md,
+between its two markers, with the plots linked from there.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from . import records
-from .report import PAPERS, RULE, analyse, report, tokens_to_reach
-from .study import (DEFAULT_OUT, DEFAULT_ROOT, ORDER, ROOT, AblateError, experiment_names, load_experiment,
+from .report import DOCS_PAGE, PAPERS, RULE, analyse, report, tokens_to_reach
+from .study import (DEFAULT_OUT, DEFAULT_ROOT, ORDER, AblateError, experiment_names, load_experiment,
                     run_study, status)
 
 __all__ = ["AblateError", "DEFAULT_OUT", "DEFAULT_ROOT", "ORDER", "PAPERS", "RULE", "analyse",
@@ -73,10 +74,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="the runs' directory (runs/ablate)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="each finished run's record (<out>/runs/NAME/), and the report's JSON, PNGs and "
-                             "README section (bench/results/ablations)")
-    parser.add_argument("--readme", type=Path, nargs="?", const=ROOT / "README.md",
-                        help="report: also put the section into this file (default README.md) between its "
-                             "markers")
+                             "results section (bench/results/ablations)")
+    parser.add_argument("--docs", type=Path, nargs="?", const=DOCS_PAGE, metavar="PAGE",
+                        help="report: also put the section into this page (default docs/ablations.md), "
+                             "between its markers")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and their state; train nothing")
     parser.add_argument("--quiet", action="store_true", help="train.py's output only in each run's train.log")
     parser.add_argument("--retry-failed", action="store_true", help="rerun failed runs (exit code 1 or 2)")
@@ -92,7 +93,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.names[0] == "report":
             names = args.names[1:] or [n for n in experiment_names()
                                        if (args.root / n).is_dir() or (args.out / "runs" / n).is_dir()]
-            report(names, args.root, args.out, readme=args.readme)
+            report(names, args.root, args.out, page=args.docs)
             return 0
         names = experiment_names() if args.names == ["all"] else args.names
         user = ([f"trainer.max_steps={args.steps}"] if args.steps else []) + overrides
