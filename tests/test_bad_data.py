@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import kimi.data.files
 from helpers import make_corpus, offline_caches
 from kimi.config import DataConfig, TokenizerConfig
 from kimi.data import DataError, load_documents, open_tokens, prepare
@@ -140,7 +141,7 @@ def test_directory_pattern_and_unreadable_file(tmp_path, monkeypatch):
             if str(path) == str(secret):
                 raise PermissionError(13, "Permission denied", str(path))
             return real_open(path, *args, **kwargs)
-        monkeypatch.setattr(sources, "open", refuse, raising=False)
+        monkeypatch.setattr(kimi.data.files, "open", refuse, raising=False)
     with pytest.raises(DataError, match=rf"^cannot read {re.escape(str(secret))}: permission denied;.*chmod"):
         load_documents(_cfg(tmp_path, [secret]))
 

@@ -30,10 +30,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kimi.config import DataConfig
-# sources imports this module too; only its attributes are used here, at call time, so either module may be
-# imported first. Files are opened through sources.open_binary, so they are read as datasets reads them.
-from kimi.data import sources
 from kimi.data.errors import DataError, one_line
+# Files are opened through open_binary, so they are read as datasets reads them.
+from kimi.data.files import file_format, open_binary, resolve_files
 
 _SNIFF_BYTES = 8192  # how much of each file is looked at for NUL bytes before loading
 # What reading a (possibly compressed) file can raise when the file itself is broken.
@@ -55,7 +54,7 @@ def check_file(path: str, fmt: str) -> None:
     if os.path.getsize(path) == 0:
         raise DataError(f"{path} is empty (0 bytes); delete it or leave it out of data.data_files")
     try:
-        with sources.open_binary(path, fmt) as f:
+        with open_binary(path, fmt) as f:
             head = f.read(_SNIFF_BYTES)
     except PermissionError:
         raise DataError(f"cannot read {path}: permission denied; make it readable (chmod a+r) or leave it "
@@ -139,8 +138,8 @@ def undecodable_text_error(cfg: DataConfig, e: UnicodeDecodeError) -> DataError:
     that fails are the files searched for the culprit.
     """
     if cfg.source == "files":
-        files = sources.resolve_files(cfg)
-        fmt = sources.file_format(cfg, files)
+        files = resolve_files(cfg)
+        fmt = file_format(cfg, files)
         found = locate(files, fmt, "text" if fmt == "text" else cfg.text_field)
         if found:
             return DataError(found)
@@ -177,7 +176,7 @@ def _text_problem(path: str, field: str) -> Optional[str]:
 
 def _bad_utf8(path: str) -> Optional[str]:
     """'line L (byte offset B)' of the first byte that is not UTF-8, else None; streams the file."""
-    with sources.open_binary(path, "text") as f:
+    with open_binary(path, "text") as f:
         pending, offset, line = b"", 0, 1  # pending: an incomplete character cut by the block boundary
         for block in iter(lambda: f.read(1 << 20), b""):
             data = pending + block
@@ -194,11 +193,11 @@ def _bad_utf8(path: str) -> Optional[str]:
 def _json_problem(path: str, field: str) -> Optional[str]:
     """The first line of a JSON Lines file (or item of a JSON array file) that is not an object with a
     string ``field``, as a whole message; None when every row is fine. Streams the file line by line."""
-    with sources.open_binary(path, "json") as f:
+    with open_binary(path, "json") as f:
         if f.read(_SNIFF_BYTES).lstrip(codecs.BOM_UTF8 + b" \t\r\n").startswith(b"["):
             return _json_array_problem(path, field)
     rows = 0
-    with sources.open_binary(path, "json") as f:
+    with open_binary(path, "json") as f:
         for n, raw in enumerate(f, 1):
             try:
                 text = raw.decode("utf-8-sig" if n == 1 else "utf-8")
@@ -225,7 +224,7 @@ def _json_problem(path: str, field: str) -> Optional[str]:
 
 def _json_array_problem(path: str, field: str) -> Optional[str]:
     # A JSON array has no lines to stream by: the file is parsed whole.
-    with sources.open_binary(path, "json") as f:
+    with open_binary(path, "json") as f:
         raw = f.read()
     try:
         rows = json.loads(raw.decode("utf-8-sig"))

