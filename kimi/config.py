@@ -61,6 +61,9 @@ class ModelConfig:
     pad_vocab_multiple: int = 64
     d_model: int = 256
     num_layers: int = 4  # transformer blocks; each is a token mixer (KDA or MLA) and an MLP
+    # Each block's token mixer as a letter of kimi/model/registry.py (K = KDA, M = MLA), e.g. "KKKM"; a
+    # shorter pattern repeats (its length must divide num_layers). null: from mla_every / mla_layers.
+    layer_pattern: Optional[str] = None
     # Every `mla_every`-th block (1-based) uses MLA, the rest KDA: 4 gives Kimi Linear's 3:1.
     # 0 means no MLA at all, 1 means MLA everywhere. `mla_layers` (0-based) overrides it.
     mla_every: int = 4
@@ -288,13 +291,21 @@ def moe_layer_indices(m: ModelConfig) -> List[int]:
     return list(range(m.moe_first_dense, m.num_layers)) if m.moe_num_experts else []
 
 
+def mixer_pattern(m: ModelConfig) -> str:
+    """One letter per block naming its token mixer (kimi/model/registry.py): model.layer_pattern repeated to
+    model.num_layers, or K (KDA) and M (MLA) from model.mla_layers / model.mla_every."""
+    if m.layer_pattern:
+        return m.layer_pattern * max(1, m.num_layers // len(m.layer_pattern))
+    if m.mla_layers is not None:
+        mla = {int(i) for i in m.mla_layers}
+    else:
+        mla = {i for i in range(m.num_layers) if m.mla_every > 0 and (i + 1) % m.mla_every == 0}
+    return "".join("M" if i in mla else "K" for i in range(m.num_layers))
+
+
 def mla_layer_indices(m: ModelConfig) -> List[int]:
     """0-based indices of the blocks whose token mixer is MLA."""
-    if m.mla_layers is not None:
-        return sorted(int(i) for i in m.mla_layers)
-    if m.mla_every <= 0:
-        return []
-    return [i for i in range(m.num_layers) if (i + 1) % m.mla_every == 0]
+    return [i for i, letter in enumerate(mixer_pattern(m)) if letter == "M"]
 
 
 def stages_per_rank(p: ParallelConfig) -> int:
@@ -369,6 +380,15 @@ def validate_model(m: ModelConfig) -> None:
     _check(m.qk_rope_head_dim >= 0 and m.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim",
            m.qk_rope_head_dim, "must be an even number >= 0 (0 = NoPE)")
     _check(m.mla_every >= 0, "model.mla_every", m.mla_every, "must be >= 0 (0 = no MLA, 4 = 3:1 KDA:MLA)")
+    if m.layer_pattern is not None:
+        pattern = m.layer_pattern
+        _check(pattern.isalpha() and pattern.isupper(), "model.layer_pattern", pattern,
+               "give one capital letter per block, e.g. KKKM (K = KDA, M = MLA)")
+        _check(m.num_layers % len(pattern) == 0, "model.layer_pattern", pattern,
+               f"its length {len(pattern)} must divide model.num_layers={m.num_layers} (a shorter pattern "
+               "repeats)")
+        _check(m.mla_layers is None, "model.mla_layers", m.mla_layers,
+               "set either model.layer_pattern or model.mla_layers, not both: set model.mla_layers=null")
     if m.mla_layers is not None:
         layers = [int(i) for i in m.mla_layers]
         bad = [i for i in layers if not 0 <= i < m.num_layers]

@@ -11,7 +11,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from kimi.config import LoggingConfig
+from kimi.config import LoggingConfig, mixer_pattern
+from kimi.model.registry import legend
 
 # Dense bf16 tensor-core peak per device (FLOP/s), from the vendors' datasheets (no sparsity); the first
 # key found in the device's name applies (so "H100 PCIe" before "H100", "A100" before "A10").
@@ -306,18 +307,14 @@ def banner(cfg, dims, num_params, flops_per_token: float, data, device, routing:
     """The lines printed before training: model, data and batch, the engine's line on the layout (Engine.layout),
     and the optimizer's parameter routing (a one-line summary: the table itself is a file, see
     kimi.runlog.write_routing)."""
-    from kimi.config import mla_layer_indices
-
     m, t = cfg.model, cfg.trainer
-    mla = set(mla_layer_indices(m))
-    pattern = "".join("M" if i in mla else "K" for i in range(m.num_layers))
     n, n_emb = num_params[0], num_params[0] - num_params[1]
     tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps * dims.dp
     ranks = f" x {dims.dp} data-parallel ranks" if dims.enabled else ""
     moe = (f", MLPs from block {m.moe_first_dense} on: {m.moe_num_experts} experts, top-{m.moe_top_k} + "
            f"{m.moe_shared_experts} shared" if m.moe_num_experts else "")
-    lines = [f"[kimi] model {m.name}: {n / 1e6:.2f}M parameters ({n_emb / 1e6:.2f}M embedding), blocks {pattern} "
-             f"(K=KDA, M=MLA){moe}, residual={m.residual}, vocab {m.vocab_size}, {flops_per_token / 1e6:.1f} "
+    lines = [f"[kimi] model {m.name}: {n / 1e6:.2f}M parameters ({n_emb / 1e6:.2f}M embedding), blocks "
+             f"{mixer_pattern(m)} ({legend(m)}){moe}, residual={m.residual}, vocab {m.vocab_size}, {flops_per_token / 1e6:.1f} "
              "MFLOP/token (train)",
              f"[kimi] data {cfg.data.name}: {data.train_meta['num_tokens']:,} train / {data.val_meta['num_tokens']:,} "
              f"val tokens; batch {t.micro_batch_size}x{t.seq_len}x{t.grad_accum_steps}{ranks} = {tokens:,} tokens/step;"

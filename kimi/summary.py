@@ -11,10 +11,9 @@ after
 
   1. pipeline parallelism: a pipeline rank holds its stages' blocks (kimi.parallel.pipeline.split_blocks),
      the first stage also the embedding, the last the final norm, final AttnRes query and LM head;
-  2. tensor parallelism (the plan of kimi/parallel/tensor_parallel.py): every matrix split by heads, MLP
-     width or vocabulary is divided by tp (row-parallel ones along their input dimension); RMSNorm weights,
-     AttnRes queries, KDA's f_proj_down / g_proj_down, MLA's wkv_a (and q-LoRA's wq_a) and MoE layers stay
-     replicated;
+  2. tensor parallelism (each sublayer's declared plan, kimi/model/sublayer.py): what it splits by heads or
+     width is divided by tp (row-parallel matrices along their input dimension), the rest stays replicated;
+     the embedding and LM head split the vocabulary; RMSNorm weights and AttnRes queries stay replicated;
   3. expert parallelism: the routed experts' dim 0 (the expert) is split over ep;
   4. FSDP2: every parameter's dim 0 is split over dp_shard x cp (the largest shard, ceil, is counted; the
      context-parallel ranks shard the weights like data-parallel ones), the routed experts' over
@@ -29,6 +28,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -36,22 +36,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from kimi.config import Config, ConfigError, mla_layer_indices, register_configs, stages_per_rank, validate_model
+from kimi.config import Config, ConfigError, mixer_pattern, register_configs, stages_per_rank, validate_model
 
-from kimi.model import KDA, MLA, KimiModel, RMSNorm, SwiGLU
-from kimi.model.moe import MoE
+from kimi.model import KimiModel
+from kimi.model.registry import legend
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GIB = 1024**3
 
-FAMILIES = ("embedding", "LM head", "KDA mixers", "MLA mixers", "MLPs", "routed experts",
-            "norms + AttnRes queries")
-# Tensor-parallel plan (kimi/parallel/tensor_parallel.py): sublayer linears that stay whole on every tp rank,
-# and the row-parallel ones (split along their input dimension, dim 1 of the weight). Everything else that is
-# not a norm weight or an AttnRes query is split along dim 0 (heads, MLP width or vocabulary).
-TP_REPLICATED = ("f_proj_down", "g_proj_down", "wkv_a", "wq_a")
-TP_ROW_PARALLEL = ("o_proj", "wo", "w_down")
-ATTNRES_QUERIES = ("mixer_query", "mlp_query", "final_query")
+NORMS = "norms + AttnRes queries"  # the block's pre-norms and queries, the final norm and query
 
 
 @dataclass
@@ -119,45 +112,32 @@ def resolve_vocab(cfg: Config) -> Optional[str]:
 
 
 # ---- parameters --------------------------------------------------------------------------------------------
-def _owner(model: nn.Module, name: str) -> nn.Module:
-    prefix = name.rpartition(".")[0]
-    return model.get_submodule(prefix) if prefix else model
+def _sublayer_of(model: KimiModel, name: str):
+    """(the sublayer holding parameter `name`, the name relative to it), or (None, name) outside sublayers."""
+    parts = name.split(".")
+    if len(parts) > 3 and parts[0] == "blocks" and parts[2] in ("mixer", "mlp"):
+        return model.get_submodule(".".join(parts[:3])), ".".join(parts[3:])
+    return None, name
 
 
 def family(model: KimiModel, name: str) -> str:
-    """The family (one of FAMILIES) of a parameter name of model.named_parameters(remove_duplicate=False)."""
+    """The family of a parameter name of model.named_parameters(remove_duplicate=False): the embedding, the
+    LM head, the family its sublayer declares (e.g. "KDA mixers", "routed experts"), or norms and queries."""
     if name.startswith("embed."):
         return "embedding"
     if name.startswith("lm_head."):
         return "LM head"
-    parts = name.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        mod = model.get_submodule(".".join(parts[:i]))
-        if isinstance(mod, KDA):
-            return "KDA mixers"
-        if isinstance(mod, MLA):
-            return "MLA mixers"
-        if isinstance(mod, SwiGLU):
-            return "MLPs"
-        if isinstance(mod, MoE):  # its router; the shared experts are SwiGLUs, found above
-            return "MLPs" if parts[i] == "router" else "routed experts"
-    if isinstance(_owner(model, name), RMSNorm) or parts[-1] in ATTNRES_QUERIES:
-        return "norms + AttnRes queries"
-    raise ValueError(f"parameter {name} belongs to no known family: teach kimi.summary about it")
+    sub, rel = _sublayer_of(model, name)
+    return NORMS if sub is None else sub.family(rel)
 
 
 def tp_dim(model: KimiModel, name: str) -> Optional[int]:
-    """The dimension tensor parallelism splits this parameter along, or None if it is replicated over tp."""
-    parts = name.split(".")
-    if parts[-1] in ATTNRES_QUERIES or isinstance(_owner(model, name), RMSNorm):
-        return None
-    if len(parts) >= 3 and parts[2] == "mlp" and isinstance(model.get_submodule(".".join(parts[:3])), MoE):
-        return None  # MoE layers stay whole on every tp rank (kimi.parallel.tensor_parallel._moe_plan)
-    if len(parts) >= 2 and parts[-2] in TP_REPLICATED:
-        return None
-    if len(parts) >= 2 and parts[-2] in TP_ROW_PARALLEL and parts[-1] == "weight":
-        return 1
-    return 0
+    """The dimension tensor parallelism splits this parameter along, or None if it is replicated over tp:
+    the vocabulary of the embedding and LM head, a sublayer's declared plan, nothing else."""
+    if name.startswith(("embed.", "lm_head.")):
+        return 0
+    sub, rel = _sublayer_of(model, name)
+    return None if sub is None else sub.tp_plan().split_dim(rel)
 
 
 def optimizer_families(cfg: Config, model: KimiModel) -> Dict[str, str]:
@@ -263,7 +243,12 @@ def summarize(cfg: Config) -> Summary:
     note = resolve_vocab(cfg)
     with torch.device("meta"):  # shapes only
         model = KimiModel(cfg.model)
-    families = dict.fromkeys(FAMILIES, 0)
+    mixers = {b.mixer for b in model.blocks.values()}  # the rows: embedding, LM head, mixers, MLPs, norms
+    families = {"embedding": 0, "LM head": 0}
+    subs = [sub for _, sub in model.sublayers()]
+    for sub in [s for s in subs if s in mixers] + [s for s in subs if s not in mixers]:
+        families.update({fam: 0 for fam in (sub.FAMILY, *sub.FAMILY_OF.values()) if fam not in families})
+    families[NORMS] = 0
     for name, param in model.named_parameters():  # a tied LM head is not listed again
         families[family(model, name)] += param.numel()
     routes = optimizer_families(cfg, model)
@@ -321,9 +306,7 @@ def flops(x: float) -> str:
 
 def report(s: Summary) -> str:
     m, t, p, o = s.cfg.model, s.cfg.trainer, s.cfg.parallel, s.cfg.optim
-    mla = mla_layer_indices(m)
-    n_kda, n_mla = m.num_layers - len(mla), len(mla)
-    out = [f"model {m.name}: {m.num_layers} blocks ({n_kda} KDA, {n_mla} MLA at 0-based {mla}), d_model "
+    out = [f"model {m.name}: {m.num_layers} blocks {mixer_pattern(m)} ({legend(m)}), d_model "
            f"{m.d_model}, MLP width {m.mlp_hidden}, vocab {m.vocab_size}, residual {m.residual}"]
     if s.vocab_note:
         out.append(s.vocab_note)
@@ -332,8 +315,8 @@ def report(s: Summary) -> str:
         return f"{100 * n / s.total:.2f}%"
 
     head = "tied: the embedding" if m.tie_embeddings else "untied"
-    labels = {"LM head": f"LM head ({head})", "KDA mixers": f"KDA mixers (x{n_kda})",
-              "MLA mixers": f"MLA mixers (x{n_mla})", "MLPs": f"MLPs (x{m.num_layers})"}
+    counts = Counter(sub.FAMILY for _, sub in s.model.sublayers())
+    labels = {"LM head": f"LM head ({head})", **{fam: f"{fam} (x{n})" for fam, n in counts.items()}}
     rows = [[labels.get(k, k), f"{v:,}", human(v), share(v)] for k, v in s.families.items()]
     rows.append(["total", f"{s.total:,}", human(s.total), share(s.total)])
     if s.active != s.total:

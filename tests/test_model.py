@@ -25,7 +25,7 @@ def tiny_cfg(**kw) -> ModelConfig:
 def test_forward_shapes(residual, pattern):
     model = KimiModel(tiny_cfg(residual=residual, **PATTERNS[pattern]))
     n_mla = {"all_kda": 0, "all_mla": 3, "mixed": 1}[pattern]
-    assert len(model.mla_modules()) == n_mla
+    assert len(model.qk_clip_modules()) == n_mla
     logits = model(torch.randint(0, 61, (2, 9)))
     assert logits.shape == (2, 9, 61) and logits.dtype == torch.float32
     assert torch.isfinite(logits).all()

@@ -322,7 +322,7 @@ def test_qk_clip_hook_runs_after_any_optimizer(optim):
     names = dict(model.named_parameters())
     assert [s.layer for s in clip.specs] == ["blocks.1.mixer"]
     assert all(r.param in names for s in clip.specs for r in s.rows)
-    assert all(m.track_max_logits for m in model.mla_modules())
+    assert all(m.track_max_logits for m in model.qk_clip_modules())
     ids = _batch()
     F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
     opt.step()
@@ -330,7 +330,7 @@ def test_qk_clip_hook_runs_after_any_optimizer(optim):
     clip()
     assert clip.stats["blocks.1.mixer"]["clipped_frac"] == 1.0
     assert (names["blocks.1.mixer.wq.weight"].abs() < wq.abs()).all()  # every head's query rows shrank
-    assert model.mla_modules()[0].max_logits is None  # consumed by the hook
+    assert model.qk_clip_modules()[0].max_logits is None  # consumed by the hook
 
     assert build_qk_clip(KimiModel(tiny_model_cfg()), OptimConfig(name=optim, qk_clip_tau=0)) is None
 

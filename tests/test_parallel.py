@@ -187,13 +187,13 @@ def test_activation_checkpointing_is_exact_and_keeps_names(mode):
     calls = {}  # forwards of a linear inside an MLP: recomputation runs it again in the backward
     for m in (plain, wrapped):
         m.blocks["0"].mlp.w_up.register_forward_hook(lambda *_, m=m: calls.__setitem__(id(m), calls.get(id(m), 0) + 1))
-        m.mla_modules()[0].track_max_logits = True
+        m.qk_clip_modules()[0].track_max_logits = True
         torch.nn.functional.cross_entropy(m(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
     assert calls[id(plain)] == 1 and calls[id(wrapped)] == 2  # selective replays the forward too, matmuls cached
     for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
     # the recomputed forward records the same max logits again, which the running max ignores
-    assert torch.equal(wrapped.mla_modules()[0].consume_max_logits(), plain.mla_modules()[0].consume_max_logits())
+    assert torch.equal(wrapped.qk_clip_modules()[0].consume_max_logits(), plain.qk_clip_modules()[0].consume_max_logits())
     with pytest.raises(ValueError, match="none\\|full\\|selective"):
         apply_activation_checkpointing(plain, "some")
 

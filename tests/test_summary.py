@@ -36,8 +36,7 @@ def meta_model(s) -> KimiModel:
 def counts_by_name(model: KimiModel) -> dict:
     """Families by parameter name alone (block index -> KDA or MLA from the config)."""
     mla = set(mla_layer_indices(model.cfg))
-    out = dict.fromkeys(["embedding", "LM head", "KDA mixers", "MLA mixers", "MLPs", "routed experts",
-                         "norms + AttnRes queries"], 0)
+    out = dict.fromkeys(["embedding", "LM head", "norms + AttnRes queries"], 0)  # the rows every model has
     for name, p in model.named_parameters():
         if name.startswith("embed."):
             key = "embedding"
@@ -52,7 +51,7 @@ def counts_by_name(model: KimiModel) -> dict:
         else:
             assert re.search(r"(^|\.)(mixer_norm|mlp_norm|norm)\.weight$|_query$", name), name
             key = "norms + AttnRes queries"
-        out[key] += p.numel()
+        out[key] = out.get(key, 0) + p.numel()
     return out
 
 

@@ -23,9 +23,7 @@ import torch
 from torch import nn
 
 from kimi.config import ModelConfig
-from kimi.model import KDA, MLA
 from kimi.model.attnres import depth_weights
-from kimi.model.moe import MoE
 from kimi.model.probe import PROBE
 
 from .record import attnres_sources, sublayers
@@ -137,17 +135,17 @@ def observe(parts: Sequence[nn.Module], cfg: ModelConfig, head_rank: int = 0) ->
     """Record the forwards run inside the block into the yielded sums (``.tally()`` afterwards). `parts`: the
     model parts this rank runs (an engine's ``parts``); head_rank: this rank's tensor-parallel rank."""
     sums = _Sums(head_rank, {s: attnres_sources(cfg, s) for s in sublayers(cfg)})
-    names: Dict[int, str] = {id(m): n for part in parts for n, m in part.named_modules()
-                             if isinstance(m, (KDA, MLA, MoE))}
+    names: Dict[int, str] = {id(m): n for part in parts for n, m in part.sublayers() if m.PROBES}
 
     def sink(module: nn.Module, **values: torch.Tensor) -> None:
+        """By the names of the values a sublayer declares it hands over (its PROBES)."""
         name = names[id(module)]
-        if isinstance(module, KDA):
+        if "g" in values:
             sums.add_kda(_block_of(name), values["g"], values["beta"])
-        elif isinstance(module, MLA):
+        if "max_logits" in values:
             sums.add_mla(name, values["max_logits"])
-        else:
-            sums.add_moe(_block_of(name), values["experts"], module.load.numel())
+        if "experts" in values:
+            sums.add_moe(_block_of(name), values["experts"], module.num_experts)
 
     handles = []
     try:

@@ -16,7 +16,11 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from kimi.config import ModelConfig, mla_layer_indices, moe_layer_indices
+import torch
+
+from kimi.config import ModelConfig, mixer_pattern
+from kimi.model import KimiModel
+from kimi.model.sublayer import hf_entries
 
 
 class NotExpressible(ValueError):
@@ -38,11 +42,14 @@ def hf_config(m: ModelConfig) -> Dict[str, Any]:
         _refuse("a bias on KDA's output gate (model.kda_gate_bias=true)", "set model.kda_gate_bias=false")
     if m.vocab_size is None:
         raise ValueError("model.vocab_size must be resolved before converting (it follows the tokenizer)")
-    mla = set(mla_layer_indices(m))
+    types = {"K": "linear_attention", "M": "full_attention"}
+    other = sorted(set(mixer_pattern(m)) - set(types))
+    if other:
+        _refuse(f"token mixers {', '.join(other)} of model.layer_pattern", "only K (KDA) and M (MLA) convert")
     moe = bool(m.moe_num_experts)
     return dict(
         vocab_size=m.vocab_size, hidden_size=m.d_model, num_hidden_layers=m.num_layers,
-        layer_types=["full_attention" if i in mla else "linear_attention" for i in range(m.num_layers)],
+        layer_types=[types[letter] for letter in mixer_pattern(m)],
         linear_num_heads=m.kda_num_heads, linear_head_dim=m.kda_head_dim, linear_conv_kernel_dim=m.conv_size,
         num_attention_heads=m.mla_num_heads, num_key_value_heads=m.mla_num_heads,
         q_lora_rank=m.q_lora_rank or None, kv_lora_rank=m.kv_lora_rank,
@@ -102,7 +109,8 @@ def model_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
 # ---- files ---------------------------------------------------------------------------------------------
 # In files (the released checkpoints, and what save_pretrained writes) transformers keeps the original
 # names: block_sparse_moe for every feed-forward, one tensor per expert (w1 gate, w3 up, w2 down), the three
-# short convs apart, the gate's parameters directly under self_attn. from_pretrained converts them.
+# short convs apart, the gate's parameters directly under self_attn. from_pretrained converts them. Each
+# sublayer declares its tensors' names (HF_NAMES, kimi/model/sublayer.py).
 # One entry per file tensor: (its name, our tensor's name, index into our tensor's first dim or None, the
 # file tensor's shape when it differs from ours: None keeps it).
 FileEntry = Tuple[str, str, Optional[int], Optional[Tuple[int, ...]]]
@@ -114,38 +122,12 @@ def file_map(m: ModelConfig) -> List[FileEntry]:
                             ("model.norm.weight", "norm.weight", None, None)]
     if not m.tie_embeddings:
         out.append(("lm_head.weight", "lm_head.weight", None, None))
-    mla, moe = set(mla_layer_indices(m)), set(moe_layer_indices(m))
+    with torch.device("meta"):  # the layers' declarations, from their shapes alone
+        model = KimiModel(m)
     for i in range(m.num_layers):
         hf, ours = f"model.layers.{i}.", f"blocks.{i}."
-        pairs = [("input_layernorm.weight", "mixer_norm.weight"), ("post_attention_layernorm.weight",
-                                                                   "mlp_norm.weight")]
-        if i in mla:
-            q = ([("q_a_proj", "wq_a"), ("q_a_layernorm", "q_norm"), ("q_b_proj", "wq_b")] if m.q_lora_rank
-                 else [("q_proj", "wq")])
-            q += [("kv_a_proj_with_mqa", "wkv_a"), ("kv_a_layernorm", "kv_norm"), ("kv_b_proj", "wkv_b"),
-                  ("o_proj", "wo")]
-            pairs += [(f"self_attn.{a}.weight", f"mixer.{b}.weight") for a, b in q]
-        else:
-            pairs += [(f"self_attn.{a}.weight", f"mixer.{b}.weight") for a, b in
-                      [("q_proj", "q_proj"), ("k_proj", "k_proj"), ("v_proj", "v_proj"),
-                       ("q_conv1d", "q_conv"), ("k_conv1d", "k_conv"), ("v_conv1d", "v_conv"),
-                       ("f_a_proj", "f_proj_down"), ("f_b_proj", "f_proj_up"), ("b_proj", "b_proj"),
-                       ("g_a_proj", "g_proj_down"), ("g_b_proj", "g_proj_up"), ("o_norm", "o_norm"),
-                       ("o_proj", "o_proj")]]
-            pairs.append(("self_attn.dt_bias", "mixer.dt_bias"))
-            out.append((hf + "self_attn.A_log", ours + "mixer.A_log", None, (1, 1, m.kda_num_heads, 1)))
-        if i in moe:
-            pairs += [("block_sparse_moe.gate.weight", "mlp.router.weight"),
-                      ("block_sparse_moe.gate.e_score_correction_bias", "mlp.expert_bias")]
-            for e in range(m.moe_num_experts):
-                for w, mine in (("w1", "w_gate"), ("w3", "w_up"), ("w2", "w_down")):
-                    out.append((f"{hf}block_sparse_moe.experts.{e}.{w}.weight", f"{ours}mlp.experts.{mine}", e,
-                                None))
-            if m.moe_shared_experts:
-                pairs += [(f"block_sparse_moe.shared_experts.{x}_proj.weight", f"mlp.shared.w_{x}.weight")
-                          for x in ("gate", "up", "down")]
-        else:
-            pairs += [(f"block_sparse_moe.{x}_proj.weight", f"mlp.w_{x}.weight")
-                      for x in ("gate", "up", "down")]
-        out += [(hf + a, ours + b, None, None) for a, b in pairs]
+        out += [(hf + "input_layernorm.weight", ours + "mixer_norm.weight", None, None),
+                (hf + "post_attention_layernorm.weight", ours + "mlp_norm.weight", None, None)]
+        for kind in ("mixer", "mlp"):
+            out += hf_entries(getattr(model.blocks[str(i)], kind), hf, ours + kind)
     return out

@@ -48,7 +48,8 @@ class MLACache:
 
 @dataclass
 class InferenceCache:
-    """One entry per transformer block, in order: a KDACache or an MLACache for its token mixer."""
+    """One entry per transformer block, in order: its token mixer's state (``new_cache()``: a KDACache, an
+    MLACache, ...)."""
 
-    layers: list[KDACache | MLACache]
+    layers: list
     seen_tokens: int = 0  # tokens already consumed per sequence (advanced by KimiModel.forward)

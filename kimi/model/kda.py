@@ -26,6 +26,7 @@ from .cache import KDACache
 from .init import Rules, apply_rules, constant, dt_bias, log_uniform_decay, normal, prefixed, uniform
 from .norm import RMSNorm
 from .probe import PROBE
+from .sublayer import Sublayer, TPPlan
 from .views import ParamViews
 
 # Below one chunk the chunked form has nothing to parallelise: step the recurrence instead.
@@ -97,7 +98,18 @@ class ShortConv(ParamViews, nn.Module):
         return y.to(x.dtype).view(B, T, C), xp[:, xp.shape[1] - (K - 1) :]
 
 
-class KDA(ParamViews, nn.Module):
+class KDA(Sublayer, ParamViews, nn.Module):
+    LABEL, FAMILY = "KDA", "KDA mixers"
+    TP_DIVIDES = ("kda_num_heads",)
+    PROBES = ("g", "beta")  # the per-channel log decay and the delta rule's beta
+    # transformers' Kimi Linear (its files keep these names; A_log as [1, 1, H, 1])
+    HF_NAMES = {**{f"{ours}.weight": f"self_attn.{theirs}.weight" for ours, theirs in (
+        ("q_proj", "q_proj"), ("k_proj", "k_proj"), ("v_proj", "v_proj"), ("q_conv", "q_conv1d"),
+        ("k_conv", "k_conv1d"), ("v_conv", "v_conv1d"), ("f_proj_down", "f_a_proj"),
+        ("f_proj_up", "f_b_proj"), ("b_proj", "b_proj"), ("g_proj_down", "g_a_proj"),
+        ("g_proj_up", "g_b_proj"), ("o_norm", "o_norm"), ("o_proj", "o_proj"))},
+        "dt_bias": "self_attn.dt_bias", "A_log": ("self_attn.A_log", (1, 1, -1, 1))}
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d, H, K = cfg.d_model, cfg.kda_num_heads, cfg.kda_head_dim
@@ -134,6 +146,24 @@ class KDA(ParamViews, nn.Module):
 
     def init_weights(self, std: float, out_std: float) -> None:
         apply_rules(self, self.init_rules(std, out_std))
+
+    def tp_plan(self) -> TPPlan:
+        """By heads: q/k/v, the gates' and beta's up-projections column-parallel, short-conv channels,
+        A_log and dt_bias per head; the low-rank down-projections replicated; the output norm's weight,
+        shared by the heads, sums its gradient over them; o_proj row-parallel."""
+        return TPPlan(colwise=("q_proj", "k_proj", "v_proj", "f_proj_up", "b_proj", "g_proj_up"),
+                      rowwise=("o_proj",),
+                      by_heads=("A_log", "dt_bias", "q_conv.weight", "k_conv.weight", "v_conv.weight"),
+                      sum_grads=("o_norm.weight",))
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Chunkwise KDA (docs/algorithms.md section 1): about 6 K^2 + 3 C K + C^2 per token and head forward
+        (K = head dim, C = the chunk size), times 3 for forward and backward."""
+        heads, K, C = self.A_log.shape[0], self.head_dim, CHUNK_SIZE
+        return 3.0 * heads * (6 * K * K + 3 * C * K + C * C)
+
+    def new_cache(self) -> KDACache:
+        return KDACache()
 
     def forward(
         self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache: KDACache | None = None,

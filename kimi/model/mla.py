@@ -35,6 +35,7 @@ from .init import Rules, apply_rules, constant, normal
 from .layouts import QKClipSpec, RowRule, RowSplit
 from .norm import RMSNorm
 from .probe import PROBE
+from .sublayer import Sublayer, TPPlan
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -48,7 +49,16 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
-class MLA(nn.Module):
+class MLA(Sublayer, nn.Module):
+    LABEL, FAMILY = "MLA", "MLA mixers"
+    TP_DIVIDES = ("mla_num_heads",)
+    MAX_LOGITS = True
+    RECORDS = ("_seen_max_logits",)
+    PROBES = ("max_logits",)  # per head, scaled
+    HF_NAMES = {f"{ours}.weight": f"self_attn.{theirs}.weight" for ours, theirs in (
+        ("wq", "q_proj"), ("wq_a", "q_a_proj"), ("q_norm", "q_a_layernorm"), ("wq_b", "q_b_proj"),
+        ("wkv_a", "kv_a_proj_with_mqa"), ("kv_norm", "kv_a_layernorm"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"))}
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d, H = cfg.d_model, cfg.mla_num_heads
@@ -90,6 +100,9 @@ class MLA(nn.Module):
         seen = self._seen_max_logits
         return None if not seen else seen[0] if len(seen) == 1 else torch.stack(seen).amax(dim=0)
 
+    def set_record_max_logits(self, enabled: bool) -> None:
+        self.track_max_logits = enabled
+
     def consume_max_logits(self) -> torch.Tensor | None:
         """The max since the last call (None if no recorded forward), and forget it."""
         out, self._seen_max_logits = self.max_logits, []
@@ -126,6 +139,21 @@ class MLA(nn.Module):
 
     def init_weights(self, std: float, out_std: float) -> None:
         apply_rules(self, self.init_rules(std, out_std))
+
+    def tp_plan(self) -> TPPlan:
+        """The query projection and W_ukv column-parallel (by heads), wo row-parallel; W_dkv, its norm and
+        q-LoRA's down-projection replicated. Each rank records the max logits of its own heads (QK-Clip
+        places them by tp rank)."""
+        return TPPlan(colwise=(self.q_name, "wkv_b"), rowwise=("wo",))
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Causal softmax attention: per token and head, q.k over T/2 keys on average (2 Dqk T/2) and the
+        weighted sum of values (2 Dv T/2), times 3 for forward and backward; Dqk = nope + rope."""
+        heads = self.wkv_b.weight.shape[0] // (self.nope + self.v_dim)
+        return 3.0 * heads * (self.nope + self.rope + self.v_dim) * seq_len
+
+    def new_cache(self) -> MLACache:
+        return MLACache()
 
     def forward(
         self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache: MLACache | None = None,

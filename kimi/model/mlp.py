@@ -1,13 +1,24 @@
 """SwiGLU feed-forward: W_down(silu(W_gate x) * W_up x), no biases."""
 
+from __future__ import annotations
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .init import Rules, normal
+from .sublayer import Sublayer, TPPlan
 
 
-class SwiGLU(nn.Module):
+class SwiGLU(Sublayer, nn.Module):
+    LABEL, FAMILY = "SwiGLU", "MLPs"
+    TP_DIVIDES = ("mlp_hidden",)
+    HF_NAMES = {f"w_{x}.weight": f"block_sparse_moe.{x}_proj.weight" for x in ("gate", "up", "down")}
+
+    @classmethod
+    def build(cls, cfg) -> "SwiGLU":
+        return cls(cfg.d_model, cfg.mlp_hidden)
+
     def __init__(self, d_model: int, hidden: int):
         super().__init__()
         self.w_gate = nn.Linear(d_model, hidden, bias=False)
@@ -17,5 +28,9 @@ class SwiGLU(nn.Module):
     def init_rules(self, std: float, out_std: float) -> Rules:
         return {"w_gate.weight": normal(std), "w_up.weight": normal(std), "w_down.weight": normal(out_std)}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def tp_plan(self) -> TPPlan:
+        return TPPlan(colwise=("w_gate", "w_up"), rowwise=("w_down",))
+
+    def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """rows: the batch rows of a packed x (the MLP contract; a dense MLP acts per token)."""
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))

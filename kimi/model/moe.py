@@ -37,6 +37,7 @@ from kimi.config import ModelConfig
 from .init import Rules, normal
 from .mlp import SwiGLU
 from .probe import PROBE
+from .sublayer import Sublayer, TPPlan
 from .views import ParamViews
 
 
@@ -169,10 +170,21 @@ class RoutedExperts(ParamViews, nn.Module):
         return fn(x, experts, weights, self.param("w_gate"), self.param("w_up"), self.param("w_down"))
 
 
-class MoE(nn.Module):
+class MoE(Sublayer, nn.Module):
     """Routed SwiGLU experts plus shared ones (kimi.model.moe docstring). Buffers: ``expert_bias`` (the
     score-correction bias, saved in checkpoints) and ``load`` (tokens per expert since the last bias
     update, not saved)."""
+
+    LABEL, FAMILY, FAMILY_OF = "MoE", "MLPs", {"experts": "routed experts"}
+    RECORDS = ("load", "aux_loss")
+    PROBES = ("experts",)  # each token's chosen experts
+    ZERO3_LEAF = True  # the forward reads the router's weight without calling the router
+    HF_NAMES = {"router.weight": "block_sparse_moe.gate.weight",
+                "expert_bias": "block_sparse_moe.gate.e_score_correction_bias",
+                **{f"experts.w_{ours}": f"block_sparse_moe.experts.{{e}}.{theirs}.weight"
+                   for ours, theirs in (("gate", "w1"), ("up", "w3"), ("down", "w2"))},
+                **{f"shared.w_{x}.weight": f"block_sparse_moe.shared_experts.{x}_proj.weight"
+                   for x in ("gate", "up", "down")}}
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -189,6 +201,16 @@ class MoE(nn.Module):
         # the step's loss (1 / gradient-accumulation steps) before each forward.
         self.aux_grad_scale = 1.0
         self.aux_loss: torch.Tensor | None = None  # the last training forward's, for metrics
+
+    @property
+    def num_experts(self) -> int:
+        return self.load.numel()
+
+    def tp_plan(self) -> TPPlan:
+        """Router, routed and shared experts stay whole on every tp rank, which all compute the layer alike
+        on the same (gathered) tokens: their gradients agree without communication. Splitting the experts
+        is expert parallelism's job, not tensor parallelism's."""
+        return TPPlan(replicate=True)
 
     def inactive_params(self) -> int:
         """Parameters a token does not use: the routed experts it is not sent to."""

@@ -11,34 +11,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kimi.config import ModelConfig, mla_layer_indices, moe_layer_indices
+from kimi.config import ModelConfig
 from kimi.ops.documents import cu_seqlens_from_starts
-from kimi.ops.kda import CHUNK_SIZE
 
 from .attnres import make_stream, resume_stream
-from .cache import InferenceCache, KDACache, MLACache
+from .cache import InferenceCache
 from .init import Rules, constant, normal, param_seed, prefixed
-from .kda import KDA
 from .layouts import QKClipSpec
-from .mla import MLA
-from .mlp import SwiGLU
-from .moe import MoE
 from .norm import RMSNorm
+from .registry import mixer_classes, mlp_class, mlp_kinds
+from .sublayer import Sublayer
 from .views import ParamViews
 
 Runner = Callable[..., torch.Tensor]
 
 class Block(ParamViews, nn.Module):
-    """One token mixer and one MLP (dense, or a mixture of experts), each a sublayer with its own pre-norm
-    and (with AttnRes) pseudo-query."""
+    """One token mixer and one MLP (dense, or a mixture of experts), each a sublayer (kimi/model/sublayer.py)
+    with its own pre-norm and (with AttnRes) pseudo-query."""
 
-    def __init__(self, cfg: ModelConfig, use_mla: bool, first: bool, use_moe: bool = False):
+    def __init__(self, cfg: ModelConfig, mixer: type, mlp: type, first: bool):
         super().__init__()
         d = cfg.d_model
         self.mixer_norm = RMSNorm(d, cfg.norm_eps)
-        self.mixer = MLA(cfg) if use_mla else KDA(cfg)
+        self.mixer = mixer.build(cfg)
         self.mlp_norm = RMSNorm(d, cfg.norm_eps)
-        self.mlp = MoE(cfg) if use_moe else SwiGLU(d, cfg.mlp_hidden)
+        self.mlp = mlp.build(cfg)
         attnres = cfg.residual != "standard"
         # The model's first sublayer has one source (the embedding), whose softmax weight is 1 whatever
         # its query: a query there would be a parameter with an identically zero gradient, so it has none.
@@ -55,7 +52,7 @@ class Block(ParamViews, nn.Module):
         recomputes a sublayer in the backward without replacing its forward or renaming its parameters."""
         self.__dict__.setdefault("_runners", {})[name] = run
 
-    def forward(self, stream, cu_seqlens: torch.Tensor | None = None, cache: KDACache | MLACache | None = None,
+    def forward(self, stream, cu_seqlens: torch.Tensor | None = None, cache=None,
                 rows: int | None = None, context=None):
         """Advance the residual stream (see kimi.model.attnres) through both sublayers; returns it. rows: how
         many batch rows a packed row [1, B*T] holds (an MoE layer's sequence-wise loss is per row); context:
@@ -64,7 +61,7 @@ class Block(ParamViews, nn.Module):
         kwargs = {} if context is None else {"context": context}
         stream.push(self.sublayer("mixer", self.mixer_norm(h), cu_seqlens=cu_seqlens, cache=cache, **kwargs))
         h = stream.mix(self.param("mlp_query"))
-        kwargs = {"rows": rows} if rows is not None and isinstance(self.mlp, MoE) else {}
+        kwargs = {} if rows is None else {"rows": rows}
         stream.push(self.sublayer("mlp", self.mlp_norm(h), **kwargs))
         return stream
 
@@ -86,10 +83,9 @@ class KimiModel(ParamViews, nn.Module):
         # not), seeds every parameter's own generator (init_parameter): the weights follow torch.manual_seed
         # but not the device, order or place in which parameters are initialised.
         self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
-        mla, moe = set(mla_layer_indices(cfg)), set(moe_layer_indices(cfg))
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, i in mla, first=i == 0, use_moe=i in moe)
-                                     for i in range(cfg.num_layers)})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, mixer, mlp, first=i == 0)
+                                     for i, (mixer, mlp) in enumerate(block_classes(cfg))})
         self.final_query = nn.Parameter(torch.zeros(cfg.d_model)) if cfg.residual != "standard" else None
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -182,31 +178,37 @@ class KimiModel(ParamViews, nn.Module):
         qs = [q for b in self.blocks.values() for q in (b.mixer_query, b.mlp_query) if q is not None]
         return qs + ([self.final_query] if self.final_query is not None else [])
 
-    def mla_modules(self) -> list[MLA]:
-        return [b.mixer for b in self.blocks.values() if isinstance(b.mixer, MLA)]
+    def sublayers(self) -> list[tuple[str, Sublayer]]:
+        """(qualified name, module) of every token mixer and MLP, in depth order."""
+        return [(f"blocks.{i}.{kind}", getattr(b, kind)) for i, b in self.blocks.items()
+                for kind in ("mixer", "mlp")]
+
+    def qk_clip_modules(self) -> list[Sublayer]:
+        """The sublayers with softmax logits to record for QK-Clip (MLA's)."""
+        return [m for _, m in self.sublayers() if m.MAX_LOGITS]
 
     def record_max_logits(self, enabled: bool = True) -> None:
         """Make every softmax-attention layer record its per-head max logits in the forwards that build a
         graph (what QK-Clip needs; off by default because it costs a pass over the scores on some backends).
         Each layer's qk_clip_specs() entry returns them."""
-        for m in self.mla_modules():
-            m.track_max_logits = enabled
+        for m in self.qk_clip_modules():
+            m.set_record_max_logits(enabled)
 
     def qk_clip_specs(self) -> list[QKClipSpec]:
-        """One QK-Clip spec per MLA layer, named as in self.named_parameters(); KDA has no softmax logits."""
-        return [m.qk_clip_spec(name) for name, m in self.named_modules() if isinstance(m, MLA)]
+        """One QK-Clip spec per sublayer that has one, named as in self.named_parameters()."""
+        specs = (m.qk_clip_spec(name) for name, m in self.sublayers())
+        return [s for s in specs if s is not None]
 
     def muon_splits(self) -> dict:
-        """Fused weights that Muon orthogonalises per logical matrix (MLA's; see MLA.muon_splits)."""
+        """Fused weights that Muon orthogonalises per logical matrix (see MLA.muon_splits)."""
         splits = {}
-        for name, m in self.named_modules():
-            if isinstance(m, MLA):
-                splits.update(m.muon_splits(name))
+        for name, m in self.sublayers():
+            splits.update(m.muon_splits(name))
         return splits
 
     def new_cache(self) -> InferenceCache:
         """An empty decoding state; the first forward with it (the prefill) fills it."""
-        return InferenceCache([MLACache() if isinstance(b.mixer, MLA) else KDACache() for b in self.blocks.values()])
+        return InferenceCache([b.mixer.new_cache() for b in self.blocks.values()])
 
     def forward(
         self,
@@ -261,8 +263,7 @@ class KimiModel(ParamViews, nn.Module):
 
     def num_active_params(self) -> int:
         """Parameters one token uses (num_params less the routed experts it is not sent to)."""
-        return self.num_params() - sum(b.mlp.inactive_params() for b in self.blocks.values()
-                                       if isinstance(b.mlp, MoE))
+        return self.num_params() - sum(m.inactive_params() for _, m in self.sublayers())
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token of the whole model at sequence length seq_len:
@@ -272,34 +273,34 @@ class KimiModel(ParamViews, nn.Module):
         return float(sum(blocks) + end)
 
 
+def block_classes(cfg: ModelConfig) -> list[tuple[type, type]]:
+    """(token mixer class, MLP class) of each block, from the registry (kimi/model/registry.py)."""
+    return [(mixer, mlp_class(kind)) for mixer, kind in zip(mixer_classes(cfg), mlp_kinds(cfg))]
+
+
 def training_flops(cfg: ModelConfig, seq_len: int) -> tuple[list[float], float]:
-    """Training FLOPs (forward + backward) per token at sequence length T = seq_len, per block and for the
+    """Training FLOPs (forward + backward) per token at sequence length seq_len, per block and for the
     model's end (final norm, AttnRes query, LM head):
 
-        6 * N  +  3 * H_mla * (Dqk + Dv) * T  (an MLA block)  or  3 * H_kda * (6 K^2 + 3 C K + C^2)  (a KDA block)
+        6 * N  +  each sublayer's flops_per_token(seq_len)
 
     * N = the parameters involved: every one does one multiply-add per token forward and two backward.
       The LM head always counts (even tied); the embedding lookup does not (it is a gather). Norm weights,
-      biases, A_log etc. are counted too, a negligible overcount. In a MoE block only the token's experts
-      count (its top_k routed ones, the shared ones and the router, which scores every expert).
-    * Softmax attention, causal: per token and head, q.k over T/2 keys on average (2 Dqk T/2) and the
-      weighted sum of values (2 Dv T/2), times 3 for fwd+bwd. Dqk = qk_nope + qk_rope.
-    * KDA chunkwise (docs/algorithms.md section 1): about 6 T K^2 + 3 T C K + T C^2 forward per head for a
-      sequence of T, i.e. 6 K^2 + 3 C K + C^2 per token, times 3; K = kda_head_dim, C = the chunk size.
+      biases, A_log etc. are counted too, a negligible overcount. Parameters a token does not use (the
+      routed experts it is not sent to: a sublayer's inactive_params) do not count.
+    * What the parameters do not show, each sublayer declares (kimi/model/sublayer.py): softmax attention's
+      scores over the sequence, KDA's chunkwise state (docs/algorithms.md section 1).
     Not counted: the AttnRes depth mixing (O(sources * d) per sublayer), short convs, gates' elementwise
     work, softmax exponentials: all well under 1% at useful sizes. Counted on the meta device: no memory.
     """
-    mla, moe = set(mla_layer_indices(cfg)), set(moe_layer_indices(cfg))
-    K, C = cfg.kda_head_dim, CHUNK_SIZE
-    attn = 3 * cfg.mla_num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * seq_len
-    kda = 3 * cfg.kda_num_heads * (6 * K * K + 3 * C * K + C * C)
     blocks = []
     with torch.device("meta"):
-        for i in range(cfg.num_layers):
-            block = Block(cfg, i in mla, first=i == 0, use_moe=i in moe)
+        for i, (mixer, mlp) in enumerate(block_classes(cfg)):
+            block = Block(cfg, mixer, mlp, first=i == 0)
             params = sum(p.numel() for p in block.parameters())
-            params -= block.mlp.inactive_params() if i in moe else 0
-            blocks.append(6.0 * params + (attn if i in mla else kda))
+            subs = (block.mixer, block.mlp)
+            blocks.append(6.0 * (params - sum(m.inactive_params() for m in subs))
+                          + sum(m.flops_per_token(seq_len) for m in subs))
     end = cfg.d_model * (cfg.vocab_size + 1 + (cfg.residual != "standard"))  # LM head, final norm and query
     return blocks, 6.0 * end
 

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from kimi.config import Config, ConfigError
 from kimi.data import Batch
 from kimi.model import KimiModel, lm_loss
-from kimi.model.moe import MoE, set_aux_grad_scale, update_expert_bias
+from kimi.model.moe import set_aux_grad_scale, update_expert_bias
 from kimi.model.transformer import Block
 from kimi.optim import build_scheduler
 
@@ -244,10 +244,12 @@ def _declare_parameter_uses(deepspeed, model: KimiModel) -> None:
     """ZeRO-3 gathers a module's parameters around its forward and its backward, found through the tensors
     it takes and returns. A block takes and returns the residual stream (an object), so the AttnRes queries
     it holds are declared the whole model's, which gathers them for both passes (d_model values each);
-    a MoE layer reads its router's weight without calling the router, so it is gathered as one unit."""
+    a sublayer that declares ZERO3_LEAF (a MoE layer reads its router's weight without calling the router)
+    is gathered as one unit."""
     for module in model.modules():
         if isinstance(module, Block):
             for p in module.parameters(recurse=False):
                 deepspeed.zero.register_external_parameter(model, p)
-    if any(isinstance(m, MoE) for m in model.modules()):
-        deepspeed.utils.set_z3_leaf_modules(model, [MoE])
+    leaves = {type(m) for _, m in model.sublayers() if m.ZERO3_LEAF}
+    if leaves:
+        deepspeed.utils.set_z3_leaf_modules(model, list(leaves))

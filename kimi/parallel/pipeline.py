@@ -20,6 +20,7 @@ the embedding on the first stage and the LM head on the last; `parallel.pp_split
 
 from __future__ import annotations
 
+import copy
 from typing import List, Sequence
 
 import torch
@@ -115,17 +116,13 @@ def stage_parts(model: nn.Module, ranges: Sequence[range], rank: int, pp: int, v
 
 
 def _recorded(part: nn.Module) -> list:
-    """What a training forward records in the model besides its output: MoE layers' token counts per expert
-    (and last auxiliary loss), MLA layers' max logits for QK-Clip."""
-    from kimi.model.mla import MLA
-    from kimi.model.moe import MoE
-
+    """What a training forward records in the model besides its output: each sublayer's declared RECORDS
+    (a MoE layer's token counts per expert and last auxiliary loss, MLA's max logits for QK-Clip)."""
     out = []
-    for m in part.modules():
-        if isinstance(m, MoE):
-            out += [(m, "load", m.load.clone()), (m, "aux_loss", m.aux_loss)]
-        elif isinstance(m, MLA):
-            out.append((m, "_seen_max_logits", list(m._seen_max_logits)))
+    for _, m in part.sublayers():
+        for name in m.RECORDS:
+            value = getattr(m, name)
+            out.append((m, name, value.clone() if isinstance(value, torch.Tensor) else copy.copy(value)))
     return out
 
 

@@ -4,16 +4,11 @@ Each layer runs its unchanged single-device code on local tensors: a column-para
 layer this rank's heads, the layer reads the head count from the shape, and a row-parallel output projection
 sums the ranks' contributions (one all-reduce per sublayer in the forward, one in the backward).
 
+Every token mixer and MLP declares its plan by parameter name (``tp_plan()``, kimi/model/sublayer.py: which
+linears are column- or row-parallel, which parameters are split by heads or sum their gradient over the
+ranks, or that it stays whole); this module applies any such plan. The model's ends are planned here:
+
   embedding   vocab-parallel (rows of the table), output replicated
-  KDA         q/k/v, gate and beta up-projections column-parallel; short-conv channels, A_log and dt_bias
-              per head; the low-rank down-projections replicated; the output norm's weight, shared by all
-              heads, replicated with its gradient summed over the ranks' heads; o_proj row-parallel
-  MLA         query projection and W_ukv column-parallel (by heads); W_dkv, its norm and q-LoRA's
-              down-projection replicated; wo row-parallel; each rank records the max logits of its own
-              heads (QK-Clip places them by tp rank)
-  MLP         gate and up column-parallel, down row-parallel
-  MoE         replicated: every rank computes the layer on all tokens (experts are split by expert
-              parallelism, not by tensor parallelism)
   LM head     column-parallel over the vocabulary; logits stay sharded for a loss-parallel cross-entropy
               (also inside a pipeline schedule, which the trainer runs under loss_parallel())
 Norms and AttnRes queries act per token on replicated activations and stay plain (replicated) tensors.
@@ -22,7 +17,7 @@ Parameters that a layer uses directly rather than through an nn.Linear (A_log, d
 stored as Shard(0) DTensors, so the optimizer and checkpoints see their full shape, and the layer reads
 their local shards through an explicit view (kimi.model.views: ``param(name)``; ``to_local`` keeps the
 gradient path to the DTensor). Replicated weights applied to local heads or tokens read through a view
-whose backward sums the gradient over the ranks. Each layer type has its own plan function.
+whose backward sums the gradient over the ranks.
 """
 
 from __future__ import annotations
@@ -34,6 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, parallelize_module)
+
+from kimi.model.sublayer import TPPlan
 
 
 class _SumGradOverRanks(torch.autograd.Function):
@@ -80,40 +77,20 @@ def _sum_grads(module: nn.Module, names: list[str], mesh: DeviceMesh) -> None:
             owner.set_param_view(attr, lambda p: _SumGradOverRanks.apply(p, mesh))
 
 
-# ---- per-layer plans: (layer, tp mesh, row-parallel output style) -> the layer parallelised in place -------
-def _mlp_plan(mlp: nn.Module, mesh: DeviceMesh, row: RowwiseParallel) -> None:
-    col = ColwiseParallel()
-    parallelize_module(mlp, mesh, {"w_gate": col, "w_up": col, "w_down": row})
-
-
-def _moe_plan(moe: nn.Module, mesh: DeviceMesh, row: RowwiseParallel) -> None:
-    """Router, routed and shared experts stay whole on every tp rank, which all compute the layer alike on
-    the same (gathered) tokens: their gradients agree without communication. Splitting the experts is expert
-    parallelism's job, not tensor parallelism's. Under sequence parallelism each rank keeps its share of the
-    output's tokens (a slice of a replicated tensor, where a row-parallel layer reduce-scatters)."""
-    out = row.output_layouts[0]
-    if out != Replicate():
-        parallelize_module(moe, mesh, PrepareModuleOutput(output_layouts=(Replicate(),),
-                                                          desired_output_layouts=(out,), use_local_output=True))
-
-
-def _kda_plan(kda: nn.Module, mesh: DeviceMesh, row: RowwiseParallel) -> None:
-    col = ColwiseParallel()
-    parallelize_module(kda, mesh, {"q_proj": col, "k_proj": col, "v_proj": col, "f_proj_up": col,
-                                   "b_proj": col, "g_proj_up": col, "o_proj": row})
-    _by_heads(kda, ["A_log", "dt_bias", "q_conv.weight", "k_conv.weight", "v_conv.weight"], mesh)
-    _sum_grads(kda, ["o_norm.weight"], mesh)  # one weight over each head's channels, shared by the heads
-
-
-def _mla_plan(mla: nn.Module, mesh: DeviceMesh, row: RowwiseParallel) -> None:
-    parallelize_module(mla, mesh, {mla.q_name: ColwiseParallel(), "wkv_b": ColwiseParallel(), "wo": row})
-
-
-def _plans() -> dict:
-    from kimi.model import KDA, MLA, SwiGLU
-    from kimi.model.moe import MoE
-
-    return {KDA: _kda_plan, MLA: _mla_plan, SwiGLU: _mlp_plan, MoE: _moe_plan}
+def _apply_plan(sublayer: nn.Module, plan: TPPlan, mesh: DeviceMesh, row: RowwiseParallel) -> None:
+    """A sublayer's declared plan. A replicated sublayer computes alike on every rank; under sequence
+    parallelism each rank keeps its share of the output's tokens (a slice of a replicated tensor, where a
+    row-parallel layer reduce-scatters)."""
+    if plan.replicate:
+        out = row.output_layouts[0]
+        if out != Replicate():
+            parallelize_module(sublayer, mesh, PrepareModuleOutput(
+                output_layouts=(Replicate(),), desired_output_layouts=(out,), use_local_output=True))
+        return
+    styles = {**{name: ColwiseParallel() for name in plan.colwise}, **{name: row for name in plan.rowwise}}
+    parallelize_module(sublayer, mesh, styles)
+    _by_heads(sublayer, list(plan.by_heads), mesh)
+    _sum_grads(sublayer, list(plan.sum_grads), mesh)
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False,
@@ -127,8 +104,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
     activation memory divided by tp). The norms' weights and AttnRes queries, applied to a share of the
     tokens, sum their gradients over tp.
 
-    Each sublayer type has its plan in ``_plans()``; a new layer type adds its own there."""
-    plans = _plans()
+    Each sublayer applies the plan it declares (``tp_plan()``)."""
     seq = Shard(1)
     ends = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq if sequence_parallel
                                      else Replicate()),
@@ -143,14 +119,10 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
     row = RowwiseParallel(output_layouts=seq if sequence_parallel else Replicate())
     for block in model.blocks.values():
         for sublayer in (block.mixer, block.mlp):
-            plan = plans.get(type(sublayer))
-            if plan is None:
-                raise TypeError(f"no tensor-parallel plan for {type(sublayer).__name__}: add one to "
-                                "kimi.parallel.tensor_parallel._plans")
             if sequence_parallel:  # the sublayer sees the whole sequence (its layers read T from their input)
                 parallelize_module(sublayer, mesh, PrepareModuleInput(
                     input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True))
-            plan(sublayer, mesh, row)
+            _apply_plan(sublayer, sublayer.tp_plan(), mesh, row)
         if sequence_parallel:
             _sum_grads(block, ["mixer_norm.weight", "mlp_norm.weight", "mixer_query", "mlp_query"], mesh)
     if sequence_parallel:  # the final norm and query, applied to this rank's tokens
