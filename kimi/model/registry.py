@@ -16,6 +16,7 @@ from kimi.config import ConfigError, ModelConfig, mixer_pattern, moe_layer_indic
 MIXERS: Dict[str, str] = {
     "K": "kda:KDA",
     "M": "mla:MLA",
+    "C": "conv:ConvMixer",
 }
 MLPS: Dict[str, str] = {
     "dense": "mlp:SwiGLU",
