@@ -12,6 +12,8 @@ import statistics
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional, Tuple
 
+from .state import status
+
 # Keys of the composed config that do not change what is trained: where it is written and how it is logged.
 _NOT_TRAINING = ("logging", "trainer.run_dir")
 
@@ -84,8 +86,6 @@ def summarise(run) -> Optional[dict]:
     from omegaconf import OmegaConf
 
     from kimi.metrics import read_metrics
-
-    from .study import status
 
     cfg_path, metrics = run.dir / "config.yaml", run.dir / "metrics.jsonl"
     if not cfg_path.is_file() or not metrics.is_file():

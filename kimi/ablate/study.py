@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import records
+from .state import exit_code, status
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = ROOT / "conf"
@@ -142,30 +143,6 @@ class Run:
 
 def plan_run(exp: Experiment, root: Path, arm: str, values: Dict[str, str], seed: int) -> Run:
     return Run(exp, arm, values, seed, root / exp.name / exp.run_name(arm, values, seed))
-
-
-def complete_at(run_dir: Path, step: int) -> bool:
-    """Whether the run dir holds a complete checkpoint of `step` (its COMPLETE marker is written last)."""
-    from kimi import checkpoint
-
-    return (checkpoint.step_dir(run_dir / "checkpoints", step) / checkpoint.COMPLETE).is_file()
-
-
-def exit_code(run_dir: Path) -> Optional[int]:
-    try:
-        return int((run_dir / "exit_code").read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def status(run_dir: Path, max_steps: int) -> str:
-    """done (a complete final checkpoint), failed (exit code 1 or 2 and no final checkpoint), partial
-    (started, not finished: it resumes) or new."""
-    if complete_at(run_dir, max_steps):
-        return "done"
-    if exit_code(run_dir) in (1, 2):
-        return "failed"
-    return "partial" if run_dir.exists() else "new"
 
 
 def started_steps(run_dir: Path) -> Optional[int]:
