@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from helpers import TINY_TRAINER as TINY
-from helpers import copy_run, corpus_overrides, run_cfg, train_run
+from helpers import copy_run, run_cfg, train_run
 
 from kimi import checkpoint
 from kimi.cli import RunError, run_main
@@ -23,11 +23,6 @@ from kimi.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> list[str]:
-    return corpus_overrides(tmp_path_factory)
 
 
 def cfg(run: Path, data: list[str], *overrides: str):
@@ -73,6 +68,7 @@ def replant(path: Path, name: str, payload: bytes) -> None:
     (path / checkpoint.COMPLETE).write_text(json.dumps(marker))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("where", ["metadata", "extra", "optimizer"])
 def test_a_planted_pickle_never_runs(tmp_path, data, trained, monkeypatch, where):
     import pickle
@@ -142,6 +138,7 @@ FAULTS = {"flipped byte": (flip, "does not match its checksum"), "truncated": (t
           "no manifest": (marker_without_manifest, "lists no files")}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_damaged_newest_checkpoint_is_skipped_for_the_intact_one(tmp_path, data, trained, capsys, fault):
     damage, message = FAULTS[fault]
@@ -156,6 +153,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_intact_one(tmp_path, dat
     trainer.close()
 
 
+@pytest.mark.e2e
 def test_no_intact_checkpoint_is_an_error_naming_them(tmp_path, data, trained, capsys):
     run = copy_run(trained, tmp_path)
     flip(ckpt(run, 2))
@@ -165,6 +163,7 @@ def test_no_intact_checkpoint_is_an_error_naming_them(tmp_path, data, trained, c
     assert ckpt(run, 2).is_dir() and ckpt(run, 4).is_dir()  # nothing deleted
 
 
+@pytest.mark.e2e
 def test_generation_refuses_a_damaged_checkpoint_named_directly(tmp_path, trained):
     from kimi.generate import load_from_checkpoint
 
@@ -177,6 +176,7 @@ def test_generation_refuses_a_damaged_checkpoint_named_directly(tmp_path, traine
 
 # ---- run-directory safety --------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_a_fresh_run_in_a_used_run_dir_is_refused_or_moves_the_old_run_aside(tmp_path, data, trained):
     run = copy_run(trained, tmp_path)
     old_metrics = (run / "metrics.jsonl").read_bytes()
@@ -193,16 +193,18 @@ def test_a_fresh_run_in_a_used_run_dir_is_refused_or_moves_the_old_run_aside(tmp
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == [1, 2]
 
 
+@pytest.mark.unit
 def test_rotation_deletes_only_older_checkpoints_of_its_own_run(tmp_path):
     root = tmp_path / "checkpoints"
     for step, run_id in ((2, "a"), (4, "a"), (6, "a"), (9, "b"), (20, "a")):
         path = checkpoint.step_dir(root, step)
         path.mkdir(parents=True)
         (path / checkpoint.COMPLETE).write_text(json.dumps({"run_id": run_id, "files": {"x": [0, 0]}}))
-    checkpoint._rotate(root, 6, keep=2, run_id="a")
+    checkpoint.store._rotate(root, 6, keep=2, run_id="a")
     assert [c.step for c in checkpoint.list_checkpoints(root)] == [4, 6, 9, 20]
 
 
+@pytest.mark.e2e
 def test_metrics_are_appended_and_a_partial_last_line_is_tolerated(tmp_path, data, trained):
     run = copy_run(trained, tmp_path)
     with (run / "metrics.jsonl").open("a") as f:
@@ -214,6 +216,7 @@ def test_metrics_are_appended_and_a_partial_last_line_is_tolerated(tmp_path, dat
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.e2e
 def test_a_second_trainer_on_the_same_run_dir_is_refused(tmp_path, data):
     first = Trainer(cfg(tmp_path / "run", data, "trainer.max_steps=2"))
     with pytest.raises(ConfigError, match=f"in use by another trainer \\(pid {os.getpid()} on host "):
@@ -222,6 +225,7 @@ def test_a_second_trainer_on_the_same_run_dir_is_refused(tmp_path, data):
     Trainer(cfg(tmp_path / "run", data, "trainer.max_steps=2")).close()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", ["run dir is a file", "checkpoints is a file"])
 def test_an_unusable_run_dir_is_found_at_start_up(tmp_path, data, case):
     run = tmp_path / "run"
@@ -244,6 +248,7 @@ def mount_tmpfs(path: Path, size: str, read_only: bool = False) -> None:
         pytest.skip(f"needs a small tmpfs (root): mount failed: {proc.stderr.strip()}")
 
 
+@pytest.mark.e2e
 def test_a_read_only_run_dir_is_found_at_start_up(tmp_path, data):
     run = tmp_path / "ro"
     mount_tmpfs(run, "1m", read_only=True)
@@ -254,6 +259,7 @@ def test_a_read_only_run_dir_is_found_at_start_up(tmp_path, data):
         subprocess.run(["umount", str(run)], check=True)
 
 
+@pytest.mark.e2e
 def test_a_full_disk_at_a_save_keeps_the_earlier_checkpoint(tmp_path, data, trained):
     size = sum(f.stat().st_size for f in ckpt(trained, 4).iterdir())
     run = tmp_path / "small"
@@ -276,6 +282,7 @@ def test_a_full_disk_at_a_save_keeps_the_earlier_checkpoint(tmp_path, data, trai
 
 # ---- resume that says what it keeps ------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_resume_lists_changed_settings_and_applies_the_new_ones(tmp_path, data, trained, capsys):
     run = copy_run(trained, tmp_path)
     capsys.readouterr()
@@ -294,6 +301,7 @@ def test_resume_lists_changed_settings_and_applies_the_new_ones(tmp_path, data, 
     trainer.close()
 
 
+@pytest.mark.e2e
 def test_resume_with_another_optimizer_is_refused(tmp_path, data, trained):
     run = copy_run(trained, tmp_path)
     with pytest.raises(ConfigError, match="it was trained with optim=muonclip"):
@@ -308,6 +316,7 @@ def train_py(run: Path, data: list[str], *overrides: str) -> subprocess.Complete
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.e2e
 def test_exit_codes_a_scheduler_can_read(tmp_path, data):
     run = tmp_path / "run"
     stopped = train_py(run, data, "trainer.max_steps=4", "trainer.stop_at_step=2")
@@ -324,6 +333,7 @@ def test_exit_codes_a_scheduler_can_read(tmp_path, data):
     assert checkpoint.latest_complete(run / "checkpoints").step == 4
 
 
+@pytest.mark.e2e
 def test_nan_stop_is_one_line_and_exit_code_1(tmp_path, data, capsys):
     trainer = Trainer(cfg(tmp_path / "run", data, "trainer.max_steps=5"))
     trainer.model.register_forward_hook(lambda m, args, out: out * float("nan"))
@@ -348,6 +358,7 @@ def rank_pid(parent: int, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.dist
 def test_a_stopped_rank_ends_the_job_with_a_message(tmp_path, data):
     run, timeout = tmp_path / "run", 10
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

@@ -22,8 +22,7 @@ from typing import Any, Dict, List, Optional
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from . import (_fresh_dir, _manifest_share, _mark_complete, _rotate_after, _saving, latest_complete,
-               step_dir)
+from .store import _fresh_dir, _manifest_share, _mark_complete, _rotate_after, _saving, latest_complete, step_dir
 
 
 class BackgroundSave:
