@@ -1,29 +1,31 @@
-"""Structured configuration: dataclasses registered in Hydra's ConfigStore, and the one validation pass.
+"""Structured configuration: the schema (dataclasses registered in Hydra's ConfigStore), the vocabulary its
+rules are written in, and the rules that span sections.
 
 The root schema is stored as ``base_config``; ``conf/config.yaml`` lists it first in its defaults, so every
 YAML preset and command-line override is merged into typed nodes and a misspelt key fails with Hydra's
-"Key 'x' not in 'TrainerConfig'" before any work. Values that type-check but cannot work are caught by
-:func:`validate`, which ``Trainer.__init__`` calls first (before any data is downloaded or tokenised): every
-per-key rule (a block size of zero, an unknown residual mode) and every cross-key rule (heads that do not
-split over parallel.tp, more pipeline stages than blocks, degrees whose product is not the number of
-processes). Each failure is a one-line :class:`ConfigError` that names the key(s) and how to fix it.
+"Key 'x' not in 'TrainerConfig'" before any work. Values that type-check but cannot work are caught by the one
+validation pass, :func:`kimi.validation.validate`, which ``Trainer.__init__`` calls first (before any data is
+downloaded or tokenised). Each section's own rules live with the code that owns it (kimi/model/rules.py,
+kimi/data/rules.py, kimi/optim/rules.py, kimi/parallel/rules.py, kimi/validation.py for the run's trainer and
+logging sections); the rules here read several sections (context, expert and pipeline parallelism against the
+model and the batch, the vocabulary against the tokenizer). Each failure is a one-line :class:`ConfigError`
+that names the key(s) and how to fix it.
 
 This module is pure data: it imports neither torch nor the rest of kimi (it is imported first), but for the
-engines' torch-free names and rules (kimi/parallel/engine_rules.py).
+engines' torch-free names (kimi/parallel/engine_rules.py).
 """
 
 from __future__ import annotations
 
 import difflib
 import math
-import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from omegaconf import DictConfig, OmegaConf
 
-# the engines' names and rules, torch-free (kimi.parallel imports its other modules on first use)
-from kimi.parallel.engine_rules import ENGINES, engine_problem
+# the engines' names, torch-free (kimi.parallel imports its other modules on first use)
+from kimi.parallel.engine_rules import ENGINES
 
 # ---- keys that take one of a fixed set of values ---------------------------------------------------------
 # The installed OmegaConf (2.3) rejects typing.Literal in structured configs ("Unexpected type annotation:
@@ -324,20 +326,20 @@ def pipeline_microbatches(cfg: Config) -> int:
     return 1 if p.pp == 1 else (p.pp_microbatches or p.pp)
 
 
-# ---- helpers ---------------------------------------------------------------------------------------------
-def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+# ---- the rules' vocabulary ---------------------------------------------------------------------------------------------
+def check(ok: bool, key: str, value: Any, allowed: str) -> None:
     """A value of one key: `key=value is invalid: allowed`."""
     if not ok:
         raise ConfigError(f"{key}={value!r} is invalid: {allowed}")
 
 
-def _require(ok: bool, message: str) -> None:
+def require(ok: bool, message: str) -> None:
     """A rule over several keys, with its own message (naming the keys and the fix)."""
     if not ok:
         raise ConfigError(message)
 
 
-def _check_choices(node: Any, prefix: str) -> None:
+def check_choices(node: Any, prefix: str) -> None:
     """Every one_of() field of the dataclass `node` (and of the dataclasses nested in it) holds an allowed
     value; its allowed values come from the field's metadata, so no such key is left unchecked."""
     for f in fields(node):
@@ -345,356 +347,132 @@ def _check_choices(node: Any, prefix: str) -> None:
         choices = f.metadata.get("choices")
         if choices is not None:
             nullable = f.metadata["nullable"]
-            _check(value in choices or (nullable and value is None), key, value,
-                   f"choose one of {'|'.join(choices)}" + (" or null" if nullable else ""))
+            check(value in choices or (nullable and value is None), key, value,
+                  f"choose one of {'|'.join(choices)}" + (" or null" if nullable else ""))
         elif is_dataclass(value):
-            _check_choices(value, key)
+            check_choices(value, key)
 
 
-def _check_finite(node: Any, prefix: str) -> None:
+def check_finite(node: Any, prefix: str) -> None:
     """Every float of the dataclass `node` (and of those nested in it) is finite: OmegaConf accepts nan and
     inf for a float key, and inf passes every `> 0` rule below."""
     for f in fields(node):
         key, value = f"{prefix}.{f.name}", getattr(node, f.name)
         if isinstance(value, float):
-            _check(math.isfinite(value), key, value, "must be a finite number")
+            check(math.isfinite(value), key, value, "must be a finite number")
         elif is_dataclass(value):
-            _check_finite(value, key)
+            check_finite(value, key)
 
 
-def _check_positive(node: Any, prefix: str, keys: Tuple[str, ...]) -> None:
+def check_positive(node: Any, prefix: str, keys: Tuple[str, ...]) -> None:
     for key in keys:
-        _check(getattr(node, key) > 0, f"{prefix}.{key}", getattr(node, key), "must be a positive integer")
-
-
-# ---- per section -----------------------------------------------------------------------------------------
-def validate_model(m: ModelConfig) -> None:
-    """The model section's own rules (all a model needs to build, also outside the trainer)."""
-    _check_choices(m, "model")
-    _check_finite(m, "model")
-    _check_positive(m, "model", ("d_model", "num_layers", "kda_num_heads", "kda_head_dim", "mla_num_heads",
-                                 "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "mlp_hidden",
-                                 "attnres_block_size", "pad_vocab_multiple"))
-    _check(m.conv_size >= 1, "model.conv_size", m.conv_size, "must be >= 1 (4 in Kimi Linear)")
-    _check(m.q_lora_rank >= 0, "model.q_lora_rank", m.q_lora_rank, "must be >= 0 (0 = no query compression)")
-    _check(m.qk_rope_head_dim >= 0 and m.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim",
-           m.qk_rope_head_dim, "must be an even number >= 0 (0 = NoPE)")
-    _check(m.mla_every >= 0, "model.mla_every", m.mla_every, "must be >= 0 (0 = no MLA, 4 = 3:1 KDA:MLA)")
-    if m.layer_pattern is not None:
-        pattern = m.layer_pattern
-        _check(pattern.isalpha() and pattern.isupper(), "model.layer_pattern", pattern,
-               "give one capital letter per block, e.g. KKKM (K = KDA, M = MLA)")
-        _check(m.num_layers % len(pattern) == 0, "model.layer_pattern", pattern,
-               f"its length {len(pattern)} must divide model.num_layers={m.num_layers} (a shorter pattern "
-               "repeats)")
-        _check(m.mla_layers is None, "model.mla_layers", m.mla_layers,
-               "set either model.layer_pattern or model.mla_layers, not both: set model.mla_layers=null")
-    if m.mla_layers is not None:
-        layers = [int(i) for i in m.mla_layers]
-        bad = [i for i in layers if not 0 <= i < m.num_layers]
-        _check(not bad, "model.mla_layers", layers,
-               f"indices must be 0-based block indices in [0, {m.num_layers - 1}] (bad: {bad})")
-        repeated = sorted({i for i in layers if layers.count(i) > 1})
-        _check(not repeated, "model.mla_layers", layers,
-               f"give each block index at most once (repeated: {repeated})")
-    if m.vocab_size is not None:
-        _check(m.vocab_size > 0, "model.vocab_size", m.vocab_size,
-               "must be positive, or null to use the tokenizer's")
-    # a large std saturates the gates and softmaxes at step 0 and leaves (almost) no gradient to train on
-    _check(0 < m.init_std <= 1, "model.init_std", m.init_std, "must be in (0, 1] (0.02 is usual)")
-    _check(0 < m.norm_eps < 1, "model.norm_eps", m.norm_eps, "must be in (0, 1) (1e-5 or 1e-6 is usual)")
-    if m.mla_norm_eps is not None:
-        _check(0 < m.mla_norm_eps < 1, "model.mla_norm_eps", m.mla_norm_eps,
-               "must be in (0, 1), or null to use model.norm_eps")
-    # RoPE turns pair i by theta**(-2i/d) radians a token: with theta <= 1 no pair turns slower than one
-    # radian a token, so distant positions look alike
-    _check(m.rope_theta > 1, "model.rope_theta", m.rope_theta, "must be > 1 (10000 is usual)")
-    if m.moe_num_experts:
-        _validate_moe(m)
-
-
-def _validate_moe(m: ModelConfig) -> None:
-    E = m.moe_num_experts
-    _check(E >= 2, "model.moe_num_experts", E, "must be 0 (dense) or >= 2")
-    _check_positive(m, "model", ("moe_top_k", "moe_hidden", "moe_groups", "moe_topk_groups"))
-    _check(m.moe_shared_experts >= 0, "model.moe_shared_experts", m.moe_shared_experts, "must be >= 0")
-    _check(0 <= m.moe_first_dense <= m.num_layers, "model.moe_first_dense", m.moe_first_dense,
-           f"must be in [0, model.num_layers = {m.num_layers}]")
-    _check(E % m.moe_groups == 0 and E // m.moe_groups >= 2, "model.moe_groups", m.moe_groups,
-           f"must divide model.moe_num_experts = {E} into groups of at least 2 experts (a group's score is "
-           "the sum of its two best experts')")
-    _check(m.moe_topk_groups <= m.moe_groups, "model.moe_topk_groups", m.moe_topk_groups,
-           f"must be <= model.moe_groups = {m.moe_groups}")
-    reachable = m.moe_topk_groups * (E // m.moe_groups)
-    _check(m.moe_top_k <= reachable, "model.moe_top_k", m.moe_top_k,
-           f"must be <= the experts of the chosen groups ({m.moe_topk_groups} x {E // m.moe_groups} = "
-           f"{reachable})")
-    _check(m.moe_routed_scale > 0, "model.moe_routed_scale", m.moe_routed_scale, "must be > 0 (1 = none)")
-    _check(m.moe_bias_rate >= 0, "model.moe_bias_rate", m.moe_bias_rate,
-           "must be >= 0 (0 = no bias update; DeepSeek-V3 used 1e-3)")
-    _check(m.moe_aux_loss_coef >= 0, "model.moe_aux_loss_coef", m.moe_aux_loss_coef,
-           "must be >= 0 (0 = no auxiliary loss; DeepSeek-V3 used 1e-4)")
-
-
-def _validate_data(d: DataConfig) -> None:
-    _check_choices(d, "data")
-    _check_finite(d, "data")
-    if d.source == "hf":
-        _check(bool(d.path), "data.path", d.path,
-               "data.source=hf needs a dataset name, e.g. data.path=roneneldan/TinyStories")
-    if d.source == "files":
-        _check(bool(d.data_files), "data.data_files", d.data_files,
-               "data.source=files needs a list of local files, e.g. 'data.data_files=[/data/a.txt]'")
-    _check(not d.val_split or d.source == "hf", "data.val_split", d.val_split,
-           f"only data.source=hf has named splits (data.source={d.source} holds out data.val_fraction of its "
-           "documents): set data.val_split=null")
-    _check(0.0 <= d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "must be in [0, 1)")
-    _check(d.num_proc >= 1, "data.num_proc", d.num_proc, "must be >= 1")
-    _check(d.tokenizer.vocab_size >= 260, "data.tokenizer.vocab_size", d.tokenizer.vocab_size,
-           "must be >= 260: 256 byte-fallback pieces, 3 special pieces, and the text's characters")
-    _check(d.tokenizer.train_chars > 0, "data.tokenizer.train_chars", d.tokenizer.train_chars,
-           "must be a positive number of characters")
-
-
-def _validate_optim(o: OptimConfig) -> None:
-    _check_choices(o, "optim")
-    _check_finite(o, "optim")
-    _check(o.lr > 0, "optim.lr", o.lr, "must be > 0")
-    _check(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
-    product = o.lr * o.weight_decay
-    _require(product < 1,
-             f"optim.lr*optim.weight_decay = {o.lr}*{o.weight_decay} = {product:g} is invalid: must be < 1 "
-             "(each step multiplies the weights by 1 - lr*weight_decay); lower optim.weight_decay")
-    _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", list(o.betas),
-           "must be two numbers in [0, 1)")
-    # AdamW divides by sqrt(v) + eps, and v stays 0 for a parameter without gradient: 0/0 would be nan
-    _check(o.eps > 0, "optim.eps", o.eps, "must be > 0 (1e-8 is usual)")
-    _check(o.grad_clip >= 0, "optim.grad_clip", o.grad_clip, "must be >= 0 (0 disables clipping)")
-    _check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
-    _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
-    _check(0 < o.decay_fraction <= 1, "optim.decay_fraction", o.decay_fraction, "must be in (0, 1]")
-    _check(0 <= o.momentum < 1, "optim.momentum", o.momentum, "must be in [0, 1) (0.95 in Muon)")
-    _check(o.ns_steps >= 1, "optim.ns_steps", o.ns_steps, "must be >= 1 (5 in Muon)")
-    # QK-Clip is a post-step hook for either optimizer: any optim.name may set it
-    _check(o.qk_clip_tau >= 0, "optim.qk_clip_tau", o.qk_clip_tau,
-           "must be >= 0 (100 in K2; 0 disables QK-Clip)")
-
-
-def _validate_trainer(t: TrainerConfig) -> None:
-    _check_choices(t, "trainer")
-    _check_finite(t, "trainer")
-    # torch.manual_seed takes 64-bit unsigned seeds; numpy's SeedSequence (the data order) no negative ones
-    _check(0 <= t.seed < 2**64, "trainer.seed", t.seed, "must be an integer in [0, 2**64)")
-    _check_positive(t, "trainer", ("max_steps", "micro_batch_size", "seq_len", "grad_accum_steps",
-                                   "eval_batches", "log_every"))
-    for key in ("eval_every", "checkpoint_every", "sample_tokens", "threads", "stop_at_step"):
-        _check(getattr(t, key) >= 0, f"trainer.{key}", getattr(t, key), "must be >= 0 (0 disables)")
-    _check(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", t.keep_checkpoints, "must be >= 1")
-    _check(t.diag_every is None or t.diag_every >= 0, "trainer.diag_every", t.diag_every,
-           "must be >= 0 (0 disables diagnostics), or null for the evaluation steps")
-    # the end-of-training sample continues this text; an empty one would fail after the whole run
-    _check(t.sample_tokens == 0 or t.sample_prompt != "", "trainer.sample_prompt", t.sample_prompt,
-           "must be non-empty when trainer.sample_tokens > 0 (set trainer.sample_tokens=0 for no sample)")
-    _check(t.collective_timeout_s > 0, "trainer.collective_timeout_s", t.collective_timeout_s,
-           "must be > 0 seconds (default 600)")
-    if t.peak_flops is not None:  # MFU divides by it
-        _check(t.peak_flops > 0, "trainer.peak_flops", t.peak_flops,
-               "must be > 0 FLOP/s, or null for the table")
-
-
-def _validate_logging(lg: LoggingConfig) -> None:
-    _check_choices(lg, "logging")
-
-
-def _validate_parallel(p: ParallelConfig) -> None:
-    _check_choices(p, "parallel")
-    for key in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep"):
-        _check(getattr(p, key) >= 1, f"parallel.{key}", getattr(p, key), "must be >= 1")
-    _check(p.pp_virtual_stages >= 1, "parallel.pp_virtual_stages", p.pp_virtual_stages, "must be >= 1")
-    _check(p.pp_microbatches >= 0, "parallel.pp_microbatches", p.pp_microbatches,
-           "must be >= 0 (0: as many as pipeline ranks)")
-    ds = p.deepspeed
-    _check(ds.zero_stage in (1, 2, 3), "parallel.deepspeed.zero_stage", ds.zero_stage, "choose 1, 2 or 3")
-    for key in ("reduce_bucket_size", "allgather_bucket_size"):
-        _check(getattr(ds, key) >= 1, f"parallel.deepspeed.{key}", getattr(ds, key), "must be >= 1 (elements)")
+        check(getattr(node, key) > 0, f"{prefix}.{key}", getattr(node, key), "must be a positive integer")
 
 
 # ---- across sections -------------------------------------------------------------------------------------
-def _layout_hint(p: ParallelConfig, world: int) -> str:
-    """How to make dp_replicate*dp_shard*cp*tp*pp equal the number of processes: the dp_shard that does it
-    with the other degrees kept (when one exists), else the degrees that must change; and the process count
-    this layout needs."""
-    product = p.dp_replicate * p.dp_shard * p.cp * p.tp * p.pp
-    others = p.dp_replicate * p.cp * p.tp * p.pp
-    launch = f"torchrun --nproc_per_node {product} for this layout"
-    if world % others == 0 and world // others != p.dp_shard:
-        return f"set parallel.dp_shard={world // others} for {world} processes, or launch {launch}"
-    keys = [f"parallel.{k}" for k in ("dp_replicate", "cp", "tp", "pp") if getattr(p, k) > 1]
-    return f"launch {launch}, or change {' and/or '.join(keys)} so that the product is {world}"
-
-
-def _check_layout(p: ParallelConfig, world: int) -> None:
-    """The degrees against the number of processes."""
-    product = p.dp_replicate * p.dp_shard * p.cp * p.tp * p.pp
-    degrees = f"{p.dp_replicate}*{p.dp_shard}*{p.cp}*{p.tp}*{p.pp}"
-    if product != world:
-        raise ConfigError(f"parallel.dp_replicate*dp_shard*cp*tp*pp = {degrees} = {product} but {world} "
-                          f"process(es) were launched; the product must equal the number of processes: "
-                          f"{_layout_hint(p, world)}")
-    _require(not p.sequence_parallel or p.tp > 1,
-             "parallel.sequence_parallel=true needs parallel.tp > 1 (it splits the sequence over the "
-             "tensor-parallel ranks)")
-
-
-def _check_tensor_parallel(cfg: Config) -> None:
-    """Every dimension tensor (and sequence) parallelism splits must divide by parallel.tp."""
-    m, p, t = cfg.model, cfg.parallel, cfg.trainer
-    if p.tp == 1:
-        return
-    keys = ("kda_num_heads", "mla_num_heads", "mlp_hidden")
-    for key in keys + (("vocab_size",) if m.vocab_size is not None else ()):
-        value = getattr(m, key)
-        _require(value % p.tp == 0,
-                 f"model.{key}={value} is not divisible by parallel.tp={p.tp}: tensor parallelism splits it "
-                 "over the tp ranks; choose a parallel.tp that divides it")
-    if m.vocab_size is None:  # the tokenizer's vocabulary, padded up to a multiple of pad_vocab_multiple
-        mult = m.pad_vocab_multiple
-        _require(mult % p.tp == 0,
-                 f"model.pad_vocab_multiple={mult} is not divisible by parallel.tp={p.tp}: with "
-                 "model.vocab_size=null the vocabulary is padded to a multiple of it and tensor parallelism "
-                 f"splits it over the tp ranks; make it a multiple of {p.tp} (or set model.vocab_size)")
-    if p.sequence_parallel:
+def check_sequence_parallel(cfg: Config) -> None:
+    """Sequence parallelism splits every sequence over the tp (and cp) ranks."""
+    p, t = cfg.parallel, cfg.trainer
+    if p.tp > 1 and p.sequence_parallel:
         ranks = f"parallel.tp={p.tp} ranks" if p.cp == 1 else f"parallel.cp*tp={p.cp}*{p.tp} ranks"
-        _require(t.seq_len % (p.tp * p.cp) == 0,
-                 f"trainer.seq_len={t.seq_len} does not split over {ranks} for sequence parallelism: make it "
-                 f"a multiple of {p.tp * p.cp}")
+        require(t.seq_len % (p.tp * p.cp) == 0,
+                f"trainer.seq_len={t.seq_len} does not split over {ranks} for sequence parallelism: make it "
+                f"a multiple of {p.tp * p.cp}")
 
 
-def _check_context_parallel(cfg: Config) -> None:
+def check_context_parallel(cfg: Config) -> None:
     """parallel.cp splits every row into equal shards; what does not work across them yet is named."""
     m, p, t = cfg.model, cfg.parallel, cfg.trainer
     if p.cp == 1:
         return
-    _require(t.seq_len % p.cp == 0,
-             f"trainer.seq_len={t.seq_len} does not split into parallel.cp={p.cp} equal shards: make it a "
-             f"multiple of {p.cp}")
-    _require(t.seq_len // p.cp >= m.conv_size - 1,
-             f"trainer.seq_len={t.seq_len} over parallel.cp={p.cp} gives shards of {t.seq_len // p.cp} tokens, "
-             f"shorter than the short convolutions' halo (model.conv_size - 1 = {m.conv_size - 1}): use a "
-             "longer sequence or a smaller cp")
+    require(t.seq_len % p.cp == 0,
+            f"trainer.seq_len={t.seq_len} does not split into parallel.cp={p.cp} equal shards: make it a "
+            f"multiple of {p.cp}")
+    require(t.seq_len // p.cp >= m.conv_size - 1,
+            f"trainer.seq_len={t.seq_len} over parallel.cp={p.cp} gives shards of {t.seq_len // p.cp} tokens, "
+            f"shorter than the short convolutions' halo (model.conv_size - 1 = {m.conv_size - 1}): use a "
+            "longer sequence or a smaller cp")
     unsupported = [f"parallel.{k}={getattr(p, k)}" for k in ("ep",) if getattr(p, k) > 1]
     unsupported += ["parallel.compile=true"] if p.compile else []
     unsupported += [f"model.moe_aux_loss_coef={m.moe_aux_loss_coef} (its balance statistics are per whole "
                     "sequence; the aux-loss-free bias update works)"] if m.moe_aux_loss_coef else []
-    _require(not unsupported,
-             f"parallel.cp={p.cp} does not work with {', '.join(unsupported)} yet: reset those, or use "
-             "parallel.cp=1")
+    require(not unsupported,
+            f"parallel.cp={p.cp} does not work with {', '.join(unsupported)} yet: reset those, or use "
+            "parallel.cp=1")
 
 
-def _check_engine(cfg: Config) -> None:
-    """The layouts the engine parallel.engine names cannot run (kimi/parallel/engine_rules.py)."""
-    problem = engine_problem(cfg.parallel)
-    _require(problem is None, problem or "")
-
-
-def _check_expert_parallel(cfg: Config) -> None:
+def check_expert_parallel(cfg: Config) -> None:
     """parallel.ep takes its ranks from dp_shard and splits every MoE layer's experts evenly."""
     m, p = cfg.model, cfg.parallel
     if p.ep == 1:
         return
-    _require(m.moe_num_experts > 0, f"parallel.ep={p.ep} needs a mixture-of-experts model (model.moe_num_experts "
+    require(m.moe_num_experts > 0, f"parallel.ep={p.ep} needs a mixture-of-experts model (model.moe_num_experts "
                                     "> 0, e.g. model=moe_tiny): expert parallelism splits the routed experts; "
                                     "set parallel.ep=1")
-    _require(p.dp_shard % p.ep == 0,
-             f"parallel.ep={p.ep} does not divide parallel.dp_shard={p.dp_shard}: the expert-parallel ranks are "
-             "taken from the dp_shard ranks; make dp_shard a multiple of ep")
-    _require(m.moe_num_experts % p.ep == 0,
-             f"model.moe_num_experts={m.moe_num_experts} is not divisible by parallel.ep={p.ep}: each "
-             "expert-parallel rank holds the same number of experts; choose an ep that divides it")
+    require(p.dp_shard % p.ep == 0,
+            f"parallel.ep={p.ep} does not divide parallel.dp_shard={p.dp_shard}: the expert-parallel ranks are "
+            "taken from the dp_shard ranks; make dp_shard a multiple of ep")
+    require(m.moe_num_experts % p.ep == 0,
+            f"model.moe_num_experts={m.moe_num_experts} is not divisible by parallel.ep={p.ep}: each "
+            "expert-parallel rank holds the same number of experts; choose an ep that divides it")
 
 
-def _check_pipeline(cfg: Config) -> None:
+def check_stage_split(p: ParallelConfig, layers: int, split: Optional[List[int]]) -> None:
+    """Every pipeline stage needs a block; parallel.pp_split names where stages 1.. start."""
+    stages = pipeline_stages(p)
+    if stages == p.pp:
+        require(stages <= layers, f"parallel.pp={stages} is more stages than model.num_layers={layers}; "
+                                  "every stage needs a block: lower parallel.pp")
+    else:
+        require(stages <= layers,
+                f"parallel.pp={p.pp} x parallel.pp_virtual_stages={p.pp_virtual_stages} = {stages} stages "
+                f"({p.pp_schedule}) is more than model.num_layers={layers}; every stage needs a block: "
+                "lower parallel.pp_virtual_stages or parallel.pp")
+    if split:
+        split = [int(i) for i in split]
+        bounds = [0, *split, layers]
+        require(len(split) == stages - 1 and all(a < b for a, b in zip(bounds, bounds[1:])),
+                f"parallel.pp_split={split} is invalid: give {stages - 1} rising block indices in "
+                f"(0, {layers}) where stages 1..{stages - 1} start")
+
+
+def check_pipeline(cfg: Config) -> None:
     """Stages against blocks, pp_split, and the micro-batches a step sends through the pipeline."""
     m, p, t = cfg.model, cfg.parallel, cfg.trainer
     if p.pp == 1:
-        _require(not p.pp_split,
-                 f"parallel.pp_split={list(p.pp_split or [])} is invalid: it sets pipeline stage boundaries "
-                 "and parallel.pp=1 has one stage; set parallel.pp_split=null")
+        require(not p.pp_split,
+                f"parallel.pp_split={list(p.pp_split or [])} is invalid: it sets pipeline stage boundaries "
+                "and parallel.pp=1 has one stage; set parallel.pp_split=null")
         return
-    stages, layers = pipeline_stages(p), m.num_layers
-    if stages == p.pp:
-        _require(stages <= layers, f"parallel.pp={stages} is more stages than model.num_layers={layers}; "
-                                   "every stage needs a block: lower parallel.pp")
-    else:
-        _require(stages <= layers,
-                 f"parallel.pp={p.pp} x parallel.pp_virtual_stages={p.pp_virtual_stages} = {stages} stages "
-                 f"({p.pp_schedule}) is more than model.num_layers={layers}; every stage needs a block: "
-                 "lower parallel.pp_virtual_stages or parallel.pp")
-    if p.pp_split:
-        split = [int(i) for i in p.pp_split]
-        bounds = [0, *split, layers]
-        _require(len(split) == stages - 1 and all(a < b for a, b in zip(bounds, bounds[1:])),
-                 f"parallel.pp_split={split} is invalid: give {stages - 1} rising block indices in "
-                 f"(0, {layers}) where stages 1..{stages - 1} start")
+    check_stage_split(p, m.num_layers, p.pp_split)
     n = pipeline_microbatches(cfg)
-    _require(n >= p.pp or p.pp_schedule == "gpipe",
-             f"parallel.pp_microbatches={p.pp_microbatches} is too few for the {p.pp_schedule} schedule over "
-             f"{p.pp} ranks: use at least {p.pp} (or 0 for that many)")
+    require(n >= p.pp or p.pp_schedule == "gpipe",
+            f"parallel.pp_microbatches={p.pp_microbatches} is too few for the {p.pp_schedule} schedule over "
+            f"{p.pp} ranks: use at least {p.pp} (or 0 for that many)")
     if p.pp_schedule not in SINGLE_STAGE_SCHEDULES:
         # torch's interleaved schedules run max(1, n // pp) rounds of equally many micro-batches
         rounds = max(1, n // p.pp)
-        _require(n % rounds == 0,
-                 f"parallel.pp_microbatches={n} is invalid for parallel.pp_schedule={p.pp_schedule} over "
-                 f"parallel.pp={p.pp} ranks: torch runs it in {rounds} rounds of equally many micro-batches; "
-                 f"use a multiple of {p.pp}")
-    _require(t.micro_batch_size % n == 0,
-             f"trainer.micro_batch_size={t.micro_batch_size} does not split into "
-             f"parallel.pp_microbatches={n} micro-batches: make it a multiple of {n}")
-    _require(t.grad_accum_steps == 1,
-             "trainer.grad_accum_steps > 1 with parallel.pp > 1: raise parallel.pp_microbatches and "
-             "trainer.micro_batch_size instead (the pipeline accumulates over micro-batches)")
+        require(n % rounds == 0,
+                f"parallel.pp_microbatches={n} is invalid for parallel.pp_schedule={p.pp_schedule} over "
+                f"parallel.pp={p.pp} ranks: torch runs it in {rounds} rounds of equally many micro-batches; "
+                f"use a multiple of {p.pp}")
+    require(t.micro_batch_size % n == 0,
+            f"trainer.micro_batch_size={t.micro_batch_size} does not split into "
+            f"parallel.pp_microbatches={n} micro-batches: make it a multiple of {n}")
+    require(t.grad_accum_steps == 1,
+            "trainer.grad_accum_steps > 1 with parallel.pp > 1: raise parallel.pp_microbatches and "
+            "trainer.micro_batch_size instead (the pipeline accumulates over micro-batches)")
 
 
-def _check_vocab(cfg: Config) -> None:
+def check_vocab(cfg: Config) -> None:
     """A set model.vocab_size must hold the tokenizer's ids; a trained tokenizer has exactly
     data.tokenizer.vocab_size (a given data.tokenizer.model_path is only known after loading it)."""
     m, tok = cfg.model, cfg.data.tokenizer
     if m.vocab_size is not None and tok.model_path is None:
-        _require(m.vocab_size >= tok.vocab_size,
-                 f"model.vocab_size={m.vocab_size} is invalid: the tokenizer trained with "
-                 f"data.tokenizer.vocab_size={tok.vocab_size} has that many tokens; set model.vocab_size >= "
-                 f"{tok.vocab_size}, or null to follow the tokenizer")
-
-
-def _check_kernels(cfg: Config) -> None:
-    """The Triton KDA kernels (model.kda_backend=triton, or auto on CUDA) take key head dims up to 256."""
-    m = cfg.model
-    on = {"triton": "model.kda_backend=triton", "auto": "model.kda_backend=auto and trainer.device=cuda"}
-    if m.kda_backend == "triton" or (m.kda_backend == "auto" and cfg.trainer.device == "cuda"):
-        _require(m.kda_head_dim <= 256,
-                 f"model.kda_head_dim={m.kda_head_dim} is invalid with {on[m.kda_backend]}: the Triton KDA "
-                 "kernels take head dims up to 256; lower model.kda_head_dim or set model.kda_backend=torch")
-
-
-def validate(cfg: Config, world: Optional[int] = None) -> None:
-    """Fail before any work on a config that cannot work; every message is one line naming its key(s).
-
-    world: the number of processes (default: torchrun's WORLD_SIZE, 1 without torchrun)."""
-    world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
-    validate_model(cfg.model)
-    _validate_data(cfg.data)
-    _validate_optim(cfg.optim)
-    _validate_trainer(cfg.trainer)
-    _validate_logging(cfg.logging)
-    _validate_parallel(cfg.parallel)
-    _check_layout(cfg.parallel, world)
-    _check_tensor_parallel(cfg)
-    _check_expert_parallel(cfg)
-    _check_context_parallel(cfg)
-    _check_engine(cfg)
-    _check_pipeline(cfg)
-    _check_vocab(cfg)
-    _check_kernels(cfg)
+        require(m.vocab_size >= tok.vocab_size,
+                f"model.vocab_size={m.vocab_size} is invalid: the tokenizer trained with "
+                f"data.tokenizer.vocab_size={tok.vocab_size} has that many tokens; set model.vocab_size >= "
+                f"{tok.vocab_size}, or null to follow the tokenizer")
 
 
 def _schema_keys(schema: type, prefix: str = "") -> List[str]:

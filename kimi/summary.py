@@ -36,10 +36,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from kimi.config import Config, ConfigError, mixer_pattern, register_configs, stages_per_rank, validate_model
+from kimi.config import Config, ConfigError, mixer_pattern, register_configs, resolve_vocab, stages_per_rank
 
 from kimi.model import KimiModel
 from kimi.model.registry import legend
+from kimi.model.rules import validate_model
+from kimi.optim.rules import validate_optim
+from kimi.parallel.rules import validate_parallel
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GIB = 1024**3
@@ -100,15 +103,15 @@ def compose_config(overrides: Sequence[str]) -> Config:
     return OmegaConf.to_object(cfg)
 
 
-def resolve_vocab(cfg: Config) -> Optional[str]:
+def vocab_note(cfg: Config) -> Optional[str]:
     """Set model.vocab_size when null, as the trainer does from its tokenizer; returns a note saying so."""
     m = cfg.model
     if m.vocab_size is not None:
         return None
-    tok, mult = cfg.data.tokenizer.vocab_size, m.pad_vocab_multiple
-    m.vocab_size = -(-tok // mult) * mult
+    tok = cfg.data.tokenizer.vocab_size
+    resolve_vocab(m, tok)
     return (f"model.vocab_size=null: using data.tokenizer.vocab_size={tok} rounded up to a multiple of "
-            f"model.pad_vocab_multiple={mult} = {m.vocab_size}")
+            f"model.pad_vocab_multiple={m.pad_vocab_multiple} = {m.vocab_size}")
 
 
 # ---- parameters --------------------------------------------------------------------------------------------
@@ -237,10 +240,12 @@ def rank_state(cfg: Config, model: KimiModel, routes: Dict[str, str], pp_rank: i
 # ---- the summary -------------------------------------------------------------------------------------------
 def summarize(cfg: Config) -> Summary:
     """Everything the report prints, from a composed config (model.vocab_size is resolved in place)."""
+    # the sections it reads; not the rules of a training step (micro-batches, sequence splits), which a
+    # layout being sized may not have settled yet
     validate_model(cfg.model)
-    if cfg.optim.name not in ("adamw", "muonclip"):
-        raise ConfigError(f"optim.name={cfg.optim.name!r} is invalid: choose one of adamw|muonclip")
-    note = resolve_vocab(cfg)
+    validate_optim(cfg.optim)
+    validate_parallel(cfg.parallel)
+    note = vocab_note(cfg)
     with torch.device("meta"):  # shapes only
         model = KimiModel(cfg.model)
     mixers = {b.mixer for b in model.blocks.values()}  # the rows: embedding, LM head, mixers, MLPs, norms

@@ -6,7 +6,9 @@ the meta device, the newest intact checkpoint in ``<run_dir>/checkpoints`` (chec
 the engine (parallelism, this rank's shards, optimizer) and its state. A run with nothing left to train
 builds no engine, and its ``fit`` starts no metrics, wandb or sample. ``fit`` keeps the config it trains
 with, the optimizer's routing table and rank 0's console output in the run dir (kimi/runlog.py).
-Everything that depends on how the model is distributed lives in the engine (kimi/parallel/engine.py).
+Everything that depends on how the model is distributed lives in the engine (kimi/parallel/interface.py);
+where a run starts from is kimi/resume.py's, its saves kimi/checkpoint/saver.py's, its stop signals
+kimi/signals.py's.
 """
 
 from __future__ import annotations
@@ -14,26 +16,29 @@ from __future__ import annotations
 import math
 import os
 import signal
-import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
 from kimi import checkpoint, rundir
-from kimi.cli import RunError
-from kimi.config import Config, ConfigError, config_dict, resolve_vocab, to_config, validate
-from kimi.data import Batch, TokenLoader, prepare
-from kimi.data.pack import open_tokens
+from kimi.checkpoint.saver import Saver
+from kimi.config import Config, config_dict, resolve_vocab, to_config
+from kimi.data import prepare
+from kimi.data.streams import rank_streams
 from kimi.diagnostics import Diagnostics
 from kimi.metrics import MetricsLogger, PeakFlops, ProgressWindow, banner, qk_clip_record
 from kimi.model import KimiModel
+from kimi.model.decode import sample_text
 from kimi.parallel import (ParallelDims, build_engine, checkpoint_group, init_distributed, mean_over_ranks,
                            resolve_device, setup_group)
 from kimi.parallel.watchdog import Watchdog
-from kimi.runlog import RunLog, data_identity, nothing_to_train, save_config, schedule_change, write_routing
+from kimi.resume import checkpoint_to_resume, load_weights, resume, weights_to_start_from
+from kimi.runlog import RunLog, data_identity, nothing_to_train, save_config, write_routing
+from kimi.signals import StopSignals
+from kimi.validation import validate
 
 
 class Trainer:
@@ -42,12 +47,13 @@ class Trainer:
         validate(cfg)
         # A scheduler's SIGTERM while the run starts (data, model, resume) is kept, not fatal: the run stops
         # with a checkpoint after its first step. Ctrl-C still interrupts the start at once.
-        self.step, self.rank, self._stop_signal, self._handlers = 0, int(os.environ.get("RANK", "0")), None, {}
-        self._catch_signals(signal.SIGTERM)
+        self.step, self.rank = 0, int(os.environ.get("RANK", "0"))
+        self.signals = StopSignals(lambda: (self.rank, self.step))
+        self.signals.catch(signal.SIGTERM)
         try:
             self._open()
         finally:  # fit installs its own handlers: a Trainer that is never fit leaves none behind
-            self._restore_signals()
+            self.signals.restore()
 
     def _open(self) -> None:
         cfg = self.cfg
@@ -92,19 +98,7 @@ class Trainer:
             self.data = prepare(cfg.data)
         tok = self.data.tokenizer
         resolve_vocab(cfg.model, tok.vocab_size)
-        train_tokens, val_tokens = (open_tokens(path, tok.sha256, vocab_size=tok.vocab_size)
-                                    for path in (self.data.train_path, self.data.val_path))
-        # Each rank reads its own micro-batches: one step on N ranks sees what one process would see with
-        # an N times larger micro-batch (trainer.micro_batch_size is per rank, as in Megatron).
-        self.loader = TokenLoader(train_tokens, t.micro_batch_size, t.seq_len, t.seed, tok.eos_id,
-                                  dp_rank=self.dp_rank, dp_world=dims.dp)
-        val_loader = TokenLoader(val_tokens, t.micro_batch_size, t.seq_len, t.seed, tok.eos_id,
-                                 dp_rank=self.dp_rank, dp_world=dims.dp, shuffle=False)
-        # A fixed set of validation windows (the first ones, in order), so evaluations are comparable; split
-        # over the ranks like training batches, so N ranks evaluate what one process with N times the
-        # micro-batch would.
-        n_val = min(t.eval_batches, val_loader.batches_per_epoch)
-        self.val_batches: List[Batch] = [val_loader.next_batch() for _ in range(n_val)]
+        self.loader, self.val_batches = rank_streams(self.data, t, self.dp_rank, dims.dp)
 
         # Every rank builds the model on the meta device (no memory); the engine applies parallelism, then
         # allocates and initialises only this rank's shards.
@@ -113,21 +107,23 @@ class Trainer:
         self.flops_per_token = model.flops_per_token(t.seq_len)  # whole-model figures, before any split
         self.num_params = (model.num_params(), model.num_params(exclude_embedding=True))
         self.run_id = rundir.new_run_id()  # a resumed run keeps the checkpoint's run id
-        self.saving = None  # the checkpoint being written in the background (trainer.async_checkpoint), if any
-        self._save_group = checkpoint_group(t.collective_timeout_s) if t.async_checkpoint and dims.enabled else None
+        group = checkpoint_group(t.collective_timeout_s) if t.async_checkpoint and dims.enabled else None
+        self.saver = Saver(self.ckpt_dir, t.keep_checkpoints, t.async_checkpoint, group, self.log)
         self._last_val: Optional[float] = None
-        resume = self._checkpoint_to_resume()
-        weights = None if resume else self._weights_to_start_from()
+        start = checkpoint_to_resume(cfg, self.ckpt_dir, tok.sha256, self.log)
+        self.step = int(start[1]["step"]) if start else self.step
+        weights = None if start else weights_to_start_from(cfg, self.run_dir, tok.sha256, self.log)
         self.idle = self.step >= t.max_steps or bool(t.stop_at_step and self.step >= t.stop_at_step)
         if self.idle:  # nothing to train: no weights allocated or loaded; fit says so
             return
         self.engine = build_engine(cfg, dims, self.mesh, self.device, model)
         self.model, self.optimizer = self.engine.model, self.engine.optimizer
         self.diagnostics = Diagnostics(cfg, self.run_dir, self.engine, self.mesh, dims, self.is_main, self.log)
-        if resume:
-            self._resume(*resume)
+        if start:
+            self.step, run_id = resume(cfg, self.engine, self.loader, *start, self.log)
+            self.run_id = run_id or self.run_id
         elif weights:
-            self._load_weights(weights)
+            load_weights(self.engine, weights, self.log)
 
     def log(self, message: str) -> None:
         """Console output, from rank 0 only."""
@@ -137,7 +133,7 @@ class Trainer:
     def close(self) -> None:
         """Restore the signal handlers, stop the watchdog and unlock the run dir (the process's end does the
         last two too)."""
-        self._restore_signals()
+        self.signals.restore()
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.lock is not None:
@@ -146,59 +142,6 @@ class Trainer:
     def _intact_note(self) -> str:
         last = checkpoint.latest_complete(self.ckpt_dir)
         return f"Rerun the same command to resume from {last.path}." if last else "No checkpoint was written yet."
-
-    # ---- setup helpers -------------------------------------------------------------------------------
-    def _checkpoint_to_resume(self):
-        """(newest intact checkpoint, its trainer state) checked against this config; or None."""
-        if not self.cfg.trainer.resume:
-            return None
-        latest = checkpoint.newest_intact(self.ckpt_dir, self.log, set_aside=True)
-        if latest is None:
-            return None
-        saved = checkpoint.read_trainer_state(latest.path)
-        checkpoint.check_compatible(saved, latest.path, config_dict(self.cfg), self.data.tokenizer.sha256)
-        self.step = int(saved["step"])
-        return latest, saved
-
-    def _weights_to_start_from(self) -> Optional[Path]:
-        """The weights a new run starts from (trainer.init_from, else run_dir/init if present), checked against
-        this config; or None."""
-        given = self.cfg.trainer.init_from
-        path = Path(given) if given else self.run_dir / "init"
-        if not given and not path.exists():
-            return None
-        if (path / checkpoint.COMPLETE).is_file():  # a checkpoint named directly: it must be intact
-            problems = checkpoint.verify(path)
-            if problems:
-                raise RunError(f"cannot start from the weights in {path}: {'; '.join(problems[:3])}")
-        else:  # a run dir: its newest intact checkpoint (newest_intact verifies it)
-            latest = checkpoint.newest_intact(path / "checkpoints", self.log)
-            if latest is None:
-                raise ConfigError(f"trainer.init_from={path} is neither a complete checkpoint nor a run dir with one; "
-                                  "name a checkpoint directory (<run>/checkpoints/step_N) or a run dir")
-            path = latest.path
-        saved = checkpoint.read_trainer_state(path)
-        checkpoint.check_same_model(saved, path, config_dict(self.cfg), self.data.tokenizer.sha256)
-        return path
-
-    def _load_weights(self, path: Path) -> None:
-        state = self.engine.model_state_dict()
-        checkpoint.load_model(path, state)
-        self.engine.load_model_state_dict(state)
-        self.log(f"[kimi] weights from {path}; a new run: step 0, fresh optimizer state")
-
-    def _resume(self, latest: checkpoint.CheckpointInfo, saved: Dict[str, Any]) -> None:
-        changes = checkpoint.config_changes(saved["config"], config_dict(self.cfg))
-        state = checkpoint.load(latest.path, self.engine, self.loader)
-        self.step = int(state["step"])
-        self.run_id = checkpoint.run_id(latest.path) or self.run_id
-        self.log(f"[kimi] resumed from {latest.path} at step {self.step}")
-        if changes:
-            self.log(f"[kimi] {len(changes)} setting(s) differ from the checkpoint's; this run's values apply:\n"
-                     + "\n".join(f"         {line}" for line in changes))
-        note = schedule_change(saved["config"], self.cfg.optim, self.cfg.trainer.max_steps, self.step)
-        if note:
-            self.log(note)
 
     # ---- the loop ------------------------------------------------------------------------------------
     def train_step(self, family_stats: bool = False) -> Dict[str, float]:
@@ -226,58 +169,25 @@ class Trainer:
 
     def save_checkpoint(self, wait: bool = True) -> Path:
         """Checkpoint this step. With trainer.async_checkpoint and wait=False, return once the state is staged
-        and let it be written while training goes on (finish_checkpoint completes it); at most one save is
-        in flight, so a new one first finishes the previous."""
-        self.finish_checkpoint()
-        t0, t = time.time(), self.cfg.trainer
-        args = (self.ckpt_dir, self.step, self.engine, self.loader, config_dict(self.cfg),
-                data_identity(self.run_dir, self.data, self.is_main))
-        if not t.async_checkpoint:
-            path = checkpoint.save(*args, keep=t.keep_checkpoints, run_id=self.run_id)
-            self.log(f"[kimi] saved checkpoint {path} ({time.time() - t0:.1f}s)")
-            return path
-        self.saving = checkpoint.save_in_background(*args, keep=t.keep_checkpoints, run_id=self.run_id,
-                                                     group=self._save_group)
-        self.log(f"[kimi] writing checkpoint {self.saving.path} in the background (staged in "
-                 f"{self.saving.staged_s:.2f}s)")
-        return self.finish_checkpoint() if wait else self.saving.path
+        and let it be written while training goes on (finish_checkpoint completes it)."""
+        return self.saver.save(self.step, self.engine, self.loader, config_dict(self.cfg),
+                               data_identity(self.run_dir, self.data, self.is_main), self.run_id, wait)
 
     def finish_checkpoint(self) -> Optional[Path]:
         """Wait for the checkpoint in flight (if any), then mark it complete and rotate; collective."""
-        if self.saving is None:
-            return None
-        saving, self.saving = self.saving, None
-        path = saving.finish()
-        self.log(f"[kimi] saved checkpoint {path} (written in {saving.write_s:.1f}s in the background)")
-        return path
-
-    def _catch_signals(self, *signals: signal.Signals) -> None:
-        for s in signals:
-            self._handlers.setdefault(s, signal.signal(s, self._on_signal))
-
-    def _restore_signals(self) -> None:
-        while self._handlers:
-            signal.signal(*self._handlers.popitem())
-
-    def _on_signal(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        if self._stop_signal is not None:  # second signal: the user really wants out now
-            raise KeyboardInterrupt(f"second {name}")
-        self._stop_signal = name
-        print(f"\n[kimi] rank {self.rank}: {name} received: finishing step {self.step + 1}, saving a checkpoint, "
-              "then exiting (send it again to exit at once)", flush=True)
+        return self.saver.finish()
 
     def _stop_requested(self) -> bool:
         """Whether any rank got a signal: all must stop at the same step, or the checkpoint would hang. The
         same reduction tells whether every rank has written its part of a background save, which is then
         completed here (finishing is collective, so all ranks must agree it will not wait)."""
-        writing = self.saving is not None and not self.saving.done()
-        flags = torch.tensor([float(self._stop_signal is not None), float(writing)], device=self.device)
+        flags = torch.tensor([float(self.signals.received is not None), float(self.saver.writing())],
+                             device=self.device)
         if self.dims.enabled:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         stop, writing = flags.tolist()
-        if self.saving is not None and not writing:
-            self.finish_checkpoint()
+        if not writing:
+            self.saver.finish()
         return bool(stop)
 
     def fit(self) -> Dict[str, Any]:
@@ -289,14 +199,12 @@ class Trainer:
 
     def _fit(self) -> Dict[str, Any]:
         t, cfg = self.cfg.trainer, self.cfg
-        self._catch_signals(signal.SIGTERM, signal.SIGINT)
+        self.signals.catch(signal.SIGTERM, signal.SIGINT)
         try:
             self._start()
             result = self._loop()
         finally:
-            if self.saving is not None:  # the run failed while a save was in flight
-                self.log(f"[kimi] checkpoint {self.saving.path} was still being written: it has no "
-                         f"{checkpoint.COMPLETE} marker, and a resume skips it for the newest complete one")
+            self.saver.abandon()  # a save still in flight here will not complete: the run failed
             if self.metrics is not None:
                 self.metrics.close()
             self.close()
@@ -317,8 +225,9 @@ class Trainer:
         """What a start that trains writes first: the routing table (the first rank of each pipeline stage),
         the banner, the config it trains with, and metrics.jsonl's start (and wandb's)."""
         cfg = self.cfg
+        routing = write_routing(self.run_dir, self.engine, self.mesh, cfg.optim.name)
         self.log(banner(cfg, self.dims, self.num_params, self.flops_per_token, self.data, self.device,
-                        write_routing(self.run_dir, self.engine, self.mesh, cfg.optim.name), self.engine.layout()))
+                        routing, self.engine.layout()))
         if self.is_main:
             save_config(self.run_dir, config_dict(cfg), self.step)
             self.engine.write_run_files(self.run_dir)
@@ -366,8 +275,8 @@ class Trainer:
                 with window.paused():
                     last_saved = self.save_checkpoint(wait=last)
             if stop:
-                why = self._stop_signal or ("a signal on another rank" if not t.stop_at_step
-                                            else f"trainer.stop_at_step={t.stop_at_step}")
+                why = self.signals.received or ("a signal on another rank" if not t.stop_at_step
+                                                else f"trainer.stop_at_step={t.stop_at_step}")
                 self.log(f"[kimi] stopped at step {self.step} ({why}); checkpoint {last_saved}. Run the same "
                          "command again to resume.")
                 return {"finished": False, "step": self.step, "val_loss": self._last_val}
@@ -382,13 +291,6 @@ class Trainer:
             self.metrics.log(record)
         return record
 
-    @torch.no_grad()
     def sample(self, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int = 50) -> str:
-        from kimi.generate import generate
-
-        tok = self.data.tokenizer
-        g = torch.Generator(device=self.device).manual_seed(self.cfg.trainer.seed)
-        self.model.eval()
-        ids = generate(self.model, tok.encode(prompt), max_new_tokens, temperature=temperature, top_k=top_k,
-                       eos_id=tok.eos_id, generator=g)
-        return tok.decode(list(ids))
+        return sample_text(self.model, self.data.tokenizer, prompt, max_new_tokens, self.cfg.trainer.seed,
+                           temperature, top_k)

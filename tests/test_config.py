@@ -7,8 +7,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from kimi.config import Config, ConfigError, ModelConfig, mla_layer_indices, register_configs, validate
+from kimi.config import Config, ConfigError, ModelConfig, mla_layer_indices, register_configs
+from kimi.validation import validate
 from kimi.model import KimiModel
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()

@@ -13,11 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import tiny_model_cfg
-from layout_runs import data, final_weights, overrides, single_process, torchrun  # noqa: F401 (fixture)
+from layout_runs import final_weights, overrides, single_process, torchrun
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from kimi import wandb_offline
-from kimi.config import Config, ConfigError, validate
+from kimi.config import Config, ConfigError
+from kimi.validation import validate
 from kimi.diagnostics import attnres_matrix, head_matrix, moe_matrix
 from kimi.diagnostics.observe import Tally, observe
 from kimi.diagnostics.record import combine
@@ -49,6 +50,7 @@ def ids(cfg, rows: int = 2, cols: int = 24) -> torch.Tensor:
 SUBLAYERS = ["0.mixer", "0.mlp", "1.mixer", "1.mlp", "2.mixer", "2.mlp", "final"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("residual,sources,columns", [
     # 3 blocks = 6 sublayers; block AttnRes with 4 sublayers per block: the final aggregation reads the
     # trailing incomplete block as the partial sum
@@ -69,12 +71,14 @@ def test_zero_queries_weigh_each_sublayers_sources_alike(residual, sources, colu
         assert [not math.isnan(v) for v in line] == [c in srcs for c in cols]
 
 
+@pytest.mark.unit
 def test_standard_residual_has_no_attnres_keys():
     cfg = tiny_model_cfg(residual="standard")
     record = diagnose(KimiModel(cfg), ids(cfg))
     assert not any(k.startswith("attnres/") for k in record) and attnres_matrix(record) == ([], [], [])
 
 
+@pytest.mark.unit
 def test_a_head_over_tau_is_clipped_and_its_logit_reported():
     torch.manual_seed(0)
     cfg = tiny_model_cfg()
@@ -104,6 +108,7 @@ def test_a_head_over_tau_is_clipped_and_its_logit_reported():
     assert head_matrix(record) == ([layer], ["h0", "h1"], [[record[f"qk_max_logit/{layer}/h{h}"] for h in range(2)]])
 
 
+@pytest.mark.unit
 def test_kda_decay_statistics_equal_a_direct_computation():
     torch.manual_seed(0)
     cfg = tiny_model_cfg()
@@ -130,6 +135,7 @@ def test_kda_decay_statistics_equal_a_direct_computation():
     assert not any(k.startswith("kda/") and k.endswith("/1") for k in record)  # block 1 is MLA
 
 
+@pytest.mark.unit
 def test_moe_load_fractions_sum_to_one_and_match_a_bincount():
     torch.manual_seed(0)
     cfg = tiny_model_cfg(moe_num_experts=4, moe_top_k=2, moe_hidden=16, moe_first_dense=1)
@@ -152,6 +158,7 @@ def test_moe_load_fractions_sum_to_one_and_match_a_bincount():
     assert moe.load.sum() == 0  # the diagnostic forward is not a training forward: no bias update counts it
 
 
+@pytest.mark.unit
 def test_diag_every_must_not_be_negative():
     cfg = Config()
     cfg.trainer.diag_every = -1
@@ -184,6 +191,7 @@ def diagnostics(run: Path) -> dict[int, dict]:
             for r in read_metrics(run / "metrics.jsonl") if r.get("step")}
 
 
+@pytest.mark.dist
 def test_diagnostics_do_not_change_training(runs, tmp_path):
     on, off = read_metrics(runs["on"] / "metrics.jsonl"), read_metrics(runs["off"] / "metrics.jsonl")
     assert [(r["step"], r.get("loss"), r.get("val_loss")) for r in on] == [
@@ -193,6 +201,7 @@ def test_diagnostics_do_not_change_training(runs, tmp_path):
     assert not any(k.startswith(("attnres/", "kda/", "moe/", "optim/")) for r in off for k in r)
 
 
+@pytest.mark.dist
 def test_every_step_logs_each_building_block(runs, tmp_path):
     diag = diagnostics(runs["on"])
     grad = {r["step"]: r["grad_norm"] for r in read_metrics(runs["on"] / "metrics.jsonl") if "grad_norm" in r}
@@ -221,6 +230,7 @@ def test_every_step_logs_each_building_block(runs, tmp_path):
     assert pngs == [f"{kind}_step_0000000{s}.png" for kind in ("attnres", "qk_heads") for s in (1, 2, 3)]
 
 
+@pytest.mark.dist
 def test_wandb_offline_holds_the_keys_images_and_tables(runs):
     [path] = (runs["on"] / "wandb").glob("offline-run-*/run-*.wandb")
     records = wandb_offline.read_records(path)
@@ -248,6 +258,7 @@ def test_wandb_offline_holds_the_keys_images_and_tables(runs):
         **{f"diagnostics/{k}_table": ("table-file", [1, 2, 3], True) for k in ("attnres", "qk_heads", "moe_load")}}
 
 
+@pytest.mark.dist
 def test_two_fsdp_ranks_diagnose_like_one_process(runs):
     got, want = diagnostics(runs["fsdp"]), diagnostics(runs["on"])
     assert got.keys() == want.keys()
@@ -256,6 +267,7 @@ def test_two_fsdp_ranks_diagnose_like_one_process(runs):
         assert got[step] == pytest.approx(want[step], rel=1e-4, abs=1e-6), step
 
 
+@pytest.mark.e2e
 def test_adamw_without_qk_clip_reports_the_diagnostic_forwards_logits(tmp_path, data):
     single_process(tmp_path / "run", data, "adamw", "trainer.max_steps=2", "trainer.eval_every=0",
                    "logging.plot=false", "trainer.diag_every=null")  # the default: the last step here

@@ -6,9 +6,12 @@ import pytest
 import torch
 
 from helpers import tiny_model_cfg
-from kimi.config import ConfigError, validate_model
+from kimi.config import ConfigError
+from kimi.model.rules import validate_model
 from kimi.model.moe import MoE, experts_grouped, experts_loop, route, update_expert_bias
 from kimi.model.transformer import KimiModel
+
+pytestmark = pytest.mark.unit
 
 F64 = torch.float64
 

@@ -116,3 +116,14 @@ def test_packed_documents_equal_separate_rows(letter):
         bounds = cu_seqlens_from_starts(starts).tolist()
         alone = torch.cat([model(ids[:, a:b]) for a, b in zip(bounds, bounds[1:])], dim=1)
     torch.testing.assert_close(packed, alone, rtol=1e-10, atol=1e-10)
+
+
+def test_tensor_parallel_divides_only_what_the_pattern_uses():
+    """parallel.tp must divide the sizes the model's sublayers declare (TP_DIVIDES), and only theirs: MLA's
+    head count is free in a model without MLA."""
+    from kimi.model.rules import check_tensor_parallel
+
+    odd_mla = dict(mla_num_heads=3, kda_num_heads=2, mlp_hidden=48, vocab_size=64, mla_layers=None)
+    check_tensor_parallel(tiny_model_cfg(**odd_mla, num_layers=2, layer_pattern="K"), 2)
+    with pytest.raises(ConfigError, match=r"model.mla_num_heads=3 is not divisible by parallel.tp=2"):
+        check_tensor_parallel(tiny_model_cfg(**odd_mla, num_layers=2, layer_pattern="KM"), 2)

@@ -1,4 +1,4 @@
-"""One validation pass (kimi.config.validate) catches every impossible config before any work: per-key values
+"""One validation pass (kimi.validation.validate) catches every impossible config before any work: per-key values
 and rules across keys (parallel layout, tensor-parallel divisibility, pipeline stages and micro-batches), each
 as a one-line ConfigError naming the key."""
 
@@ -13,7 +13,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from kimi.config import (AC_MODES, ENGINES, PP_SCHEDULES, SINGLE_STAGE_SCHEDULES, Config, ConfigError,
-                         pipeline_microbatches, pipeline_stages, register_configs, to_config, validate)
+                         pipeline_microbatches, pipeline_stages, register_configs, to_config)
+from kimi.validation import validate
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()

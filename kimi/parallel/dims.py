@@ -38,7 +38,7 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world: int | None = None) -> "ParallelDims":
-        """The degrees of an already validated config (kimi.config.validate checks them against the world)."""
+        """The degrees of an already validated config (kimi.validation.validate checks them against the world)."""
         world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
         return cls(p.dp_replicate, p.dp_shard, p.tp, p.pp, world, p.ep, p.cp)
 

@@ -32,7 +32,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                            ScheduleInterleavedZeroBubble)
 
 from kimi.config import SINGLE_STAGE_SCHEDULES as SINGLE_STAGE
-from kimi.config import ConfigError, ModelConfig
+from kimi.config import ModelConfig, ParallelConfig, check_stage_split
 from kimi.model import lm_loss, training_flops
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -42,14 +42,9 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": S
 def split_blocks(cfg: ModelConfig, stages: int, seq_len: int, split: Sequence[int] | None = None) -> List[range]:
     """Contiguous block ranges, one per stage: `split` (first block of stages 1..) or balanced by cost."""
     n = cfg.num_layers
-    if n < stages:
-        raise ConfigError(f"parallel.pp={stages} is more stages than model.num_layers={n}; every stage needs "
-                          "a block: lower parallel.pp")
+    check_stage_split(ParallelConfig(pp=stages, pp_schedule="1f1b"), n, split)  # `stages` as stages of one each
     if split:
         bounds = [0, *split, n]
-        if len(split) != stages - 1 or any(a >= b for a, b in zip(bounds, bounds[1:])):
-            raise ConfigError(f"parallel.pp_split={list(split)} is invalid: give {stages - 1} rising block "
-                              f"indices in (0, {n}) where stages 1..{stages - 1} start")
         return [range(a, b) for a, b in zip(bounds, bounds[1:])]
     costs, end_cost = training_flops(cfg, seq_len)  # the model's end (LM head) is on the last stage
     total, ranges, start = sum(costs) + end_cost, [], 0

@@ -31,6 +31,8 @@ from .naive import compute_dtype
 # Nested sub-chunk lengths: a chunk is anchored every 16 tokens, each 16-token diagonal block every 4, and
 # only the 4 x 4 diagonal blocks are formed exactly. Stopping at 16 made the [16, 16, K] tensors cost more
 # than everything else together (on CPU, 2 threads); going below 4 does not pay.
+# The widest key head the Triton kernels take (their key tiles; kimi/ops/kda/triton/common.py)
+TRITON_MAX_HEAD_DIM = 256
 CHUNK_SIZE = 64  # tokens per chunk: the one definition (Triton kernels, the layer, FLOP counts use it)
 SUB_CHUNKS = (16, 4)
 

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ...dispatch import KernelUnsupported
-from ..chunk import CHUNK_SIZE
+from ..chunk import CHUNK_SIZE, TRITON_MAX_HEAD_DIM
 
 # Triton decides at decoration time whether @triton.jit kernels are compiled or interpreted, from this
 # variable; read it once here, when the kernel modules that import this one are decorated.
@@ -83,10 +83,10 @@ HALF_MIN_ROW = 64
 def tiles(K: int, V: int) -> Tiles:
     """Tile sizes. Under the interpreter BKD, BV, BVS and BKC are 16, so the tests' small heads (K, V <= 40)
     still run several key slices and value blocks, the code paths a d = 128 head takes on a GPU."""
-    if K > 256:
-        raise ValueError(f"KDA backend='triton' supports key head dims up to 256, got {K}")
+    if K > TRITON_MAX_HEAD_DIM:
+        raise ValueError(f"KDA backend='triton' supports key head dims up to {TRITON_MAX_HEAD_DIM}, got {K}")
     small = 16 if INTERPRET else None
-    return Tiles(BK=block(K, 256), BKD=small or 32, BV=block(V, small or 64),
+    return Tiles(BK=block(K, TRITON_MAX_HEAD_DIM), BKD=small or 32, BV=block(V, small or 64),
                  BVS=block(V, small or STATE_BLOCKS[-1]), BKC=block(K, small or 32))
 
 

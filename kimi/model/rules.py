@@ -1,0 +1,109 @@
+"""The model section's rules: the values a model needs to build, the layer pattern's letters, what tensor
+parallelism splits (each sublayer declares it: TP_DIVIDES) and the KDA kernels' limits. kimi.validation runs
+them in the one validation pass; kimi.summary too."""
+
+from __future__ import annotations
+
+from kimi.config import Config, ModelConfig, check, check_choices, check_finite, check_positive, require
+from kimi.ops.kda.chunk import TRITON_MAX_HEAD_DIM
+
+from .registry import mixer_classes, mlp_class, mlp_kinds
+
+
+def validate_model(m: ModelConfig) -> None:
+    """The model section's own rules (all a model needs to build, also outside the trainer)."""
+    check_choices(m, "model")
+    check_finite(m, "model")
+    check_positive(m, "model", ("d_model", "num_layers", "kda_num_heads", "kda_head_dim", "mla_num_heads",
+                                 "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "mlp_hidden",
+                                 "attnres_block_size", "pad_vocab_multiple"))
+    check(m.conv_size >= 1, "model.conv_size", m.conv_size, "must be >= 1 (4 in Kimi Linear)")
+    check(m.q_lora_rank >= 0, "model.q_lora_rank", m.q_lora_rank, "must be >= 0 (0 = no query compression)")
+    check(m.qk_rope_head_dim >= 0 and m.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim",
+          m.qk_rope_head_dim, "must be an even number >= 0 (0 = NoPE)")
+    check(m.mla_every >= 0, "model.mla_every", m.mla_every, "must be >= 0 (0 = no MLA, 4 = 3:1 KDA:MLA)")
+    if m.layer_pattern is not None:
+        pattern = m.layer_pattern
+        check(pattern.isalpha() and pattern.isupper(), "model.layer_pattern", pattern,
+              "give one capital letter per block, e.g. KKKM (K = KDA, M = MLA)")
+        check(m.num_layers % len(pattern) == 0, "model.layer_pattern", pattern,
+              f"its length {len(pattern)} must divide model.num_layers={m.num_layers} (a shorter pattern "
+              "repeats)")
+        check(m.mla_layers is None, "model.mla_layers", m.mla_layers,
+              "set either model.layer_pattern or model.mla_layers, not both: set model.mla_layers=null")
+    if m.mla_layers is not None:
+        layers = [int(i) for i in m.mla_layers]
+        bad = [i for i in layers if not 0 <= i < m.num_layers]
+        check(not bad, "model.mla_layers", layers,
+              f"indices must be 0-based block indices in [0, {m.num_layers - 1}] (bad: {bad})")
+        repeated = sorted({i for i in layers if layers.count(i) > 1})
+        check(not repeated, "model.mla_layers", layers,
+              f"give each block index at most once (repeated: {repeated})")
+    if m.vocab_size is not None:
+        check(m.vocab_size > 0, "model.vocab_size", m.vocab_size,
+              "must be positive, or null to use the tokenizer's")
+    # a large std saturates the gates and softmaxes at step 0 and leaves (almost) no gradient to train on
+    check(0 < m.init_std <= 1, "model.init_std", m.init_std, "must be in (0, 1] (0.02 is usual)")
+    check(0 < m.norm_eps < 1, "model.norm_eps", m.norm_eps, "must be in (0, 1) (1e-5 or 1e-6 is usual)")
+    if m.mla_norm_eps is not None:
+        check(0 < m.mla_norm_eps < 1, "model.mla_norm_eps", m.mla_norm_eps,
+               "must be in (0, 1), or null to use model.norm_eps")
+    # RoPE turns pair i by theta**(-2i/d) radians a token: with theta <= 1 no pair turns slower than one
+    # radian a token, so distant positions look alike
+    check(m.rope_theta > 1, "model.rope_theta", m.rope_theta, "must be > 1 (10000 is usual)")
+    if m.moe_num_experts:
+        _validate_moe(m)
+    mixer_classes(m)  # every letter of the pattern names a registered token mixer
+
+
+def _validate_moe(m: ModelConfig) -> None:
+    E = m.moe_num_experts
+    check(E >= 2, "model.moe_num_experts", E, "must be 0 (dense) or >= 2")
+    check_positive(m, "model", ("moe_top_k", "moe_hidden", "moe_groups", "moe_topk_groups"))
+    check(m.moe_shared_experts >= 0, "model.moe_shared_experts", m.moe_shared_experts, "must be >= 0")
+    check(0 <= m.moe_first_dense <= m.num_layers, "model.moe_first_dense", m.moe_first_dense,
+          f"must be in [0, model.num_layers = {m.num_layers}]")
+    check(E % m.moe_groups == 0 and E // m.moe_groups >= 2, "model.moe_groups", m.moe_groups,
+          f"must divide model.moe_num_experts = {E} into groups of at least 2 experts (a group's score is "
+          "the sum of its two best experts')")
+    check(m.moe_topk_groups <= m.moe_groups, "model.moe_topk_groups", m.moe_topk_groups,
+          f"must be <= model.moe_groups = {m.moe_groups}")
+    reachable = m.moe_topk_groups * (E // m.moe_groups)
+    check(m.moe_top_k <= reachable, "model.moe_top_k", m.moe_top_k,
+          f"must be <= the experts of the chosen groups ({m.moe_topk_groups} x {E // m.moe_groups} = "
+          f"{reachable})")
+    check(m.moe_routed_scale > 0, "model.moe_routed_scale", m.moe_routed_scale, "must be > 0 (1 = none)")
+    check(m.moe_bias_rate >= 0, "model.moe_bias_rate", m.moe_bias_rate,
+          "must be >= 0 (0 = no bias update; DeepSeek-V3 used 1e-3)")
+    check(m.moe_aux_loss_coef >= 0, "model.moe_aux_loss_coef", m.moe_aux_loss_coef,
+          "must be >= 0 (0 = no auxiliary loss; DeepSeek-V3 used 1e-4)")
+
+
+def check_tensor_parallel(m: ModelConfig, tp: int) -> None:
+    """What tensor parallelism splits must divide by parallel.tp: each sublayer's declared sizes (its heads
+    or width, TP_DIVIDES) and the vocabulary (the embedding's rows, the LM head's outputs)."""
+    if tp == 1:
+        return
+    classes = [*mixer_classes(m), *(mlp_class(kind) for kind in mlp_kinds(m))]
+    keys = list(dict.fromkeys(key for cls in classes for key in cls.TP_DIVIDES))
+    for key in keys + (["vocab_size"] if m.vocab_size is not None else []):
+        value = getattr(m, key)
+        require(value % tp == 0,
+                f"model.{key}={value} is not divisible by parallel.tp={tp}: tensor parallelism splits it "
+                "over the tp ranks; choose a parallel.tp that divides it")
+    if m.vocab_size is None:  # the tokenizer's vocabulary, padded up to a multiple of pad_vocab_multiple
+        mult = m.pad_vocab_multiple
+        require(mult % tp == 0,
+                f"model.pad_vocab_multiple={mult} is not divisible by parallel.tp={tp}: with "
+                "model.vocab_size=null the vocabulary is padded to a multiple of it and tensor parallelism "
+                f"splits it over the tp ranks; make it a multiple of {tp} (or set model.vocab_size)")
+
+
+def check_kernels(cfg: Config) -> None:
+    """The Triton KDA kernels (model.kda_backend=triton, or auto on CUDA) take key head dims up to a limit."""
+    m, limit = cfg.model, TRITON_MAX_HEAD_DIM
+    on = {"triton": "model.kda_backend=triton", "auto": "model.kda_backend=auto and trainer.device=cuda"}
+    if m.kda_backend == "triton" or (m.kda_backend == "auto" and cfg.trainer.device == "cuda"):
+        require(m.kda_head_dim <= limit,
+                f"model.kda_head_dim={m.kda_head_dim} is invalid with {on[m.kda_backend]}: the Triton KDA "
+                f"kernels take head dims up to {limit}; lower model.kda_head_dim or set model.kda_backend=torch")

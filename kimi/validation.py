@@ -1,0 +1,69 @@
+"""The one validation pass: every rule of every section and across sections, before any work.
+
+``validate(cfg)`` is what ``Trainer.__init__`` calls first (before any data is downloaded or tokenised) and
+kimi.summary before it sizes a layout. Each section's rules live with the code that owns the section
+(kimi/model/rules.py, kimi/data/rules.py, kimi/optim/rules.py, kimi/parallel/rules.py); the trainer and
+logging sections, the run's own, are here; the rules across sections are kimi.config's. Each failure is a
+one-line ConfigError naming its key(s) and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from kimi.config import (Config, LoggingConfig, TrainerConfig, check, check_choices, check_context_parallel,
+                         check_expert_parallel, check_finite, check_pipeline, check_positive,
+                         check_sequence_parallel, check_vocab)
+from kimi.data.rules import validate_data
+from kimi.model.rules import check_kernels, check_tensor_parallel, validate_model
+from kimi.optim.rules import validate_optim
+from kimi.parallel.rules import check_engine, check_layout, validate_parallel
+
+
+def validate(cfg: Config, world: Optional[int] = None) -> None:
+    """Fail before any work on a config that cannot work; every message is one line naming its key(s).
+
+    world: the number of processes (default: torchrun's WORLD_SIZE, 1 without torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
+    validate_model(cfg.model)
+    validate_data(cfg.data)
+    validate_optim(cfg.optim)
+    validate_trainer(cfg.trainer)
+    validate_logging(cfg.logging)
+    validate_parallel(cfg.parallel)
+    check_layout(cfg.parallel, world)
+    check_tensor_parallel(cfg.model, cfg.parallel.tp)
+    check_sequence_parallel(cfg)
+    check_expert_parallel(cfg)
+    check_context_parallel(cfg)
+    check_engine(cfg.parallel)
+    check_pipeline(cfg)
+    check_vocab(cfg)
+    check_kernels(cfg)
+
+
+def validate_trainer(t: TrainerConfig) -> None:
+    check_choices(t, "trainer")
+    check_finite(t, "trainer")
+    # torch.manual_seed takes 64-bit unsigned seeds; numpy's SeedSequence (the data order) no negative ones
+    check(0 <= t.seed < 2**64, "trainer.seed", t.seed, "must be an integer in [0, 2**64)")
+    check_positive(t, "trainer", ("max_steps", "micro_batch_size", "seq_len", "grad_accum_steps",
+                                   "eval_batches", "log_every"))
+    for key in ("eval_every", "checkpoint_every", "sample_tokens", "threads", "stop_at_step"):
+        check(getattr(t, key) >= 0, f"trainer.{key}", getattr(t, key), "must be >= 0 (0 disables)")
+    check(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", t.keep_checkpoints, "must be >= 1")
+    check(t.diag_every is None or t.diag_every >= 0, "trainer.diag_every", t.diag_every,
+          "must be >= 0 (0 disables diagnostics), or null for the evaluation steps")
+    # the end-of-training sample continues this text; an empty one would fail after the whole run
+    check(t.sample_tokens == 0 or t.sample_prompt != "", "trainer.sample_prompt", t.sample_prompt,
+          "must be non-empty when trainer.sample_tokens > 0 (set trainer.sample_tokens=0 for no sample)")
+    check(t.collective_timeout_s > 0, "trainer.collective_timeout_s", t.collective_timeout_s,
+          "must be > 0 seconds (default 600)")
+    if t.peak_flops is not None:  # MFU divides by it
+        check(t.peak_flops > 0, "trainer.peak_flops", t.peak_flops,
+              "must be > 0 FLOP/s, or null for the table")
+
+
+def validate_logging(lg: LoggingConfig) -> None:
+    check_choices(lg, "logging")
