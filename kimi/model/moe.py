@@ -20,7 +20,7 @@ weight, through the backward of the layer's output (`_AddGrad`), so no loss func
 Load balancing: each forward with gradients adds the number of tokens routed to each expert to `load`; after
 an optimizer step `update_expert_bias` moves every bias by `rate` towards balance (up for an expert below the
 mean load, down above it: the sign of the difference), from the loads summed over all micro-batches and,
-given a process group, all data-parallel ranks, so every replica makes the same update.
+through the engine, all data-parallel ranks, so every replica makes the same update.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -255,17 +254,19 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, rate: float, group: dist.ProcessGroup | None = None) -> dict:
-    """After an optimizer step: sum every MoE layer's `load` over `group` (one all-reduce for all layers),
-    move each bias by rate * sign(mean load - load), reset the loads. Returns the step's statistics:
+def update_expert_bias(model: nn.Module, rate: float,
+                       sum_over_ranks: Callable[[torch.Tensor], None] | None = None) -> dict:
+    """After an optimizer step: sum every MoE layer's `load` over the ranks that hold the same layers (the
+    engine's `sum_over_ranks`, in place on the stacked loads: one all-reduce for all layers), move each bias
+    by rate * sign(mean load - load), reset the loads. Returns the step's statistics:
     ``moe_imbalance`` (max over layers of max/mean tokens per expert) and ``moe_bias_range`` (max - min
     bias over all layers)."""
     layers = moe_layers(model)
     if not layers:
         return {}
     loads = torch.stack([m.load for m in layers])
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(loads, group=group)
+    if sum_over_ranks is not None:
+        sum_over_ranks(loads)
     mean = loads.mean(dim=1, keepdim=True)
     imbalance = (loads.max(dim=1).values / mean.squeeze(1).clamp_min(1e-9)).max()
     for m, load, avg in zip(layers, loads, mean):

@@ -29,7 +29,7 @@ from kimi.model.moe import set_aux_grad_scale, update_expert_bias
 from kimi.model.transformer import Block
 from kimi.optim import build_scheduler
 
-from .dims import ParallelDims
+from .dims import ParallelDims, sum_over
 from .engine import keep_hyperparameters, materialize
 from .engine_rules import DEEPSPEED_MISSING
 from .interface import Engine
@@ -153,7 +153,7 @@ class DeepSpeedEngine(Engine):
     def _balance_experts(self) -> dict:
         if not self.cfg.model.moe_num_experts:
             return {}
-        return update_expert_bias(self.model, self.cfg.model.moe_bias_rate, self.dims.stage_group(self.mesh))
+        return update_expert_bias(self.model, self.cfg.model.moe_bias_rate, sum_over(self.dims.stage_group(self.mesh)))
 
     @property
     def qk_clip(self):

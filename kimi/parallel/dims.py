@@ -18,6 +18,7 @@ import datetime
 import gc
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -94,6 +95,13 @@ class ParallelDims:
         if self.pp == 1:
             return dist.group.WORLD
         return mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten().get_group()
+
+
+def sum_over(group) -> Callable[[torch.Tensor], None] | None:
+    """An in-place sum of a tensor over `group` (None: one process, nothing to sum)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return None
+    return lambda t: dist.all_reduce(t, group=group)
 
 
 def resolve_device(name: str) -> torch.device:

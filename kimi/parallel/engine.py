@@ -34,7 +34,7 @@ from kimi.model import KimiModel, lm_loss
 from kimi.model.moe import set_aux_grad_scale, update_expert_bias
 from kimi.optim import build_optimizer, build_qk_clip, build_scheduler
 
-from .dims import ParallelDims
+from .dims import ParallelDims, sum_over
 from .family_stats import FamilyStats
 from .interface import Engine
 from .parallelize import parallelize
@@ -187,7 +187,7 @@ class TorchEngine(Engine):
         which changes neither the update's sign nor max/mean); statistics as their max over the stages."""
         if not self.cfg.model.moe_num_experts:
             return {}
-        stats = update_expert_bias(self.model, self.cfg.model.moe_bias_rate, self.dims.stage_group(self.mesh))
+        stats = update_expert_bias(self.model, self.cfg.model.moe_bias_rate, sum_over(self.dims.stage_group(self.mesh)))
         if self.dims.pp > 1:  # every stage joins, one without MoE layers with zeros
             keys = ["moe_imbalance", "moe_bias_range"]
             keys += ["moe_aux_loss"] if self.cfg.model.moe_aux_loss_coef else []  # same keys on every stage
