@@ -134,6 +134,12 @@ def family(model: KimiModel, name: str) -> str:
     return NORMS if sub is None else sub.family(rel)
 
 
+def _ep_split(model: KimiModel, name: str) -> bool:
+    """Whether expert parallelism splits this parameter's dim 0 (what its sublayer declares: EP_SPLIT)."""
+    sub, rel = _sublayer_of(model, name)
+    return sub is not None and any(rel.startswith(prefix + ".") for prefix in sub.EP_SPLIT)
+
+
 def tp_dim(model: KimiModel, name: str) -> Optional[int]:
     """The dimension tensor parallelism splits this parameter along, or None if it is replicated over tp:
     the vocabulary of the embedding and LM head, a sublayer's declared plan, nothing else."""
@@ -212,7 +218,7 @@ def rank_state(cfg: Config, model: KimiModel, routes: Dict[str, str], pp_rank: i
         else:
             st.tp_split += n
         shape, shard, unit = param.shape, p.dp_shard * p.cp, None
-        if p.ep > 1 and family(model, name) == "routed experts":  # an FSDP unit of their own
+        if p.ep > 1 and _ep_split(model, name):  # an FSDP unit of their own
             shape, shard = (_ceil_div(shape[0], p.ep), *shape[1:]), p.dp_shard // p.ep
             unit = name.rsplit(".", 1)[0]
         local = local_numel(shape, dim, p.tp, shard)

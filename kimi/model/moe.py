@@ -177,6 +177,7 @@ class MoE(Sublayer, nn.Module):
     LABEL, FAMILY, FAMILY_OF = "MoE", "MLPs", {"experts": "routed experts"}
     RECORDS = ("load", "aux_loss")
     PROBES = ("experts",)  # each token's chosen experts
+    EP_SPLIT = ("experts",)  # one expert per index of dim 0
     ZERO3_LEAF = True  # the forward reads the router's weight without calling the router
     HF_NAMES = {"router.weight": "block_sparse_moe.gate.weight",
                 "expert_bias": "block_sparse_moe.gate.e_score_correction_bias",

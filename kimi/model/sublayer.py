@@ -24,6 +24,7 @@ residual input x [B, T, d] and returns [B, T, d]; a mixer also takes ``cu_seqlen
   PROBES             the values it hands a diagnostic pass (kimi/model/probe.py) under these names
   HF_NAMES           each parameter's name in a Hugging Face Kimi Linear checkpoint, relative to
                      ``model.layers.<i>.`` (see :func:`hf_entries`)
+  EP_SPLIT           submodules whose parameters expert parallelism splits along dim 0 (a MoE's experts)
   ZERO3_LEAF         whether DeepSpeed ZeRO-3 must gather its parameters as one unit (its forward reads a
                      submodule's weight without calling the submodule)
 """
@@ -83,6 +84,7 @@ class Sublayer:
     RECORDS: ClassVar[Tuple[str, ...]] = ()
     PROBES: ClassVar[Tuple[str, ...]] = ()
     HF_NAMES: ClassVar[Dict[str, HFName]] = {}
+    EP_SPLIT: ClassVar[Tuple[str, ...]] = ()
     ZERO3_LEAF: ClassVar[bool] = False
 
     @classmethod
