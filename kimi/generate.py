@@ -1,4 +1,4 @@
-"""Sampling from a KimiModel with its decoding cache (KDA recurrent state + short-conv tails, MLA latents).
+"""Sampling from a trained run's model on the command line (the decoding itself: kimi/model/decode.py).
 
 From a shell, on a run directory (or one checkpoint directory, <run>/checkpoints/step_N):
 
@@ -21,63 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from kimi.cli import EXIT_OK, run_main
 from kimi.config import ConfigError
 from kimi.model import KimiModel
-
-
-def sample_next(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator | None) -> int:
-    """One token id from the logits [vocab] of one position. temperature <= 0 means greedy (argmax)."""
-    if temperature <= 0:
-        return int(logits.argmax())
-    logits = logits.float() / temperature
-    if 0 < top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-@torch.no_grad()
-def generate(
-    model: KimiModel,
-    prompt_ids: list[int] | torch.Tensor,
-    max_new_tokens: int,
-    temperature: float = 0.8,
-    top_k: int = 50,
-    eos_id: int | None = None,
-    generator: torch.Generator | None = None,
-) -> list[int]:
-    """Continue one prompt; returns only the new token ids (at most max_new_tokens).
-
-    The prompt goes through the model in one forward (the prefill), then each sampled token alone through
-    the cache, so a step costs the same whatever the length so far for KDA layers. Generation stops
-    before max_new_tokens when eos_id is sampled; eos itself is not returned. top_k <= 0 keeps the whole
-    vocabulary. The generator (on the model's device for CUDA) makes sampling reproducible.
-    """
-    device = next(model.parameters()).device
-    ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device).reshape(1, -1)
-    if ids.shape[1] == 0:
-        raise ValueError("generate needs a non-empty prompt")
-    cache = model.new_cache()
-    logits = _whole(model(ids, cache=cache))
-    out: list[int] = []
-    while len(out) < max_new_tokens:
-        token = sample_next(logits[0, -1], temperature, top_k, generator)
-        if token == eos_id:
-            break
-        out.append(token)
-        if len(out) < max_new_tokens:
-            logits = _whole(model(torch.tensor([[token]], device=device), cache=cache))
-    return out
-
-
-def _whole(logits: torch.Tensor) -> torch.Tensor:
-    """A tensor-parallel model's logits are sharded over the vocabulary: every rank gathers them all, then
-    samples the same token from the same generator state."""
-    return logits.full_tensor() if isinstance(logits, DTensor) else logits
+from kimi.model.decode import generate
 
 
 def load_from_checkpoint(path: str, device: str = "cpu"):

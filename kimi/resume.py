@@ -1,0 +1,74 @@
+"""Where a run starts: its own newest intact checkpoint (trainer.resume), else the weights trainer.init_from
+names (or <run_dir>/init, which kimi.convert from-hf writes); each checked against this config first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from kimi import checkpoint
+from kimi.cli import RunError
+from kimi.config import Config, ConfigError, config_dict
+from kimi.parallel.interface import Engine
+from kimi.runlog import schedule_change
+
+Log = Callable[[str], None]
+
+
+def checkpoint_to_resume(cfg: Config, ckpt_dir: Path, tokenizer_sha256: str,
+                         log: Log) -> Optional[Tuple[checkpoint.CheckpointInfo, Dict[str, Any]]]:
+    """(newest intact checkpoint, its trainer state) checked against this config; or None."""
+    if not cfg.trainer.resume:
+        return None
+    latest = checkpoint.newest_intact(ckpt_dir, log, set_aside=True)
+    if latest is None:
+        return None
+    saved = checkpoint.read_trainer_state(latest.path)
+    checkpoint.check_compatible(saved, latest.path, config_dict(cfg), tokenizer_sha256)
+    return latest, saved
+
+
+def weights_to_start_from(cfg: Config, run_dir: Path, tokenizer_sha256: str, log: Log) -> Optional[Path]:
+    """The weights a new run starts from (trainer.init_from, else run_dir/init if present), checked against
+    this config; or None."""
+    given = cfg.trainer.init_from
+    path = Path(given) if given else run_dir / "init"
+    if not given and not path.exists():
+        return None
+    if (path / checkpoint.COMPLETE).is_file():  # a checkpoint named directly: it must be intact
+        problems = checkpoint.verify(path)
+        if problems:
+            raise RunError(f"cannot start from the weights in {path}: {'; '.join(problems[:3])}")
+    else:  # a run dir: its newest intact checkpoint (newest_intact verifies it)
+        latest = checkpoint.newest_intact(path / "checkpoints", log)
+        if latest is None:
+            raise ConfigError(f"trainer.init_from={path} is neither a complete checkpoint nor a run dir with "
+                              "one; name a checkpoint directory (<run>/checkpoints/step_N) or a run dir")
+        path = latest.path
+    saved = checkpoint.read_trainer_state(path)
+    checkpoint.check_same_model(saved, path, config_dict(cfg), tokenizer_sha256)
+    return path
+
+
+def load_weights(engine: Engine, path: Path, log: Log) -> None:
+    state = engine.model_state_dict()
+    checkpoint.load_model(path, state)
+    engine.load_model_state_dict(state)
+    log(f"[kimi] weights from {path}; a new run: step 0, fresh optimizer state")
+
+
+def resume(cfg: Config, engine: Engine, loader, latest: checkpoint.CheckpointInfo, saved: Dict[str, Any],
+           log: Log) -> Tuple[int, str]:
+    """Load `latest` into the engine and loader, and say what this config changes; (its step, its run id:
+    '' when it records none)."""
+    changes = checkpoint.config_changes(saved["config"], config_dict(cfg))
+    state = checkpoint.load(latest.path, engine, loader)
+    step = int(state["step"])
+    log(f"[kimi] resumed from {latest.path} at step {step}")
+    if changes:
+        log(f"[kimi] {len(changes)} setting(s) differ from the checkpoint's; this run's values apply:\n"
+            + "\n".join(f"         {line}" for line in changes))
+    note = schedule_change(saved["config"], cfg.optim, cfg.trainer.max_steps, step)
+    if note:
+        log(note)
+    return step, checkpoint.run_id(latest.path)
