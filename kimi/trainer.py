@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 
 from kimi import checkpoint, rundir
 from kimi.checkpoint.saver import Saver
-from kimi.config import Config, config_dict, resolve_vocab, to_config, validate
+from kimi.config import Config, config_dict, resolve_vocab, to_config
 from kimi.data import prepare
 from kimi.data.streams import rank_streams
 from kimi.diagnostics import Diagnostics
@@ -38,6 +38,7 @@ from kimi.parallel.watchdog import Watchdog
 from kimi.resume import checkpoint_to_resume, load_weights, resume, weights_to_start_from
 from kimi.runlog import RunLog, data_identity, nothing_to_train, save_config, write_routing
 from kimi.signals import StopSignals
+from kimi.validation import validate
 
 
 class Trainer:
