@@ -1,0 +1,123 @@
+"""The package's shape: no import cycles, libraries below applications, the engine seam a type, a short trainer.
+
+Imports are read with ast from every module of kimi/, those inside functions (lazy ones) and under
+TYPE_CHECKING too, relative ones resolved; ``from pkg import name`` counts as an import of the submodule
+pkg.name when there is one, else of pkg itself (its __init__.py).
+"""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[1]
+KIMI = ROOT / "kimi"
+# The command-line applications: modules below them (the libraries) never import them.
+APPS = ("kimi.generate", "kimi.ablate", "kimi.dashboard", "kimi.convert", "kimi.summary")
+TRAINER_MAX_LINES = 300
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(KIMI.rglob("*.py"))}
+
+
+def _resolve(name: str) -> str | None:
+    """The kimi module `name` is, or lies in (a class or function of it); None outside kimi."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(_resolve(a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            for a in node.names:
+                found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else _resolve(base))
+    return {m for m in found if m is not None and m != name}
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _cycle() -> list[str] | None:
+    """One import cycle (its modules, the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for start in GRAPH:
+        if start in state:
+            continue
+        path, stack = [start], [iter(sorted(GRAPH[start]))]
+        state[start] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(GRAPH[nxt])))
+    return None
+
+
+def _is_app(name: str) -> bool:
+    return any(name == app or name.startswith(app + ".") for app in APPS)
+
+
+def test_the_graph_is_read():
+    assert "kimi.parallel.engine" in GRAPH["kimi.parallel.build"]  # relative, module level
+    assert "kimi.parallel.deepspeed_engine" in GRAPH["kimi.parallel.build"]  # inside a function
+    assert "kimi.data.loader" in GRAPH["kimi.data.streams"]  # absolute, a name of the module
+
+
+def test_no_import_cycles():
+    cycle = _cycle()
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_libraries_import_no_application():
+    wrong = [f"{lib} imports {m}" for lib, deps in GRAPH.items() if not _is_app(lib) for m in sorted(deps)
+             if _is_app(m)]
+    assert not wrong, "; ".join(wrong)
+
+
+def test_trainer_stays_short():
+    lines = len((KIMI / "trainer.py").read_text().splitlines())
+    assert lines < TRAINER_MAX_LINES, f"kimi/trainer.py has {lines} lines: move a cohesive piece out"
+
+
+def _outside_parallel(pattern: str) -> list[str]:
+    hits = []
+    for name, path in MODULES.items():
+        if name == "kimi.parallel" or name.startswith("kimi.parallel."):
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(pattern, line):
+                hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    return hits
+
+
+def test_engines_are_named_only_in_kimi_parallel():
+    hits = _outside_parallel(r'"deepspeed"')
+    assert not hits, "compare engines through kimi.parallel (engine_rules, interface.Engine):\n" + "\n".join(hits)
+
+
+def test_no_engine_probing_outside_kimi_parallel():
+    hits = _outside_parallel(r"getattr\((self\.)?engine\b")
+    assert not hits, "call what kimi.parallel.interface.Engine declares:\n" + "\n".join(hits)
