@@ -3,6 +3,14 @@
 #   make train ARGS="model=small trainer.max_steps=100"   extra Hydra overrides
 #   make test  PYTEST_ARGS="-k kda"                          extra pytest arguments
 #
+# Test tiers (pytest markers; every test has exactly one of unit, dist, e2e, and slow combines with any of
+# them; docs/testing.md says what each holds and how long it takes). `make test` runs them all, as CI does.
+#   make test-fast     the unit tier without slow tests: in-process, no torchrun, no training (< 2 min)
+#   make test-unit     the whole unit tier, slow ones too (the interpreted Triton kernels, the ablation planner)
+#   make test-dist     torchrun / several processes (layouts, DeepSpeed, elastic, SLURM)
+#   make test-e2e      the trainer and the command lines end to end (README commands included)
+# Each takes PYTEST_ARGS too, e.g. make test-fast PYTEST_ARGS="-x -k kda".
+#
 # Which torch build a new .venv gets is TORCH (to change it: make clean-venv, then make venv TORCH=...):
 #   TORCH=auto (default)  $(TORCH_SPEC) as pip resolves it with your pip configuration. On Linux, from the
 #                         package index, that is the CUDA build even on a machine without a GPU (it runs
@@ -74,13 +82,25 @@ GPU_WHEEL_TARGET := --python-version 3.12 --implementation cp --platform manylin
                     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 GPU_NEEDS := hydra omegaconf antlr4 datasets dill multiprocess fla
 
-.PHONY: train test venv venv-dev bench clean-venv gpu-check gpu-wheels dashboard-sample
+.PHONY: train test test-fast test-unit test-dist test-e2e venv venv-dev bench clean-venv gpu-check gpu-wheels dashboard-sample
 
 train: $(VENV)/.installed
 	$(PY) train.py $(ARGS)
 
 test: $(VENV)/.installed-dev
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: $(VENV)/.installed-dev
+	$(PY) -m pytest -q -m "unit and not slow" $(PYTEST_ARGS)
+
+test-unit: $(VENV)/.installed-dev
+	$(PY) -m pytest -q -m unit $(PYTEST_ARGS)
+
+test-dist: $(VENV)/.installed-dev
+	$(PY) -m pytest -q -m dist $(PYTEST_ARGS)
+
+test-e2e: $(VENV)/.installed-dev
+	$(PY) -m pytest -q -m e2e $(PYTEST_ARGS)
 
 venv: $(VENV)/.installed
 	@$(PY) -c "$$TORCH_CHECK" $(TORCH)

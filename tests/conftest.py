@@ -1,4 +1,5 @@
-"""Shared test setup."""
+"""Shared test setup: the test tiers (every test has exactly one of the markers unit, dist, e2e; slow combines
+with any of them; pyproject.toml and docs/testing.md say what each holds) and the fixtures several modules use."""
 
 import os
 
@@ -18,3 +19,66 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# ---- tiers ----------------------------------------------------------------------------------------------
+
+TIERS = ("unit", "dist", "e2e")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects anything: every collected test is checked
+def pytest_collection_modifyitems(config, items):
+    wrong = []
+    for item in items:
+        tiers = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
+        if len(tiers) != 1:
+            wrong.append(f"{item.nodeid}: {'no test tier' if not tiers else 'several tiers: ' + ', '.join(tiers)}; "
+                         "mark it (or its module: pytestmark = pytest.mark.unit) with exactly one of "
+                         "unit, dist, e2e (docs/testing.md)")
+    if wrong:
+        raise pytest.UsageError("\n".join(wrong))
+
+
+# ---- fixtures shared by several modules (one of each per module, as when each module defined its own) --------
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """helpers.make_corpus's generated documents (24 English-like .txt files)."""
+    from helpers import make_corpus
+
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """An empty directory for data.cache_dir (the token cache)."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """The data.* overrides of a generated corpus and a token cache of its own (helpers.corpus_overrides),
+    with train.py's config schema registered for composing them."""
+    from helpers import corpus_overrides
+
+    from kimi.config import register_configs
+
+    register_configs()
+    return corpus_overrides(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, data):
+    """references(optim, *overrides) -> the run dir of one process of the torch engine on `data`, trained
+    on first use (tests/layout_runs.py reference_runs)."""
+    from layout_runs import reference_runs
+
+    return reference_runs(tmp_path_factory.mktemp("single"), data)
+
+
+@pytest.fixture(scope="module")
+def offline(tmp_path_factory):
+    """No network, and every cache (HF and kimi) inside a temporary directory (helpers.offline_caches)."""
+    from helpers import offline_caches
+
+    yield from offline_caches(tmp_path_factory.mktemp("hf"))

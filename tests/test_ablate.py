@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, TINY_TRAINER, corpus_overrides
+from helpers import ROOT, TINY_TRAINER
 
 from kimi import ablate, checkpoint
 from kimi.metrics import read_metrics
@@ -45,6 +45,8 @@ def _compose(*overrides: str):
         return compose("config", overrides=["trainer.run_dir=unused", *overrides])
 
 
+@pytest.mark.slow
+@pytest.mark.unit
 def test_each_experiment_varies_one_factor():
     from omegaconf import OmegaConf
 
@@ -65,6 +67,7 @@ def test_each_experiment_varies_one_factor():
     assert ablate.load_experiment("ablate_optimizer").sweep == [("optim.lr", ["0.001", "0.003", "0.01"])]
 
 
+@pytest.mark.unit
 def test_run_names_parse_back():
     exp = ablate.load_experiment("ablate_optimizer")
     for arm in exp.arms:
@@ -75,6 +78,8 @@ def test_run_names_parse_back():
     assert exp.parse_name("adamw_seedx") is None and exp.parse_name("sgd_lr0.1_seed1") is None
 
 
+@pytest.mark.slow
+@pytest.mark.unit
 def test_overrides_that_erase_the_factor_are_refused(tmp_path):
     """An override after -- applies to every arm: one that sets the swept key or makes two arms equal would
     waste the study, so nothing runs."""
@@ -86,11 +91,6 @@ def test_overrides_that_erase_the_factor_are_refused(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return corpus_overrides(tmp_path_factory)
-
-
 def _run(argv, timeout=240):
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -98,6 +98,7 @@ def _run(argv, timeout=240):
     return proc.stdout
 
 
+@pytest.mark.e2e
 def test_runner_end_to_end_then_report_then_resume(tmp_path, data, capsys):
     """Two arms x one seed, 2 steps of the tiny test model; a rerun trains nothing; the report's JSON, PNGs
     and results section, also into a page (--docs). (The rerun and the report run in this process: the same
@@ -193,6 +194,7 @@ def test_runner_end_to_end_then_report_then_resume(tmp_path, data, capsys):
     assert "records a run of another config" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_hydra_multirun_names_runs_like_the_runner(tmp_path, data):
     """train.py -m +experiment=ablate_residual: one run dir per arm, named as kimi.ablate names them."""
     from omegaconf import OmegaConf
@@ -248,6 +250,8 @@ SWEEP = {"adamw": {"0.001": 4.3, "0.003": 4.0, "0.01": 4.2}, "adamw_qkclip": {"0
          "muonclip": {"0.001": 4.1, "0.003": 3.9, "0.01": 3.8}}
 
 
+@pytest.mark.slow
+@pytest.mark.unit
 def test_sweep_then_seeds_and_statistics(tmp_path):
     """The lr sweep decides which runs the other seeds get; the report's means, verdicts and compute
     multipliers on runs with known curves."""
@@ -295,6 +299,8 @@ def test_sweep_then_seeds_and_statistics(tmp_path):
     assert "compute multiplier of 1.07x); verdict on the final loss: win; this agrees with the paper." in section
 
 
+@pytest.mark.slow
+@pytest.mark.unit
 def test_the_same_run_in_two_experiments_is_trained_once(tmp_path):
     """The default config is an arm of four experiments: its fingerprint is the same in each (and no other
     arm's is), and once one of them has finished, the others reuse its record instead of training."""
@@ -339,6 +345,7 @@ def test_the_same_run_in_two_experiments_is_trained_once(tmp_path):
     assert "verdict on the final loss: no verdict; no verdict yet to set beside the paper" in section
 
 
+@pytest.mark.unit
 def test_the_report_says_whether_each_paper_is_borne_out():
     """The section's sentence beside each paper follows the verdict on the paper's arm: a tie does not
     confirm a claimed gain, and 'at least as good' (Kimi Linear) is borne out by a tie."""
@@ -353,6 +360,7 @@ def test_the_report_says_whether_each_paper_is_borne_out():
     assert "disagrees" in paper_agreement("loss", PAPERS["ablate_mixer"][2])
 
 
+@pytest.mark.unit
 def test_the_report_names_the_machines_behind_its_tokens_per_s():
     """Runs are told apart by the peak their MFU divided by: within 15% is one kind of machine; records
     without it (older ones) are counted, so a table's tokens/s never silently mix machines."""
@@ -366,6 +374,7 @@ def test_the_report_names_the_machines_behind_its_tokens_per_s():
     assert "predate" in machines_note([{"arm": "a", "peak_flops": [None, None]}])
 
 
+@pytest.mark.unit
 def test_the_docs_page_holds_the_report_of_the_committed_records(tmp_path):
     """docs/ablations.md shows, between its markers, exactly what `python -m kimi.ablate report --docs` writes
     from the committed records (bench/results/ablations/runs/), its plots linked from docs/ and present."""

@@ -15,12 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import corpus_overrides, train_run
+from helpers import train_run
 from torch.distributed.checkpoint import filesystem
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from kimi import checkpoint
 from kimi.cli import RunError
+
+pytestmark = pytest.mark.e2e
 
 STEPS = ["trainer.max_steps=6", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=3", "optim=muonclip"]
 ASYNC = "trainer.async_checkpoint=true"
@@ -42,11 +44,6 @@ def write_then_die(self, plan, planner):
 filesystem.FileSystemWriter.write_data = write_then_die
 train_run(Path(sys.argv[2]), json.loads(sys.argv[3]), *sys.argv[4:])
 """
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return corpus_overrides(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,8 @@ from kimi.ops.attention import attention
 from kimi.ops.attention.reference import naive_attention
 from kimi.ops.attention.triton import common, flash_attention
 
+pytestmark = pytest.mark.unit
+
 
 def reference(q, k, v, causal, scale, cu_seqlens):
     """Explicit scores -> (o, lse [B, H, Tq], max_logits [B, H]); rows with no allowed key give NaN/-inf."""
@@ -52,6 +54,7 @@ CASES = {  # name: (B, Tq, Tk, H, Hkv, Dqk, Dv, causal, cu_seqlens)
 ATOMIC_DQ_CASES = ["mla_192_128_mqa", "gqa_not_causal", "decode_tail_gqa", "packed_long_docs"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,atomic_dq", [(name, False) for name in CASES] + [(name, True) for name in ATOMIC_DQ_CASES]
 )
@@ -182,6 +185,7 @@ def test_mla_layer_on_triton_backend(monkeypatch, packed):
         torch.testing.assert_close(g, g_want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph():
     """The custom op traces as one node: fullgraph=True fails on any graph break. (aot_eager keeps the test
     fast; the inductor backend also works here, ~20 s of C++ compilation.)"""

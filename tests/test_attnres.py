@@ -9,6 +9,8 @@ from helpers import tiny_model_cfg
 from kimi.model import KimiModel
 from kimi.model.attnres import BlockAttnResStream, depth_attention, depth_weights
 
+pytestmark = pytest.mark.unit
+
 
 tiny_cfg = tiny_model_cfg
 

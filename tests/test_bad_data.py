@@ -18,18 +18,14 @@ import pyarrow.parquet as pq
 import pytest
 
 import kimi.data.files
-from helpers import make_corpus, offline_caches
+from helpers import make_corpus
 from kimi.config import DataConfig, TokenizerConfig
 from kimi.data import DataError, load_documents, open_tokens, prepare
 from kimi.data import sources
 
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("offline")]  # offline: conftest.py
+
 VOCAB = 384
-
-
-@pytest.fixture(scope="module", autouse=True)
-def offline(tmp_path_factory):
-    """No network, and every cache (HF and kimi) inside a temporary directory."""
-    yield from offline_caches(tmp_path_factory.mktemp("hf"))
 
 
 def _cfg(tmp_path, files, **kw) -> DataConfig:

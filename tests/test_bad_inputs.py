@@ -35,13 +35,14 @@ import huggingface_hub.constants
 import pytest
 import torch
 from helpers import TINY_TRAINER as TINY
-from helpers import make_corpus
 from hydra import compose, initialize_config_dir
 
 from kimi import checkpoint
 from kimi.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_STOPPED
 from kimi.config import register_configs
 from kimi.trainer import Trainer
+
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
@@ -66,13 +67,6 @@ def offline(tmp_path_factory):
         mp.setattr(datasets.config, "HF_HUB_OFFLINE", True)
         mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
         yield home
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> list[str]:
-    corpus = make_corpus(tmp_path_factory.mktemp("corpus"))
-    files = ",".join(f"'{p}'" for p in sorted(corpus.glob("*.txt")))
-    return [f"data.data_files=[{files}]", f"data.cache_dir={tmp_path_factory.mktemp('cache')}"]
 
 
 def argv(run: Path, data: list[str], *overrides: str) -> list[str]:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 sys.path.insert(0, str(BENCH))
@@ -116,6 +118,7 @@ def test_attention_compile_check_quick(tmp_path):
     check_attention(run_check("attention", tmp_path, quick=True))
 
 
+@pytest.mark.slow
 @slow
 def test_kda_compile_check_full(tmp_path):
     results = run_check("kda", tmp_path, quick=False)
@@ -126,6 +129,7 @@ def test_kda_compile_check_full(tmp_path):
                                                                 for k in (64, 128) for v in (64, 128)}
 
 
+@pytest.mark.slow
 @slow
 def test_attention_compile_check_full(tmp_path):
     check_attention(run_check("attention", tmp_path, quick=False))

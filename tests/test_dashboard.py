@@ -11,7 +11,7 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
-from helpers import ROOT, corpus_overrides, train_run
+from helpers import ROOT, train_run
 
 from kimi import dashboard
 from kimi.diagnostics import attnres_matrix
@@ -22,10 +22,10 @@ ALL = [title for title, _, _ in dashboard.PANELS]
 
 
 @pytest.fixture(scope="module")
-def real_run(tmp_path_factory) -> Path:
+def real_run(tmp_path_factory, data) -> Path:
     """3 steps of the tiny test model with MuonClip (QK-Clip tracks the MLA max logits), validated at each."""
     run = tmp_path_factory.mktemp("real") / "muonclip"
-    train_run(run, corpus_overrides(tmp_path_factory), "trainer.max_steps=3", "trainer.eval_every=1")
+    train_run(run, data, "trainer.max_steps=3", "trainer.eval_every=1")
     return run
 
 
@@ -73,6 +73,7 @@ def _diagnostic_run(run: Path) -> Path:
     return run
 
 
+@pytest.mark.unit
 def test_attnres_matrix_orders_sublayers_and_sources():
     record = {"attnres/final/partial": 0.1, "attnres/10.mlp/block2": 0.2, "attnres/2.mixer/embed": 1.0,
               "attnres/10.mixer/block1": 0.3, "attnres/2.mlp/partial": 0.4, "attnres/final/block1": 0.5,
@@ -86,6 +87,7 @@ def test_attnres_matrix_orders_sublayers_and_sources():
     assert attnres_matrix({"loss": 1.0}) == ([], [], [])
 
 
+@pytest.mark.e2e
 def test_dashboard_of_a_real_run_and_a_diagnostic_run(tmp_path, real_run):
     diag = _diagnostic_run(tmp_path / "diag")
     d = dashboard.draw([diag, real_run], tmp_path / "both.png")
@@ -105,6 +107,7 @@ def test_dashboard_of_a_real_run_and_a_diagnostic_run(tmp_path, real_run):
     assert set(real.panels) | set(real.skipped) >= set(ALL)
 
 
+@pytest.mark.unit
 def test_panels_without_data_are_left_out(tmp_path):
     run = tmp_path / "adamw"
     run.mkdir()
@@ -118,6 +121,7 @@ def test_panels_without_data_are_left_out(tmp_path):
     assert (w, h) == d.size == (3 * 540, 2 * 370)
 
 
+@pytest.mark.e2e
 def test_command_line(tmp_path, real_run):
     out = tmp_path / "dash.png"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -129,11 +133,13 @@ def test_command_line(tmp_path, real_run):
     assert out.stat().st_size > 50_000
 
 
+@pytest.mark.unit
 def test_a_directory_without_metrics_is_refused(tmp_path, capsys):
     assert dashboard.main([str(tmp_path / "nothing")]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_wandb_offline_reader_refuses_what_is_not_an_offline_run(tmp_path, capsys):
     from kimi import wandb_offline
 

@@ -14,7 +14,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import offline_caches
 import torch
 
 from kimi.config import DataConfig, TokenizerConfig
@@ -22,6 +21,8 @@ from kimi.data import DataError, TokenLoader, Tokenizer, load_documents, open_to
 from kimi.data import pack
 from kimi.ops.documents import cu_seqlens_from_starts, doc_starts_after_eos
 from kimi.data.sources import hold_out
+
+pytestmark = pytest.mark.unit
 
 VOCAB = 400
 WORDS = ("the of and to in that is was he for it with as his on be at by this had not are but from or have "
@@ -43,12 +44,6 @@ def _document(rng: random.Random) -> str:
             sentences.append(" ".join(words).capitalize() + rng.choice(".!?;"))
         paragraphs.append("\n".join(sentences))
     return "\n\n".join(paragraphs)
-
-
-@pytest.fixture(scope="module")
-def offline(tmp_path_factory):
-    """No network, and every cache (HF and kimi) inside a temporary directory."""
-    yield from offline_caches(tmp_path_factory.mktemp("hf"))
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,8 @@ from helpers import tiny_model_cfg
 from kimi.generate import generate
 from kimi.model import KimiModel
 
+pytestmark = pytest.mark.unit
+
 MODES = ["standard", "attnres_full", "attnres_block"]
 
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import corpus_overrides
-from layout_runs import ROOT, assert_same_run, metrics, overrides, reference_runs, torchrun
+from layout_runs import ROOT, assert_same_run, metrics, overrides, torchrun
 
 from kimi import checkpoint
 from kimi.metrics import read_metrics
+
+pytestmark = pytest.mark.dist
 
 pytest.importorskip("deepspeed", reason="deepspeed (dev extra) not installed")
 
@@ -50,11 +51,6 @@ BF16 = {"zero2_bf16_muonclip": ("muonclip", zero(2, "trainer.precision=bf16"))} 
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> list[str]:
-    return corpus_overrides(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
 def launch(tmp_path_factory, data):
     """Every case trained by one 2-rank launch of tests/dist_train.py: (run dirs by case, the result)."""
     out = tmp_path_factory.mktemp("deepspeed")
@@ -63,11 +59,6 @@ def launch(tmp_path_factory, data):
             for name, (optim, extra) in {**CASES, **BF16}.items()]
     (out / "runs.json").write_text(json.dumps(spec))
     return runs, torchrun(2, None, [str(ROOT / "tests" / "dist_train.py"), str(out / "runs.json")], check=False)
-
-
-@pytest.fixture(scope="module")
-def references(tmp_path_factory, data):
-    return reference_runs(tmp_path_factory.mktemp("single"), data)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -24,6 +24,8 @@ import kimi.ops.kda.gate
 from kimi.ops.kda import chunk_kda, fused_recurrent_kda
 from kimi.ops.kda.gate import normalize_and_gate
 
+pytestmark = pytest.mark.unit
+
 
 def compile_error(*_, **__):
     raise CompilationError(None, ast.parse("x = 1").body[0], "unsupported MMA shape on this GPU")
@@ -142,6 +144,7 @@ def test_chunk_kda_forced_triton_raises_a_backward_failure_at_forward_time(monke
     assert not kda_ops._CHUNK_GUARD.failed  # forced never records a fallback
 
 
+@pytest.mark.slow
 def test_half_precision_small_heads_on_hopper_are_refused_before_launch(monkeypatch):
     """On Hopper, bf16 KDA with head dims under 64 would fault in the kernels (common.HALF_MIN_ROW): the
     launch is refused (KernelUnsupported) before any kernel runs, so auto falls back to the PyTorch path with
@@ -321,6 +324,7 @@ def test_attention_forced_triton_raises(monkeypatch):
         attn_run("triton", attn_inputs(grad=False), None)
 
 
+@pytest.mark.slow
 def test_working_kernels_pass_the_probe_without_warning():
     """No failure: auto runs the (interpreted) Triton kernels, probes once, warns never."""
     inputs, w = attn_inputs(), torch.randn(2, 24, 4, 16)

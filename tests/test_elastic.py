@@ -12,11 +12,14 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
 import torch
-from helpers import corpus_overrides, worker_pid
+from helpers import worker_pid
 from layout_runs import ROOT, final_weights, metrics, overrides
 
 from kimi import checkpoint
+
+pytestmark = pytest.mark.dist
 
 STEPS = ["trainer.max_steps=10", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2",
          "trainer.eval_every=10", "parallel.dp_shard=2", "trainer.micro_batch_size=2"]
@@ -30,8 +33,7 @@ def launch(run: Path, data: list[str], tag: str, restarts: int) -> subprocess.Po
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def test_a_killed_rank_restarts_the_group_which_resumes_to_the_same_weights(tmp_path_factory, tmp_path):
-    data = corpus_overrides(tmp_path_factory)
+def test_a_killed_rank_restarts_the_group_which_resumes_to_the_same_weights(data, tmp_path):
     whole = launch(tmp_path / "whole", data, uuid.uuid4().hex, restarts=0)
     out = whole.communicate(timeout=600)[0]
     assert whole.returncode == 0, out[-4000:]

@@ -15,6 +15,8 @@ import torch
 from expert_problem import E, rank_problem, weights
 from kimi.model.moe import experts_grouped
 
+pytestmark = pytest.mark.dist
+
 TESTS = Path(__file__).parent
 
 

@@ -30,6 +30,7 @@ def fails(capsys, argv: list[str]) -> str:
     return errors[0]
 
 
+@pytest.mark.unit
 def test_values_are_taken_literally():
     assert parse_args(["run=r", "prompt=ROMEO:"]).prompt == "ROMEO:"
     assert parse_args(["run=r", "prompt=yes"]).prompt == "yes"
@@ -38,12 +39,14 @@ def test_values_are_taken_literally():
     assert parse_args(["run=runs/exp=1"]).run == "runs/exp=1"
 
 
+@pytest.mark.unit
 def test_numbers_are_parsed_and_defaults_kept():
     args = parse_args(["run=r", "max_new_tokens=7", "temperature=0", "top_k=0", "seed=3", "device=cpu"])
     assert args == GenerateArgs(run="r", max_new_tokens=7, temperature=0.0, top_k=0, seed=3, device="cpu")
     assert parse_args(["run=r"]) == GenerateArgs(run="r")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("argv,usage,message", [
     ([], True, "run= is missing"),
     (["prompt=ROMEO:"], True, "run= is missing"),
@@ -77,6 +80,7 @@ def test_bad_argument_is_one_line_and_exit_2(capsys, argv, usage, message):
 
 
 # ---- prompt_file= ---------------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_prompt_file_is_read_as_written(tmp_path):
     path = tmp_path / "prompt.txt"
     path.write_text("ROMEO:\nBut soft, what light — through yonder window?\n", encoding="utf-8")
@@ -88,6 +92,7 @@ def test_prompt_file_is_read_as_written(tmp_path):
     assert parse_args(["run=r"]).prompt_file is None
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("content,usage,message", [
     (None, False, "prompt_file={path}: no such file"),
     ("dir", False, "prompt_file={path}: is a directory; give a text file"),
@@ -110,6 +115,7 @@ def test_bad_prompt_file_is_one_line_and_exit_2(capsys, tmp_path, content, usage
     assert line.startswith("error: " + message.format(path=path)), line
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("argv,message", [
     # exclusive with prompt=, checked before the file is read (this one does not exist)
     (["run=r", "prompt=ROMEO:", "prompt_file=missing.txt"], "prompt= and prompt_file= are both given"),
@@ -124,29 +130,34 @@ def test_prompt_file_usage_mistakes(capsys, argv, message):
     assert err.strip().splitlines()[-1].startswith("error: " + message), err
 
 
+@pytest.mark.unit
 def test_empty_prompt_file_path(capsys):
     assert fails(capsys, ["run=r", "prompt_file="]) == (
         "error: prompt_file='' is invalid: give the path of a UTF-8 text file")
 
 
+@pytest.mark.unit
 def test_help_names_prompt_file(capsys):
     assert "prompt_file=PATH" in USAGE
     assert main(["--help"]) == EXIT_OK
     assert "\n  prompt_file " in capsys.readouterr().out
 
 
+@pytest.mark.unit
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has CUDA")
 def test_cuda_without_cuda_is_one_line(capsys):
     assert "device='cuda' is invalid: this machine has no cuda device; use device=cpu" in fails(
         capsys, ["run=r", "device=cuda"])
 
 
+@pytest.mark.unit
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_index_past_the_devices_is_one_line(capsys):
     n = torch.cuda.device_count()
     assert f"this machine has {n} cuda device(s)" in fails(capsys, ["run=r", f"device=cuda:{n}"])
 
 
+@pytest.mark.unit
 def test_parse_errors_are_config_errors():
     # run_main turns ConfigError into exit code 2; UsageError additionally gets the usage line
     with pytest.raises(UsageError):
@@ -156,6 +167,7 @@ def test_parse_errors_are_config_errors():
     assert not isinstance(err.value, UsageError)
 
 
+@pytest.mark.unit
 def test_help_prints_usage_and_exits_0(capsys):
     assert main(["--help"]) == EXIT_OK
     out = capsys.readouterr().out
@@ -163,20 +175,24 @@ def test_help_prints_usage_and_exits_0(capsys):
     assert main(["run=r", "-h"]) == EXIT_OK
 
 
+@pytest.mark.unit
 def test_missing_run_dir(capsys, tmp_path):
     assert fails(capsys, [f"run={tmp_path / 'nope'}"]) == f"error: run={tmp_path / 'nope'}: no such directory"
 
 
+@pytest.mark.unit
 def test_run_that_is_a_file(capsys, tmp_path):
     (tmp_path / "file").write_text("x")
     assert "not a directory" in fails(capsys, [f"run={tmp_path / 'file'}"])
 
 
+@pytest.mark.unit
 def test_run_dir_without_checkpoints(capsys, tmp_path):
     (tmp_path / "checkpoints").mkdir()
     assert str(tmp_path) in fails(capsys, [f"run={tmp_path}"])
 
 
+@pytest.mark.unit
 def test_incomplete_checkpoints(capsys, tmp_path):
     # a save cut off before its COMPLETE marker: as the run dir and as the checkpoint dir itself
     step = tmp_path / "checkpoints" / "step_00000003"
@@ -206,6 +222,7 @@ def run(tmp_path_factory) -> Path:
     return tmp / "run"
 
 
+@pytest.mark.e2e
 def test_literal_prompt_on_a_run(run, capsys):
     assert main([f"run={run}", "prompt=ROMEO:", "max_new_tokens=3", "temperature=0"]) == EXIT_OK
     out = capsys.readouterr().out
@@ -215,6 +232,7 @@ def test_literal_prompt_on_a_run(run, capsys):
     assert "\nyes" in capsys.readouterr().out
 
 
+@pytest.mark.e2e
 def test_checkpoint_cut_off_given_directly(run, capsys, tmp_path):
     step = checkpoint.latest_complete(run / "checkpoints").path
     cut = tmp_path / "checkpoints" / step.name
@@ -223,6 +241,7 @@ def test_checkpoint_cut_off_given_directly(run, capsys, tmp_path):
     assert str(cut) in fails(capsys, [f"run={cut}", "max_new_tokens=2"])
 
 
+@pytest.mark.e2e
 def test_prompt_file_on_a_run(run, capsys, tmp_path):
     path = tmp_path / "prompt.txt"
     path.write_text("ROMEO:\nThe king loves", encoding="utf-8")

@@ -31,6 +31,7 @@ def step_json(out: Path, step: str) -> dict:
     return json.loads((out / f"{step}.json").read_text())
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_dry_run_runs_every_step(tmp_path):
     out = tmp_path / "gpu"
@@ -76,6 +77,7 @@ def test_dry_run_runs_every_step(tmp_path):
         assert f"| {step} (" in summary
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_planted_failures_fail_the_run_and_are_named(tmp_path):
     """A wrong Triton gradient, a crashed step and a hung one: each is reported, the others still run."""
@@ -98,6 +100,7 @@ def test_planted_failures_fail_the_run_and_are_named(tmp_path):
     assert "not run yet" not in summary and "attention_check" not in summary
 
 
+@pytest.mark.unit
 def test_bad_arguments_are_refused():
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--budget", "nope=3"])

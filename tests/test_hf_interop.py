@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import ROOT, tiny_model_cfg
-from kimi.config import ModelConfig, register_configs
+from kimi.config import ModelConfig
 from kimi.interop.hf import NotExpressible, hf_config, model_fields
 from kimi.summary import compose_config, summarize
 
@@ -17,6 +17,7 @@ hf_model = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_li
 from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig  # noqa: E402
 
 
+@pytest.mark.unit
 def test_48b_a3b_counts_equal_transformers():
     s = summarize(compose_config(["model=kimi_linear_48b_a3b"]))
     with torch.device("meta"):
@@ -29,6 +30,7 @@ def test_48b_a3b_counts_equal_transformers():
     assert 49.0e9 < s.total < 49.2e9 and 3.4e9 < s.active < 3.5e9
 
 
+@pytest.mark.unit
 def test_configs_map_both_ways():
     m = ModelConfig(**{**dataclasses.asdict(compose_config(["model=kimi_linear_48b_a3b"]).model)})
     back = model_fields(KimiLinearConfig(**hf_config(m)).to_dict())
@@ -47,6 +49,7 @@ REFUSED = [(dict(residual="attnres_block"), "model.residual"),
             "model.mla_rotary")]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("overrides,key", REFUSED)
 def test_what_transformers_cannot_express_is_refused_by_name(overrides, key):
     with pytest.raises(NotExpressible, match=key):
@@ -100,6 +103,7 @@ def file_tensors(directory):
     return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("q_lora", [None, 12])
 def test_logits_equal_transformers_after_conversion(torch_kda, tmp_path, q_lora):
     """A random transformers Kimi Linear (KDA + MLA with unrotated shared key dims, a dense first block, MoE
@@ -118,6 +122,7 @@ def test_logits_equal_transformers_after_conversion(torch_kda, tmp_path, q_lora)
     assert all(torch.equal(written[k], original[k]) for k in written)
 
 
+@pytest.mark.unit
 def test_load_hf_reads_a_transformers_directory(torch_kda, tmp_path):
     """save_pretrained (sharded) -> kimi.convert.load_hf: the same logits."""
     from kimi.convert import load_hf
@@ -130,6 +135,7 @@ def test_load_hf_reads_a_transformers_directory(torch_kda, tmp_path):
         assert rel(ours(TOKENS), theirs(TOKENS).logits) < 1e-5
 
 
+@pytest.mark.unit
 def test_save_hf_loads_in_transformers(torch_kda, tmp_path):
     """ours -> kimi.convert.save_hf (sharded) -> AutoModelForCausalLM.from_pretrained: the same logits."""
     from transformers import AutoModelForCausalLM
@@ -146,20 +152,13 @@ def test_save_hf_loads_in_transformers(torch_kda, tmp_path):
         assert rel(again(TOKENS).logits, ours(TOKENS)) < 1e-5
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    from helpers import corpus_overrides
-
-    register_configs()
-    return corpus_overrides(tmp_path_factory)
-
-
 KIMI_LINEAR_LIKE = ["model.residual=standard", "model.kda_gate_bias=false", "model.qk_rope_head_dim=8",
                     "model.mla_rotary=false", "model.moe_num_experts=4", "model.moe_top_k=2",
                     "model.moe_hidden=16", "model.moe_groups=2", "model.moe_topk_groups=1",
                     "model.mla_norm_eps=1e-6"]
 
 
+@pytest.mark.e2e
 def test_to_hf_command_writes_what_transformers_loads(torch_kda, tmp_path, data, capsys):
     """A trained run (KDA, MLA with unrotated shared dims, MoE) -> python -m kimi.convert to-hf ->
     AutoModelForCausalLM: the same logits as the run's model; a default run (Attention Residuals) is
@@ -186,6 +185,7 @@ def test_to_hf_command_writes_what_transformers_loads(torch_kda, tmp_path, data,
     assert not (tmp_path / "refused").exists()
 
 
+@pytest.mark.unit
 def test_decoding_equals_transformers_generate_with_cache(torch_kda, tmp_path):
     """Prefill then token by token through each side's cache (KDA state and conv tails, MLA latents): every
     step's logits agree, so greedy decoding picks the same tokens."""
@@ -209,6 +209,7 @@ def test_decoding_equals_transformers_generate_with_cache(torch_kda, tmp_path):
             logits = ours(torch.tensor([[token]]), cache=cache)[0, -1]
 
 
+@pytest.mark.dist
 def test_to_hf_from_a_sharded_run(torch_kda, tmp_path, data):
     """A run trained with FSDP over 2 ranks (its checkpoint sharded) converts like a one-process run:
     the checkpoint is read into one model whatever layout wrote it."""
@@ -231,6 +232,7 @@ def test_to_hf_from_a_sharded_run(torch_kda, tmp_path, data):
         assert rel(theirs(tokens).logits, ours(tokens)) < 1e-5
 
 
+@pytest.mark.e2e
 def test_from_hf_makes_a_run_that_samples_and_trains_from_the_weights(torch_kda, tmp_path, data, capsys):
     """python -m kimi.convert from-hf on a transformers directory with a sentencepiece tokenizer: the run dir
     samples with kimi.generate from exactly transformers' model, and the printed train.py command starts
@@ -287,6 +289,7 @@ def test_from_hf_makes_a_run_that_samples_and_trains_from_the_weights(torch_kda,
         Trainer(run_cfg(tmp_path / "other", data, f"trainer.init_from={run}"))  # the tiny model, not these
 
 
+@pytest.mark.unit
 def test_from_hf_carries_a_kimi_release_tiktoken_tokenizer(torch_kda, tmp_path, capsys):
     """A directory laid out like Kimi's releases (tiktoken.model + tokenizer_config.json): the run dir gets
     both, kimi.generate reads them, and a model whose vocabulary cannot hold the tokenizer is refused before

@@ -38,6 +38,7 @@ def attention_inputs():
     return [torch.randn(2, T, 2, 8, generator=g_, dtype=torch.float64).requires_grad_() for _ in range(3)]
 
 
+@pytest.mark.unit
 def test_short_conv_reads_the_previous_shards_tail():
     """A shard given the previous shard's last K-1 inputs (its first document continued) equals the whole
     packed sequence's conv; a shard whose first token starts a document gets none."""
@@ -55,6 +56,7 @@ def test_short_conv_reads_the_previous_shards_tail():
         torch.testing.assert_close(torch.cat(parts, dim=1), whole, rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.unit
 def test_transition_is_the_product_and_the_shard_map_is_affine():
     q, k, v, g, beta = inputs()
     P, S_zero = shard_summary(q, k, v, g, beta)
@@ -64,6 +66,7 @@ def test_transition_is_the_product_and_the_shard_map_is_affine():
     torch.testing.assert_close(S_end, P @ S_in + S_zero, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("shards", [2, 4])
 def test_sharded_equals_whole_with_gradients(shards):
     args = inputs()
@@ -79,6 +82,7 @@ def test_sharded_equals_whole_with_gradients(shards):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("starts", [[0, 5, 21], [0, 8, 16, 27], [0, 3, 4, 30]])
 def test_packed_documents_across_shard_edges(starts):
     """Documents start inside shards, exactly at a shard edge (8, 16 with 4 shards of 8) or span shards."""
@@ -96,6 +100,7 @@ def test_packed_documents_across_shard_edges(starts):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.unit
 def test_packed_attention_of_a_shards_queries_over_the_prefix():
     """A shard's queries (the last n of the prefix of keys up to its end) under packed documents: the
     same rows as attention over the whole packed sequence."""
@@ -111,6 +116,7 @@ def test_packed_attention_of_a_shards_queries_over_the_prefix():
         torch.testing.assert_close(got, whole[:, end - 8:end], rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_ranks_equal_one_device(tmp_path, world):
     """tests/dist_kda_cp.py: each of `world` gloo ranks holds one shard; the ranks' outputs, the final state
@@ -174,6 +180,7 @@ def _rows_by_shards(starts: torch.Tensor, shards: int):
         yield cols, cu_seqlens_from_starts(local), continues
 
 
+@pytest.mark.unit
 def test_packed_rows_continue_their_own_documents_across_shards():
     """Two rows packed along T (data.varlen under context parallelism): each shard's rows carry their own
     state and conv halo from the shard before, only where the row's first document continues; equal to the
@@ -211,6 +218,8 @@ def test_packed_rows_continue_their_own_documents_across_shards():
                                    atol=1e-13)
 
 
+@pytest.mark.slow
+@pytest.mark.unit
 def test_the_triton_path_summarises_and_reruns_shards_too():
     """The same shard-by-shard KDA on the Triton kernels (interpreted here): the transition P from the
     identity with v = 0 and the reruns from incoming states, fp32, packed documents across shard edges,

@@ -8,6 +8,8 @@ from kimi.ops.kda import chunk_kda, fused_recurrent_kda
 from kimi.ops.kda.chunk import chunk_kda_torch
 from kimi.ops.kda.recurrent import kda_step
 
+pytestmark = pytest.mark.unit
+
 F64 = torch.float64
 
 

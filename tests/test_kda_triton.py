@@ -5,6 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+pytestmark = pytest.mark.unit
+
 pytest.importorskip("triton")
 
 from test_kda_ops import make_inputs, rel, run_with_grads  # noqa: E402
@@ -44,6 +46,7 @@ def assert_close_to_naive(inputs, dtype, bound, cu_seqlens=None, grad_bounds=Non
 
 
 # Lengths cover one token, a partial chunk, a whole chunk plus one and two chunks plus a partial one.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "B, T, K, V, gate_min, with_h0",
     [(2, 1, 16, 16, 5.0, True), (1, 65, 16, 24, 20.0, False), (1, 130, 32, 40, 5.0, True)],
@@ -53,10 +56,12 @@ def test_chunk_fp32_matches_naive_fp64(B, T, K, V, gate_min, with_h0):
     assert_close_to_naive(inputs, torch.float32, 1e-5)
 
 
+@pytest.mark.slow
 def test_chunk_fp16_inputs():
     assert_close_to_naive(make_inputs(1, 100, 2, 32, 32, seed=3), torch.float16, 5e-3)
 
 
+@pytest.mark.slow
 def test_strong_decay_stays_finite():
     """Gates near -5 per token push -G past 300 in a chunk: exp(-G) alone would overflow fp32 sevenfold.
 
@@ -69,6 +74,7 @@ def test_strong_decay_stays_finite():
     assert_close_to_naive([q, k, v, g, beta, h0], torch.float32, 1e-5, grad_bounds={"g": 5e-5})
 
 
+@pytest.mark.slow
 def test_packed_sequences_one_launch():
     """cu_seqlens in one launch: outputs, states and gradients of four packed sequences (one empty) equal
     the reference run on each alone; a sequence after the empty one starts from its own h0."""
@@ -82,6 +88,7 @@ def test_packed_sequences_one_launch():
     torch.testing.assert_close(s[2], h0[2].float())  # an empty sequence passes its state through
 
 
+@pytest.mark.slow
 def test_state_continuation():
     q, k, v, g, beta, h0 = (x.float() for x in make_inputs(1, 100, 2, 16, 16, seed=11))
     o, s = triton_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True)
@@ -129,6 +136,7 @@ def test_recurrent_decoding_matches_naive():
     assert rel(o.double(), o_ref) < 1e-5 and rel(s.double(), s_ref) < 1e-5
 
 
+@pytest.mark.slow
 def test_compiles_without_graph_breaks():
     """The custom ops trace under torch.compile(fullgraph=True), packed sequences included: dynamo and AOT
     autograd see one opaque node for the forward and one for the backward (aot_eager: the tracing, without
@@ -212,6 +220,7 @@ def test_fused_l2norm_and_gate_match_pytorch():
 MODEL_GRAD_RTOL = 3e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packed", [False, True])
 def test_model_training_step_matches_pytorch_path(packed):
     """The tiny model's loss and every parameter gradient with model.kda_backend=triton (interpreted: chunk
@@ -242,6 +251,7 @@ def test_model_training_step_matches_pytorch_path(packed):
         assert rel(grad.double(), grads_ref[name]) < MODEL_GRAD_RTOL, name
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_model_decoding_with_triton_matches_full_forward():
     """Generation path: prefill and one-token steps through the fused recurrent kernel (KDA cache) give the

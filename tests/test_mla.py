@@ -11,6 +11,8 @@ from kimi.model.mla import MLA
 from kimi.ops.attention import attention
 from kimi.ops.attention.reference import naive_attention
 
+pytestmark = pytest.mark.unit
+
 F64 = torch.float64
 
 

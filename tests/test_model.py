@@ -10,6 +10,8 @@ from helpers import tiny_model_cfg
 from kimi.model import KDA, KimiModel
 from kimi.model.kda import ShortConv
 
+pytestmark = pytest.mark.unit
+
 F64 = torch.float64
 MODES = ["standard", "attnres_full", "attnres_block"]
 PATTERNS = {"all_kda": dict(mla_layers=None, mla_every=0), "all_mla": dict(mla_layers=None, mla_every=1),

@@ -224,6 +224,7 @@ def test_packed_rows_keep_a_per_row_sequence_loss():
     assert packed == pytest.approx(unpacked, rel=1e-6) and len(packed) == 1
 
 
+@pytest.mark.slow
 def test_layer_compiles_on_cpu_fp32():
     """Under torch.compile the grouped GEMM's fake kernel takes only bf16: fp32 on CPU (tests, CPU
     training with parallel.compile=true) takes the per-expert matmuls, with the same result."""

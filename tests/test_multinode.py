@@ -13,7 +13,9 @@ import sys
 
 import pytest
 from helpers import free_port
-from layout_runs import ROOT, assert_same_run, data, overrides, references  # noqa: F401 (fixtures)
+from layout_runs import ROOT, assert_same_run, overrides
+
+pytestmark = pytest.mark.dist
 
 
 def readme_multinode() -> list[str]:

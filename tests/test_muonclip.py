@@ -21,6 +21,8 @@ from kimi.optim import build_qk_clip, build_optimizer, weight_decay_groups
 from kimi.optim.muonclip import DEFAULT_ADAMW_PATTERNS, MuonClip, RowSplit, update_scale
 from kimi.optim.qk_clip import QKClipSpec, RowRule, apply_qk_clip
 
+pytestmark = pytest.mark.unit
+
 SHAPES = [(48, 48), (32, 80), (80, 32)]  # square, wide, tall
 
 

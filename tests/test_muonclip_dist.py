@@ -56,6 +56,7 @@ def assert_weights_close(got: dict, want: dict) -> None:
         torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
 
+@pytest.mark.unit
 def test_the_problem_depends_on_every_ranks_logits():
     """Otherwise the layout tests could not see a missing max-reduce over ranks."""
     one, two, four = reference(3, 1), reference(3, 2), reference(3, 4)
@@ -64,11 +65,13 @@ def test_the_problem_depends_on_every_ranks_logits():
     assert not torch.allclose(initial_weights()["tall"], one["tall"])
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("case", ["replicated", "fsdp", "tp", "fsdp4", "dp2tp2", "ep2fsdp2", "zero12", "zero3"])
 def test_layout_equals_one_process(runs, case):
     assert_weights_close(result(runs, case)["weights"], reference(3, WORLD[case]))
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("case", sorted(WORLD))
 def test_each_matrix_is_orthogonalised_once_per_step(runs, case):
     ranks = result(runs, case)["stats"]
@@ -79,6 +82,7 @@ def test_each_matrix_is_orthogonalised_once_per_step(runs, case):
         assert max(per_rank) < expected  # shared out, not all on one rank
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("layout", ["fsdp", "zero12"])
 def test_collectives_do_not_grow_with_the_number_of_matrices(runs, layout):
     few, many = (result(runs, c)["stats"] for c in (layout, f"{layout}_more"))
@@ -87,6 +91,7 @@ def test_collectives_do_not_grow_with_the_number_of_matrices(runs, layout):
     assert count == {3}
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("case", ["replicated", "fsdp4", "dp2tp2", "ep2fsdp2", "zero12", "zero3"])
 def test_no_rank_duplicates_optimizer_state(runs, case):
     adamw = {"embed", "norm", "bias"}
@@ -96,6 +101,7 @@ def test_no_rank_duplicates_optimizer_state(runs, case):
     assert sum(per_rank) == sum(sizes) and max(per_rank) <= sum(sizes) / len(per_rank) + max(sizes), per_rank
 
 
+@pytest.mark.dist
 def test_checkpoint_from_two_ranks_continues_on_four_and_on_one(runs):
     uninterrupted = result(runs, "fsdp_save")["weights"]
     assert_weights_close(result(runs, "fsdp4_load")["weights"], uninterrupted)

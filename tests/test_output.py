@@ -8,7 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers import copy_run, corpus_overrides, run_cfg, train_run, tiny_model_cfg
+from helpers import copy_run, run_cfg, train_run, tiny_model_cfg
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -20,11 +20,6 @@ from kimi.trainer import Trainer
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
 PROGRESS = re.compile(r"^step +(\d+)/\d+ \| (loss|loss\(avg (\d+)\)) (\d+\.\d{4}) \|.* MFU (\d+\.\d)% \|")
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> list[str]:
-    return corpus_overrides(tmp_path_factory)
 
 
 def cfg(run: Path, data: list[str], *overrides: str):
@@ -51,6 +46,7 @@ def progress(out: str) -> list[tuple[int, int, float, float]]:
 
 # ---- MFU ------------------------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_mfu_is_at_most_100_percent_when_the_peak_was_measured_too_low(tmp_path, data, capsys, monkeypatch):
     monkeypatch.setattr(metrics, "measure_cpu_peak_flops", lambda: 1e3)  # a CPU "measured" while swamped
     train(tmp_path / "run", data, "trainer.max_steps=5", "trainer.log_every=1", "trainer.peak_flops=null")
@@ -64,6 +60,7 @@ def test_mfu_is_at_most_100_percent_when_the_peak_was_measured_too_low(tmp_path,
     assert out.count("MFU is against the best rate achieved from now on, so at most 100%") == 1
 
 
+@pytest.mark.unit
 def test_peak_flops_rises_to_the_achieved_rate_once():
     import torch
 
@@ -76,6 +73,7 @@ def test_peak_flops_rises_to_the_achieved_rate_once():
     assert peak.mfu(3e9) == (0.5, None)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name,peak,source", [
     ("NVIDIA H200", 989e12, "NVIDIA H200, datasheet dense bf16 peak"),
     ("NVIDIA H100 PCIe", 756e12, "NVIDIA H100 PCIe, datasheet dense bf16 peak"),
@@ -90,6 +88,7 @@ def test_cuda_peak_names_the_device_and_its_number(monkeypatch, name, peak, sour
                                                      f"{source}")
 
 
+@pytest.mark.unit
 def test_cpu_peak_is_the_best_of_several_runs(monkeypatch):
     assert metrics.measure_cpu_peak_flops(size=64, seconds=0.01, repeats=2) > 0
     # A clock for two timed runs of 1.5 s: the first does one matmul in 3 s, the second (the machine busy)
@@ -101,6 +100,7 @@ def test_cpu_peak_is_the_best_of_several_runs(monkeypatch):
 
 # ---- the progress line --------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_progress_line_shows_the_labelled_window_mean_of_metrics_jsonl(tmp_path, data, capsys):
     train(tmp_path / "run", data, "trainer.max_steps=7", "trainer.log_every=3")
     out = capsys.readouterr().out
@@ -114,6 +114,7 @@ def test_progress_line_shows_the_labelled_window_mean_of_metrics_jsonl(tmp_path,
     assert "loss(avg 3) " in out and "| loss(avg 1)" not in out
 
 
+@pytest.mark.unit
 def test_progress_line_label():
     line = progress_line(10, 300, 3.14159, 1e-3, 0.5, 12_345, 0.123, 65, loss_steps=10)
     assert line.startswith("step  10/300 | loss(avg 10) 3.1416 | lr 1.00e-03 |")
@@ -121,6 +122,7 @@ def test_progress_line_label():
 
 # ---- routing table ------------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_routing_table_goes_to_a_file_and_the_console_gets_one_line(tmp_path, data, capsys):
     run = tmp_path / "run"
     train(run, data, "trainer.max_steps=1")
@@ -134,6 +136,7 @@ def test_routing_table_goes_to_a_file_and_the_console_gets_one_line(tmp_path, da
     assert "blocks.0.mixer.q_proj.weight" not in out
 
 
+@pytest.mark.unit
 def test_routing_under_a_pipeline_one_file_per_pipeline_rank(tmp_path):
     from kimi.model.transformer import KimiModel
     from kimi.optim.muonclip import MuonClip
@@ -157,6 +160,7 @@ def test_routing_under_a_pipeline_one_file_per_pipeline_rank(tmp_path):
 
 # ---- train.log ----------------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_train_log_holds_the_console_and_is_appended_on_resume(tmp_path, data, capsys):
     run = tmp_path / "run"
     train(run, data, "trainer.max_steps=4", "trainer.stop_at_step=2")
@@ -174,6 +178,7 @@ def test_train_log_holds_the_console_and_is_appended_on_resume(tmp_path, data, c
     assert log.endswith(second_out) and "resumed from" in second_out and "step 4/4 | loss" in second_out
 
 
+@pytest.mark.e2e
 def test_a_failed_start_leaves_its_error_in_train_log(tmp_path, data, trained):
     run = copy_run(trained, tmp_path)
     with pytest.raises(ConfigError, match="the model differs"):
@@ -184,6 +189,7 @@ def test_a_failed_start_leaves_its_error_in_train_log(tmp_path, data, trained):
 
 # ---- the config each training start used ----------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_config_of_the_training_is_kept_when_a_later_command_fails(tmp_path, data, trained):
     run = copy_run(trained, tmp_path)
     saved = (run / "config.yaml").read_text()
@@ -205,6 +211,7 @@ def test_config_of_the_training_is_kept_when_a_later_command_fails(tmp_path, dat
     assert OmegaConf.load(kept[0]).trainer.max_steps == 4
 
 
+@pytest.mark.unit
 def test_hydra_keeps_no_output_subdir():
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         hydra_cfg = compose("config", return_hydra_config=True).hydra
@@ -213,6 +220,7 @@ def test_hydra_keeps_no_output_subdir():
 
 # ---- finished runs ------------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_a_finished_run_rerun_says_so_and_starts_nothing(tmp_path, data, trained, capsys, monkeypatch):
     run = copy_run(trained, tmp_path)
     before = {p: p.read_bytes() for p in (run / "metrics.jsonl", run / "config.yaml")}
@@ -229,6 +237,7 @@ def test_a_finished_run_rerun_says_so_and_starts_nothing(tmp_path, data, trained
     assert t.metrics is None and t.lock.fd is None  # unlocked
 
 
+@pytest.mark.e2e
 def test_raising_max_steps_says_what_happens_to_the_lr_schedule(tmp_path, data, trained, capsys):
     from kimi.optim import lr_multiplier
 

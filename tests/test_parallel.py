@@ -20,8 +20,7 @@ import warnings
 
 import pytest
 import torch
-from layout_runs import (ROOT, assert_same_run, data, native_crash, overrides,  # noqa: F401 (fixtures)
-                         references, single_process, torchrun)
+from layout_runs import ROOT, assert_same_run, native_crash, overrides, single_process, torchrun
 
 from kimi import checkpoint
 # 4 blocks (KDA, MLA, KDA, MLA): enough for 2 ranks x 2 virtual pipeline stages
@@ -131,6 +130,7 @@ def launches(tmp_path_factory, data):
     return launch
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("layout,optim", CASES)
 def test_layout_equals_one_process(tmp_path, launches, references, layout, optim):
     nproc, _, extra = LAYOUTS[layout]
@@ -145,6 +145,7 @@ def test_layout_equals_one_process(tmp_path, launches, references, layout, optim
         assert (run / "sample.txt").read_text() == (ref / "sample.txt").read_text()
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("chain", [("dp2xtp2", "pp2_1f1b"), ("tp2_tied", "pp2_tied"), ("moe_dp4_ep2", "moe_ep2"),
                                    ("cp2xtp2_sp", "cp2")])
 def test_checkpoint_moves_between_layouts_then_to_one_process(tmp_path, data, references, chain):
@@ -161,6 +162,7 @@ def test_checkpoint_moves_between_layouts_then_to_one_process(tmp_path, data, re
     assert_same_run(run, references("muonclip", *model), tmp_path)
 
 
+@pytest.mark.dist
 def test_a_layout_that_does_not_fit_exits_with_the_message(tmp_path, data):
     """Under torchrun a misfit layout ends every rank with the message instead of hanging (the other misfits
     are config checks, tested without processes in test_validation.py)."""
@@ -170,6 +172,7 @@ def test_a_layout_that_does_not_fit_exits_with_the_message(tmp_path, data):
         proc.stderr[-3000:]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_is_exact_and_keeps_names(mode):
     from helpers import tiny_model_cfg
@@ -198,6 +201,8 @@ def test_activation_checkpointing_is_exact_and_keeps_names(mode):
         apply_activation_checkpointing(plain, "some")
 
 
+@pytest.mark.slow
+@pytest.mark.unit
 @pytest.mark.skipif(not os.environ.get("KIMI_SLOW_TESTS"), reason="compiles with inductor (~2 min on 2 CPU cores); "
                     "set KIMI_SLOW_TESTS=1")
 @pytest.mark.parametrize("ac", ["none", "selective"])
@@ -220,6 +225,7 @@ def test_compiled_sublayers_match_eager(ac):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("residual,block_size", [("standard", 2), ("attnres_full", 2), ("attnres_block", 3)])
 def test_pipeline_stages_pass_exactly_the_attnres_sources_needed(residual, block_size):
     """Every split of a 4-block model into two stages gives the full model's logits and gradients: the

@@ -199,6 +199,7 @@ def _tiny_steps(words: list[str]) -> int:
     return 2 if n is None else max(2, min(4, round(int(n) / 300)))
 
 
+@pytest.mark.unit
 def test_every_readme_command_is_classified():
     commands = readme_commands()
     assert len(page_commands(README)) >= 10, "README.md has lost its ```bash blocks?"
@@ -251,6 +252,7 @@ def relative_links(page: Path) -> list[str]:
     return [t for t in targets if not re.match(r"[a-z][a-z0-9+.-]*:", t, flags=re.I)]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_point_into_the_repository(page):
     """Every relative link of README.md and docs/*.md names a file or directory of the repository, and its
@@ -270,6 +272,7 @@ def test_relative_links_point_into_the_repository(page):
     assert not broken, f"{page.relative_to(ROOT)} has broken links:\n" + "\n".join(broken)
 
 
+@pytest.mark.unit
 def test_link_checker_sees_links_and_headings(tmp_path):
     """The checker's own parsing: links in prose are found, links in code are not, anchors follow headings."""
     page = tmp_path / "page.md"
@@ -402,6 +405,7 @@ def box(tmp_path_factory) -> Sandbox:
 COMMANDS = documented_commands()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("page,command", COMMANDS,
                          ids=[f"{i:02d}-{Path(p).stem}-{' '.join(c.split()[:3])}"

@@ -5,6 +5,8 @@ import pytest
 from kimi.config import OptimConfig
 from kimi.optim import lr_multiplier
 
+pytestmark = pytest.mark.unit
+
 
 def test_warmup_is_linear_and_never_zero():
     cfg = OptimConfig(warmup_steps=4, schedule="cosine")

@@ -34,10 +34,11 @@ from typing import Callable, Optional
 import pytest
 import torch
 from helpers import free_port, worker_pid
-from layout_runs import data, references  # noqa: F401 (fixtures)
 from layout_runs import ROOT, assert_same_run, final_weights, metrics, overrides, torchrun
 
 from kimi import checkpoint
+
+pytestmark = pytest.mark.dist
 
 START = ROOT / "tests" / "slurm" / "start.sh"
 CLUSTER_DIR = Path(os.environ.get("KIMI_SLURM_DIR", "/tmp/kimi-slurm"))

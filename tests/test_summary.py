@@ -55,6 +55,7 @@ def counts_by_name(model: KimiModel) -> dict:
     return out
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("preset", ["tiny", "48b_dense", "moe_tiny"])
 def test_families_add_up_to_the_model(preset):
     s = summary(f"model={preset}")
@@ -71,17 +72,20 @@ def test_families_add_up_to_the_model(preset):
         assert 47.5e9 < s.total < 48.5e9 and s.families["MLA mixers"] > 0 and len(mla_layer_indices(model.cfg)) == 7
 
 
+@pytest.mark.unit
 def test_tied_lm_head_adds_nothing():
     s = summary("model=tiny", "model.tie_embeddings=true")
     assert s.families["LM head"] == 0 and s.total == meta_model(s).num_params()
 
 
+@pytest.mark.unit
 def test_vocab_follows_the_tokenizer_when_null():
     s = summary("model=tiny", "data.tokenizer.vocab_size=1000")
     assert s.cfg.model.vocab_size == 1024 and "rounded up" in s.vocab_note
     assert summary("model=tiny", "model.vocab_size=1000").vocab_note is None
 
 
+@pytest.mark.unit
 def test_flops_per_step():
     s = summary("model=tiny", "trainer.seq_len=256", "trainer.micro_batch_size=3", "trainer.grad_accum_steps=2",
                 "parallel.dp_replicate=2", "parallel.dp_shard=5")
@@ -90,6 +94,7 @@ def test_flops_per_step():
     assert s.flops_per_step == pytest.approx(meta_model(s).flops_per_token(256) * tokens)
 
 
+@pytest.mark.unit
 def test_memory_counts_weights_grads_and_optimizer_state():
     model_s = summary("model=tiny")
     model = meta_model(model_s)
@@ -101,6 +106,7 @@ def test_memory_counts_weights_grads_and_optimizer_state():
     assert summary("model=tiny", "optim=adamw").heaviest.persistent_bytes == 16 * n
 
 
+@pytest.mark.unit
 def test_fsdp_halves_memory_and_dp_replicate_does_not():
     one = summary("model=tiny").heaviest.persistent_bytes
     two = summary("model=tiny", "parallel.dp_shard=2").heaviest.persistent_bytes
@@ -130,6 +136,7 @@ def local_params(model) -> int:
     return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("preset", ["tiny", "moe_tiny"])
 def test_tp_divides_what_it_says(fake_world, preset):
     from torch.distributed.device_mesh import init_device_mesh
@@ -158,6 +165,7 @@ def test_tp_divides_what_it_says(fake_world, preset):
     assert local_params(real) == s_both.heaviest.local
 
 
+@pytest.mark.unit
 def test_expert_parallel_divides_what_it_says(fake_world):
     """moe_tiny with dp_shard 4 and ep 2: each rank keeps half the experts, FSDP-sharded over 2 ranks, and the
     rest of the model sharded over 4, as the real expert-parallel and FSDP plans place them (the same count
@@ -179,6 +187,7 @@ def test_expert_parallel_divides_what_it_says(fake_world):
     assert real.blocks["1"].mlp.experts.w_gate.to_local().shape[0] == E // 4  # E / ep, then / (dp_shard / ep)
 
 
+@pytest.mark.unit
 def test_pipeline_heaviest_stage():
     from kimi.parallel.pipeline import split_blocks
 
@@ -203,6 +212,7 @@ def test_pipeline_heaviest_stage():
     assert s.heaviest.persistent_bytes < single
 
 
+@pytest.mark.unit
 def test_main_prints_the_report(capsys):
     text = main(["model=tiny", "parallel.dp_shard=2"])
     out = capsys.readouterr().out
@@ -210,6 +220,7 @@ def test_main_prints_the_report(capsys):
     assert "activations" in out.lower() and "GiB" in out
 
 
+@pytest.mark.unit
 def test_bad_key_is_one_line_and_exit_2(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["model.kda_heads=8"])
@@ -218,6 +229,7 @@ def test_bad_key_is_one_line_and_exit_2(capsys):
     assert err.startswith("error: ") and "kda_heads" in err and "\n" not in err
 
 
+@pytest.mark.e2e
 def test_cli_sizes_48b_quickly():
     proc = subprocess.run([sys.executable, "-m", "kimi.summary", *LAYOUT_48B], cwd=ROOT, capture_output=True,
                           text=True, timeout=180)
@@ -228,6 +240,7 @@ def test_cli_sizes_48b_quickly():
     assert math.isclose(total, 48e9, rel_tol=0.01)
 
 
+@pytest.mark.unit
 def test_moe_active_parameters_and_flops():
     """moe_tiny: a token uses the router, the shared expert and top_k of the routed experts of each MoE
     block; the FLOPs count exactly those (6 per active parameter besides attention and KDA terms)."""
@@ -244,6 +257,7 @@ def test_moe_active_parameters_and_flops():
     assert s.flops_per_token - dense.flops_per_token == pytest.approx(6 * (mlp_moe - mlp_dense))
 
 
+@pytest.mark.unit
 def test_context_parallel_shards_weights_like_data_parallel(fake_world):
     """dp_shard 2 x cp 2: FSDP shards every weight over the 4 ranks (the real mesh and plan), as the summary
     counts them."""

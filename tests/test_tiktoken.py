@@ -14,6 +14,8 @@ from kimi.data import DataError, Tokenizer, open_tokens, prepare
 from kimi.data import tiktoken_bpe
 from kimi.data.tiktoken_bpe import KIMI_PATTERN
 
+pytestmark = pytest.mark.unit
+
 tiktoken = pytest.importorskip("tiktoken")
 
 TEXTS = [MIXED_TEXT, "中文abc Kimi训练 文abc", "Don't SHOUT, we'll see: 3.14159 and 1,000,000!",

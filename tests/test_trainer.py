@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import TINY_TRAINER as TINY
-from helpers import make_corpus
 from hydra import compose, initialize_config_dir
 
 from kimi import checkpoint
@@ -20,16 +19,6 @@ from kimi.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
-
 
 @pytest.fixture(autouse=True)
 def offline(monkeypatch, tmp_path):
@@ -51,6 +40,7 @@ def read_metrics(run_dir: Path):
     return read_metrics(run_dir / "metrics.jsonl")
 
 
+@pytest.mark.e2e
 def test_loss_falls_over_30_steps(tmp_path, corpus, cache_dir):
     run = tmp_path / "run"
     cfg = make_cfg(run, corpus, cache_dir, "trainer.max_steps=30", "trainer.eval_every=10")
@@ -73,6 +63,7 @@ MOE = ["model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_hidden=16", "m
        "model.moe_topk_groups=2", "model.moe_bias_rate=0.01", "model.moe_aux_loss_coef=0.01"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("model", [[], MOE], ids=["dense", "moe"])
 def test_resume_equals_uninterrupted(tmp_path, corpus, cache_dir, model):
     common = ["trainer.max_steps=20", "trainer.eval_every=0", "trainer.checkpoint_every=0", *model]
@@ -107,6 +98,7 @@ def test_resume_equals_uninterrupted(tmp_path, corpus, cache_dir, model):
         assert entry.keys() == b_state[key].keys() and all(entry[k].equal(b_state[key][k]) for k in entry)
 
 
+@pytest.mark.e2e
 def test_resume_refuses_a_different_model(tmp_path, corpus, cache_dir):
     run = tmp_path / "run"
     Trainer(make_cfg(run, corpus, cache_dir, "trainer.max_steps=2", "trainer.eval_every=0")).fit()
@@ -114,6 +106,7 @@ def test_resume_refuses_a_different_model(tmp_path, corpus, cache_dir):
         Trainer(make_cfg(run, corpus, cache_dir, "trainer.max_steps=4", "model.d_model=48"))
 
 
+@pytest.mark.e2e
 def test_sigterm_saves_and_exits(tmp_path, corpus, cache_dir):
     run = tmp_path / "run"
     trainer = Trainer(make_cfg(run, corpus, cache_dir, "trainer.max_steps=50", "trainer.eval_every=0"))
@@ -131,6 +124,7 @@ def test_sigterm_saves_and_exits(tmp_path, corpus, cache_dir):
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
+@pytest.mark.e2e
 def test_sigterm_while_starting_stops_after_the_first_step(tmp_path, corpus, cache_dir, monkeypatch):
     """A scheduler's signal during start-up (here: while the engine is built) is kept."""
     import kimi.trainer
@@ -151,6 +145,7 @@ def test_sigterm_while_starting_stops_after_the_first_step(tmp_path, corpus, cac
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
+@pytest.mark.e2e
 def test_nan_loss_names_the_step(tmp_path, corpus, cache_dir):
     trainer = Trainer(make_cfg(tmp_path / "run", corpus, cache_dir, "trainer.max_steps=5", "trainer.eval_every=0"))
     calls = {"n": 0}
@@ -164,6 +159,7 @@ def test_nan_loss_names_the_step(tmp_path, corpus, cache_dir):
         trainer.fit()
 
 
+@pytest.mark.unit
 def test_bad_values_fail_before_any_work(tmp_path, corpus):
     cache = tmp_path / "untouched-cache"
     for override, key in [("model.residual=sideways", "model.residual"),
@@ -176,6 +172,7 @@ def test_bad_values_fail_before_any_work(tmp_path, corpus):
     assert not cache.exists()
 
 
+@pytest.mark.e2e
 def test_cli_unknown_key_names_itself(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "trainer.max_stepz=3",
                            f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
@@ -183,6 +180,7 @@ def test_cli_unknown_key_names_itself(tmp_path):
     assert proc.stderr == "error: trainer.max_stepz is not a config key: did you mean trainer.max_steps?\n"
 
 
+@pytest.mark.e2e
 def test_generate_cli_samples_from_a_run(tmp_path, corpus, cache_dir, capsys):
     from kimi.generate import load_from_checkpoint, main
 
@@ -200,6 +198,7 @@ def test_generate_cli_samples_from_a_run(tmp_path, corpus, cache_dir, capsys):
     assert "unknown key 'tokens'" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("extra", [["data.varlen=true"], ["trainer.precision=bf16"], ["trainer.grad_accum_steps=2"],
                                    ["optim.schedule=wsd", "model.residual=standard"]])
 def test_training_variants_run(tmp_path, corpus, cache_dir, extra):
@@ -214,6 +213,7 @@ def test_training_variants_run(tmp_path, corpus, cache_dir, extra):
     assert vals[-1][1] < vals[0][1] - 0.5, vals
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("optim", [["optim=muonclip"], ["optim=adamw", "optim.qk_clip_tau=100"]])
 def test_run_logs_qk_clip_per_layer(tmp_path, corpus, cache_dir, optim):
     """QK-Clip runs after either optimizer's step and its statistics reach metrics.jsonl."""
@@ -231,6 +231,7 @@ def test_run_logs_qk_clip_per_layer(tmp_path, corpus, cache_dir, optim):
     assert last["qk_max_logit"] == max(last[f"qk_max_logit/{layer}"] for layer in layers) > 0
 
 
+@pytest.mark.unit
 def test_progress_line_shows_what_is_known():
     from kimi.metrics import progress_line
 
