@@ -93,7 +93,7 @@ class DeepSpeedEngine(Engine):
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                     world_size=1)
         self.cfg, self.dims, self.mesh, self.device = cfg, dims, mesh, device
-        self.pp_rank, self.schedule = None, None
+        self.pp_rank = None  # no pipeline
         materialize(model, device)
         client, optimizer_config = self.client_optimizer(cfg, model)
         self.ds_config = {**deepspeed_config(cfg, dims), **optimizer_config}

@@ -1,7 +1,7 @@
 """The engines parallel.engine names, and the layouts each one takes.
 
 Torch-free and importing nothing of kimi: kimi.config reads the names while it is itself being imported,
-and its validation pass asks :func:`engine_problem` before any data work.
+and the validation pass (kimi/parallel/rules.py) asks :func:`engine_problem` before any data work.
 """
 
 from __future__ import annotations
