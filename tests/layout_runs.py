@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_TRAINER, corpus_overrides
+from helpers import TINY_TRAINER
 from hydra import compose, initialize_config_dir
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -100,15 +100,3 @@ def reference_runs(out: Path, data: list[str]):
         return runs[key]
 
     return reference
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> list[str]:
-    """The data overrides of a generated corpus, per test module (import this fixture to use it)."""
-    return corpus_overrides(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def references(tmp_path_factory, data):
-    """reference_runs over the module's data."""
-    return reference_runs(tmp_path_factory.mktemp("single"), data)

@@ -5,15 +5,14 @@ kimi.summary and named in the banner. (tests/test_sublayers.py holds it to the r
 from __future__ import annotations
 
 import pytest
-from layout_runs import assert_same_run, data, overrides, single_process, torchrun  # noqa: F401 (fixture)
+from layout_runs import assert_same_run, overrides, single_process, torchrun
 
 from kimi.summary import main
-
-pytestmark = pytest.mark.dist
 
 PATTERN = ["model.layer_pattern=KCKM"]
 
 
+@pytest.mark.dist
 def test_a_conv_mixer_model_trains_alike_on_one_process_and_under_tp2(tmp_path, data):
     one = tmp_path / "one"
     single_process(one, data, "muonclip", *PATTERN)
@@ -24,6 +23,7 @@ def test_a_conv_mixer_model_trains_alike_on_one_process_and_under_tp2(tmp_path, 
     assert_same_run(tp2, one, tmp_path)
 
 
+@pytest.mark.unit
 def test_the_summary_counts_the_conv_mixer(capsys):
     text = main(["model=tiny", *PATTERN, "parallel.tp=2"])
     assert "model tiny: 4 blocks KCKM (K=KDA, C=conv, M=MLA)" in text
