@@ -36,7 +36,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from kimi.config import Config, ConfigError, mixer_pattern, register_configs, resolve_vocab, stages_per_rank
+from kimi.config import (Config, ConfigError, check_stage_split, mixer_pattern, register_configs, resolve_vocab,
+                         stages_per_rank)
 
 from kimi.model import KimiModel
 from kimi.model.registry import legend
@@ -180,6 +181,7 @@ def pipeline_ranks(cfg: Config) -> List[Tuple[List[int], List[int], bool, bool]]
         return [([0], list(range(n)), True, True)]
     from kimi.parallel.pipeline import split_blocks, stage_indices
 
+    check_stage_split(p, n, p.pp_split)
     virtual = stages_per_rank(p)
     total = p.pp * virtual
     ranges = split_blocks(cfg.model, total, cfg.trainer.seq_len, p.pp_split)

@@ -74,7 +74,8 @@ class TPPlan:
 
 
 class Sublayer:
-    """Mixin of every token mixer and MLP (before nn.Module in the bases); the defaults declare nothing."""
+    """Mixin of every token mixer and MLP (before nn.Module in the bases); the defaults declare nothing. Each
+    sublayer defines ``init_rules`` itself (there is no default way to start a parameter)."""
 
     LABEL: ClassVar[str] = ""
     FAMILY: ClassVar[str] = ""
@@ -90,9 +91,6 @@ class Sublayer:
     @classmethod
     def build(cls, cfg) -> nn.Module:
         return cls(cfg)
-
-    def init_rules(self, std: float, out_std: float) -> Dict[str, Any]:
-        raise NotImplementedError(f"{type(self).__name__} must declare init_rules (kimi/model/init.py)")
 
     def tp_plan(self) -> TPPlan:
         return TPPlan()

@@ -32,7 +32,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                            ScheduleInterleavedZeroBubble)
 
 from kimi.config import SINGLE_STAGE_SCHEDULES as SINGLE_STAGE
-from kimi.config import ModelConfig, ParallelConfig, check_stage_split
+from kimi.config import ModelConfig
 from kimi.model import lm_loss, training_flops
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -40,9 +40,9 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": S
 
 
 def split_blocks(cfg: ModelConfig, stages: int, seq_len: int, split: Sequence[int] | None = None) -> List[range]:
-    """Contiguous block ranges, one per stage: `split` (first block of stages 1..) or balanced by cost."""
+    """Contiguous block ranges, one per stage: `split` (first block of stages 1..) or balanced by cost. The
+    stages and split must have passed kimi.config.check_stage_split (the validation pass runs it)."""
     n = cfg.num_layers
-    check_stage_split(ParallelConfig(pp=stages, pp_schedule="1f1b"), n, split)  # `stages` as stages of one each
     if split:
         bounds = [0, *split, n]
         return [range(a, b) for a, b in zip(bounds, bounds[1:])]
