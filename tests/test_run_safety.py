@@ -105,6 +105,62 @@ def test_a_planted_pickle_never_runs(tmp_path, data, trained, monkeypatch, where
         assert not evidence.exists()
 
 
+def forge(run: Path, source: int, step: int, how: str) -> Path:
+    """A checkpoint step_<step> whose every file matches its manifest, made from checkpoint `source`: its
+    metadata reads that checkpoint's shards by a '../' path or an absolute one, or it is a whole copy whose
+    marker and name claim another step."""
+    import dataclasses
+    import pickle
+    import shutil
+
+    real, forged = ckpt(run, source), ckpt(run, step)
+    if how == "step":
+        shutil.copytree(real, forged)
+        marker = json.loads((forged / checkpoint.COMPLETE).read_text())
+        (forged / checkpoint.COMPLETE).write_text(json.dumps({**marker, "step": step}))
+        return forged
+    with open(real / ".metadata", "rb") as f:
+        metadata = checkpoint.load_metadata(f)
+    where = {"relative": lambda name: f"../{real.name}/{name}", "absolute": lambda name: str(real / name)}[how]
+    metadata.storage_data = {k: dataclasses.replace(v, relative_path=where(v.relative_path))
+                             for k, v in metadata.storage_data.items()}
+    forged.mkdir()
+    shutil.copy(real / checkpoint.COMPLETE, forged / checkpoint.COMPLETE)
+    marker = json.loads((forged / checkpoint.COMPLETE).read_text())
+    (forged / checkpoint.COMPLETE).write_text(json.dumps({**marker, "step": step, "files": {}}))
+    replant(forged, ".metadata", pickle.dumps(metadata))
+    return forged
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("how", ["relative", "absolute", "step"])
+def test_a_forged_checkpoint_is_refused_before_anything_is_read(tmp_path, data, trained, monkeypatch, capsys, how):
+    from kimi.generate import load_from_checkpoint
+
+    run = copy_run(trained, tmp_path)
+    forged = forge(run, 2, 12, how)
+    message = "holds the state of step 2, but its COMPLETE marker says step 12" if how == "step" else \
+        "its .metadata reads files outside its manifest"
+    read = []
+    real_read = checkpoint.SafeReader.read_data
+    monkeypatch.setattr(checkpoint.SafeReader, "read_data", lambda self, *a: read.append(
+        Path(self.path)) or real_read(self, *a))
+    with pytest.raises(RunError, match=f"checkpoint {forged} is damaged: {message}"):
+        load_from_checkpoint(str(forged))
+    if how != "step":  # a loader that does not verify first still refuses it
+        with pytest.raises(RunError, match=f"refusing to load checkpoint {forged}: {message}"):
+            checkpoint.load_model(forged, {})
+        assert forged not in read
+    # resume passes over it as over any damaged checkpoint, and sets it aside
+    trainer = Trainer(cfg(run, data, "trainer.max_steps=6"))
+    assert trainer.step == 4
+    assert f"skipping damaged checkpoint {forged}: {message}" in capsys.readouterr().out
+    assert (run / "checkpoints" / f"{forged.name}{checkpoint.DAMAGED}").is_dir()
+    trainer.close()
+    if how != "step":
+        assert forged not in read
+
+
 # ---- integrity -------------------------------------------------------------------------------------------
 
 def flip(path: Path) -> None:

@@ -137,7 +137,19 @@ def verify(path: Path) -> List[str]:
         shares: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(shares, problems)
         problems = list(dict.fromkeys(p for share in shares for p in share))
-    return problems
+    return problems or _content_problems(path, data)
+
+
+def _content_problems(path: Path, marker: Dict[str, Any]) -> List[str]:
+    """What intact files can still hide: metadata that sends the reader to other files (another checkpoint's
+    shards, any file on the machine), or a state whose step is not the one its marker and name promise."""
+    foreign = _foreign_files(_metadata(path), marker["files"])
+    if foreign:
+        return [f"its .metadata reads files outside its manifest ({', '.join(foreign[:3])}): forged or edited"]
+    step, named = read_trainer_state(path)["step"], _STEP_NAME.match(Path(path).name)
+    claimed = {"its COMPLETE marker": marker.get("step"), "its name": int(named.group(1)) if named else step}
+    wrong = [f"{who} says step {s}" for who, s in claimed.items() if s != step]
+    return [f"holds the state of step {step}, but {' and '.join(wrong)}: forged or edited"] if wrong else []
 
 
 DAMAGED = ".damaged"
@@ -182,16 +194,37 @@ def load(path: Path, engine, loader) -> Dict[str, Any]:
     return {"step": tr["step"], "config": json.loads(tr["config"]), "extra": json.loads(tr["extra"])}
 
 
-def _read(state: Dict[str, Any], path: Path) -> None:
-    """Fill `state` in place from checkpoint `path`, trusting none of its files (kimi/checkpoint/trust.py)."""
-    untrusted = ("refusing to load checkpoint {}: {}. It was not written by kimi; remove it if you do not know "
-                 "where it came from")
+_UNTRUSTED = ("refusing to load checkpoint {}: {}. It was not written by kimi; remove it if you do not know where "
+              "it came from")
+_STEP_NAME = re.compile(r"^step_(\d+)$")
+
+
+def _metadata(path: Path):
+    """The checkpoint's DCP metadata, read without running anything it holds."""
     try:
-        # Checked here first as well: DCP would log its own tracebacks before giving up on a bad metadata file.
         with open(Path(path) / ".metadata", "rb") as f:
-            load_metadata(f)
+            return load_metadata(f)
     except UntrustedCheckpoint as e:
-        raise RunError(untrusted.format(path, f"its .metadata {e}")) from None
+        raise RunError(_UNTRUSTED.format(path, f"its .metadata {e}")) from None
+
+
+def _foreign_files(metadata, listed: Optional[Dict[str, Any]]) -> List[str]:
+    """The files `metadata` would read that are not plain names in the checkpoint's own directory (listed in
+    its manifest, when it has one): DCP joins the names to the directory, so '../' or '/' reach anywhere."""
+    names = {str(info.relative_path) for info in (metadata.storage_data or {}).values()}
+    return sorted(n for n in names if n in ("", ".", "..", COMPLETE) or "/" in n or "\\" in n
+                  or (listed is not None and n not in listed))
+
+
+def _read(state: Dict[str, Any], path: Path) -> None:
+    """Fill `state` in place from checkpoint `path`, trusting none of its files (kimi/checkpoint/trust.py).
+    Checked here first as well, before DCP opens anything: the metadata (DCP would log its own tracebacks
+    before giving up on a bad one) and the files it names (whatever loaded `path`, verified or not)."""
+    marker, _ = manifest.read_marker(Path(path) / COMPLETE)
+    foreign = _foreign_files(_metadata(path), marker["files"] if marker else None)
+    if foreign:
+        where = f"its .metadata reads files outside its manifest ({', '.join(foreign[:3])})"
+        raise RunError(_UNTRUSTED.format(path, where))
     try:
         dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner())
     except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
@@ -200,7 +233,7 @@ def _read(state: Dict[str, Any], path: Path) -> None:
             raise
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(refused))
         what = f"an entry refers to {found.group(1)}" if found else f"an entry cannot be read ({type(refused).__name__})"
-        raise RunError(untrusted.format(path, what + ", which checkpoints never contain")) from None
+        raise RunError(_UNTRUSTED.format(path, what + ", which checkpoints never contain")) from None
 
 
 def load_model(path: Path, model_state: Dict[str, Any]) -> None:
