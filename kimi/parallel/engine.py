@@ -173,6 +173,9 @@ class TorchEngine(Engine):
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         lr = self.optimizer.param_groups[0]["lr"]
+        if not torch.isfinite(_plain(grad_norm)):  # no update: the trainer stops on the norm returned
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"grad_norm": _plain(grad_norm).item(), "lr": lr}
         self.optimizer.step()
         stats = families.finish() if families is not None else {}  # the optimizer's update, before QK-Clip's
         if self.qk_clip is not None:  # after any optimizer's update (K2)
