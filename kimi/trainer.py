@@ -29,6 +29,7 @@ from kimi.config import Config, config_dict, resolve_vocab, to_config
 from kimi.data import prepare
 from kimi.data.streams import rank_streams
 from kimi.diagnostics import Diagnostics
+from kimi.divergence import check_finite
 from kimi.metrics import MetricsLogger, PeakFlops, ProgressWindow, banner, qk_clip_record
 from kimi.model import KimiModel
 from kimi.model.decode import sample_text
@@ -152,13 +153,10 @@ class Trainer:
         for _ in range(accum):
             total += self.engine.forward_backward(self.loader.next_batch(), scale=1.0 / accum)
         loss = mean_over_ranks(total / accum)  # every rank sees the same value, so all stop alike on NaN
-        if not torch.isfinite(loss):
-            last = checkpoint.latest_complete(self.ckpt_dir)
-            where = f"; the last complete checkpoint is {last.path}" if last else ""
-            raise FloatingPointError(
-                f"loss is {loss.item()} at step {self.step + 1}: stopping before the update{where}. "
-                "Try a lower optim.lr, more optim.warmup_steps or trainer.precision=fp32")
+        check_finite("loss", loss.item(), self.step, self.ckpt_dir, self.cfg.trainer.precision)
         out = self.engine.step(self.cfg.optim.grad_clip, family_stats=family_stats)
+        # a global norm, the same on every rank; the torch engine has skipped the update for it
+        check_finite("the gradient norm", out["grad_norm"], self.step, self.ckpt_dir, self.cfg.trainer.precision)
         self.step += 1
         return {"loss": loss.item(), **out}
 

@@ -393,9 +393,56 @@ def test_exit_codes_a_scheduler_can_read(tmp_path, data):
 def test_nan_stop_is_one_line_and_exit_code_1(tmp_path, data, capsys):
     trainer = Trainer(cfg(tmp_path / "run", data, "trainer.max_steps=5"))
     trainer.model.register_forward_hook(lambda m, args, out: out * float("nan"))
+    capsys.readouterr()  # the data preparation's progress, when this test prepares it
     assert run_main(trainer.fit) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: loss is nan at step 1: stopping before the update")
+
+
+@pytest.mark.e2e
+def test_an_infinite_gradient_stops_the_run_before_the_update_and_any_checkpoint(tmp_path, data, capsys):
+    import torch
+
+    run = tmp_path / "run"
+    trainer = Trainer(cfg(run, data, "trainer.max_steps=5", "trainer.checkpoint_every=1"))
+    weight = next(trainer.model.parameters())
+    weight.register_hook(lambda g: torch.full_like(g, float("inf")) if trainer.step == 2 else g)
+    before = {}
+    real_step = trainer.engine.step
+    trainer.engine.step = lambda *a, **k: before.update(
+        {n: p.detach().clone() for n, p in trainer.model.named_parameters()}) or real_step(*a, **k)
+    capsys.readouterr()
+    assert run_main(trainer.fit) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: the gradient norm is inf at step 3: stopping before the update; the last complete "
+                   f"checkpoint {ckpt(run, 2)} holds the weights that gave it: move it aside to resume from "
+                   f"{ckpt(run, 1)}. Try a lower optim.lr or more optim.warmup_steps"]  # fp32: no advice to use it
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(p, before[name]), name  # the failing step updated nothing
+    assert [c.step for c in checkpoint.list_checkpoints(run / "checkpoints")] == [1, 2]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("saved, precision, expected", [
+    ([], "bf16", "stopping before the update. Try a lower optim.lr or more optim.warmup_steps or "
+                 "trainer.precision=fp32"),
+    ([2, 4], "fp32", "the last complete checkpoint is {c4}. Try"),
+    ([2, 5], "fp32", "the last complete checkpoint {c5} holds the weights that gave it: move it aside to resume "
+                     "from {c2}. Try"),
+    ([5], "fp32", "the only complete checkpoint, {c5}, holds the weights that gave it: start over. Try")])
+def test_a_non_finite_value_names_a_checkpoint_that_can_help(tmp_path, saved, precision, expected):
+    from kimi.divergence import check_finite
+
+    for step in (*saved, 6):  # step 6: newer than the failing step (another run's): never named
+        ckpt(tmp_path, step).mkdir(parents=True)
+        (ckpt(tmp_path, step) / checkpoint.COMPLETE).write_text("{}")
+    check_finite("loss", 1.5, 5, tmp_path / "checkpoints", precision)
+    with pytest.raises(FloatingPointError) as stop:
+        check_finite("loss", float("nan"), 5, tmp_path / "checkpoints", precision)
+    message = str(stop.value)
+    assert message.startswith("loss is nan at step 6: stopping before the update")
+    assert expected.format(**{f"c{s}": ckpt(tmp_path, s) for s in saved}) in message
+    assert message.endswith("fp32") == (precision != "fp32")
 
 
 # ---- bounded hangs ---------------------------------------------------------------------------------------
