@@ -21,6 +21,11 @@ from kimi.parallel.context_parallel import (context_parallel_kda, gather_prefix,
                                            previous_tail)
 
 CASES = {"plain": None, "packed": [0, 5, 16, 27]}  # packed: documents inside shards and at a shard edge
+# and longer than one 64-token KDA chunk per shard: 256 tokens (2 ranks: 2 chunks each; 4: exactly one) and
+# 320 (160 and 80 tokens, chunks cut short), documents starting at the middle edge and inside shards
+LONG = {"plain": None, "packed": lambda t: [0, 5, t // 2, t // 2 + 37, t - 9]}
+KDA_CASES = {**{(case, T): starts for case, starts in CASES.items()},
+             **{(case, t): starts and starts(t) for t in (256, 320) for case, starts in LONG.items()}}
 
 
 def gather_time(x: torch.Tensor) -> torch.Tensor:
@@ -62,24 +67,24 @@ def attention_case(rank: int, n: int) -> dict:
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    n = T // world
     results = {}
-    for case, starts in CASES.items():
-        full = inputs(b=1 if starts else 2, seed=1)
+    for (case, t), starts in KDA_CASES.items():
+        n = t // world
+        full = inputs(b=1 if starts else 2, seed=1, t=t)
         mine = [x.detach()[:, rank * n:(rank + 1) * n].clone().requires_grad_() for x in full]
-        cu = None if starts is None else torch.tensor([*starts, T], dtype=torch.int32)
+        cu = None if starts is None else torch.tensor([*starts, t], dtype=torch.int32)
         local, continues = local_cu_seqlens(cu, rank * n, n)
         o, state = context_parallel_kda(*mine, dist.group.WORLD, cu_seqlens=local, continues=continues)
-        w = torch.randn(o.shape[0], T, *o.shape[2:], generator=torch.Generator().manual_seed(7), dtype=o.dtype)
+        w = torch.randn(o.shape[0], t, *o.shape[2:], generator=torch.Generator().manual_seed(7), dtype=o.dtype)
         w_s = torch.randn(state.shape, generator=torch.Generator().manual_seed(8), dtype=o.dtype)
         loss = (o * w[:, rank * n:(rank + 1) * n]).sum()
         if case == "plain":  # the final state too (every rank holds it); packed: outputs alone, as in training
             loss = loss + (state * w_s).sum() / world
         grads = torch.autograd.grad(loss, mine)
-        results[case] = {"o": gather_time(o.detach()), "state": state.detach(),
-                         "grads": [gather_time(x) for x in grads], "w": w, "w_s": w_s}
-    results["conv"] = conv_case(rank, n)
-    results["attention"] = attention_case(rank, n)
+        results[case, t] = {"o": gather_time(o.detach()), "state": state.detach(),
+                            "grads": [gather_time(x) for x in grads], "w": w, "w_s": w_s}
+    results["conv"] = conv_case(rank, T // world)
+    results["attention"] = attention_case(rank, T // world)
     if rank == 0:
         torch.save(results, out)
     dist.barrier()

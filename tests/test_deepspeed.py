@@ -48,26 +48,38 @@ CASES = {  # name: (optim, overrides)
     "zero3_offload_adamw": ("adamw", zero(3, "parallel.deepspeed.offload_optimizer=true")),
 }
 BF16 = {"zero2_bf16_muonclip": ("muonclip", zero(2, "trainer.precision=bf16"))}  # bf16 weights, fp32 masters
+INIT = {"zero2_init_adamw": ("adamw", 2), "zero3_init_muonclip": ("muonclip", 3)}  # with trainer.init_from
 
 
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory, data):
+def init_from(references):
+    """trainer.init_from= the weights of a finished one-process run: a new run, fresh optimizer state."""
+    return f"trainer.init_from={references('adamw')}"
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory, data, init_from):
     """Every case trained by one 2-rank launch of tests/dist_train.py: (run dirs by case, the result)."""
     out = tmp_path_factory.mktemp("deepspeed")
-    runs = {name: out / name for name in {**CASES, **BF16}}
+    cases = {**CASES, **BF16, **{name: (optim, zero(stage, init_from)) for name, (optim, stage) in INIT.items()}}
+    runs = {name: out / name for name in cases}
     spec = [{"run_dir": str(runs[name]), "overrides": overrides(data, optim, *extra)}
-            for name, (optim, extra) in {**CASES, **BF16}.items()]
+            for name, (optim, extra) in cases.items()]
     (out / "runs.json").write_text(json.dumps(spec))
     return runs, torchrun(2, None, [str(ROOT / "tests" / "dist_train.py"), str(out / "runs.json")], check=False)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_zero_equals_one_process(tmp_path, launch, references, case):
+def finished(launch, case: str):
     runs, proc = launch
-    run = runs[case]
-    if checkpoint.latest_complete(run / "checkpoints") is None:
+    if checkpoint.latest_complete(runs[case] / "checkpoints") is None:
         pytest.fail(f"the launch exited {proc.returncode} before {case} finished:\n{proc.stdout[-3000:]}\n"
                     f"{proc.stderr[-5000:]}")
+    return runs[case]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_zero_equals_one_process(tmp_path, launch, references, case):
+    run = finished(launch, case)
     optim, extra = CASES[case]
     same = [o for o in extra if o.startswith(("model.", "optim.", "trainer.grad_accum", "trainer.sample"))]
     ref = references(optim, *same)
@@ -79,6 +91,17 @@ def test_zero_equals_one_process(tmp_path, launch, references, case):
     if "qkclip" in case:  # the clip fired, on the masters DeepSpeed then copied into the model
         clipped = [r["qk_clipped_frac"] for r in read_metrics(run / "metrics.jsonl") if "qk_clipped_frac" in r]
         assert len(clipped) == 3 and min(clipped) > 0
+
+
+@pytest.mark.parametrize("case", list(INIT))
+def test_init_from_equals_the_torch_engine(tmp_path, launch, references, init_from, case):
+    """Started from trainer.init_from, DeepSpeed's first updates are the torch engine's: creating the
+    optimizer state to load into (ZeroClient._init_state) counts no step (Adam's bias corrections would
+    make the first update sqrt(1 + b2) / (1 + b1) = 0.73 of the torch engine's)."""
+    optim = INIT[case][0]
+    ref = references(optim, init_from)
+    assert metrics(ref) != metrics(references(optim))  # the run did start from the given weights
+    assert_same_run(finished(launch, case), ref, tmp_path)
 
 
 def test_bf16_trains_like_fp32(launch):

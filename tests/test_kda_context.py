@@ -12,13 +12,13 @@ from kimi.ops.kda.context import naive_transition, shard_summary, sharded_kda
 B, T, H, K, V = 2, 32, 2, 8, 6
 
 
-def inputs(b: int = B, seed: int = 0):
+def inputs(b: int = B, seed: int = 0, t: int = T):
     g_ = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, T, H, K, generator=g_, dtype=torch.float64)
-    k = torch.nn.functional.normalize(torch.randn(b, T, H, K, generator=g_, dtype=torch.float64), dim=-1)
-    v = torch.randn(b, T, H, V, generator=g_, dtype=torch.float64)
-    g = -torch.rand(b, T, H, K, generator=g_, dtype=torch.float64) * 0.3  # log decays
-    beta = torch.rand(b, T, H, generator=g_, dtype=torch.float64)
+    q = torch.randn(b, t, H, K, generator=g_, dtype=torch.float64)
+    k = torch.nn.functional.normalize(torch.randn(b, t, H, K, generator=g_, dtype=torch.float64), dim=-1)
+    v = torch.randn(b, t, H, V, generator=g_, dtype=torch.float64)
+    g = -torch.rand(b, t, H, K, generator=g_, dtype=torch.float64) * 0.3  # log decays
+    beta = torch.rand(b, t, H, generator=g_, dtype=torch.float64)
     return [x.requires_grad_() for x in (q, k, v, g, beta)]
 
 
@@ -135,10 +135,12 @@ def test_context_parallel_ranks_equal_one_device(tmp_path, world):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = torch.load(out, weights_only=False)
-    for case, starts in (("plain", None), ("packed", [0, 5, 16, 27])):
-        r = results[case]
-        args = inputs(b=1 if starts else 2, seed=1)
-        cu = None if starts is None else torch.tensor([*starts, T], dtype=torch.int32)
+    from dist_kda_cp import KDA_CASES
+
+    for (case, t), starts in KDA_CASES.items():
+        r = results[case, t]
+        args = inputs(b=1 if starts else 2, seed=1, t=t)
+        cu = None if starts is None else torch.tensor([*starts, t], dtype=torch.int32)
         o, states = chunk_kda(*args, output_final_state=True, cu_seqlens=cu)
         state = states[-1:] if starts else states
         loss = (o * r["w"]).sum() + ((state * r["w_s"]).sum() if starts is None else 0.0)
@@ -146,7 +148,7 @@ def test_context_parallel_ranks_equal_one_device(tmp_path, world):
         torch.testing.assert_close(r["o"], o.detach(), rtol=1e-10, atol=1e-11)
         torch.testing.assert_close(r["state"], state.detach(), rtol=1e-10, atol=1e-11)
         for name, a, b in zip(("q", "k", "v", "g", "beta"), r["grads"], grads):
-            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=lambda m: f"{case} {name}: {m}")
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=lambda m: f"{case} T={t} {name}: {m}")
     conv, x = conv_inputs()  # the short conv's halo from the previous rank, and its gradient back
     r = results["conv"]
     y, _ = conv(x, torch.tensor([0, 5, 16, 27, T], dtype=torch.int32))

@@ -85,6 +85,12 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
     "cp2_varlen": (2, 1, ["parallel.cp=2", "data.varlen=true", "model.qk_rope_head_dim=8",
                           "parallel.activation_checkpointing=selective"]),
     "moe_cp2": (2, 1, [*MOE[:-1], "parallel.cp=2"]),  # the aux-loss-free bias alone (no sequence-wise loss)
+    # shards longer than one 64-token KDA chunk: two whole chunks, one and a half (documents crossing shard
+    # edges), one and a quarter over 4 ranks (the validation split grown to hold 320-token windows)
+    "cp2_t256": (2, 1, ["parallel.cp=2", "trainer.seq_len=256"]),
+    "cp2_t192_varlen": (2, 1, ["parallel.cp=2", "trainer.seq_len=192", "data.varlen=true"]),
+    "cp4_t320_rope": (4, 1, ["parallel.cp=4", "trainer.seq_len=320", "data.val_fraction=0.3",
+                             "model.qk_rope_head_dim=8"]),
 }
 # every layout the issue names, with both optimizers; the rest (options riding along) with one
 BOTH = ["dp_shard2", "dp_replicate2", "tp2", "tp2_sp", "dp2xtp2", "pp2_1f1b", "pp2_interleaved", "pp2xdp2",
@@ -96,7 +102,8 @@ CASES = [(layout, optim) for layout in BOTH for optim in ("adamw", "muonclip")] 
     ("moe_tp2_sp", "muonclip"), ("moe_pp2", "muonclip"), ("moe_dp2xtp2", "muonclip"), ("moe_ep2", "muonclip"),
     ("moe_ep2", "adamw"), ("moe_dp4_ep2", "muonclip"), ("moe_ep2xtp2_sp", "muonclip"),
     ("moe_ep2xpp2_varlen", "muonclip"), ("cp4_rope", "muonclip"), ("cp2xdp2", "muonclip"),
-    ("cp2xdp_replicate2", "adamw"), ("cp2xtp2_sp", "muonclip"), ("cp2xpp2", "adamw"), ("cp2_varlen", "muonclip"), ("moe_cp2", "muonclip")]
+    ("cp2xdp_replicate2", "adamw"), ("cp2xtp2_sp", "muonclip"), ("cp2xpp2", "adamw"), ("cp2_varlen", "muonclip"),
+    ("moe_cp2", "muonclip"), ("cp2_t256", "adamw"), ("cp2_t192_varlen", "muonclip"), ("cp4_t320_rope", "muonclip")]
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +146,8 @@ def test_layout_equals_one_process(tmp_path, launches, references, layout, optim
     if checkpoint.latest_complete(run / "checkpoints") is None:
         pytest.fail(f"the {nproc}-rank launch exited {proc.returncode} before {run.name} finished:\n"
                     f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    ref = references(optim, *(o for o in extra if o.startswith(("model.", "data.", "trainer.sample"))))
+    same = ("model.", "data.", "trainer.sample", "trainer.seq_len")
+    ref = references(optim, *(o for o in extra if o.startswith(same)))
     assert_same_run(run, ref, tmp_path)
     if (ref / "sample.txt").exists():
         assert (run / "sample.txt").read_text() == (ref / "sample.txt").read_text()

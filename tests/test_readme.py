@@ -6,13 +6,17 @@ reason; test_every_readme_command_is_classified fails on a line that is neither,
 classified. How each kind runs (from the repository root, with `.venv/bin/` replaced by the directory of the
 interpreter running this test, the README's convention being `.venv/bin/python` / `.venv/bin/torchrun`):
 
-- training (`.venv/bin/python train.py ...`, `make train`, one `torchrun --standalone` of 2 processes): the
-  README's own overrides, then a 2-block model on a generated corpus (tests/helpers.py TINY_TRAINER) for
+- training (`.venv/bin/python train.py ...`, `make train`, `torchrun --standalone` of 2 processes, at most
+  MAX_MULTIPROCESS of those): the README's own overrides, then a 2-block model on a generated corpus
+  (tests/helpers.py TINY_TRAINER, at the README's trainer.seq_len where it gives one) for
   2-4 steps (trainer.max_steps N becomes clamp(round(N / 300), 2, 4), so a longer run in the README is a
   longer run here: "extend" extends), no evaluation, sample or wandb; then that step's checkpoint must exist;
 - `python -m kimi.generate ...`: against the run the README trained in that run dir; the text must start with
   the prompt;
 - `python -m kimi.summary ...`, `--help` lines and `ls`: as written;
+- `python -m kimi.ablate report ...`: in a copy of the package, configs, committed ablation records and
+  docs/ablations.md, whose report files (and, with --docs, the page's results section) are removed first:
+  they must come back byte for byte;
 - `make test ...` (running it would run this suite) and `make train ARGS=...` (`make train` itself runs):
   `make -n`, whose recipe must be pytest / train.py with exactly those arguments.
 
@@ -73,18 +77,10 @@ SKIPPED = {
     ".venv/bin/python train.py -m +experiment=ablate_residual": "Hydra's multirun of a whole experiment (9 runs of "
                                                                 "600 steps); tests/test_ablate.py runs it at 2 "
                                                                 "steps with trainer.seed=1",
-    ".venv/bin/python -m kimi.ablate report": "needs the study's runs; tests/test_ablate.py reports a 2-step "
-                                              "experiment with the same command",
-    ".venv/bin/python -m kimi.ablate report --docs":
-        "rewrites bench/results/ablations/ and docs/ablations.md; tests/test_ablate.py writes a page's "
-        "section with --docs and checks that docs/ablations.md holds the committed records' report",
     ".venv/bin/python -m kimi.ablate ablate_mixer --arms all_mla hybrid_3to1 --root runs/ablate_rope16 "
     "--out bench/results/ablations/rope16 -- model.qk_rope_head_dim=16":
         "6 runs of 600 steps (20 minutes); tests/test_ablate.py runs the runner end to end at 2 steps with "
         "--root, --out and overrides, and a study limited to some arms",
-    ".venv/bin/python -m kimi.ablate report ablate_mixer --root runs/ablate_rope16 "
-    "--out bench/results/ablations/rope16": "needs those runs (their records are committed); tests/test_ablate.py "
-                                            "reports with --root and --out",
     ".venv/bin/python -m kimi.dashboard runs/ablate/ablate_residual/standard_seed1 "
     "runs/ablate/ablate_residual/attnres_block_seed1 --out dashboard.png":
         "needs the study's runs; tests/test_dashboard.py draws a trained run and one with every diagnostic key "
@@ -106,10 +102,6 @@ SKIPPED = {
     "trainer.seq_len=65536 trainer.micro_batch_size=1 parallel.activation_checkpointing=full "
     "trainer.precision=bf16 hydra.run.dir=runs/cp4": GPUS_8 + "; tests/test_parallel.py checks cp 4 and cp 2 x "
                                                       "dp_shard 2 against one process",
-    ".venv/bin/torchrun --standalone --nproc_per_node 2 train.py parallel.cp=2 trainer.seq_len=256 "
-    "trainer.max_steps=20 hydra.run.dir=runs/cp2": "a second 2-process launch (one is the budget, the First "
-                                                   "hour's runs); tests/test_parallel.py runs train.py with "
-                                                   "parallel.cp=2 under torchrun and checks it against one process",
     "docker build -f docker/Dockerfile -t kimi .": "no container engine here; tests/test_docker.py checks the "
                                                    "Dockerfile's copied paths and entrypoint against this line",
     "docker run --gpus all --rm -v '$PWD/runs:/kimi/runs' kimi model=small trainer.precision=bf16 "
@@ -118,11 +110,12 @@ SKIPPED = {
     ".venv/bin/deepspeed --no_local_rank --num_gpus 8 train.py parallel.engine=deepspeed parallel.dp_shard=8 "
     "hydra.run.dir=runs/ds8": GPUS_8 + "; tests/test_deepspeed.py runs the same launcher with --num_gpus 2 on CPU",
 }
-MAX_MULTIPROCESS = 1  # 2-process torchrun launches run here (each about 10 s on 2 CPU cores)
+MAX_MULTIPROCESS = 2  # 2-process torchrun launches run here (each 10-20 s on 2 CPU cores)
 
 TINY_KEYS = {w.split("=", 1)[0] for w in TINY_TRAINER}
 SET_HERE = {"trainer.max_steps", "trainer.eval_every", "trainer.sample_tokens", "trainer.peak_flops",
             "hydra.run.dir", "data", "data.data_files", "data.cache_dir"} | TINY_KEYS
+KEPT_HERE = {"trainer.seq_len"}  # the README's own: its context-parallel example splits 256-token rows
 RUN_DIR_FILES = {"metrics.jsonl", "loss_curve.png", "checkpoints", "train.log", "tokenizer.model"}
 
 
@@ -175,6 +168,8 @@ def kind(command: str) -> str | None:
             return "generate"
         if rest[:2] == ["-m", "kimi.summary"]:
             return "summary"
+        if rest[:3] == ["-m", "kimi.ablate", "report"]:
+            return "ablate-report"
     if prog == ".venv/bin/torchrun" and "--standalone" in rest and _value(rest, "--nproc_per_node") == "2":
         return "torchrun"
     if prog == "ls":
@@ -304,8 +299,8 @@ class Sandbox:
         p = Path(readme_path)
         return p if p.is_absolute() else self.tmp / "root" / p
 
-    def run(self, argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-        proc = subprocess.run(argv, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
+    def run(self, argv: list[str], timeout: float = 120, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+        proc = subprocess.run(argv, cwd=cwd, env=self.env, capture_output=True, text=True, timeout=timeout)
         assert proc.returncode == 0, (f"exit code {proc.returncode}: {shlex.join(argv)}\n"
                                       f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         return proc
@@ -317,15 +312,27 @@ class Sandbox:
         if given is None:
             self.fresh += 1
         run = self.path(given) if given else self.tmp / "fresh" / str(self.fresh)
-        kept = [w for w in overrides if _key(w) not in SET_HERE]
+        kept = [w for w in overrides if _key(w) not in SET_HERE - KEPT_HERE]
+        tiny = [w for w in TINY_TRAINER if _key(w) not in {_key(k) for k in kept}]
         # peak_flops: MFU's denominator given, not measured (saves a second per run)
-        return ([*kept, *TINY_TRAINER, *self.data, f"trainer.max_steps={steps}", "trainer.eval_every=0",
+        return ([*kept, *tiny, *self.data, f"trainer.max_steps={steps}", "trainer.eval_every=0",
                  "trainer.sample_tokens=0", "trainer.peak_flops=1e11", f"hydra.run.dir={run}"], run, steps)
 
     def trained_at(self, run: Path, steps: int) -> None:
         ckpt = run / "checkpoints" / f"step_{steps:08d}"
         assert ckpt.is_dir(), f"no checkpoint {ckpt.name} in {run}: {sorted(p.name for p in run.glob('*/*'))}"
         self.trained[run] = steps
+
+    def clone(self) -> Path:
+        """The package, its configs, the committed ablation records and reports and their docs page, copied
+        (once): what `kimi.ablate report` reads and writes, as in a fresh clone (records, no run dirs)."""
+        clone = self.tmp / "clone"
+        if not clone.exists():
+            for rel in ("kimi", "conf", "bench/results/ablations", "docs/ablations.md"):
+                copy = shutil.copytree if (ROOT / rel).is_dir() else shutil.copy
+                (clone / rel).parent.mkdir(parents=True, exist_ok=True)
+                copy(ROOT / rel, clone / rel)
+        return clone
 
     def ensure_trained(self, readme_run: str) -> Path:
         """The run dir of a README path; trained by the README's first command for it if not yet done."""
@@ -378,6 +385,8 @@ def check(box: Sandbox, command: str) -> None:
         assert re.fullmatch(rf"\[kimi\] step {box.trained[run]} checkpoint, [1-9]\d* tokens:", header), out
         assert text.startswith(prompt) and len(text.rstrip()) > len(prompt), (
             f"the README's generate example should print text starting with its prompt {prompt!r}: {out!r}")
+    elif how == "ablate-report":
+        report_from_records(box, exe, words)
     elif how in ("summary", "help"):
         out = box.run([*exe, *words[1:]]).stdout
         assert out.strip(), f"{command} printed nothing"
@@ -395,6 +404,27 @@ def check(box: Sandbox, command: str) -> None:
             assert not missing, f"{p} lacks {sorted(missing)}:\n{out.stdout}"
     else:
         raise AssertionError(f"{command}: not classified ({how})")
+
+
+def report_from_records(box: Sandbox, exe: list[str], words: list[str]) -> None:
+    """The report regenerated in a copy of the repository, its committed outputs removed first (with --docs
+    the page's results section emptied too), comes back byte for byte: tables, plots, section, page."""
+    from kimi.ablate.report import SECTION_BEGIN, SECTION_END
+
+    clone, out = box.clone(), _value(words, "--out") or "bench/results/ablations"
+    written = sorted(p.relative_to(clone) for p in (clone / out).iterdir() if p.is_file())
+    assert any(p.suffix == ".json" for p in written) and any(p.suffix == ".png" for p in written), written
+    for rel in written:
+        (clone / rel).unlink()
+    if "--docs" in words:
+        written.append(Path("docs/ablations.md"))
+        page = clone / written[-1]
+        text = page.read_text()
+        page.write_text(text[:text.index(SECTION_BEGIN) + len(SECTION_BEGIN)] + "\n" + text[text.index(SECTION_END):])
+    box.run([*exe, *words[1:]], cwd=clone)
+    differ = [str(rel) for rel in written if not (clone / rel).is_file()
+              or (clone / rel).read_bytes() != (ROOT / rel).read_bytes()]
+    assert not differ, f"{shlex.join(words)} does not reproduce the committed {differ}: rerun it and commit"
 
 
 @pytest.fixture(scope="module")

@@ -197,8 +197,9 @@ class DeepSpeedEngine(Engine):
         return {k: name_of.get(id(v), k) for k, v in self.model.state_dict(keep_vars=True).items()}
 
     def model_state_dict(self) -> dict:
-        """Whole fp32 weights (DeepSpeed's masters) and buffers by name, on every rank. Collective."""
-        return self._model_state(self.optimizer.full_state()[0])
+        """Whole fp32 weights (DeepSpeed's masters) and buffers by name, on every rank; the optimizer's
+        state is neither read nor created (trainer.init_from starts a fresh one). Collective."""
+        return self._model_state(self.optimizer.full_masters())
 
     def _model_state(self, masters: dict) -> dict:
         buffers = dict(self.model.named_buffers())

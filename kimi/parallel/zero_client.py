@@ -133,7 +133,9 @@ class ZeroClient(torch.optim.Optimizer):
     @torch.no_grad()
     def _init_state(self) -> None:
         """Give the inner optimizer its state before a first step (as a zero-gradient step at lr 0), so a
-        checkpoint's optimizer tensors have a place to load into."""
+        checkpoint's optimizer tensors have a place to load into. That step leaves zero moments but counts
+        itself: the counters go back to 0, or the first real step would take Adam's bias corrections of a
+        second one (an update sqrt(1 + b2) / (1 + b1) of the torch engine's)."""
         if self.inner.state:
             return
         lrs = [g["lr"] for g in self.inner.param_groups]
@@ -146,11 +148,18 @@ class ZeroClient(torch.optim.Optimizer):
             g["lr"] = lr
         for view, _ in self._views:
             view.grad = None
+        for st in self.inner.state.values():
+            if "step" in st:
+                st["step"] = torch.zeros_like(st["step"]) if torch.is_tensor(st["step"]) else 0
 
     def _names_in_state_dict(self) -> List[str]:
         """The names of the inner optimizer's parameters in the order its state_dict numbers them."""
         by_view = {id(v): n for n, v in self.masters.items()}
         return [by_view[id(p)] for g in self.inner.param_groups for p in g["params"]]
+
+    def full_masters(self) -> Dict[str, torch.Tensor]:
+        """{name: whole fp32 master weight}; the optimizer state untouched. Collective."""
+        return self.gather.full(self.masters)
 
     @torch.no_grad()
     def full_state(self) -> Tuple[Dict[str, torch.Tensor], dict]:
@@ -169,7 +178,7 @@ class ZeroClient(torch.optim.Optimizer):
         schedule = {k: v for k, v in self.param_groups[0].items() if k in ("lr", "initial_lr")}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, **schedule,
                    "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]
-        return self.gather.full(self.masters), {"state": state, "param_groups": groups}
+        return self.full_masters(), {"state": state, "param_groups": groups}
 
     @torch.no_grad()
     def load_full_state(self, masters: Dict[str, torch.Tensor], optim: Optional[dict]) -> None:
