@@ -3,6 +3,8 @@ shard's transition P against the token-by-token product, the affine map it defin
 shard from a given state, and shard-by-shard KDA (2 and 4 shards, packed documents crossing shard edges)
 equal to the whole sequence's in fp64: outputs, final state and every gradient."""
 
+import sys
+
 import pytest
 import torch
 
@@ -226,7 +228,8 @@ def test_the_triton_path_summarises_and_reruns_shards_too():
     """The same shard-by-shard KDA on the Triton kernels (interpreted here): the transition P from the
     identity with v = 0 and the reruns from incoming states, fp32, packed documents across shard edges,
     equal to the whole sequence on the fp64 PyTorch path (outputs and input gradients)."""
-    pytest.importorskip("triton")
+    if sys.platform != "linux":  # elsewhere there is no triton to import (pyproject.toml)
+        pytest.skip("triton is a dependency on Linux only")
     args = inputs(b=1, seed=3)
     cu = torch.tensor([0, 5, 21, T], dtype=torch.int32)
     whole, _ = chunk_kda(*args, cu_seqlens=cu)

@@ -1,13 +1,16 @@
 """Triton KDA kernels, run on CPU tensors under the Triton interpreter (conftest sets TRITON_INTERPRET=1),
 against the fp64 token-by-token reference. The interpreter is slow: shapes stay small (T <= 130, H = 2)."""
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 pytestmark = pytest.mark.unit
 
-pytest.importorskip("triton")
+if sys.platform != "linux":  # elsewhere there is no triton to import (pyproject.toml)
+    pytest.skip("triton is a dependency on Linux only", allow_module_level=True)
 
 from test_kda_ops import make_inputs, rel, run_with_grads  # noqa: E402
 

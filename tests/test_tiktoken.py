@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+import tiktoken
 
 from helpers import GPT_PATTERN, MIXED_TEXT, write_kimi_tiktoken
 from kimi.config import DataConfig, TokenizerConfig
@@ -15,8 +16,6 @@ from kimi.data import tiktoken_bpe
 from kimi.data.tiktoken_bpe import KIMI_PATTERN
 
 pytestmark = pytest.mark.unit
-
-tiktoken = pytest.importorskip("tiktoken")
 
 TEXTS = [MIXED_TEXT, "中文abc Kimi训练 文abc", "Don't SHOUT, we'll see: 3.14159 and 1,000,000!",
          "  leading\twhitespace \n\n\n trailing   ", "emoji 🙂🚀 and ℕ𝕆𝕋 letters", "[EOS] is text here", ""]
