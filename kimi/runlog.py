@@ -166,11 +166,13 @@ def data_identity(run_dir: Path, data, is_main: bool) -> Dict[str, Any]:
 
 
 def nothing_to_train(step: int, t, log: Callable[[str], None]) -> Dict[str, Any]:
-    """Say why a run already at trainer.max_steps or trainer.stop_at_step trains nothing; fit's result."""
+    """Say why a run already at trainer.max_steps or trainer.stop_at_step trains nothing; fit's result. Both
+    count as finished (exit 0): a scheduler that requeues a stopped run (exit 75) would requeue this one
+    forever."""
     if step >= t.max_steps:
         log(f"[kimi] run already complete at step {step} (trainer.max_steps={t.max_steps}); raise "
             "trainer.max_steps to train further or use a new hydra.run.dir")
         return {"finished": True, "step": step, "val_loss": None}
     log(f"[kimi] already at step {step}, at or past trainer.stop_at_step={t.stop_at_step}: nothing to train. "
         "Raise or remove trainer.stop_at_step to continue")
-    return {"finished": False, "step": step, "val_loss": None}
+    return {"finished": True, "step": step, "val_loss": None}

@@ -447,16 +447,17 @@ def test_run_dir_fault(train_py, run, data, setup, overrides, code, words):
         assert (run_dir / "exit_code").read_text() == f"{code}\n"
 
 
-def test_stopped_run_rerun_stops_again(train_py, run):
-    """A job sliced by trainer.stop_at_step, rerun with the same command: nothing to train, 75 again (a
-    scheduler that resubmits on 75 must be told to raise stop_at_step, not loop silently)."""
+def test_stopped_run_rerun_says_so_and_exits_0(train_py, run):
+    """A job sliced by trainer.stop_at_step, rerun with the same command: nothing to train, and exit 0, not
+    75 (launch/slurm.sbatch requeues on 75: the job would requeue itself forever); the message says to raise
+    stop_at_step."""
     command = ["trainer.max_steps=8", "trainer.stop_at_step=5", KEEP]
     expect(train_py(run, *command), EXIT_STOPPED, ("stopped at step 5 (trainer.stop_at_step=5)",))
     before = intact_checkpoints(run)
-    expect(train_py(run, *command), EXIT_STOPPED,
+    expect(train_py(run, *command), EXIT_OK,
            ("already at step 5, at or past trainer.stop_at_step=5", "Raise or remove trainer.stop_at_step"))
     assert intact_checkpoints(run) == before == {2: True, 4: True, 5: True}
-    assert (run / "exit_code").read_text() == "75\n"
+    assert (run / "exit_code").read_text() == "0\n"
 
 
 def test_rotation_keeps_the_intact_checkpoint_over_a_damaged_one(train_py, run):

@@ -234,3 +234,90 @@ def test_scancel_keeps_the_newest_complete_checkpoint_and_a_resubmission_resumes
     assert state["JobState"] == "COMPLETED", slurm.report(again)
     assert f"resumed from {intact.path} at step {intact.step}" in slurm.output(again), slurm.report(again)
     assert checkpoint.latest_complete(run / "checkpoints").step == intact.step + 2
+
+
+# ---- the script's own logic ------------------------------------------------------------------------------------
+# A torchrun stand-in, reached through a path with a space (the old forward matched a command-line pattern
+# that such a path broke), so that the script's signal forward and requeue decisions take a second: it
+# records its start and each SIGTERM, and a SIGTERM (or FAKE_EXIT at once) ends it as the trainer ends under
+# torchrun (exit 0, the trainer's code in <run dir>/exit_code). The real chain (torchrun, ranks, checkpoint)
+# is the time-limit test's above.
+
+FAKE_TORCHRUN = """#!/usr/bin/env bash
+for a; do [[ $a == hydra.run.dir=* ]] && run="${a#hydra.run.dir=}"; done
+trap 'echo TERM >> "$run/agent.log"; echo 75 > "$run/exit_code"; exit 0' TERM
+echo "started $*" >> "$run/agent.log"
+if [[ -n ${FAKE_EXIT:-} ]]; then echo "$FAKE_EXIT" > "$run/exit_code"; exit 0; fi
+while :; do sleep 0.05; done
+"""
+FAKE_SRUN = """#!/usr/bin/env bash
+while [[ $1 == --* ]]; do shift; done
+exec "$@"
+"""
+FAKE_SCONTROL = """#!/usr/bin/env bash
+case "$1 $2" in
+  "show hostnames") echo localhost ;;
+  "show job") echo "JobId=$3 JobState=RUNNING" ;;
+  "requeue "*) echo "requeue $2" >> "$FAKE_SLURM_LOG" ;;
+esac
+"""
+
+
+def fake_tools(tmp: Path, slurm: bool) -> dict:
+    """The environment for the torchrun stand-in as $PYTHON; without `slurm`, also `srun` (which runs its
+    command here) and `scontrol` (which answers what the script asks and logs a requeue) on the PATH."""
+    tools = [("python", FAKE_TORCHRUN, "python env")]
+    tools += [] if slurm else [("srun", FAKE_SRUN, "bin"), ("scontrol", FAKE_SCONTROL, "bin")]
+    for name, text, where in tools:
+        (tmp / where).mkdir(exist_ok=True)
+        (tmp / where / name).write_text(text)
+        (tmp / where / name).chmod(0o755)
+    env = {"PYTHON": str(tmp / "python env" / "python")}
+    return env if slurm else {**env, "PATH": f"{tmp / 'bin'}:{os.environ['PATH']}",
+                              "FAKE_SLURM_LOG": str(tmp / "slurm.log")}
+
+
+def test_the_script_forwards_its_signal_by_pid_and_caps_its_requeues(tmp_path):
+    job_id, run, log = str(uuid.uuid4().int % 10**9), tmp_path / "run", tmp_path / "slurm.log"
+    env = {**os.environ, **fake_tools(tmp_path, slurm=False), "SLURM_JOB_ID": job_id, "SLURM_NNODES": "1",
+           "SLURM_JOB_NODELIST": "localhost", "SLURM_SUBMIT_DIR": str(ROOT), "RUN_DIR": str(run),
+           "MAX_REQUEUES": "2"}
+
+    def sbatch(**more: str) -> subprocess.Popen:
+        return subprocess.Popen(["bash", str(ROOT / "launch" / "slurm.sbatch"), "trainer.max_steps=9"],
+                                env={**env, **more}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def agent_log() -> list[str]:
+        return (run / "agent.log").read_text().splitlines() if (run / "agent.log").exists() else []
+
+    job = sbatch(SLURM_RESTART_COUNT="0")
+    deadline = time.monotonic() + 30
+    while not agent_log():
+        assert time.monotonic() < deadline and job.poll() is None, job.communicate()
+        time.sleep(0.05)
+    assert agent_log()[0].endswith("train.py hydra.run.dir=" + str(run) + " trainer.max_steps=9")
+    job.send_signal(signal.SIGTERM)  # to the batch script alone, as --signal=B:TERM does
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 75 and agent_log()[1:] == ["TERM"], (out, err)  # passed on, once
+    assert log.read_text() == f"requeue {job_id}\n"
+    assert not Path(f"/tmp/kimi-agent-{job_id}.pid").exists()
+
+    for restarts, code, requeued in (("1", "75", True), ("2", "75", False), ("0", "0", False), ("0", "2", False)):
+        log.unlink(missing_ok=True)
+        job = sbatch(SLURM_RESTART_COUNT=restarts, FAKE_EXIT=code)
+        out, err = job.communicate(timeout=60)
+        assert job.returncode == int(code), (restarts, code, out, err)
+        assert log.exists() == requeued, (restarts, code)
+        capped = restarts == "2"
+        assert (f"error: not requeueing job {job_id}: it was requeued 2 times (MAX_REQUEUES=2); submit it again"
+                in err) == capped, err
+
+
+def test_a_job_that_keeps_stopping_requeues_max_requeues_times(slurm, tmp_path):
+    """On a real SLURM: SLURM_RESTART_COUNT counts the requeues, and the script stops requeueing at the cap."""
+    run = tmp_path / "run"
+    job = slurm.submit(tmp_path, run, [], MAX_REQUEUES="1", FAKE_EXIT="75", **fake_tools(tmp_path, slurm=True))
+    state = slurm.finished(job, timeout=180)
+    assert state["Restarts"] == "1" and state["JobState"] != "COMPLETED", slurm.report(job)
+    assert len((run / "agent.log").read_text().splitlines()) == 2, slurm.report(job)
+    assert f"error: not requeueing job {job}: it was requeued 1 times (MAX_REQUEUES=1)" in slurm.output(job)
