@@ -11,10 +11,14 @@ data or run directory, 1 failure. Under torchrun a stopped run's ranks exit 0 an
 
 import sys
 
-import hydra
-from omegaconf import DictConfig
+from kimi.signals import exit_while_starting
 
-from kimi.config import register_configs
+exit_while_starting()  # before the imports that take seconds: a SIGTERM among them exits 75, not -15
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from kimi.config import register_configs  # noqa: E402
 
 register_configs()
 

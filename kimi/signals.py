@@ -1,10 +1,32 @@
 """A scheduler's SIGTERM (or Ctrl-C) as a request to stop: the trainer finishes its step, saves a checkpoint
-and exits, so the same command resumes; a second signal exits at once."""
+and exits, so the same command resumes; a second signal exits at once.
+
+Before there is anything to save (the imports, Hydra, validation, data preparation: minutes for a big run)
+a SIGTERM ends the command at once with exit code 75 and one line (exit_while_starting): the default action
+would end it as -15, which no scheduler requeues, and finishing the start first could outlast the grace time."""
 
 from __future__ import annotations
 
 import signal
-from typing import Callable, Dict, Optional, Tuple
+import sys
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, Optional, Tuple
+
+
+def exit_while_starting() -> None:
+    """Install the at-once SIGTERM handler; the first thing a command that trains does (train.py)."""
+    signal.signal(signal.SIGTERM, _exit_stopped)
+
+
+def _exit_stopped(signum, frame) -> None:
+    from kimi.cli import EXIT_STOPPED, finish
+
+    print(f"[kimi] {signal.Signals(signum).name} while starting, before the first step: nothing to save, exiting "
+          "with code 75. Run the same command again to start", flush=True)
+    # the run dir as the command line names it (the launch scripts always do), for <run_dir>/exit_code
+    run_dir = next((a.split("=", 1)[1] for a in reversed(sys.argv[1:])
+                    if a.startswith(("hydra.run.dir=", "trainer.run_dir="))), "")
+    raise SystemExit(finish(EXIT_STOPPED, run_dir))  # through every `except Exception` on its way out
 
 
 class StopSignals:
@@ -13,6 +35,7 @@ class StopSignals:
         self.where = where
         self.received: Optional[str] = None  # the first signal's name
         self._handlers: Dict[signal.Signals, object] = {}
+        self._now = False
 
     def catch(self, *signals: signal.Signals) -> None:
         for s in signals:
@@ -23,8 +46,22 @@ class StopSignals:
         while self._handlers:
             signal.signal(*self._handlers.popitem())
 
+    @contextmanager
+    def at_once(self) -> Iterator[None]:
+        """While inside (work a stop loses nothing of, such as data preparation, whose caches are written
+        whole or not at all), a SIGTERM ends the command at once with exit code 75 instead of being kept."""
+        if self.received == "SIGTERM":
+            _exit_stopped(signal.SIGTERM, None)
+        self._now = True
+        try:
+            yield
+        finally:
+            self._now = False
+
     def _on_signal(self, signum, frame) -> None:
         name = signal.Signals(signum).name
+        if self._now and signum == signal.SIGTERM:
+            _exit_stopped(signum, frame)
         if self.received is not None:  # second signal: the user really wants out now
             raise KeyboardInterrupt(f"second {name}")
         self.received = name

@@ -91,12 +91,13 @@ class Trainer:
         torch.manual_seed(t.seed)
 
         # Rank 0 tokenises and packs; the others then find the finished cache instead of racing to write it.
-        if self.is_main:
-            self.data = prepare(cfg.data)
-        if dims.enabled:
-            dist.barrier(group=setup_group())
-        if not self.is_main:
-            self.data = prepare(cfg.data)
+        with self.signals.at_once():
+            if self.is_main:
+                self.data = prepare(cfg.data)
+            if dims.enabled:
+                dist.barrier(group=setup_group())
+            if not self.is_main:
+                self.data = prepare(cfg.data)
         tok = self.data.tokenizer
         resolve_vocab(cfg.model, tok.vocab_size)
         self.loader, self.val_batches = rank_streams(self.data, t, self.dp_rank, dims.dp)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -379,7 +380,8 @@ def test_exit_codes_a_scheduler_can_read(tmp_path, data):
     assert stopped.returncode == 75, stopped.stderr[-2000:]
     assert "stopped at step 2 (trainer.stop_at_step=2)" in stopped.stdout
     again = train_py(run, data, "trainer.max_steps=4", "trainer.stop_at_step=2")
-    assert again.returncode == 75 and "already at step 2, at or past trainer.stop_at_step=2" in again.stdout
+    # nothing left to train is not a stop: a scheduler that requeues on 75 would requeue it forever
+    assert again.returncode == 0 and "already at step 2, at or past trainer.stop_at_step=2" in again.stdout
     done = train_py(run, data, "trainer.max_steps=4")
     assert done.returncode == 0, done.stderr[-2000:]
     assert (run / "exit_code").read_text() == "0\n"
@@ -387,6 +389,45 @@ def test_exit_codes_a_scheduler_can_read(tmp_path, data):
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines()[-1].startswith("error: trainer.max_stepz is not a config key")
     assert checkpoint.latest_complete(run / "checkpoints").step == 4
+
+
+STARTING = "[kimi] SIGTERM while starting, before the first step: nothing to save, exiting with code 75. Run the same"
+
+
+def catches_sigterm(pid: int) -> bool:
+    caught = re.search(r"^SigCgt:\s*([0-9a-f]+)$", Path(f"/proc/{pid}/status").read_text(), re.M)
+    return bool(caught and int(caught.group(1), 16) & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.e2e
+def test_sigterm_while_importing_exits_75_with_one_line(tmp_path, data):
+    run = tmp_path / "run"
+    run.mkdir()  # as the launch scripts make it, for exit_code
+    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run}", *data, *TINY]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not catches_sigterm(job.pid):  # train.py's first statements: long before torch is imported
+        assert job.poll() is None, job.communicate()
+    job.send_signal(signal.SIGTERM)
+    out, err = job.communicate(timeout=120)
+    assert job.returncode == 75 and out.strip().splitlines() == [STARTING + " command again to start"], (out, err)
+    assert "Traceback" not in err and (run / "exit_code").read_text() == "75\n"
+
+
+@pytest.mark.e2e
+def test_sigterm_while_preparing_data_exits_75_at_once(tmp_path, data, monkeypatch, capsys):
+    import kimi.trainer
+
+    def signal_then_prepare(*args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("data preparation went on after SIGTERM")
+
+    monkeypatch.setattr(kimi.trainer, "prepare", signal_then_prepare)
+    with pytest.raises(SystemExit) as stopped:
+        Trainer(cfg(tmp_path / "run", data))
+    assert stopped.value.code == 75 and STARTING in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    monkeypatch.undo()
+    Trainer(cfg(tmp_path / "run", data)).close()  # the run dir was released
 
 
 @pytest.mark.e2e
