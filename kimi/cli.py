@@ -118,10 +118,20 @@ def check_overrides(argv: list[str], config_dir: str) -> None:
 
 
 def _check_run_dir(path: Path) -> None:
+    """Hydra creates the run dir and its log file before any of our checks: a run dir it cannot write would
+    be its multi-line 'Unable to configure handler' traceback."""
+    import tempfile
+
     from kimi.config import ConfigError
 
     for p in (path, *path.parents):
         if p.exists():
             if not p.is_dir():
                 raise ConfigError(f"hydra.run.dir={path}: {p} is a file, not a directory; choose another run dir")
+            try:  # by trying: os.access says yes to root on a read-only file system
+                tempfile.TemporaryFile(dir=p).close()
+            except OSError as e:
+                why = STORAGE_ERRORS.get(e.errno, e.strerror)
+                raise ConfigError(f"hydra.run.dir={path}: cannot write in {p}: {why}; choose another run dir or "
+                                  "make it writable") from None
             return

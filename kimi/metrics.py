@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from kimi.config import LoggingConfig, mixer_pattern
+from kimi.config import ConfigError, LoggingConfig, WandbConfig, mixer_pattern
 from kimi.model.registry import legend
 
 # Dense bf16 tensor-core peak per device (FLOP/s), from the vendors' datasheets (no sparsity); the first
@@ -166,14 +166,7 @@ class MetricsLogger:
         self._append({"event": "start", "step": resume_step, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
         self.history = read_metrics(self.path)
         if cfg.wandb.mode != "disabled":
-            import wandb
-
-            self._wandb = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name,
-                                     group=cfg.wandb.group, tags=list(cfg.wandb.tags) or None,
-                                     mode=cfg.wandb.mode, dir=str(run_dir), config=config_dict,
-                                     resume="allow", id=_wandb_id(run_dir),
-                                     # our own progress line already says everything wandb would print
-                                     settings=wandb.Settings(quiet=True, console="off"))
+            self._wandb = start_wandb(cfg.wandb, Path(run_dir), config_dict)
 
     def log(self, record: Dict[str, Any], images: Optional[Dict[str, Path]] = None,
             tables: Optional[Dict[str, Tuple[List[str], List[list]]]] = None) -> None:
@@ -224,6 +217,40 @@ class MetricsLogger:
         fig.savefig(out)
         plt.close(fig)
         return Path(out)
+
+
+WANDB_ONLINE_TIMEOUT_S = 20.0  # wandb's own default (90 s, then a traceback) holds every start of a run
+
+
+def start_wandb(cfg: WandbConfig, run_dir: Path, config: Dict[str, Any]):
+    """wandb's run for `run_dir`. Online without credentials is a one-line ConfigError at once (there is
+    nothing to wait for); online without a reachable server logs offline instead, with one warning line, after
+    WANDB_ONLINE_TIMEOUT_S: a network outage should not cost a training run (`wandb sync` uploads it later)."""
+    import wandb
+
+    def init(mode: str, **settings):
+        return wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name, group=cfg.group,
+                          tags=list(cfg.tags) or None, mode=mode, dir=str(run_dir), config=config,
+                          resume="allow", id=_wandb_id(run_dir),
+                          # our own progress line already says everything wandb would print
+                          settings=wandb.Settings(quiet=True, console="off", **settings))
+
+    if cfg.mode != "online":
+        return init(cfg.mode)
+    try:
+        return init("online", init_timeout=WANDB_ONLINE_TIMEOUT_S)
+    except wandb.errors.UsageError as e:
+        raise ConfigError(f"logging.wandb.mode=online, but wandb cannot start: {_first_line(e)}. Set WANDB_API_KEY "
+                          "(or run `wandb login`), or use logging.wandb.mode=offline and `wandb sync` later") from None
+    except wandb.errors.CommError as e:
+        print(f"[kimi] warning: wandb's server did not answer within {WANDB_ONLINE_TIMEOUT_S:.0f} s "
+              f"({_first_line(e)}): logging offline to {run_dir / 'wandb'} instead; upload it with `wandb sync` once "
+              "the network is back", flush=True)
+        return init("offline")
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
 
 
 def _wandb_id(run_dir: Path) -> str:

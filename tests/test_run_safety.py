@@ -312,6 +312,13 @@ def test_a_read_only_run_dir_is_found_at_start_up(tmp_path, data):
     try:
         with pytest.raises(ConfigError, match="is not writable"):
             Trainer(cfg(run, data))
+        # train.py: Hydra opens its log file in the run dir before the trainer's checks
+        for run_dir in (run / "new",):
+            proc = train_py(run_dir, data)
+            assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+            assert proc.stderr.strip().splitlines() == [f"error: hydra.run.dir={run_dir}: cannot write in {run}: not "
+                                                        "writable (read-only file system); choose another run dir or "
+                                                        "make it writable"]
     finally:
         subprocess.run(["umount", str(run)], check=True)
 
@@ -335,6 +342,53 @@ def test_a_full_disk_at_a_save_keeps_the_earlier_checkpoint(tmp_path, data, trai
         assert all(c.complete and checkpoint.verify(c.path) == [] for c in kept)
     finally:
         subprocess.run(["umount", str(run)], check=True)
+
+
+# ---- wandb online, unusable ---------------------------------------------------------------------------------
+
+@pytest.mark.unit
+def test_wandb_online_without_credentials_is_one_line_at_once(tmp_path, monkeypatch):
+    import wandb
+
+    from kimi.config import WandbConfig
+    from kimi.metrics import start_wandb
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ConfigError, match=r"^logging.wandb.mode=online, but wandb cannot start: No API key "
+                                              r"configured.* Set WANDB_API_KEY .*logging.wandb.mode=offline"):
+            start_wandb(WandbConfig(mode="online"), tmp_path, {})
+    finally:
+        wandb.teardown()
+    assert time.monotonic() - t0 < 15
+
+
+@pytest.mark.unit
+def test_wandb_online_without_network_logs_offline_with_a_warning(tmp_path, monkeypatch, capsys):
+    """No network here: wandb's own failure is simulated (what its init raises once init_timeout has passed)."""
+    import wandb
+
+    from kimi.config import WandbConfig
+    from kimi.metrics import WANDB_ONLINE_TIMEOUT_S, start_wandb
+
+    calls = []
+
+    def init(mode, settings, **kwargs):
+        calls.append((mode, settings.init_timeout))
+        if mode == "online":
+            raise wandb.errors.CommError("Timed out while retrying: dial tcp: lookup server: no such host\nConsider...")
+        return "offline run"
+
+    monkeypatch.setattr(wandb, "init", init)
+    assert start_wandb(WandbConfig(mode="online"), tmp_path, {}) == "offline run"
+    assert calls[0] == ("online", WANDB_ONLINE_TIMEOUT_S) and WANDB_ONLINE_TIMEOUT_S <= 30 and calls[1][0] == "offline"
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [f"[kimi] warning: wandb's server did not answer within {WANDB_ONLINE_TIMEOUT_S:.0f} s (Timed out "
+                   f"while retrying: dial tcp: lookup server: no such host): logging offline to {tmp_path / 'wandb'} "
+                   "instead; upload it with `wandb sync` once the network is back"]
 
 
 # ---- resume that says what it keeps ------------------------------------------------------------------------
