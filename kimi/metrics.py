@@ -160,9 +160,7 @@ class MetricsLogger:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
-            with self.path.open("rb+") as f:  # a partial last line (a crash mid-write) stays on its own line
-                if f.seek(0, 2) and (f.seek(-1, 2), f.read(1))[1] != b"\n":
-                    f.write(b"\n")
+            _drop_torn_line(self.path)
         self._append({"event": "start", "step": resume_step, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
         self.history = read_metrics(self.path)
         if cfg.wandb.mode != "disabled":
@@ -217,6 +215,25 @@ class MetricsLogger:
         fig.savefig(out)
         plt.close(fig)
         return Path(out)
+
+
+def _drop_torn_line(path: Path) -> None:
+    """Cut a last line without its newline (a crash mid-write): a record cut short is no record, and the
+    steps after the checkpoint are logged again anyway."""
+    with path.open("rb+") as f:
+        end = f.seek(0, 2)
+        if end == 0 or (f.seek(end - 1), f.read(1))[1] == b"\n":
+            return
+        start = end
+        while start > 0:  # back to the newline before the torn line, a block at a time
+            block = min(start, 1 << 16)
+            f.seek(start - block)
+            cut = f.read(block).rfind(b"\n")
+            if cut >= 0:
+                start = start - block + cut + 1
+                break
+            start -= block
+        f.truncate(start)
 
 
 WANDB_ONLINE_TIMEOUT_S = 20.0  # wandb's own default (90 s, then a traceback) holds every start of a run

@@ -14,7 +14,7 @@ from typing import Optional
 
 from kimi.config import (Config, LoggingConfig, TrainerConfig, check, check_choices, check_context_parallel,
                          check_expert_parallel, check_finite, check_pipeline, check_positive,
-                         check_sequence_parallel, check_vocab)
+                         check_sequence_parallel, check_vocab, require)
 from kimi.data.rules import validate_data
 from kimi.model.rules import check_kernels, check_tensor_parallel, validate_model
 from kimi.optim.rules import validate_optim
@@ -41,6 +41,11 @@ def validate(cfg: Config, world: Optional[int] = None) -> None:
     check_pipeline(cfg)
     check_vocab(cfg)
     check_kernels(cfg)
+    # across model and trainer: a short convolution wider than the sequence sees only its zero padding past
+    # it, and made steps about 20x slower
+    require(cfg.model.conv_size <= cfg.trainer.seq_len,
+            f"model.conv_size={cfg.model.conv_size} is longer than trainer.seq_len={cfg.trainer.seq_len}: use a "
+            "conv_size of at most the sequence length (4 in Kimi Linear) or a longer sequence")
 
 
 def validate_trainer(t: TrainerConfig) -> None:

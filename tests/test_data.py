@@ -91,8 +91,10 @@ def test_tokenizer_training_is_deterministic(corpus, tmp_path):
 def test_tokenizer_errors_are_actionable(corpus, tmp_path):
     with pytest.raises(DataError, match="data.tokenizer.vocab_size"):
         train_tokenizer(corpus[1], 50_000, tmp_path / "big.model")
-    with pytest.raises(FileNotFoundError, match="model_path"):
+    with pytest.raises(FileNotFoundError, match="missing.model does not exist .*model_path"):
         Tokenizer(tmp_path / "missing.model")
+    with pytest.raises(FileNotFoundError, match=f"tokenizer model {tmp_path} is a directory .*model_path must name"):
+        Tokenizer(tmp_path)
 
 
 # ------------------------------------------------------------------------------------------------ packing
@@ -160,6 +162,10 @@ def test_user_tokenizer_model(corpus, prepared, tmp_path):
     assert np.array_equal(open_tokens(mine.train_path), open_tokens(prepared.train_path))
     cfg.tokenizer.model_path = str(tmp_path / "nope.model")
     with pytest.raises(FileNotFoundError, match="data.tokenizer.model_path"):
+        prepare(cfg)
+    cfg.tokenizer.model_path = str(prepared.tokenizer.path.parent)  # the directory that holds it
+    with pytest.raises(IsADirectoryError, match=r"data.tokenizer.model_path='.*' is a directory; it must name the "
+                                                r"tokenizer file \(a sentencepiece .model or a tiktoken BPE file\)"):
         prepare(cfg)
 
 

@@ -262,15 +262,53 @@ def test_rotation_deletes_only_older_checkpoints_of_its_own_run(tmp_path):
 
 
 @pytest.mark.e2e
-def test_metrics_are_appended_and_a_partial_last_line_is_tolerated(tmp_path, data, trained):
+def test_metrics_are_appended_and_a_torn_last_line_is_dropped(tmp_path, data, trained):
     run = copy_run(trained, tmp_path)
+    before = (run / "metrics.jsonl").read_bytes()
     with (run / "metrics.jsonl").open("a") as f:
         f.write('{"step": 5, "loss": 1.2')  # a crash mid-write
-    before = (run / "metrics.jsonl").read_bytes()
     train(run, data, "trainer.max_steps=6")
-    assert (run / "metrics.jsonl").read_bytes().startswith(before)
+    after = (run / "metrics.jsonl").read_bytes()
+    assert after.startswith(before) and b'"loss": 1.2\n' not in after and b'"loss": 1.2{' not in after
+    assert all(json.loads(line) for line in after.splitlines())
     steps = [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("torn", ["", '{"step": 3', "x" * 200_000])  # longer than one block read back
+def test_only_a_torn_last_line_is_cut(tmp_path, torn):
+    from kimi.metrics import _drop_torn_line
+
+    whole = '{"step": 1}\n{"step": 2}\n'
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(whole + torn)
+    _drop_torn_line(path)
+    assert path.read_text() == whole
+    path.write_text(torn)
+    _drop_torn_line(path)
+    assert path.read_text() == ""
+
+
+@pytest.mark.unit
+def test_an_interrupted_save_leaves_no_step_directory(tmp_path, monkeypatch, capsys):
+    """A second SIGTERM during a save interrupts it (KeyboardInterrupt): its directory goes, and a trainer's
+    resume removes any incomplete one left by a save that could not clean up (a crash)."""
+    import torch
+
+    def interrupted(state, checkpoint_id):
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"part")
+        raise KeyboardInterrupt("second SIGTERM")
+
+    monkeypatch.setattr(checkpoint.store.dcp, "save", interrupted)
+    root = tmp_path / "checkpoints"
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.store._write(ckpt(tmp_path, 3), {"x": torch.zeros(2)}, {"step": 3}, None)
+    assert not ckpt(tmp_path, 3).exists()
+    ckpt(tmp_path, 5).mkdir()  # a crash's leftover
+    assert checkpoint.newest_intact(root, set_aside=False) is None and ckpt(tmp_path, 5).is_dir()
+    assert checkpoint.newest_intact(root, set_aside=True) is None and not ckpt(tmp_path, 5).exists()
+    assert "skipping incomplete checkpoint" in capsys.readouterr().out
 
 
 @pytest.mark.e2e

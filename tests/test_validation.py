@@ -133,6 +133,7 @@ IMPOSSIBLE = [
     (["model.rope_theta=1"], 1, "model.rope_theta"),
     (["model.rope_theta=inf"], 1, "model.rope_theta"),
     (["model.conv_size=0"], 1, "model.conv_size"),
+    (["model.conv_size=33", "trainer.seq_len=32"], 1, "model.conv_size=33 is longer than trainer.seq_len=32"),
     (["model.q_lora_rank=-1"], 1, "model.q_lora_rank"),
     (["model.mla_every=-1"], 1, "model.mla_every"),
     (["model.pad_vocab_multiple=0"], 1, "model.pad_vocab_multiple"),

@@ -21,6 +21,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -160,11 +161,15 @@ def newest_intact(root: Path, log=print, set_aside: bool = False) -> Optional[Ch
     in one line. None when there is no complete checkpoint; an error when there are some but none intact.
 
     set_aside (a trainer about to continue): rename the damaged ones newer than the intact one to
-    ``step_N.damaged``, so rotation does not count them and a new save of step N does not replace them."""
+    ``step_N.damaged``, so rotation does not count them and a new save of step N does not replace them, and
+    remove the incomplete ones (a save cut short: no marker, nothing to recover)."""
     found = list_checkpoints(root)
     for c in found:
-        if not c.complete:
-            log(f"[kimi] skipping incomplete checkpoint {c.path} (no {COMPLETE} marker: its save did not finish)")
+        if not c.complete:  # never usable; a trainer (which holds the run dir) removes it, or nothing would
+            if set_aside and _is_rank0():
+                shutil.rmtree(c.path, ignore_errors=True)
+            log(f"[kimi] skipping incomplete checkpoint {c.path} (no {COMPLETE} marker: its save did not finish)"
+                + ("; removed" if set_aside else ""))
     complete, damaged = [c for c in found if c.complete], []
     for c in reversed(complete):
         problems = verify(c.path)

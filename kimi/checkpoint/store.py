@@ -16,7 +16,6 @@ from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from kimi.cli import STORAGE_ERRORS, RunError
 
@@ -66,9 +65,9 @@ def _barrier() -> None:
 def _write(path: Path, state: Dict[str, Any], marker: Dict[str, Any], kept: Optional[CheckpointInfo]) -> None:
     """DCP-save `state` into a fresh `path`, then the manifest and COMPLETE marker (holding `marker`). `kept`:
     the checkpoint a failed write leaves in place, for the message."""
-    _fresh_dir(path)
     t0 = time.time()
     with _saving(path, kept):
+        _fresh_dir(path)
         dcp.save(state, checkpoint_id=str(path))
         _barrier()
         files = _gather_manifest(path)
@@ -85,11 +84,12 @@ def _fresh_dir(path: Path) -> None:
 
 @contextlib.contextmanager
 def _saving(path: Path, kept: Optional[CheckpointInfo]):
-    """A failed save removes its partial directory; a storage error (full disk, read-only) becomes one line
-    that says the older checkpoint `kept` is intact."""
+    """A failed or interrupted save (a second SIGTERM: exit at once) removes its partial directory, which no
+    resume would use or remove; a storage error (full disk, read-only) becomes one line that says the older
+    checkpoint `kept` is intact."""
     try:
         yield
-    except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
+    except BaseException as e:  # DCP's own exception is a BaseException, and so is an interrupt
         _discard(path)
         cause = _cause(e, OSError)
         if cause is not None and cause.errno in STORAGE_ERRORS:

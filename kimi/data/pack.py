@@ -61,6 +61,9 @@ def _tokenizer_identity(cfg: DataConfig) -> Dict[str, Any]:
     tc = cfg.tokenizer
     if tc.model_path:
         path = Path(tc.model_path).expanduser()
+        if path.is_dir():
+            raise IsADirectoryError(f"data.tokenizer.model_path={tc.model_path!r} is a directory; it must name the "
+                                    "tokenizer file (a sentencepiece .model or a tiktoken BPE file) inside it")
         if not path.is_file():
             raise FileNotFoundError(f"data.tokenizer.model_path={tc.model_path!r} does not exist")
         return {"model_sha256": _sha256_file(path)}

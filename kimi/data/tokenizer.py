@@ -58,8 +58,9 @@ class Tokenizer:
     def __init__(self, path: Union[str, os.PathLike]):
         self.path = Path(path)
         if not self.path.is_file():
-            raise FileNotFoundError(f"tokenizer model {self.path} does not exist (data.tokenizer.model_path "
-                                    "must name a sentencepiece .model file or a tiktoken BPE file)")
+            what = "is a directory" if self.path.is_dir() else "does not exist"
+            raise FileNotFoundError(f"tokenizer model {self.path} {what} (data.tokenizer.model_path must name a "
+                                    "sentencepiece .model file or a tiktoken BPE file)")
         data = self.path.read_bytes()
         self._impl = TiktokenBPE(self.path, data) if is_tiktoken_file(data) else _SentencePiece(self.path, data)
         self.kind = "tiktoken" if isinstance(self._impl, TiktokenBPE) else "sentencepiece"
