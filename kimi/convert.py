@@ -1,6 +1,6 @@
 """Checkpoints to and from Hugging Face `transformers`' Kimi Linear (`KimiLinearForCausalLM`).
 
-    python -m kimi.convert to-hf RUN_DIR HF_DIR [--shard-gb 5]
+    python -m kimi.convert to-hf RUN_DIR HF_DIR [--shard-gb 5] [--layout release|save_pretrained]
     python -m kimi.convert from-hf HF_DIR RUN_DIR
 
 from-hf makes a new run directory from a transformers Kimi Linear directory: RUN_DIR/init (a weights-only
@@ -10,15 +10,18 @@ tokenizer.model. It prints the train.py command that starts training from those 
 optimizer state: `trainer.init_from`, which defaults to RUN_DIR/init) on data tokenised by that tokenizer;
 `python -m kimi.generate run=RUN_DIR` samples from it.
 
-writes HF_DIR/config.json and model(-0000i-of-0000n).safetensors (+ the index when sharded) from a run
-directory's newest complete checkpoint (or a checkpoint directory named directly), which
-`transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)` loads as KimiLinearForCausalLM. A model whose
+to-hf writes HF_DIR/config.json and model(-0000i-of-0000n).safetensors (+ the index when sharded) from a run
+directory's newest complete checkpoint (or a checkpoint directory named directly), in the released
+checkpoints' layout, which `transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)` loads as
+KimiLinearForCausalLM and mlx-lm's kimi_linear reads (`--layout save_pretrained`: the tensor names
+transformers' save_pretrained writes, the dense first block's MLP under block_sparse_moe). A model whose
 settings transformers' class cannot express (Attention Residuals, rotated MLA keys, a bias on KDA's output
 gate) is refused with the setting named. transformers fixes the eps of MLA's latent norm at 1e-6: a model
 trained with another `model.mla_norm_eps` (default: `model.norm_eps`, 1e-5) converts, and its logits there
 differ by that eps's effect (~4e-5 relative on a tiny model); train with `model.mla_norm_eps=1e-6` to match
-exactly. In Python, `load_hf(HF_DIR)` builds our model (eval mode) from such a directory, as released or as
-save_pretrained writes it, reading one tensor at a time. The name and layout mapping is kimi.interop.hf.
+exactly. from-hf (and in Python `load_hf(HF_DIR)`, our model in eval mode) reads either layout, one tensor at
+a time; a missing directory, damaged safetensors, a tensor of another shape or a config.json lacking a key
+is a one-line error naming it. The name and layout mapping is kimi.interop.hf.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from pathlib import Path
 import torch
 
 from kimi.config import ModelConfig
-from kimi.interop.hf import file_map, hf_config, model_fields
+from kimi.interop.hf import LAYOUTS, NotExpressible, file_map, in_layout, model_fields, release_config
 from kimi.model import KimiModel
 
 INDEX = "model.safetensors.index.json"
@@ -43,73 +46,127 @@ class _LazyTensors:
         from safetensors import safe_open
 
         index = directory / INDEX
-        files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+        files = (sorted(set(_read_json(index)["weight_map"].values())) if index.is_file()
                  else ["model.safetensors"])
         self._where = {}
         for name in files:
-            with safe_open(directory / name, framework="pt") as f:
-                self._where.update({key: directory / name for key in f.keys()})
+            if not (directory / name).is_file():
+                named = f" (named by {INDEX})" if index.is_file() else ""
+                raise ValueError(f"{directory}: no {name}{named}: the weights are missing; copy or download "
+                                 "them into it")
+            try:
+                with safe_open(directory / name, framework="pt") as f:
+                    self._where.update({key: directory / name for key in f.keys()})
+            except Exception as e:  # safetensors' own error type: a damaged header or a short file
+                raise ValueError(f"{directory / name} is not a readable safetensors file ({e}): truncated or "
+                                 "damaged (an interrupted download or copy?); fetch it again") from None
 
-    def __contains__(self, key: str) -> bool:
-        return key in self._where
-
-    def __getitem__(self, key: str) -> torch.Tensor:
+    def get(self, names) -> tuple[str, torch.Tensor] | None:
+        """(the first of `names` the directory holds, its tensor), or None."""
         from safetensors import safe_open
 
-        with safe_open(self._where[key], framework="pt") as f:
-            return f.get_tensor(key)
+        for key in names:
+            if key in self._where:
+                with safe_open(self._where[key], framework="pt") as f:
+                    return key, f.get_tensor(key)
+        return None
 
 
 def read_hf_config(directory: Path) -> dict:
-    """The transformers config of a directory as a dict: through transformers when installed (which also
-    reads the released checkpoints' own config layout), else config.json as it is."""
+    """config.json of a Kimi Linear directory as it is: model_fields reads its layouts and names a missing
+    key where transformers' AutoConfig would fill in its defaults (another model than the weights')."""
+    if not directory.is_dir():
+        raise ValueError(f"{directory}: no such directory (give a local Kimi Linear directory; download a "
+                         "Hub repository first, e.g. hf download REPO --local-dir DIR)")
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{directory}: no config.json (a Kimi Linear directory has config.json and "
+                         "safetensors weights)")
+    return _read_json(path)
+
+
+def _read_json(path: Path) -> dict:
     try:
-        from transformers import AutoConfig
-    except ImportError:
-        return json.loads((directory / "config.json").read_text())
-    return AutoConfig.from_pretrained(directory).to_dict()
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}): damaged; fetch it again") from None
+
+
+def _fits(found: torch.Size, expected: torch.Size) -> bool:
+    """Whether a file tensor of shape `found` holds ours of shape `expected`: the same dims apart from 1s,
+    or, for a vector of ours (A_log, dt_bias), any shape of its size (the releases and the loaders
+    disagree on them: A_log as [H] or [1, 1, H, 1], dt_bias as [H*K] or [H, K])."""
+    found_dims, dims = [d for d in found if d != 1], [d for d in expected if d != 1]
+    return found.numel() == expected.numel() and (found_dims == dims or len(dims) <= 1)
 
 
 def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> KimiModel:
-    """Our model with the weights of a transformers Kimi Linear directory (config.json + safetensors, as
-    released or as save_pretrained writes it), in eval mode; tensors are read one at a time."""
+    """Our model with the weights of a Kimi Linear directory (config.json + safetensors, as released or
+    as save_pretrained writes it), in eval mode; tensors are read one at a time. Bad input raises ValueError
+    with a one-line message."""
     directory = Path(directory)
-    cfg = ModelConfig(**model_fields(read_hf_config(directory)))
+    hf = read_hf_config(directory)
+    try:
+        cfg = ModelConfig(**model_fields(hf))
+    except NotExpressible:
+        raise
+    except ValueError as e:
+        raise ValueError(f"{directory / 'config.json'}: {e}") from None
     with torch.device("meta"):
         model = KimiModel(cfg)
     model = model.to_empty(device="cpu").to(dtype)
+    if cfg.tie_embeddings:  # to_empty gives each module a tensor of its own: tie them again
+        model.lm_head.weight = model.embed.weight
     model.init_buffers()
     own = model.state_dict()
     tensors = _LazyTensors(directory)
     done = set()
     with torch.no_grad():
         for theirs, mine, index, _ in file_map(cfg):
-            if theirs not in tensors:
+            found = tensors.get(dict.fromkeys(in_layout(theirs, layout) for layout in LAYOUTS))
+            tied = cfg.tie_embeddings and mine == "lm_head.weight"  # the embedding, filled before
+            if found is None and tied:
+                continue
+            if found is None:
                 raise ValueError(f"{directory}: no tensor {theirs} (a Kimi Linear checkpoint of this config "
-                                 "has one); is it a transformers Kimi Linear directory?")
+                                 "has one); is it a Kimi Linear directory, and its config.json this one's?")
+            name, tensor = found
             target = own[mine] if index is None else own[mine][index]
-            target.copy_(tensors[theirs].reshape(target.shape))
+            if not _fits(tensor.shape, target.shape):
+                raise ValueError(f"{directory}: tensor {name} has shape {list(tensor.shape)}, config.json "
+                                 f"makes it {list(target.shape)}: the weights and config.json are of "
+                                 "different models (or the file is damaged)")
+            if tied and not torch.equal(tensor.reshape(target.shape).to(dtype), target):
+                raise ValueError(f"{directory}: config.json ties the embeddings (tie_word_embeddings), but "
+                                 f"{name} is not model.embed_tokens.weight: set tie_word_embeddings false")
+            target.copy_(tensor.reshape(target.shape))
             done.add(mine)
-    missing = set(own) - done
+    filled = {own[name].data_ptr() for name in done}  # a tied lm_head is the embedding, filled with it
+    missing = {name for name, t in own.items() if t.data_ptr() not in filled}
     if missing:
         raise ValueError(f"{directory}: nothing filled {sorted(missing)[:5]}")
     return model.eval()
 
 
-def save_hf(model: KimiModel, directory: str | Path, shard_bytes: int = 5 * 2**30) -> Path:
-    """config.json and safetensors shards of `model` that transformers loads as KimiLinearForCausalLM."""
+def save_hf(model: KimiModel, directory: str | Path, shard_bytes: int = 5 * 2**30,
+            layout: str = "release") -> Path:
+    """config.json and safetensors shards of `model` in the released checkpoints' layout, which
+    transformers loads as KimiLinearForCausalLM (and vLLM, mlx-lm read); layout="save_pretrained": the
+    tensor names transformers' save_pretrained writes instead (kimi.interop.hf.LAYOUTS)."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     cfg = model.cfg
-    config = dict(hf_config(cfg), model_type="kimi_linear", architectures=["KimiLinearForCausalLM"],
-                  dtype=str(next(model.parameters()).dtype).removeprefix("torch."))  # refuses before writing
+    config = dict(release_config(cfg),  # refuses before writing
+                  dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
     directory.mkdir(parents=True, exist_ok=True)
     state = model.state_dict()
     shards, current, size = [], {}, 0
-    for name, mine, index, shape in file_map(cfg):
+    for name, mine, index, shape in file_map(cfg, layout):
         tensor = state[mine] if index is None else state[mine][index]
         tensor = (tensor.reshape(shape) if shape else tensor).contiguous()
+        if mine == "lm_head.weight" and cfg.tie_embeddings:  # safetensors refuses two names for one storage
+            tensor = tensor.clone()
         if current and size + tensor.numel() * tensor.element_size() > shard_bytes:
             shards.append(current)
             current, size = {}, 0
@@ -172,12 +229,13 @@ def from_hf(hf_dir: str | Path, run_dir: str | Path) -> list[str]:
     return lines
 
 
-def _to_hf(run: str, out: str, shard_gb: float) -> int:
+def _to_hf(run: str, out: str, shard_gb: float, layout: str) -> int:
     from kimi.generate import load_from_checkpoint
 
     model, _, step = load_from_checkpoint(run)
-    save_hf(model, out, int(shard_gb * 2**30))
-    print(f"[kimi] wrote {out} (step {step}): config.json and safetensors for KimiLinearForCausalLM")
+    save_hf(model, out, int(shard_gb * 2**30), layout)
+    print(f"[kimi] wrote {out} (step {step}): config.json and safetensors for KimiLinearForCausalLM "
+          f"({layout} layout)")
     return 0
 
 
@@ -185,7 +243,6 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from kimi.cli import RunError
-    from kimi.interop.hf import NotExpressible
 
     parser = argparse.ArgumentParser(prog="python -m kimi.convert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -194,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     to_hf.add_argument("run")
     to_hf.add_argument("out")
     to_hf.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors file (GiB)")
+    to_hf.add_argument("--layout", choices=sorted(LAYOUTS), default="release",
+                       help="tensor names: the released checkpoints' (default; what every loader reads) or "
+                            "the ones transformers' save_pretrained writes (dense MLP under block_sparse_moe)")
     from_hf_cmd = sub.add_parser("from-hf", help="a transformers directory -> a new run dir that trains from it")
     from_hf_cmd.add_argument("hf_dir")
     from_hf_cmd.add_argument("run_dir")
@@ -202,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "from-hf":
             print("\n".join(from_hf(args.hf_dir, args.run_dir)))
             return 0
-        return _to_hf(args.run, args.out, args.shard_gb)
+        return _to_hf(args.run, args.out, args.shard_gb, args.layout)
     except (NotExpressible, FileNotFoundError, ValueError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

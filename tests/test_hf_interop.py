@@ -108,7 +108,7 @@ def file_tensors(directory):
 def test_logits_equal_transformers_after_conversion(torch_kda, tmp_path, q_lora):
     """A random transformers Kimi Linear (KDA + MLA with unrotated shared key dims, a dense first block, MoE
     with grouped routing and a non-zero correction bias), saved and loaded as ours: our logits equal its in
-    fp32; and saved back by us, the same tensors under the same names as save_pretrained wrote."""
+    fp32; and saved back by us in save_pretrained's layout, the same tensors under the same names."""
     from kimi.convert import load_hf, save_hf
 
     theirs = random_hf(small_hf_config(q_lora_rank=q_lora))
@@ -116,7 +116,7 @@ def test_logits_equal_transformers_after_conversion(torch_kda, tmp_path, q_lora)
     ours = load_hf(tmp_path / "hf")
     with torch.no_grad():
         assert rel(ours(TOKENS), theirs(TOKENS).logits) < 1e-5  # measured 1.2e-6
-    save_hf(ours, tmp_path / "back")
+    save_hf(ours, tmp_path / "back", layout="save_pretrained")
     written, original = file_tensors(tmp_path / "back"), file_tensors(tmp_path / "hf")
     assert written.keys() == original.keys()
     assert all(torch.equal(written[k], original[k]) for k in written)

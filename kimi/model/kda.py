@@ -128,7 +128,8 @@ class KDA(Sublayer, ParamViews, nn.Module):
         self.b_proj = nn.Linear(d, H, bias=False)
         self.g_proj_down = nn.Linear(d, K, bias=False)  # low-rank output gate, bias on the up-projection
         self.g_proj_up = nn.Linear(K, H * K, bias=cfg.kda_gate_bias)
-        self.o_norm = RMSNorm(K, eps=1e-5)  # one weight over each head's V channels, shared by the heads
+        # one weight over each head's V channels, shared by the heads; its eps is rms_norm_eps in Kimi Linear
+        self.o_norm = RMSNorm(K, eps=cfg.norm_eps)
         self.o_proj = nn.Linear(H * K, d, bias=False)
 
     def init_rules(self, std: float, out_std: float) -> Rules:

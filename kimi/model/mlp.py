@@ -13,7 +13,7 @@ from .sublayer import Sublayer, TPPlan
 class SwiGLU(Sublayer, nn.Module):
     LABEL, FAMILY = "SwiGLU", "MLPs"
     TP_DIVIDES = ("mlp_hidden",)
-    HF_NAMES = {f"w_{x}.weight": f"block_sparse_moe.{x}_proj.weight" for x in ("gate", "up", "down")}
+    HF_NAMES = {f"w_{x}.weight": f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
 
     @classmethod
     def build(cls, cfg) -> "SwiGLU":
