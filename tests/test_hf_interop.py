@@ -9,7 +9,7 @@ import torch
 
 from helpers import ROOT, tiny_model_cfg
 from kimi.config import ModelConfig
-from kimi.interop.hf import NotExpressible, hf_config, model_fields
+from kimi.interop.hf import NotExpressible, hf_config, model_fields, release_config
 from kimi.summary import compose_config, summarize
 
 hf_model = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear",
@@ -36,6 +36,10 @@ def test_configs_map_both_ways():
     back = model_fields(KimiLinearConfig(**hf_config(m)).to_dict())
     for key, value in back.items():
         assert getattr(m, key) == value, key
+    release = release_config(m)  # the released config.json's layout, read by us and by transformers alike
+    assert release["linear_attn_config"]["full_attn_layers"] == [4, 8, 12, 16, 20, 24, 27]  # as released
+    for layout in (release, KimiLinearConfig(**release).to_dict()):
+        assert all(getattr(m, key) == value for key, value in model_fields(layout).items())
     small = tiny_model_cfg(residual="standard", kda_gate_bias=False, q_lora_rank=8, qk_rope_head_dim=8,
                            mla_rotary=False, moe_num_experts=4, moe_top_k=2, moe_groups=2, moe_topk_groups=1)
     again = model_fields(KimiLinearConfig(**hf_config(small)).to_dict())
