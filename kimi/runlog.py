@@ -88,6 +88,8 @@ class RunLog:
         sys.stdout = _Tee(stream, self)
         try:
             yield
+        except SystemExit:  # kimi.signals' exit at once, which has printed (and so logged) its own line
+            raise
         except BaseException as e:
             from kimi.cli import describe
 

@@ -21,8 +21,9 @@ def exit_while_starting() -> None:
 def _exit_stopped(signum, frame) -> None:
     from kimi.cli import EXIT_STOPPED, finish
 
-    print(f"[kimi] {signal.Signals(signum).name} while starting, before the first step: nothing to save, exiting "
-          "with code 75. Run the same command again to start", flush=True)
+    # also after the run's end (its final sample, say): the checkpoint is written, and a rerun says so
+    print(f"[kimi] {signal.Signals(signum).name} with no training step under way (starting, or done): nothing "
+          "to save, exiting with code 75. Run the same command again to continue", flush=True)
     # the run dir as the command line names it (the launch scripts always do), for <run_dir>/exit_code
     run_dir = next((a.split("=", 1)[1] for a in reversed(sys.argv[1:])
                     if a.startswith(("hydra.run.dir=", "trainer.run_dir="))), "")

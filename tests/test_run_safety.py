@@ -483,7 +483,8 @@ def test_exit_codes_a_scheduler_can_read(tmp_path, data):
     assert checkpoint.latest_complete(run / "checkpoints").step == 4
 
 
-STARTING = "[kimi] SIGTERM while starting, before the first step: nothing to save, exiting with code 75. Run the same"
+STARTING = ("[kimi] SIGTERM with no training step under way (starting, or done): nothing to save, exiting with code "
+            "75. Run the same command again to continue")
 
 
 def catches_sigterm(pid: int) -> bool:
@@ -501,7 +502,7 @@ def test_sigterm_while_importing_exits_75_with_one_line(tmp_path, data):
         assert job.poll() is None, job.communicate()
     job.send_signal(signal.SIGTERM)
     out, err = job.communicate(timeout=120)
-    assert job.returncode == 75 and out.strip().splitlines() == [STARTING + " command again to start"], (out, err)
+    assert job.returncode == 75 and out.strip().splitlines() == [STARTING], (out, err)
     assert "Traceback" not in err and (run / "exit_code").read_text() == "75\n"
 
 
@@ -517,6 +518,7 @@ def test_sigterm_while_preparing_data_exits_75_at_once(tmp_path, data, monkeypat
     with pytest.raises(SystemExit) as stopped:
         Trainer(cfg(tmp_path / "run", data))
     assert stopped.value.code == 75 and STARTING in capsys.readouterr().out
+    assert "error" not in (tmp_path / "run" / "train.log").read_text()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     monkeypatch.undo()
     Trainer(cfg(tmp_path / "run", data)).close()  # the run dir was released
