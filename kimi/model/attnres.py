@@ -11,6 +11,10 @@ with one of three streams:
 * BlockAttnResStream: sources are the completed block sums b_0 (= embedding), b_1, ..., plus the running
   partial sum of the current block once it holds at least one output.
 
+`mix(query, sources)` mixes the given sources (a copy of `sources()` taken earlier) rather than the
+stream's current ones: a pure function of its arguments, which activation checkpointing can recompute
+after the stream has moved on.
+
 A stream object is exactly "the set of sources still needed" downstream: under pipeline parallelism the
 completed blocks and the partial sum are what crosses a stage boundary (`sources()` lists them in order).
 """
@@ -60,8 +64,8 @@ class StandardStream:
     def sources(self) -> list[torch.Tensor]:
         return [self.hidden]
 
-    def mix(self, query: torch.Tensor | None) -> torch.Tensor:
-        return self.hidden
+    def mix(self, query: torch.Tensor | None, sources: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        return self.hidden if sources is None else sources[0]
 
     def push(self, output: torch.Tensor) -> None:
         self.hidden = self.hidden + output
@@ -77,8 +81,8 @@ class FullAttnResStream:
     def sources(self) -> list[torch.Tensor]:
         return list(self.outputs)
 
-    def mix(self, query: torch.Tensor | None) -> torch.Tensor:
-        return depth_attention(query, self.outputs, self.eps)
+    def mix(self, query: torch.Tensor | None, sources: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        return depth_attention(query, self.outputs if sources is None else sources, self.eps)
 
     def push(self, output: torch.Tensor) -> None:
         self.outputs.append(output)
@@ -102,8 +106,8 @@ class BlockAttnResStream:
     def sources(self) -> list[torch.Tensor]:
         return self.blocks + ([] if self.partial is None else [self.partial])
 
-    def mix(self, query: torch.Tensor | None) -> torch.Tensor:
-        return depth_attention(query, self.sources(), self.eps)
+    def mix(self, query: torch.Tensor | None, sources: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        return depth_attention(query, self.sources() if sources is None else sources, self.eps)
 
     def push(self, output: torch.Tensor) -> None:
         self.partial = output if self.partial is None else self.partial + output

@@ -76,6 +76,12 @@ def swiglu_sorted(rows: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor
                   w_down: torch.Tensor) -> torch.Tensor:
     """SwiGLU_e of rows sorted by expert (counts[e] rows for expert e, in expert order): one grouped GEMM per
     projection (torch._grouped_mm), or one matmul per expert where that kernel does not run."""
+    device = rows.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        # autocast does not cover torch._grouped_mm: without this the experts ran in fp32 on CPU, and on a GPU
+        # took the per-expert loop below (found by bench/step_audit.py); rounded as autocast rounds a linear's
+        dtype = torch.get_autocast_dtype(device)
+        rows, w_gate, w_up, w_down = (t.to(dtype) for t in (rows, w_gate, w_up, w_down))
     if grouped_mm_ok(rows):
         ends = counts.cumsum(0).to(torch.int32)
         gate, up = (torch._grouped_mm(rows, w.mT, offs=ends) for w in (w_gate, w_up))
@@ -88,6 +94,13 @@ def swiglu_sorted(rows: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor
     return torch.cat(pieces)
 
 
+def expert_counts(experts: torch.Tensor, n: int) -> torch.Tensor:
+    """How many entries of `experts` (expert indices, any shape) name each of n experts, int64: bincount's
+    result without its host read (on CUDA torch.bincount reads the largest index first, a sync per layer)."""
+    flat = experts.reshape(-1)
+    return torch.zeros(n, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def experts_grouped(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
                     w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """sum over each token's chosen experts of weight * SwiGLU_e(token): tokens sorted by expert, one grouped
@@ -95,16 +108,16 @@ def experts_grouped(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     E, k = w_gate.shape[0], experts.shape[1]
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)
-    y = swiglu_sorted(x[order // k], torch.bincount(flat, minlength=E), w_gate, w_up, w_down)
+    y = swiglu_sorted(x[order // k], expert_counts(flat, E), w_gate, w_up, w_down)
     return combine(y, order, k, weights, x)
 
 
 def combine(y: torch.Tensor, order: torch.Tensor, k: int, weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """y [N k, d]: the expert outputs of the (token, choice) pairs in the order `order` sorted them; their
     weighted sum per token, [N, d] in x's dtype."""
-    y = y * weights.reshape(-1)[order, None]
-    return torch.zeros(x.shape, dtype=torch.promote_types(y.dtype, x.dtype), device=x.device).index_add_(
-        0, order // k, y).to(x.dtype)
+    dtype = torch.promote_types(torch.promote_types(y.dtype, weights.dtype), x.dtype)
+    y = y.to(dtype) * weights.reshape(-1)[order, None].to(dtype)
+    return torch.zeros(x.shape, dtype=dtype, device=x.device).index_add_(0, order // k, y).to(x.dtype)
 
 
 def experts_loop(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
@@ -235,7 +248,7 @@ class MoE(Sublayer, nn.Module):
         # Training forwards count, evaluation does not. Activation checkpointing's recomputation counts a
         # layer's tokens again, scaling all its loads alike: neither the bias update nor max/mean changes.
         if torch.is_grad_enabled():
-            self.load += torch.bincount(experts.reshape(-1), minlength=self.load.numel()).to(self.load.dtype)
+            self.load += expert_counts(experts, self.load.numel()).to(self.load.dtype)
         if PROBE.on:  # a diagnostic pass (kimi/diagnostics) counts the choices of its own forward
             PROBE.record(self, experts=experts)
         y = self.experts(h, experts, weights)
@@ -271,15 +284,16 @@ def update_expert_bias(model: nn.Module, rate: float,
     mean = loads.mean(dim=1, keepdim=True)
     imbalance = (loads.max(dim=1).values / mean.squeeze(1).clamp_min(1e-9)).max()
     for m, load, avg in zip(layers, loads, mean):
-        if rate and load.sum() > 0:
-            m.expert_bias += rate * torch.sign(avg - load)
+        if rate:  # a layer that saw no token keeps its bias (masked on the device: no host read per layer)
+            m.expert_bias += rate * torch.sign(avg - load) * (load.sum() > 0)
         m.load.zero_()
     biases = torch.cat([m.expert_bias for m in layers])
-    stats = {"moe_imbalance": float(imbalance), "moe_bias_range": float(biases.max() - biases.min())}
+    values = [imbalance, biases.max() - biases.min()]
     aux = [m.aux_loss for m in layers if m.aux_loss is not None]
     if aux:  # this rank's last training forward, averaged over the layers
-        stats["moe_aux_loss"] = float(torch.stack(aux).mean())
-    return stats
+        values.append(torch.stack(aux).mean())
+    keys = ["moe_imbalance", "moe_bias_range", "moe_aux_loss"][:len(values)]
+    return dict(zip(keys, torch.stack(values).float().tolist()))  # one host read for all
 
 
 def set_aux_grad_scale(model: nn.Module, scale: float) -> None:

@@ -18,6 +18,8 @@ def validate_model(m: ModelConfig) -> None:
                                  "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "mlp_hidden",
                                  "attnres_block_size", "pad_vocab_multiple"))
     check(m.conv_size >= 1, "model.conv_size", m.conv_size, "must be >= 1 (4 in Kimi Linear)")
+    check(m.loss_chunk >= -1, "model.loss_chunk", m.loss_chunk,
+          "must be -1 (plain loss), 0 (chunk picked from the shapes) or a number of tokens per chunk")
     check(m.q_lora_rank >= 0, "model.q_lora_rank", m.q_lora_rank, "must be >= 0 (0 = no query compression)")
     check(m.qk_rope_head_dim >= 0 and m.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim",
           m.qk_rope_head_dim, "must be an even number >= 0 (0 = NoPE)")

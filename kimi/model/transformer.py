@@ -13,6 +13,7 @@ from torch import nn
 
 from kimi.config import ModelConfig
 from kimi.ops.documents import cu_seqlens_from_starts
+from kimi.ops.linear_ce import linear_cross_entropy
 
 from .attnres import make_stream, resume_stream
 from .cache import InferenceCache
@@ -25,7 +26,22 @@ from .views import ParamViews
 
 Runner = Callable[..., torch.Tensor]
 
-class Block(ParamViews, nn.Module):
+
+class Runners:
+    """Mixin: parts of a forward called through a runner when one is set (kimi/parallel/checkpointing.py)."""
+
+    def set_runner(self, name: str, run: Runner) -> None:
+        """Call part `name` as run(function, *args) from now on: how activation checkpointing recomputes a
+        sublayer in the backward without replacing its forward or renaming its parameters."""
+        self.__dict__.setdefault("_runners", {})[name] = run
+
+    def run_through(self, name: str, function: Callable, *args) -> torch.Tensor:
+        """function(*args), or run(function, *args) with the runner set for `name`."""
+        run = self.__dict__.get("_runners", {}).get(name)
+        return function(*args) if run is None else run(function, *args)
+
+
+class Block(Runners, ParamViews, nn.Module):
     """One token mixer and one MLP (dense, or a mixture of experts), each a sublayer (kimi/model/sublayer.py)
     with its own pre-norm and (with AttnRes) pseudo-query."""
 
@@ -42,31 +58,49 @@ class Block(ParamViews, nn.Module):
         self.mixer_query = nn.Parameter(torch.zeros(d)) if attnres and not first else None
         self.mlp_query = nn.Parameter(torch.zeros(d)) if attnres else None
 
-    def sublayer(self, name: str, *args, **kwargs) -> torch.Tensor:
-        """Call sublayer `name` ("mixer" or "mlp") through its runner (see :meth:`set_runner`), if any."""
-        module, run = getattr(self, name), self.__dict__.get("_runners", {}).get(name)
-        return module(*args, **kwargs) if run is None else run(module, *args, **kwargs)
+    def sublayer(self, name: str, stream, **kwargs) -> torch.Tensor:
+        """Sublayer `name`'s ("mixer" or "mlp") output: its depth mix of the stream, pre-norm and module, as one
+        function of the stream's sources, called through the sublayer's runner (see :meth:`set_runner`) if
+        any. The mix is inside: activation checkpointing then keeps the sources (alive in the stream anyway)
+        rather than the mix's fp32 stacks, and recomputes the mix with the module."""
+        module, norm = getattr(self, name), getattr(self, f"{name}_norm")
 
-    def set_runner(self, name: str, run: Runner) -> None:
-        """Call sublayer `name` as run(module, *args, **kwargs) from now on: how activation checkpointing
-        recomputes a sublayer in the backward without replacing its forward or renaming its parameters."""
-        self.__dict__.setdefault("_runners", {})[name] = run
+        def whole(query, *sources):
+            return module(norm(stream.mix(query, sources)), **kwargs)
+
+        return self.run_through(name, whole, self.param(f"{name}_query"), *stream.sources())
 
     def forward(self, stream, cu_seqlens: torch.Tensor | None = None, cache=None,
                 rows: int | None = None, context=None):
         """Advance the residual stream (see kimi.model.attnres) through both sublayers; returns it. rows: how
         many batch rows a packed row [1, B*T] holds (an MoE layer's sequence-wise loss is per row); context:
         the token mixer's shard of a sequence split over ranks (see KimiModel.forward)."""
-        h = stream.mix(self.param("mixer_query"))
         kwargs = {} if context is None else {"context": context}
-        stream.push(self.sublayer("mixer", self.mixer_norm(h), cu_seqlens=cu_seqlens, cache=cache, **kwargs))
-        h = stream.mix(self.param("mlp_query"))
+        stream.push(self.sublayer("mixer", stream, cu_seqlens=cu_seqlens, cache=cache, **kwargs))
         kwargs = {} if rows is None else {"rows": rows}
-        stream.push(self.sublayer("mlp", self.mlp_norm(h), **kwargs))
+        stream.push(self.sublayer("mlp", stream, **kwargs))
         return stream
 
 
-class KimiModel(ParamViews, nn.Module):
+class LMHead(nn.Linear):
+    """The output projection to the vocabulary; given labels, the mean cross-entropy instead of the logits,
+    computed chunk by chunk (kimi.ops.linear_ce) unless `chunk` is -1. A module call either way, so every
+    engine's hooks (FSDP, ZeRO-3) see the weight gathered."""
+
+    def __init__(self, d_model: int, vocab: int, chunk: int):
+        super().__init__(d_model, vocab, bias=False)
+        self.chunk = chunk
+        self.vocab_parallel = False  # set by tensor parallelism, whose plan shards the logits
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(hidden)
+        if self.chunk < 0:
+            return lm_loss(super().forward(hidden), labels)
+        return linear_cross_entropy(hidden, self.weight, labels, self.chunk)
+
+
+class KimiModel(Runners, ParamViews, nn.Module):
     """The model, or one contiguous part of it (a pipeline stage: see :meth:`part`).
 
     A part holds a run of blocks (``blocks`` maps block indices to blocks, so parameter names are the whole
@@ -88,7 +122,7 @@ class KimiModel(ParamViews, nn.Module):
                                      for i, (mixer, mlp) in enumerate(block_classes(cfg))})
         self.final_query = nn.Parameter(torch.zeros(cfg.d_model)) if cfg.residual != "standard" else None
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, cfg.loss_chunk)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         if not self.embed.weight.is_meta:  # on the meta device there is nothing to fill (see materialize)
@@ -215,6 +249,7 @@ class KimiModel(ParamViews, nn.Module):
         *inputs: torch.Tensor,
         doc_starts: torch.Tensor | None = None,
         cache: InferenceCache | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The first part takes input_ids [B, T]; a later part takes the residual stream's sources from the
         part before it. The last part returns logits [B, T, vocab] in the activation dtype; any other part
@@ -224,6 +259,8 @@ class KimiModel(ParamViews, nn.Module):
         doc_starts: [B, T] bool, True where a document starts (kimi.ops.documents): the rows run as one
         packed row in which nothing crosses a document boundary.
         cache: continue the sequences held in it (see new_cache); it is updated in place.
+        labels: [B, T] next tokens: the last part then returns the mean cross-entropy (LMHead) instead of the
+        logits, which it need not keep whole.
 
         Under context parallelism (``context_parallel`` set by kimi.parallel.parallelize; not with a cache)
         the inputs are this rank's shard of every row, T its length, doc_starts its columns of the loader's
@@ -253,7 +290,13 @@ class KimiModel(ParamViews, nn.Module):
         if self.lm_head is None:
             # as they are, not views: a pipeline schedule detaches stage outputs in place
             return tuple(stream.sources())
-        return self.lm_head(self.norm(stream.mix(self.param("final_query"))))
+        hidden = self.run_through("final", lambda query, *sources: self.norm(stream.mix(query, sources)),
+                                  self.param("final_query"), *stream.sources())
+        if labels is None:
+            return self.lm_head(hidden)
+        if self.lm_head.vocab_parallel:  # its logits leave the module sharded: the loss is taken outside it
+            return lm_loss(self.lm_head(hidden), labels)
+        return self.lm_head(hidden, labels)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Parameters counted once (a tied LM head is the embedding). exclude_embedding drops the token

@@ -18,6 +18,7 @@ is one of the ablations), over plain or sharded parameters on any number of rank
 from __future__ import annotations
 
 import math
+from collections import abc
 from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -88,9 +89,30 @@ def apply_qk_clip(
                 p.mul_(scale.to(p.dtype).view(-1, *([1] * (p.ndim - 1))))
     if not reported:
         return {}
-    # One host sync for all layers, not two per layer.
-    values = torch.stack([torch.stack([m, f]) for _, m, f in reported]).tolist()
-    return {layer: {"max_logit": m, "clipped_frac": f} for (layer, _, _), (m, f) in zip(reported, values)}
+    return LayerStats([layer for layer, _, _ in reported], torch.stack([torch.stack([m, f]) for _, m, f in reported]))
+
+
+class LayerStats(abc.Mapping):
+    """{layer: {"max_logit", "clipped_frac"}} read from the device only when first looked at (the trainer's
+    logging steps): one host read for all layers then, none in the steps that do not log."""
+
+    def __init__(self, layers: Sequence[str], values: torch.Tensor):
+        self._layers, self._tensor, self._read = list(layers), values, None
+
+    def _table(self) -> dict:
+        if self._read is None:
+            rows = self._tensor.tolist()
+            self._read = {layer: {"max_logit": m, "clipped_frac": f} for layer, (m, f) in zip(self._layers, rows)}
+        return self._read
+
+    def __getitem__(self, layer: str) -> dict:
+        return self._table()[layer]
+
+    def __iter__(self):
+        return iter(self._layers)
+
+    def __len__(self) -> int:
+        return len(self._layers)
 
 
 class QKClip:

@@ -2,7 +2,9 @@
 
 Both act on sublayers rather than blocks because a block passes the AttnRes stream object, which it mutates:
 recomputing a block in the backward would replay it on a stream that later blocks have already extended.
-A sublayer takes and returns tensors. Checkpointing goes through the block's explicit sublayer runner
+A sublayer, with its depth mix and pre-norm (Block.sublayer), is a function of the stream's sources and
+the sublayer's query that returns one tensor: checkpointing keeps only those inputs, which the stream holds
+anyway, and recomputes the mix, the norm and the module. The final mix and norm are checkpointed alike. Checkpointing goes through the block's explicit sublayer runner
 (``Block.set_runner``) and compiling through torch's ``Module.compile``: no forward is replaced and no
 module wrapped, so parameter names do not change (optimizer routing, QK-Clip specs and checkpoints see the
 same names with and without these). The recomputation calls the module itself, compiled if it is, so it
@@ -50,10 +52,10 @@ def sublayers(model: nn.Module) -> Iterator[nn.Module]:
 def _checkpointed(selective: bool) -> Callable:
     extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)} if selective else {}
 
-    def run(module: nn.Module, *args, **kwargs):
+    def run(function: Callable, *args):
         if not torch.is_grad_enabled():  # evaluation and decoding: nothing to recompute
-            return module(*args, **kwargs)
-        return checkpoint(module, *args, use_reentrant=False, **extra, **kwargs)
+            return function(*args)
+        return checkpoint(function, *args, use_reentrant=False, **extra)
 
     return run
 
@@ -67,6 +69,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     for block in model.blocks.children():
         for name in SUBLAYERS:
             block.set_runner(name, run)
+    if model.lm_head is not None:  # the final depth mix and norm: the mix's fp32 stacks are not kept either
+        model.set_runner("final", run)
 
 
 def apply_compile(model: nn.Module) -> None:

@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from kimi.config import Config, pipeline_microbatches
 from kimi.data import Batch
-from kimi.model import KimiModel, lm_loss
+from kimi.model import KimiModel
 from kimi.model.moe import set_aux_grad_scale, update_expert_bias
 from kimi.optim import build_optimizer, build_qk_clip, build_scheduler
 
@@ -114,10 +114,8 @@ class TorchEngine(Engine):
         return batch.doc_starts if self.cfg.data.varlen else None
 
     def _loss(self, batch: Batch) -> torch.Tensor:
-        with self.autocast:
-            logits = self.model(batch.input_ids, doc_starts=self._doc_starts(batch))
-        with self.loss_context():
-            return lm_loss(logits, batch.labels)
+        with self.autocast, self.loss_context():
+            return self.model(batch.input_ids, doc_starts=self._doc_starts(batch), labels=batch.labels)
 
     def _pipeline(self, batch: Batch, train: bool) -> torch.Tensor:
         """One pass of the schedule (forward and backward, or forward only) over the batch's micro-batches;

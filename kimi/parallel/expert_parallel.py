@@ -28,7 +28,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from kimi.model.moe import RoutedExperts, combine, swiglu_sorted
+from kimi.model.moe import RoutedExperts, combine, expert_counts, swiglu_sorted
 
 
 def dispatch_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -48,10 +48,10 @@ def experts_parallel(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     k = experts.shape[1]
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=ep * local)
+    counts = expert_counts(flat, ep * local)
     received = dispatch_counts(counts, group)  # [ep, local]
-    send = counts.view(ep, local).sum(1).tolist()
-    recv = received.sum(1).tolist()
+    # the all-to-all's split sizes are host lists: the one host read of a layer's dispatch
+    send, recv = torch.stack([counts.view(ep, local).sum(1), received.sum(1)]).tolist()
     rows = all_to_all_single_autograd(x[order // k], recv, send, group)
     # arrival order: by source rank, then expert; the experts want them by expert (then source)
     expert_of_row = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(received.reshape(-1))

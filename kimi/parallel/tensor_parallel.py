@@ -113,6 +113,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
                                        use_local_output=not loss_parallel)}
     # a pipeline stage may hold neither
     parallelize_module(model, mesh, {k: v for k, v in ends.items() if getattr(model, k, None) is not None})
+    if model.lm_head is not None:
+        model.lm_head.vocab_parallel = True
     if model.cfg.tie_embeddings and model.embed is not None and model.lm_head is not None:
         # each plan made its own sharded copy; both shard the vocabulary rows alike, so tie them again
         model.lm_head.weight = model.embed.weight

@@ -1,0 +1,117 @@
+"""The fused LM head + cross-entropy (kimi/ops/linear_ce.py) against an fp64 definition and the plain loss, and
+the model's loss path (KimiModel(ids, labels=...)) against lm_loss of its logits."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kimi.model import KimiModel, lm_loss
+from kimi.ops.linear_ce import chunk_tokens, linear_cross_entropy, plain_linear_cross_entropy
+from kimi.parallel.checkpointing import apply_activation_checkpointing
+from kimi.summary import compose_config
+
+pytestmark = pytest.mark.unit
+
+
+def reference(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean over labels != -100 of logsumexp(h w^T) - (h w^T)[label], in fp64."""
+    logits = h.double().reshape(-1, h.shape[-1]) @ w.double().T
+    y = y.reshape(-1)
+    keep = y != -100
+    picked = logits.gather(1, y.clamp(min=0)[:, None]).squeeze(1)
+    return ((logits.logsumexp(-1) - picked) * keep).sum() / keep.sum()
+
+
+def grads(loss_fn, h, w, y, scale=1.0):
+    h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
+    loss = loss_fn(h, w, y)
+    (loss * scale).backward()
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 7, 64, 1000])
+def test_fused_equals_fp64_definition(chunk):
+    torch.manual_seed(0)
+    h, w = torch.randn(3, 37, 16, dtype=torch.float64), torch.randn(100, 16, dtype=torch.float64)
+    y = torch.randint(0, 100, (3, 37))
+    y[0, :5] = -100  # ignored, as F.cross_entropy's default ignore_index
+    want = grads(reference, h, w, y, scale=2.5)
+    got = grads(lambda *a: linear_cross_entropy(*a, chunk=chunk), h, w, y, scale=2.5)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_fused_equals_plain_loss_fp32():
+    torch.manual_seed(1)
+    h, w, y = torch.randn(2, 50, 32), torch.randn(300, 32), torch.randint(0, 300, (2, 50))
+    for a, b in zip(grads(linear_cross_entropy, h, w, y), grads(plain_linear_cross_entropy, h, w, y)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_fused_under_bf16_autocast_matches_the_plain_path():
+    """Same rounding points as autocast's linear: the loss and hidden gradient equal; the weight gradient
+    within bf16's rounding of its per-chunk sums."""
+    torch.manual_seed(2)
+    h, w, y = torch.randn(2, 64, 32), torch.randn(200, 32), torch.randint(0, 200, (2, 64))
+
+    def under_autocast(fn):
+        def run(*args):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return fn(*args)
+        return run
+
+    got = grads(under_autocast(lambda *a: linear_cross_entropy(*a, chunk=16)), h, w, y)
+    want = grads(under_autocast(plain_linear_cross_entropy), h, w, y)
+    assert got[1].dtype == want[1].dtype and got[2].dtype == want[2].dtype == torch.float32
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-2, atol=1e-4)
+    torch.testing.assert_close(got[2], want[2], rtol=2e-2, atol=2e-3)
+
+
+def test_without_gradients_only_the_loss():
+    torch.manual_seed(3)
+    h, w, y = torch.randn(40, 8), torch.randn(50, 8), torch.randint(0, 50, (40,))
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(h, w, y, chunk=9), F.cross_entropy(h @ w.T, y))
+
+
+def test_chunk_rule_keeps_chunk_logits_near_the_hidden_states_size():
+    assert chunk_tokens(16384, 2048, 32768) == 1024  # 1b at 16k tokens: 16 chunks
+    assert chunk_tokens(100, 64, 32) == 128  # fewer vocabulary entries than dims: one chunk
+    for n, d, v in [(1, 8, 1000), (4096, 768, 32768), (333, 128, 2048)]:
+        c = chunk_tokens(n, d, v)
+        assert c >= 1 and c & (c - 1) == 0 and c * v <= 2 * max(n * d, v)
+
+
+@pytest.mark.parametrize("residual", ["attnres_block", "attnres_full", "standard"])
+@pytest.mark.parametrize("ac", ["none", "full", "selective"])
+def test_model_loss_path_equals_lm_loss_of_logits(residual, ac):
+    """KimiModel(ids, labels=...) (chunked loss, depth mixes inside the checkpointed sublayers) gives the
+    loss and every gradient of the cross-entropy of KimiModel(ids)'s logits without checkpointing, in fp64."""
+    cfg = compose_config(["model=tiny", "model.vocab_size=256", f"model.residual={residual}", "model.loss_chunk=16"])
+    torch.manual_seed(0)
+    model = KimiModel(cfg.model).double()
+    ids, y = torch.randint(0, 256, (2, 40)), torch.randint(0, 256, (2, 40))
+    want = F.cross_entropy(model(ids).flatten(0, 1), y.flatten())  # fp64 (lm_loss would round to fp32)
+    want.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    other = copy.deepcopy(model)
+    other.zero_grad(set_to_none=True)
+    apply_activation_checkpointing(other, ac)
+    got = other(ids, labels=y)
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    grads_of = {n: p.grad for n, p in other.named_parameters() if p.grad is not None}
+    assert grads_of.keys() == ref.keys()
+    for n, g in grads_of.items():
+        torch.testing.assert_close(g, ref[n], rtol=1e-9, atol=1e-12, msg=n)
+
+
+def test_plain_loss_switch():
+    cfg = compose_config(["model=tiny", "model.vocab_size=256", "model.loss_chunk=-1"])
+    torch.manual_seed(0)
+    model = KimiModel(cfg.model)
+    ids, y = torch.randint(0, 256, (1, 24)), torch.randint(0, 256, (1, 24))
+    torch.testing.assert_close(model(ids, labels=y), lm_loss(model(ids), y), rtol=0, atol=0)
