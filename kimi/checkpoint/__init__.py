@@ -143,12 +143,16 @@ def verify(path: Path) -> List[str]:
 
 def _content_problems(path: Path, marker: Dict[str, Any]) -> List[str]:
     """What intact files can still hide: metadata that sends the reader to other files (another checkpoint's
-    shards, any file on the machine), or a state whose step is not the one its marker and name promise."""
-    foreign = _foreign_files(_metadata(path), marker["files"])
-    if foreign:
-        return [f"its .metadata reads files outside its manifest ({', '.join(foreign[:3])}): forged or edited"]
-    step, named = read_trainer_state(path)["step"], _STEP_NAME.match(Path(path).name)
-    claimed = {"its COMPLETE marker": marker.get("step"), "its name": int(named.group(1)) if named else step}
+    shards, any file on the machine), or a state whose step is not the one its marker and name promise. A
+    file that would run code is not a problem here: every load refuses it, as an error (see _read)."""
+    try:
+        foreign = _foreign_files(_metadata(path), marker["files"])
+        if foreign:
+            return [f"its .metadata reads files outside its manifest ({', '.join(foreign[:3])}): forged or edited"]
+        step, named = read_trainer_state(path)["step"], _STEP_NAME.match(Path(path).name)
+    except RunError:
+        return []
+    claimed = {"its COMPLETE marker": marker.get("step", step), "its name": int(named.group(1)) if named else step}
     wrong = [f"{who} says step {s}" for who, s in claimed.items() if s != step]
     return [f"holds the state of step {step}, but {' and '.join(wrong)}: forged or edited"] if wrong else []
 
