@@ -6,7 +6,9 @@ sbatch line with a tiny run's overrides appended:
 - it trains what one process trains (losses and weights);
 - cut by its time limit, it gets SLURM's signal, its ranks save, it requeues itself, and the requeued run
   resumes and ends with the losses and weights of an uninterrupted torchrun run, bit for bit;
-- `scancel` leaves the newest complete checkpoint intact, and a resubmission resumes from it.
+- `scancel` leaves the newest complete checkpoint intact, and a resubmission resumes from it;
+- a job that keeps stopping is requeued MAX_REQUEUES times, then ends (and, without SLURM, with stand-ins for
+  srun, scontrol and torchrun: the script's signal forward by pid and its requeue decisions).
 
 SLURM checks time limits every 30 s, so the warning of `--time=2 --signal=B:TERM@65` comes at the first check
 from 25 s into the job: 25-55 s in. To know which step it lands on and keep the runs short, the test holds
