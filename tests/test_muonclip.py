@@ -368,3 +368,25 @@ def test_model_fused_weights_reach_the_optimizer():
     assert opt.splits == {prefix + "wq_b.weight": RowSplit(24, ((0, 16), (16, 8))),
                           prefix + "wkv_b.weight": RowSplit(32, ((0, 16), (16, 16))),
                           prefix + "wkv_a.weight": RowSplit(24, ((0, 16), (16, 8)))}
+
+
+@pytest.mark.parametrize("name", ["adamw", "muonclip"])
+def test_zero_clients_state_before_a_first_step_counts_no_step(name):
+    """kimi/parallel/zero_client.py makes the optimizer state a checkpoint loads into (or a step-0 save
+    writes) with a zero-gradient step at lr 0: afterwards the first real step is a fresh optimizer's."""
+    from kimi.parallel.zero_client import ZeroClient
+
+    torch.manual_seed(0)
+    model = KimiModel(tiny_model_cfg())
+    cfg = OptimConfig(name=name, lr=1e-2)
+    fresh, made = copy.deepcopy(model), copy.deepcopy(model)
+    client = ZeroClient(made, cfg.lr, lambda *_: (None, None))
+    client.inner, client._views = build_optimizer(made, cfg), [(p, 0) for p in made.parameters()]
+    client._init_state()
+    optimizers = [(fresh, build_optimizer(fresh, cfg)), (made, client.inner)]
+    for m, optimizer in optimizers:
+        for p in m.parameters():
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
+        optimizer.step()
+    for (n, a), b in zip(fresh.named_parameters(), made.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
