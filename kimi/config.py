@@ -114,9 +114,10 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     # The training loss from the final hidden states, this many tokens at a time (kimi/ops/linear_ce.py), so
-    # the sequence's logits never exist whole: 0 picks the chunk (its logits about the size of the hidden
-    # states), -1 the plain way (every logit, then the cross-entropy). Vocabulary-parallel heads (tensor
-    # parallelism) and pipeline schedules always take the plain way.
+    # the sequence's logits never exist whole: 0 picks the chunk (logits as large as the hidden states, or
+    # 512 MiB of them in fp32 if more: kimi.ops.linear_ce.chunk_tokens), -1 the plain way (every logit, then
+    # the cross-entropy). Vocabulary-parallel heads (tensor parallelism) and pipeline schedules always take
+    # the plain way.
     loss_chunk: int = 0
 
 

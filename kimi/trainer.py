@@ -154,12 +154,13 @@ class Trainer:
         for _ in range(accum):
             total += self.engine.forward_backward(self.loader.next_batch(), scale=1.0 / accum)
         loss = mean_over_ranks(total / accum)  # every rank sees the same value, so all stop alike on NaN
-        check_finite("loss", loss.item(), self.step, self.ckpt_dir, self.cfg.trainer.precision)
+        loss = loss.item()  # read once: a second read would wait for the update queued below
+        check_finite("loss", loss, self.step, self.ckpt_dir, self.cfg.trainer.precision)
         out = self.engine.step(self.cfg.optim.grad_clip, family_stats=family_stats)
         # a global norm, the same on every rank; the torch engine has skipped the update for it
         check_finite("the gradient norm", out["grad_norm"], self.step, self.ckpt_dir, self.cfg.trainer.precision)
         self.step += 1
-        return {"loss": loss.item(), **out}
+        return {"loss": loss, **out}
 
     @torch.no_grad()
     def evaluate(self) -> float:

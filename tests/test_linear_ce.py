@@ -2,6 +2,7 @@
 the model's loss path (KimiModel(ids, labels=...)) against lm_loss of its logits."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -77,12 +78,16 @@ def test_without_gradients_only_the_loss():
         torch.testing.assert_close(linear_cross_entropy(h, w, y, chunk=9), F.cross_entropy(h @ w.T, y))
 
 
-def test_chunk_rule_keeps_chunk_logits_near_the_hidden_states_size():
-    assert chunk_tokens(16384, 2048, 32768) == 1024  # 1b at 16k tokens: 16 chunks
-    assert chunk_tokens(100, 64, 32) == 128  # fewer vocabulary entries than dims: one chunk
-    for n, d, v in [(1, 8, 1000), (4096, 768, 32768), (333, 128, 2048)]:
+def test_chunk_rule():
+    """Chunks as large as the hidden states or 512 MiB of fp32 logits, whichever is more, powers of two."""
+    assert chunk_tokens(16384, 2048, 32768) == 4096  # 1b at 16k tokens: 4 chunks of 512 MiB of logits
+    assert chunk_tokens(262144, 2304, 163840) == 4096  # a 256k-token shard at Kimi's vocabulary: 64 chunks
+    assert chunk_tokens(100, 64, 32) == 128  # everything in one chunk
+    for n, d, v in [(1, 8, 1000), (4096, 768, 32768), (333, 128, 2048), (1 << 20, 4096, 200000)]:
         c = chunk_tokens(n, d, v)
-        assert c >= 1 and c & (c - 1) == 0 and c * v <= 2 * max(n * d, v)
+        by_size, floor = math.ceil(n / math.ceil(v / d)), (512 << 20) // (4 * v)
+        assert c & (c - 1) == 0 and 1 <= c < 2 * n and c < 2 * max(by_size, floor, 1)
+        assert c >= min(n, max(by_size, floor))
 
 
 @pytest.mark.parametrize("residual", ["attnres_block", "attnres_full", "standard"])

@@ -390,3 +390,24 @@ def test_zero_clients_state_before_a_first_step_counts_no_step(name):
         optimizer.step()
     for (n, a), b in zip(fresh.named_parameters(), made.parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
+
+
+def test_zero_client_makes_no_update_from_non_finite_gradients():
+    """A partition gradient holding inf or NaN (DeepSpeed's clipping of an inf norm makes NaN) leaves the
+    fp32 masters as they were; a finite one updates them."""
+    from kimi.parallel.zero_client import ZeroClient
+
+    model = torch.nn.Linear(4, 3, bias=False)
+    client = ZeroClient(model, 0.1, lambda *_: (None, None))
+    flat = torch.arange(12.0)
+    client.param_groups[0]["params"] = [flat]  # as DeepSpeed hands it over
+    client._flat, view = flat, flat.narrow(0, 0, 12)
+    client._views, client.inner = [(view, 0)], torch.optim.SGD([view], lr=0.1)
+    for bad in (float("inf"), float("nan")):
+        flat.grad = torch.ones(12)
+        flat.grad[5] = bad
+        client.step()
+        assert torch.equal(flat, torch.arange(12.0))
+    flat.grad = torch.ones(12)
+    client.step()
+    torch.testing.assert_close(flat, torch.arange(12.0) - 0.1)

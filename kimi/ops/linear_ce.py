@@ -26,11 +26,22 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
+# A chunk may always hold this many bytes of fp32 logits: with fewer, the per-chunk passes over the [vocab, d]
+# fp32 weight gradient (read and written once per chunk) cost more memory traffic than the head's matmuls.
+LOGITS_FLOOR_BYTES = 512 * 2**20
+
+
 def chunk_tokens(tokens: int, d_model: int, vocab: int) -> int:
-    """Tokens per chunk whose logits are about as large as all the hidden states (Liger's rule: ceil(vocab /
-    d_model) chunks), a power of two, at least 1."""
-    chunks = max(1, math.ceil(vocab / d_model))
-    return max(1, 1 << max(0, math.ceil(tokens / chunks) - 1).bit_length())
+    """Tokens per chunk: enough that the chunk's logits are about as large as all the hidden states (Liger's
+    rule: ceil(vocab / d_model) chunks) or hold LOGITS_FLOOR_BYTES in fp32, whichever is more; a power of
+    two, at most the next one above `tokens`."""
+    by_size = math.ceil(tokens / max(1, math.ceil(vocab / d_model)))
+    want = max(1, by_size, LOGITS_FLOOR_BYTES // (4 * vocab))
+    return min(_pow2(want), _pow2(tokens))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def plain_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from kimi.config import Config, ConfigError
 from kimi.data import Batch
-from kimi.model import KimiModel, lm_loss
+from kimi.model import KimiModel
 from kimi.model.moe import set_aux_grad_scale, update_expert_bias
 from kimi.model.transformer import Block
 from kimi.optim import build_scheduler
@@ -117,7 +117,7 @@ class DeepSpeedEngine(Engine):
     # ---- one step -----------------------------------------------------------------------------------
     def _loss(self, batch: Batch) -> torch.Tensor:
         doc_starts = batch.doc_starts if self.cfg.data.varlen else None
-        return lm_loss(self.ds(batch.input_ids, doc_starts=doc_starts), batch.labels)
+        return self.ds(batch.input_ids, doc_starts=doc_starts, labels=batch.labels)
 
     def forward_backward(self, batch: Batch, scale: float) -> torch.Tensor:
         """As TorchEngine's: DeepSpeed divides the loss by its gradient_accumulation_steps, which is

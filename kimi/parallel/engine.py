@@ -16,6 +16,7 @@ model, and every layout starts from the weights of one process (per-parameter se
 from __future__ import annotations
 
 import dataclasses
+import math
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -171,16 +172,18 @@ class TorchEngine(Engine):
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         lr = self.optimizer.param_groups[0]["lr"]
-        if not torch.isfinite(_plain(grad_norm)):  # no update: the trainer stops on the norm returned
+        # the step's one read before the update (after it, a read would wait for the update to finish)
+        grad_norm = _plain(grad_norm).item()
+        if not math.isfinite(grad_norm):  # no update: the trainer stops on the norm returned
             self.optimizer.zero_grad(set_to_none=True)
-            return {"grad_norm": _plain(grad_norm).item(), "lr": lr}
+            return {"grad_norm": grad_norm, "lr": lr}
         self.optimizer.step()
         stats = families.finish() if families is not None else {}  # the optimizer's update, before QK-Clip's
         if self.qk_clip is not None:  # after any optimizer's update (K2)
             self.qk_clip()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return {"grad_norm": _plain(grad_norm).item(), "lr": lr, **self._balance_experts(), **stats}
+        return {"grad_norm": grad_norm, "lr": lr, **self._balance_experts(), **stats}
 
     def _balance_experts(self) -> dict:
         """The aux-loss-free bias update of every MoE layer, from the step's loads summed over the ranks that

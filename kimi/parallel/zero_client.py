@@ -84,6 +84,7 @@ class ZeroClient(torch.optim.Optimizer):
         self._layout: Layout = {}
         self._flat: Optional[torch.Tensor] = None
         self._views: List[Tuple[torch.Tensor, int]] = []
+        self._group = None  # DeepSpeed's data-parallel group, from bind
 
     def bind(self, zero_optimizer) -> None:
         """Locate the fragments in DeepSpeed's partition and build the inner optimizer (collective)."""
@@ -92,9 +93,17 @@ class ZeroClient(torch.optim.Optimizer):
         self._flat, self._views = flat, [(v, self._layout[n][1]) for n, v in named]
         self.masters = dict(named)
         fragments = {n: frag for n, (frag, _) in self._layout.items()}
-        group = zero_optimizer.dp_process_group
+        group = self._group = zero_optimizer.dp_process_group
         self.inner, self.qk_clip = self._make_inner(named, fragments, group)
         self.gather = FragmentGather(self._layout, group)
+
+    def _finite_everywhere(self, grad: torch.Tensor) -> bool:
+        """Whether every rank's partition of the gradients is finite: one flag, min-reduced, so all ranks
+        skip the update alike (the torch engine skips it on the global norm)."""
+        ok = torch.isfinite(grad).all().to(torch.float32)
+        if self._group is not None and dist.is_initialized():
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(ok)
 
     def routing_table(self) -> Optional[str]:
         """The inner optimizer's routing (kimi.optim.RoutedOptimizer); None for one that routes nothing."""
@@ -119,6 +128,8 @@ class ZeroClient(torch.optim.Optimizer):
         if flat is not self._flat:  # the fragments view the partition found at bind
             raise RuntimeError("DeepSpeed stepped ZeroClient with another partition than the one it was bound to")
         grad = flat.grad
+        if grad is not None and not self._finite_everywhere(grad):
+            return  # no update: the trainer stops on DeepSpeed's gradient norm, which is not finite either
         for view, offset in self._views:
             view.grad = None if grad is None else grad.narrow(0, offset, view.numel())
         for group in self.inner.param_groups:
