@@ -65,6 +65,10 @@ FAMILIES = {
 SHAPES = {"tiny": (256, 512, 4096), "small": (256, 512, 4096), "1b": (128, 256, 4096), "moe": (256, 512, 4096),
           "attnres_full": (256, 512, 4096), "standard": (256, 512, 4096)}
 QUICK = (64, 128, 1024)
+# Memory runs in bf16 autocast as the trainer does; --memory-precision fp32 measures fp32 activations instead, an
+# upper bound of bf16's that runs at MKL's speed where the CPU has no bf16 matmul (torch's fallback loops
+# then make a bf16 run of `small` take many minutes)
+PRECISION = "bf16"
 
 aten = torch.ops.aten
 MATMULS = {"mm", "bmm", "_grouped_mm", "addmm", "baddbmm", "convolution", "convolution_backward", "_convolution",
@@ -340,7 +344,7 @@ def peak_activation_bytes(overrides: list[str], T: int, ac: str) -> int:
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=PRECISION == "bf16"):
             loss = loss_of(model, ids, labels)
         loss.backward()
 
@@ -361,9 +365,9 @@ def peak_activation_bytes(overrides: list[str], T: int, ac: str) -> int:
     return kinds.get("ACT", 0) + kinds.get("TEMP", 0)
 
 
-def audit_memory(overrides: list[str], t1: int, t2: int) -> dict:
+def audit_memory(overrides: list[str], t1: int, t2: int, modes=("none", "selective", "full")) -> dict:
     out = {}
-    for ac in ("none", "selective", "full"):
+    for ac in modes:
         a, b = peak_activation_bytes(overrides, t1, ac), peak_activation_bytes(overrides, t2, ac)
         out[ac] = {"T": [t1, t2], "peak": [a, b], "bytes_per_token": (b - a) / (t2 - t1)}
     return out
@@ -443,19 +447,19 @@ def audit_roofline(overrides: list[str], T: int) -> dict:
 
 
 # ---- driver --------------------------------------------------------------------------------------------
-def audit(name: str, quick: bool, parts: set[str]) -> dict:
+def audit(name: str, quick: bool, parts: set[str], modes=("none", "selective", "full")) -> dict:
     overrides = FAMILIES[name]
     t1, t2, t_roof = QUICK if quick else SHAPES[name]
     row: dict = {"overrides": overrides}
     start = time.perf_counter()
-    if "ops" in parts:
-        row["ops"] = audit_ops(overrides, t1)
-    if "graphs" in parts:
-        row["graphs"] = audit_graphs(overrides, min(t1, 128))
-    if "memory" in parts:
-        row["memory"] = audit_memory(overrides, t1, t2)
-    if "roofline" in parts:
-        row["roofline"] = audit_roofline(overrides, t_roof)
+    runs = {"ops": lambda: audit_ops(overrides, t1), "graphs": lambda: audit_graphs(overrides, min(t1, 128)),
+            "memory": lambda: {**audit_memory(overrides, t1, t2, modes), "precision": PRECISION},
+            "roofline": lambda: audit_roofline(overrides, t_roof)}
+    for part in (p for p in runs if p in parts):
+        try:
+            row[part] = runs[part]()
+        except Exception as e:  # one part that cannot run here (e.g. MoE's dispatch on the meta device) says why
+            row[f"{part}_error"] = f"{type(e).__name__}: {e}"[:300]
     row["seconds"] = round(time.perf_counter() - start, 1)
     return row
 
@@ -467,7 +471,8 @@ def report(results: dict) -> str:
         ops, g, m, roof = r.get("ops"), r.get("graphs"), r.get("memory"), r.get("roofline")
         syncs = (f"{sum(s['calls'] for s in ops['syncs']['forward_backward'])} / "
                  f"{sum(s['calls'] for s in ops['syncs']['update'])}") if ops else "-"
-        mem = " / ".join(f"{m[ac]['bytes_per_token'] / 1024:,.0f}" for ac in ("none", "selective", "full")) if m else "-"
+        mem = " / ".join(f"{m[ac]['bytes_per_token'] / 1024:,.0f}" if ac in m else "-"
+                         for ac in ("none", "selective", "full")) if m else "-"
         ceil = [f"{roof['gpus'][gpu]['mfu_ceiling']:.0%}" if roof else "-" for gpu in GPUS]
         lines.append(f"| {name} | {ops['unexplained_fp32'] if ops else '-'} | {syncs} | "
                      f"{g['graph_breaks'] if g else '-'} | {g['graphs_after_first_step'] if g else '-'} | {mem} | "
@@ -480,7 +485,7 @@ def report(results: dict) -> str:
             b = base.get(name, {}).get("memory")
             if not b or "memory" not in r:
                 continue
-            for ac in ("none", "selective", "full"):
+            for ac in (a for a in ("none", "selective", "full") if a in b and a in r["memory"]):
                 x, y = b[ac]["bytes_per_token"], r["memory"][ac]["bytes_per_token"]
                 lines.append(f"| {name} | {ac} | {x / 1024:,.0f} | {y / 1024:,.0f} | {y / x:.3f} |")
     for name, r in results["families"].items():
@@ -499,28 +504,33 @@ def main() -> None:
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--parts", default="ops,graphs,memory,roofline")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--ac", default="none,selective,full", help="activation checkpointing modes to measure")
+    ap.add_argument("--memory-precision", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--baseline", action="store_true", help="store the results as the baseline entry")
     ap.add_argument("--out", default=str(HERE / "results" / "step_audit.json"))
     ap.add_argument("--report", action="store_true", help="reprint the tables of --out")
     args = ap.parse_args()
     out = Path(args.out)
     old = json.loads(out.read_text()) if out.exists() else {}
+    global PRECISION
+    PRECISION = args.memory_precision
     if args.report:
         print(report(old))
         return
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     families = {}
     for name in args.families.split(","):
         print(f"[step_audit] {name} ...", flush=True)
-        families[name] = audit(name, args.quick, set(args.parts.split(",")))
+        families[name] = audit(name, args.quick, set(args.parts.split(",")), tuple(args.ac.split(",")))
         print(f"[step_audit] {name}: {families[name]['seconds']} s", flush=True)
     run = {"torch": torch.__version__, "quick": args.quick, "families": families}
     if args.baseline:
         results = {**{k: v for k, v in old.items() if k != "baseline"}, "baseline": {**run, "tree": _tree()}}
     else:
         results = {**run, "tree": _tree(), **({"baseline": old["baseline"]} if "baseline" in old else {})}
-        old_families = old.get("families", {})
-        results["families"] = {**{k: v for k, v in old_families.items()}, **families}
+        merged = dict(old.get("families", {}))  # a family's parts measured now replace those measured before
+        for name, parts in families.items():
+            merged[name] = {**merged.get(name, {}), **parts}
+        results["families"] = merged
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1, default=str))
     print(report(results))
