@@ -333,9 +333,9 @@ def peak_activation_bytes(overrides: list[str], T: int, ac: str) -> int:
     from kimi.config import ModelConfig
     from kimi.parallel import apply_activation_checkpointing
 
-    # chunks of 64 tokens: the lengths measured here are many chunks, as real ones are (there a chunk's logits
+    # chunks of 16 tokens: the lengths measured here are many chunks, as real ones are (there a chunk's logits
     # are a constant, at most the hidden states' size or 512 MiB: kimi.ops.linear_ce.chunk_tokens)
-    chunked = ["model.loss_chunk=64"] if hasattr(ModelConfig, "loss_chunk") else []  # (not on older trees)
+    chunked = ["model.loss_chunk=16"] if hasattr(ModelConfig, "loss_chunk") else []  # (not on older trees)
     cfg = compose([*overrides, *chunked])
     model = build(cfg)
     apply_activation_checkpointing(model, ac)

@@ -79,6 +79,7 @@ def _chunks(hidden, weight, labels, chunk, grads: bool):
             grad.scatter_add_(1, safe[rows, None], torch.full_like(grad[:, :1], -1.0))
             grad.mul_(keep[:, None])
         yield rows, loss, grad
+        del logits, grad  # before the next chunk's logits exist: one chunk's at a time
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -101,6 +102,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_h[rows] = grad @ w
                 if want_w:
                     grad_w += grad.T @ h[rows]
+                del grad
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return total / count
