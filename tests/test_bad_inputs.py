@@ -23,6 +23,7 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from contextlib import ExitStack
@@ -48,7 +49,11 @@ ROOT = Path(__file__).resolve().parents[1]
 register_configs()
 _spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
 train_script = importlib.util.module_from_spec(_spec)
+_before = signal.getsignal(signal.SIGTERM)
 _spec.loader.exec_module(train_script)
+# train.py installs its start-up SIGTERM handler when imported; this process is pytest's, whose later tests
+# check which handler a Trainer leaves behind
+signal.signal(signal.SIGTERM, _before)
 
 
 # ---- fixtures ------------------------------------------------------------------------------------------
