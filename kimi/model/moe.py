@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kimi.config import ModelConfig
+from kimi.ops import autocast_dtype
 
 from .init import Rules, normal
 from .mlp import SwiGLU
@@ -76,11 +77,10 @@ def swiglu_sorted(rows: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor
                   w_down: torch.Tensor) -> torch.Tensor:
     """SwiGLU_e of rows sorted by expert (counts[e] rows for expert e, in expert order): one grouped GEMM per
     projection (torch._grouped_mm), or one matmul per expert where that kernel does not run."""
-    device = rows.device.type
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+    dtype = autocast_dtype(rows.device.type)
+    if dtype is not None:
         # autocast does not cover torch._grouped_mm: without this the experts ran in fp32 on CPU, and on a GPU
-        # took the per-expert loop below (found by bench/step_audit.py); rounded as autocast rounds a linear's
-        dtype = torch.get_autocast_dtype(device)
+        # took the per-expert loop below (found by bench/step_audit.py); cast as autocast casts a linear's inputs
         rows, w_gate, w_up, w_down = (t.to(dtype) for t in (rows, w_gate, w_up, w_down))
     if grouped_mm_ok(rows):
         ends = counts.cumsum(0).to(torch.int32)

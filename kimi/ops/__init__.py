@@ -1,1 +1,13 @@
 """Numerical kernels of the model, each beside its pure-PyTorch reference."""
+
+from __future__ import annotations
+
+import torch
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast casts matmuls to on this device type, or None where it is off: for ops autocast does
+    not cover (torch._grouped_mm, our own autograd functions), which must cast themselves."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None

@@ -1,7 +1,7 @@
 """The LM head and cross-entropy fused: the mean next-token loss from the final hidden states, chunk by chunk,
 so the whole sequence's logits never exist at once.
 
-The plain way (`plain_linear_cross_entropy`, the reference) materialises [N, vocab] logits, their fp32 copy
+The plain way (kimi.model.lm_loss on the logits, the reference) materialises [N, vocab] logits, their fp32 copy
 and the fp32 gradient: 10 bytes per token per vocabulary entry under bf16 autocast, 330 KB per token at a
 32k vocabulary, more than the rest of a checkpointed model keeps. Here each chunk's logits are made,
 reduced to the loss and turned into the chunk's gradients at once (Liger-Kernel's fused linear
@@ -21,7 +21,8 @@ import contextlib
 import math
 
 import torch
-import torch.nn.functional as F
+
+from kimi.ops import autocast_dtype
 
 IGNORE_INDEX = -100
 
@@ -44,21 +45,8 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def plain_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The reference: all logits, then fp32 cross-entropy (the project's lm_loss on F.linear)."""
-    logits = F.linear(hidden, weight)
-    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX)
-
-
-def _autocasting(device: str) -> bool:
-    return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
-
-
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    device = hidden.device.type
-    if _autocasting(device):
-        return torch.get_autocast_dtype(device)
-    return torch.promote_types(hidden.dtype, weight.dtype)
+    return autocast_dtype(hidden.device.type) or torch.promote_types(hidden.dtype, weight.dtype)
 
 
 def _chunks(hidden, weight, labels, chunk, grads: bool):
@@ -87,7 +75,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, chunk: int):
         dtype = _compute_dtype(hidden, weight)
         device = hidden.device.type
-        with torch.autocast(device, enabled=False) if _autocasting(device) else contextlib.nullcontext():
+        with torch.autocast(device, enabled=False) if autocast_dtype(device) else contextlib.nullcontext():
             h, w = hidden.to(dtype), weight.to(dtype)
             acc = torch.promote_types(torch.float32, dtype)  # the loss's and the weight gradient's dtype
             count = (labels != IGNORE_INDEX).sum().clamp(min=1)  # a tensor: no host sync

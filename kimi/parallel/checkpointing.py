@@ -4,8 +4,8 @@ Both act on sublayers rather than blocks because a block passes the AttnRes stre
 recomputing a block in the backward would replay it on a stream that later blocks have already extended.
 A sublayer, with its depth mix and pre-norm (Block.sublayer), is a function of the stream's sources and
 the sublayer's query that returns one tensor: checkpointing keeps only those inputs, which the stream holds
-anyway, and recomputes the mix, the norm and the module. The final mix and norm are checkpointed alike. Checkpointing goes through the block's explicit sublayer runner
-(``Block.set_runner``) and compiling through torch's ``Module.compile``: no forward is replaced and no
+anyway, and recomputes the mix, the norm and the module. The final mix and norm are checkpointed alike.
+Checkpointing goes through the block's explicit sublayer runner (``Block.set_runner``) and compiling through torch's ``Module.compile``: no forward is replaced and no
 module wrapped, so parameter names do not change (optimizer routing, QK-Clip specs and checkpoints see the
 same names with and without these). The recomputation calls the module itself, compiled if it is, so it
 replays exactly what the forward ran.
