@@ -146,9 +146,9 @@ def _content_problems(path: Path, marker: Dict[str, Any]) -> List[str]:
     shards, any file on the machine), or a state whose step is not the one its marker and name promise. A
     file that would run code is not a problem here: every load refuses it, as an error (see _read)."""
     try:
-        foreign = _foreign_files(_metadata(path), marker["files"])
+        foreign = _foreign_files(path, marker["files"])
         if foreign:
-            return [f"its .metadata reads files outside its manifest ({', '.join(foreign[:3])}): forged or edited"]
+            return [f"{foreign}: forged or edited"]
         step, named = read_trainer_state(path)["step"], _STEP_NAME.match(Path(path).name)
     except RunError:
         return []
@@ -217,12 +217,14 @@ def _metadata(path: Path):
         raise RunError(_UNTRUSTED.format(path, f"its .metadata {e}")) from None
 
 
-def _foreign_files(metadata, listed: Optional[Dict[str, Any]]) -> List[str]:
-    """The files `metadata` would read that are not plain names in the checkpoint's own directory (listed in
-    its manifest, when it has one): DCP joins the names to the directory, so '../' or '/' reach anywhere."""
-    names = {str(info.relative_path) for info in (metadata.storage_data or {}).values()}
-    return sorted(n for n in names if n in ("", ".", "..", COMPLETE) or "/" in n or "\\" in n
-                  or (listed is not None and n not in listed))
+def _foreign_files(path: Path, listed: Optional[Dict[str, Any]]) -> Optional[str]:
+    """What is wrong when checkpoint `path`'s metadata would read files that are not plain names in its own
+    directory (listed in its manifest, when it has one): DCP joins the names to the directory, so '../' or '/'
+    reach anywhere. None when it reads none."""
+    names = {str(info.relative_path) for info in (_metadata(path).storage_data or {}).values()}
+    foreign = sorted(n for n in names if n in ("", ".", "..", COMPLETE) or "/" in n or "\\" in n
+                     or (listed is not None and n not in listed))
+    return f"its .metadata reads files outside its manifest ({', '.join(foreign[:3])})" if foreign else None
 
 
 def _read(state: Dict[str, Any], path: Path) -> None:
@@ -230,10 +232,9 @@ def _read(state: Dict[str, Any], path: Path) -> None:
     Checked here first as well, before DCP opens anything: the metadata (DCP would log its own tracebacks
     before giving up on a bad one) and the files it names (whatever loaded `path`, verified or not)."""
     marker, _ = manifest.read_marker(Path(path) / COMPLETE)
-    foreign = _foreign_files(_metadata(path), marker["files"] if marker else None)
+    foreign = _foreign_files(path, marker["files"] if marker else None)
     if foreign:
-        where = f"its .metadata reads files outside its manifest ({', '.join(foreign[:3])})"
-        raise RunError(_UNTRUSTED.format(path, where))
+        raise RunError(_UNTRUSTED.format(path, foreign))
     try:
         dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner())
     except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
