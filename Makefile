@@ -82,10 +82,15 @@ GPU_WHEEL_TARGET := --python-version 3.12 --implementation cp --platform manylin
                     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 GPU_NEEDS := hydra omegaconf antlr4 datasets dill multiprocess fla
 
-.PHONY: train test test-fast test-unit test-dist test-e2e venv venv-dev bench clean-venv gpu-check gpu-wheels dashboard-sample
+.PHONY: train prepare test test-fast test-unit test-dist test-e2e venv venv-dev bench clean-venv gpu-check gpu-wheels dashboard-sample
 
 train: $(VENV)/.installed
 	$(PY) train.py $(ARGS)
+
+# Tokenise the configured data into shards first (every core, resumable), e.g.
+#   make prepare ARGS="data=files 'data.data_files=[/data/*.jsonl]'"
+prepare: $(VENV)/.installed
+	$(PY) -m kimi.data.prepare $(ARGS)
 
 test: $(VENV)/.installed-dev
 	$(PY) -m pytest -q $(PYTEST_ARGS)

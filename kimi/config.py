@@ -143,7 +143,11 @@ class DataConfig:
     val_split: Optional[str] = None  # None: hold out `val_fraction` of the documents
     val_fraction: float = 0.05
     cache_dir: Optional[str] = None  # None: $KIMI_CACHE_DIR or ~/.cache/kimi
-    num_proc: int = 1  # processes for datasets.map during tokenisation
+    num_proc: Optional[int] = None  # processes that tokenise (kimi.data.encode); None: every core
+    shard_mb: float = 256.0  # size of one token shard (kimi.data.shards)
+    # The trainer tokenises a corpus of up to this many MB of text itself; larger ones are prepared first with
+    # `python -m kimi.data.prepare` (resumable, every core).
+    inline_max_mb: float = 512.0
     varlen: bool = False  # feed document boundaries (cu_seqlens) to the model
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
 

@@ -177,15 +177,18 @@ def _rewrite_meta(path, **changes):
 
 
 CACHE_CASES = [
-    ("id-beyond-vocab", "train.bin", lambda p: _put(p, 5, 60000, np.uint16),
+    ("id-beyond-vocab", "train-00000.bin", lambda p: _put(p, 5, 60000, np.uint16),
      ["holds token id 60000", "384 ids"]),
-    ("id-equal-to-vocab", "val.bin", lambda p: _put(p, 0, VOCAB, np.uint16), [f"holds token id {VOCAB}"]),
-    ("odd-size", "train.bin", lambda p: p.write_bytes(p.read_bytes()[:-1]), ["truncated"]),
-    ("one-token-short", "val.bin", lambda p: p.write_bytes(p.read_bytes()[:-2]), ["truncated", "bytes"]),
-    ("missing", "train.bin", lambda p: p.unlink(), ["is missing"]),
-    ("meta-not-json", "train.json", lambda p: p.write_text('{"format_version": 1, "dty'), ["is corrupt"]),
-    ("meta-without-dtype", "val.json", lambda p: _rewrite_meta(p, dtype=None), ["is corrupt"]),
-    ("meta-vocab-edited", "train.json", lambda p: _rewrite_meta(p, vocab_size=3), ["vocabulary 3", "384"]),
+    ("id-equal-to-vocab", "val-00000.bin", lambda p: _put(p, 0, VOCAB, np.uint16), [f"holds token id {VOCAB}"]),
+    ("checksum", "train-00000.bin", lambda p: _put(p, 3, (np.fromfile(p, np.uint16)[3] + 1) % VOCAB, np.uint16), ["does not match its checksum"]),
+    ("odd-size", "train-00000.bin", lambda p: p.write_bytes(p.read_bytes()[:-1]), ["truncated"]),
+    ("one-token-short", "val-00000.bin", lambda p: p.write_bytes(p.read_bytes()[:-2]), ["truncated", "bytes"]),
+    ("missing", "train-00000.bin", lambda p: p.unlink(), ["is missing"]),
+    ("meta-not-json", "train-00000.json", lambda p: p.write_text('{"format_version": 2, "dty'), ["is corrupt"]),
+    ("meta-without-dtype", "val-00000.json", lambda p: _rewrite_meta(p, dtype=None), ["is corrupt"]),
+    ("meta-vocab-edited", "train-00000.json", lambda p: _rewrite_meta(p, vocab_size=3), ["vocabulary 3", "384"]),
+    ("index-truncated", "train-00000.idx", lambda p: p.write_bytes(p.read_bytes()[:-8]), ["truncated"]),
+    ("manifest-not-json", "manifest.json", lambda p: p.write_text('{"splits": '), ["manifest.json is corrupt"]),
     ("tokenizer-corrupt", "tokenizer.model", lambda p: p.write_bytes(_png()), ["corrupt tokenizer.model"]),
 ]
 
@@ -212,7 +215,7 @@ def test_corrupt_token_cache_says_delete_it(prepared_cache, tmp_path, case):
 def test_cache_edited_after_a_check_is_caught_again(prepared_cache, tmp_path):
     cache, cfg, good = prepared_cache
     shutil.copytree(cache, tmp_path / "cache")
-    path = tmp_path / "cache" / good.train_path.relative_to(cache)
+    path = tmp_path / "cache" / good.shards["train"][0].relative_to(cache)
     assert open_tokens(path, good.tokenizer.sha256).max() < VOCAB
     _put(path, 1, 65535, np.uint16)
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # a later edit

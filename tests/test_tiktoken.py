@@ -122,7 +122,7 @@ def test_prepared_data_and_its_cache_keep_the_config_beside_the_model(bpe, tmp_p
     assert (first.data_dir / "tokenizer_config.json").is_file()
     again = prepare(cfg)  # from the cache: the copy in the data dir is read back with its config
     assert again.tokenizer.sha256 == first.tokenizer.sha256 == Tokenizer(bpe).sha256
-    tokens = open_tokens(again.train_path, expected_tokenizer_sha256=first.tokenizer.sha256)
+    tokens = open_tokens(again.shards["train"][-1], expected_tokenizer_sha256=first.tokenizer.sha256)
     assert tokens.dtype == np.uint16 and tokens[-1] == first.tokenizer.eos_id
     text = (corpus / sorted(p.name for p in corpus.iterdir())[0]).read_text()
     assert first.tokenizer.decode(first.tokenizer.encode(text)) == text

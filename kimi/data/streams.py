@@ -7,15 +7,14 @@ from typing import List, Tuple
 
 from kimi.config import TrainerConfig
 from kimi.data.loader import Batch, TokenLoader
-from kimi.data.pack import PreparedData, open_tokens
+from kimi.data.pack import PreparedData, open_split
 
 
 def rank_streams(data: PreparedData, t: TrainerConfig, dp_rank: int,
                  dp_world: int) -> Tuple[TokenLoader, List[Batch]]:
     """(this rank's training loader, its validation batches)."""
     tok = data.tokenizer
-    train_tokens, val_tokens = (open_tokens(path, tok.sha256, vocab_size=tok.vocab_size)
-                                for path in (data.train_path, data.val_path))
+    train_tokens, val_tokens = open_split(data, "train"), open_split(data, "val")
     # Each rank reads its own micro-batches: one step on N ranks sees what one process would see with an N
     # times larger micro-batch (trainer.micro_batch_size is per rank, as in Megatron).
     loader = TokenLoader(train_tokens, t.micro_batch_size, t.seq_len, t.seed, tok.eos_id, dp_rank=dp_rank,
