@@ -41,7 +41,9 @@ OPTIMIZERS = ("adamw", "muonclip")
 SCHEDULES = ("cosine", "wsd", "constant")
 NS_DTYPES = ("fp32", "bf16")
 ADJUST_LR_FNS = ("match_rms_adamw", "original")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp8", "mxfp8")
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's recipe names
+QAT_MODES = ("mxfp4_experts",)
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("offline", "online", "disabled")
 AC_MODES = ("none", "full", "selective")
@@ -188,7 +190,9 @@ class TrainerConfig:
     micro_batch_size: int = 16
     seq_len: int = 128
     grad_accum_steps: int = 1
-    precision: str = one_of(PRECISIONS, "fp32")  # bf16: autocast; weights and optimizer stay fp32
+    # bf16: autocast; weights and optimizer stay fp32. fp8 / mxfp8: bf16 autocast, and the large block
+    # projections through torchao's fp8 / MXFP8 matmuls (the precision section, kimi/precision)
+    precision: str = one_of(PRECISIONS, "fp32")
     device: str = one_of(DEVICES, "auto")
     eval_every: int = 100  # 0 disables periodic validation (a final one still runs)
     # Diagnostics of every building block (AttnRes weights, MLA logits, KDA decay, MoE load, Muon/AdamW
@@ -278,6 +282,27 @@ class ParallelConfig:
 
 
 @dataclass
+class Fp8Config:
+    recipe: str = one_of(FP8_RECIPES, "tensorwise")  # torchao's Float8LinearConfig.from_recipe_name
+
+
+@dataclass
+class PrecisionConfig:
+    """Low-precision training (trainer.precision=fp8|mxfp8, precision.qat; kimi/precision, docs/precision.md)."""
+
+    fp8: Fp8Config = field(default_factory=Fp8Config)
+    # null: the fp8 / MXFP8 matmuls emulated on CPU, native on CUDA (a GPU without them, below sm_89 for fp8 or
+    # sm_100 for MXFP8, is refused unless true); true: emulated everywhere; false: native only
+    emulate: Optional[bool] = None
+    # blocks at each end of the model whose projections stay bf16 (the first and last layers)
+    keep_end_blocks: int = 1
+    # projections with fewer input or output features stay bf16 (their cast costs more than it saves)
+    min_features: int = 64
+    # mxfp4_experts: the routed experts' weights fake-quantised to MXFP4 in the forward (QAT), exportable
+    qat: Optional[str] = one_of(QAT_MODES, None)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -285,6 +310,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
 
 
 def register_configs() -> None:

@@ -1,6 +1,6 @@
 """Checkpoints to and from Hugging Face `transformers`' Kimi Linear (`KimiLinearForCausalLM`).
 
-    python -m kimi.convert to-hf RUN_DIR HF_DIR [--shard-gb 5] [--layout release|save_pretrained]
+    python -m kimi.convert to-hf RUN_DIR HF_DIR [--shard-gb 5] [--layout release|save_pretrained] [--mxfp4-experts]
     python -m kimi.convert from-hf HF_DIR RUN_DIR
 
 from-hf makes a new run directory from a transformers Kimi Linear directory: RUN_DIR/init (a weights-only
@@ -22,6 +22,11 @@ differ by that eps's effect (~4e-5 relative on a tiny model); train with `model.
 exactly. from-hf (and in Python `load_hf(HF_DIR)`, our model in eval mode) reads either layout, one tensor at
 a time; a missing directory, damaged safetensors, a tensor of another shape or a config.json lacking a key
 is a one-line error naming it. The name and layout mapping is kimi.interop.hf.
+
+--mxfp4-experts (for a run trained with precision.qat=mxfp4_experts) writes every routed expert's weight as
+MXFP4 (kimi/precision/mxfp4.py): NAME.weight_packed and NAME.weight_scale (uint8) in place of NAME.weight,
+and config.json's "mxfp4_experts" says so. load_hf and from-hf read them back, dequantised: the forward of
+the trained model (whose experts computed with exactly those values). transformers does not read them.
 """
 
 from __future__ import annotations
@@ -62,13 +67,21 @@ class _LazyTensors:
                                  "damaged (an interrupted download or copy?); fetch it again") from None
 
     def get(self, names) -> tuple[str, torch.Tensor] | None:
-        """(the first of `names` the directory holds, its tensor), or None."""
+        """(the first of `names` the directory holds, its tensor), or None; NAME.weight may be held as MXFP4
+        (NAME.weight_packed and NAME.weight_scale, --mxfp4-experts), returned dequantised (fp32)."""
         from safetensors import safe_open
 
         for key in names:
             if key in self._where:
                 with safe_open(self._where[key], framework="pt") as f:
                     return key, f.get_tensor(key)
+            packed, scale = (key.removesuffix(".weight") + s for s in (".weight_packed", ".weight_scale"))
+            if key.endswith(".weight") and packed in self._where and scale in self._where:
+                from kimi.precision.mxfp4 import dequantize
+
+                with safe_open(self._where[packed], framework="pt") as f, \
+                        safe_open(self._where[scale], framework="pt") as g:
+                    return packed, dequantize(f.get_tensor(packed), g.get_tensor(scale))
         return None
 
 
@@ -148,29 +161,48 @@ def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> KimiMo
     return model.eval()
 
 
+def _tensors(model: KimiModel, layout: str, mxfp4_experts: bool):
+    """(file name, tensor) of every tensor save_hf writes, the routed experts' as MXFP4 if asked."""
+    state = model.state_dict()
+    for name, mine, index, shape in file_map(model.cfg, layout):
+        tensor = state[mine] if index is None else state[mine][index]
+        tensor = (tensor.reshape(shape) if shape else tensor).detach().cpu().contiguous()
+        if mine == "lm_head.weight" and model.cfg.tie_embeddings:  # safetensors refuses two names for one storage
+            tensor = tensor.clone()
+        if mxfp4_experts and ".experts.w_" in mine:
+            from kimi.precision.mxfp4 import quantize
+
+            packed, scale = quantize(tensor)
+            yield name.removesuffix(".weight") + ".weight_packed", packed
+            yield name.removesuffix(".weight") + ".weight_scale", scale
+        else:
+            yield name, tensor
+
+
 def save_hf(model: KimiModel, directory: str | Path, shard_bytes: int = 5 * 2**30,
-            layout: str = "release") -> Path:
+            layout: str = "release", mxfp4_experts: bool = False) -> Path:
     """config.json and safetensors shards of `model` in the released checkpoints' layout, which
     transformers loads as KimiLinearForCausalLM (and vLLM, mlx-lm read); layout="save_pretrained": the
-    tensor names transformers' save_pretrained writes instead (kimi.interop.hf.LAYOUTS)."""
+    tensor names transformers' save_pretrained writes instead (kimi.interop.hf.LAYOUTS). mxfp4_experts: the
+    routed experts' weights as MXFP4 (module docstring)."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     cfg = model.cfg
     config = dict(release_config(cfg),  # refuses before writing
                   dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
+    if mxfp4_experts:
+        if not cfg.moe_num_experts:
+            raise ValueError("--mxfp4-experts: this model has no routed experts (model.moe_num_experts=0)")
+        config["mxfp4_experts"] = {"block_size": 32, "elements": "E2M1, two per uint8, even element in the "
+                                   "low nibble", "scale": "E8M0 (uint8, 2^(s-127)) per block of the last dim"}
     directory.mkdir(parents=True, exist_ok=True)
-    state = model.state_dict()
     shards, current, size = [], {}, 0
-    for name, mine, index, shape in file_map(cfg, layout):
-        tensor = state[mine] if index is None else state[mine][index]
-        tensor = (tensor.reshape(shape) if shape else tensor).contiguous()
-        if mine == "lm_head.weight" and cfg.tie_embeddings:  # safetensors refuses two names for one storage
-            tensor = tensor.clone()
+    for name, tensor in _tensors(model, layout, mxfp4_experts):
         if current and size + tensor.numel() * tensor.element_size() > shard_bytes:
             shards.append(current)
             current, size = {}, 0
-        current[name] = tensor.detach().cpu()
+        current[name] = tensor
         size += tensor.numel() * tensor.element_size()
     shards.append(current)
     weight_map = {}
@@ -229,13 +261,14 @@ def from_hf(hf_dir: str | Path, run_dir: str | Path) -> list[str]:
     return lines
 
 
-def _to_hf(run: str, out: str, shard_gb: float, layout: str) -> int:
+def _to_hf(run: str, out: str, shard_gb: float, layout: str, mxfp4_experts: bool = False) -> int:
     from kimi.generate import load_from_checkpoint
 
     model, _, step = load_from_checkpoint(run)
-    save_hf(model, out, int(shard_gb * 2**30), layout)
-    print(f"[kimi] wrote {out} (step {step}): config.json and safetensors for KimiLinearForCausalLM "
-          f"({layout} layout)")
+    save_hf(model, out, int(shard_gb * 2**30), layout, mxfp4_experts)
+    what = ("; routed experts as MXFP4, which transformers does not read" if mxfp4_experts
+            else " for KimiLinearForCausalLM")
+    print(f"[kimi] wrote {out} (step {step}): config.json and safetensors{what} ({layout} layout)")
     return 0
 
 
@@ -254,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     to_hf.add_argument("--layout", choices=sorted(LAYOUTS), default="release",
                        help="tensor names: the released checkpoints' (default; what every loader reads) or "
                             "the ones transformers' save_pretrained writes (dense MLP under block_sparse_moe)")
+    to_hf.add_argument("--mxfp4-experts", action="store_true",
+                       help="routed experts' weights as MXFP4 (a run trained with precision.qat=mxfp4_experts)")
     from_hf_cmd = sub.add_parser("from-hf", help="a transformers directory -> a new run dir that trains from it")
     from_hf_cmd.add_argument("hf_dir")
     from_hf_cmd.add_argument("run_dir")
@@ -262,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "from-hf":
             print("\n".join(from_hf(args.hf_dir, args.run_dir)))
             return 0
-        return _to_hf(args.run, args.out, args.shard_gb, args.layout)
+        return _to_hf(args.run, args.out, args.shard_gb, args.layout, args.mxfp4_experts)
     except (NotExpressible, FileNotFoundError, ValueError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ from kimi.data.rules import validate_data
 from kimi.model.rules import check_kernels, check_tensor_parallel, validate_model
 from kimi.optim.rules import validate_optim
 from kimi.parallel.rules import check_engine, check_layout, validate_parallel
+from kimi.precision.rules import validate_precision
 
 
 def validate(cfg: Config, world: Optional[int] = None) -> None:
@@ -38,6 +39,7 @@ def validate(cfg: Config, world: Optional[int] = None) -> None:
     check_expert_parallel(cfg)
     check_context_parallel(cfg)
     check_engine(cfg.parallel)
+    validate_precision(cfg)
     check_pipeline(cfg)
     check_vocab(cfg)
     check_kernels(cfg)

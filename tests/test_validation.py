@@ -288,7 +288,8 @@ def _compose_with(*overrides: str) -> DictConfig:
     ("+max_steps=3", "max_steps is not a config key: did you mean trainer.max_steps?"),
     ("+model.foo=1",
      "model.foo is not a config key (the keys of model are the fields of ModelConfig in kimi/config.py)"),
-    ("+bar=1", "bar is not a config key (the sections are model, data, optim, trainer, logging, parallel)"),
+    ("+bar=1", "bar is not a config key (the sections are model, data, optim, trainer, logging, parallel, "
+               "precision)"),
 ])
 def test_keys_added_with_plus_are_refused(override, message):
     # Hydra's `+` adds a key even to the structured schema; to_config must not drop it without a word

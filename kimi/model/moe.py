@@ -176,10 +176,15 @@ class RoutedExperts(ParamViews, nn.Module):
         self.w_down = nn.Parameter(torch.empty(E, d, hidden))
         self.impl = impl
         self.dispatch: Callable | None = None  # (x, experts, weights, w_gate, w_up, w_down) -> y
+        # set by quantisation-aware training (kimi/precision): each weight as the forward computes with it
+        self.weight_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         fn = self.dispatch or EXPERT_IMPLS[self.impl]
-        return fn(x, experts, weights, self.param("w_gate"), self.param("w_up"), self.param("w_down"))
+        w = [self.param(name) for name in ("w_gate", "w_up", "w_down")]
+        if self.weight_quant is not None:
+            w = [self.weight_quant(t) for t in w]
+        return fn(x, experts, weights, *w)
 
 
 class MoE(Sublayer, nn.Module):

@@ -34,6 +34,7 @@ from kimi.data import Batch
 from kimi.model import KimiModel
 from kimi.model.moe import set_aux_grad_scale, update_expert_bias
 from kimi.optim import build_optimizer, build_qk_clip, build_scheduler
+from kimi.precision import apply_low_precision
 
 from .dims import ParallelDims, sum_over
 from .family_stats import FamilyStats
@@ -74,8 +75,9 @@ class TorchEngine(Engine):
         p, t = cfg.parallel, cfg.trainer
         self.cfg, self.dims, self.mesh, self.device = cfg, dims, mesh, device
         self.expert_mesh = dims.build_expert_mesh(device.type)
-        parts = parallelize(model, p, dims, mesh, bf16=t.precision == "bf16", seq_len=t.seq_len,
-                            expert_mesh=self.expert_mesh)
+        self.low_precision = apply_low_precision(model, cfg, device)  # before any parallelism, as torchao asks
+        bf16 = t.precision != "fp32"  # fp8 and mxfp8 run the rest of the model as bf16 does
+        parts = parallelize(model, p, dims, mesh, bf16=bf16, seq_len=t.seq_len, expert_mesh=self.expert_mesh)
         for part in parts:  # before joining them: to_empty gives plain parameters new objects
             materialize(part, device)
         self.parts = parts  # the model parts this rank runs (its pipeline stages), whose forwards diagnostics observe
@@ -91,7 +93,7 @@ class TorchEngine(Engine):
         self.qk_clip = build_qk_clip(self.model, cfg.optim, group=group,
                                      head_group=mesh["tp"].get_group() if dims.tp > 1 else None)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
-        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16) if t.precision == "bf16" else nullcontext()
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
     # ---- one step -----------------------------------------------------------------------------------
     def loss_context(self):

@@ -1,0 +1,92 @@
+"""Low-precision training, applied from outside the single-device model like parallelism (docs/precision.md).
+
+``apply_low_precision`` runs on the model the engine is given (on the meta device, before any parallelism,
+activation checkpointing, torch.compile or FSDP):
+
+* trainer.precision=fp8 | mxfp8: the block projections that benefit become torchao fp8 / MXFP8 linears
+  (kimi/precision/linear.py); the rest of the model runs under bf16 autocast as trainer.precision=bf16 does.
+  A projection stays bf16 when it is in the first or last ``precision.keep_end_blocks`` blocks, is an MoE
+  router (its scores choose the experts) or has fewer than ``precision.min_features`` input or output
+  features or a dimension that is not a multiple of the format's alignment (16 for fp8, the 32-element block
+  for MXFP8). The LM head, embedding, norms, convolutions, AttnRes queries and the routed experts' grouped
+  weights are never converted (torchao 0.18's fp8 grouped GEMM needs CUDA's _scaled_grouped_mm).
+* precision.qat=mxfp4_experts: every routed-expert weight is read through MXFP4 fake quantisation with a
+  straight-through gradient (kimi/precision/mxfp4.py), so `python -m kimi.convert to-hf --mxfp4-experts`
+  writes the experts whose dequantised forward is the trained one.
+
+Parameters keep their names, shapes, dtype (fp32) and plain-tensor type: the optimizer (MuonClip
+orthogonalises these masters, never a quantised copy), checkpoints and QK-Clip (its max logits come from the
+forward's own q and k, so from the precision the forward used) see the model they always saw.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kimi.config import Config, ConfigError, PrecisionConfig
+from kimi.model.moe import RoutedExperts
+
+LOW_PRECISION = ("fp8", "mxfp8")
+# compute capability of the first GPUs with the format's matmuls
+NATIVE_FROM = {"fp8": (8, 9), "mxfp8": (10, 0)}
+
+
+def emulated(precision: str, p: PrecisionConfig, device: torch.device) -> bool:
+    """Whether the fp8 / MXFP8 matmuls are emulated on `device` (precision.emulate); a device that cannot run
+    them natively when asked to is a one-line ConfigError."""
+    if p.emulate:
+        return True
+    if device.type != "cuda":
+        if p.emulate is None:
+            return True
+        raise ConfigError(f"precision.emulate=false needs CUDA for trainer.precision={precision}: set "
+                          "precision.emulate=null (emulated on CPU) or train on a GPU")
+    need, have = NATIVE_FROM[precision], torch.cuda.get_device_capability(device)
+    if have < need:
+        raise ConfigError(f"trainer.precision={precision} needs a GPU of compute capability "
+                          f"{need[0]}.{need[1]} or newer for its native matmuls, this one is {have[0]}.{have[1]}: "
+                          "use trainer.precision=bf16, or precision.emulate=true (slow, for checks)")
+    return False
+
+
+def targets(model: nn.Module, p: PrecisionConfig, align: int) -> dict[str, nn.Linear]:
+    """The projections to convert, by name (module docstring's filter)."""
+    found = {}
+    blocks = list(model.blocks.items())
+    for k, (i, block) in enumerate(blocks):
+        if k < p.keep_end_blocks or k >= len(blocks) - p.keep_end_blocks:
+            continue
+        for name, mod in block.named_modules():
+            if type(mod) is not nn.Linear or name.rpartition(".")[2] == "router":
+                continue
+            small = min(mod.in_features, mod.out_features) < p.min_features
+            if not small and mod.in_features % align == 0 and mod.out_features % align == 0:
+                found[f"blocks.{i}.{name}"] = mod
+    return found
+
+
+def apply_low_precision(model: nn.Module, cfg: Config, device: torch.device) -> list[str]:
+    """Convert `model` in place for cfg.trainer.precision and cfg.precision.qat; returns the names of the
+    projections now computed in fp8 / MXFP8."""
+    precision, p = cfg.trainer.precision, cfg.precision
+    converted: list[str] = []
+    if precision in LOW_PRECISION:
+        from . import linear
+
+        emulate = emulated(precision, p, device)
+        if precision == "fp8":
+            config = linear.fp8_config(p.fp8.recipe, emulate)
+            convert, align = (lambda m: linear.to_fp8(m, config)), linear.FP8_ALIGN
+        else:
+            convert, align = (lambda m: linear.to_mxfp8(m, emulate)), linear.MX_BLOCK
+        for name, mod in targets(model, p, align).items():
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, convert(mod))
+            converted.append(name)
+    if p.qat == "mxfp4_experts":
+        from .mxfp4 import fake_quantize
+
+        for experts in (m for m in model.modules() if isinstance(m, RoutedExperts)):
+            experts.weight_quant = fake_quantize
+    return converted

@@ -1,0 +1,48 @@
+"""The precision section's rules, with trainer.precision's (kimi.validation runs them before any data work).
+Whether the GPU has the format's matmuls is asked when the engine converts the model
+(kimi.precision.emulated), once there is a device."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from kimi.config import Config, check, check_choices, pipeline_microbatches, require
+
+TORCHAO_MISSING = ("{what} needs torchao, which is not installed: pip install -e '.[fp8]' (the fp8 extra), "
+                   "or use trainer.precision=bf16 without precision.qat")
+
+
+def validate_precision(cfg: Config) -> None:
+    p, t, m, par = cfg.precision, cfg.trainer, cfg.model, cfg.parallel
+    check_choices(p, "precision")
+    check(p.keep_end_blocks >= 0, "precision.keep_end_blocks", p.keep_end_blocks, "must be >= 0")
+    check(p.min_features >= 0, "precision.min_features", p.min_features, "must be >= 0")
+    low = t.precision in ("fp8", "mxfp8")
+    asked = [f"trainer.precision={t.precision}"] * low + [f"precision.qat={p.qat}"] * (p.qat is not None)
+    if not asked:
+        return
+    what = " and ".join(asked)
+    require(importlib.util.find_spec("torchao") is not None, TORCHAO_MISSING.format(what=what))
+    require(par.engine == "torch",
+            f"{what} is not supported by parallel.engine={par.engine} (its ZeRO keeps its own bf16 copies of "
+            "the weights): use parallel.engine=torch, or trainer.precision=bf16 without precision.qat")
+    if low:
+        require(par.tp == 1, f"trainer.precision={t.precision} does not work with parallel.tp={par.tp} yet "
+                             "(torchao's float8 tensor-parallel styles are not wired in): use parallel.tp=1 "
+                             "or trainer.precision=bf16")
+        require(t.device != "cpu" or p.emulate is not False,
+                f"precision.emulate=false needs CUDA for trainer.precision={t.precision}: set "
+                "precision.emulate=null (emulated on CPU) or trainer.device=cuda")
+    if t.precision == "mxfp8":
+        # the weight gradient's MXFP8 blocks run along the tokens of one forward
+        tokens = t.micro_batch_size // pipeline_microbatches(cfg) * (t.seq_len // par.cp)
+        require(tokens % 32 == 0,
+                f"trainer.precision=mxfp8 needs the tokens of one forward (micro_batch_size/pipeline "
+                f"micro-batches * seq_len/cp = {tokens}) to be a multiple of 32, the MXFP8 block: change "
+                "trainer.micro_batch_size or trainer.seq_len")
+    if p.qat == "mxfp4_experts":
+        require(m.moe_num_experts > 0, "precision.qat=mxfp4_experts needs a mixture-of-experts model "
+                                       "(model.moe_num_experts > 0, e.g. model=moe_tiny): set precision.qat=null")
+        require(m.d_model % 32 == 0 and m.moe_hidden % 32 == 0,
+                f"precision.qat=mxfp4_experts quantises the experts' weights in blocks of 32 along their inputs: "
+                f"model.d_model={m.d_model} and model.moe_hidden={m.moe_hidden} must be multiples of 32")
