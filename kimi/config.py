@@ -47,6 +47,7 @@ QAT_MODES = ("mxfp4_experts",)
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("offline", "online", "disabled")
 AC_MODES = ("none", "full", "selective")
+FAULT_TOLERANCE = ("none", "torchft")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage per rank; the others run pp_virtual_stages each
 MOE_IMPLS = ("grouped", "loop")
@@ -257,6 +258,20 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class TorchftConfig:
+    """parallel.fault_tolerance=torchft (kimi/parallel/fault_tolerance.py): each replica group is a job of its
+    own; gradients are averaged over the groups in the step's quorum, a group that (re)joins takes a peer's
+    live state."""
+
+    replica_group: int = 0  # this job's group, 0..replica_groups-1: which share of the data it reads
+    replica_groups: int = 2  # groups the run is planned with: the global batch when all are in the quorum
+    lighthouse: Optional[str] = None  # e.g. http://host:29510; null: the TORCHFT_LIGHTHOUSE environment variable
+    min_replicas: int = 1  # groups a step needs to commit its update (the others wait for more)
+    timeout_s: float = 60.0  # a collective or a state transfer between groups
+    quorum_timeout_s: float = 60.0  # waiting for the quorum at the start of a step
+
+
+@dataclass
 class ParallelConfig:
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -279,6 +294,9 @@ class ParallelConfig:
     # torch: FSDP2/TP/PP from torch.distributed; deepspeed: DeepSpeed's ZeRO 1-3 over dp_shard ranks
     engine: str = one_of(ENGINES, "torch")
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    # none, or torchft: replica groups (each its own torchrun job) that train on when one is lost
+    fault_tolerance: str = one_of(FAULT_TOLERANCE, "none")
+    torchft: TorchftConfig = field(default_factory=TorchftConfig)
 
 
 @dataclass

@@ -33,8 +33,8 @@ from kimi.divergence import check_finite
 from kimi.metrics import MetricsLogger, PeakFlops, ProgressWindow, banner, qk_clip_record
 from kimi.model import KimiModel
 from kimi.model.decode import sample_text
-from kimi.parallel import (ParallelDims, build_engine, checkpoint_group, init_distributed, mean_over_ranks,
-                           resolve_device, setup_group)
+from kimi.parallel import (ParallelDims, build_engine, checkpoint_group, fault_tolerance, init_distributed,
+                           mean_over_ranks, resolve_device, setup_group)
 from kimi.parallel.watchdog import Watchdog
 from kimi.resume import checkpoint_to_resume, load_weights, resume, weights_to_start_from
 from kimi.runlog import RunLog, data_identity, nothing_to_train, save_config, write_routing
@@ -72,7 +72,7 @@ class Trainer:
         self.dp_rank = dims.dp_rank(self.mesh)  # ranks of one tensor-parallel group read the same data
         self.is_main = self.rank == 0
         self.watchdog = Watchdog(t.collective_timeout_s, self._intact_note).start() if dims.enabled else None
-        self.lock, self.metrics = None, None
+        self.lock, self.metrics, self.ft = None, None, None
         self.runlog = RunLog(enabled=self.is_main)  # rank 0's stdout, also in <run_dir>/train.log
         try:
             with self.runlog.tee():
@@ -100,7 +100,7 @@ class Trainer:
                 self.data = prepare(cfg.data)
         tok = self.data.tokenizer
         resolve_vocab(cfg.model, tok.vocab_size)
-        self.loader, self.val_batches = rank_streams(self.data, t, self.dp_rank, dims.dp)
+        self.loader, self.val_batches = rank_streams(self.data, t, self.dp_rank, dims.data_world)
 
         # Every rank builds the model on the meta device (no memory); the engine applies parallelism, then
         # allocates and initialises only this rank's shards.
@@ -126,6 +126,7 @@ class Trainer:
             self.run_id = run_id or self.run_id
         elif weights:
             load_weights(self.engine, weights, self.log)
+        self.ft = fault_tolerance.attach(self)  # torchft: a late replica group takes its peers' state here
 
     def log(self, message: str) -> None:
         """Console output, from rank 0 only."""
@@ -136,6 +137,8 @@ class Trainer:
         """Restore the signal handlers, stop the watchdog and unlock the run dir (the process's end does the
         last two too)."""
         self.signals.restore()
+        if self.ft is not None:
+            self.ft.close()
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.lock is not None:
@@ -248,7 +251,7 @@ class Trainer:
         last_saved = None
         while self.step < t.max_steps:
             diagnose = self.diagnostics.due(self.step + 1)
-            out = self.train_step(family_stats=diagnose)
+            out = (self.ft or self).train_step(family_stats=diagnose)
             if self.watchdog is not None:
                 self.watchdog.progress(self.step)
             window.add(out["loss"])

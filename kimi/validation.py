@@ -18,7 +18,7 @@ from kimi.config import (Config, LoggingConfig, TrainerConfig, check, check_choi
 from kimi.data.rules import validate_data
 from kimi.model.rules import check_kernels, check_tensor_parallel, validate_model
 from kimi.optim.rules import validate_optim
-from kimi.parallel.rules import check_engine, check_layout, validate_parallel
+from kimi.parallel.rules import check_engine, check_fault_tolerance, check_layout, validate_parallel
 from kimi.precision.rules import validate_precision
 
 
@@ -40,6 +40,7 @@ def validate(cfg: Config, world: Optional[int] = None) -> None:
     check_context_parallel(cfg)
     check_engine(cfg.parallel)
     validate_precision(cfg)
+    check_fault_tolerance(cfg)
     check_pipeline(cfg)
     check_vocab(cfg)
     check_kernels(cfg)

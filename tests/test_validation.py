@@ -38,6 +38,7 @@ def compose_cfg(*overrides: str) -> Config:
 
 
 PP2 = ["parallel.pp=2"]
+FT = ["parallel.fault_tolerance=torchft"]
 # (overrides, world, key the message must name); the default model is `tiny`: 4 blocks, 2 KDA and 2 MLA heads,
 # mlp_hidden 384, vocab_size null (padded to a multiple of 64); micro_batch_size 16, seq_len 128.
 IMPOSSIBLE = [
@@ -101,6 +102,15 @@ IMPOSSIBLE = [
     (["parallel.activation_checkpointing=some"], 1, "parallel.activation_checkpointing"),
     (["parallel.engine=megatron"], 1, "parallel.engine"),
     (["parallel.engine=deepspeed", "parallel.deepspeed.zero_stage=0"], 1, "parallel.deepspeed.zero_stage"),
+    # fault tolerance across replica groups (torchft): its knobs, and what it does not take
+    (["parallel.fault_tolerance=raft"], 1, "parallel.fault_tolerance"),
+    ([*FT, "parallel.torchft.replica_group=2"], 1, "parallel.torchft.replica_group"),
+    ([*FT, "parallel.torchft.min_replicas=3"], 1, "parallel.torchft.min_replicas"),
+    ([*FT, "parallel.torchft.quorum_timeout_s=0"], 1, "parallel.torchft.quorum_timeout_s"),
+    ([*FT, "parallel.engine=deepspeed"], 1, "parallel.engine=deepspeed"),
+    ([*FT, *PP2], 2, "parallel.pp=2"),
+    ([*FT, "parallel.dp_replicate=2"], 2, "parallel.dp_replicate=2"),
+    ([*FT, "model=moe_tiny"], 1, "model.moe_num_experts"),
     # negative or zero sizes
     (["model.d_model=0"], 1, "model.d_model"),
     (["model.vocab_size=0"], 1, "model.vocab_size"),
@@ -326,9 +336,22 @@ def test_known_keys_still_merge():
       "trainer.device=cpu"], 1),
     (["model.kda_backend=triton", "model.kda_head_dim=256"], 1),
     (["logging.wandb.mode=disabled", "parallel.engine=torch"], 1),
+    ([*FT, "parallel.dp_shard=2", "parallel.tp=2", "parallel.torchft.replica_group=2",
+      "parallel.torchft.replica_groups=3", "parallel.torchft.min_replicas=2"], 4),
 ])
 def test_workable_presets_pass(overrides, world):
     validate(compose_cfg(*overrides), world=world)
+
+
+def test_fault_tolerance_without_torchft_names_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"^parallel\.fault_tolerance=torchft needs the torchft package.*"
+                                          r"pip install -e '\.\[ft\]'") as err:
+        validate(compose_cfg(*FT), world=1)
+    assert "\n" not in str(err.value)
 
 
 def test_world_defaults_to_world_size(monkeypatch):

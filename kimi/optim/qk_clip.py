@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import abc
-from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -143,6 +143,7 @@ class QKClip:
         self.collectives = 0
         self.stats: Dict[str, Dict[str, float]] = {}
         self.head_max_logits: Dict[str, torch.Tensor] = {}
+        self.gathered: Optional[list] = None  # gather()'s max logits, for the next call
 
     def _all_heads(self, spec: QKClipSpec, local: torch.Tensor, device: torch.device) -> torch.Tensor:
         full = torch.full((spec.num_heads,), float("-inf"), device=device)
@@ -157,20 +158,36 @@ class QKClip:
         return local.float().to(device)
 
     @torch.no_grad()
-    def __call__(self) -> Dict[str, Dict[str, float]]:
-        if not self.specs:
-            return {}
+    def gather(self, replica_max: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+        """Take this step's max logits now, before the update: max-reduced over ``group``, then by
+        ``replica_max`` (an in-place max over replica groups that each run their own step, called before they
+        agree to commit it: kimi/parallel/fault_tolerance.py). The next call clips with them; setting
+        ``gathered = None`` drops them (a step that is not committed)."""
+        self.gathered = self._reduced(replica_max)
+
+    def _reduced(self, replica_max: Optional[Callable[[torch.Tensor], None]] = None) -> list:
         device = local_tensor(next(iter(self.params.values()))).device
         reported = [spec.max_logits() for spec in self.specs]
         s_max: list = [None if r is None else self._all_heads(spec, r, device)
                        for spec, r in zip(self.specs, reported)]
-        if self.group is not None and dist.get_world_size(self.group) > 1:
+        grouped = self.group is not None and dist.get_world_size(self.group) > 1
+        if grouped or replica_max is not None:
             # one collective for all layers; -inf marks heads a rank did not compute (or layers it did not run)
             full = torch.stack([torch.full((spec.num_heads,), float("-inf"), device=device) if s is None else s
                                 for spec, s in zip(self.specs, s_max)])
-            dist.all_reduce(full, op=dist.ReduceOp.MAX, group=self.group)
-            self.collectives += 1
+            if grouped:
+                dist.all_reduce(full, op=dist.ReduceOp.MAX, group=self.group)
+                self.collectives += 1
+            if replica_max is not None:
+                replica_max(full)
             s_max = [None if torch.isneginf(row).all() else row for row in full]
+        return s_max
+
+    @torch.no_grad()
+    def __call__(self) -> Dict[str, Dict[str, float]]:
+        if not self.specs:
+            return {}
+        s_max, self.gathered = (self._reduced() if self.gathered is None else self.gathered), None
         self.head_max_logits = {spec.layer: s for spec, s in zip(self.specs, s_max) if s is not None}
         blocks, rows = {}, {}
         for name, p in self.params.items():

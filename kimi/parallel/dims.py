@@ -36,12 +36,17 @@ class ParallelDims:
     world: int
     ep: int = 1
     cp: int = 1
+    # parallel.fault_tolerance=torchft: this job is replica group `replica_group` of `replica_groups`, each a
+    # job of its own (kimi/parallel/fault_tolerance.py); the mesh above is one group's
+    replica_group: int = 0
+    replica_groups: int = 1
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world: int | None = None) -> "ParallelDims":
         """The degrees of an already validated config (kimi.validation.validate checks them against the world)."""
         world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
-        return cls(p.dp_replicate, p.dp_shard, p.tp, p.pp, world, p.ep, p.cp)
+        groups = (p.torchft.replica_group, p.torchft.replica_groups) if p.fault_tolerance == "torchft" else (0, 1)
+        return cls(p.dp_replicate, p.dp_shard, p.tp, p.pp, world, p.ep, p.cp, *groups)
 
     @property
     def loss_parallel(self) -> bool:
@@ -80,12 +85,17 @@ class ParallelDims:
         return init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep,
                                               self.tp), mesh_dim_names=("pp", "dp_replicate", "edp", "ep", "tp"))
 
+    @property
+    def data_world(self) -> int:
+        """How many ranks read distinct micro-batches: the data-parallel ranks of every replica group."""
+        return self.replica_groups * self.dp
+
     def dp_rank(self, mesh: DeviceMesh | None) -> int:
-        """This rank's data-parallel index (which micro-batches it reads)."""
+        """This rank's data-parallel index (which micro-batches it reads), among data_world."""
         if mesh is None:
-            return 0
+            return self.replica_group * self.dp
         _, replicate, shard, _, _ = mesh.get_coordinate()
-        return replicate * self.dp_shard + shard
+        return self.replica_group * self.dp + replicate * self.dp_shard + shard
 
     def stage_group(self, mesh: DeviceMesh | None):
         """The ranks that hold this rank's pipeline stage (all of them without pipeline parallelism): the

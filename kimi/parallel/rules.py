@@ -3,7 +3,9 @@ the engine's (kimi/parallel/engine_rules.py). kimi.validation runs them before a
 
 from __future__ import annotations
 
-from kimi.config import ConfigError, ParallelConfig, check, check_choices, require
+import importlib.util
+
+from kimi.config import Config, ConfigError, ParallelConfig, check, check_choices, require
 
 from .engine_rules import engine_problem
 
@@ -51,3 +53,36 @@ def check_layout(p: ParallelConfig, world: int) -> None:
     require(not p.sequence_parallel or p.tp > 1,
             "parallel.sequence_parallel=true needs parallel.tp > 1 (it splits the sequence over the "
             "tensor-parallel ranks)")
+
+
+TORCHFT_MISSING = ("parallel.fault_tolerance=torchft needs the torchft package, which is not installed: "
+                   "pip install -e '.[ft]' (the project's ft extra), or set parallel.fault_tolerance=none")
+
+
+def check_fault_tolerance(cfg: Config) -> None:
+    """parallel.fault_tolerance=torchft (kimi/parallel/fault_tolerance.py): its knobs, and the layouts and
+    models whose every update it keeps identical across replica groups."""
+    p = cfg.parallel
+    if p.fault_tolerance != "torchft":
+        return
+    ft = p.torchft
+    check(ft.replica_groups >= 1, "parallel.torchft.replica_groups", ft.replica_groups, "must be >= 1")
+    check(0 <= ft.replica_group < ft.replica_groups, "parallel.torchft.replica_group", ft.replica_group,
+          f"must be in 0..{ft.replica_groups - 1} (parallel.torchft.replica_groups={ft.replica_groups})")
+    check(1 <= ft.min_replicas <= ft.replica_groups, "parallel.torchft.min_replicas", ft.min_replicas,
+          f"must be in 1..{ft.replica_groups} (parallel.torchft.replica_groups)")
+    for key in ("timeout_s", "quorum_timeout_s"):
+        check(getattr(ft, key) > 0, f"parallel.torchft.{key}", getattr(ft, key), "must be > 0 seconds")
+    require(importlib.util.find_spec("torchft") is not None, TORCHFT_MISSING)
+    unsupported = [f"parallel.{k}={getattr(p, k)}" for k in ("pp",) if getattr(p, k) > 1]
+    unsupported += [f"parallel.engine={p.engine}"] if p.engine != "torch" else []
+    require(not unsupported, f"parallel.fault_tolerance=torchft runs on the torch engine without pipeline "
+            f"parallelism, not with {', '.join(unsupported)}: reset those, or set parallel.fault_tolerance=none")
+    require(p.dp_replicate == 1,
+            f"parallel.dp_replicate={p.dp_replicate} with parallel.fault_tolerance=torchft: the replica groups are "
+            "the replicate dimension (one torchrun job each); set parallel.dp_replicate=1 and launch "
+            "parallel.torchft.replica_groups jobs")
+    require(not cfg.model.moe_num_experts,
+            f"model.moe_num_experts={cfg.model.moe_num_experts} with parallel.fault_tolerance=torchft: the "
+            "expert biases follow each group's own token counts, so replica groups would drift apart; use a "
+            "dense model (model.moe_num_experts=0) or parallel.fault_tolerance=none")

@@ -1,0 +1,198 @@
+"""Fault tolerance across replica groups with torchft (parallel.fault_tolerance=torchft; docs/parallelism.md).
+
+HSDP's replicate dimension is cut into replica groups, each a job of its own (its own torchrun, its own world
+of dp_shard x cp x tp ranks, sharded by FSDP2 as usual): torchft's Manager, one per rank, asks a lighthouse
+at the start of every step which groups are alive (the quorum) and reconfigures a process group across them,
+one per rank position in a group. The step then runs as one:
+
+- the gradients, each rank's shards after its own group's reduction, are averaged over the groups in the
+  quorum (one all-reduce of one flat buffer, after the accumulation), and so are QK-Clip's max logits (a
+  max): every group makes the same update;
+- the update happens only when the Manager's should_commit says every group got through the step; otherwise
+  the step is run again with the same batches (its gradients dropped, nothing changed);
+- a group that (re)joins behind the others takes the live state of a peer through torchft's HTTP checkpoint
+  transport before the step: weights, optimizer state (MuonClip's momentum too), the lr schedule, the step
+  and the data position. No checkpoint is read.
+
+The quorum is synchronous (before the step's first batch is read), so a group that heals starts the step
+with the right weights and data; what that costs per step is measured by bench/fault_tolerance.py.
+
+Data: group g reads data-parallel ranks g*dp..(g+1)*dp-1 of replica_groups*dp (ParallelDims.dp_rank), so
+the groups read different batches, and a missing group's batches of those steps are skipped, not re-read by
+the others: the step's global batch is (groups in the quorum) / replica_groups of the full one, and the
+gradient is the mean over what was read. That is said in a log line whenever the quorum changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+from torch.distributed.tensor import DTensor
+
+from kimi.config import ConfigError
+from kimi.optim.owners import like_param, local_tensor
+
+
+def attach(trainer) -> Optional["FaultTolerance"]:
+    """With parallel.fault_tolerance=torchft, the trainer's engine steps across replica groups from here on,
+    and a group joining behind its peers has taken their state (the first quorum); None otherwise."""
+    if trainer.cfg.parallel.fault_tolerance != "torchft":
+        return None
+    return FaultTolerance(trainer)
+
+
+class FaultTolerance:
+    def __init__(self, trainer):
+        # torchft logs every quorum and commit (its Rust side by RUST_LOG, read when it is first imported, and
+        # its Python loggers); this module says what matters on rank 0's console, errors still show
+        os.environ.setdefault("RUST_LOG", "warn")
+        for name in ("torchft", "torchft_quorums", "torchft_commits"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+
+        self.trainer, self.cfg = trainer, trainer.cfg.parallel.torchft
+        ft, dims = self.cfg, trainer.dims
+        lighthouse = ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+        if not lighthouse:
+            raise ConfigError("parallel.fault_tolerance=torchft needs the lighthouse's address: set "
+                              "parallel.torchft.lighthouse=http://HOST:29510 or TORCHFT_LIGHTHOUSE (start one with "
+                              "torchft_lighthouse --min_replicas 1)")
+        timeout = timedelta(seconds=ft.timeout_s)
+        pg = ProcessGroupNCCL(timeout=timeout) if trainer.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        self._store = None
+        if "MASTER_ADDR" in os.environ:  # torchrun's store: the group's ranks find their rank 0's manager there
+            addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        else:  # one process started without torchrun
+            self._store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+            addr, port = "localhost", self._store.port
+        self.manager = Manager(
+            pg=pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=ft.min_replicas,
+            use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
+            connect_timeout=timeout, rank=trainer.rank, world_size=dims.world, store_addr=addr, store_port=port,
+            lighthouse_addr=lighthouse, replica_id=f"kimi_{ft.replica_group}",
+            # every group initialises the same weights from the seed: nothing to copy at step 0
+            init_sync=False)
+        # a group resuming from its own checkpoint counts its steps from there
+        self.manager.load_state_dict({"step": trainer.step, "batches_committed": trainer.step})
+        self.committed, self.participants, self._quorum_ready = True, None, False
+        trainer.engine = _GroupEngine(trainer.engine, self)
+        self._quorum()  # a group behind its peers takes their state now, before the run's start is logged
+        self._quorum_ready = True
+
+    # ---- the step ---------------------------------------------------------------------------------------
+    def train_step(self, family_stats: bool = False) -> Dict[str, float]:
+        """The trainer's step, run again with the same batches until the groups in the quorum commit it."""
+        t = self.trainer
+        while True:
+            if not self._quorum_ready:
+                self._quorum()
+            self._quorum_ready = False
+            position = t.loader.state_dict()
+            out = t.train_step(family_stats)
+            if self.committed:
+                return out
+            t.loader.load_state_dict(position)
+            t.step = self.manager.current_step()
+            t.log(f"[kimi] torchft: step {t.step + 1} was not committed (a replica group failed during it): "
+                  "running it again with the same batches")
+
+    def _quorum(self) -> None:
+        self.manager.start_quorum()  # healing, if any, has loaded a peer's state when this returns
+        n = self.manager.num_participants()
+        if n != self.participants:
+            t, groups = self.trainer, self.cfg.replica_groups
+            full = t.cfg.trainer.micro_batch_size * t.cfg.trainer.grad_accum_steps * t.dims.dp * groups
+            t.log(f"[kimi] torchft: step {t.step + 1}: {n} of {groups} replica group(s) in the quorum; the "
+                  f"step's global batch is {n * full // groups} of {full} sequences"
+                  + ("" if n == groups else " (a missing group's batches are skipped)"))
+        self.participants = n
+
+    def step(self, engine, max_norm: float, family_stats: bool) -> Dict[str, float]:
+        """Engine.step across the groups: gradients averaged over them (and QK-Clip's logits maxed), then the
+        engine's own step if every group commits, else nothing changes."""
+        grads = []
+        for p in engine.model.parameters():
+            if p.requires_grad:
+                # a parameter without a gradient here must still match its peers' (which may have one)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(local_tensor(p.grad))
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.manager.allreduce(flat).wait()  # the mean over the groups in the quorum
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        if engine.qk_clip is not None:
+            engine.qk_clip.gather(replica_max=lambda x: self.manager.allreduce(x, reduce_op=ReduceOp.MAX).wait())
+        self.committed = self.manager.should_commit()
+        if self.committed:
+            return engine.step(max_norm, family_stats=family_stats)
+        engine.optimizer.zero_grad(set_to_none=True)
+        if engine.qk_clip is not None:
+            engine.qk_clip.gathered = None
+        return {"grad_norm": 0.0, "lr": engine.optimizer.param_groups[0]["lr"]}
+
+    # ---- the live state a joining group takes --------------------------------------------------------------
+    def _state(self) -> Dict[str, Any]:
+        """Runs on torchft's quorum thread while the main thread waits for the quorum (nothing changes)."""
+        t = self.trainer
+        return {"engine": _local(t.engine.state_dict()), "step": t.step, "loader": t.loader.state_dict()}
+
+    def _load(self, state: Dict[str, Any]) -> None:
+        t = self.trainer
+        t.engine.load_state_dict(_like(state["engine"], t.engine.state_dict()))
+        t.loader.load_state_dict(state["loader"])  # the position; this group keeps its own data rank
+        t.step = int(state["step"])
+        t.log(f"[kimi] torchft: replica group {self.cfg.replica_group} took the live state of step {t.step} from "
+              "a peer (weights, optimizer, lr schedule, data position); no checkpoint read")
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+class _GroupEngine:
+    """The trainer's engine, but for a step across the replica groups (FaultTolerance.step): everything else
+    is the engine's own."""
+
+    def __init__(self, engine, ft: FaultTolerance):
+        self._engine, self._ft = engine, ft
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def step(self, max_norm: float, family_stats: bool = False) -> Dict[str, float]:
+        return self._ft.step(self._engine, max_norm, family_stats)
+
+    def layout(self) -> Optional[str]:
+        ft, own = self._ft.cfg, self._engine.layout()
+        line = (f"[kimi] fault tolerance: torchft, replica group {ft.replica_group} of {ft.replica_groups} "
+                f"(a step commits with >= {ft.min_replicas}); data rank {self._ft.trainer.dp_rank} of "
+                f"{self._ft.trainer.dims.data_world}")
+        return line if own is None else f"{own}\n{line}"
+
+
+def _local(tree: Any) -> Any:
+    """The state with each DTensor as this rank's block: the receiving rank holds the same blocks."""
+    if isinstance(tree, dict):
+        return {k: _local(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_local(v) for v in tree)
+    return local_tensor(tree).detach() if isinstance(tree, DTensor) else tree
+
+
+def _like(tree: Any, template: Any) -> Any:
+    """The received blocks laid out as this rank's own state (`template`): DTensors again where it has them."""
+    if isinstance(tree, dict) and isinstance(template, dict):
+        return {k: _like(v, template.get(k)) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)) and isinstance(template, (list, tuple)) and len(tree) == len(template):
+        return type(tree)(_like(v, w) for v, w in zip(tree, template))
+    if isinstance(template, DTensor) and isinstance(tree, torch.Tensor):
+        return like_param(tree.to(template.device), template)
+    return tree

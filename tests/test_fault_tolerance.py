@@ -1,0 +1,130 @@
+"""parallel.fault_tolerance=torchft on CPU (gloo): a lighthouse and two replica groups of one process each;
+group 1 is killed mid-run (SIGKILL) and started again with the same command. Group 0 trains on alone and
+never restarts; group 1 rejoins by taking group 0's live state (no checkpoint is written before the end), and
+at the end both hold the same weights and optimizer state, bit for bit."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from layout_runs import ROOT, overrides
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs every quorum otherwise; read on first import
+from torchft.coordination import LighthouseServer  # noqa: E402
+
+from kimi import checkpoint
+from kimi.metrics import read_metrics
+
+pytestmark = pytest.mark.dist
+
+# Enough steps that group 0 is still training when group 1 is back (a start took ~85 of these steps of
+# group 0's); QK-Clip at a low threshold, so that its max logits must agree across the groups too.
+STEPS = 250
+RUN = ["trainer.eval_every=0", "trainer.checkpoint_every=0", "logging.plot=false", "optim.qk_clip_tau=0.5",
+       "parallel.fault_tolerance=torchft", "parallel.torchft.replica_groups=2", "parallel.torchft.timeout_s=20"]
+
+
+def group(run: Path, data: list[str], g: int, lighthouse: str, torchrun: bool) -> subprocess.Popen:
+    """Replica group g as its own job: under torchrun (as docs/parallelism.md launches it), or one plain
+    process (quicker to start again: no agent)."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"] if torchrun else []
+    cmd = [sys.executable, *launcher, str(ROOT / "train.py"), f"hydra.run.dir={run}",
+           *overrides(data, "muonclip", f"trainer.max_steps={STEPS}", *RUN,
+                      f"parallel.torchft.replica_group={g}", f"parallel.torchft.lighthouse={lighthouse}")]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    return subprocess.Popen(cmd, env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def steps(run: Path) -> list[int]:
+    path = run / "metrics.jsonl"
+    return [r["step"] for r in read_metrics(path) if "loss" in r] if path.exists() else []
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r}
+
+
+def final_state(run: Path, tmp: Path) -> dict:
+    """The run's last checkpoint, as one process would load it."""
+    latest = checkpoint.latest_complete(run / "checkpoints")
+    assert latest is not None and latest.step == STEPS, f"{run}: no checkpoint of step {STEPS}"
+    dcp_to_torch_save(latest.path, tmp / f"{run.name}.pt")
+    return torch.load(tmp / f"{run.name}.pt", weights_only=False)
+
+
+def tensors(prefix: str, x) -> dict[str, torch.Tensor]:
+    if isinstance(x, dict):
+        return {k: v for key, value in x.items() for k, v in tensors(f"{prefix}.{key}", value).items()}
+    return {prefix: x} if isinstance(x, torch.Tensor) else {}
+
+
+def finish(job: subprocess.Popen, what: str) -> str:
+    out = job.communicate(timeout=600)[0]
+    assert job.returncode == 0, f"{what} exited {job.returncode}:\n{out[-5000:]}"
+    return out
+
+
+def test_a_killed_replica_group_rejoins_from_its_peer_while_the_other_trains_on(data, tmp_path):
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
+    jobs = []
+    try:
+        r0, r1 = tmp_path / "group0", tmp_path / "group1"
+        jobs.append(g0 := group(r0, data, 0, lighthouse.address(), torchrun=True))
+        jobs.append(g1 := group(r1, data, 1, lighthouse.address(), torchrun=False))
+        deadline = time.monotonic() + 300
+        while len(steps(r1)) < 3:  # both groups train together for a few steps
+            assert g0.poll() is None and g1.poll() is None and time.monotonic() < deadline, "a group ended early"
+            time.sleep(0.05)
+        os.killpg(g1.pid, signal.SIGKILL)
+        g1.communicate()
+        killed_at = max(steps(r1))
+        jobs.append(g1 := group(r1, data, 1, lighthouse.address(), torchrun=False))  # the same command again
+        out0, out1 = finish(g0, "group 0"), finish(g1, "restarted group 1")
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+                job.communicate()
+        lighthouse.shutdown()
+
+    # group 1 took the live state of a later step than it reached, and went on from there
+    line = next((x for x in out1.splitlines() if "took the live state of step" in x), None)
+    assert line is not None, out1[-3000:]
+    rejoined = int(line.split("took the live state of step ")[1].split()[0])
+    print(f"group 1 killed after step {killed_at}, rejoined at step {rejoined}")
+    # group 0 never restarted: one start, every step once from its first (which may have been a peer's, when
+    # group 1 started first), and it trained alone while group 1 was away
+    assert out0.count("[kimi] model ") == 1, out0[-3000:]
+    s0 = steps(r0)
+    assert s0 == list(range(s0[0], STEPS + 1)) and s0[0] <= killed_at, s0[:10]
+    assert "1 of 2 replica group(s) in the quorum" in out0.split("2 of 2 replica group(s)")[-2], out0[-3000:]
+    assert killed_at < rejoined < STEPS, (killed_at, rejoined, "group 0 finished before group 1 was back")
+    assert steps(r1)[-(STEPS - rejoined):] == list(range(rejoined + 1, STEPS + 1))
+    # the loss curves: finite, without a reset (a fresh model's loss is ~3 higher than the trained one's), and
+    # the groups' own (different data: the same step's losses differ)
+    l0, l1 = losses(r0), losses(r1)
+    first = l0[s0[0]]
+    assert all(math.isfinite(v) for v in [*l0.values(), *l1.values()])
+    assert max(abs(l0[s + 1] - l0[s]) for s in range(s0[0], STEPS)) < 1.0
+    assert l1[rejoined + 1] < first - 1.0 and abs(l1[rejoined + 1] - l0[rejoined + 1]) < 1.0
+    assert any(l0[s] != l1[s] for s in range(rejoined + 1, STEPS + 1))
+    clipped = [r.get("qk_clipped_frac", 0) for r in read_metrics(r0 / "metrics.jsonl") if r.get("step", 0) > rejoined]
+    assert max(clipped) > 0, "QK-Clip never clipped after the rejoin: lower optim.qk_clip_tau"
+    # the same weights, optimizer state and schedule on both, bit for bit (each process's own random number
+    # generators are not part of it: a step draws nothing at random)
+    sa, sb = final_state(r0, tmp_path), final_state(r1, tmp_path)
+    assert sa["trainer"]["scheduler"] == sb["trainer"]["scheduler"]
+    a, b = tensors("", {k: sa[k] for k in ("model", "optim")}), tensors("", {k: sb[k] for k in ("model", "optim")})
+    assert a.keys() == b.keys() and any(k.startswith(".optim.") for k in a)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
