@@ -1,7 +1,7 @@
-"""`make gpu-check`: every GPU check of this repository in one command, on one CUDA GPU, offline, in about 8
-minutes from a cold Triton cache.
+"""`make gpu-check`: every GPU check of this repository in one command, on one CUDA GPU, offline, in about 17
+minutes from a cold Triton cache (9 of them the fp8 step's; --steps takes a subset).
 
-Six steps, each a subprocess with its own time budget, so a step that hangs or crashes loses only itself:
+Seven steps, each a subprocess with its own time budget, so a step that hangs or crashes loses only itself:
 
   1 kda_check        bench/kda.py --check: every KDA Triton op vs the PyTorch path and fp64 (fp32, bf16)
   2 attention_check  bench/attention.py --check-only: the flash-attention kernels vs fp32
@@ -13,10 +13,13 @@ Six steps, each a subprocess with its own time budget, so a step that hangs or c
                      parallel.compile=true on a corpus made of this repository's text: tokens/s, MFU, memory,
                      the losses, the dtypes reaching the KDA kernels, any fallback to PyTorch, and (small)
                      the costliest CUDA kernels of one profiled step
+  7 train_fp8        bench/parallel.py --layouts bf16 fp8_tensorwise fp8_rowwise: 10 steps of small and 1b
+                     (compiled) in bf16 and with trainer.precision=fp8 (both recipes) in the same run: tokens/s
+                     and MFU (against the bf16 peak) of each, fp8's ratio to bf16, the losses
 
 After each step it writes <out>/<step>.json (status, seconds, commands, each command's log tail and its own
 JSON under runs.<name>.result) and <out>/summary.md (the table so far); all output goes to
-<out>/gpu_check.log: 8 files, what the device tool brings back from $OUT. At the end it prints one markdown
+<out>/gpu_check.log: 9 files, what the device tool brings back from $OUT. At the end it prints one markdown
 table (summary.md, ready for the README) and exits 1 if a check failed, a step crashed or ran out of time.
 Each step's sizes are in SIZES below; --step-args NAME="..." appends to a step's arguments (the scripts take
 the last value of a repeated option), e.g. --step-args kda_speed="--T 4096 8192" to shrink one.
@@ -76,6 +79,7 @@ STEPS = {
     "attention_speed": ("flash attention vs SDPA", 120),
     "optim": ("optimizer step", 90),
     "train": ("training on one GPU", 300),
+    "train_fp8": ("fp8 training vs bf16 on one GPU", 540),
 }
 # Each step's size arguments: (on the GPU, in a dry run). The dry run's are tiny because the interpreter
 # runs each program of a kernel in Python; fla-core is left out there (not written for the interpreter).
@@ -93,19 +97,23 @@ SIZES = {
 # trained on this repository's ~1 MB of text has 4096 pieces)
 TRAIN = {"small": (8, 20, 2048), "1b": (4, 20, 4096)}
 TRAIN_DRY = {"tiny": (4, 2, 64)}
+TRAIN_FP8 = {"small": (8, 10, 2048), "1b": (4, 10, 4096)}
 
 
 def commands(step: str, ctx: "Context") -> list[tuple[str, list[str]]]:
     """(name, arguments after `python bench/`) of each command of a step."""
-    if step == "train":
+    if step in ("train", "train_fp8"):
         vocab, pieces, compiled = (512, 384, "false") if ctx.dry else (32000, 4096, "true")
-        return [(model, ["parallel.py", "--layouts", "single", "--model", model, "--batch", str(batch),
-                         "--steps", str(steps), *(["--profile"] if model == "small" else []),
-                         "--set", f"trainer.seq_len={seq}", "trainer.precision=bf16",
+        fp8 = step == "train_fp8"  # the precisions are layouts there (bench/parallel.py's PRECISION_LAYOUTS)
+        layouts = ["bf16", "fp8_tensorwise", "fp8_rowwise"] if fp8 else ["single"]
+        sizes = TRAIN_DRY if ctx.dry else TRAIN_FP8 if fp8 else TRAIN
+        return [(model, ["parallel.py", "--layouts", *layouts, "--model", model, "--batch", str(batch),
+                         "--steps", str(steps), *(["--profile"] if model == "small" and not fp8 else []),
+                         "--set", f"trainer.seq_len={seq}", *([] if fp8 else ["trainer.precision=bf16"]),
                          f"parallel.compile={compiled}", f"model.vocab_size={vocab}", "data=files",
                          f"data.data_files=[{ctx.corpus()}/*.txt]", f"data.cache_dir={ctx.tmp / 'data'}",
                          f"data.tokenizer.vocab_size={pieces}", "data.val_fraction=0.15"])
-                for model, (batch, steps, seq) in (TRAIN_DRY if ctx.dry else TRAIN).items()]
+                for model, (batch, steps, seq) in sizes.items()]
     script = {"kda_check": "kda.py --check", "attention_check": "attention.py --check-only",
               "kda_speed": "kda.py --no-self-check", "attention_speed": "attention.py --skip-check",
               "optim": "optim.py --ranks 0"}[step]
@@ -235,9 +243,26 @@ def train_rows(r: dict):
              f"({r['steps']} timed){extra}")], failures
 
 
+def train_fp8_rows(r: dict):
+    base = r["layouts"]["bf16"][0]
+    seq = next(s.split("=", 1)[1] for s in r["set"] if s.startswith("trainer.seq_len="))
+    rows, failures = [], []
+    for name in ("bf16", "fp8_tensorwise", "fp8_rowwise"):
+        x = r["layouts"][name][0]
+        losses = x.get("losses") or [float("nan")]
+        ratio = "" if name == "bf16" else f" = {x['tokens_per_s'] / base['tokens_per_s']:.2f}x bf16"
+        rows.append((f"train {r['model']} {name}: {r['batch']} x {seq} tokens per step",
+                     f"{x['tokens_per_s']:,.0f} tokens/s{ratio}, MFU {100 * x['mfu']:.1f}% (of the bf16 peak), "
+                     f"peak memory {x['peak_mem_bytes'] / 2**30:.1f} GiB; loss {losses[0]:.3f} -> "
+                     f"{losses[-1]:.3f} ({r['steps']} timed)"))
+        if not all(v == v and abs(v) != float("inf") for v in losses):
+            failures.append(f"train_fp8 {r['model']} {name}: loss not finite")
+    return rows, failures
+
+
 SUMMARIES = {"kda_check": kda_check_rows, "attention_check": attention_check_rows,
              "kda_speed": kda_speed_rows, "attention_speed": attention_speed_rows, "optim": optim_rows,
-             "train": train_rows}
+             "train": train_rows, "train_fp8": train_fp8_rows}
 
 
 # ------------------------------------------------------------------------------------------ running them
@@ -422,7 +447,7 @@ def parse_args(argv=None):
     parser.add_argument("--steps", nargs="+", choices=list(STEPS), default=list(STEPS),
                         help="a subset (run in the usual order)")
     parser.add_argument("--dry-run", action="store_true", help="every step's code on CPU at tiny sizes")
-    parser.add_argument("--total", type=float, default=480,
+    parser.add_argument("--total", type=float, default=1020,
                         help="seconds for all steps: a step gets at most what is left, then none run")
     parser.add_argument("--budget", nargs="+", default=[], metavar="NAME=SECONDS",
                         help="a step's own time limit")

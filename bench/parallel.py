@@ -58,8 +58,13 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides)
     "ep2": (2, 2, ["parallel.dp_shard=2", "parallel.ep=2"]),
     "dp4_ep2": (4, 4, ["parallel.dp_shard=4", "parallel.ep=2"]),
     "ep4": (4, 4, ["parallel.dp_shard=4", "parallel.ep=4"]),
+    # one process in each precision (bench/gpu_check.py's train_fp8 step; no trainer.precision in --set)
+    "bf16": (1, 1, ["trainer.precision=bf16"]),
+    "fp8_tensorwise": (1, 1, ["trainer.precision=fp8", "precision.fp8.recipe=tensorwise"]),
+    "fp8_rowwise": (1, 1, ["trainer.precision=fp8", "precision.fp8.recipe=rowwise"]),
 }
-DEFAULT_LAYOUTS = [name for name in LAYOUTS if name not in ("dp_shard4", "ep2", "dp4_ep2", "ep4")]
+PRECISION_LAYOUTS = ("bf16", "fp8_tensorwise", "fp8_rowwise")
+DEFAULT_LAYOUTS = [name for name in LAYOUTS if name not in ("dp_shard4", "ep2", "dp4_ep2", "ep4", *PRECISION_LAYOUTS)]
 
 
 def _dispatch_state() -> dict:

@@ -67,6 +67,9 @@ def test_dry_run_runs_every_step(tmp_path):
     assert set(optim["step_s"]) == {"adamw", "muonclip", "muonclip_bf16", "torch_muon"}
     train = step_json(out, "train")["runs"]["tiny"]["result"]["layouts"]["single"][0]
     assert train["tokens_per_s"] > 0 and 0 < train["mfu"] <= 1 and train["peak_mem_bytes"] > 0
+    fp8 = step_json(out, "train_fp8")["runs"]["tiny"]["result"]["layouts"]  # emulated on CPU
+    assert set(fp8) == {"bf16", "fp8_tensorwise", "fp8_rowwise"}
+    assert all(r[0]["tokens_per_s"] > 0 and r[0]["losses"] for r in fp8.values())
 
     summary = (out / "summary.md").read_text()
     assert summary in proc.stdout  # the table printed at the end is the file
