@@ -91,12 +91,32 @@ def test_tokenizer_training_is_deterministic(corpus, tmp_path):
     assert not list(tmp_path.glob("*.tmp-*"))
 
 
+def test_tokenizer_trains_on_documents_across_the_corpus(corpus, tmp_path, monkeypatch):
+    docs = datasets.Dataset.from_dict({"text": corpus[1]})
+    assert list(pack.tokenizer_texts(docs, 10**9)) == corpus[1]  # a corpus that fits: all of it, in order
+    budget = sum(len(t) for t in corpus[1]) // 3
+    drawn = list(pack.tokenizer_texts(docs, budget))
+    assert drawn == list(pack.tokenizer_texts(docs, budget))  # seeded
+    order = np.random.default_rng(pack.TOKENIZER_SAMPLE_SEED).permutation(len(corpus[1]))
+    assert drawn == [corpus[1][i] for i in order[:len(drawn)]] and drawn != corpus[1][:len(drawn)]
+    assert sum(len(t) for t in drawn[:-1]) < budget <= sum(len(t) for t in drawn)
+    seen = []
+    monkeypatch.setattr(pack, "train_tokenizer", lambda texts, *a, **k: seen.append(list(texts)) or
+                        train_tokenizer(seen[-1], *a, **k))
+    cfg = _cfg(corpus[0], tmp_path)
+    cfg.tokenizer.train_chars = budget
+    train, _ = load_documents(cfg)
+    prepare(cfg)
+    assert seen == [list(pack.tokenizer_texts(train, budget))]
+
+
 def test_tokenizer_errors_are_actionable(corpus, tmp_path):
     with pytest.raises(DataError, match="data.tokenizer.vocab_size"):
         train_tokenizer(corpus[1], 50_000, tmp_path / "big.model")
     with pytest.raises(FileNotFoundError, match="missing.model does not exist .*model_path"):
         Tokenizer(tmp_path / "missing.model")
-    with pytest.raises(FileNotFoundError, match=f"tokenizer model {tmp_path} is a directory .*model_path must name"):
+    with pytest.raises(FileNotFoundError, match=f"tokenizer model {tmp_path} is a directory without a tokenizer.json "
+                                                ".*model_path must name"):
         Tokenizer(tmp_path)
 
 
@@ -241,9 +261,52 @@ def test_user_tokenizer_model(corpus, prepared, tmp_path):
     with pytest.raises(FileNotFoundError, match="data.tokenizer.model_path"):
         prepare(cfg)
     cfg.tokenizer.model_path = str(prepared.tokenizer.path.parent)  # the directory that holds it
-    with pytest.raises(IsADirectoryError, match=r"data.tokenizer.model_path='.*' is a directory; it must name the "
-                                                r"tokenizer file \(a sentencepiece .model or a tiktoken BPE file\)"):
+    with pytest.raises(IsADirectoryError, match=r"data.tokenizer.model_path='.*' is a directory without a "
+                                                r"tokenizer.json; it must name the tokenizer file"):
         prepare(cfg)
+
+
+def _tokenizer_json(corpus_texts, directory, specials=("<|endoftext|>",)):
+    """A byte-level BPE trained with the tokenizers library and saved as directory/tokenizer.json."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus_texts, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=list(specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    return directory / "tokenizer.json"
+
+
+def test_tokenizer_json_file_and_directory(corpus, tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = _tokenizer_json(corpus[1], tmp_path / "release", specials=("<s>", "<|endoftext|>"))
+    reference = HFTokenizer.from_file(str(path))
+    tok = Tokenizer(path)
+    assert (tok.kind, tok.vocab_size) == ("tokenizer.json", reference.get_vocab_size())
+    assert (tok.eos_id, tok.bos_id) == (reference.token_to_id("<|endoftext|>"), reference.token_to_id("<s>"))
+    text = corpus[1][0] + " café 日本"
+    assert tok.encode(text) == reference.encode(text, add_special_tokens=False).ids
+    assert tok.decode(tok.encode(text)) == text
+    assert Tokenizer(path.parent).sha256 == tok.sha256  # the directory that holds it
+    # A config beside it names the specials; they are part of the identity.
+    (path.parent / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<s>"}}))
+    named = Tokenizer(path.parent)
+    assert named.eos_id == reference.token_to_id("<s>") and named.sha256 != tok.sha256
+    cfg = _cfg(corpus[0], tmp_path)
+    cfg.tokenizer.model_path = str(path.parent)
+    data = prepare(cfg)
+    train, _ = load_documents(cfg)
+    expected = [i for t in train["text"] for i in reference.encode(t, add_special_tokens=False).ids + [named.eos_id]]
+    assert read_tokens(data, "train").tolist() == expected
+    again = prepare(cfg)  # the copy in the data dir (and its config) read back
+    assert again.tokenizer.kind == "tokenizer.json" and again.tokenizer.sha256 == named.sha256
+    bare = _tokenizer_json(corpus[1], tmp_path / "bare", specials=("[PAD]",))
+    with pytest.raises(DataError, match="names no end-of-text token.*eos_token"):
+        Tokenizer(bare)
 
 
 def test_json_and_parquet_sources(corpus, prepared, tmp_path):
@@ -367,10 +430,62 @@ def test_loader_reshards_when_windows_per_step_stay_equal():
         assert sorted(torch.cat([r.next_batch().input_ids for r in back]).tolist()) == sorted(want.tolist())
 
 
+def _layout(tokens, micro, ranks, accum, seed=3):
+    """One loader per data-parallel rank, for a step of micro x ranks x accum windows."""
+    return [TokenLoader(tokens, micro, 8, seed=seed, eos_id=2, dp_rank=r, dp_world=ranks,
+                        global_batch=micro * ranks * accum) for r in range(ranks)], accum
+
+
+def _step_windows(layout) -> list:
+    """The windows (first token of each) one optimizer step of the layout reads, over all ranks, sorted."""
+    loaders, accum = layout
+    return sorted(int(row[0]) for _ in range(accum) for ld in loaders for row in ld.next_batch().input_ids)
+
+
+@pytest.mark.parametrize("saved,resumed", [((2, 2, 1), (2, 1, 2)), ((2, 1, 2), (1, 2, 2)), ((1, 2, 2), (4, 1, 1)),
+                                           ((4, 1, 1), (1, 4, 1))])
+def test_loader_resumes_on_another_layout_with_the_same_windows_per_step(saved, resumed):
+    """(micro-batch, ranks, accumulation) saved after 5 steps, resumed on another split of the same 4 windows
+    per step: every later step reads the windows of the uninterrupted run, across epoch ends (101 windows: 25
+    steps per epoch, one window dropped)."""
+    tokens = np.arange(101 * 8 + 1, dtype=np.uint16)
+    reference = _layout(tokens, *saved)
+    expected = [_step_windows(reference) for _ in range(60)]
+    first = _layout(tokens, *saved)
+    assert [_step_windows(first) for _ in range(5)] == expected[:5]
+    state = json.loads(json.dumps(first[0][0].state_dict()))
+    assert state["samples"] == 20 and state["global_batch"] == 4
+    again = _layout(tokens, *resumed, seed=999)
+    for ld in again[0]:
+        ld.load_state_dict(state)
+    assert [_step_windows(again) for _ in range(55)] == expected[5:]
+    epoch0 = [w for step in expected[:25] for w in step]
+    assert len(set(epoch0)) == 100 and [w for step in expected[25:50] for w in step] != epoch0  # reshuffled
+
+
+def test_loader_step_is_whole_in_an_epoch_and_old_states_resume():
+    tokens = np.arange(101 * 8 + 1, dtype=np.uint16)
+    loader = TokenLoader(tokens, 2, 8, seed=3, eos_id=2, global_batch=6)  # 3 micro-batches per step
+    assert loader.epoch_windows == 96 and loader.batches_per_epoch == 48
+    # a state written before positions were global: micro-batches served, 2 x 2 windows each
+    old = {"epoch": 1, "position": 7, "seed": 3, "dp_rank": 0, "dp_world": 2, "num_windows": 101, "seq_len": 8,
+           "batch_size": 2}
+    reference = [TokenLoader(tokens, 2, 8, seed=3, eos_id=2, dp_rank=r, dp_world=2) for r in range(2)]
+    for _ in range(25 + 7):
+        for ld in reference:
+            ld.next_batch()
+    resumed = TokenLoader(tokens, 4, 8, seed=0, eos_id=2)
+    resumed.load_state_dict(old)
+    for _ in range(30):
+        want = sorted(int(r[0]) for ld in reference for r in ld.next_batch().input_ids)
+        assert sorted(int(r[0]) for r in resumed.next_batch().input_ids) == want
+
+
 def test_loader_state_mismatches_are_errors():
     tokens = np.arange(200, dtype=np.uint16)
     state = TokenLoader(tokens, 2, 8, seed=0, eos_id=2, dp_rank=0, dp_world=2).state_dict()
-    with pytest.raises(DataError, match="4 per step.*2 x 1 = 2.*trainer.micro_batch_size=4"):
+    with pytest.raises(DataError, match="4 windows per step.*2 x 1 x 1 accumulation step.* = 2.*"
+                                        "trainer.micro_batch_size=4"):
         TokenLoader(tokens, 2, 8, seed=0, eos_id=2).load_state_dict(state)
     with pytest.raises(DataError, match="seq_len=8 .* seq_len=4"):
         TokenLoader(tokens, 2, 4, seed=0, eos_id=2, dp_world=2).load_state_dict(state)

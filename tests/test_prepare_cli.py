@@ -28,7 +28,7 @@ def test_prepare_command_writes_shards_the_trainer_reuses(tmp_path, offline):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = _run(*overrides, env=env)
     assert done.returncode == 0, done.stderr
-    assert "[data] ready:" in done.stdout and "tokens/s" in done.stderr
+    assert "[data] ready:" in done.stdout and "tokens/s" in done.stdout
     data = prepare(compose_config(overrides).data)  # finds the command's output: nothing tokenised again
     manifest = json.loads((data.data_dir / "manifest.json").read_text())
     assert len(manifest["splits"]["train"]["shards"]) == len(data.shards["train"]) > 1

@@ -51,14 +51,14 @@ def _batches(docs: datasets.Dataset, start: int) -> Iterator[List[str]]:
 
 
 class Progress:
-    """One line on stderr, rewritten in place on a terminal and every 10 s otherwise: documents, tokens,
+    """One line on stdout, rewritten in place on a terminal and every 10 s otherwise: documents, tokens,
     tokens/s and the time left (from the share of documents done)."""
 
     def __init__(self, what: str, total_docs: int, done_docs: int):
         self.what, self.total, self.done, self.tokens = what, total_docs, done_docs, 0
         self.t0 = self.last = time.perf_counter()
         self.start_docs = done_docs
-        self.tty = sys.stderr.isatty()
+        self.tty = sys.stdout.isatty()
 
     def add(self, docs: int, tokens: int) -> None:
         self.done += docs
@@ -74,7 +74,7 @@ class Progress:
         eta = (self.total - self.done) / rate if rate > 0 else float("nan")
         eta_s = f"{eta / 60:.0f}m{eta % 60:02.0f}s" if eta == eta else "?"
         print(f"[data] {self.what}: {self.done:,}/{self.total:,} documents, {self.tokens:,} tokens, "
-              f"{self.tokens / elapsed:,.0f} tokens/s, ETA {eta_s}   ", end=end, file=sys.stderr, flush=True)
+              f"{self.tokens / elapsed:,.0f} tokens/s, ETA {eta_s}   ", end=end, flush=True)
 
     def close(self) -> None:
         self._print(end="\n")

@@ -23,7 +23,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List
 
 import datasets
 import numpy as np
@@ -36,10 +36,10 @@ from kimi.data.errors import DataError
 from kimi.data.shards import (FORMAT_VERSION, ShardedTokens, ShardWriter, document_index, open_tokens, read_meta, sha256_file,
                               shard_path, token_dtype, write_atomic)
 from kimi.data.sources import cache_root, load_documents, source_identity
-from kimi.data.tokenizer import Tokenizer, train_tokenizer
+from kimi.data.tokenizer import Tokenizer, resolve_model_path, train_tokenizer
 
 # Part of a trained tokenizer's identity: bump when train_tokenizer's settings change.
-TOKENIZER_RECIPE = 1
+TOKENIZER_RECIPE = 2
 SPLITS = ("train", "val")
 MANIFEST = "manifest.json"
 
@@ -65,10 +65,11 @@ class PreparedData:
 def _tokenizer_identity(cfg: DataConfig) -> Dict[str, Any]:
     tc = cfg.tokenizer
     if tc.model_path:
-        path = Path(tc.model_path).expanduser()
+        path = resolve_model_path(Path(tc.model_path).expanduser())
         if path.is_dir():
-            raise IsADirectoryError(f"data.tokenizer.model_path={tc.model_path!r} is a directory; it must name the "
-                                    "tokenizer file (a sentencepiece .model or a tiktoken BPE file) inside it")
+            raise IsADirectoryError(f"data.tokenizer.model_path={tc.model_path!r} is a directory without a "
+                                    "tokenizer.json; it must name the tokenizer file (a sentencepiece .model, a "
+                                    "tiktoken BPE file or a tokenizer.json) or a directory holding a tokenizer.json")
         if not path.is_file():
             raise FileNotFoundError(f"data.tokenizer.model_path={tc.model_path!r} does not exist")
         return {"model_sha256": sha256_file(path)}
@@ -95,9 +96,31 @@ def open_split(data: PreparedData, split: str) -> ShardedTokens:
 # ---------------------------------------------------------------------------------------------- writing
 
 
+# The documents a tokenizer is trained on, when the corpus exceeds data.tokenizer.train_chars, are drawn with
+# this seed: fixed, so the tokenizer (and the cache key) does not change with trainer.seed.
+TOKENIZER_SAMPLE_SEED = 20240602
+
+
 def _texts(docs: datasets.Dataset):
     for batch in docs.iter(batch_size=1024):
         yield from batch["text"]
+
+
+def tokenizer_texts(docs: datasets.Dataset, max_chars: int) -> Iterator[str]:
+    """What the tokenizer is trained on: every document in order when the corpus fits in ``max_chars``
+    characters, else documents in a seeded random order across the whole corpus (its first characters
+    would be one source, one topic, one era)."""
+    total = sum(int(pc.sum(pc.utf8_length(b.column("text"))).as_py() or 0)
+                for b in docs.with_format("arrow").iter(batch_size=8192))
+    if total <= max_chars:
+        yield from _texts(docs)
+        return
+    for i in np.random.default_rng(TOKENIZER_SAMPLE_SEED).permutation(len(docs)):
+        text = docs[int(i)]["text"]
+        yield text
+        max_chars -= len(text)
+        if max_chars <= 0:
+            return
 
 
 def _tokenizer(cfg: DataConfig, data_dir: Path, train_docs: datasets.Dataset) -> Tokenizer:
@@ -111,7 +134,8 @@ def _tokenizer(cfg: DataConfig, data_dir: Path, train_docs: datasets.Dataset) ->
     print(f"[data] training a {tc.vocab_size}-piece BPE tokenizer on up to {tc.train_chars:,} characters",
           flush=True)
     t0 = time.perf_counter()
-    tok = train_tokenizer(_texts(train_docs), tc.vocab_size, path, max_chars=tc.train_chars)
+    tok = train_tokenizer(tokenizer_texts(train_docs, tc.train_chars), tc.vocab_size, path,
+                          max_chars=tc.train_chars)
     print(f"[data] tokenizer trained in {time.perf_counter() - t0:.1f}s", flush=True)
     return tok
 

@@ -17,8 +17,10 @@ def rank_streams(data: PreparedData, t: TrainerConfig, dp_rank: int,
     train_tokens, val_tokens = open_split(data, "train"), open_split(data, "val")
     # Each rank reads its own micro-batches: one step on N ranks sees what one process would see with an N
     # times larger micro-batch (trainer.micro_batch_size is per rank, as in Megatron).
+    # Positions are global (windows consumed by all ranks): a run resumes on another number of ranks, or with
+    # another split of its step into micro-batches, as long as the windows per step stay the same.
     loader = TokenLoader(train_tokens, t.micro_batch_size, t.seq_len, t.seed, tok.eos_id, dp_rank=dp_rank,
-                         dp_world=dp_world)
+                         dp_world=dp_world, global_batch=t.micro_batch_size * dp_world * t.grad_accum_steps)
     val_loader = TokenLoader(val_tokens, t.micro_batch_size, t.seq_len, t.seed, tok.eos_id, dp_rank=dp_rank,
                              dp_world=dp_world, shuffle=False)
     # A fixed set of validation windows (the first ones, in order), so evaluations are comparable; split over

@@ -1,5 +1,6 @@
 """The tokenizer: a sentencepiece BPE trained on the training split, or a user's file (a sentencepiece
-``.model``, or the tiktoken BPE of Kimi's releases, :mod:`kimi.data.tiktoken_bpe`).
+``.model``, the tiktoken BPE of Kimi's releases, :mod:`kimi.data.tiktoken_bpe`, or a ``tokenizer.json``,
+:mod:`kimi.data.hf_tokenizer`, also named by the directory that holds it).
 
 Training settings are chosen so that ``decode(encode(s)) == s`` for any string (except ones containing
 sentencepiece's own meta symbol U+2581): identity normalisation, no whitespace collapsing, no dummy prefix,
@@ -18,6 +19,7 @@ from typing import Iterable, Iterator, List, Sequence, Union
 import sentencepiece as spm
 
 from kimi.data.sources import DataError
+from kimi.data.hf_tokenizer import FILE_NAME as TOKENIZER_JSON, HFTokenizerJSON, is_tokenizer_json
 from kimi.data.tiktoken_bpe import TiktokenBPE, is_tiktoken_file
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -51,19 +53,29 @@ class _SentencePiece:
         return self._sp.decode([int(i) for i in ids])
 
 
+def resolve_model_path(path: Path) -> Path:
+    """The tokenizer file a path names: itself, or the tokenizer.json inside a directory (as releases ship)."""
+    return path / TOKENIZER_JSON if path.is_dir() and (path / TOKENIZER_JSON).is_file() else path
+
+
 class Tokenizer:
     """A loaded tokenizer file, sentencepiece or (as Kimi's releases ship) tiktoken BPE, told apart by its
     content; ``sha256`` identifies it in token-file metadata and checkpoints."""
 
     def __init__(self, path: Union[str, os.PathLike]):
-        self.path = Path(path)
+        self.path = resolve_model_path(Path(path))
         if not self.path.is_file():
-            what = "is a directory" if self.path.is_dir() else "does not exist"
+            what = "is a directory without a tokenizer.json" if self.path.is_dir() else "does not exist"
             raise FileNotFoundError(f"tokenizer model {self.path} {what} (data.tokenizer.model_path must name a "
-                                    "sentencepiece .model file or a tiktoken BPE file)")
+                                    "sentencepiece .model file, a tiktoken BPE file, a tokenizer.json or a "
+                                    "directory holding one)")
         data = self.path.read_bytes()
-        self._impl = TiktokenBPE(self.path, data) if is_tiktoken_file(data) else _SentencePiece(self.path, data)
-        self.kind = "tiktoken" if isinstance(self._impl, TiktokenBPE) else "sentencepiece"
+        if is_tiktoken_file(data):
+            self._impl, self.kind = TiktokenBPE(self.path, data), "tiktoken"
+        elif is_tokenizer_json(data):
+            self._impl, self.kind = HFTokenizerJSON(self.path, data), "tokenizer.json"
+        else:
+            self._impl, self.kind = _SentencePiece(self.path, data), "sentencepiece"
         self.sha256 = self._impl.sha256
 
     @property
