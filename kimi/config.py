@@ -134,11 +134,32 @@ class TokenizerConfig:
 
 
 @dataclass
+class DataSourceConfig:
+    """One source of a blend (data.sources, kimi/data/blend.py): its share of the training samples and where
+    its documents are; a key left null takes data.*'s value."""
+
+    name: str = ""  # names its prepared directory and its validation loss, val_loss/<name>
+    weight: float = 1.0
+    source: Optional[str] = one_of(DATA_SOURCES, None)
+    path: Optional[str] = None
+    data_files: Optional[List[str]] = None
+    format: Optional[str] = one_of(DATA_FORMATS, None)
+    config: Optional[str] = None
+    revision: Optional[str] = None
+    text_field: Optional[str] = None
+    train_split: Optional[str] = None
+    val_split: Optional[str] = None
+    val_fraction: Optional[float] = None
+
+
+@dataclass
 class DataConfig:
     name: str = "shakespeare"
     # shakespeare | hf (a hub dataset name, data.path) | files (local text/json/parquet, data.data_files)
     source: str = one_of(DATA_SOURCES, "shakespeare")
     path: Optional[str] = None  # hub dataset name for source=hf
+    config: Optional[str] = None  # source=hf: the dataset's subset (load_dataset's name)
+    revision: Optional[str] = None  # source=hf: a branch, tag or commit of the dataset
     data_files: Optional[List[str]] = None  # local files (or globs) for source=files
     format: Optional[str] = one_of(DATA_FORMATS, None)  # None: inferred from the file extension
     text_field: str = "text"
@@ -153,6 +174,8 @@ class DataConfig:
     inline_max_mb: float = 512.0
     varlen: bool = False  # feed document boundaries (cu_seqlens) to the model
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    # A blend: several sources sampled by weight (docs/data.md); null: the one source above
+    sources: Optional[List[DataSourceConfig]] = None
 
 
 @dataclass

@@ -168,7 +168,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         losses = torch.stack([self.engine.eval_loss(b) for b in self.val_batches])
-        return mean_over_ranks(losses.mean()).item()
+        return self.val_batches.reduce(losses, mean_over_ranks)  # a blend's per-source losses in .by_source
 
     def save_checkpoint(self, wait: bool = True) -> Path:
         """Checkpoint this step. With trainer.async_checkpoint and wait=False, return once the state is staged
@@ -288,8 +288,8 @@ class Trainer:
     def _validate_and_report(self, record: Dict[str, Any], log: bool = True) -> Dict[str, Any]:
         self._last_val = val = self.evaluate()
         ppl = math.exp(min(val, 50.0))
-        self.log(f"[kimi] step {self.step}: validation loss {val:.4f}, perplexity {ppl:.2f}")
-        record = {**record, "val_loss": val, "val_ppl": ppl}
+        self.log(f"[kimi] step {self.step}: validation loss {val:.4f}, perplexity {ppl:.2f}{self.val_batches.note()}")
+        record = {**record, "val_loss": val, "val_ppl": ppl, **self.val_batches.by_source}
         if log:
             self.metrics.log(record)
         return record

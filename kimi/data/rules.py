@@ -2,22 +2,51 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 from kimi.config import DataConfig, check, check_choices, check_finite
+
+
+def _check_source(d: DataConfig, key: str) -> None:
+    """Where one source's documents come from (data.*, or a blend entry merged over data.*: key names it)."""
+    if d.source == "hf":
+        check(bool(d.path), f"{key}.path", d.path,
+              "data.source=hf needs a dataset name, e.g. data.path=roneneldan/TinyStories")
+    if d.source == "files":
+        check(bool(d.data_files), f"{key}.data_files", d.data_files,
+              "data.source=files needs a list of local files, e.g. 'data.data_files=[/data/a.txt]'")
+    check(not d.val_split or d.source == "hf", f"{key}.val_split", d.val_split,
+          f"only data.source=hf has named splits (data.source={d.source} holds out data.val_fraction of its "
+          "documents): set data.val_split=null")
+    check(0.0 <= d.val_fraction < 1.0, f"{key}.val_fraction", d.val_fraction, "must be in [0, 1)")
+
+
+def _check_blend(d: DataConfig) -> None:
+    from kimi.data.blend import source_configs
+
+    for i, s in enumerate(d.sources):
+        key = f"data.sources[{i}]"
+        check_choices(s, key)
+        check(bool(re.fullmatch(r"[A-Za-z0-9._-]+", s.name or "")), f"{key}.name", s.name,
+              "every blend source needs a name of letters, digits, '.', '_' or '-' (it names its directory)")
+        check(s.weight > 0 and math.isfinite(s.weight), f"{key}.weight", s.weight, "must be a positive number")
+    names = [s.name for s in d.sources]
+    check(len(names) == len(set(names)), "data.sources", names, "every source needs a name of its own")
+    check(bool(d.tokenizer.model_path), "data.tokenizer.model_path", d.tokenizer.model_path,
+          "a blend (data.sources) needs one tokenizer for every source: name a tokenizer.json, sentencepiece "
+          ".model or tiktoken.model")
+    for i, (_, _, own) in enumerate(source_configs(d)):
+        _check_source(own, f"data.sources[{i}]")
 
 
 def validate_data(d: DataConfig) -> None:
     check_choices(d, "data")
     check_finite(d, "data")
-    if d.source == "hf":
-        check(bool(d.path), "data.path", d.path,
-              "data.source=hf needs a dataset name, e.g. data.path=roneneldan/TinyStories")
-    if d.source == "files":
-        check(bool(d.data_files), "data.data_files", d.data_files,
-              "data.source=files needs a list of local files, e.g. 'data.data_files=[/data/a.txt]'")
-    check(not d.val_split or d.source == "hf", "data.val_split", d.val_split,
-          f"only data.source=hf has named splits (data.source={d.source} holds out data.val_fraction of its "
-          "documents): set data.val_split=null")
-    check(0.0 <= d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "must be in [0, 1)")
+    if d.sources:
+        _check_blend(d)
+    else:
+        _check_source(d, "data")
     check(d.num_proc is None or d.num_proc >= 1, "data.num_proc", d.num_proc, "must be >= 1 (null: every core)")
     check(d.shard_mb > 0, "data.shard_mb", d.shard_mb, "must be a positive size in MB")
     check(d.inline_max_mb >= 0, "data.inline_max_mb", d.inline_max_mb, "must be >= 0 MB")

@@ -233,6 +233,11 @@ def _not_cached(cfg: DataConfig, why: str, setting: Optional[str]) -> DataError:
                      f"{_LOCAL_FILES}")
 
 
+def _load_hub(cfg: DataConfig, split: str) -> datasets.Dataset:
+    """load_dataset as people name a hub dataset: path, subset (data.config) and revision."""
+    return datasets.load_dataset(cfg.path, cfg.config, split=split, revision=cfg.revision)
+
+
 def _hub_split(cfg: DataConfig, split: str) -> datasets.Dataset:
     """One split of a hub dataset (or of a local dataset directory). Without network it fails in seconds, as
     one line: with HF_HUB_OFFLINE/HF_DATASETS_OFFLINE set only the local datasets cache is read; otherwise one
@@ -243,11 +248,11 @@ def _hub_split(cfg: DataConfig, split: str) -> datasets.Dataset:
     if setting or reason:
         try:
             with _HubOffline():
-                return datasets.load_dataset(cfg.path, split=split)
+                return _load_hub(cfg, split)
         except (ConnectionError, FileNotFoundError) as e:
             raise _not_cached(cfg, f"{setting}=1 is set" if setting else reason, setting) from e
     try:
-        return datasets.load_dataset(cfg.path, split=split)
+        return _load_hub(cfg, split)
     except ConnectionError as e:
         raise DataError(f"cannot load data.path={cfg.path!r} from the Hugging Face hub: offline or "
                         f"unreachable and not in the local datasets cache ({one_line(e)}); run once with "
@@ -309,8 +314,8 @@ def source_identity(cfg: DataConfig) -> Dict[str, Any]:
     """What the documents depend on, as plain JSON data; equal identities mean equal documents.
 
     Local files are identified by path, size and modification time (like make), so an edit re-tokenises
-    without hashing gigabytes. A hub dataset is identified by name and splits only: a new revision on the
-    hub is not noticed until the prepared directory is deleted.
+    without hashing gigabytes. A hub dataset is identified by name, subset, revision and splits: without a
+    pinned data.revision, a new revision on the hub is not noticed until the prepared directory is deleted.
     """
     split = {"val_split": cfg.val_split, "val_fraction": cfg.val_fraction, "split_seed": SPLIT_SEED}
     if cfg.source == "shakespeare":
@@ -321,5 +326,5 @@ def source_identity(cfg: DataConfig) -> Dict[str, Any]:
         stats = [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files]
         return {"source": "files", "format": file_format(cfg, files), "text_field": cfg.text_field,
                 "files": stats, **split}
-    return {"source": "hf", "path": cfg.path, "train_split": cfg.train_split, "text_field": cfg.text_field,
-            **split}
+    return {"source": "hf", "path": cfg.path, "config": cfg.config, "revision": cfg.revision,
+            "train_split": cfg.train_split, "text_field": cfg.text_field, **split}

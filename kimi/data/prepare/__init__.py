@@ -1,7 +1,21 @@
-"""Preparing data: :func:`prepare` (kimi.data.pack) and its command, ``python -m kimi.data.prepare``
-(``__main__.py``). ``kimi.data.prepare`` the package attribute is the function: kimi/data/__init__.py binds
-it after this package is imported."""
+"""Preparing data: :func:`prepare` and its command, ``python -m kimi.data.prepare`` (``__main__.py``).
+``kimi.data.prepare`` the package attribute is the function: kimi/data/__init__.py binds it after this
+package is imported."""
 
-from kimi.data.pack import PreparedData, prepare
+from typing import Union
 
-__all__ = ["PreparedData", "prepare"]
+from kimi.config import DataConfig
+from kimi.data import pack
+from kimi.data.blend import PreparedBlend, prepare_blend
+from kimi.data.pack import PreparedData
+
+__all__ = ["PreparedBlend", "PreparedData", "prepare"]
+
+
+def prepare(cfg: DataConfig, limit: bool = True) -> Union[PreparedData, PreparedBlend]:
+    """The configured data tokenised into cached shards (kimi.data.pack), or found there; a blend
+    (data.sources) prepares each source. ``limit``: refuse a corpus over data.inline_max_mb (the trainer's
+    call; the prepare command lifts it)."""
+    if cfg.sources:
+        return prepare_blend(cfg, pack.prepare, limit)
+    return pack.prepare(cfg, limit)

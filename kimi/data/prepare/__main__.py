@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import List
 
-from kimi.data.pack import prepare
+from kimi.data.prepare import prepare
 
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
@@ -32,9 +32,10 @@ def main(argv: List[str]) -> int:
         cfg = OmegaConf.to_object(compose("config", overrides=["trainer.run_dir=unused", *argv])).data
     validate_data(cfg)
     data = prepare(cfg, limit=False)
-    shards = {split: len(paths) for split, paths in data.shards.items()}
-    print(f"[data] ready: {data.data_dir} ({shards['train']} train / {shards['val']} val shard(s), manifest "
-          f"{data.data_dir / 'manifest.json'})", flush=True)
+    for part in getattr(data, "parts", [data]):
+        shards = {split: len(paths) for split, paths in part.shards.items()}
+        print(f"[data] ready: {part.data_dir} ({shards['train']} train / {shards['val']} val shard(s), manifest "
+              f"{part.data_dir / 'manifest.json'})", flush=True)
     return 0
 
 
