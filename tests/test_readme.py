@@ -71,6 +71,9 @@ SKIPPED = {
     "make gpu-check": "needs a CUDA GPU (its dry run is the next line)",
     "make gpu-check GPU_CHECK_ARGS=--dry-run": "tests/test_gpu_check.py runs it (about a minute)",
     "make gpu-wheels": "downloads from the package index",
+    ".venv/bin/python -m kimi.data.prepare data=files 'data.data_files=[corpus/*.jsonl]' data.num_proc=16":
+        "needs a corpus of one's own; tests/test_prepare_cli.py runs the command on a generated corpus, then "
+        "the trainer's prepare, which must find what it wrote",
     ".venv/bin/python -m kimi.ablate all": "the whole ablation study (hours); tests/test_ablate.py runs one "
                                            "experiment end to end at 2 steps, reruns it (nothing trained) and "
                                            "reports it",
@@ -90,6 +93,9 @@ SKIPPED = {
         "loads it in transformers",
     ".venv/bin/python -c 'from kimi.convert import load_hf; model = load_hf('\"'\"'hf_dir'\"'\"')'":
         "a placeholder directory; tests/test_hf_interop.py loads save_pretrained's output with load_hf",
+    ".venv/bin/python -m kimi.convert to-hf runs/qat hf_qat --mxfp4-experts":
+        "tests/test_low_precision_train.py exports a QAT run with the same command and loads it back, its forward "
+        "equal to the trained one's",
     ".venv/bin/python -m kimi.convert from-hf hf_dir runs/from_hf":
         "a placeholder directory; tests/test_hf_interop.py runs from-hf on save_pretrained's output, samples "
         "from the run and trains from it with the printed command",
