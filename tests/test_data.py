@@ -342,6 +342,24 @@ def test_hub_source(corpus, offline, tmp_path):
         load_documents(DataConfig(source="hf", path="someone/no-such-dataset"))
 
 
+def test_hub_dataset_subset_by_config(corpus, offline, tmp_path):
+    """data.config picks a subset of a dataset laid out as the hub lays them out (README metadata naming each
+    subset's files), read through the same load_dataset call as a hub dataset."""
+    texts = corpus[1]
+    (tmp_path / "README.md").write_text(
+        "---\nconfigs:\n"
+        "- config_name: first\n  data_files:\n  - split: train\n    path: first/*.jsonl\n"
+        "- config_name: second\n  data_files:\n  - split: train\n    path: second/*.jsonl\n---\n")
+    for name, part in (("first", texts[:6]), ("second", texts[6:])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
+    for name, part in (("first", texts[:6]), ("second", texts[6:])):
+        cfg = DataConfig(source="hf", path=str(tmp_path), config=name, val_fraction=0.2)
+        train, val = load_documents(cfg)
+        assert sorted(list(train["text"]) + list(val["text"])) == sorted(part)
+    assert pack.fingerprint(dataclasses.replace(cfg, revision="v2")) != pack.fingerprint(cfg)
+
+
 def test_single_document_is_split_by_lines():
     docs = datasets.Dataset.from_dict({"text": ["\n".join(f"line {i}" for i in range(100))]})
     train, val = hold_out(docs, 0.1)
