@@ -49,6 +49,9 @@ VENV = BIN.parent
 # README and docs lines not run here, each with why. Keys: the line without its comment, quoted as shlex.join
 # quotes (test_every_readme_command_is_classified prints a new line in this form).
 GPUS_8 = "8 processes (8 GPUs)"
+FT_JOBS = ("a lighthouse and two replica groups running at once, each waiting on the others; "
+           "tests/test_fault_tolerance.py runs them (a lighthouse, two one-process groups, one killed and started "
+           "again)")
 SKIPPED = {
     "make test": "runs the whole suite, this file included (minutes); `make test PYTEST_ARGS=...` is checked "
                  "with make -n",
@@ -115,6 +118,9 @@ SKIPPED = {
                                 "overrides compose and its run directory is in the mounted volume",
     ".venv/bin/deepspeed --no_local_rank --num_gpus 8 train.py parallel.engine=deepspeed parallel.dp_shard=8 "
     "hydra.run.dir=runs/ds8": GPUS_8 + "; tests/test_deepspeed.py runs the same launcher with --num_gpus 2 on CPU",
+    ".venv/bin/torchft_lighthouse --min_replicas 1 --bind '[::]:29510'": FT_JOBS,
+    "REPLICA_GROUP=0 NPROC=2 LIGHTHOUSE=http://localhost:29510 launch/torchft.sh group parallel.dp_shard=2": FT_JOBS,
+    "REPLICA_GROUP=1 NPROC=2 LIGHTHOUSE=http://localhost:29510 launch/torchft.sh group parallel.dp_shard=2": FT_JOBS,
 }
 MAX_MULTIPROCESS = 2  # 2-process torchrun launches run here (each 10-20 s on 2 CPU cores)
 
