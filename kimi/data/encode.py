@@ -15,9 +15,11 @@ from typing import Iterator, List, Optional, Tuple
 
 import datasets
 
-# Documents per task: large enough that a task's pickling is small next to its encoding, small enough that
-# the progress line moves and the parent's memory stays bounded (a few imap tasks in flight per worker).
+# A task is up to this many documents or characters: large enough that its pickling is small next to its
+# encoding, small enough that the progress line moves and the parent's memory stays bounded (a few imap tasks
+# in flight per worker) when documents are books.
 BATCH_DOCS = 512
+BATCH_CHARS = 4 << 20
 
 _WORKER_TOKENIZER = None
 
@@ -46,8 +48,17 @@ def default_num_proc(num_proc: Optional[int]) -> int:
 
 
 def _batches(docs: datasets.Dataset, start: int) -> Iterator[List[str]]:
-    for i in range(start, len(docs), BATCH_DOCS):
-        yield docs[i:i + BATCH_DOCS]["text"]
+    batch: List[str] = []
+    chars = 0
+    for i in range(start, len(docs), 64):
+        for text in docs[i:i + 64]["text"]:
+            batch.append(text)
+            chars += len(text)
+            if len(batch) == BATCH_DOCS or chars >= BATCH_CHARS:
+                yield batch
+                batch, chars = [], 0
+    if batch:
+        yield batch
 
 
 class Progress:

@@ -16,6 +16,8 @@ prepares only corpora up to ``data.inline_max_mb`` itself).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -33,8 +35,8 @@ from kimi.config import DataConfig
 from kimi.data.checks import undecodable_text_error
 from kimi.data.encode import Progress, default_num_proc, encode_documents
 from kimi.data.errors import DataError
-from kimi.data.shards import (FORMAT_VERSION, ShardedTokens, ShardWriter, document_index, open_tokens, read_meta, sha256_file,
-                              shard_path, token_dtype, write_atomic)
+from kimi.data.shards import (FORMAT_VERSION, ShardedTokens, ShardWriter, document_index, open_tokens, read_meta,
+                              sha256_file, shard_path, token_dtype, write_atomic)
 from kimi.data.sources import cache_root, load_documents, source_identity
 from kimi.data.tokenizer import Tokenizer, resolve_model_path, train_tokenizer
 
@@ -212,6 +214,19 @@ def prepare_command() -> str:
     return " ".join(["python -m kimi.data.prepare", *(f"'{a}'" if " " in a else a for a in args)])
 
 
+@contextlib.contextmanager
+def _exclusive(data_dir: Path) -> Iterator[None]:
+    """One preparation of a directory at a time (two jobs sharing a cache): the second waits, then finds the
+    first's manifest, or its finished shards if it was killed."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with open(data_dir / ".lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _tokenise(cfg: DataConfig, data_dir: Path, fp: str, limit: bool) -> PreparedData:
     t0 = time.perf_counter()
     train_docs, val_docs = load_documents(cfg)
@@ -220,7 +235,6 @@ def _tokenise(cfg: DataConfig, data_dir: Path, fp: str, limit: bool) -> Prepared
         raise DataError(f"data {cfg.name!r} holds {mb:,.0f} MB of text, more than the trainer tokenises itself "
                         f"(data.inline_max_mb={cfg.inline_max_mb:g}); prepare it first with `{prepare_command()}` "
                         f"(data.num_proc processes, resumable), then start training again")
-    data_dir.mkdir(parents=True, exist_ok=True)
     try:  # this pass decodes every document: the UTF-8 check of JSON and Parquet text costs nothing extra
         tok = _tokenizer(cfg, data_dir, train_docs)
         num_proc = default_num_proc(cfg.num_proc)
@@ -273,17 +287,24 @@ def _prepared(data_dir: Path) -> PreparedData:
     return PreparedData(tok, files, splits, data_dir)
 
 
+def _found(data_dir: Path) -> PreparedData:
+    prepared = _prepared(data_dir)
+    print(f"[data] using {data_dir} ({prepared.train_meta['num_tokens']:,} train / "
+          f"{prepared.val_meta['num_tokens']:,} val tokens)", flush=True)
+    return prepared
+
+
 def prepare(cfg: DataConfig, limit: bool = True) -> PreparedData:
     """Tokenise the configured source into cached shards (or find them already there). ``limit``: refuse a
     corpus over data.inline_max_mb (the trainer's call; the prepare command lifts it)."""
     fp = fingerprint(cfg)
     data_dir = data_dir_for(cfg)
     if (data_dir / MANIFEST).is_file():
-        prepared = _prepared(data_dir)
-        print(f"[data] using {data_dir} ({prepared.train_meta['num_tokens']:,} train / "
-              f"{prepared.val_meta['num_tokens']:,} val tokens)", flush=True)
-        return prepared
-    return _tokenise(cfg, data_dir, fp, limit)
+        return _found(data_dir)
+    with _exclusive(data_dir):
+        if (data_dir / MANIFEST).is_file():
+            return _found(data_dir)
+        return _tokenise(cfg, data_dir, fp, limit)
 
 
 def read_tokens(data: PreparedData, split: str) -> np.ndarray:
