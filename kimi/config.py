@@ -208,6 +208,16 @@ class OptimConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """trainer.profile (kimi/profiling.py): a torch.profiler trace of a few training steps."""
+
+    steps: Optional[List[int]] = None  # [first, last] training steps to record (1-based); null: off
+    ranks: List[int] = field(default_factory=lambda: [0])  # the global ranks that record
+    memory: bool = True  # on CUDA also the allocator's memory snapshot of those steps
+    top: int = 25  # rows of the ops table (ops_rank<r>.txt)
+
+
+@dataclass
 class TrainerConfig:
     seed: int = 1234
     max_steps: int = 600
@@ -249,6 +259,7 @@ class TrainerConfig:
     sample_tokens: int = 200  # tokens sampled at the end of training (0: none)
     sample_prompt: str = "ROMEO:"
     threads: int = 0  # torch intra-op threads on CPU; 0 leaves torch's default
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 @dataclass

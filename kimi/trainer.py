@@ -36,6 +36,7 @@ from kimi.model.decode import sample_text
 from kimi.parallel import (ParallelDims, build_engine, checkpoint_group, fault_tolerance, init_distributed,
                            mean_over_ranks, resolve_device, setup_group)
 from kimi.parallel.watchdog import Watchdog
+from kimi.profiling import StepProfiler
 from kimi.resume import checkpoint_to_resume, load_weights, resume, weights_to_start_from
 from kimi.runlog import RunLog, data_identity, nothing_to_train, save_config, write_routing
 from kimi.signals import StopSignals
@@ -203,10 +204,12 @@ class Trainer:
     def _fit(self) -> Dict[str, Any]:
         t, cfg = self.cfg.trainer, self.cfg
         self.signals.catch(signal.SIGTERM, signal.SIGINT)
+        self.profiler = StepProfiler.from_config(cfg, self.rank, self.device, self.run_dir, self.log)
         try:
             self._start()
             result = self._loop()
         finally:
+            self.profiler.close()
             self.saver.abandon()  # a save still in flight here will not complete: the run failed
             if self.metrics is not None:
                 self.metrics.close()
@@ -220,7 +223,7 @@ class Trainer:
             self.log("[kimi] no sample under pipeline or sequence parallelism: sample from the run directory "
                      "with python -m kimi.generate run=<run dir>")
         elif result["finished"] and t.sample_tokens > 0:
-            result["sample"] = self.sample(t.sample_prompt, t.sample_tokens)
+            result["sample"] = sample_text(self.model, self.data.tokenizer, t.sample_prompt, t.sample_tokens, t.seed)
             self.log(f"[kimi] sample (step {self.step}):\n{t.sample_prompt}{result['sample']}\n")
         return result
 
@@ -251,7 +254,8 @@ class Trainer:
         last_saved = None
         while self.step < t.max_steps:
             diagnose = self.diagnostics.due(self.step + 1)
-            out = (self.ft or self).train_step(family_stats=diagnose)
+            with self.profiler.around(self.step + 1):
+                out = (self.ft or self).train_step(family_stats=diagnose)
             if self.watchdog is not None:
                 self.watchdog.progress(self.step)
             window.add(out["loss"])
@@ -293,7 +297,3 @@ class Trainer:
         if log:
             self.metrics.log(record)
         return record
-
-    def sample(self, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int = 50) -> str:
-        return sample_text(self.model, self.data.tokenizer, prompt, max_new_tokens, self.cfg.trainer.seed,
-                           temperature, top_k)

@@ -71,6 +71,12 @@ def validate_trainer(t: TrainerConfig) -> None:
     if t.peak_flops is not None:  # MFU divides by it
         check(t.peak_flops > 0, "trainer.peak_flops", t.peak_flops,
               "must be > 0 FLOP/s, or null for the table")
+    steps = t.profile.steps
+    if steps is not None:
+        check(len(steps) == 2 and 1 <= steps[0] <= steps[1] <= t.max_steps, "trainer.profile.steps", list(steps),
+              f"must be [first, last] training steps with 1 <= first <= last <= trainer.max_steps ({t.max_steps}), "
+              "e.g. [5,6]; null: no profile")
+    check(t.profile.top >= 1, "trainer.profile.top", t.profile.top, "must be >= 1 rows")
 
 
 def validate_logging(lg: LoggingConfig) -> None:

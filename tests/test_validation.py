@@ -271,6 +271,10 @@ def test_layout_hint_makes_the_product_the_number_of_processes(overrides, world,
     ("trainer.seed=-1", "trainer.seed=-1 is invalid: must be an integer in [0, 2**64)"),
     ("trainer.sample_prompt=''", "trainer.sample_prompt='' is invalid: must be non-empty when "
                                  "trainer.sample_tokens > 0 (set trainer.sample_tokens=0 for no sample)"),
+    ("trainer.profile.steps=[3,2]", "trainer.profile.steps=[3, 2] is invalid: must be [first, last] training steps "
+                                    "with 1 <= first <= last <= trainer.max_steps (600), e.g. [5,6]; null: no profile"),
+    ("trainer.profile.steps=[0,1]", "trainer.profile.steps=[0, 1] is invalid: must be [first, last] training steps "
+                                    "with 1 <= first <= last <= trainer.max_steps (600), e.g. [5,6]; null: no profile"),
     ("optim.lr=inf", "optim.lr=inf is invalid: must be a finite number"),
     ("optim.eps=0", "optim.eps=0.0 is invalid: must be > 0 (1e-8 is usual)"),
     ("optim.weight_decay=400", "optim.lr*optim.weight_decay = 0.003*400.0 = 1.2 is invalid: must be < 1 "
