@@ -4,6 +4,7 @@ precision with everything else equal (data order, initial weights, schedule); fp
 
     python bench/precision.py [--runs bf16 fp8_tensorwise ...] [--steps 300] [--eval-every 50] [-- OVERRIDE ...]
     python bench/precision.py --table     # the table and plot again from the JSON, no training
+    python bench/precision.py --numerics  # one layer's error against fp64 per format (seconds)
 
 Each run's record is added to bench/results/precision.json as soon as it finishes (a later run replaces one of
 the same name); the table compares every run's final validation loss with bf16's, and the plot
@@ -83,14 +84,50 @@ def plot(runs: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def numerics() -> str:
+    """Relative error (Frobenius) against fp64 of one 128 -> 96 projection on 64 tokens under bf16 autocast,
+    forward and both gradients, per format (the problem tests/test_low_precision.py bounds)."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    from kimi.precision.linear import fp8_config, to_fp8, to_mxfp8
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 128, generator=g, dtype=torch.float64)
+    w = torch.randn(96, 128, generator=g, dtype=torch.float64) * 0.05
+    grad = torch.randn(64, 96, generator=g, dtype=torch.float64)
+    exact = (x @ w.T, grad @ w, grad.T @ x)
+    base = nn.Linear(128, 96, bias=False)
+    base.weight.data = w.float()
+    layers = {"bf16": copy.deepcopy(base), "mxfp8": to_mxfp8(copy.deepcopy(base), emulate=True)}
+    for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
+        layers[f"fp8 {recipe}"] = to_fp8(copy.deepcopy(base), fp8_config(recipe, emulate=True))
+    lines = ["| layer | output | input gradient | weight gradient |", "|---|---|---|---|"]
+    for name, layer in layers.items():
+        xi = x.float().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(xi)
+        out.backward(grad.to(out.dtype))
+        found = (out, xi.grad, layer.weight.grad)
+        errors = [((a.double() - b).norm() / b.norm()).item() for a, b in zip(found, exact)]
+        lines.append(f"| {name} | " + " | ".join(f"{e:.4f}" for e in errors) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--table", action="store_true", help="only print the table and redraw the plot")
+    parser.add_argument("--numerics", action="store_true", help="only print one layer's errors per format")
     parser.add_argument("overrides", nargs="*", help="hydra overrides for every run (after --)")
     args = parser.parse_args()
+    if args.numerics:
+        print(numerics())
+        return
 
     runs = json.loads(OUT.read_text())["runs"] if OUT.is_file() else {}
     if not args.table:

@@ -241,7 +241,7 @@ def rank_state(cfg: Config, model: KimiModel, routes: Dict[str, str], pp_rank: i
     else:
         st.bytes["AdamW moments (fp32, 2 per param)"] = 8 * st.local_adamw
     if p.dp_shard * p.cp > 1:
-        st.bytes["transient"] = (2 if t.precision == "bf16" else 4) * st.largest_unit[1]
+        st.bytes["transient"] = (4 if t.precision == "fp32" else 2) * st.largest_unit[1]
     return st
 
 
@@ -369,7 +369,7 @@ def report(s: Summary) -> str:
             rows.append([k, f"{v:,}", f"{v / GIB:.2f}"])
     rows.append(["total (persistent)", f"{h.persistent_bytes:,}", f"{h.persistent_bytes / GIB:.2f}"])
     if "transient" in h.bytes:
-        v, dtype = h.bytes["transient"], "bf16" if t.precision == "bf16" else "fp32"
+        v, dtype = h.bytes["transient"], "fp32" if t.precision == "fp32" else "bf16"
         rows.append([f"+ one gathered FSDP unit ({dtype}, {h.largest_unit[0]}: {h.largest_unit[1]:,})",
                      f"{v:,}", f"{v / GIB:.2f}"])
         rows.append(["total with it", f"{h.persistent_bytes + v:,}", f"{(h.persistent_bytes + v) / GIB:.2f}"])
