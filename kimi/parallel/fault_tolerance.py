@@ -154,7 +154,10 @@ class FaultTolerance:
               "a peer (weights, optimizer, lr schedule, data position); no checkpoint read")
 
     def close(self) -> None:
-        self.manager.shutdown(wait=False)
+        """Stop this rank's torchft servers (the lighthouse then sees the group leave); once is enough."""
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None
 
 
 class _GroupEngine:
