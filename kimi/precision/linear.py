@@ -53,6 +53,7 @@ class MXFP8Linear(nn.Linear):
         with torch.autocast(x.device.type, enabled=False):
             out = _to_mxfp8_then_scaled_mm(x.to(dtype), self.weight.to(dtype), self.kernel,
                                            ScaleCalculationMode.RCEIL)
+        out = out.to(dtype)  # the native kernel returns bf16 whatever its inputs (an fp32 forward: sampling)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
 

@@ -33,12 +33,14 @@ def validate_precision(cfg: Config) -> None:
         require(t.device != "cpu" or p.emulate is not False,
                 f"precision.emulate=false needs CUDA for trainer.precision={t.precision}: set "
                 "precision.emulate=null (emulated on CPU) or trainer.device=cuda")
-    if t.precision == "mxfp8":
-        # the weight gradient's MXFP8 blocks run along the tokens of one forward
+    if low:
+        # the weight gradient's GEMM reduces over the tokens of one forward: fp8 GEMMs take multiples of 16 there,
+        # and MXFP8's blocks of 32 run along them
         tokens = t.micro_batch_size // pipeline_microbatches(cfg) * (t.seq_len // par.cp)
-        require(tokens % 32 == 0,
-                f"trainer.precision=mxfp8 needs the tokens of one forward (micro_batch_size/pipeline "
-                f"micro-batches * seq_len/cp = {tokens}) to be a multiple of 32, the MXFP8 block: change "
+        multiple = 32 if t.precision == "mxfp8" else 16
+        require(tokens % multiple == 0,
+                f"trainer.precision={t.precision} needs the tokens of one forward (micro_batch_size/pipeline "
+                f"micro-batches * seq_len/cp = {tokens}) to be a multiple of {multiple}: change "
                 "trainer.micro_batch_size or trainer.seq_len")
     if p.qat == "mxfp4_experts":
         require(m.moe_num_experts > 0, "precision.qat=mxfp4_experts needs a mixture-of-experts model "
