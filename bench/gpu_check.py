@@ -108,7 +108,7 @@ def commands(step: str, ctx: "Context") -> list[tuple[str, list[str]]]:
         layouts = ["bf16", "fp8_tensorwise", "fp8_rowwise"] if fp8 else ["single"]
         sizes = TRAIN_DRY if ctx.dry else TRAIN_FP8 if fp8 else TRAIN
         return [(model, ["parallel.py", "--layouts", *layouts, "--model", model, "--batch", str(batch),
-                         "--steps", str(steps), *(["--profile"] if model == "small" and not fp8 else []),
+                         "--steps", str(steps), *([] if fp8 else ["--profile"]),
                          "--set", f"trainer.seq_len={seq}", *([] if fp8 else ["trainer.precision=bf16"]),
                          f"parallel.compile={compiled}", f"model.vocab_size={vocab}", "data=files",
                          f"data.data_files=[{ctx.corpus()}/*.txt]", f"data.cache_dir={ctx.tmp / 'data'}",
@@ -235,6 +235,9 @@ def train_rows(r: dict):
     top = x.get("top_kernels") or []
     extra += ("; costliest kernels: " + ", ".join(f"{k['kernel'][:40]} {k['ms']:.1f} ms" for k in top[:3])
               if top else "")
+    hungry = (x.get("profile") or {}).get("memory_ops") or []
+    extra += ("; most memory: " + ", ".join(f"{m['op'][:40]} {m['mib']:,.0f} MiB" for m in hungry[:3])
+              if hungry else "")
     failures = [f"train {r['model']}: loss not finite"] if not all(v == v and abs(v) != float("inf")
                                                                   for v in losses) else []
     return [(f"train {r['model']}: {r['batch']} x {seq} tokens per step, {flags}",

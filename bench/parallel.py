@@ -92,16 +92,25 @@ def _kda_dtypes() -> set:
     return seen
 
 
-def _profile(trainer, top: int = 15) -> list[dict]:
-    """One training step under torch.profiler on CUDA: the kernels that took the most device time."""
+def _profile(trainer, top: int = 25) -> dict:
+    """One training step under torch.profiler on CUDA: the kernels that took the most device time, and the
+    ops that allocated the most device memory (net of what they freed) with the step's peak."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    torch.cuda.reset_peak_memory_stats()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], profile_memory=True) as prof:
         trainer.train_step()
         torch.cuda.synchronize()
-    rows = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)[:top]
-    return [{"kernel": e.key[:120], "ms": e.self_device_time_total / 1e3, "calls": e.count} for e in rows]
+    events = prof.key_averages()
+    busy = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    memory = sorted(events, key=lambda e: e.self_device_memory_usage, reverse=True)[:10]
+    return {"kernels": [{"kernel": e.key[:120], "ms": e.self_device_time_total / 1e3, "calls": e.count}
+                        for e in busy if e.self_device_time_total > 0],
+            "device_ms": sum(e.self_device_time_total for e in events) / 1e3,
+            "memory_ops": [{"op": e.key[:120], "mib": e.self_device_memory_usage / 2**20, "calls": e.count}
+                           for e in memory if e.self_device_memory_usage > 0],
+            "peak_mib": torch.cuda.max_memory_allocated() / 2**20}
 
 
 def worker(out: Path, model: str, overrides: list[str], steps: int, profile: bool = False) -> None:
@@ -139,13 +148,13 @@ def worker(out: Path, model: str, overrides: list[str], steps: int, profile: boo
         losses.append(trainer.train_step()["loss"])
     sync()
     seconds = (time.perf_counter() - t0) / steps
-    kernels = _profile(trainer) if profile and cuda else []
+    profiled = _profile(trainer) if profile and cuda else {}
     t = cfg.trainer
     tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps * trainer.dims.dp
     peak = peak_flops(trainer.device, t.peak_flops)
     record = {"calls": dict(counter.calls), "bytes": dict(counter.bytes), "stage_sends": sent,
               "losses": losses, "fallbacks": _dispatch_state(), "kda_dtypes": sorted(kda_dtypes),
-              "top_kernels": kernels,
+              "top_kernels": profiled.get("kernels", []), "profile": profiled,
               "step_s": seconds, "tokens_per_s": tokens / seconds,
               "mfu": tokens / seconds * trainer.flops_per_token / (peak * trainer.dims.world),
               # what this rank's device allocated at most (CUDA), or the process's peak resident memory
@@ -213,7 +222,8 @@ def main() -> None:
                         "trainer.seq_len=2048 trainer.precision=bf16")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "parallel.json")
     parser.add_argument("--profile", action="store_true",
-                        help="CUDA: also profile one step and keep its 15 costliest kernels")
+                        help="CUDA: also profile one step and keep its 25 costliest kernels and its 10 "
+                             "most memory-hungry ops")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
