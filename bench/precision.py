@@ -129,12 +129,16 @@ def main() -> None:
         print(numerics())
         return
 
-    runs = json.loads(OUT.read_text())["runs"] if OUT.is_file() else {}
+    def recorded() -> dict:
+        return json.loads(OUT.read_text())["runs"] if OUT.is_file() else {}
+
     if not args.table:
         for name in args.runs:
-            runs[name] = train(name, args.steps, args.eval_every, args.overrides)
+            result = train(name, args.steps, args.eval_every, args.overrides)
+            runs = {**recorded(), name: result}  # read again: another invocation may have added a run since
             OUT.write_text(json.dumps({"runs": runs}, indent=2) + "\n")
             print(table(runs), flush=True)
+    runs = recorded()
     print(table(runs))
     plot(runs, PLOT)
     print(f"wrote {PLOT}")
