@@ -12,12 +12,13 @@ from kimi.data.pack import PreparedData, open_split
 
 
 def _val_batches(data: PreparedData, t: TrainerConfig, eos_id: int, dp_rank: int, dp_world: int) -> list:
-    # A fixed set of validation windows (the first ones, in order), so evaluations are comparable; split over
-    # the ranks like training batches, so N ranks evaluate what one process with N times the micro-batch
-    # would.
+    # A fixed set of validation windows (the first ones, in order), so evaluations are comparable: eval_batches
+    # steps' worth (micro-batch x ranks x accumulation steps each), split over the ranks like training
+    # batches, so every layout of the same step evaluates the same windows.
     val_loader = TokenLoader(open_split(data, "val"), t.micro_batch_size, t.seq_len, t.seed, eos_id,
                              dp_rank=dp_rank, dp_world=dp_world, shuffle=False)
-    return [val_loader.next_batch() for _ in range(min(t.eval_batches, val_loader.batches_per_epoch))]
+    n = min(t.eval_batches * t.grad_accum_steps, val_loader.batches_per_epoch)
+    return [val_loader.next_batch() for _ in range(n)]
 
 
 def rank_streams(data: Union[PreparedData, PreparedBlend], t: TrainerConfig, dp_rank: int,
