@@ -92,20 +92,25 @@ train: $(VENV)/.installed
 prepare: $(VENV)/.installed
 	$(PY) -m kimi.data.prepare $(ARGS)
 
+# pytest-xdist workers, each taking whole test files (their module fixtures are built once): the suite pins
+# torch to one thread per process, so one pytest process leaves the second core idle through every
+# in-process test. TEST_JOBS= runs in one process.
+TEST_JOBS ?= -n 2 --dist loadfile
+
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(TEST_JOBS) $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.installed-dev
-	$(PY) -m pytest -q -m "unit and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(TEST_JOBS) -m "unit and not slow" $(PYTEST_ARGS)
 
 test-unit: $(VENV)/.installed-dev
-	$(PY) -m pytest -q -m unit $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(TEST_JOBS) -m unit $(PYTEST_ARGS)
 
 test-dist: $(VENV)/.installed-dev
-	$(PY) -m pytest -q -m dist $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(TEST_JOBS) -m dist $(PYTEST_ARGS)
 
 test-e2e: $(VENV)/.installed-dev
-	$(PY) -m pytest -q -m e2e $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(TEST_JOBS) -m e2e $(PYTEST_ARGS)
 
 venv: $(VENV)/.installed
 	@$(PY) -c "$$TORCH_CHECK" $(TORCH)

@@ -384,7 +384,7 @@ def check(box: Sandbox, command: str) -> None:
         stamps = ["-o", f"{VENV}/.installed", "-o", f"{VENV}/.installed-dev"]  # never (re)install here
         out = box.run(["make", "-n", *stamps, f"VENV={VENV}", *words[1:]]).stdout
         if "test" in words:
-            expected = f"{VENV}/bin/python -m pytest -q {_arg(words, 'PYTEST_ARGS') or ''}".strip()
+            expected = f"{VENV}/bin/python -m pytest -q -n 2 --dist loadfile {_arg(words, 'PYTEST_ARGS') or ''}".strip()
         else:
             expected = f"{VENV}/bin/python train.py {_arg(words, 'ARGS') or ''}".strip()
         assert out.strip() == expected, f"make -n printed {out!r}, expected {expected!r}"
