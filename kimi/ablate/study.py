@@ -3,6 +3,8 @@ and running them one after another as subprocesses of train.py (kimi/ablate/__in
 
 from __future__ import annotations
 
+import copy
+import functools
 import itertools
 import json
 import math
@@ -181,6 +183,14 @@ def train_overrides(run: Run, user: Sequence[str]) -> List[str]:
 def arm_config(exp: Experiment, arm: str, user: Sequence[str], run: Sequence[str] = ()) -> Dict[str, Any]:
     """An arm's config under the user's overrides (and a run's sweep values and seed), composed as train.py
     would compose it (which also refuses a misspelt override before hours of runs), as plain containers."""
+    overrides = (f"+experiment={exp.name}", f"+{exp.arm_group}={arm}", *run, *user)
+    return copy.deepcopy(_composed(overrides))
+
+
+@functools.lru_cache(maxsize=None)
+def _composed(overrides: Tuple[str, ...]) -> Dict[str, Any]:
+    # A study plans, fingerprints and reports every run, each a second of Hydra's composition; the
+    # configs do not change while it runs.
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -188,8 +198,7 @@ def arm_config(exp: Experiment, arm: str, user: Sequence[str], run: Sequence[str
     from kimi.config import register_configs
 
     register_configs()
-    overrides = [f"+experiment={exp.name}", f"+{exp.arm_group}={arm}", *run, *user]
-    check_overrides(overrides, str(CONF_DIR))
+    check_overrides(list(overrides), str(CONF_DIR))
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["trainer.run_dir=unused", *overrides])
     return OmegaConf.to_container(cfg, resolve=False)
