@@ -53,12 +53,16 @@ def train(name: str, steps: int, eval_every: int, overrides: list[str]) -> dict:
 
 def table(runs: dict) -> str:
     base = runs.get("bf16")
-    lines = ["| run | steps | final val loss | minus bf16's | wall time (s) |", "|---|---|---|---|---|"]
+    lines = ["| run | steps | final val loss | minus bf16's | largest gap to bf16 at an evaluation | wall time (s) |",
+             "|---|---|---|---|---|---|"]
     for name, r in runs.items():
         final = r["evals"][-1]["val_loss"]
-        diff = (f"{final - base['evals'][-1]['val_loss']:+.4f}"
-                if base and name != "bf16" and base["steps"] == r["steps"] else "")
-        lines.append(f"| {name} | {r['steps']} | {final:.4f} | {diff} | {r['seconds']:.0f} |")
+        diff = gap = ""
+        if base and name != "bf16" and base["steps"] == r["steps"]:
+            diff = f"{final - base['evals'][-1]['val_loss']:+.4f}"
+            ref = {e["step"]: e["val_loss"] for e in base["evals"]}
+            gap = f"{max(abs(e['val_loss'] - ref[e['step']]) for e in r['evals'] if e['step'] in ref):.4f}"
+        lines.append(f"| {name} | {r['steps']} | {final:.4f} | {diff} | {gap} | {r['seconds']:.0f} |")
     return "\n".join(lines)
 
 
