@@ -264,8 +264,9 @@ class TrainerConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = one_of(WANDB_MODES, "offline")  # offline: no network (`wandb sync` later)
-    project: str = "kimi"
+    # offline: no network (`wandb sync` later). null: $WANDB_MODE, else offline (kimi.metrics.wandb_mode)
+    mode: Optional[str] = one_of(WANDB_MODES, None)
+    project: Optional[str] = None  # null: $WANDB_PROJECT, else kimi
     entity: Optional[str] = None
     name: Optional[str] = None
     group: Optional[str] = None  # runs shown together (an ablation's experiment)

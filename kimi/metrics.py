@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from kimi.config import ConfigError, LoggingConfig, WandbConfig, mixer_pattern
+from kimi.config import WANDB_MODES, ConfigError, LoggingConfig, WandbConfig, mixer_pattern
 from kimi.model.registry import legend
 
 # Dense bf16 tensor-core peak per device (FLOP/s), from the vendors' datasheets (no sparsity); the first
@@ -151,7 +152,7 @@ class MetricsLogger:
     it to wandb."""
 
     def __init__(self, run_dir: Path, cfg: LoggingConfig, config_dict: Dict[str, Any], resume_step: int = 0,
-                 enabled: bool = True):
+                 enabled: bool = True, run_id: str = ""):
         self.enabled = enabled
         self.path = Path(run_dir) / cfg.metrics_file
         self.history: List[Dict[str, Any]] = []
@@ -161,10 +162,13 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
             _drop_torn_line(self.path)
-        self._append({"event": "start", "step": resume_step, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        mode = wandb_mode(cfg.wandb)
+        wandb_id, rewound = wandb_run_id(run_id or Path(run_dir).resolve().name, resume_step, self.path)
+        self._append({"event": "start", "step": resume_step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                      **({"wandb_id": wandb_id} if mode != "disabled" else {})})
         self.history = read_metrics(self.path)
-        if cfg.wandb.mode != "disabled":
-            self._wandb = start_wandb(cfg.wandb, Path(run_dir), config_dict)
+        if mode != "disabled":
+            self._wandb = start_wandb(cfg.wandb, Path(run_dir), config_dict, wandb_id, rewound)
 
     def log(self, record: Dict[str, Any], images: Optional[Dict[str, Path]] = None,
             tables: Optional[Dict[str, Tuple[List[str], List[list]]]] = None) -> None:
@@ -239,21 +243,70 @@ def _drop_torn_line(path: Path) -> None:
 WANDB_ONLINE_TIMEOUT_S = 20.0  # wandb's own default (90 s, then a traceback) holds every start of a run
 
 
-def start_wandb(cfg: WandbConfig, run_dir: Path, config: Dict[str, Any]):
-    """wandb's run for `run_dir`. Online without credentials is a one-line ConfigError at once (there is
-    nothing to wait for); online without a reachable server logs offline instead, with one warning line, after
-    WANDB_ONLINE_TIMEOUT_S: a network outage should not cost a training run (`wandb sync` uploads it later)."""
+def wandb_mode(cfg: WandbConfig) -> str:
+    """logging.wandb.mode; where the config leaves it null, $WANDB_MODE (wandb's own variable), else offline."""
+    if cfg.mode is not None:
+        return cfg.mode
+    env = os.environ.get("WANDB_MODE", "").strip()
+    mode = {"": "offline", "dryrun": "offline", "run": "online"}.get(env, env)  # wandb's older spellings
+    if mode not in WANDB_MODES:
+        raise ConfigError(f"WANDB_MODE={env!r} in the environment is invalid: choose one of {'|'.join(WANDB_MODES)}, "
+                          "or set logging.wandb.mode (which wins over it)")
+    return mode
+
+
+def wandb_run_id(run_id: str, resume_step: int, metrics: Path) -> Tuple[str, Optional[str]]:
+    """(the wandb run id of this start, the earlier wandb run it rewinds or None).
+
+    The id is the run's own (kept in its checkpoints): a resumed or moved run directory continues its wandb
+    run, an overwritten one (a new run id) starts another. wandb only takes steps forward within a run, so a
+    resume from a checkpoint older than steps already logged would silently lose the re-logged steps; such a
+    start gets a run of its own, `<run id>-r<k>`, which names the earlier one in its notes. The id in use is
+    kept in metrics.jsonl's start records."""
+    used, logged, rewinds, ours = run_id, 0, set(), False
+    lines = metrics.read_text(errors="replace").splitlines() if metrics.exists() else []
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(r, dict):
+            continue
+        if r.get("event") == "start":
+            wid = str(r.get("wandb_id", ""))
+            ours = wid == run_id or wid.startswith(f"{run_id}-r")  # what an earlier run id logged is not ours
+            if ours:
+                used = wid
+                rewinds.add(wid)
+        elif ours and isinstance(r.get("step"), int):
+            logged = max(logged, r["step"])
+    if logged <= resume_step:
+        return used, None
+    return f"{run_id}-r{len(rewinds - {run_id}) + 1}", used
+
+
+def start_wandb(cfg: WandbConfig, run_dir: Path, config: Dict[str, Any], wandb_id: str,
+                rewound: Optional[str] = None):
+    """wandb's run `wandb_id` (wandb_run_id) for `run_dir`. Online without credentials is a one-line ConfigError
+    at once (there is nothing to wait for); online without a reachable server logs offline instead, with one
+    warning line, after WANDB_ONLINE_TIMEOUT_S: a network outage should not cost a training run (`wandb sync`
+    uploads it later). Null keys leave wandb's environment variables in charge (WANDB_ENTITY, WANDB_NAME,
+    WANDB_RUN_GROUP, WANDB_TAGS); the project is logging.wandb.project, $WANDB_PROJECT, else kimi."""
     import wandb
 
+    notes = (f"resumed from an older checkpoint than wandb run {rewound} had logged: this run continues it"
+             if rewound else None)
+
     def init(mode: str, **settings):
-        return wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name, group=cfg.group,
-                          tags=list(cfg.tags) or None, mode=mode, dir=str(run_dir), config=config,
-                          resume="allow", id=_wandb_id(run_dir),
+        return wandb.init(project=cfg.project or os.environ.get("WANDB_PROJECT") or "kimi", entity=cfg.entity,
+                          name=cfg.name, group=cfg.group, tags=list(cfg.tags) or None, notes=notes, mode=mode,
+                          dir=str(run_dir), config=config, resume="allow", id=wandb_id,
                           # our own progress line already says everything wandb would print
                           settings=wandb.Settings(quiet=True, console="off", **settings))
 
-    if cfg.mode != "online":
-        return init(cfg.mode)
+    mode = wandb_mode(cfg)
+    if mode != "online":
+        return init(mode)
     try:
         return init("online", init_timeout=WANDB_ONLINE_TIMEOUT_S)
     except wandb.errors.UsageError as e:
@@ -268,13 +321,6 @@ def start_wandb(cfg: WandbConfig, run_dir: Path, config: Dict[str, Any]):
 
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
-
-
-def _wandb_id(run_dir: Path) -> str:
-    """A stable id per run directory, so a resumed run continues the same wandb run."""
-    import hashlib
-
-    return hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
 
 
 def progress_line(step: int, max_steps: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float,

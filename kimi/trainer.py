@@ -238,7 +238,7 @@ class Trainer:
             save_config(self.run_dir, config_dict(cfg), self.step)
             self.engine.write_run_files(self.run_dir)
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, config_dict(cfg), resume_step=self.step,
-                                     enabled=self.is_main)
+                                     enabled=self.is_main, run_id=self.run_id)
 
     def _loop(self) -> Dict[str, Any]:
         t = self.cfg.trainer

@@ -80,4 +80,7 @@ def validate_trainer(t: TrainerConfig) -> None:
 
 
 def validate_logging(lg: LoggingConfig) -> None:
+    from kimi.metrics import wandb_mode
+
     check_choices(lg, "logging")
+    wandb_mode(lg.wandb)  # $WANDB_MODE, where the config leaves the mode to it

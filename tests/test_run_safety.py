@@ -398,7 +398,7 @@ def test_wandb_online_without_credentials_is_one_line_at_once(tmp_path, monkeypa
     try:
         with pytest.raises(ConfigError, match=r"^logging.wandb.mode=online, but wandb cannot start: No API key "
                                               r"configured.* Set WANDB_API_KEY .*logging.wandb.mode=offline"):
-            start_wandb(WandbConfig(mode="online"), tmp_path, {})
+            start_wandb(WandbConfig(mode="online"), tmp_path, {}, "run-id")
     finally:
         wandb.teardown()
     assert time.monotonic() - t0 < 15
@@ -421,7 +421,7 @@ def test_wandb_online_without_network_logs_offline_with_a_warning(tmp_path, monk
         return "offline run"
 
     monkeypatch.setattr(wandb, "init", init)
-    assert start_wandb(WandbConfig(mode="online"), tmp_path, {}) == "offline run"
+    assert start_wandb(WandbConfig(mode="online"), tmp_path, {}, "run-id") == "offline run"
     assert calls[0] == ("online", WANDB_ONLINE_TIMEOUT_S) and WANDB_ONLINE_TIMEOUT_S <= 30 and calls[1][0] == "offline"
     out = capsys.readouterr().out.strip().splitlines()
     assert out == [f"[kimi] warning: wandb's server did not answer within {WANDB_ONLINE_TIMEOUT_S:.0f} s (Timed out "

@@ -1,0 +1,67 @@
+"""Which wandb run a training run logs to, and in which mode: the run's own id (a resumed run continues its wandb
+run, an overwritten one starts another), a resume from an older checkpoint than the steps already logged gets a
+run of its own (wandb drops steps that go backwards), and wandb's environment variables fill in what the config
+leaves null while an explicit override wins over them."""
+
+import json
+
+import pytest
+from helpers import train_run
+
+from kimi.config import ConfigError, WandbConfig
+from kimi.metrics import wandb_mode, wandb_run_id
+
+pytestmark = pytest.mark.e2e
+
+
+def _wandb_ids(run):
+    """The ids of the offline wandb runs in a run dir (offline-run-<time>-<id>), oldest first."""
+    dirs = sorted((run / "wandb").glob("offline-run-*"))
+    return [d.name.split("-", 3)[3] for d in dirs]
+
+
+def _started(run):
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r.get("event") == "start"]
+
+
+def test_overwrite_starts_another_wandb_run_and_resume_continues_it(tmp_path, data, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    run = tmp_path / "run"
+    offline = ["logging.wandb.mode=null", "trainer.checkpoint_every=1"]
+    first = train_run(run, data, *offline, "trainer.max_steps=2")
+    train_run(run, data, *offline, "trainer.max_steps=3")  # resumes at step 2
+    assert set(_wandb_ids(run)) == {first.run_id}
+    again = train_run(run, data, *offline, "trainer.max_steps=2", "trainer.resume=false", "trainer.overwrite=true")
+    assert again.run_id != first.run_id and _wandb_ids(run) == [again.run_id]  # the old wandb dir moved aside
+    assert [s["wandb_id"] for s in _started(run)] == [again.run_id]
+
+
+def test_environment_fills_what_the_config_leaves_null(tmp_path, data, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    run = tmp_path / "run"
+    train_run(run, data, "logging.wandb.mode=null", "trainer.max_steps=1")
+    assert not (run / "wandb").exists() and "wandb_id" not in _started(run)[0]
+    explicit = tmp_path / "explicit"
+    train_run(explicit, data, "logging.wandb.mode=offline", "trainer.max_steps=1")  # the override wins
+    assert len(_wandb_ids(explicit)) == 1
+    monkeypatch.setenv("WANDB_MODE", "offlne")
+    with pytest.raises(ConfigError, match=r"^WANDB_MODE='offlne' in the environment is invalid: choose one of "
+                                          r"offline\|online\|disabled, or set logging.wandb.mode"):
+        wandb_mode(WandbConfig())
+    monkeypatch.setenv("WANDB_MODE", "dryrun")  # wandb's older name for offline
+    assert wandb_mode(WandbConfig()) == "offline" and wandb_mode(WandbConfig(mode="online")) == "online"
+
+
+def test_a_resume_behind_the_logged_steps_gets_a_run_of_its_own(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    assert wandb_run_id("abc", 0, metrics) == ("abc", None)
+    lines = [{"event": "start", "step": 0, "wandb_id": "abc"}, *({"step": s, "loss": 1.0} for s in range(1, 9))]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert wandb_run_id("abc", 8, metrics) == ("abc", None)  # resumed where the logging stopped
+    assert wandb_run_id("abc", 4, metrics) == ("abc-r1", "abc")  # steps 5-8 again: wandb would drop them
+    with metrics.open("a") as f:  # that run logged on to step 10, then resumes normally: it continues it
+        f.write("".join(json.dumps(r) + "\n" for r in [{"event": "start", "step": 4, "wandb_id": "abc-r1"},
+                                                        *({"step": s} for s in range(5, 11))]))
+    assert wandb_run_id("abc", 10, metrics) == ("abc-r1", None)
+    assert wandb_run_id("abc", 6, metrics) == ("abc-r2", "abc-r1")
+    assert wandb_run_id("other", 0, metrics) == ("other", None)  # a new run id: nothing carried over
