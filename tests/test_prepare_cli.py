@@ -71,3 +71,30 @@ def test_trainer_trains_on_a_blend_logs_each_source_and_resumes_exactly(tmp_path
     losses = [[(r["step"], r.get("loss"), r["val_loss"]) for r in read_metrics(run / "metrics.jsonl")
                if "val_loss" in r and r["step"] == 4] for run in (tmp_path / "whole", tmp_path / "parts")]
     assert losses[0] == losses[1]
+
+
+def test_a_checkpoint_from_before_global_positions_resumes(tmp_path, data, monkeypatch):
+    """A checkpoint whose loader state has the older keys (micro-batches served, no global position) resumes
+    where the uninterrupted run goes; a blend's checkpoint resumed on one source is one line."""
+    from helpers import train_run
+    from kimi.data import DataError, loader
+    from kimi.metrics import read_metrics
+
+    whole = train_run(tmp_path / "whole", data, "trainer.max_steps=3")
+    new = loader.TokenLoader.state_dict
+
+    def old_keys(self):
+        sd = new(self)
+        return {k: sd[k] for k in ("epoch", "position", "seed", "dp_world", "num_windows", "seq_len", "batch_size")}
+
+    monkeypatch.setattr(loader.TokenLoader, "state_dict", old_keys)
+    train_run(tmp_path / "parts", data, "trainer.max_steps=3", "trainer.stop_at_step=1")
+    monkeypatch.setattr(loader.TokenLoader, "state_dict", new)
+    resumed = train_run(tmp_path / "parts", data, "trainer.max_steps=3")
+    assert resumed.loader.state_dict() == whole.loader.state_dict()
+    losses = [[r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+              for run in (tmp_path / "whole", tmp_path / "parts")]
+    assert losses[0] == losses[1] and len(losses[0]) == 3
+    with pytest.raises(DataError, match="read a blend"):
+        whole.loader.load_state_dict({"samples": 0, "seed": 1, "global_batch": 4, "seq_len": 32, "batch_size": 4,
+                                      "dp_world": 1, "blend": "{}"})

@@ -195,6 +195,11 @@ def newest_intact(root: Path, log=print, set_aside: bool = False) -> Optional[Ch
 def load(path: Path, engine, loader) -> Dict[str, Any]:
     """Restore everything saved by :func:`save` in place; returns the trainer part (step, config, extra)."""
     state = _full_state(engine, loader, 0, {}, {})
+    # The loader's entries the checkpoint has: one written by another loader (an older version's keys, one
+    # source instead of a blend) is the loader's to convert or refuse, in one line, not DCP's missing key.
+    saved = SafeReader(str(path)).read_metadata().state_dict_metadata
+    state["trainer"]["loader"] = {k: v for k, v in state["trainer"]["loader"].items()
+                                  if f"trainer.loader.{k}" in saved}
     _read(state, path)
     tr = state["trainer"]
     engine.load_state_dict({"model": state["model"], "optim": state["optim"], "scheduler": tr["scheduler"]})

@@ -121,6 +121,9 @@ class TokenLoader:
         and the accumulation steps may change as long as the windows per optimizer step do not: step k then
         covers the same windows on any layout. A state saved before positions were global (micro-batches
         served) continues with that run's epoch length."""
+        if "blend" in sd or ("samples" in sd and "epoch_unit" not in sd):
+            raise DataError("the checkpoint's loader read a blend (data.sources) and this run reads one source; "
+                            "resume with the data it was trained on, or start a fresh run")
         saved_micro, accum = int(sd["batch_size"]) * int(sd["dp_world"]), self.global_batch // self.micro
         if "samples" not in sd:  # saved before positions were global: micro-batches served, same accumulation
             sd = {**sd, "samples": int(sd["position"]) * saved_micro, "epoch_unit": saved_micro,
