@@ -51,6 +51,7 @@ FAULT_TOLERANCE = ("none", "torchft")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage per rank; the others run pp_virtual_stages each
 MOE_IMPLS = ("grouped", "loop")
+MLP_ACTIVATIONS = ("swiglu", "situ")
 
 
 def one_of(choices: Tuple[str, ...], default: Optional[str]) -> Any:
@@ -95,6 +96,12 @@ class ModelConfig:
     rope_theta: float = 10000.0
     # MLP
     mlp_hidden: int = 768  # SwiGLU inner width (of the dense blocks when moe_num_experts > 0)
+    # The gated activation of every FFN (dense, shared and routed experts; kimi/model/activations.py): swiglu,
+    # or situ (Kimi K3's SiTU-GLU: b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2) in fp32, b1 = situ_beta, b2 =
+    # situ_linear_beta, null: the up branch uncapped)
+    mlp_activation: str = one_of(MLP_ACTIVATIONS, "swiglu")
+    situ_beta: float = 4.0
+    situ_linear_beta: Optional[float] = 25.0
     # Mixture of experts (kimi/model/moe.py): 0 experts keeps every block dense. Otherwise blocks from
     # moe_first_dense on route each token to moe_top_k of moe_num_experts SwiGLU experts of width moe_hidden,
     # plus moe_shared_experts shared ones (one SwiGLU of moe_shared_experts * moe_hidden).

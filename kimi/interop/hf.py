@@ -42,6 +42,8 @@ def hf_config(m: ModelConfig) -> Dict[str, Any]:
                 "its MLA keeps them unrotated: set model.mla_rotary=false or model.qk_rope_head_dim=0")
     if m.kda_gate_bias:
         _refuse("a bias on KDA's output gate (model.kda_gate_bias=true)", "set model.kda_gate_bias=false")
+    if m.mlp_activation != "swiglu":
+        _refuse(f"model.mlp_activation={m.mlp_activation} (Kimi K3's SiTU-GLU)", "its MLPs are SwiGLU")
     if m.vocab_size is None:
         raise ValueError("model.vocab_size must be resolved before converting (it follows the tokenizer)")
     types = {"K": "linear_attention", "M": "full_attention"}

@@ -1,11 +1,12 @@
-"""SwiGLU feed-forward: W_down(silu(W_gate x) * W_up x), no biases."""
+"""Gated feed-forward: W_down(act(W_gate x) * W_up x), no biases; act is SiLU (SwiGLU) or Kimi K3's SiTU
+(kimi/model/activations.py, model.mlp_activation)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .activations import GLU, glu_of, swiglu
 from .init import Rules, normal
 from .sublayer import Sublayer, TPPlan
 
@@ -17,10 +18,11 @@ class SwiGLU(Sublayer, nn.Module):
 
     @classmethod
     def build(cls, cfg) -> "SwiGLU":
-        return cls(cfg.d_model, cfg.mlp_hidden)
+        return cls(cfg.d_model, cfg.mlp_hidden, glu_of(cfg))
 
-    def __init__(self, d_model: int, hidden: int):
+    def __init__(self, d_model: int, hidden: int, act: GLU = swiglu):
         super().__init__()
+        self.act = act
         self.w_gate = nn.Linear(d_model, hidden, bias=False)
         self.w_up = nn.Linear(d_model, hidden, bias=False)
         self.w_down = nn.Linear(hidden, d_model, bias=False)
@@ -33,4 +35,4 @@ class SwiGLU(Sublayer, nn.Module):
 
     def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """rows: the batch rows of a packed x (the MLP contract; a dense MLP acts per token)."""
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return self.w_down(self.act(self.w_gate(x), self.w_up(x)))

@@ -8,6 +8,8 @@ auxiliary loss (docs/algorithms.md section 5).
     w_e    = routed_scale * s_e / sum_{chosen} s             (renormalised unless norm_topk=False)
     y      = sum_{e in chosen} w_e SwiGLU_e(x) + SharedSwiGLU(x)
 
+(with model.mlp_activation=situ every one of those FFNs takes SiTU-GLU instead: kimi/model/activations.py)
+
 Routed experts keep their weights as 3-D tensors [E, out, in] (w_gate, w_up: [E, hidden, d]; w_down:
 [E, d, hidden]); every token goes to all of its chosen experts (dropless). Two implementations of the
 expert computation give the same result: "grouped" sorts the tokens by expert and runs one grouped GEMM per
@@ -34,6 +36,7 @@ from torch import nn
 from kimi.config import ModelConfig
 from kimi.ops import autocast_dtype
 
+from .activations import GLU, glu_of, swiglu
 from .init import Rules, normal
 from .mlp import SwiGLU
 from .probe import PROBE
@@ -74,7 +77,7 @@ def grouped_mm_ok(x: torch.Tensor) -> bool:
 
 
 def swiglu_sorted(rows: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                  w_down: torch.Tensor) -> torch.Tensor:
+                  w_down: torch.Tensor, act: GLU = swiglu) -> torch.Tensor:
     """SwiGLU_e of rows sorted by expert (counts[e] rows for expert e, in expert order): one grouped GEMM per
     projection (torch._grouped_mm), or one matmul per expert where that kernel does not run."""
     dtype = autocast_dtype(rows.device.type)
@@ -85,11 +88,11 @@ def swiglu_sorted(rows: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor
     if grouped_mm_ok(rows):
         ends = counts.cumsum(0).to(torch.int32)
         gate, up = (torch._grouped_mm(rows, w.mT, offs=ends) for w in (w_gate, w_up))
-        return torch._grouped_mm(F.silu(gate) * up, w_down.mT, offs=ends)
+        return torch._grouped_mm(act(gate, up), w_down.mT, offs=ends)
     pieces, start = [], 0  # fp64, or devices without the grouped kernel
     for e, n in enumerate(counts.tolist()):
         r = rows[start:start + n]
-        pieces.append((F.silu(r @ w_gate[e].T) * (r @ w_up[e].T)) @ w_down[e].T)
+        pieces.append(act(r @ w_gate[e].T, r @ w_up[e].T) @ w_down[e].T)
         start += n
     return torch.cat(pieces)
 
@@ -102,13 +105,13 @@ def expert_counts(experts: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def experts_grouped(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
-                    w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+                    w_up: torch.Tensor, w_down: torch.Tensor, act: GLU = swiglu) -> torch.Tensor:
     """sum over each token's chosen experts of weight * SwiGLU_e(token): tokens sorted by expert, one grouped
     GEMM per projection."""
     E, k = w_gate.shape[0], experts.shape[1]
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)
-    y = swiglu_sorted(x[order // k], expert_counts(flat, E), w_gate, w_up, w_down)
+    y = swiglu_sorted(x[order // k], expert_counts(flat, E), w_gate, w_up, w_down, act)
     return combine(y, order, k, weights, x)
 
 
@@ -121,14 +124,14 @@ def combine(y: torch.Tensor, order: torch.Tensor, k: int, weights: torch.Tensor,
 
 
 def experts_loop(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
-                 w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+                 w_up: torch.Tensor, w_down: torch.Tensor, act: GLU = swiglu) -> torch.Tensor:
     """The same sum, one expert at a time over the tokens that chose it (the reference)."""
     out = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
     for e in range(w_gate.shape[0]):
         token, slot = torch.where(experts == e)
         if token.numel():
             r = x[token]
-            y = (F.silu(r @ w_gate[e].T) * (r @ w_up[e].T)) @ w_down[e].T
+            y = act(r @ w_gate[e].T, r @ w_up[e].T) @ w_down[e].T
             out.index_add_(0, token, y * weights[token, slot, None])
     return out.to(x.dtype)
 
@@ -169,13 +172,14 @@ class RoutedExperts(ParamViews, nn.Module):
     place these weights apart from the rest of the layer: expert parallelism keeps E / ep of them per rank
     (reading them through param views) and sets `dispatch` to its all-to-all version of the computation."""
 
-    def __init__(self, E: int, hidden: int, d: int, impl: str):
+    def __init__(self, E: int, hidden: int, d: int, impl: str, act: GLU = swiglu):
         super().__init__()
+        self.act = act
         self.w_gate = nn.Parameter(torch.empty(E, hidden, d))
         self.w_up = nn.Parameter(torch.empty(E, hidden, d))
         self.w_down = nn.Parameter(torch.empty(E, d, hidden))
         self.impl = impl
-        self.dispatch: Callable | None = None  # (x, experts, weights, w_gate, w_up, w_down) -> y
+        self.dispatch: Callable | None = None  # (x, experts, weights, w_gate, w_up, w_down, act) -> y
         # set by quantisation-aware training (kimi/precision): each weight as the forward computes with it
         self.weight_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
 
@@ -184,7 +188,7 @@ class RoutedExperts(ParamViews, nn.Module):
         w = [self.param(name) for name in ("w_gate", "w_up", "w_down")]
         if self.weight_quant is not None:
             w = [self.weight_quant(t) for t in w]
-        return fn(x, experts, weights, *w)
+        return fn(x, experts, weights, *w, act=self.act)
 
 
 class MoE(Sublayer, nn.Module):
@@ -210,8 +214,8 @@ class MoE(Sublayer, nn.Module):
         self.top_k, self.groups, self.topk_groups = cfg.moe_top_k, cfg.moe_groups, cfg.moe_topk_groups
         self.norm_topk, self.scale = cfg.moe_norm_topk, cfg.moe_routed_scale
         self.router = nn.Linear(d, E, bias=False)
-        self.experts = RoutedExperts(E, hidden, d, cfg.moe_impl)
-        self.shared = SwiGLU(d, hidden * cfg.moe_shared_experts) if cfg.moe_shared_experts else None
+        self.experts = RoutedExperts(E, hidden, d, cfg.moe_impl, glu_of(cfg))
+        self.shared = SwiGLU(d, hidden * cfg.moe_shared_experts, glu_of(cfg)) if cfg.moe_shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(E))
         self.register_buffer("load", torch.zeros(E), persistent=False)
         self.aux_coef = cfg.moe_aux_loss_coef

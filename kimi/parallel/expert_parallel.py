@@ -28,6 +28,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from kimi.model.activations import GLU, swiglu
 from kimi.model.moe import RoutedExperts, combine, expert_counts, swiglu_sorted
 
 
@@ -41,7 +42,8 @@ def dispatch_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
 
 
 def experts_parallel(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
-                     w_up: torch.Tensor, w_down: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+                     w_up: torch.Tensor, w_down: torch.Tensor, group: dist.ProcessGroup,
+                     act: GLU = swiglu) -> torch.Tensor:
     """kimi.model.moe.experts_grouped with the experts spread over `group`: x [N, d] this rank's tokens,
     experts / weights [N, k] their choices among all E experts, w_* this rank's E / ep experts."""
     ep, local = dist.get_world_size(group), w_gate.shape[0]
@@ -56,7 +58,7 @@ def experts_parallel(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     # arrival order: by source rank, then expert; the experts want them by expert (then source)
     expert_of_row = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(received.reshape(-1))
     by_expert = expert_of_row.argsort(stable=True)
-    y = swiglu_sorted(rows[by_expert], received.sum(0), w_gate, w_up, w_down)
+    y = swiglu_sorted(rows[by_expert], received.sum(0), w_gate, w_up, w_down, act)
     y = torch.empty_like(y).index_copy(0, by_expert, y)  # back to arrival order
     return combine(all_to_all_single_autograd(y, send, recv, group), order, k, weights, x)
 
