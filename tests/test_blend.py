@@ -154,7 +154,8 @@ def test_prepare_a_blend_with_a_tokenizer_json_killed_and_rerun(tmp_path, offlin
     for part in blend.parts:
         manifest = json.loads((part.data_dir / "manifest.json").read_text())
         assert manifest["tokenizer"]["sha256"] == blend.tokenizer.sha256
-        assert all((part.data_dir / s["file"]).with_suffix(".idx").is_file() for s in manifest["splits"]["train"]["shards"])
+        shards_listed = manifest["splits"]["train"]["shards"]
+        assert all((part.data_dir / s["file"]).with_suffix(".idx").is_file() for s in shards_listed)
     web = blend.parts[1]
     # the second source as a single-source config: the same documents, the same tokens
     alone = DataConfig(name="web", source="files", data_files=[str(rows)], text_field="body", val_fraction=0.1,
