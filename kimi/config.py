@@ -92,6 +92,9 @@ class ModelConfig:
     # unrotated (NoPE everywhere)
     mla_rotary: bool = True
     mla_norm_eps: Optional[float] = None  # MLA latent / q-LoRA norms' eps; null: norm_eps (Kimi Linear: 1e-6)
+    # Kimi K3's gated MLA: the heads' outputs times sigmoid(W_g x), per element, before the output projection
+    # (x: the layer's normed input, W_g: [heads * v_head_dim, d_model])
+    mla_output_gate: bool = False
     v_head_dim: int = 64
     rope_theta: float = 10000.0
     # MLP

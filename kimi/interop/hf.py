@@ -42,6 +42,8 @@ def hf_config(m: ModelConfig) -> Dict[str, Any]:
                 "its MLA keeps them unrotated: set model.mla_rotary=false or model.qk_rope_head_dim=0")
     if m.kda_gate_bias:
         _refuse("a bias on KDA's output gate (model.kda_gate_bias=true)", "set model.kda_gate_bias=false")
+    if m.mla_output_gate:
+        _refuse("MLA's output gate (model.mla_output_gate=true, Kimi K3's gated MLA)", "its MLA has none")
     if m.mlp_activation != "swiglu":
         _refuse(f"model.mlp_activation={m.mlp_activation} (Kimi K3's SiTU-GLU)", "its MLPs are SwiGLU")
     if m.vocab_size is None:

@@ -9,6 +9,8 @@ projections runs the same code):
     [k_nope_h | v_h] = (W_ukv c)_h         per head
     q_h = [q_nope_h | RoPE(q_rope_h)],  k_h = [k_nope_h | RoPE(r)]   (one rotary key shared by all heads)
     o = W_o concat_h softmax(q_h k_h^T / sqrt(nope + rope), causal) v_h
+        or, with mla_output_gate (Kimi K3's gated MLA), W_o [sigmoid(W_g x) * concat_h ...], one gate per
+        element of the heads' outputs
 
 Row layout of the head-sized weights (QK-Clip scales these rows per head; nn.Linear rows = outputs):
   * query projection (W_q, or W_uq with q_lora): head h owns rows [h*(nope+rope), (h+1)*(nope+rope)),
@@ -57,7 +59,8 @@ class MLA(Sublayer, nn.Module):
     PROBES = ("max_logits",)  # per head, scaled
     HF_NAMES = {f"{ours}.weight": f"self_attn.{theirs}.weight" for ours, theirs in (
         ("wq", "q_proj"), ("wq_a", "q_a_proj"), ("q_norm", "q_a_layernorm"), ("wq_b", "q_b_proj"),
-        ("wkv_a", "kv_a_proj_with_mqa"), ("kv_norm", "kv_a_layernorm"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"))}
+        ("wkv_a", "kv_a_proj_with_mqa"), ("kv_norm", "kv_a_layernorm"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"),
+        ("wg", "g_proj"))}
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -78,6 +81,7 @@ class MLA(Sublayer, nn.Module):
         self.kv_norm = RMSNorm(self.kv_lora_rank, eps)
         self.wkv_b = nn.Linear(self.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(H * self.v_dim, d, bias=False)
+        self.wg = nn.Linear(d, H * self.v_dim, bias=False) if cfg.mla_output_gate else None
         # When set (through KimiModel.record_max_logits, for QK-Clip), every forward that builds a graph records its per-head
         # max scaled logit [H] fp32; consume_max_logits() returns the max over them (micro-batches). They are
         # kept as a list and reduced on consumption so a forward runs the same ops whatever came before it,
@@ -130,7 +134,7 @@ class MLA(Sublayer, nn.Module):
 
     def init_rules(self, std: float, out_std: float) -> Rules:
         """Projections normal(0, std), the output projection normal(0, out_std), norms 1."""
-        names = [self.q_name, "wkv_a", "wkv_b"] + (["wq_a"] if self.q_lora else [])
+        names = [self.q_name, "wkv_a", "wkv_b"] + (["wq_a"] if self.q_lora else []) + (["wg"] if self.wg else [])
         rules = {f"{name}.weight": normal(std) for name in names}
         rules.update({"wo.weight": normal(out_std), "kv_norm.weight": constant(1.0)})
         if self.q_lora:
@@ -141,10 +145,10 @@ class MLA(Sublayer, nn.Module):
         apply_rules(self, self.init_rules(std, out_std))
 
     def tp_plan(self) -> TPPlan:
-        """The query projection and W_ukv column-parallel (by heads), wo row-parallel; W_dkv, its norm and
-        q-LoRA's down-projection replicated. Each rank records the max logits of its own heads (QK-Clip
-        places them by tp rank)."""
-        return TPPlan(colwise=(self.q_name, "wkv_b"), rowwise=("wo",))
+        """The query projection, W_ukv and the output gate column-parallel (by heads), wo row-parallel; W_dkv,
+        its norm and q-LoRA's down-projection replicated. Each rank records the max logits of its own heads
+        (QK-Clip places them by tp rank)."""
+        return TPPlan(colwise=(self.q_name, "wkv_b") + (("wg",) if self.wg else ()), rowwise=("wo",))
 
     def flops_per_token(self, seq_len: int) -> float:
         """Causal softmax attention: per token and head, q.k over T/2 keys on average (2 Dqk T/2) and the
@@ -202,7 +206,10 @@ class MLA(Sublayer, nn.Module):
                 self._seen_max_logits.append(max_logits)
             if PROBE.on:
                 PROBE.record(self, max_logits=max_logits)
-        return self.wo(out.reshape(B, T, -1))
+        out = out.reshape(B, T, -1)
+        if self.wg is not None:
+            out = out * torch.sigmoid(self.wg(x))
+        return self.wo(out)
 
     @staticmethod
     def _rows_over_documents(q, k, v, starts: torch.Tensor, record: bool):
