@@ -249,7 +249,7 @@ CONFIG = [
     case("unknown key without +", ["trainer.max_stepz=3"], ["trainer.max_stepz", "trainer.max_steps"]),
     case("text for a number", ["trainer.max_steps=ten"], ["trainer.max_steps", "ten"]),
     case("unknown preset", ["optim=sgd"], ["optim", "sgd", "adamw", "muonclip"]),
-    case("precision fp8", ["trainer.precision=fp8"], ["trainer.precision='fp8' is invalid", "fp32|bf16"]),
+    case("precision fp4", ["trainer.precision=fp4"], ["trainer.precision='fp4' is invalid", "fp32|bf16|fp8|mxfp8"]),
     case("activation checkpointing", ["parallel.activation_checkpointing=some"],
          ["parallel.activation_checkpointing='some' is invalid", "none|full|selective"]),
     case("residual mode", ["model.residual=dense"], ["model.residual='dense' is invalid", "attnres_block"]),
