@@ -8,7 +8,7 @@ import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -133,18 +133,23 @@ def read_metrics(path: Path) -> List[Dict[str, Any]]:
     records logged after step N by an earlier, interrupted session (whose checkpoint was lost) no longer
     count, and a fresh start (N = 0) replaces everything before it. A line cut short by a crash is skipped."""
     rows: List[Dict[str, Any]] = []
-    for line in Path(path).read_text(errors="replace").splitlines():
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(r, dict):
-            continue
+    for r in _records(Path(path)):
         if r.get("event") == "start":
             rows = [x for x in rows if r["step"] and x.get("step", 0) <= r["step"]]
         else:
             rows.append(r)
     return rows
+
+
+def _records(path: Path) -> Iterator[Dict[str, Any]]:
+    """Every JSON object line of metrics.jsonl, in order (a line cut short by a crash is skipped)."""
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(r, dict):
+            yield r
 
 
 class MetricsLogger:
@@ -264,14 +269,7 @@ def wandb_run_id(run_id: str, resume_step: int, metrics: Path) -> Tuple[str, Opt
     start gets a run of its own, `<run id>-r<k>`, which names the earlier one in its notes. The id in use is
     kept in metrics.jsonl's start records."""
     used, logged, rewinds, ours = run_id, 0, set(), False
-    lines = metrics.read_text(errors="replace").splitlines() if metrics.exists() else []
-    for line in lines:
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(r, dict):
-            continue
+    for r in _records(metrics):
         if r.get("event") == "start":
             wid = str(r.get("wandb_id", ""))
             ours = wid == run_id or wid.startswith(f"{run_id}-r")  # what an earlier run id logged is not ours

@@ -4,15 +4,12 @@ whose dequantised forward is the trained model's."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from helpers import TINY_TRAINER as TINY
-from hydra import compose, initialize_config_dir
+from helpers import run_cfg
 from torch import nn
 
-from kimi.config import register_configs, to_config
+from kimi.config import to_config
 from kimi.convert import load_hf
 from kimi.convert import main as convert
 from kimi.generate import load_from_checkpoint
@@ -22,25 +19,9 @@ from kimi.trainer import Trainer
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[1]
-register_configs()
 # every projection of the 2-block test model that is wide enough: its MLPs and the 32-wide attention ones
 CONVERT_ALL = ["precision.keep_end_blocks=0", "precision.min_features=32", "trainer.max_steps=4",
                "trainer.eval_every=0", "trainer.checkpoint_every=0"]
-
-
-@pytest.fixture(autouse=True)
-def offline(monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-
-
-def _cfg(run_dir: Path, corpus: Path, cache_dir: Path, *overrides: str):
-    files = ",".join(str(p) for p in sorted(corpus.glob("*.txt")))
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=[f"trainer.run_dir={run_dir}", f"data.data_files=[{files}]",
-                                            f"data.cache_dir={cache_dir}", *TINY, *overrides])
 
 
 def _losses(trainer: Trainer) -> list[float]:
@@ -48,17 +29,17 @@ def _losses(trainer: Trainer) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def bf16_losses(tmp_path_factory, corpus, cache_dir):
+def bf16_losses(tmp_path_factory, data):
     run = tmp_path_factory.mktemp("bf16")
-    return _losses(Trainer(_cfg(run, corpus, cache_dir, "trainer.precision=bf16", *CONVERT_ALL)))
+    return _losses(Trainer(run_cfg(run, data, "trainer.precision=bf16", *CONVERT_ALL)))
 
 
 @pytest.mark.parametrize("precision, cls", [("fp8 precision.fp8.recipe=tensorwise", Fp8Linear),
                                             ("fp8 precision.fp8.recipe=rowwise", Fp8Linear),
                                             ("mxfp8", MXFP8Linear)])
-def test_emulated_low_precision_trains_like_bf16(tmp_path, corpus, cache_dir, bf16_losses, precision, cls):
+def test_emulated_low_precision_trains_like_bf16(tmp_path, data, bf16_losses, precision, cls):
     overrides = [f"trainer.precision={precision.split()[0]}", *precision.split()[1:], *CONVERT_ALL]
-    trainer = Trainer(_cfg(tmp_path / "run", corpus, cache_dir, *overrides))
+    trainer = Trainer(run_cfg(tmp_path / "run", data, *overrides))
     names = trainer.engine.low_precision
     assert "blocks.0.mlp.w_down" in names and "blocks.1.mixer.wo" in names
     assert all(isinstance(trainer.model.get_submodule(n), cls) for n in names)
@@ -71,13 +52,12 @@ def test_emulated_low_precision_trains_like_bf16(tmp_path, corpus, cache_dir, bf
     assert all(type(p) is nn.Parameter and p.dtype == torch.float32 for p in trainer.model.parameters())
 
 
-def test_mxfp4_qat_run_exports_the_forward_it_trained(tmp_path, corpus, cache_dir):
+def test_mxfp4_qat_run_exports_the_forward_it_trained(tmp_path, data):
     run = tmp_path / "run"
     # what transformers' layout expresses (its MLA latent norm has eps 1e-6); d_model 32, expert width 32
     model = ["model.residual=standard", "model.kda_gate_bias=false", "model.mla_norm_eps=1e-6",
              "model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_hidden=32", "model.moe_first_dense=1"]
-    cfg = _cfg(run, corpus, cache_dir, "precision.qat=mxfp4_experts", "trainer.max_steps=3",
-               "trainer.eval_every=0", *model)
+    cfg = run_cfg(run, data, "precision.qat=mxfp4_experts", "trainer.max_steps=3", *model)
     assert Trainer(cfg).fit()["finished"]
     assert convert(["to-hf", str(run), str(tmp_path / "hf"), "--mxfp4-experts"]) == 0
     trained, _, step = load_from_checkpoint(str(run))
