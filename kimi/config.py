@@ -79,6 +79,11 @@ class ModelConfig:
     kda_head_dim: int = 64  # dk = dv; also the rank of the low-rank gate projections
     conv_size: int = 4
     kda_gate_bias: bool = True  # a bias on the output gate's up-projection (Kimi Linear's has none)
+    # Kimi K3's KDA: the decay gate bounded below, g = L * sigmoid(exp(A_log) (f + dt_bias)) in (L, 0)
+    # (null: Kimi Linear's -exp(A_log) softplus(f + dt_bias); K3: -5), and a full-rank output gate W_g x
+    # [heads * head_dim, d_model] instead of the low-rank one
+    kda_gate_lower_bound: Optional[float] = None
+    kda_full_rank_gate: bool = False
     # KDA kernels: auto = Triton on CUDA, PyTorch on CPU; torch / triton force one (triton on CPU needs
     # TRITON_INTERPRET=1 and is slow: for tests).
     kda_backend: str = one_of(KDA_BACKENDS, "auto")

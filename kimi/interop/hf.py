@@ -42,6 +42,9 @@ def hf_config(m: ModelConfig) -> Dict[str, Any]:
                 "its MLA keeps them unrotated: set model.mla_rotary=false or model.qk_rope_head_dim=0")
     if m.kda_gate_bias:
         _refuse("a bias on KDA's output gate (model.kda_gate_bias=true)", "set model.kda_gate_bias=false")
+    if m.kda_gate_lower_bound is not None or m.kda_full_rank_gate:
+        _refuse("Kimi K3's KDA (model.kda_gate_lower_bound, model.kda_full_rank_gate)",
+                "its KDA has the unbounded gate and a low-rank output gate")
     if m.mla_output_gate:
         _refuse("MLA's output gate (model.mla_output_gate=true, Kimi K3's gated MLA)", "its MLA has none")
     if m.mlp_activation != "swiglu":

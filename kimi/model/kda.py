@@ -3,8 +3,10 @@
     q, k, v = SiLU(ShortConv(W_q x)), SiLU(ShortConv(W_k x)), SiLU(ShortConv(W_v x))   heads of K = V dims
     q, k    = L2-normalised per head
     g       = -exp(A_log[h]) * softplus(W_f_up W_f_down x + dt_bias)     per-channel log decay, <= 0
+              or L * sigmoid(exp(A_log[h]) * (W_f_up W_f_down x + dt_bias))  in (L, 0): Kimi K3's safe gate
     beta    = sigmoid(W_b x)                                              one per head
     o       = W_o( sigmoid(W_g_up W_g_down x + b_g) * RMSNorm_per_head(KDA(q, k, v, g, beta)) )  (b_g: optional)
+              with a full-rank output gate (Kimi K3) sigmoid(W_g x + b_g) instead
 
 Head counts come from tensor shapes, so a tensor-parallel shard (a slice of heads) runs this same code.
 """
@@ -107,7 +109,7 @@ class KDA(Sublayer, ParamViews, nn.Module):
         ("q_proj", "q_proj"), ("k_proj", "k_proj"), ("v_proj", "v_proj"), ("q_conv", "q_conv1d"),
         ("k_conv", "k_conv1d"), ("v_conv", "v_conv1d"), ("f_proj_down", "f_a_proj"),
         ("f_proj_up", "f_b_proj"), ("b_proj", "b_proj"), ("g_proj_down", "g_a_proj"),
-        ("g_proj_up", "g_b_proj"), ("o_norm", "o_norm"), ("o_proj", "o_proj"))},
+        ("g_proj_up", "g_b_proj"), ("g_proj", "g_proj"), ("o_norm", "o_norm"), ("o_proj", "o_proj"))},
         "dt_bias": "self_attn.dt_bias", "A_log": ("self_attn.A_log", (1, 1, -1, 1))}
 
     def __init__(self, cfg: ModelConfig):
@@ -126,8 +128,12 @@ class KDA(Sublayer, ParamViews, nn.Module):
         self.A_log = nn.Parameter(torch.empty(H))
         self.dt_bias = nn.Parameter(torch.empty(H * K))
         self.b_proj = nn.Linear(d, H, bias=False)
-        self.g_proj_down = nn.Linear(d, K, bias=False)  # low-rank output gate, bias on the up-projection
-        self.g_proj_up = nn.Linear(K, H * K, bias=cfg.kda_gate_bias)
+        self.lower_bound = cfg.kda_gate_lower_bound
+        if cfg.kda_full_rank_gate:
+            self.g_proj = nn.Linear(d, H * K, bias=cfg.kda_gate_bias)
+        else:  # low rank, its bias on the up-projection
+            self.g_proj_down = nn.Linear(d, K, bias=False)
+            self.g_proj_up = nn.Linear(K, H * K, bias=cfg.kda_gate_bias)
         # one weight over each head's V channels, shared by the heads; its eps is rms_norm_eps in Kimi Linear
         self.o_norm = RMSNorm(K, eps=cfg.norm_eps)
         self.o_proj = nn.Linear(H * K, d, bias=False)
@@ -135,12 +141,13 @@ class KDA(Sublayer, ParamViews, nn.Module):
     def init_rules(self, std: float, out_std: float) -> Rules:
         """Linears normal(0, std), the output projection normal(0, out_std), the output gate's bias 0,
         convs as nn.Conv1d, the output norm 1, A_log and dt_bias as Kimi Linear / Mamba (kimi.model.init)."""
+        gates = ("g_proj",) if self.full_rank_gate else ("g_proj_down", "g_proj_up")
         rules = {f"{name}.weight": normal(std) for name in ("q_proj", "k_proj", "v_proj", "f_proj_down",
-                                                             "f_proj_up", "b_proj", "g_proj_down", "g_proj_up")}
+                                                             "f_proj_up", "b_proj", *gates)}
         rules.update({"o_proj.weight": normal(out_std), "o_norm.weight": constant(1.0),
                       "A_log": log_uniform_decay, "dt_bias": dt_bias})
-        if self.g_proj_up.bias is not None:
-            rules["g_proj_up.bias"] = constant(0.0)
+        if self.gate_up.bias is not None:
+            rules[f"{gates[-1]}.bias"] = constant(0.0)
         for name in ("q_conv", "k_conv", "v_conv"):
             rules.update(prefixed(name, getattr(self, name).init_rules()))
         return rules
@@ -152,7 +159,8 @@ class KDA(Sublayer, ParamViews, nn.Module):
         """By heads: q/k/v, the gates' and beta's up-projections column-parallel, short-conv channels,
         A_log and dt_bias per head; the low-rank down-projections replicated; the output norm's weight,
         shared by the heads, sums its gradient over them; o_proj row-parallel."""
-        return TPPlan(colwise=("q_proj", "k_proj", "v_proj", "f_proj_up", "b_proj", "g_proj_up"),
+        gate = "g_proj" if self.full_rank_gate else "g_proj_up"
+        return TPPlan(colwise=("q_proj", "k_proj", "v_proj", "f_proj_up", "b_proj", gate),
                       rowwise=("o_proj",),
                       by_heads=("A_log", "dt_bias", "q_conv.weight", "k_conv.weight", "v_conv.weight"),
                       sum_grads=("o_norm.weight",))
@@ -191,7 +199,8 @@ class KDA(Sublayer, ParamViews, nn.Module):
         q, k, v = qkv
         # Gates in fp32 (fp64 in fp64 models): they are summed over a chunk and exponentiated.
         f = self.f_proj_up(self.f_proj_down(x)).view(B, T, -1, self.head_dim)
-        q, k, g = normalize_and_gate(q, k, f, self.param("A_log"), self.param("dt_bias"), self.chunk_backend)
+        q, k, g = normalize_and_gate(q, k, f, self.param("A_log"), self.param("dt_bias"), self.chunk_backend,
+                                     self.lower_bound)
         gdt = g.dtype
         beta = torch.sigmoid(self.b_proj(x).to(gdt))
         if PROBE.on:  # a diagnostic pass (kimi/diagnostics) summarises the decay exp(g) and beta
@@ -207,5 +216,15 @@ class KDA(Sublayer, ParamViews, nn.Module):
                            output_final_state=cache is not None, cu_seqlens=cu_seqlens, backend=backend)
         if cache is not None:
             cache.state = state
-        gate = torch.sigmoid(self.g_proj_up(self.g_proj_down(x))).view(B, T, -1, self.head_dim)
+        gate = self.g_proj(x) if self.full_rank_gate else self.g_proj_up(self.g_proj_down(x))
+        gate = torch.sigmoid(gate).view(B, T, -1, self.head_dim)
         return self.o_proj((self.o_norm(o) * gate).reshape(B, T, -1))
+
+    @property
+    def full_rank_gate(self) -> bool:
+        return hasattr(self, "g_proj")
+
+    @property
+    def gate_up(self) -> nn.Linear:
+        """The output gate's last projection (its bias and head-sized rows)."""
+        return self.g_proj if self.full_rank_gate else self.g_proj_up

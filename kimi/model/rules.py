@@ -18,6 +18,8 @@ def validate_model(m: ModelConfig) -> None:
                                  "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "mlp_hidden",
                                  "attnres_block_size", "pad_vocab_multiple"))
     check(m.conv_size >= 1, "model.conv_size", m.conv_size, "must be >= 1 (4 in Kimi Linear)")
+    check(m.kda_gate_lower_bound is None or m.kda_gate_lower_bound < 0, "model.kda_gate_lower_bound",
+          m.kda_gate_lower_bound, "must be negative (Kimi K3: -5), or null for Kimi Linear's unbounded gate")
     check(m.loss_chunk >= -1, "model.loss_chunk", m.loss_chunk,
           "must be -1 (plain loss), 0 (chunk picked from the shapes) or a number of tokens per chunk")
     check(m.q_lora_rank >= 0, "model.q_lora_rank", m.q_lora_rank, "must be >= 0 (0 = no query compression)")

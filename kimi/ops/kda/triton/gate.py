@@ -2,10 +2,12 @@
 
     l2norm(x)                 = x / sqrt(sum_d x_d^2 + eps)                  per head (last dim)
     kda_gate(f, A_log, dt_b)  = -exp(A_log[h]) * softplus(f + dt_b[h, :])    f: [B, T, H, K], fp32 out
+        or, with a lower bound L < 0 (Kimi K3's safe gate), L * sigmoid(exp(A_log[h]) * (f + dt_b[h, :]))
 
 In PyTorch each is a chain of 4-6 kernels that each read and write the whole tensor; here one.
 Gradients: d l2norm: dx = r (dy - y sum(dy y)) with r = 1 / sqrt(sum x^2 + eps), y = x r.
-d gate: df = dg (-exp(A_log)) sigmoid(f + dt_b); dt_b and A_log gather df and dg * g over tokens.
+d gate: df = dg (-exp(A_log)) sigmoid(f + dt_b); dt_b and A_log gather df and dg * g over tokens. Safe gate,
+s = sigmoid(a x) with a = exp(A_log), x = f + dt_b: df = dg L s (1 - s) a; A_log gathers df * x.
 """
 
 import torch
@@ -67,16 +69,26 @@ def _gate_inputs(f, A_log, dt_bias, N, H, K: tl.constexpr, BK: tl.constexpr, BR:
 
 
 @triton.jit
-def gate_fwd_kernel(f, A_log, dt_bias, g, N, H, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+def gate_fwd_kernel(f, A_log, dt_bias, g, N, H, lower, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+                    SAFE: tl.constexpr):
     ptr, mask, x, a = _gate_inputs(f, A_log, dt_bias, N, H, K, BK, BR)
-    tl.store(g + ptr, -a[:, None] * _softplus(x), mask=mask)
+    if SAFE:
+        tl.store(g + ptr, lower * tl.sigmoid(a[:, None] * x), mask=mask)
+    else:
+        tl.store(g + ptr, -a[:, None] * _softplus(x), mask=mask)
 
 
 @triton.jit
-def gate_bwd_kernel(f, A_log, dt_bias, dg, df, N, H, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+def gate_bwd_kernel(f, A_log, dt_bias, dg, df, N, H, lower, K: tl.constexpr, BK: tl.constexpr,
+                    BR: tl.constexpr, SAFE: tl.constexpr):
     ptr, mask, x, a = _gate_inputs(f, A_log, dt_bias, N, H, K, BK, BR)
     b_dg = tl.load(dg + ptr, mask=mask, other=0).to(tl.float32)
-    tl.store(df + ptr, (-a[:, None] * b_dg * tl.sigmoid(x)).to(df.dtype.element_ty), mask=mask)
+    if SAFE:
+        s = tl.sigmoid(a[:, None] * x)
+        b_df = b_dg * lower * s * (1 - s) * a[:, None]
+    else:
+        b_df = -a[:, None] * b_dg * tl.sigmoid(x)
+    tl.store(df + ptr, b_df.to(df.dtype.element_ty), mask=mask)
 
 
 def _grid(n: int):
@@ -127,52 +139,57 @@ def _l2norm_backward(ctx, dy, drstd):
 l2norm_fwd.register_autograd(_l2norm_backward, setup_context=_l2norm_setup)
 
 
+# lower: 0.0 for Kimi Linear's softplus gate, else the safe gate's (negative) lower bound
 @torch.library.custom_op("kimi::kda_gate_fwd", mutates_args=())
-def kda_gate_fwd(f: Tensor, A_log: Tensor, dt_bias: Tensor) -> Tensor:
+def kda_gate_fwd(f: Tensor, A_log: Tensor, dt_bias: Tensor, lower: float) -> Tensor:
     f = f.contiguous()
     H, K = f.shape[-2:]
     N = f.numel() // K
     g = scratch(*f.shape, like=f)
     if N:
-        gate_fwd_kernel[_grid(N)](f, A_log.contiguous(), dt_bias.contiguous(), g, N, H, K,
-                                  triton.next_power_of_2(K), ROWS)
+        gate_fwd_kernel[_grid(N)](f, A_log.contiguous(), dt_bias.contiguous(), g, N, H, float(lower), K,
+                                  triton.next_power_of_2(K), ROWS, lower != 0)
     return g
 
 
 @kda_gate_fwd.register_fake
-def _(f, A_log, dt_bias):
+def _(f, A_log, dt_bias, lower):
     return f.new_empty(f.shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("kimi::kda_gate_bwd", mutates_args=())
-def kda_gate_bwd(f: Tensor, A_log: Tensor, dt_bias: Tensor, dg: Tensor) -> Tensor:
+def kda_gate_bwd(f: Tensor, A_log: Tensor, dt_bias: Tensor, dg: Tensor, lower: float) -> Tensor:
     f, dg = f.contiguous(), dg.contiguous()
     H, K = f.shape[-2:]
     N = f.numel() // K
     df = scratch(*f.shape, like=f)
     if N:
-        gate_bwd_kernel[_grid(N)](f, A_log.contiguous(), dt_bias.contiguous(), dg, df, N, H, K,
-                                  triton.next_power_of_2(K), ROWS)
+        gate_bwd_kernel[_grid(N)](f, A_log.contiguous(), dt_bias.contiguous(), dg, df, N, H, float(lower), K,
+                                  triton.next_power_of_2(K), ROWS, lower != 0)
     return df
 
 
 @kda_gate_bwd.register_fake
-def _(f, A_log, dt_bias, dg):
+def _(f, A_log, dt_bias, dg, lower):
     return f.new_empty(f.shape, dtype=torch.float32)
 
 
 def _gate_setup(ctx, inputs, output):
-    f, A_log, dt_bias = inputs
+    f, A_log, dt_bias, ctx.lower = inputs
     ctx.save_for_backward(f, A_log, dt_bias, output)
 
 
 def _gate_backward(ctx, dg):
     f, A_log, dt_bias, g = ctx.saved_tensors
-    df = kda_gate_bwd(f, A_log, dt_bias, dg)
+    df = kda_gate_bwd(f, A_log, dt_bias, dg, ctx.lower)
     H, K = f.shape[-2:]
     d_dt_bias = df.reshape(-1, H * K).sum(0)  # dt_bias enters exactly where f does
-    d_A_log = (dg * g).reshape(-1, H, K).sum((0, 2))  # d(-exp(A) s)/dA = -exp(A) s = g
-    return df.to(f.dtype), d_A_log.to(A_log.dtype), d_dt_bias.to(dt_bias.dtype)
+    if ctx.lower:  # d/dA of L sigmoid(exp(A) x) = df * x: exp(A) x's derivative in A is itself
+        x = f.float() + dt_bias.float().view(H, K)
+        d_A_log = (df * x).reshape(-1, H, K).sum((0, 2))
+    else:
+        d_A_log = (dg * g).reshape(-1, H, K).sum((0, 2))  # d(-exp(A) s)/dA = -exp(A) s = g
+    return df.to(f.dtype), d_A_log.to(A_log.dtype), d_dt_bias.to(dt_bias.dtype), None
 
 
 kda_gate_fwd.register_autograd(_gate_backward, setup_context=_gate_setup)
@@ -184,7 +201,8 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return l2norm_fwd(x, float(eps))[0]
 
 
-def kda_gate(f: Tensor, A_log: Tensor, dt_bias: Tensor) -> Tensor:
-    """f [..., H, K] -> g = -exp(A_log[h]) * softplus(f + dt_bias[h * K + k]) in fp32."""
+def kda_gate(f: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float | None = None) -> Tensor:
+    """f [..., H, K] -> g = -exp(A_log[h]) * softplus(f + dt_bias[h * K + k]) in fp32, or with a lower bound
+    L < 0, L * sigmoid(exp(A_log[h]) * (f + dt_bias[h * K + k]))."""
     check_device(f)
-    return kda_gate_fwd(f, A_log, dt_bias)
+    return kda_gate_fwd(f, A_log, dt_bias, float(lower_bound or 0.0))

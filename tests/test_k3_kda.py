@@ -1,0 +1,109 @@
+"""Kimi K3's KDA (model.kda_gate_lower_bound, model.kda_full_rank_gate): the safe gate L sigmoid(exp(A_log) (f +
+dt_bias)) against fla-core's reference and fp64, its fused Triton kernel (interpreted) forward and backward
+against PyTorch's in fp64, and the whole layer against mlx-lm's kimi_k3 KDA (an independent definition) with the
+same weights."""
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import tiny_model_cfg
+from kimi.config import ConfigError
+from kimi.interop.hf import NotExpressible, hf_config
+from kimi.model.kda import KDA
+from kimi.model.rules import validate_model
+from kimi.ops.kda.gate import normalize_and_gate
+
+pytestmark = pytest.mark.unit
+
+F64 = torch.float64
+
+
+def _gate_inputs(dtype=F64, H=3, K=16):
+    gen = torch.Generator().manual_seed(0)
+    f = torch.linspace(-30, 30, 2 * 5 * H * K, dtype=F64)[torch.randperm(2 * 5 * H * K, generator=gen)]
+    A_log = torch.randn(H, generator=gen, dtype=F64)
+    dt_bias = torch.randn(H * K, generator=gen, dtype=F64)
+    return [t.to(dtype) for t in (f.view(2, 5, H, K), A_log, dt_bias)]
+
+
+def test_safe_gate_is_fla_cores_lower_bound_gate_and_stays_in_bounds():
+    from fla.ops.kda.gate import naive_kda_lowerbound_gate
+
+    f, A_log, dt_bias = _gate_inputs()
+    q = torch.randn(2, 5, 3, 16, dtype=F64)
+    _, _, g = normalize_and_gate(q, q, f, A_log, dt_bias, backend="torch", lower_bound=-5.0)
+    expected = naive_kda_lowerbound_gate(f, A_log, dt_bias, lower_bound=-5.0, output_dtype=F64)  # fp32 inside
+    torch.testing.assert_close(g, expected, rtol=1e-6, atol=1e-6)
+    by_hand = -5.0 / (1 + torch.exp(-A_log.exp()[:, None] * (f + dt_bias.view(3, 16))))
+    torch.testing.assert_close(g, by_hand, rtol=1e-14, atol=1e-14)
+    assert g.min() >= -5 and g.max() <= 0  # (saturated at the ends in floating point)
+    _, _, plain = normalize_and_gate(q, q, f, A_log, dt_bias, backend="torch")
+    assert plain.min() < -5  # Kimi Linear's gate has no such bound
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, -0.5])
+def test_fused_triton_gate_forward_and_backward(lower_bound):
+    """The Triton kernel (interpreted, fp32) against the PyTorch gate in fp64: g and the gradients of f, A_log
+    and dt_bias."""
+    outputs = []
+    for backend, dtype in (("torch", F64), ("triton", torch.float32)):
+        leaves = [t.requires_grad_() for t in _gate_inputs(dtype)]
+        q = torch.randn(2, 5, 3, 16, dtype=dtype, generator=torch.Generator().manual_seed(1))
+        _, _, g = normalize_and_gate(q, q, *leaves, backend=backend, lower_bound=lower_bound)
+        cot = torch.randn(g.shape, dtype=F64, generator=torch.Generator().manual_seed(2)).to(g.dtype)
+        outputs.append([g, *torch.autograd.grad((g * cot).sum(), leaves)])
+    assert outputs[1][0].dtype == torch.float32
+    for name, ours, ref in zip(["g", "df", "dA_log", "ddt_bias"], outputs[1], outputs[0]):
+        scale = ref.abs().max().item()
+        assert (ours.double() - ref).abs().max().item() < 1e-5 * scale, name
+
+
+def _mlx_twin(ours: KDA, cfg):
+    import mlx.core as mx
+
+    from mlx_lm.models.kimi_k3 import KimiK3DeltaAttention, TextArgs
+
+    args = TextArgs.from_dict(dict(
+        hidden_size=cfg.d_model, rms_norm_eps=cfg.norm_eps,
+        linear_attn_config=dict(num_heads=cfg.kda_num_heads, head_dim=cfg.kda_head_dim,
+                                short_conv_kernel_size=cfg.conv_size, gate_lower_bound=cfg.kda_gate_lower_bound,
+                                use_full_rank_gate=cfg.kda_full_rank_gate)))
+    theirs = KimiK3DeltaAttention(args, 0)
+    w = {k: v.detach().numpy() for k, v in ours.state_dict().items()}
+    conv = [np.moveaxis(w[f"{p}_conv.weight"], 2, 1) for p in "qkv"]  # mlx's Conv1d: [C, kernel, 1]
+    pairs = {"qkv_proj.weight": np.concatenate([w[f"{p}_proj.weight"] for p in "qkv"]),
+             "qkv_conv.conv.weight": np.concatenate(conv), "f_a_proj.weight": w["f_proj_down.weight"],
+             "f_b_proj.weight": w["f_proj_up.weight"], "b_proj.weight": w["b_proj.weight"],
+             "A_log": w["A_log"], "dt_bias": w["dt_bias"], "o_norm.weight": w["o_norm.weight"],
+             "o_proj.weight": w["o_proj.weight"]}
+    if cfg.kda_full_rank_gate:
+        pairs["g_proj.weight"] = w["g_proj.weight"]
+    else:
+        pairs.update({"g_a_proj.weight": w["g_proj_down.weight"], "g_b_proj.weight": w["g_proj_up.weight"]})
+    theirs.load_weights([(k, mx.array(v)) for k, v in pairs.items()])
+    return theirs
+
+
+@pytest.mark.parametrize("lower_bound,full_rank", [(-5.0, True), (-5.0, False), (None, True)])
+def test_layer_equals_mlx_lm_kimi_k3_kda(lower_bound, full_rank):
+    import mlx.core as mx
+
+    cfg = tiny_model_cfg(kda_gate_lower_bound=lower_bound, kda_full_rank_gate=full_rank, kda_gate_bias=False,
+                         kda_backend="torch")
+    torch.manual_seed(0)
+    ours = KDA(cfg)
+    ours.init_weights(0.3, 0.3)  # large enough that gates and norms act
+    x = torch.randn(2, 70, cfg.d_model, generator=torch.Generator().manual_seed(1))  # more than one chunk
+    expected = torch.from_numpy(np.array(_mlx_twin(ours, cfg)(mx.array(x.numpy()))))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+def test_config_rules_and_kimi_linear_export():
+    with pytest.raises(ConfigError, match=r"^model.kda_gate_lower_bound=5.0 is invalid: must be negative"):
+        validate_model(tiny_model_cfg(kda_gate_lower_bound=5.0))
+    cfg = tiny_model_cfg(kda_gate_lower_bound=-5.0, residual="standard", vocab_size=64, kda_gate_bias=False)
+    with pytest.raises(NotExpressible, match=r"cannot express Kimi K3's KDA"):
+        hf_config(cfg)
+    assert "g_proj" in KDA(tiny_model_cfg(kda_full_rank_gate=True)).tp_plan().colwise
