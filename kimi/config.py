@@ -117,6 +117,11 @@ class ModelConfig:
     moe_top_k: int = 2
     moe_hidden: int = 256
     moe_shared_experts: int = 1
+    # Kimi K3's latent MoE: the router and shared experts see the full width, the routed experts work on
+    # tokens down-projected to this width (what expert parallelism moves), their weighted sum RMSNorm-ed
+    # (moe_latent_norm) and projected back up. 0: routed experts at d_model.
+    moe_latent_dim: int = 0
+    moe_latent_norm: bool = True
     moe_first_dense: int = 1  # leading blocks that keep the dense MLP (Kimi Linear: 1)
     moe_groups: int = 1  # expert groups; tokens choose among the experts of moe_topk_groups of them
     moe_topk_groups: int = 1

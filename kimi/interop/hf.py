@@ -45,6 +45,8 @@ def hf_config(m: ModelConfig) -> Dict[str, Any]:
     if m.kda_gate_lower_bound is not None or m.kda_full_rank_gate:
         _refuse("Kimi K3's KDA (model.kda_gate_lower_bound, model.kda_full_rank_gate)",
                 "its KDA has the unbounded gate and a low-rank output gate")
+    if m.moe_num_experts and m.moe_latent_dim:
+        _refuse("a latent MoE (model.moe_latent_dim, Kimi K3)", "its experts work at the full width")
     if m.mla_output_gate:
         _refuse("MLA's output gate (model.mla_output_gate=true, Kimi K3's gated MLA)", "its MLA has none")
     if m.mlp_activation != "swiglu":

@@ -10,6 +10,11 @@ auxiliary loss (docs/algorithms.md section 5).
 
 (with model.mlp_activation=situ every one of those FFNs takes SiTU-GLU instead: kimi/model/activations.py)
 
+Latent MoE (model.moe_latent_dim = L > 0, Kimi K3's Stable LatentMoE): the routed experts work at width L,
+    y = W_up RMSNorm(sum_{e in chosen} w_e GLU_e(W_down x)) + Shared(x)
+with the router and the shared experts on x at full width; dispatch moves L-wide tokens (no norm with
+moe_latent_norm=false).
+
 Routed experts keep their weights as 3-D tensors [E, out, in] (w_gate, w_up: [E, hidden, d]; w_down:
 [E, d, hidden]); every token goes to all of its chosen experts (dropless). Two implementations of the
 expert computation give the same result: "grouped" sorts the tokens by expert and runs one grouped GEMM per
@@ -37,8 +42,9 @@ from kimi.config import ModelConfig
 from kimi.ops import autocast_dtype
 
 from .activations import GLU, glu_of, swiglu
-from .init import Rules, normal
+from .init import Rules, constant, normal
 from .mlp import SwiGLU
+from .norm import RMSNorm
 from .probe import PROBE
 from .sublayer import Sublayer, TPPlan
 from .views import ParamViews
@@ -206,7 +212,9 @@ class MoE(Sublayer, nn.Module):
                 **{f"experts.w_{ours}": f"block_sparse_moe.experts.{{e}}.{theirs}.weight"
                    for ours, theirs in (("gate", "w1"), ("up", "w3"), ("down", "w2"))},
                 **{f"shared.w_{x}.weight": f"block_sparse_moe.shared_experts.{x}_proj.weight"
-                   for x in ("gate", "up", "down")}}
+                   for x in ("gate", "up", "down")},
+                **{f"latent_{x}.weight": f"block_sparse_moe.routed_expert_{y}.weight"
+                   for x, y in (("down", "down_proj"), ("up", "up_proj"), ("norm", "norm"))}}
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -214,7 +222,11 @@ class MoE(Sublayer, nn.Module):
         self.top_k, self.groups, self.topk_groups = cfg.moe_top_k, cfg.moe_groups, cfg.moe_topk_groups
         self.norm_topk, self.scale = cfg.moe_norm_topk, cfg.moe_routed_scale
         self.router = nn.Linear(d, E, bias=False)
-        self.experts = RoutedExperts(E, hidden, d, cfg.moe_impl, glu_of(cfg))
+        width = cfg.moe_latent_dim or d
+        self.latent_down = nn.Linear(d, width, bias=False) if cfg.moe_latent_dim else None
+        self.experts = RoutedExperts(E, hidden, width, cfg.moe_impl, glu_of(cfg))
+        self.latent_norm = RMSNorm(width, cfg.norm_eps) if cfg.moe_latent_dim and cfg.moe_latent_norm else None
+        self.latent_up = nn.Linear(width, d, bias=False) if cfg.moe_latent_dim else None
         self.shared = SwiGLU(d, hidden * cfg.moe_shared_experts, glu_of(cfg)) if cfg.moe_shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(E))
         self.register_buffer("load", torch.zeros(E), persistent=False)
@@ -244,6 +256,10 @@ class MoE(Sublayer, nn.Module):
                  "experts.w_down": normal(out_std)}
         if self.shared is not None:
             rules.update({f"shared.{n}": fill for n, fill in self.shared.init_rules(std, out_std).items()})
+        if self.latent_down is not None:
+            rules.update({"latent_down.weight": normal(std), "latent_up.weight": normal(out_std)})
+        if self.latent_norm is not None:
+            rules["latent_norm.weight"] = constant(1.0)
         return rules
 
     def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
@@ -260,7 +276,11 @@ class MoE(Sublayer, nn.Module):
             self.load += expert_counts(experts, self.load.numel()).to(self.load.dtype)
         if PROBE.on:  # a diagnostic pass (kimi/diagnostics) counts the choices of its own forward
             PROBE.record(self, experts=experts)
-        y = self.experts(h, experts, weights)
+        if self.latent_down is None:
+            y = self.experts(h, experts, weights)
+        else:
+            y = self.experts(self.latent_down(h), experts, weights)
+            y = self.latent_up(y if self.latent_norm is None else self.latent_norm(y))
         if self.shared is not None:
             y = y + self.shared(h)
         if self.aux_coef and torch.is_grad_enabled():

@@ -18,6 +18,8 @@ def validate_model(m: ModelConfig) -> None:
                                  "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "mlp_hidden",
                                  "attnres_block_size", "pad_vocab_multiple"))
     check(m.conv_size >= 1, "model.conv_size", m.conv_size, "must be >= 1 (4 in Kimi Linear)")
+    check(m.moe_latent_dim >= 0, "model.moe_latent_dim", m.moe_latent_dim,
+          "must be >= 0 (0: routed experts at d_model; Kimi K3: half of it)")
     check(m.kda_gate_lower_bound is None or m.kda_gate_lower_bound < 0, "model.kda_gate_lower_bound",
           m.kda_gate_lower_bound, "must be negative (Kimi K3: -5), or null for Kimi Linear's unbounded gate")
     check(m.loss_chunk >= -1, "model.loss_chunk", m.loss_chunk,
