@@ -51,6 +51,7 @@ FAULT_TOLERANCE = ("none", "torchft")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage per rank; the others run pp_virtual_stages each
 MOE_IMPLS = ("grouped", "loop")
+MOE_BALANCE = ("sign", "quantile")
 MLP_ACTIVATIONS = ("swiglu", "situ")
 
 
@@ -128,6 +129,11 @@ class ModelConfig:
     moe_routed_scale: float = 1.0  # routed_scaling_factor, multiplies the routed output (Kimi Linear: 2.446)
     moe_norm_topk: bool = True  # renormalise the chosen experts' scores to sum to 1 (before the scale)
     moe_bias_rate: float = 1e-3  # aux-loss-free balancing: bias step per optimizer step (0 = no update)
+    # How the router bias balances the experts after each step: sign (DeepSeek-V3: +-moe_bias_rate towards
+    # the mean load) or quantile (Kimi K3's Quantile Balancing: each expert's bias set to the k/E quantile of
+    # the step's required biases, from a histogram of moe_qb_bins bins summed over the ranks)
+    moe_balance: str = one_of(MOE_BALANCE, "sign")
+    moe_qb_bins: int = 1000
     moe_aux_loss_coef: float = 0.0  # weight of the sequence-wise balance loss (DeepSeek-V3: 1e-4; 0 = none)
     moe_impl: str = one_of(MOE_IMPLS, "grouped")  # grouped GEMM, or the per-expert loop (the reference)
     tie_embeddings: bool = False

@@ -26,6 +26,7 @@ from kimi import checkpoint
 # 4 blocks (KDA, MLA, KDA, MLA): enough for 2 ranks x 2 virtual pipeline stages
 MOE = ["model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_hidden=16", "model.moe_groups=2",
        "model.moe_topk_groups=1", "model.moe_bias_rate=0.01", "model.moe_aux_loss_coef=0.01"]
+QB = ["model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_hidden=16", "model.moe_balance=quantile"]
 # and diagnostics at the last step, which must not change what is trained
 DIAGNOSE = ["trainer.diag_every=null"]
 ASYNC_CHECKPOINTS = ["trainer.async_checkpoint=true", "trainer.checkpoint_every=1"]
@@ -85,6 +86,10 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
     "cp2_varlen": (2, 1, ["parallel.cp=2", "data.varlen=true", "model.qk_rope_head_dim=8",
                           "parallel.activation_checkpointing=selective"]),
     "moe_cp2": (2, 1, [*MOE[:-1], "parallel.cp=2"]),  # the aux-loss-free bias alone (no sequence-wise loss)
+    # Quantile Balancing: the histograms summed over the ranks that hold distinct tokens (dp, cp, ep x dp)
+    "moe_qb_dp2": (2, 2, [*QB, "parallel.dp_shard=2"]),
+    "moe_qb_cp2": (2, 1, [*QB, "parallel.cp=2"]),
+    "moe_qb_ep2xdp2": (4, 4, [*QB, "parallel.dp_shard=4", "parallel.ep=2"]),
     # shards longer than one 64-token KDA chunk: two whole chunks, one and a half (documents crossing shard
     # edges), one and a quarter over 4 ranks (the validation split grown to hold 320-token windows)
     "cp2_t256": (2, 1, ["parallel.cp=2", "trainer.seq_len=256"]),
@@ -103,7 +108,8 @@ CASES = [(layout, optim) for layout in BOTH for optim in ("adamw", "muonclip")] 
     ("moe_ep2", "adamw"), ("moe_dp4_ep2", "muonclip"), ("moe_ep2xtp2_sp", "muonclip"),
     ("moe_ep2xpp2_varlen", "muonclip"), ("cp4_rope", "muonclip"), ("cp2xdp2", "muonclip"),
     ("cp2xdp_replicate2", "adamw"), ("cp2xtp2_sp", "muonclip"), ("cp2xpp2", "adamw"), ("cp2_varlen", "muonclip"),
-    ("moe_cp2", "muonclip"), ("cp2_t256", "adamw"), ("cp2_t192_varlen", "muonclip"), ("cp4_t320_rope", "muonclip")]
+    ("moe_cp2", "muonclip"), ("moe_qb_dp2", "muonclip"), ("moe_qb_cp2", "muonclip"), ("moe_qb_ep2xdp2", "adamw"),
+    ("cp2_t256", "adamw"), ("cp2_t192_varlen", "muonclip"), ("cp4_t320_rope", "muonclip")]
 
 
 @pytest.fixture(scope="module")

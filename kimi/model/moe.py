@@ -28,6 +28,15 @@ Load balancing: each forward with gradients adds the number of tokens routed to 
 an optimizer step `update_expert_bias` moves every bias by `rate` towards balance (up for an expert below the
 mean load, down above it: the sign of the difference), from the loads summed over all micro-batches and,
 through the engine, all data-parallel ranks, so every replica makes the same update.
+
+Quantile Balancing (model.moe_balance=quantile, Kimi K3) sets the bias instead of stepping it. A token i with
+scores s_i goes to expert j iff s_ij + b_j beats its cutoff a_i, the (k+1)-th best biased score, i.e. iff b_j
+exceeds its required bias r_ij = a_i - s_ij; so the bias that gives expert j a k/E share of the step's tokens
+is the k/E quantile of r_.j. Each training forward bins every r_ij into `qb_hist` [E, bins] over
+[min b - 1, max b + 1] (sigmoid scores keep every r_ij inside); after the step the histograms are summed over
+the ranks like the loads (ranks that count the same tokens again scale every count alike, which leaves the
+quantile as it is), the quantile read with linear interpolation inside its bin (error below one bin), the
+biases mean-centred (a common shift changes no choice) and the histograms reset.
 """
 
 from __future__ import annotations
@@ -230,6 +239,9 @@ class MoE(Sublayer, nn.Module):
         self.shared = SwiGLU(d, hidden * cfg.moe_shared_experts, glu_of(cfg)) if cfg.moe_shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(E))
         self.register_buffer("load", torch.zeros(E), persistent=False)
+        self.quantile = cfg.moe_balance == "quantile"
+        if self.quantile:
+            self.register_buffer("qb_hist", torch.zeros(E, cfg.moe_qb_bins), persistent=False)
         self.aux_coef = cfg.moe_aux_loss_coef
         # The multiplier of the auxiliary loss's gradient besides aux_coef: the engine sets it to the scale of
         # the step's loss (1 / gradient-accumulation steps) before each forward.
@@ -274,6 +286,8 @@ class MoE(Sublayer, nn.Module):
         # layer's tokens again, scaling all its loads alike: neither the bias update nor max/mean changes.
         if torch.is_grad_enabled():
             self.load += expert_counts(experts, self.load.numel()).to(self.load.dtype)
+            if self.quantile:
+                required_bias_histogram(scores, self.expert_bias, self.top_k, self.qb_hist)
         if PROBE.on:  # a diagnostic pass (kimi/diagnostics) counts the choices of its own forward
             PROBE.record(self, experts=experts)
         if self.latent_down is None:
@@ -290,6 +304,34 @@ class MoE(Sublayer, nn.Module):
             self.aux_loss = aux.detach()
             y = _AddGrad.apply(y, aux, self.aux_coef * self.aux_grad_scale)
         return y.view(shape)
+
+
+@torch.no_grad()
+def required_bias_histogram(scores: torch.Tensor, bias: torch.Tensor, k: int, hist: torch.Tensor) -> None:
+    """Add to hist [E, bins] the binned required biases r_ij = a_i - s_ij of scores [N, E] (a_i: token i's
+    (k+1)-th best biased score), bins uniform over [min bias - 1, max bias + 1]."""
+    cutoff = (scores + bias).topk(k + 1, dim=-1).values[:, -1:]
+    lo, width = qb_range(bias, hist.shape[1])
+    bins = ((cutoff - scores - lo) / width).floor().clamp_(0, hist.shape[1] - 1).long()
+    hist.scatter_add_(1, bins.T, torch.ones_like(bins.T, dtype=hist.dtype))
+
+
+def qb_range(bias: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lower edge, bin width) of Quantile Balancing's histogram for the current bias."""
+    lo, hi = bias.min() - 1, bias.max() + 1
+    return lo, (hi - lo) / bins
+
+
+def histogram_quantile(hist: torch.Tensor, lo: torch.Tensor, width: torch.Tensor, q: float) -> torch.Tensor:
+    """Per row of hist [E, bins], the value below which a fraction q of its counts lie: the bin where the
+    cumulative count reaches it, linearly interpolated inside that bin."""
+    cum = hist.cumsum(-1)
+    target = cum[:, -1:] * q
+    idx = (cum < target).sum(-1, keepdim=True).clamp_(max=hist.shape[1] - 1)
+    count = hist.gather(-1, idx)
+    before = cum.gather(-1, idx) - count
+    frac = ((target - before) / count.clamp_min(1)).clamp_(0, 1)
+    return (lo + (idx + frac) * width).squeeze(-1)
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
@@ -312,8 +354,18 @@ def update_expert_bias(model: nn.Module, rate: float,
         sum_over_ranks(loads)
     mean = loads.mean(dim=1, keepdim=True)
     imbalance = (loads.max(dim=1).values / mean.squeeze(1).clamp_min(1e-9)).max()
+    hists = [m for m in layers if m.quantile]
+    if hists:  # Quantile Balancing's histograms, summed like the loads
+        stacked = torch.stack([m.qb_hist for m in hists])
+        if sum_over_ranks is not None:
+            sum_over_ranks(stacked)
+        for m, hist in zip(hists, stacked):
+            q = histogram_quantile(hist, *qb_range(m.expert_bias, hist.shape[1]), m.top_k / m.num_experts)
+            seen = hist.sum() > 0  # a layer that saw no token keeps its bias
+            m.expert_bias.copy_(torch.where(seen, q - q.mean(), m.expert_bias))
+            m.qb_hist.zero_()
     for m, load, avg in zip(layers, loads, mean):
-        if rate:  # a layer that saw no token keeps its bias (masked on the device: no host read per layer)
+        if rate and not m.quantile:  # a layer that saw no token keeps its bias (masked on the device)
             m.expert_bias += rate * torch.sign(avg - load) * (load.sum() > 0)
         m.load.zero_()
     biases = torch.cat([m.expert_bias for m in layers])

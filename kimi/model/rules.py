@@ -83,6 +83,12 @@ def _validate_moe(m: ModelConfig) -> None:
           "must be >= 0 (0 = no bias update; DeepSeek-V3 used 1e-3)")
     check(m.moe_aux_loss_coef >= 0, "model.moe_aux_loss_coef", m.moe_aux_loss_coef,
           "must be >= 0 (0 = no auxiliary loss; DeepSeek-V3 used 1e-4)")
+    if m.moe_balance == "quantile":
+        check(m.moe_groups == 1, "model.moe_groups", m.moe_groups,
+              "must be 1 with model.moe_balance=quantile: its cutoff is each token's (k+1)-th best expert of all")
+        check(m.moe_top_k < E, "model.moe_top_k", m.moe_top_k,
+              f"must be < model.moe_num_experts = {E} with model.moe_balance=quantile (it reads the (k+1)-th)")
+        check(m.moe_qb_bins >= 2, "model.moe_qb_bins", m.moe_qb_bins, "must be >= 2 (Kimi K3: 1000)")
 
 
 def check_tensor_parallel(m: ModelConfig, tp: int) -> None:
