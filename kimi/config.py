@@ -229,6 +229,10 @@ class OptimConfig:
     # Orthogonalise MLA's fused projections per logical matrix (true) or each weight whole (false: what
     # torch.optim.Muon and Moonlight do); one of the ablations (conf/experiment)
     muon_split_fused: bool = True
+    # Kimi K3's per-head Muon: each head's block of the query, key and value projections (KDA q/k/v, MLA's
+    # query and W_ukv: keys and values of a head apart) orthogonalised alone, its update scaled by its own
+    # shape; the other matrices whole, or per logical matrix with muon_split_fused
+    muon_per_head: bool = False
     # QK-Clip threshold on each MLA head's max scaled logit (K2: 100); 0 disables QK-Clip
     qk_clip_tau: float = 100.0
 

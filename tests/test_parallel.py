@@ -86,6 +86,10 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
     "cp2_varlen": (2, 1, ["parallel.cp=2", "data.varlen=true", "model.qk_rope_head_dim=8",
                           "parallel.activation_checkpointing=selective"]),
     "moe_cp2": (2, 1, [*MOE[:-1], "parallel.cp=2"]),  # the aux-loss-free bias alone (no sequence-wise loss)
+    # per-head Muon: each head's block of the q/k/v projections orthogonalised alone, on sharded and on
+    # head-split weights
+    "dp_shard2_muon_per_head": (2, 2, ["parallel.dp_shard=2", "optim.muon_per_head=true"]),
+    "tp2_muon_per_head": (2, 1, ["parallel.tp=2", "optim.muon_per_head=true"]),
     # Quantile Balancing: the histograms summed over the ranks that hold distinct tokens (dp, cp, ep x dp)
     "moe_qb_dp2": (2, 2, [*QB, "parallel.dp_shard=2"]),
     "moe_qb_cp2": (2, 1, [*QB, "parallel.cp=2"]),
@@ -108,6 +112,7 @@ CASES = [(layout, optim) for layout in BOTH for optim in ("adamw", "muonclip")] 
     ("moe_ep2", "adamw"), ("moe_dp4_ep2", "muonclip"), ("moe_ep2xtp2_sp", "muonclip"),
     ("moe_ep2xpp2_varlen", "muonclip"), ("cp4_rope", "muonclip"), ("cp2xdp2", "muonclip"),
     ("cp2xdp_replicate2", "adamw"), ("cp2xtp2_sp", "muonclip"), ("cp2xpp2", "adamw"), ("cp2_varlen", "muonclip"),
+    ("dp_shard2_muon_per_head", "muonclip"), ("tp2_muon_per_head", "muonclip"),
     ("moe_cp2", "muonclip"), ("moe_qb_dp2", "muonclip"), ("moe_qb_cp2", "muonclip"), ("moe_qb_ep2xdp2", "adamw"),
     ("cp2_t256", "adamw"), ("cp2_t192_varlen", "muonclip"), ("cp4_t320_rope", "muonclip")]
 
@@ -152,7 +157,7 @@ def test_layout_equals_one_process(tmp_path, launches, references, layout, optim
     if checkpoint.latest_complete(run / "checkpoints") is None:
         pytest.fail(f"the {nproc}-rank launch exited {proc.returncode} before {run.name} finished:\n"
                     f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    same = ("model.", "data.", "trainer.sample", "trainer.seq_len")
+    same = ("model.", "data.", "optim.", "trainer.sample", "trainer.seq_len")
     ref = references(optim, *(o for o in extra if o.startswith(same)))
     assert_same_run(run, ref, tmp_path)
     if (ref / "sample.txt").exists():

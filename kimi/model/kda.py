@@ -26,6 +26,7 @@ from kimi.ops.kda.gate import normalize_and_gate
 
 from .cache import KDACache
 from .init import Rules, apply_rules, constant, dt_bias, log_uniform_decay, normal, prefixed, uniform
+from .layouts import RowSplit
 from .norm import RMSNorm
 from .probe import PROBE
 from .sublayer import Sublayer, TPPlan
@@ -219,6 +220,13 @@ class KDA(Sublayer, ParamViews, nn.Module):
         gate = self.g_proj(x) if self.full_rank_gate else self.g_proj_up(self.g_proj_down(x))
         gate = torch.sigmoid(gate).view(B, T, -1, self.head_dim)
         return self.o_proj((self.o_norm(o) * gate).reshape(B, T, -1))
+
+    def muon_splits(self, prefix: str, per_head: bool = False) -> dict[str, RowSplit]:
+        """per_head (Kimi K3's per-head Muon): the query, key and value projections head by head."""
+        if not per_head:
+            return {}
+        return {f"{prefix}.{p}_proj.weight": RowSplit(self.head_dim, ((0, self.head_dim),), per_head=True)
+                for p in "qkv"}
 
     @property
     def full_rank_gate(self) -> bool:

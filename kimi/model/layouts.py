@@ -52,11 +52,14 @@ class RowSplit:
     As in RowRule, head h owns rows [h * stride, (h + 1) * stride); segment (offset, length) picks rows
     [offset, offset + length) of every head, and the segments of all heads together are one logical matrix
     (MLA's wkv_b = [W_uk; W_uv] per head: keys and values are two matrices, as in DeepSeek-V2, whose
-    singular values have nothing to do with each other). Segments must tile a head's rows.
+    singular values have nothing to do with each other). Segments must tile a head's rows. With per_head
+    (Kimi K3's per-head Muon) every head's segment is a matrix of its own: split gives [heads, length, cols]
+    batches, which Newton-Schulz orthogonalises matrix by matrix.
     """
 
     stride: int
     segments: Tuple[Tuple[int, int], ...]
+    per_head: bool = False
 
     def __post_init__(self) -> None:
         ends = [0]
@@ -69,6 +72,8 @@ class RowSplit:
 
     def split(self, u: torch.Tensor) -> List[torch.Tensor]:
         heads = u.view(-1, self.stride, u.shape[-1])
+        if self.per_head:
+            return [heads[:, o : o + n] for o, n in self.segments]
         return [heads[:, o : o + n].reshape(-1, u.shape[-1]) for o, n in self.segments]
 
     def join(self, blocks: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:

@@ -123,14 +123,21 @@ class MLA(Sublayer, nn.Module):
             rows.append(RowRule(f"{prefix}.wkv_b.weight", self.nope + self.v_dim, ((0, self.nope, 0.5),)))
         return QKClipSpec(prefix, H, rows, self.consume_max_logits)
 
-    def muon_splits(self, prefix: str) -> dict[str, RowSplit]:
+    def muon_splits(self, prefix: str, per_head: bool = False) -> dict[str, RowSplit]:
         """Fused weights that hold several of DeepSeek-V2's matrices, for Muon to orthogonalise one by one:
-        the query projection [W_uq; W_qr] and W_ukv = [W_uk; W_uv] per head, W_dkv = [W_dkv; W_kr]."""
+        the query projection [W_uq; W_qr] and W_ukv = [W_uk; W_uv] per head, W_dkv = [W_dkv; W_kr]. per_head
+        (Kimi K3): each head's query rows one matrix, each head's keys and its values two."""
         q_name = self.q_name
         fused = {f"{q_name}.weight": (self.nope, self.rope), "wkv_b.weight": (self.nope, self.v_dim),
                  "wkv_a.weight": (self.kv_lora_rank, self.rope)}
-        return {f"{prefix}.{name}": RowSplit(a + b, ((0, a), (a, b))) for name, (a, b) in fused.items()
-                if a > 0 and b > 0}
+        splits = {f"{prefix}.{name}": RowSplit(a + b, ((0, a), (a, b))) for name, (a, b) in fused.items()
+                  if a > 0 and b > 0}
+        if per_head:
+            qk = self.nope + self.rope
+            splits[f"{prefix}.{q_name}.weight"] = RowSplit(qk, ((0, qk),), per_head=True)
+            kv = ((0, self.nope), (self.nope, self.v_dim)) if self.nope else ((0, self.v_dim),)
+            splits[f"{prefix}.wkv_b.weight"] = RowSplit(self.nope + self.v_dim, kv, per_head=True)
+        return splits
 
     def init_rules(self, std: float, out_std: float) -> Rules:
         """Projections normal(0, std), the output projection normal(0, out_std), norms 1."""

@@ -107,7 +107,7 @@ class Sublayer:
     def qk_clip_spec(self, prefix: str) -> Optional[QKClipSpec]:
         return None
 
-    def muon_splits(self, prefix: str) -> Dict[str, RowSplit]:
+    def muon_splits(self, prefix: str, per_head: bool = False) -> Dict[str, RowSplit]:
         return {}
 
     def set_record_max_logits(self, enabled: bool) -> None:

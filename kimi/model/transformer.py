@@ -233,11 +233,12 @@ class KimiModel(Runners, ParamViews, nn.Module):
         specs = (m.qk_clip_spec(name) for name, m in self.sublayers())
         return [s for s in specs if s is not None]
 
-    def muon_splits(self) -> dict:
-        """Fused weights that Muon orthogonalises per logical matrix (see MLA.muon_splits)."""
+    def muon_splits(self, per_head: bool = False) -> dict:
+        """Fused weights that Muon orthogonalises per logical matrix (see MLA.muon_splits); per_head: also
+        the query, key and value projections head by head (optim.muon_per_head)."""
         splits = {}
         for name, m in self.sublayers():
-            splits.update(m.muon_splits(name))
+            splits.update(m.muon_splits(name, per_head))
         return splits
 
     def new_cache(self) -> InferenceCache:

@@ -43,9 +43,18 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, process_group=None
                         ns_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.ns_dtype],
                         betas=tuple(cfg.betas), adamw_eps=cfg.eps, adamw_patterns=patterns,
                         muon_patterns=tuple(cfg.muon_patterns),
-                        splits=model.muon_splits() if cfg.muon_split_fused and hasattr(model, "muon_splits") else None,
+                        splits=muon_splits(model, cfg),
                         process_group=process_group, fragments=fragments)
     raise ValueError(f"optim.name={cfg.name!r} is not available; choose one of: adamw, muonclip")
+
+
+def muon_splits(model: torch.nn.Module, cfg: OptimConfig) -> dict:
+    """The weights MuonClip orthogonalises in blocks: MLA's fused ones per logical matrix (optim.muon_split_fused)
+    and, with optim.muon_per_head, the query, key and value projections head by head."""
+    if not hasattr(model, "muon_splits"):
+        return {}
+    return {name: split for name, split in model.muon_splits(per_head=cfg.muon_per_head).items()
+            if split.per_head or cfg.muon_split_fused}
 
 
 def build_qk_clip(model: torch.nn.Module, cfg: OptimConfig, group=None, head_group=None, named=None,

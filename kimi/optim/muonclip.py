@@ -268,7 +268,7 @@ class MuonClip(torch.optim.Optimizer):
         split = self.splits.get(plan.name)
         if split is None:
             return [tuple(plan.shape[-2:])]
-        heads = plan.shape[0] // split.stride
+        heads = 1 if split.per_head else plan.shape[0] // split.stride
         return [(heads * n, plan.shape[1]) for _, n in split.segments]
 
     def _scale_of(self, group: dict, plan: ParamPlan) -> float:
