@@ -270,3 +270,17 @@ def test_context_parallel_shards_weights_like_data_parallel(fake_world):
     apply_data_parallel(real, dims.fsdp_mesh(dims.build_mesh("cpu")))
     assert local_params(real) == s.heaviest.local == summary("model=tiny", "parallel.dp_shard=4").heaviest.local
     assert s.world == 4 and s.tokens_per_step == summary("model=tiny", "parallel.dp_shard=2").tokens_per_step
+
+
+@pytest.mark.unit
+def test_kimi_k3_preset_is_the_released_size():
+    """Kimi K3's report: 2.78T parameters, 104.2B activated per token (the LM head counted, the embedding
+    lookup not); the preset's shapes are its config.json's. Sized on the meta device by the command."""
+    proc = subprocess.run([sys.executable, "-m", "kimi.summary", "model=kimi_k3"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    s = summary("model=kimi_k3")
+    assert f"{s.total:,}" in proc.stdout
+    assert math.isclose(s.total, 2.78e12, rel_tol=0.005)
+    assert math.isclose(s.active - s.families["embedding"], 104.2e9, rel_tol=0.005)
+    assert s.families["routed experts"] == 92 * 896 * 3 * 3072 * 3584  # experts at the latent width
