@@ -82,6 +82,18 @@ def run_cfg(run: Path, data: list, *overrides: str):
                                             *overrides])
 
 
+def fill_randomly(module, std: float, seed: int = 0):
+    """Every parameter of `module` drawn anew (norm weights near 1, the rest normal(0, std)), so that gates and
+    caps act when it is compared with another implementation; returns the module."""
+    import torch
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else std * torch.randn_like(p))
+    return module
+
+
 def train_run(run: Path, data: list, *overrides: str):
     """Trainer(run_cfg(...)).fit(); returns the trainer."""
     from kimi.trainer import Trainer

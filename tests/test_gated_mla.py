@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import tiny_model_cfg
+from helpers import fill_randomly, tiny_model_cfg
 from kimi.interop.hf import NotExpressible, hf_config
 from kimi.model.mla import MLA
 
@@ -18,13 +18,8 @@ def _cfg(**kw):
                           qk_rope_head_dim=8, v_head_dim=16, mla_rotary=False, mla_norm_eps=1e-6, **kw)
 
 
-def _filled(cfg, seed=0):
-    torch.manual_seed(seed)
-    mla = MLA(cfg)
-    with torch.no_grad():
-        for name, p in mla.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
-    return mla
+def _filled(cfg):
+    return fill_randomly(MLA(cfg), 0.3)
 
 
 def _mlx_twin(ours: MLA, cfg):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import tiny_model_cfg
+from helpers import fill_randomly, tiny_model_cfg
 from kimi.interop.hf import NotExpressible, hf_config
 from kimi.model.moe import MoE
 
@@ -20,13 +20,9 @@ def _cfg(**kw):
     return tiny_model_cfg(**{**base, **kw})
 
 
-def _filled(cfg, seed=0):
-    torch.manual_seed(seed)
-    moe = MoE(cfg)
-    with torch.no_grad():
-        for name, p in moe.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.4 * torch.randn_like(p))
-        moe.expert_bias.copy_(torch.linspace(-0.2, 0.3, cfg.moe_num_experts))
+def _filled(cfg):
+    moe = fill_randomly(MoE(cfg), 0.4)
+    moe.expert_bias.copy_(torch.linspace(-0.2, 0.3, cfg.moe_num_experts))
     return moe
 
 
