@@ -386,7 +386,8 @@ def test_fixed_choice_keys_stay_plain_strings():
         "model.residual", "model.kda_backend", "model.moe_impl", "optim.name", "optim.schedule", "optim.ns_dtype",
         "optim.adjust_lr_fn", "trainer.precision", "trainer.device", "logging.wandb.mode", "data.source",
         "data.format", "parallel.activation_checkpointing", "parallel.pp_schedule", "parallel.engine",
-        "parallel.fault_tolerance", "precision.fp8.recipe", "precision.qat", "model.mlp_activation"])
+        "parallel.fault_tolerance", "precision.fp8.recipe", "precision.qat", "model.mlp_activation",
+        "model.moe_balance"])
     assert ENGINES == ("torch", "deepspeed") and AC_MODES == ("none", "full", "selective")
     assert PP_SCHEDULES == ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
     assert SINGLE_STAGE_SCHEDULES == ("gpipe", "1f1b")
