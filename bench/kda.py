@@ -492,7 +492,7 @@ HOT = {"scores_kernel": "chunk fwd", "solve_kernel": "chunk fwd", "wu_kernel": "
 # are fp32: gates, G, L, U, final states, score gradients, fp32 partial grads)
 INPUT_TYPED = {"q", "k", "v", "beta", "o", "do", "dq", "dk", "dv", "dbeta", "x", "y", "dy", "dx", "f",
                "Aqk", "Ainv", "W", "KG", "QG", "Hs", "VN", "DH", "DVN"}
-SWITCHES = ("HAS_INIT", "HAS_DFINAL", "REVERSE", "WITH_QG")  # constexpr booleans: both values compiled
+SWITCHES = ("HAS_INIT", "HAS_DFINAL", "REVERSE", "WITH_QG", "SAFE")  # constexpr booleans: both values compiled
 BASE = dict(dtype="bf16", K=128, V=128)  # the model's shape: where the cu_seqlens dtype is varied too
 # Why the spills left in hot kernels are left (written into the JSONs beside the numbers).
 NOTES = {
@@ -610,7 +610,7 @@ def kda_signature(fn, variant: dict, extra: dict, hopper: bool) -> tuple[dict, d
             constexprs[arg] = values.get(arg)
         elif arg in ("H", "N"):
             signature[arg] = "i32"
-        elif arg in ("scale", "eps"):
+        elif arg in ("scale", "eps", "lower"):
             signature[arg] = "fp32"
         else:  # a pointer; torch allocations are 16-byte aligned
             if arg == "cu_seqlens":
