@@ -235,7 +235,7 @@ def train_rows(r: dict):
     top = x.get("top_kernels") or []
     extra += ("; costliest kernels: " + ", ".join(f"{k['kernel'][:40]} {k['ms']:.1f} ms" for k in top[:3])
               if top else "")
-    hungry = (x.get("profile") or {}).get("memory_ops") or []
+    hungry = x.get("memory_ops") or []
     extra += ("; most memory: " + ", ".join(f"{m['op'][:40]} {m['mib']:,.0f} MiB" for m in hungry[:3])
               if hungry else "")
     failures = [f"train {r['model']}: loss not finite"] if not all(v == v and abs(v) != float("inf")

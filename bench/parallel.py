@@ -94,23 +94,21 @@ def _kda_dtypes() -> set:
 
 def _profile(trainer, top: int = 25) -> dict:
     """One training step under torch.profiler on CUDA: the kernels that took the most device time, and the
-    ops that allocated the most device memory (net of what they freed) with the step's peak."""
+    ops that allocated the most device memory (net of what they freed)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], profile_memory=True) as prof:
         trainer.train_step()
         torch.cuda.synchronize()
     events = prof.key_averages()
     busy = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]
     memory = sorted(events, key=lambda e: e.self_device_memory_usage, reverse=True)[:10]
-    return {"kernels": [{"kernel": e.key[:120], "ms": e.self_device_time_total / 1e3, "calls": e.count}
-                        for e in busy if e.self_device_time_total > 0],
+    return {"top_kernels": [{"kernel": e.key[:120], "ms": e.self_device_time_total / 1e3, "calls": e.count}
+                            for e in busy if e.self_device_time_total > 0],
             "device_ms": sum(e.self_device_time_total for e in events) / 1e3,
             "memory_ops": [{"op": e.key[:120], "mib": e.self_device_memory_usage / 2**20, "calls": e.count}
-                           for e in memory if e.self_device_memory_usage > 0],
-            "peak_mib": torch.cuda.max_memory_allocated() / 2**20}
+                           for e in memory if e.self_device_memory_usage > 0]}
 
 
 def worker(out: Path, model: str, overrides: list[str], steps: int, profile: bool = False) -> None:
@@ -148,13 +146,13 @@ def worker(out: Path, model: str, overrides: list[str], steps: int, profile: boo
         losses.append(trainer.train_step()["loss"])
     sync()
     seconds = (time.perf_counter() - t0) / steps
-    profiled = _profile(trainer) if profile and cuda else {}
+    profiled = _profile(trainer) if profile and cuda else {"top_kernels": []}
     t = cfg.trainer
     tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps * trainer.dims.dp
     peak = peak_flops(trainer.device, t.peak_flops)
     record = {"calls": dict(counter.calls), "bytes": dict(counter.bytes), "stage_sends": sent,
               "losses": losses, "fallbacks": _dispatch_state(), "kda_dtypes": sorted(kda_dtypes),
-              "top_kernels": profiled.get("kernels", []), "profile": profiled,
+              **profiled,
               "step_s": seconds, "tokens_per_s": tokens / seconds,
               "mfu": tokens / seconds * trainer.flops_per_token / (peak * trainer.dims.world),
               # what this rank's device allocated at most (CUDA), or the process's peak resident memory
