@@ -354,12 +354,12 @@ def update_expert_bias(model: nn.Module, rate: float,
         sum_over_ranks(loads)
     mean = loads.mean(dim=1, keepdim=True)
     imbalance = (loads.max(dim=1).values / mean.squeeze(1).clamp_min(1e-9)).max()
-    hists = [m for m in layers if m.quantile]
-    if hists:  # Quantile Balancing's histograms, summed like the loads
-        stacked = torch.stack([m.qb_hist for m in hists])
+    balanced = [m for m in layers if m.quantile]
+    if balanced:  # Quantile Balancing's histograms, summed like the loads
+        hists = torch.stack([m.qb_hist for m in balanced])
         if sum_over_ranks is not None:
-            sum_over_ranks(stacked)
-        for m, hist in zip(hists, stacked):
+            sum_over_ranks(hists)
+        for m, hist in zip(balanced, hists):
             q = histogram_quantile(hist, *qb_range(m.expert_bias, hist.shape[1]), m.top_k / m.num_experts)
             seen = hist.sum() > 0  # a layer that saw no token keeps its bias
             m.expert_bias.copy_(torch.where(seen, q - q.mean(), m.expert_bias))
