@@ -140,6 +140,9 @@ class ModelConfig:
     # Residuals: standard pre-norm, or Attention Residuals over every layer / over blocks of layers.
     residual: str = one_of(RESIDUAL_MODES, "attnres_block")
     attnres_block_size: int = 4  # sublayers per AttnRes block (attnres_block only)
+    # A learnable weight on each depth mix's key norm (Kimi K3's AttnRes): logits w . (gamma * RMSNorm(v)).
+    # The same functions as gamma * w folded into the query, but the product trains differently; off: none.
+    attnres_key_weight: bool = False
     norm_eps: float = 1e-5
     init_std: float = 0.02
     # The training loss from the final hidden states, this many tokens at a time (kimi/ops/linear_ce.py), so

@@ -113,3 +113,30 @@ def test_block_size_one_equals_full():
     other.load_state_dict(full.state_dict())
     with torch.no_grad():
         assert not torch.allclose(full(ids), other(ids))
+
+
+@pytest.mark.parametrize("residual", ["attnres_full", "attnres_block"])
+def test_key_weight_is_the_query_folded(residual):
+    """model.attnres_key_weight (Kimi K3's key-norm weight gamma per mixing site): logits
+    w . (gamma * RMSNorm(v)) are those of the query gamma * w without gamma, at every site and in fp64 exactly;
+    gamma starts at 1 (and the query at 0), and both train."""
+    torch.manual_seed(0)
+    keyed = KimiModel(tiny_cfg(residual=residual, attnres_key_weight=True)).double()
+    weights = [(n, p) for n, p in keyed.named_parameters() if n.endswith("_key_weight")]
+    assert len(weights) == len(keyed.attnres_queries()) and all(torch.all(p == 1) for _, p in weights)
+    with torch.no_grad():
+        for q in keyed.attnres_queries():
+            q.normal_()
+        for _, p in weights:
+            p.uniform_(0.5, 1.5)
+    folded = KimiModel(tiny_cfg(residual=residual)).double()
+    state = keyed.state_dict()
+    for name, gamma in weights:
+        query = name.replace("_key_weight", "_query")
+        state[query] = state[query] * state.pop(name)
+    folded.load_state_dict(state)
+    ids = torch.randint(0, 61, (2, 12))
+    out = keyed(ids)
+    torch.testing.assert_close(out, folded(ids), rtol=1e-12, atol=1e-12)
+    out.square().mean().backward()
+    assert all(p.grad is not None and p.grad.abs().max() > 0 for _, p in weights)

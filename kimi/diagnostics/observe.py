@@ -25,6 +25,7 @@ from torch import nn
 from kimi.config import ModelConfig
 from kimi.model.attnres import depth_weights
 from kimi.model.probe import PROBE
+from kimi.model.transformer import site_query
 
 from .record import attnres_sources, sublayers
 
@@ -110,16 +111,16 @@ def _attnres_hooks(part: nn.Module, eps: float, sums: _Sums) -> list:
     def block_hook(i: int):
         def hook(block, args):
             held["stream"] = args[0]
-            sums.add_attnres(f"{i}.mixer", block.param("mixer_query"), args[0].sources(), eps)
+            sums.add_attnres(f"{i}.mixer", block.site_query("mixer"), args[0].sources(), eps)
         return hook
 
     def mlp_hook(i: int, block: nn.Module):
         def hook(norm, args):
-            sums.add_attnres(f"{i}.mlp", block.param("mlp_query"), held["stream"].sources(), eps)
+            sums.add_attnres(f"{i}.mlp", block.site_query("mlp"), held["stream"].sources(), eps)
         return hook
 
     def final_hook(norm, args):
-        sums.add_attnres("final", part.param("final_query"), held["stream"].sources(), eps)
+        sums.add_attnres("final", site_query(part.param("final_query"), part.param("final_key_weight")), held["stream"].sources(), eps)
 
     handles = []
     for name, block in part.blocks.items():

@@ -41,6 +41,11 @@ class Runners:
         return function(*args) if run is None else run(function, *args)
 
 
+def site_query(query: torch.Tensor | None, key_weight: torch.Tensor | None) -> torch.Tensor | None:
+    """A depth mix's effective pseudo-query: w . (gamma * RMSNorm(v)) = (gamma * w) . RMSNorm(v)."""
+    return query if key_weight is None or query is None else query * key_weight
+
+
 class Block(Runners, ParamViews, nn.Module):
     """One token mixer and one MLP (dense, or a mixture of experts), each a sublayer (kimi/model/sublayer.py)
     with its own pre-norm and (with AttnRes) pseudo-query."""
@@ -57,6 +62,13 @@ class Block(Runners, ParamViews, nn.Module):
         # its query: a query there would be a parameter with an identically zero gradient, so it has none.
         self.mixer_query = nn.Parameter(torch.zeros(d)) if attnres and not first else None
         self.mlp_query = nn.Parameter(torch.zeros(d)) if attnres else None
+        keyed = attnres and cfg.attnres_key_weight
+        self.mixer_key_weight = nn.Parameter(torch.ones(d)) if keyed and not first else None
+        self.mlp_key_weight = nn.Parameter(torch.ones(d)) if keyed else None
+
+    def site_query(self, name: str) -> torch.Tensor | None:
+        """Sublayer `name`'s effective pseudo-query: its query times its key-norm weight, if it has one."""
+        return site_query(self.param(f"{name}_query"), self.param(f"{name}_key_weight"))
 
     def sublayer(self, name: str, stream, **kwargs) -> torch.Tensor:
         """Sublayer `name`'s ("mixer" or "mlp") output: its depth mix of the stream, pre-norm and module, as one
@@ -68,7 +80,7 @@ class Block(Runners, ParamViews, nn.Module):
         def whole(query, *sources):
             return module(norm(stream.mix(query, sources)), **kwargs)
 
-        return self.run_through(name, whole, self.param(f"{name}_query"), *stream.sources())
+        return self.run_through(name, whole, self.site_query(name), *stream.sources())
 
     def forward(self, stream, cu_seqlens: torch.Tensor | None = None, cache=None,
                 rows: int | None = None, context=None):
@@ -121,6 +133,8 @@ class KimiModel(Runners, ParamViews, nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(cfg, mixer, mlp, first=i == 0)
                                      for i, (mixer, mlp) in enumerate(block_classes(cfg))})
         self.final_query = nn.Parameter(torch.zeros(cfg.d_model)) if cfg.residual != "standard" else None
+        keyed = cfg.residual != "standard" and cfg.attnres_key_weight
+        self.final_key_weight = nn.Parameter(torch.ones(cfg.d_model)) if keyed else None
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, cfg.loss_chunk)
         if cfg.tie_embeddings:
@@ -137,6 +151,7 @@ class KimiModel(Runners, ParamViews, nn.Module):
         part.embed = self.embed if first else None
         part.blocks = nn.ModuleDict({str(i): self.blocks[str(i)] for i in blocks})
         part.final_query = self.final_query if last else None
+        part.final_key_weight = self.final_key_weight if last else None
         part.norm = self.norm if last else None
         part.lm_head = self.lm_head if last else None
         return part
@@ -154,6 +169,7 @@ class KimiModel(Runners, ParamViews, nn.Module):
         union.blocks = nn.ModuleDict({k: b for p in parts for k, b in p.blocks.items()})
         if last is not None:
             union.final_query, union.norm, union.lm_head = last.final_query, last.norm, last.lm_head
+            union.final_key_weight = last.final_key_weight
         return union
 
     def init_rules(self) -> Rules:
@@ -164,7 +180,7 @@ class KimiModel(Runners, ParamViews, nn.Module):
           sqrt(2 * num_layers)), GPT-2's rule: 2 * num_layers branches add into the residual sum, so this
           keeps its variance at init independent of depth (under AttnRes, a mix of the same outputs);
         * norms 1; AttnRes pseudo-queries 0 (every layer starts as a uniform average of its sources, which
-          the paper reports matters for stability);
+          the paper reports matters for stability), their key-norm weights (model.attnres_key_weight) 1;
         * KDA: A_log = log U(1, 16), dt_bias = inverse-softplus of logU(1e-3, 1e-1), short convs as
           nn.Conv1d's default (see KDA.init_rules).
         """
@@ -177,11 +193,15 @@ class KimiModel(Runners, ParamViews, nn.Module):
             rules.update({"norm.weight": constant(1.0), "lm_head.weight": normal(std)})
             if self.final_query is not None:
                 rules["final_query"] = constant(0.0)
+            if self.final_key_weight is not None:
+                rules["final_key_weight"] = constant(1.0)
         for i, block in self.blocks.items():
             rules.update(prefixed(f"blocks.{i}.mixer", block.mixer.init_rules(std, out_std)))
             rules.update(prefixed(f"blocks.{i}.mlp", block.mlp.init_rules(std, out_std)))
             rules.update({f"blocks.{i}.{n}": constant(1.0) for n in ("mixer_norm.weight", "mlp_norm.weight")})
             rules.update({f"blocks.{i}.{n}": constant(0.0) for n in ("mixer_query", "mlp_query")
+                          if getattr(block, n) is not None})
+            rules.update({f"blocks.{i}.{n}": constant(1.0) for n in ("mixer_key_weight", "mlp_key_weight")
                           if getattr(block, n) is not None})
         return rules
 
@@ -292,7 +312,8 @@ class KimiModel(Runners, ParamViews, nn.Module):
             # as they are, not views: a pipeline schedule detaches stage outputs in place
             return tuple(stream.sources())
         hidden = self.run_through("final", lambda query, *sources: self.norm(stream.mix(query, sources)),
-                                  self.param("final_query"), *stream.sources())
+                                  site_query(self.param("final_query"), self.param("final_key_weight")),
+                                  *stream.sources())
         if labels is None:
             return self.lm_head(hidden)
         if self.lm_head.vocab_parallel:  # its logits leave the module sharded: the loss is taken outside it
