@@ -81,27 +81,27 @@ def finish(code: int, run_dir: str | os.PathLike) -> int:
     return EXIT_OK if code == EXIT_STOPPED and under_torchrun else code
 
 
-def check_overrides(argv: list[str], config_dir: str) -> None:
+def check_overrides(argv: list[str], config_dir: str | None = None) -> None:
     """Compose the config from command-line overrides as Hydra will, so that what Hydra itself refuses (a
     misspelt key, a value of the wrong type, a preset that does not exist, a syntax error) and a run dir
     Hydra cannot create become one ConfigError line, before Hydra prints its own multi-line report. Runs
-    with Hydra's own flags (--multirun, --cfg, ...; --config-path=DIR is understood) are left to Hydra."""
+    with Hydra's own flags (--multirun, --cfg, ...; --config-path=DIR is understood) are left to Hydra.
+    config_dir: a directory or pkg://module; default kimi.conf_dir.search_path()."""
     paths = [a.split("=", 1)[1] for a in argv if a.startswith("--config-path=")]
     argv = [a for a in argv if not a.startswith("--config-path=")]
     if any(a.startswith("-") for a in argv):
         return
     config_dir = str(Path(paths[-1]).resolve()) if paths else config_dir
-    from hydra import compose, initialize_config_dir
     from hydra.errors import MissingConfigException
 
+    from kimi.conf_dir import compose
     from kimi.config import ConfigError, unknown_key
 
     for a in argv:
         if a.startswith("hydra.run.dir="):
             _check_run_dir(Path(a.split("=", 1)[1]))
     try:
-        with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
-            compose("config", overrides=[a for a in argv if not a.startswith("hydra.")])
+        compose([a for a in argv if not a.startswith("hydra.")], where=config_dir)
     except MissingConfigException as e:
         group, _, name = (e.missing_cfg_file or "").rpartition("/")
         choices = "|".join(e.options or [])

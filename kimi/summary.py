@@ -30,13 +30,12 @@ import math
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from kimi.config import (Config, ConfigError, check_stage_split, mixer_pattern, register_configs, resolve_vocab,
+from kimi.config import (Config, ConfigError, check_stage_split, mixer_pattern, resolve_vocab,
                          stages_per_rank)
 
 from kimi.model import KimiModel
@@ -45,7 +44,6 @@ from kimi.model.rules import validate_model
 from kimi.optim.rules import validate_optim
 from kimi.parallel.rules import validate_parallel
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GIB = 1024**3
 
 NORMS = "norms + AttnRes queries"  # the block's pre-norms and queries, the final norm and query
@@ -95,13 +93,11 @@ class Summary:
 # ---- config ------------------------------------------------------------------------------------------------
 def compose_config(overrides: Sequence[str]) -> Config:
     """The typed config train.py would run with these overrides (the run dir is not needed here)."""
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["trainer.run_dir=unused", *overrides])
-    return OmegaConf.to_object(cfg)
+    from kimi.conf_dir import compose
+
+    return OmegaConf.to_object(compose(["trainer.run_dir=unused", *overrides]))
 
 
 def vocab_note(cfg: Config) -> Optional[str]:
@@ -414,6 +410,12 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         sys.exit(2)
     print(text)
     return text
+
+
+def cli() -> int:
+    """`kimi-summary`: main's exit status (a console script would print the returned text a second time)."""
+    main()
+    return 0
 
 
 if __name__ == "__main__":

@@ -17,11 +17,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from kimi.conf_dir import conf_dir
+
 from . import records
 from .state import exit_code, status
 
 ROOT = Path(__file__).resolve().parents[2]
-CONF_DIR = ROOT / "conf"
+CONF_DIR = conf_dir()
 DEFAULT_ROOT = Path("runs/ablate")
 DEFAULT_OUT = ROOT / "bench" / "results" / "ablations"
 # `all` runs them in this order (the cheapest questions first would be another choice; this is the issue's)
@@ -191,16 +193,15 @@ def arm_config(exp: Experiment, arm: str, user: Sequence[str], run: Sequence[str
 def _composed(overrides: Tuple[str, ...]) -> Dict[str, Any]:
     # A study plans, fingerprints and reports every run, each a second of Hydra's composition; the
     # configs do not change while it runs.
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     from kimi.cli import check_overrides
+    from kimi.conf_dir import compose
     from kimi.config import register_configs
 
     register_configs()
-    check_overrides(list(overrides), str(CONF_DIR))
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["trainer.run_dir=unused", *overrides])
+    check_overrides(list(overrides))
+    cfg = compose(["trainer.run_dir=unused", *overrides])
     return OmegaConf.to_container(cfg, resolve=False)
 
 

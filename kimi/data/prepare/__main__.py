@@ -12,24 +12,18 @@ as train.py's (kimi.cli): 0 done, 2 bad config or data.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import List
 
 from kimi.data.prepare import prepare
 
-CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
-
 
 def main(argv: List[str]) -> int:
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from kimi.config import register_configs
+    from kimi.conf_dir import compose
     from kimi.data.rules import validate_data
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = OmegaConf.to_object(compose("config", overrides=["trainer.run_dir=unused", *argv])).data
+    cfg = OmegaConf.to_object(compose(["trainer.run_dir=unused", *argv])).data
     validate_data(cfg)
     data = prepare(cfg, limit=False)
     for part in getattr(data, "parts", [data]):
@@ -39,9 +33,14 @@ def main(argv: List[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`kimi-prepare` and `python -m kimi.data.prepare`: the overrides checked first, as training checks them."""
     from kimi.cli import check_overrides, run_main
     from kimi.config import register_configs
 
     register_configs()  # the schema Hydra checks the overrides against
-    sys.exit(run_main(lambda: check_overrides(sys.argv[1:], str(CONF_DIR)) or main(sys.argv[1:])))
+    sys.exit(run_main(lambda: check_overrides(sys.argv[1:]) or main(sys.argv[1:])))
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,90 @@
+"""The training command: `kimi-train [overrides]` once the package is installed, `python train.py [overrides]`
+in a checkout (the same function), e.g. `kimi-train model=tiny trainer.max_steps=300` (see README).
+
+Hydra's multirun runs several jobs one after another in this process, e.g. an ablation's arms x seeds:
+`kimi-train -m +experiment=ablate_residual` (conf/experiment/, docs/ablations.md); a failed job does not stop
+the others, the command exits 1 at the end if one failed, and a signal stops the sweep after the current
+job's checkpoint.
+
+Exit codes (kimi/cli.py): 0 finished, 75 stopped early with a checkpoint (rerun to continue), 2 bad config,
+data or run directory, 1 failure. Under torchrun a stopped run's ranks exit 0 and <run_dir>/exit_code holds
+75 (torchrun would call any other code a failure); the launch scripts exit with it.
+
+The configs come from kimi.conf_dir: a checkout's conf/, else the installed package's (Hydra's pkg://).
+"""
+
+import sys
+
+# Hydra's multirun (`-m ...`, e.g. `-m +experiment=ablate_residual`, conf/experiment/) runs its jobs one after
+# another in this process: (run dir, exit code) of each job that failed, reported once all have run.
+FAILED_JOBS: list = []
+
+
+def train(cfg) -> int:
+    from kimi.cli import EXIT_OK, EXIT_STOPPED
+    from kimi.parallel import destroy_distributed
+    from kimi.trainer import Trainer
+
+    result = Trainer(cfg).fit()
+    destroy_distributed()  # after success only: a barrier after one rank's failure would hang the rest
+    return EXIT_OK if result["finished"] else EXIT_STOPPED
+
+
+def job(cfg) -> None:
+    """One Hydra job: train, record its exit code, and exit with it unless a multirun goes on."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from kimi.cli import EXIT_OK, EXIT_STOPPED, finish, run_main
+
+    code = finish(run_main(lambda: train(cfg)), cfg.trainer.run_dir)
+    if HydraConfig.get().mode != RunMode.MULTIRUN or code in (EXIT_STOPPED, 130):  # 130: Ctrl-C at start-up
+        # one run; or a multirun job stopped by a signal, which stops the sweep (rerun it to continue: the
+        # finished jobs say so and exit, the stopped one resumes from its checkpoint)
+        sys.exit(code)
+    if code != EXIT_OK:  # a failed job (a diverged lr, a bad arm) does not stop the others
+        FAILED_JOBS.append((cfg.trainer.run_dir, code))
+
+
+def main() -> None:
+    """Hydra's entry over sys.argv (its flags included: --multirun, --cfg, --config-path, ...)."""
+    import hydra
+
+    from kimi.conf_dir import search_path
+    from kimi.config import register_configs
+
+    register_configs()
+    # the job is this module's function, so Hydra names the job (and its log, train.log) after this file
+    hydra.main(version_base="1.3", config_path=search_path(), config_name="config")(job)()
+
+
+def cli() -> None:
+    """What `python train.py ...` runs: the overrides are checked first (kimi.cli.check_overrides), so what
+    Hydra would refuse with a report of several lines is one line and exit code 2, like every other error."""
+    from kimi.cli import check_overrides, finish, run_main
+    from kimi.config import register_configs
+
+    register_configs()  # the schema Hydra checks the overrides against
+    code = run_main(lambda: check_overrides(sys.argv[1:]) or 0)
+    if code:
+        run_dir = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("hydra.run.dir=")), "")
+        sys.exit(finish(code, run_dir))
+    main()
+    if FAILED_JOBS:  # only after a multirun
+        from kimi.cli import EXIT_FAILED
+
+        for run_dir, code in FAILED_JOBS:
+            print(f"error: multirun job {run_dir} exited with code {code}", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
+
+
+def entry() -> None:
+    """The kimi-train console script: the at-once SIGTERM handler first, as train.py installs it."""
+    from kimi.signals import exit_while_starting
+
+    exit_while_starting()  # before the imports that take seconds: a SIGTERM among them exits 75, not -15
+    cli()
+
+
+if __name__ == "__main__":
+    entry()
