@@ -1,4 +1,4 @@
-"""Checkpoints to and from Hugging Face `transformers`' Kimi Linear (`KimiLinearForCausalLM`).
+"""Checkpoints to and from Hugging Face `transformers`' Kimi Linear (`KimiLinearForCausalLM`), and Kimi K3's layout.
 
     python -m kimi.convert to-hf RUN_DIR HF_DIR [--shard-gb 5] [--layout release|save_pretrained] [--mxfp4-experts]
     python -m kimi.convert from-hf HF_DIR RUN_DIR
@@ -23,6 +23,10 @@ exactly. from-hf (and in Python `load_hf(HF_DIR)`, our model in eval mode) reads
 a time; a missing directory, damaged safetensors, a tensor of another shape or a config.json lacking a key
 is a one-line error naming it. The name and layout mapping is kimi.interop.hf.
 
+--layout k3 writes Kimi K3's released layout (kimi.interop.k3: config.json with text_config, tensors under
+`language_model.`, the depth-mixing sites' queries and key-norm weights, A_log zero-padded), which mlx-lm's
+kimi_k3 reads; from-hf and load_hf read it (a config.json with text_config) as well as Kimi Linear's.
+
 --mxfp4-experts (for a run trained with precision.qat=mxfp4_experts) writes every routed expert's weight as
 MXFP4 (kimi/precision/mxfp4.py): NAME.weight_packed and NAME.weight_scale (uint8) in place of NAME.weight,
 and config.json's "mxfp4_experts" says so. load_hf and from-hf read them back, dequantised: the forward of
@@ -38,6 +42,7 @@ import torch
 
 from kimi.config import ModelConfig
 from kimi.interop.hf import LAYOUTS, NotExpressible, file_map, in_layout, model_fields, release_config
+from kimi.interop.k3 import Constant, is_k3, k3_config, k3_file_map, k3_model_fields
 from kimi.model import KimiModel
 
 INDEX = "model.safetensors.index.json"
@@ -108,9 +113,28 @@ def _read_json(path: Path) -> dict:
 def _fits(found: torch.Size, expected: torch.Size) -> bool:
     """Whether a file tensor of shape `found` holds ours of shape `expected`: the same dims apart from 1s,
     or, for a vector of ours (A_log, dt_bias), any shape of its size (the releases and the loaders
-    disagree on them: A_log as [H] or [1, 1, H, 1], dt_bias as [H*K] or [H, K])."""
+    disagree on them: A_log as [H] or [1, 1, H, 1], dt_bias as [H*K] or [H, K]) or a longer vector (K3's
+    zero-padded A_log; _unpad checks the padding)."""
     found_dims, dims = [d for d in found if d != 1], [d for d in expected if d != 1]
-    return found.numel() == expected.numel() and (found_dims == dims or len(dims) <= 1)
+    if found.numel() == expected.numel():
+        return found_dims == dims or len(dims) <= 1
+    return len(dims) <= 1 and len(found_dims) <= 1 and found.numel() > expected.numel()
+
+
+def _unpad(name: str, tensor: torch.Tensor, numel: int) -> torch.Tensor:
+    """The first `numel` values of file tensor `name`, whose others must be the padding's zeros."""
+    flat = tensor.reshape(-1)
+    if flat[numel:].any():
+        raise ValueError(f"tensor {name} has {flat.numel()} values where the config makes {numel}, and the rest "
+                         "are not zero padding: the weights and config.json are of different models")
+    return flat[:numel]
+
+
+def _layout_of(config: dict):
+    """(ModelConfig fields, file map of a ModelConfig) of a config.json: K3's layout or Kimi Linear's."""
+    if is_k3(config):
+        return k3_model_fields(config), k3_file_map
+    return model_fields(config), file_map
 
 
 def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> KimiModel:
@@ -120,7 +144,8 @@ def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> KimiMo
     directory = Path(directory)
     hf = read_hf_config(directory)
     try:
-        cfg = ModelConfig(**model_fields(hf))
+        fields, mapping = _layout_of(hf)
+        cfg = ModelConfig(**fields)
     except NotExpressible:
         raise
     except ValueError as e:
@@ -135,7 +160,9 @@ def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> KimiMo
     tensors = _LazyTensors(directory)
     done = set()
     with torch.no_grad():
-        for theirs, mine, index, _ in file_map(cfg):
+        for theirs, mine, index, _ in mapping(cfg):
+            if isinstance(mine, Constant):  # no tensor of ours comes from it (kimi.interop.k3)
+                continue
             found = tensors.get(dict.fromkeys(in_layout(theirs, layout) for layout in LAYOUTS))
             tied = cfg.tie_embeddings and mine == "lm_head.weight"  # the embedding, filled before
             if found is None and tied:
@@ -152,7 +179,7 @@ def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> KimiMo
             if tied and not torch.equal(tensor.reshape(target.shape).to(dtype), target):
                 raise ValueError(f"{directory}: config.json ties the embeddings (tie_word_embeddings), but "
                                  f"{name} is not model.embed_tokens.weight: set tie_word_embeddings false")
-            target.copy_(tensor.reshape(target.shape))
+            target.copy_(_unpad(name, tensor, target.numel()).reshape(target.shape))
             done.add(mine)
     filled = {own[name].data_ptr() for name in done}  # a tied lm_head is the embedding, filled with it
     missing = {name for name, t in own.items() if t.data_ptr() not in filled}
@@ -164,9 +191,13 @@ def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> KimiMo
 def _tensors(model: KimiModel, layout: str, mxfp4_experts: bool):
     """(file name, tensor) of every tensor save_hf writes, the routed experts' as MXFP4 if asked."""
     state = model.state_dict()
-    for name, mine, index, shape in file_map(model.cfg, layout):
+    entries = k3_file_map(model.cfg) if layout == "k3" else file_map(model.cfg, layout)
+    for name, mine, index, shape in entries:
+        if isinstance(mine, Constant):
+            yield name, torch.full(mine.shape, mine.value, dtype=next(iter(state.values())).dtype)
+            continue
         tensor = state[mine] if index is None else state[mine][index]
-        tensor = (tensor.reshape(shape) if shape else tensor).detach().cpu().contiguous()
+        tensor = _to_file_shape(tensor, shape).detach().cpu().contiguous()
         if mine == "lm_head.weight" and model.cfg.tie_embeddings:  # safetensors refuses two names for one storage
             tensor = tensor.clone()
         if mxfp4_experts and ".experts.w_" in mine:
@@ -179,6 +210,15 @@ def _tensors(model: KimiModel, layout: str, mxfp4_experts: bool):
             yield name, tensor
 
 
+def _to_file_shape(tensor: torch.Tensor, shape) -> torch.Tensor:
+    """Our tensor as the file holds it: reshaped, or a vector zero-padded to a longer one (K3's A_log)."""
+    if not shape:
+        return tensor
+    if len(shape) == 1 and shape[0] > tensor.numel():
+        return torch.cat([tensor.reshape(-1), tensor.new_zeros(shape[0] - tensor.numel())])
+    return tensor.reshape(shape)
+
+
 def save_hf(model: KimiModel, directory: str | Path, shard_bytes: int = 5 * 2**30,
             layout: str = "release", mxfp4_experts: bool = False) -> Path:
     """config.json and safetensors shards of `model` in the released checkpoints' layout, which
@@ -189,7 +229,7 @@ def save_hf(model: KimiModel, directory: str | Path, shard_bytes: int = 5 * 2**3
 
     directory = Path(directory)
     cfg = model.cfg
-    config = dict(release_config(cfg),  # refuses before writing
+    config = dict(k3_config(cfg) if layout == "k3" else release_config(cfg),  # refuses before writing
                   dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
     if mxfp4_experts:
         if not cfg.moe_num_experts:
@@ -267,7 +307,7 @@ def _to_hf(run: str, out: str, shard_gb: float, layout: str, mxfp4_experts: bool
     model, _, step = load_from_checkpoint(run)
     save_hf(model, out, int(shard_gb * 2**30), layout, mxfp4_experts)
     what = ("; routed experts as MXFP4, which transformers does not read" if mxfp4_experts
-            else " for KimiLinearForCausalLM")
+            else " in Kimi K3's layout" if layout == "k3" else " for KimiLinearForCausalLM")
     print(f"[kimi] wrote {out} (step {step}): config.json and safetensors{what} ({layout} layout)")
     return 0
 
@@ -284,9 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     to_hf.add_argument("run")
     to_hf.add_argument("out")
     to_hf.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors file (GiB)")
-    to_hf.add_argument("--layout", choices=sorted(LAYOUTS), default="release",
-                       help="tensor names: the released checkpoints' (default; what every loader reads) or "
-                            "the ones transformers' save_pretrained writes (dense MLP under block_sparse_moe)")
+    to_hf.add_argument("--layout", choices=sorted([*LAYOUTS, "k3"]), default="release",
+                       help="tensor names: the released Kimi Linear checkpoints' (default; what every loader "
+                            "reads), the ones transformers' save_pretrained writes (dense MLP under "
+                            "block_sparse_moe), or Kimi K3's (kimi_k3: text_config, language_model.)")
     to_hf.add_argument("--mxfp4-experts", action="store_true",
                        help="routed experts' weights as MXFP4 (a run trained with precision.qat=mxfp4_experts)")
     from_hf_cmd = sub.add_parser("from-hf", help="a transformers directory -> a new run dir that trains from it")

@@ -1,0 +1,166 @@
+"""Kimi K3's checkpoint layout both ways (kimi.interop.k3, `kimi.convert to-hf --layout k3` / from-hf), against
+mlx-lm's kimi_k3 model: an independent reader of that layout, written from Moonshot's modeling code.
+
+A random `k3_tiny` (every K3 part: safe-gate full-rank-gate KDA, gated MLA with q-LoRA, SiTU-GLU, latent MoE,
+Block AttnRes of 2 decoder layers with key-norm weights) is written by to-hf in K3's layout; mlx-lm reads it
+and its logits equal ours; our from-hf reads it back to the same tensors; and a directory written by mlx-lm
+(its own weights, saved under K3's names) reads into our model with equal logits."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from helpers import fill_randomly
+from kimi.config import ModelConfig
+from kimi.convert import load_hf, save_hf
+from kimi.interop.k3 import k3_config
+from kimi.interop.hf import NotExpressible
+from kimi.model import KimiModel
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 96
+TOKENS = torch.randint(0, VOCAB, (2, 21), generator=torch.Generator().manual_seed(0))
+
+
+def k3_tiny(**overrides) -> ModelConfig:
+    fields = OmegaConf.to_container(OmegaConf.load(ROOT / "conf/model/k3_tiny.yaml"))
+    fields.pop("name")
+    return ModelConfig(**{**fields, "vocab_size": VOCAB, **overrides})
+
+
+def random_k3(**overrides) -> KimiModel:
+    """k3_tiny with every weight drawn anew (gates, caps and depth mixes all acting), the router biases and
+    KDA's A_log included, in eval mode."""
+    model = fill_randomly(KimiModel(k3_tiny(**overrides)), std=0.1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_key_weight"):
+                p.uniform_(0.5, 1.5)
+            if name.endswith("A_log"):
+                p.uniform_(1, 16).log_()
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.normal_(0, 0.1)
+    return model.eval()
+
+
+@pytest.fixture
+def mlx_lm():
+    """mlx-lm's loader, compiling nothing (mlx's CPU compile builds C++ on first use: tens of seconds)."""
+    mx = pytest.importorskip("mlx.core", reason="mlx (dev extra: mlx[cpu]) not installed")
+    utils = pytest.importorskip("mlx_lm.utils", reason="mlx-lm (dev extra) not installed")
+    mx.disable_compile()
+    yield lambda directory: utils.load_model(Path(directory))[0]
+    mx.enable_compile()
+
+
+def mlx_logits(model, tokens: torch.Tensor) -> np.ndarray:
+    import mlx.core as mx
+
+    return np.array(model(mx.array(tokens.numpy())).astype(mx.float32))
+
+
+def test_to_hf_in_k3_layout_reads_in_mlx_lm_and_back(tmp_path, mlx_lm):
+    ours = random_k3()
+    with torch.no_grad():
+        logits = ours(TOKENS)
+    out = save_hf(ours, tmp_path / "k3", layout="k3")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "kimi_k3" and config["text_config"]["attn_res_block_size"] == 2
+    assert config["text_config"]["linear_attn_config"]["kda_layers"] == [1, 2, 3]  # 1-based, as released
+    theirs = mlx_logits(mlx_lm(out), TOKENS)
+    assert np.abs(theirs - logits.numpy()).max() < 1e-4
+    back = load_hf(out)
+    assert back.cfg == ours.cfg
+    mine = ours.state_dict()
+    assert back.state_dict().keys() == mine.keys()
+    for name, tensor in back.state_dict().items():
+        assert torch.equal(tensor, mine[name]), name
+
+
+def test_a_model_without_key_weights_exports_as_weights_of_one(tmp_path, mlx_lm):
+    """Block AttnRes without key weights (our default) writes K3's norms as ones: the same function; from-hf
+    reads it as a model with key weights of 1."""
+    ours = random_k3(attnres_key_weight=False)
+    with torch.no_grad():
+        logits = ours(TOKENS)
+    out = save_hf(ours, tmp_path / "plain", layout="k3")
+    assert np.abs(mlx_logits(mlx_lm(out), TOKENS) - logits.numpy()).max() < 1e-4
+    back = load_hf(out)
+    assert back.cfg.attnres_key_weight and torch.all(back.final_key_weight == 1)
+    with torch.no_grad():
+        torch.testing.assert_close(back(TOKENS), logits, rtol=0, atol=1e-5)
+
+
+def test_from_hf_reads_what_mlx_lm_writes(tmp_path, mlx_lm):
+    """mlx-lm's own K3 model, its weights drawn by mlx and saved under the release's names (its sanitize run
+    backwards: fused q/k/v and convs split, the kv_b_proj rebuilt), reads into ours with equal logits."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from safetensors.numpy import save_file
+
+    template = save_hf(random_k3(), tmp_path / "template", layout="k3")
+    model = mlx_lm(template)
+    mx.random.seed(1)
+    flat = dict(tree_flatten(model.parameters()))
+    redrawn = {k: (mx.random.uniform(0.5, 1.5, v.shape) if "norm" in k else 0.2 * mx.random.normal(v.shape))
+               for k, v in flat.items() if "A_log" not in k and "e_score_correction_bias" not in k}
+    model.load_weights(list(redrawn.items()), strict=False)
+    theirs = mlx_logits(model, TOKENS)
+    weights = {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())}
+    file = {}
+    prefix = "language_model.model.layers."
+    for key, value in weights.items():
+        if ".switch_mlp." in key:
+            layer, rest = key.split(".mlp.switch_mlp.")
+            name = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[rest.split(".")[0]]
+            for e in range(value.shape[0]):
+                file[f"{layer}.block_sparse_moe.experts.{e}.{name}.weight"] = value[e]
+        elif ".self_attn.qkv_proj." in key or ".self_attn.qkv_conv." in key:
+            conv = "qkv_conv" in key
+            for part, chunk in zip("qkv", np.split(value, 3, axis=0)):
+                file[key.replace("qkv_conv.conv.weight" if conv else "qkv_proj",
+                                 f"{part}_conv1d.weight" if conv else f"{part}_proj")] = \
+                    np.moveaxis(chunk, 1, 2) if conv else chunk
+        elif ".self_attn.embed_q." in key or ".self_attn.unembed_out." in key:
+            continue  # rebuilt as kv_b_proj below
+        elif key.endswith(".mlp.e_score_correction_bias"):
+            file[key.replace(".mlp.", ".block_sparse_moe.gate.")] = value
+        else:
+            file[key.replace(".mlp.", ".block_sparse_moe.") if ".mlp." in key and _sparse(key) else key] = value
+    cfg = json.loads((template / "config.json").read_text())["text_config"]
+    heads, nope, v_dim = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    for key in [k for k in weights if k.endswith(".self_attn.embed_q.weight")]:
+        wk = weights[key].swapaxes(-1, -2)  # [H, nope, latent]
+        wv = weights[key.replace("embed_q", "unembed_out")]  # [H, v, latent]
+        file[key.replace("embed_q.weight", "kv_b_proj.weight")] = \
+            np.concatenate([wk, wv], axis=1).reshape(heads * (nope + v_dim), -1)
+    assert all(k.startswith("language_model.") for k in file), prefix
+    directory = tmp_path / "from_mlx"
+    directory.mkdir()
+    save_file({k: np.ascontiguousarray(v) for k, v in file.items()}, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text((template / "config.json").read_text())
+    ours = load_hf(directory)
+    with torch.no_grad():
+        assert (ours(TOKENS) - torch.from_numpy(theirs)).abs().max() < 1e-4
+
+
+def _sparse(key: str) -> bool:
+    return not key.startswith("language_model.model.layers.0.")
+
+
+@pytest.mark.parametrize("override,named", [
+    (dict(mlp_activation="swiglu"), "mlp_activation=swiglu"),
+    (dict(attnres_block_size=3), "attnres_block_size=3"),
+    (dict(residual="attnres_full"), "attnres_full"),
+])
+def test_k3_layout_refuses_what_it_cannot_hold(override, named):
+    with pytest.raises(NotExpressible, match=named):
+        k3_config(k3_tiny(**override))
