@@ -164,3 +164,24 @@ def _sparse(key: str) -> bool:
 def test_k3_layout_refuses_what_it_cannot_hold(override, named):
     with pytest.raises(NotExpressible, match=named):
         k3_config(k3_tiny(**override))
+
+
+def test_mxfp4_experts_in_k3_layout(tmp_path):
+    """--mxfp4-experts in K3's layout: each routed expert's w1/w2/w3 as the release packs them (uint8
+    weight_packed [out, in/2], weight_scale [out, in/32]), read back dequantised."""
+    from safetensors import safe_open
+
+    from kimi.precision.mxfp4 import fake_quantize
+
+    ours = random_k3()
+    out = save_hf(ours, tmp_path / "mxfp4", layout="k3", mxfp4_experts=True)
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        packed = f.get_tensor("language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed")
+        scale = f.get_tensor("language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_scale")
+    hidden, latent = ours.cfg.moe_hidden, ours.cfg.moe_latent_dim
+    assert packed.dtype == scale.dtype == torch.uint8
+    assert list(packed.shape) == [hidden, latent // 2] and list(scale.shape) == [hidden, latent // 32]
+    back = load_hf(out).state_dict()
+    for name, tensor in ours.state_dict().items():
+        want = fake_quantize(tensor) if ".experts.w_" in name else tensor
+        assert torch.equal(back[name], want), name
