@@ -4,6 +4,7 @@ two runs' losses and final weights."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -95,7 +96,10 @@ def reference_runs(out: Path, data: list[str]):
     def reference(optim: str, *extra: str) -> Path:
         key = (optim, *extra)
         if key not in runs:
-            runs[key] = out / "_".join(k.replace("=", "-").replace("/", "_") for k in key)
+            name = "_".join(k.replace("=", "-").replace("/", "_") for k in key)
+            if len(name) > 120:  # a file name has at most 255 bytes: long override lists by their hash
+                name = f"{name[:80]}_{hashlib.sha256(name.encode()).hexdigest()[:16]}"
+            runs[key] = out / name
             single_process(runs[key], data, optim, *extra)
         return runs[key]
 

@@ -27,6 +27,13 @@ from kimi import checkpoint
 MOE = ["model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_hidden=16", "model.moe_groups=2",
        "model.moe_topk_groups=1", "model.moe_bias_rate=0.01", "model.moe_aux_loss_coef=0.01"]
 QB = ["model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_hidden=16", "model.moe_balance=quantile"]
+# Kimi K3's parts at this size (model=k3_tiny's switches): safe-gate full-rank-gate KDA, gated MLA with q-LoRA
+# (the last two blocks, as K3 ends), SiTU-GLU, a latent MoE with two shared experts and Quantile Balancing,
+# Block AttnRes of 2 decoder layers with key-norm weights, per-head Muon
+K3 = [*QB, "model.kda_gate_lower_bound=-5", "model.kda_full_rank_gate=true", "model.kda_gate_bias=false",
+      "model.mla_output_gate=true", "model.q_lora_rank=16", "model.layer_pattern=KKMM", "model.mlp_activation=situ",
+      "model.moe_shared_experts=2", "model.moe_latent_dim=16", "model.moe_latent_norm=true",
+      "model.attnres_block_size=4", "model.attnres_key_weight=true", "optim.muon_per_head=true"]
 # and diagnostics at the last step, which must not change what is trained
 DIAGNOSE = ["trainer.diag_every=null"]
 ASYNC_CHECKPOINTS = ["trainer.async_checkpoint=true", "trainer.checkpoint_every=1"]
@@ -94,6 +101,8 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
     "moe_qb_dp2": (2, 2, [*QB, "parallel.dp_shard=2"]),
     "moe_qb_cp2": (2, 1, [*QB, "parallel.cp=2"]),
     "moe_qb_ep2xdp2": (4, 4, [*QB, "parallel.dp_shard=4", "parallel.ep=2"]),
+    "k3_ep2xdp2": (4, 4, [*K3, "parallel.dp_shard=4", "parallel.ep=2"]),  # FSDP2 x expert parallelism
+    "k3_cp2": (2, 1, [*K3, "parallel.cp=2"]),
     # shards longer than one 64-token KDA chunk: two whole chunks, one and a half (documents crossing shard
     # edges), one and a quarter over 4 ranks (the validation split grown to hold 320-token windows)
     "cp2_t256": (2, 1, ["parallel.cp=2", "trainer.seq_len=256"]),
@@ -114,6 +123,7 @@ CASES = [(layout, optim) for layout in BOTH for optim in ("adamw", "muonclip")] 
     ("cp2xdp_replicate2", "adamw"), ("cp2xtp2_sp", "muonclip"), ("cp2xpp2", "adamw"), ("cp2_varlen", "muonclip"),
     ("dp_shard2_muon_per_head", "muonclip"), ("tp2_muon_per_head", "muonclip"),
     ("moe_cp2", "muonclip"), ("moe_qb_dp2", "muonclip"), ("moe_qb_cp2", "muonclip"), ("moe_qb_ep2xdp2", "adamw"),
+    ("k3_ep2xdp2", "muonclip"), ("k3_cp2", "muonclip"),
     ("cp2_t256", "adamw"), ("cp2_t192_varlen", "muonclip"), ("cp4_t320_rope", "muonclip")]
 
 
