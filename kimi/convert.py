@@ -16,7 +16,8 @@ checkpoints' layout, which `transformers.AutoModelForCausalLM.from_pretrained(HF
 KimiLinearForCausalLM and mlx-lm's kimi_linear reads (`--layout save_pretrained`: the tensor names
 transformers' save_pretrained writes, the dense first block's MLP under block_sparse_moe). A model whose
 settings transformers' class cannot express (Attention Residuals, rotated MLA keys, a bias on KDA's output
-gate) is refused with the setting named. transformers fixes the eps of MLA's latent norm at 1e-6: a model
+gate: every preset but kimi_linear_48b_a3b) is written with its own modeling code instead (below); the other
+layouts refuse it with the setting named. transformers fixes the eps of MLA's latent norm at 1e-6: a model
 trained with another `model.mla_norm_eps` (default: `model.norm_eps`, 1e-5) converts, and its logits there
 differ by that eps's effect (~4e-5 relative on a tiny model); train with `model.mla_norm_eps=1e-6` to match
 exactly. from-hf (and in Python `load_hf(HF_DIR)`, our model in eval mode) reads either layout, one tensor at
@@ -26,6 +27,13 @@ is a one-line error naming it. The name and layout mapping is kimi.interop.hf.
 --layout k3 writes Kimi K3's released layout (kimi.interop.k3: config.json with text_config, tensors under
 `language_model.`, the depth-mixing sites' queries and key-norm weights, A_log zero-padded), which mlx-lm's
 kimi_k3 reads; from-hf and load_hf read it (a config.json with text_config) as well as Kimi Linear's.
+
+With its own modeling code (kimi.interop.remote), HF_DIR holds config.json (`auto_map`), configuration_kimi.py,
+modeling_kimi.py and the kimi modules they import (our own model's code, its imports made relative), and our
+tensors as safetensors: `AutoModelForCausalLM.from_pretrained(HF_DIR, trust_remote_code=True)` runs our
+forward and our cached decoding (generate()). Either way to-hf writes the run's tokenizer for
+`AutoTokenizer.from_pretrained(HF_DIR)` (kimi.interop.tokenizer_files: tokenizer.json, tokenizer_config.json
+and the run's own file), and from-hf and load_hf read such a directory back, bit for bit.
 
 --mxfp4-experts (for a run trained with precision.qat=mxfp4_experts) writes every routed expert's weight as
 MXFP4 (kimi/precision/mxfp4.py): NAME.weight_packed and NAME.weight_scale (uint8) in place of NAME.weight,
@@ -43,6 +51,7 @@ import torch
 from kimi.config import ModelConfig
 from kimi.interop.hf import LAYOUTS, NotExpressible, file_map, in_layout, model_fields, release_config
 from kimi.interop.k3 import Constant, is_k3, k3_config, k3_file_map, k3_model_fields
+from kimi.interop.remote import is_remote, load_remote, save_remote
 from kimi.model import KimiModel
 
 INDEX = "model.safetensors.index.json"
@@ -143,6 +152,8 @@ def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> KimiMo
     with a one-line message."""
     directory = Path(directory)
     hf = read_hf_config(directory)
+    if is_remote(hf):
+        return load_remote(directory, hf, dtype)
     try:
         fields, mapping = _layout_of(hf)
         cfg = ModelConfig(**fields)
@@ -279,7 +290,8 @@ def from_hf(hf_dir: str | Path, run_dir: str | Path) -> list[str]:
     fields = dataclasses.asdict(model.cfg)
     extra, lines = {"source": str(hf_dir.resolve())}, []
     tokenizer = None
-    found = [hf_dir / name for name in ("tiktoken.model", "tokenizer.model") if (hf_dir / name).is_file()]
+    found = [hf_dir / name for name in ("tiktoken.model", "tokenizer.model", "tokenizer.json")
+             if (hf_dir / name).is_file()]
     if found:
         try:
             tokenizer = Tokenizer(found[0])
@@ -304,11 +316,25 @@ def from_hf(hf_dir: str | Path, run_dir: str | Path) -> list[str]:
 def _to_hf(run: str, out: str, shard_gb: float, layout: str, mxfp4_experts: bool = False) -> int:
     from kimi.generate import load_from_checkpoint
 
-    model, _, step = load_from_checkpoint(run)
-    save_hf(model, out, int(shard_gb * 2**30), layout, mxfp4_experts)
+    from kimi.interop.tokenizer_files import write_tokenizer
+
+    model, tokenizer, step = load_from_checkpoint(run)
+    try:
+        save_hf(model, out, int(shard_gb * 2**30), layout, mxfp4_experts)
+    except NotExpressible as e:
+        if layout != "release" or mxfp4_experts:  # those layouts are the native class's own
+            raise
+        special = {f"{k}_token_id": i for k, i in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id)) if i >= 0}
+        save_remote(model, out, int(shard_gb * 2**30), special)
+        print(f"[kimi] not for KimiLinearForCausalLM ({e}): written with its own modeling code instead, which "
+              "transformers runs with trust_remote_code=True")
+        layout = "remote code"
     what = ("; routed experts as MXFP4, which transformers does not read" if mxfp4_experts
-            else " in Kimi K3's layout" if layout == "k3" else " for KimiLinearForCausalLM")
-    print(f"[kimi] wrote {out} (step {step}): config.json and safetensors{what} ({layout} layout)")
+            else " in Kimi K3's layout" if layout == "k3" else "" if layout == "remote code"
+            else " for KimiLinearForCausalLM")
+    files = write_tokenizer(tokenizer, Path(out))
+    print(f"[kimi] wrote {out} (step {step}): config.json and safetensors{what} ({layout} layout), "
+          f"and the tokenizer ({', '.join(files)})")
     return 0
 
 

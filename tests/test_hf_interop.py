@@ -166,7 +166,8 @@ KIMI_LINEAR_LIKE = ["model.residual=standard", "model.kda_gate_bias=false", "mod
 def test_to_hf_command_writes_what_transformers_loads(torch_kda, tmp_path, data, capsys):
     """A trained run (KDA, MLA with unrotated shared dims, MoE) -> python -m kimi.convert to-hf ->
     AutoModelForCausalLM: the same logits as the run's model; a default run (Attention Residuals) is
-    refused, naming the setting, exit code 2."""
+    refused by save_pretrained's layout, naming the setting, exit code 2 (the default layout writes it with
+    its own modeling code: tests/test_export_remote.py)."""
     from helpers import train_run
     from transformers import AutoModelForCausalLM
 
@@ -184,7 +185,7 @@ def test_to_hf_command_writes_what_transformers_loads(torch_kda, tmp_path, data,
     default = tmp_path / "default"
     train_run(default, data, "trainer.max_steps=1")
     capsys.readouterr()
-    assert main(["to-hf", str(default), str(tmp_path / "refused")]) == 2
+    assert main(["to-hf", str(default), str(tmp_path / "refused"), "--layout", "save_pretrained"]) == 2
     assert "model.residual=attnres_block" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()
 

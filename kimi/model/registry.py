@@ -27,7 +27,8 @@ MLPS: Dict[str, str] = {
 @lru_cache(maxsize=None)
 def _load(ref: str) -> type:
     module, _, name = ref.partition(":")
-    return getattr(importlib.import_module(f"kimi.model.{module}"), name)
+    # relative: an export with its own modeling code (kimi.interop.remote_code) holds these files elsewhere
+    return getattr(importlib.import_module(f".{module}", __package__), name)
 
 
 def mixer_class(letter: str) -> type:

@@ -1,0 +1,225 @@
+"""Presets transformers' Kimi Linear cannot express (Attention Residuals, MoE variants) exported with their
+own modeling code (kimi.interop.remote): AutoModelForCausalLM(trust_remote_code=True) gives our logits and
+our greedy continuations through its cache, AutoTokenizer encodes like our tokenizer, and from-hf reads the
+directory back bit for bit."""
+
+import ast
+import dataclasses
+import json
+import sys
+
+import pytest
+import torch
+
+from helpers import MIXED_TEXT, ROOT, fill_randomly, make_corpus, tiny_model_cfg, write_kimi_tiktoken
+
+pytestmark = pytest.mark.unit
+
+TEXTS = [MIXED_TEXT, "The king loves the crown.\nA fool fears", "[EOS] </s> <s> written as text", "",
+         "  leading\twhitespace \n\n trailing   "]
+
+
+def preset(name: str, vocab: int):
+    """conf/model/<name>.yaml's ModelConfig, as train.py composes it, for a vocabulary of `vocab`."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from kimi.config import ModelConfig, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        model = compose("config", overrides=[f"model={name}"]).model
+    return ModelConfig(**{**OmegaConf.to_container(model, resolve=True), "vocab_size": vocab})
+
+
+def make_run(directory, cfg, tokenizer):
+    """A run dir holding random weights of `cfg` (every parameter and the MoE router biases drawn, so the
+    gates and routing act) as its weights-only checkpoint, and `tokenizer`; returns the model."""
+    from kimi import checkpoint
+    from kimi.model import KimiModel
+
+    torch.manual_seed(0)
+    model = fill_randomly(KimiModel(cfg), std=0.2).eval()
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
+    checkpoint.save_weights(directory / "init", model.state_dict(), {"model": dataclasses.asdict(cfg)}, {})
+    tokenizer.copy_to(directory / "tokenizer.model")
+    return model
+
+
+@pytest.fixture(scope="module")
+def spm(tmp_path_factory):
+    """A sentencepiece tokenizer as train.py trains one (384 pieces)."""
+    from kimi.data.tokenizer import train_tokenizer
+
+    corpus = make_corpus(tmp_path_factory.mktemp("corpus"), docs=4)
+    texts = [p.read_text() for p in sorted(corpus.glob("*.txt"))] + [MIXED_TEXT]
+    return train_tokenizer(texts, 384, tmp_path_factory.mktemp("spm") / "tokenizer.model")
+
+
+@pytest.fixture(scope="module", params=["tiny", "moe_tiny"])
+def exported(request, tmp_path_factory, spm):
+    """(our model, the run dir, its to-hf directory, what to-hf printed) for a preset."""
+    from kimi.convert import main
+
+    root = tmp_path_factory.mktemp(request.param)
+    ours = make_run(root / "run", preset(request.param, spm.vocab_size), spm)
+    with pytest.MonkeyPatch.context() as mp:
+        printed = []
+        mp.setattr("builtins.print", lambda *a, **k: printed.append(" ".join(map(str, a))))
+        assert main(["to-hf", str(root / "run"), str(root / "hf")]) == 0
+    return ours, root / "run", root / "hf", "\n".join(printed)
+
+
+def theirs(directory):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).eval()
+
+
+def test_logits_and_greedy_decoding_equal_ours(exported, spm):
+    from kimi.model.decode import generate
+
+    ours, _, hf_dir, printed = exported
+    assert "model.residual=attnres_block" in printed and "trust_remote_code" in printed
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_kimi.KimiForCausalLM"
+    model = theirs(hf_dir)
+    tokens = torch.randint(3, spm.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens).logits, ours(tokens), atol=1e-4, rtol=1e-4)
+    prompts = tokens[:, :6]
+    batch = model.generate(prompts, max_new_tokens=8, do_sample=False)[:, 6:].tolist()
+    for prompt, continued in zip(prompts, batch):
+        mine = generate(ours, prompt, 8, temperature=0, eos_id=spm.eos_id)
+        alone = model.generate(prompt[None], max_new_tokens=8, do_sample=False)[0, 6:].tolist()
+        assert alone[:len(mine)] == continued[:len(mine)] == mine
+        assert len(mine) == 8 or alone[len(mine)] == spm.eos_id  # ours stops before the EOS it samples
+
+
+def test_autotokenizer_encodes_like_ours(exported, spm):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(exported[2])
+    for text in TEXTS:
+        ids = spm.encode(text)
+        assert tokenizer(text).input_ids == ids, text
+        assert tokenizer.decode(ids) == text
+    assert (tokenizer.eos_token_id, tokenizer.bos_token_id) == (spm.eos_id, spm.bos_id)
+
+
+def test_from_hf_reads_the_export_back_bit_for_bit(exported, spm, tmp_path):
+    from kimi.convert import load_hf, main
+    from kimi.generate import load_from_checkpoint
+
+    ours, run, hf_dir, _ = exported
+    assert main(["from-hf", str(hf_dir), str(tmp_path / "back")]) == 0
+    back, tokenizer, _ = load_from_checkpoint(str(tmp_path / "back"))
+    for model in (back, load_hf(hf_dir)):
+        assert model.cfg == ours.cfg
+        state, mine = model.state_dict(), ours.state_dict()
+        assert state.keys() == mine.keys()
+        assert all(torch.equal(state[k], mine[k]) for k in mine), [k for k in mine if not torch.equal(state[k], mine[k])]
+    assert tokenizer.sha256 == spm.sha256
+
+
+def _imports(node):
+    """The import statements under `node`, but those inside a try (which transformers' loader, too, lets fail)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child
+        elif not isinstance(child, ast.Try):
+            yield from _imports(child)
+
+
+def test_the_exported_code_imports_torch_and_transformers_only(exported):
+    """No file imports kimi (relative imports only), omegaconf, hydra or triton: it runs where kimi is not
+    installed."""
+    libraries = {"torch", "transformers"} | set(sys.stdlib_module_names)
+    for path in sorted(exported[2].glob("*.py")):
+        for node in _imports(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            if not getattr(node, "level", 0):
+                assert {n.split(".")[0] for n in names} <= libraries, (path.name, ast.unparse(node))
+
+
+def test_triton_asked_for_falls_back_to_the_pytorch_path(exported):
+    """Where Triton would run (CUDA), the export, which carries no Triton kernels, runs PyTorch's path."""
+    ours, _, hf_dir, _ = exported
+    model = theirs(hf_dir)
+    dispatch = sys.modules[type(model).__module__.rpartition(".")[0] + ".ops_dispatch"]
+    tokens = torch.randint(3, ours.cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3))
+    with pytest.MonkeyPatch.context() as mp, pytest.warns(RuntimeWarning, match="falling back"):
+        mp.setattr(dispatch, "AUTO_TRITON_ON_CPU", True)
+        with torch.no_grad():
+            torch.testing.assert_close(model(tokens).logits, ours(tokens), atol=1e-4, rtol=1e-4)
+    dispatch.reset()
+
+
+def test_padding_is_refused(exported):
+    model = theirs(exported[2])
+    with pytest.raises(ValueError, match="without padding"):
+        model(torch.ones(2, 4, dtype=torch.long), attention_mask=torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))
+
+
+@pytest.mark.parametrize("kind", ["tiktoken", "tokenizer.json"])
+def test_other_tokenizer_kinds_load_in_autotokenizer(kind, spm, tmp_path):
+    """Kimi's tiktoken BPE (its special tokens after the ranks) and a tokenizer.json travel as well; the
+    run's own file (or tokenizer.json) in the export is the same tokenizer to from-hf."""
+    from transformers import AutoTokenizer
+
+    from kimi.data import Tokenizer
+    from kimi.interop.tokenizer_files import write_tokenizer
+
+    if kind == "tiktoken":
+        ours = Tokenizer(write_kimi_tiktoken(tmp_path / "tik"))
+    else:  # a tokenizer.json (with the config naming its EOS) as written for the sentencepiece one
+        (tmp_path / "json").mkdir()
+        write_tokenizer(spm, tmp_path / "json")
+        ours = Tokenizer(tmp_path / "json" / "tokenizer.json")
+    (tmp_path / "out").mkdir()
+    files = write_tokenizer(ours, tmp_path / "out")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    for text in TEXTS:
+        assert tokenizer(text).input_ids == ours.encode(text), text
+        assert tokenizer.decode(ours.encode(text)) == text
+    assert tokenizer.eos_token_id == ours.eos_id
+    copied = next(f for f in ("tiktoken.model", "tokenizer.model", "tokenizer.json") if f in files)  # from-hf's pick
+    assert Tokenizer(tmp_path / "out" / copied).sha256 == ours.sha256
+
+
+def test_a_kimi_linear_model_stays_native_with_its_tokenizer(spm, tmp_path, capsys):
+    """What transformers' own class expresses is written for it, as before, now with the tokenizer."""
+    from kimi.convert import main
+
+    cfg = tiny_model_cfg(vocab_size=spm.vocab_size, residual="standard", kda_gate_bias=False, mla_rotary=False)
+    make_run(tmp_path / "run", cfg, spm)
+    assert main(["to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "kimi_linear"
+    assert not (tmp_path / "hf" / "modeling_kimi.py").exists()
+    assert (tmp_path / "hf" / "tokenizer.json").is_file() and "KimiLinearForCausalLM" in capsys.readouterr().out
+
+
+def test_other_layouts_still_refuse_what_they_cannot_express(exported, tmp_path, capsys):
+    from kimi.convert import main
+
+    assert main(["to-hf", str(exported[1]), str(tmp_path / "hf"), "--layout", "save_pretrained"]) == 2
+    assert "model.residual=attnres_block" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_config_of_another_kimi_is_a_one_line_error(exported, tmp_path):
+    import shutil
+
+    from kimi.convert import load_hf
+
+    copy = tmp_path / "hf"
+    shutil.copytree(exported[2], copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["kimi_model"]["from_the_future"] = 1
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"unknown: \['from_the_future'\]") as e:
+        load_hf(copy)
+    assert "\n" not in str(e.value)
