@@ -32,6 +32,19 @@ ARMS = {
                         "tau2": {"optim.qk_clip_tau": 2.0}}, ("optim.qk_clip_tau",)),
     "ablate_muon_split": ({"whole": {"optim.muon_split_fused": False},
                            "split": {"optim.muon_split_fused": True}}, ("optim.muon_split_fused",)),
+    **{f"ablate_depth{n}": ({a: {"model.residual": a, "model.num_layers": n, "model.d_model": 64}
+                             for a in ("standard", "attnres_block")}, ("model.residual",)) for n in (8, 16)},
+    "ablate_k3_balance": ({a: {"model.moe_balance": a, "model.moe_groups": 1} for a in ("sign", "quantile")},
+                          ("model.moe_balance",)),
+    "ablate_k3_moe": ({"plain": {"model.moe_latent_dim": 0, "model.mlp_activation": "swiglu"},
+                       "latent_situ": {"model.moe_latent_dim": 64, "model.mlp_activation": "situ"}},
+                      ("model.moe_latent", "model.mlp_activation")),
+    "ablate_k3_mla_gate": ({"ungated": {"model.mla_output_gate": False}, "gated": {"model.mla_output_gate": True}},
+                           ("model.mla_output_gate",)),
+    "ablate_k3_kda_gate": ({"unbounded": {"model.kda_gate_lower_bound": None},
+                            "safe": {"model.kda_gate_lower_bound": -5.0}}, ("model.kda_gate_lower_bound",)),
+    "ablate_k3_muon_heads": ({"per_matrix": {"optim.muon_per_head": False}, "per_head": {"optim.muon_per_head": True}},
+                             ("optim.muon_per_head",)),
 }
 
 
@@ -58,7 +71,7 @@ def test_each_experiment_varies_one_factor():
                    for a in exp.arms}
         base = configs[exp.baseline]
         scale = (base["trainer.max_steps"], base["trainer.eval_every"], base["model.name"])
-        assert scale == (600, 50, "tiny"), name
+        assert scale == (600, 50, "moe_tiny" if name in ("ablate_k3_balance", "ablate_k3_moe") else "tiny"), name
         for arm, expect in arms.items():
             cfg = configs[arm]
             assert {k: cfg[k] for k in expect} == expect, (name, arm)

@@ -21,6 +21,14 @@ PAPERS = {
                         "with ~1.25x the compute", "attnres_block", ("win",)),
     "ablate_mixer": ("Kimi Linear (arXiv 2510.26692): the 3:1 KDA:MLA hybrid is at least as good as all-MLA "
                      "attention", "hybrid_3to1", ("win", "tie")),
+    **{f"ablate_depth{n}": ("Attention Residuals (arXiv 2603.15031): Block AttnRes matches the baseline trained "
+                            "with ~1.25x the compute, a gain the paper reports growing with depth", "attnres_block",
+                            ("win",)) for n in (8, 16)},
+    "ablate_k3_mla_gate": ("Gated attention (arXiv 2505.06708): a per-element sigmoid gate on the attention output "
+                           "lowers perplexity and training instability", "gated", ("win",)),
+    "ablate_k3_moe": ("Normalized LatentMoE (Kimi K3, as Megatron issue 6448 quotes it): the norm before the "
+                      "up-projection stabilises training and improves validation loss", "latent_situ",
+                      ("win", "tie")),
 }
 
 

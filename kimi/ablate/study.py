@@ -27,7 +27,9 @@ CONF_DIR = conf_dir()
 DEFAULT_ROOT = Path("runs/ablate")
 DEFAULT_OUT = ROOT / "bench" / "results" / "ablations"
 # `all` runs them in this order (the cheapest questions first would be another choice; this is the issue's)
-ORDER = ("ablate_optimizer", "ablate_mixer", "ablate_residual", "ablate_qk_clip", "ablate_muon_split")
+ORDER = ("ablate_optimizer", "ablate_mixer", "ablate_residual", "ablate_qk_clip", "ablate_muon_split",
+         "ablate_depth8", "ablate_depth16", "ablate_k3_balance", "ablate_k3_moe", "ablate_k3_mla_gate",
+         "ablate_k3_kda_gate", "ablate_k3_muon_heads")
 
 
 class AblateError(RuntimeError):
