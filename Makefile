@@ -146,8 +146,8 @@ dashboard-sample: $(VENV)/.installed
 	$(PY) train.py trainer.max_steps=200 trainer.eval_every=50 logging.wandb.mode=offline \
 	  logging.wandb.name=dashboard_sample logging.wandb.group=dashboard_sample hydra.run.dir=$(SAMPLE_DIR)
 	mkdir -p bench/results/dashboard
-	$(PY) -m kimi.dashboard $(SAMPLE_DIR) --out bench/results/dashboard/dashboard.png
-	$(PY) -m kimi.wandb_offline $(SAMPLE_DIR) --json bench/results/dashboard/wandb_offline.json \
+	$(PY) -m kimi.dashboard runs=$(SAMPLE_DIR) out=bench/results/dashboard/dashboard.png
+	$(PY) -m kimi.wandb_offline run=$(SAMPLE_DIR) json=bench/results/dashboard/wandb_offline.json \
 	  | tee bench/results/dashboard/wandb_offline.txt
 	cp $(SAMPLE_DIR)/diagnostics/attnres_step_00000200.png $(SAMPLE_DIR)/diagnostics/qk_heads_step_00000200.png \
 	  bench/results/dashboard/

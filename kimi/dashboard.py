@@ -1,6 +1,9 @@
 """One PNG of one or more runs, from their metrics.jsonl: the runs overlaid, one panel per quantity.
 
-    python -m kimi.dashboard RUN_DIR [RUN_DIR ...] [--out PNG] [--columns 3]
+    python -m kimi.dashboard runs=[RUN_DIR,...] [out=PNG] [columns=3]
+
+key=value arguments (kimi/keyvalue.py): runs, one run directory or a list; out, the PNG (default
+<first run>/dashboard.png); columns, panels per row. A bad argument is one line and exit code 2.
 
 Panels (each drawn only when some run logged its keys; kimi.metrics.read_metrics reads the records):
 
@@ -21,7 +24,6 @@ The same keys, grouped the same way, on wandb: docs/dashboards.md.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from dataclasses import dataclass, field
@@ -228,17 +230,20 @@ def draw(run_dirs: Sequence[Path], out: Path, columns: int = 3) -> Dashboard:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kimi.dashboard", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR",
-                        help="run directories (their metrics.jsonl)")
-    parser.add_argument("--out", type=Path, help="the PNG (default: <first RUN_DIR>/dashboard.png)")
-    parser.add_argument("--columns", type=int, default=3, help="panels per row")
-    args = parser.parse_args(argv)
-    out = args.out or args.runs[0] / "dashboard.png"
+    from kimi import keyvalue
+    from kimi.config import ConfigError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return 0
     try:
-        d = draw(args.runs, out, args.columns)
-    except (FileNotFoundError, ValueError) as e:
+        args = keyvalue.parse(argv, {"runs": keyvalue.paths, "out": Path, "columns": keyvalue.positive_int},
+                              "kimi.dashboard")
+        if "runs" not in args:
+            raise ConfigError("no runs: give the run directories, e.g. runs=[runs/a,runs/b]")
+        d = draw(args["runs"], args.get("out") or args["runs"][0] / "dashboard.png", args.get("columns", 3))
+    except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"[dashboard] wrote {d.path} ({d.size[0]}x{d.size[1]} px): {len(d.panels)} panels: "

@@ -2,7 +2,11 @@
 ``wandb sync``: the run's name, group and tags, and per key how many steps logged it, with the images and
 tables among them.
 
-    python -m kimi.wandb_offline RUN_DIR [--json OUT]
+    python -m kimi.wandb_offline run=RUN_DIR [json=OUT]
+
+key=value arguments (kimi/keyvalue.py): run, the run directory; json, a file to write the summary to as well.
+Besides the keys: the charts' x axis the run defines (tokens, kimi.metrics.tokens_axis) and its artifacts,
+the checkpoints among them (logging.wandb.log_checkpoints).
 
 The ``.wandb`` file is a LevelDB-style log (wandb 0.31 has no Python reader of its own; its Go core writes the
 file): a 7-byte header, then 32 KiB blocks of chunks, each [crc32 of type + data (4), length (2), type (1):
@@ -11,7 +15,6 @@ full 1, first 2, middle 3, last 4]; a record is one full chunk or a first, middl
 
 from __future__ import annotations
 
-import argparse
 import json
 import struct
 import sys
@@ -105,7 +108,27 @@ def contents(run_dir: Path) -> Dict[str, Any]:
                 "name": run.display_name, "project": run.project, "group": run.run_group,
                 "tags": list(run.tags)},
             "steps": len(steps), "first_step": min(steps, default=None), "last_step": max(steps, default=None),
-            "scalars": dict(sorted(scalars.items())), "media": media}
+            "scalars": dict(sorted(scalars.items())), "media": media, "x_axis": x_axis(records),
+            "artifacts": artifacts(records)}
+
+
+def x_axis(records: Sequence) -> Dict[str, str]:
+    """{metric name or glob: the metric it is plotted against} of the run's define_metric calls."""
+    return {m.name or m.glob_name: m.step_metric for m in (r.metric for r in records
+                                                            if r.WhichOneof("record_type") == "metric")
+            if m.step_metric}
+
+
+def artifacts(records: Sequence) -> List[Dict[str, Any]]:
+    """Each artifact the run logged: name, type, aliases, metadata and the files it holds."""
+    out = []
+    for r in records:
+        if r.WhichOneof("record_type") == "artifact":
+            a = r.artifact
+            out.append({"name": a.name, "type": a.type, "aliases": sorted(a.aliases),
+                        "metadata": json.loads(a.metadata or "{}"),
+                        "files": sorted(c.path for c in a.manifest.contents)})
+    return out
 
 
 def render(summary: Dict[str, Any]) -> List[str]:
@@ -128,23 +151,37 @@ def render(summary: Dict[str, Any]) -> List[str]:
         size = f", {m['nrows']} rows x {m['ncols']} columns" if m["type"] == "table-file" else ""
         files = "" if m["files_present"] else " (some files missing)"
         lines.append(f"  {m['type']} {key}: steps {' '.join(map(str, m['steps']))}{size}{files}")
+    if summary["x_axis"]:
+        lines.append("x axis: " + ", ".join(f"{k} against {v}" for k, v in summary["x_axis"].items()))
+    models = [a for a in summary["artifacts"] if a["type"] == "model"]
+    for a in models:
+        lines.append(f"  model artifact {a['name']} ({', '.join(a['aliases'])}): {len(a['files'])} files, "
+                     f"metadata {json.dumps(a['metadata'])}")
+    others = len(summary["artifacts"]) - len(models)
+    if others:
+        lines.append(f"  {others} other artifacts (the tables' own)")
     return lines
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kimi.wandb_offline", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run", type=Path, metavar="RUN_DIR")
-    parser.add_argument("--json", type=Path, help="also write the summary here as JSON")
-    args = parser.parse_args(argv)
+    from kimi import keyvalue
+    from kimi.config import ConfigError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return 0
     try:
-        summary = contents(args.run)
-    except (WandbFileError, OSError) as e:
+        args = keyvalue.parse(argv, {"run": Path, "json": Path}, "kimi.wandb_offline")
+        if "run" not in args:
+            raise ConfigError("no run: give the run directory, e.g. run=runs/exp1")
+        summary = contents(args["run"])
+    except (ConfigError, WandbFileError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print("\n".join(render(summary)))
-    if args.json:
-        args.json.write_text(json.dumps(summary, indent=1) + "\n")
+    if "json" in args:
+        args["json"].write_text(json.dumps(summary, indent=1) + "\n")
     return 0
 
 

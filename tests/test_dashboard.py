@@ -126,8 +126,8 @@ def test_command_line(tmp_path, real_run):
     out = tmp_path / "dash.png"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     diag = _diagnostic_run(tmp_path / "d")
-    proc = subprocess.run([sys.executable, "-m", "kimi.dashboard", str(diag), str(real_run), "--out",
-                           str(out)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "kimi.dashboard", f"runs=[{diag},{real_run}]", f"out={out}"],
+                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert f"wrote {out}" in proc.stdout and f"{len(ALL) + 1} panels" in proc.stdout
     assert out.stat().st_size > 50_000
@@ -135,18 +135,36 @@ def test_command_line(tmp_path, real_run):
 
 @pytest.mark.unit
 def test_a_directory_without_metrics_is_refused(tmp_path, capsys):
-    assert dashboard.main([str(tmp_path / "nothing")]) == 2
+    assert dashboard.main([f"runs={tmp_path / 'nothing'}"]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("argv, words", [
+    (["runs/a", "--out", "x.png"], "'runs/a': kimi.dashboard takes key=value arguments (runs, out, columns), "
+                                   "e.g. runs=runs/a"),
+    (["runs=[a,b]", "--out=x.png"], "--out=x.png: kimi.dashboard takes key=value arguments; write out=x.png"),
+    (["runs=a", "colums=2"], "colums: not an argument of kimi.dashboard; did you mean columns?"),
+    (["runs=a", "columns=0"], "columns=0 is invalid: must be an integer >= 1"),
+    (["out=x.png"], "no runs: give the run directories, e.g. runs=[runs/a,runs/b]"),
+])
+def test_arguments_are_key_value(argv, words, capsys):
+    """The old argparse style (a positional run dir, --out) and other mistakes: one line, exit code 2."""
+    assert dashboard.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {words}") and err.count("\n") == 1, err
 
 
 @pytest.mark.unit
 def test_wandb_offline_reader_refuses_what_is_not_an_offline_run(tmp_path, capsys):
     from kimi import wandb_offline
 
-    assert wandb_offline.main([str(tmp_path)]) == 2
+    assert wandb_offline.main([f"run={tmp_path}"]) == 2
     assert "logging.wandb.mode=offline" in capsys.readouterr().err
     bad = tmp_path / "wandb" / "offline-run-1" / "run-1.wandb"
     bad.parent.mkdir(parents=True)
     bad.write_bytes(b"not wandb")
-    assert wandb_offline.main([str(tmp_path)]) == 2
+    assert wandb_offline.main([f"run={tmp_path}"]) == 2
     assert "is not a wandb run file" in capsys.readouterr().err
+    assert wandb_offline.main([str(tmp_path)]) == 2  # the old positional style
+    assert "takes key=value arguments (run, json), e.g. run=" in capsys.readouterr().err

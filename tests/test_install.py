@@ -23,12 +23,14 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
 # what `pip install .` reads: the build configuration and what it packages
 SOURCES = ("pyproject.toml", "setup.py", "README.md", "kimi", "conf")
+CACHES = ("__pycache__", "*.egg-info")
 COMMANDS = ("kimi-train", "kimi-generate", "kimi-convert", "kimi-summary", "kimi-prepare")
 
 
 def _run(cmd, cwd: Path, env=None) -> str:
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    cmd = [str(c) for c in cmd]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
 
@@ -41,7 +43,7 @@ def venv(tmp_path_factory) -> Path:
     src.mkdir()
     for name in SOURCES:
         if (ROOT / name).is_dir():
-            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns(*CACHES))
         else:
             shutil.copy2(ROOT / name, src / name)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
@@ -50,7 +52,8 @@ def venv(tmp_path_factory) -> Path:
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp)
     python = venv / "bin" / "python"
-    site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp).strip())
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(_run([python, "-c", purelib], cwd=tmp).strip())
     (site / "kimi_test_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     _run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheel], cwd=tmp)
     return venv
@@ -69,8 +72,8 @@ def test_the_wheel_trains_from_any_directory(venv, outside, tmp_path):
     work = tmp_path / "elsewhere"
     work.mkdir()
     python = venv / "bin" / "python"
-    where = _run([python, "-c", "import kimi, kimi.conf_dir as c; print(kimi.__file__); print(c.search_path())"],
-                 cwd=work, env=outside).split()
+    found = "import kimi, kimi.conf_dir as c; print(kimi.__file__); print(c.search_path())"
+    where = _run([python, "-c", found], cwd=work, env=outside).split()
     assert Path(where[0]).is_relative_to(venv) and where[1] == "pkg://kimi.conf", where
     for command in COMMANDS:
         assert (venv / "bin" / command).is_file(), f"the wheel installs no {command} console script"
@@ -80,8 +83,8 @@ def test_the_wheel_trains_from_any_directory(venv, outside, tmp_path):
     data = ["data=files", f"data.data_files=[{files}]", "data.tokenizer.vocab_size=384",
             f"data.cache_dir={tmp_path / 'cache'}", "trainer.micro_batch_size=4", "trainer.seq_len=64",
             "trainer.eval_batches=1"]
-    quick = ["trainer.eval_every=0", "trainer.sample_tokens=0", "logging.wandb.mode=disabled", "logging.plot=false",
-             "trainer.peak_flops=1e11", "trainer.threads=1", "hydra.run.dir=run"]
+    quick = ["trainer.eval_every=0", "trainer.sample_tokens=0", "logging.wandb.mode=disabled",
+             "logging.plot=false", "trainer.peak_flops=1e11", "trainer.threads=1", "hydra.run.dir=run"]
     out = _run([venv / "bin" / "kimi-train", "model=tiny", "trainer.max_steps=2", *data, *quick], cwd=work,
                env=outside)
     assert "[kimi] model tiny:" in out and "step 2/2" in out, out

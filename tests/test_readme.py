@@ -87,8 +87,8 @@ SKIPPED = {
     "--out bench/results/ablations/rope16 -- model.qk_rope_head_dim=16":
         "6 runs of 600 steps (20 minutes); tests/test_ablate.py runs the runner end to end at 2 steps with "
         "--root, --out and overrides, and a study limited to some arms",
-    ".venv/bin/python -m kimi.dashboard runs/ablate/ablate_residual/standard_seed1 "
-    "runs/ablate/ablate_residual/attnres_block_seed1 --out dashboard.png":
+    ".venv/bin/python -m kimi.dashboard 'runs=[runs/ablate/ablate_residual/standard_seed1,"
+    "runs/ablate/ablate_residual/attnres_block_seed1]' out=dashboard.png":
         "needs the study's runs; tests/test_dashboard.py draws a trained run and one with every diagnostic key "
         "with the same command",
     ".venv/bin/python -m kimi.convert to-hf 'outputs/<date>/<time>' hf_out":

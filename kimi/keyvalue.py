@@ -1,0 +1,55 @@
+"""key=value command-line arguments for the tools whose arguments are not a training config (kimi.dashboard,
+kimi.wandb_offline): the style of every kimi command, whose others take Hydra overrides (training,
+kimi.summary, kimi.data.prepare) or key=value of their own (kimi.generate). A list is written as Hydra
+writes one, `runs=[a,b]`; a value is split from its key at the first '='."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Sequence
+
+from kimi.config import ConfigError
+
+
+def parse(argv: Sequence[str], keys: Dict[str, Callable[[str], Any]], command: str) -> Dict[str, Any]:
+    """{key: parsed value} of `argv`; keys maps each key to the function that parses its value. Anything
+    else (a bare word, a --flag, an unknown key, a value its function refuses) is one ConfigError line."""
+    out: Dict[str, Any] = {}
+    known = ", ".join(keys)
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        flag = key.lstrip("-").replace("-", "_")
+        if key.startswith("-") and flag in keys:
+            raise ConfigError(f"{arg}: {command} takes key=value arguments; write {flag}={value or '...'}")
+        if not eq:
+            first = next(iter(keys))
+            raise ConfigError(f"{arg!r}: {command} takes key=value arguments ({known}), e.g. {first}={arg}")
+        if key not in keys:
+            close = difflib.get_close_matches(key, keys, n=1)
+            guess = f"did you mean {close[0]}? " if close else ""
+            raise ConfigError(f"{key}: not an argument of {command}; {guess}its keys: {known}")
+        try:
+            out[key] = keys[key](value)
+        except ValueError as e:
+            raise ConfigError(f"{arg} is invalid: {e}") from None
+    return out
+
+
+def paths(text: str) -> List[Path]:
+    """`[a,b]` (Hydra's list) or one path."""
+    inner = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    found = [Path(p.strip()) for p in inner.split(",") if p.strip()]
+    if not found:
+        raise ValueError("give at least one path, e.g. [runs/a,runs/b]")
+    return found
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError("must be an integer >= 1")
+    return value
