@@ -6,4 +6,4 @@ from setuptools import find_namespace_packages, setup
 
 setup(packages=[*find_namespace_packages(include=["kimi", "kimi.*"]), "kimi.conf"],
       package_dir={"kimi.conf": "conf"},
-      package_data={"kimi.conf": ["**/*.yaml"]})
+      package_data={"kimi.conf": ["**/*.yaml"], "kimi.eval.tasks": ["*.yaml", "*.jsonl"]})

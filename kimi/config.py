@@ -267,6 +267,9 @@ class TrainerConfig:
     # (eval_every) and the last; 0: never.
     diag_every: Optional[int] = None
     eval_batches: int = 8
+    # lm-eval tasks also scored at each evaluation, logged as eval/<task>/<metric> (docs/eval.md; the eval extra)
+    eval_tasks: List[str] = field(default_factory=list)
+    eval_tasks_limit: int = 100  # examples of each task scored at an evaluation; 0: all
     log_every: int = 10
     checkpoint_every: int = 200  # 0: only the final checkpoint
     keep_checkpoints: int = 2  # complete checkpoints kept on disk (oldest removed first)

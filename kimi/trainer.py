@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from kimi import checkpoint, rundir
+from kimi import checkpoint, eval_tasks, rundir
 from kimi.checkpoint.saver import Saver
 from kimi.config import Config, config_dict, resolve_vocab, to_config
 from kimi.data import prepare
@@ -215,8 +215,7 @@ class Trainer:
                 self.metrics.close()
             self.close()
         if cfg.logging.plot and self.metrics.history:
-            png = self.metrics.plot(self.run_dir / "loss_curve.png")
-            if png:
+            if png := self.metrics.plot(self.run_dir / "loss_curve.png"):
                 self.log(f"[kimi] loss curve: {png}")
         if result["finished"] and t.sample_tokens > 0 and (self.dims.pp > 1 or cfg.parallel.sequence_parallel):
             # a pipeline would need its own decoding schedule; one token cannot be split over tp ranks
@@ -293,7 +292,8 @@ class Trainer:
         self._last_val = val = self.evaluate()
         ppl = math.exp(min(val, 50.0))
         self.log(f"[kimi] step {self.step}: validation loss {val:.4f}, perplexity {ppl:.2f}{self.val_batches.note()}")
-        record = {**record, "val_loss": val, "val_ppl": ppl, **self.val_batches.by_source}
+        record = {**record, "val_loss": val, "val_ppl": ppl, **self.val_batches.by_source,
+                  **eval_tasks.scores(self)}
         if log:
             self.metrics.log(record)
         return record

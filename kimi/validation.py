@@ -16,6 +16,7 @@ from kimi.config import (Config, LoggingConfig, TrainerConfig, check, check_choi
                          check_expert_parallel, check_finite, check_pipeline, check_positive,
                          check_sequence_parallel, check_vocab, require)
 from kimi.data.rules import validate_data
+from kimi.eval_tasks import check_names
 from kimi.model.rules import check_kernels, check_tensor_parallel, validate_model
 from kimi.optim.rules import validate_optim
 from kimi.parallel.rules import check_engine, check_fault_tolerance, check_layout, validate_parallel
@@ -77,6 +78,8 @@ def validate_trainer(t: TrainerConfig) -> None:
               f"must be [first, last] training steps with 1 <= first <= last <= trainer.max_steps ({t.max_steps}), "
               "e.g. [5,6]; null: no profile")
     check(t.profile.top >= 1, "trainer.profile.top", t.profile.top, "must be >= 1 rows")
+    check(t.eval_tasks_limit >= 0, "trainer.eval_tasks_limit", t.eval_tasks_limit, "must be >= 0 (0: every example)")
+    check_names(t.eval_tasks)
 
 
 def validate_logging(lg: LoggingConfig) -> None:

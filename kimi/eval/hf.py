@@ -1,0 +1,77 @@
+"""The cross-check: a run's transformers export (`python -m kimi.convert to-hf`) scored by lm-eval's own `hf`
+model, with the run's tokenizer as a transformers tokenizer that encodes exactly as ours does."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+from kimi.config import ConfigError
+
+
+def hf_tokenizer(tokenizer):
+    """A PreTrainedTokenizerFast encoding as `tokenizer` (a kimi Tokenizer) does: a sentencepiece model
+    rebuilt from its own settings (normaliser, whitespace, byte fallback, merges ranked by score), or the
+    tokenizer.json itself. EOS is its EOS; no BOS, so lm-eval's hf model starts empty contexts from EOS as
+    KimiLM does."""
+    from transformers import PreTrainedTokenizerFast
+
+    if tokenizer.kind == "sentencepiece":
+        from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
+
+        proto = import_protobuf().ModelProto()
+        proto.ParseFromString(tokenizer.path.read_bytes())
+        vocab = {piece.piece: i for i, piece in enumerate(proto.pieces)}
+        backend = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=False)
+        eos = proto.pieces[tokenizer.eos_id].piece
+        return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos)
+    if tokenizer.kind == "tokenizer.json":
+        from tokenizers import Tokenizer as Backend
+
+        backend = Backend.from_file(str(tokenizer.path))
+        backend.post_processor = None  # ours encodes without the post-processor's additions
+        eos = backend.id_to_token(tokenizer.eos_id)
+        return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos)
+    raise ConfigError(f"hf= needs a sentencepiece or tokenizer.json tokenizer; this run's is "
+                      f"{tokenizer.kind} ({tokenizer.path}): score the export with lm_eval --model hf and "
+                      "its own tokenizer")
+
+
+@contextlib.contextmanager
+def torch_kda():
+    """transformers' Kimi Linear runs KDA with fla-core's GPU kernels whenever fla is importable: on CPU, its
+    PyTorch functions (what each wraps) while the block runs."""
+    try:
+        from transformers.models.kimi_linear import modeling_kimi_linear as module
+    except ImportError:
+        yield
+        return
+    names = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")
+    saved = {name: getattr(module, name) for name in names}
+    try:
+        for name, fn in saved.items():
+            setattr(module, name, getattr(fn, "__wrapped__", fn))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+
+
+def hf_lm(hf_dir: str, tokenizer, batch_size: int, max_length: int, device: str):
+    """lm-eval's HFLM on an exported directory (fp32). Its generation stops at the tokenizer's EOS, as ours
+    does, when the export's generation config names none. A directory whose config.json maps its own
+    modeling code (auto_map: a trust_remote_code export) is loaded with that code."""
+    from lm_eval.models.huggingface import HFLM
+
+    config = Path(hf_dir) / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"hf={hf_dir} has no config.json: give the directory kimi.convert to-hf "
+                                "wrote")
+    remote = "auto_map" in json.loads(config.read_text())
+    tok = hf_tokenizer(tokenizer)
+    lm = HFLM(pretrained=hf_dir, tokenizer=tok, batch_size=batch_size, max_length=max_length, device=device,
+              dtype="float32", trust_remote_code=remote)
+    if lm.model.generation_config.eos_token_id is None:
+        lm.model.generation_config.eos_token_id = tokenizer.eos_id
+    return lm

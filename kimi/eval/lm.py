@@ -1,0 +1,134 @@
+"""Our model as an lm-eval language model: log-likelihoods of continuations, rolling log-likelihoods of whole
+texts, and greedy generation, on a KimiModel in eval mode (kimi.eval's command line, trainer.eval_tasks).
+
+It follows lm-eval's own `hf` model wherever a choice changes a score, so that a checkpoint and its
+transformers export score alike (tests/test_eval.py): contexts and continuations are split as TemplateLM
+splits them (context + continuation encoded whole, trailing spaces of the context moved to the
+continuation), an input longer than max_length + 1 tokens loses its first tokens, an empty context and the
+first window of a rolling text start from the prefix token (EOS: the token a training document follows),
+and a generation's context keeps its last max_length - max_gen_toks tokens and is cut at its first stop
+string. Requests are scored longest first, in batches right-padded to their longest (the model is causal,
+so padding after a position changes nothing before it); generation runs one request at a time through the
+decoding cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from torch.distributed.tensor import DTensor
+
+from kimi.model.decode import sample_next
+
+
+def _whole(logits: torch.Tensor) -> torch.Tensor:
+    # tensor parallelism shards logits over the vocabulary: every rank scores with all of them
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits
+
+
+class KimiLM(TemplateLM):
+    """lm-eval's LM on `model` (a KimiModel, or the trainer's parallelised one) and its kimi Tokenizer."""
+
+    def __init__(self, model, tokenizer, batch_size: int = 16, max_length: int = 2048, seed: int = 0):
+        super().__init__()
+        self.model, self.kimi_tokenizer = model, tokenizer
+        self.batch_size, self.max_length, self.seed = batch_size, max_length, seed
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.kimi_tokenizer.eos_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self.kimi_tokenizer.eos_id
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return self.kimi_tokenizer.encode(string)  # our tokenizers add no special tokens
+
+    def tok_decode(self, tokens: list[int]) -> str:
+        return self.kimi_tokenizer.decode(tokens)
+
+    @torch.no_grad()
+    def token_logprobs(self, inputs: list[list[int]]) -> list[torch.Tensor]:
+        """Each token list's log-probabilities of every next token, [len, vocab] in fp32, batched."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(inputs)
+        order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start:start + self.batch_size]
+            width = len(inputs[chunk[0]])
+            ids = torch.zeros(len(chunk), width, dtype=torch.long)
+            for row, i in enumerate(chunk):
+                ids[row, :len(inputs[i])] = torch.tensor(inputs[i])
+            logits = _whole(self.model(ids.to(self.device)))
+            logprobs = F.log_softmax(logits.float(), dim=-1).cpu()
+            for row, i in enumerate(chunk):
+                out[i] = logprobs[row, :len(inputs[i])]
+        return out
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False,
+                              **kwargs) -> list[tuple[float, bool]]:
+        inputs, conts = [], []
+        for _, context, continuation in requests:
+            inputs.append((context + continuation)[-(self.max_length + 1):][:-1])
+            conts.append(continuation)
+        results = []
+        for logprobs, cont in zip(self.token_logprobs(inputs), conts):
+            scored = logprobs[-len(cont):]
+            target = torch.tensor(cont)
+            results.append((float(scored.gather(1, target[:, None]).sum()),
+                            bool((scored.argmax(-1) == target).all())))
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows, owner = [], []
+        for n, (text,) in enumerate(req.args for req in requests):
+            tokens = self.tok_encode(text)
+            for context, cont in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
+                    context_len=1)):
+                windows.append((None, context, cont))
+                owner.append(n)
+        totals = [0.0] * len(requests)
+        for n, (logprob, _) in zip(owner, self._loglikelihood_tokens(windows)):
+            totals[n] += logprob
+        return totals
+
+    @torch.no_grad()
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        eos_text = self.tok_decode([self.eot_token_id])
+        generator = torch.Generator(device=self.device).manual_seed(self.seed)
+        out = []
+        for context, gen_kwargs in (req.args for req in requests):
+            kwargs = normalize_gen_kwargs(dict(gen_kwargs), 256)
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)
+            budget = kwargs.pop("max_gen_toks")
+            temperature = kwargs.get("temperature", 0.0) if kwargs.get("do_sample") else 0.0
+            if budget >= self.max_length:
+                raise ValueError(f"max_gen_toks={budget} leaves no room for a context in max_length="
+                                 f"{self.max_length}: raise max_length")
+            ids = self.tok_encode(context)[-(self.max_length - budget):] or [self.prefix_token_id]
+            new = self._continue(ids, budget, until, temperature, generator)
+            out.append(postprocess_generated_text(self.tok_decode(new), until, None))
+        return out
+
+    def _continue(self, ids: list[int], budget: int, until: list[str], temperature: float, generator):
+        """Up to `budget` tokens after `ids`, ending early at EOS or once a stop string appears."""
+        cache = self.model.new_cache()
+        logits = _whole(self.model(torch.tensor([ids], device=self.device), cache=cache))
+        new: list[int] = []
+        while len(new) < budget:
+            token = sample_next(logits[0, -1].float(), temperature, 0, generator)
+            if token == self.eot_token_id:
+                break
+            new.append(token)
+            if any(stop and stop in self.tok_decode(new) for stop in until):
+                break
+            logits = _whole(self.model(torch.tensor([[token]], device=self.device), cache=cache))
+        return new
