@@ -17,7 +17,7 @@ from kimi.config import (Config, LoggingConfig, TrainerConfig, check, check_choi
                          check_sequence_parallel, check_vocab, require)
 from kimi.data.rules import validate_data
 from kimi.eval_tasks import check_names
-from kimi.model.rules import check_kernels, check_tensor_parallel, validate_model
+from kimi.model.rules import check_kernels, check_mtp, check_tensor_parallel, validate_model
 from kimi.optim.rules import validate_optim
 from kimi.parallel.rules import check_engine, check_fault_tolerance, check_layout, validate_parallel
 from kimi.precision.rules import validate_precision
@@ -45,6 +45,7 @@ def validate(cfg: Config, world: Optional[int] = None) -> None:
     check_pipeline(cfg)
     check_vocab(cfg)
     check_kernels(cfg)
+    check_mtp(cfg)
     # across model and trainer: a short convolution wider than the sequence sees only its zero padding past
     # it, and made steps about 20x slower
     require(cfg.model.conv_size <= cfg.trainer.seq_len,

@@ -103,6 +103,7 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
     "moe_qb_ep2xdp2": (4, 4, [*QB, "parallel.dp_shard=4", "parallel.ep=2"]),
     "k3_ep2xdp2": (4, 4, [*K3, "parallel.dp_shard=4", "parallel.ep=2"]),  # FSDP2 x expert parallelism
     "k3_cp2": (2, 1, [*K3, "parallel.cp=2"]),
+    "mtp_dp_shard2": (2, 2, ["parallel.dp_shard=2", "model.mtp_layers=1"]),  # multi-token prediction
     # shards longer than one 64-token KDA chunk: two whole chunks, one and a half (documents crossing shard
     # edges), one and a quarter over 4 ranks (the validation split grown to hold 320-token windows)
     "cp2_t256": (2, 1, ["parallel.cp=2", "trainer.seq_len=256"]),
@@ -123,7 +124,7 @@ CASES = [(layout, optim) for layout in BOTH for optim in ("adamw", "muonclip")] 
     ("cp2xdp_replicate2", "adamw"), ("cp2xtp2_sp", "muonclip"), ("cp2xpp2", "adamw"), ("cp2_varlen", "muonclip"),
     ("dp_shard2_muon_per_head", "muonclip"), ("tp2_muon_per_head", "muonclip"),
     ("moe_cp2", "muonclip"), ("moe_qb_dp2", "muonclip"), ("moe_qb_cp2", "muonclip"), ("moe_qb_ep2xdp2", "adamw"),
-    ("k3_ep2xdp2", "muonclip"), ("k3_cp2", "muonclip"),
+    ("k3_ep2xdp2", "muonclip"), ("k3_cp2", "muonclip"), ("mtp_dp_shard2", "muonclip"),
     ("cp2_t256", "adamw"), ("cp2_t192_varlen", "muonclip"), ("cp4_t320_rope", "muonclip")]
 
 

@@ -20,6 +20,8 @@ def validate_model(m: ModelConfig) -> None:
     check(m.conv_size >= 1, "model.conv_size", m.conv_size, "must be >= 1 (4 in Kimi Linear)")
     check(m.moe_latent_dim >= 0, "model.moe_latent_dim", m.moe_latent_dim,
           "must be >= 0 (0: routed experts at d_model; Kimi K3: half of it)")
+    check(m.mtp_layers >= 0, "model.mtp_layers", m.mtp_layers, "must be >= 0 (0: no multi-token prediction; K3: 1)")
+    check(m.mtp_loss_weight >= 0, "model.mtp_loss_weight", m.mtp_loss_weight, "must be >= 0 (DeepSeek-V3: 0.3)")
     check(m.kda_gate_lower_bound is None or m.kda_gate_lower_bound < 0, "model.kda_gate_lower_bound",
           m.kda_gate_lower_bound, "must be negative (Kimi K3: -5), or null for Kimi Linear's unbounded gate")
     check(m.loss_chunk >= -1, "model.loss_chunk", m.loss_chunk,
@@ -119,3 +121,16 @@ def check_kernels(cfg: Config) -> None:
         require(m.kda_head_dim <= limit,
                 f"model.kda_head_dim={m.kda_head_dim} is invalid with {on[m.kda_backend]}: the Triton KDA "
                 f"kernels take head dims up to {limit}; lower model.kda_head_dim or set model.kda_backend=torch")
+
+
+def check_mtp(cfg: Config) -> None:
+    """Multi-token prediction runs on one process and under FSDP/HSDP data parallelism; what it does not
+    support yet is named (each would need the shifted labels or its block handled across ranks)."""
+    if not cfg.model.mtp_layers:
+        return
+    p = cfg.parallel
+    unsupported = [f"parallel.{k}={getattr(p, k)}" for k in ("tp", "pp", "cp", "ep") if getattr(p, k) > 1]
+    unsupported += [f"parallel.engine={p.engine}"] if p.engine != "torch" else []
+    require(not unsupported, f"model.mtp_layers={cfg.model.mtp_layers} does not run with {', '.join(unsupported)} "
+            "yet: train multi-token prediction with data parallelism (parallel.dp_shard / dp_replicate) alone, "
+            "or set model.mtp_layers=0")

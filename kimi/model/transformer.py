@@ -19,6 +19,7 @@ from .attnres import make_stream, resume_stream
 from .cache import InferenceCache
 from .init import Rules, constant, normal, param_seed, prefixed
 from .layouts import QKClipSpec
+from .mtp import MTPLayer, mtp_loss
 from .norm import RMSNorm
 from .registry import mixer_classes, mlp_class, mlp_kinds
 from .sublayer import Sublayer
@@ -135,6 +136,8 @@ class KimiModel(Runners, ParamViews, nn.Module):
         self.final_query = nn.Parameter(torch.zeros(cfg.d_model)) if cfg.residual != "standard" else None
         keyed = cfg.residual != "standard" and cfg.attnres_key_weight
         self.final_key_weight = nn.Parameter(torch.ones(cfg.d_model)) if keyed else None
+        self.mtp = nn.ModuleList([MTPLayer(cfg.d_model, cfg.norm_eps, mtp_block(cfg))
+                                  for _ in range(cfg.mtp_layers)]) if cfg.mtp_layers else None
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, cfg.loss_chunk)
         if cfg.tie_embeddings:
@@ -152,6 +155,7 @@ class KimiModel(Runners, ParamViews, nn.Module):
         part.blocks = nn.ModuleDict({str(i): self.blocks[str(i)] for i in blocks})
         part.final_query = self.final_query if last else None
         part.final_key_weight = self.final_key_weight if last else None
+        part.mtp = self.mtp if last else None
         part.norm = self.norm if last else None
         part.lm_head = self.lm_head if last else None
         return part
@@ -169,7 +173,7 @@ class KimiModel(Runners, ParamViews, nn.Module):
         union.blocks = nn.ModuleDict({k: b for p in parts for k, b in p.blocks.items()})
         if last is not None:
             union.final_query, union.norm, union.lm_head = last.final_query, last.norm, last.lm_head
-            union.final_key_weight = last.final_key_weight
+            union.final_key_weight, union.mtp = last.final_key_weight, last.mtp
         return union
 
     def init_rules(self) -> Rules:
@@ -203,6 +207,12 @@ class KimiModel(Runners, ParamViews, nn.Module):
                           if getattr(block, n) is not None})
             rules.update({f"blocks.{i}.{n}": constant(1.0) for n in ("mixer_key_weight", "mlp_key_weight")
                           if getattr(block, n) is not None})
+        for k, layer in enumerate(self.mtp or ()):
+            rules.update(prefixed(f"mtp.{k}.block.mixer", layer.block.mixer.init_rules(std, out_std)))
+            rules.update(prefixed(f"mtp.{k}.block.mlp", layer.block.mlp.init_rules(std, out_std)))
+            rules.update({f"mtp.{k}.{n}.weight": constant(1.0)
+                          for n in ("embed_norm", "hidden_norm", "norm", "block.mixer_norm", "block.mlp_norm")})
+            rules[f"mtp.{k}.proj.weight"] = normal(std)
         return rules
 
     def init_parameter(self, name: str, tensor: torch.Tensor, rules: Rules | None = None) -> None:
@@ -234,8 +244,9 @@ class KimiModel(Runners, ParamViews, nn.Module):
 
     def sublayers(self) -> list[tuple[str, Sublayer]]:
         """(qualified name, module) of every token mixer and MLP, in depth order."""
-        return [(f"blocks.{i}.{kind}", getattr(b, kind)) for i, b in self.blocks.items()
-                for kind in ("mixer", "mlp")]
+        blocks = [(f"blocks.{i}", b) for i, b in self.blocks.items()]
+        blocks += [(f"mtp.{k}.block", layer.block) for k, layer in enumerate(self.mtp or ())]
+        return [(f"{name}.{kind}", getattr(b, kind)) for name, b in blocks for kind in ("mixer", "mlp")]
 
     def qk_clip_modules(self) -> list[Sublayer]:
         """The sublayers with softmax logits to record for QK-Clip (MLA's)."""
@@ -318,7 +329,12 @@ class KimiModel(Runners, ParamViews, nn.Module):
             return self.lm_head(hidden)
         if self.lm_head.vocab_parallel:  # its logits leave the module sharded: the loss is taken outside it
             return lm_loss(self.lm_head(hidden), labels)
-        return self.lm_head(hidden, labels)
+        loss = self.lm_head(hidden, labels)
+        if self.mtp is not None and self.training:  # multi-token prediction trains; it never evaluates
+            trunk = stream.mix(site_query(self.param("final_query"), self.param("final_key_weight")))
+            loss = loss + c.mtp_loss_weight * mtp_loss(self.mtp, self.embed, self.lm_head, trunk, labels,
+                                                       cu_seqlens=cu_seqlens, rows=rows)
+        return loss
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Parameters counted once (a tied LM head is the embedding). exclude_embedding drops the token
@@ -338,6 +354,15 @@ class KimiModel(Runners, ParamViews, nn.Module):
         return float(sum(blocks) + end)
 
 
+def mtp_block(cfg: ModelConfig) -> Block:
+    """A multi-token-prediction depth's block (kimi/model/mtp.py): the last trunk block's token mixer and a
+    dense MLP, joined by a plain residual."""
+    import dataclasses
+
+    return Block(dataclasses.replace(cfg, residual="standard"), block_classes(cfg)[-1][0], mlp_class("dense"),
+                 first=True)
+
+
 def block_classes(cfg: ModelConfig) -> list[tuple[type, type]]:
     """(token mixer class, MLP class) of each block, from the registry (kimi/model/registry.py)."""
     return [(mixer, mlp_class(kind)) for mixer, kind in zip(mixer_classes(cfg), mlp_kinds(cfg))]
@@ -353,6 +378,8 @@ def training_flops(cfg: ModelConfig, seq_len: int) -> tuple[list[float], float]:
       The LM head always counts (even tied); the embedding lookup does not (it is a gather). Norm weights,
       biases, A_log etc. are counted too, a negligible overcount. Parameters a token does not use (the
       routed experts it is not sent to: a sublayer's inactive_params) do not count.
+    * Multi-token prediction's depths (model.mtp_layers) count with the end: their blocks the same way, and
+      each its own pass through the LM head.
     * What the parameters do not show, each sublayer declares (kimi/model/sublayer.py): softmax attention's
       scores over the sequence, KDA's chunkwise state (docs/algorithms.md section 1).
     Not counted: the AttnRes depth mixing (O(sources * d) per sublayer), short convs, gates' elementwise
@@ -366,8 +393,14 @@ def training_flops(cfg: ModelConfig, seq_len: int) -> tuple[list[float], float]:
             subs = (block.mixer, block.mlp)
             blocks.append(6.0 * (params - sum(m.inactive_params() for m in subs))
                           + sum(m.flops_per_token(seq_len) for m in subs))
-    end = cfg.d_model * (cfg.vocab_size + 1 + (cfg.residual != "standard"))  # LM head, final norm and query
-    return blocks, 6.0 * end
+    end = 6.0 * cfg.d_model * (cfg.vocab_size + 1 + (cfg.residual != "standard"))  # LM head, final norm, query
+    if cfg.mtp_layers:  # each depth: its block, projection and norms, and one more pass through the LM head
+        with torch.device("meta"):
+            layer = MTPLayer(cfg.d_model, cfg.norm_eps, mtp_block(cfg))
+        subs = (layer.block.mixer, layer.block.mlp)
+        depth = 6.0 * (sum(p.numel() for p in layer.parameters()) + cfg.d_model * cfg.vocab_size)
+        end += cfg.mtp_layers * (depth + sum(m.flops_per_token(seq_len) for m in subs))
+    return blocks, end
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
