@@ -152,13 +152,19 @@ def _records(path: Path) -> Iterator[Dict[str, Any]]:
             yield r
 
 
+def tokens_per_step(t, data_parallel: int) -> int:
+    """Training tokens one optimizer step takes (trainer section `t`, over `data_parallel` ranks)."""
+    return t.micro_batch_size * t.seq_len * t.grad_accum_steps * data_parallel
+
+
 class MetricsLogger:
     """Appends one JSON object per logged step to ``metrics.jsonl`` (see :func:`read_metrics`) and mirrors
-    it to wandb."""
+    it to wandb, each wandb row with the tokens trained so far (the charts' x axis, see start_wandb) and, with
+    logging.wandb.log_checkpoints, each checkpoint the saver completes as a model artifact."""
 
     def __init__(self, run_dir: Path, cfg: LoggingConfig, config_dict: Dict[str, Any], resume_step: int = 0,
-                 enabled: bool = True, run_id: str = ""):
-        self.enabled = enabled
+                 enabled: bool = True, run_id: str = "", tokens_per_step: int = 0, saver=None):
+        self.enabled, self.tokens_per_step = enabled, tokens_per_step
         self.path = Path(run_dir) / cfg.metrics_file
         self.history: List[Dict[str, Any]] = []
         self._wandb = None
@@ -174,6 +180,8 @@ class MetricsLogger:
         self.history = read_metrics(self.path)
         if mode != "disabled":
             self._wandb = start_wandb(cfg.wandb, Path(run_dir), config_dict, wandb_id, rewound)
+            if cfg.wandb.log_checkpoints and saver is not None:
+                saver.on_saved.append(self.log_checkpoint)
 
     def log(self, record: Dict[str, Any], images: Optional[Dict[str, Path]] = None,
             tables: Optional[Dict[str, Tuple[List[str], List[list]]]] = None) -> None:
@@ -189,7 +197,22 @@ class MetricsLogger:
 
             media = {k: wandb.Image(str(path)) for k, path in (images or {}).items()}
             media.update({k: wandb.Table(columns=cols, data=rows) for k, (cols, rows) in (tables or {}).items()})
-            self._wandb.log({**{k: v for k, v in record.items() if k != "step"}, **media}, step=record["step"])
+            # every row has the x axis, also an evaluation's or the diagnostics' off the progress lines' steps
+            tokens = {"tokens": record["step"] * self.tokens_per_step} if self.tokens_per_step else {}
+            self._wandb.log({**tokens, **{k: v for k, v in record.items() if k != "step"}, **media},
+                            step=record["step"])
+
+    def log_checkpoint(self, path: Path, step: int) -> None:
+        """A complete checkpoint directory as the next version of the run's model artifact, aliased
+        step_<N> and latest."""
+        if self._wandb is None:
+            return
+        import wandb
+
+        artifact = wandb.Artifact(f"checkpoint-{self._wandb.id}", type="model",
+                                  metadata={"step": step, "tokens": step * self.tokens_per_step})
+        artifact.add_dir(str(path))
+        self._wandb.log_artifact(artifact, aliases=[f"step_{step}", "latest"])
 
     def _append(self, record: Dict[str, Any]) -> None:
         with self.path.open("a") as f:
@@ -304,9 +327,9 @@ def start_wandb(cfg: WandbConfig, run_dir: Path, config: Dict[str, Any], wandb_i
 
     mode = wandb_mode(cfg)
     if mode != "online":
-        return init(mode)
+        return tokens_axis(init(mode))
     try:
-        return init("online", init_timeout=WANDB_ONLINE_TIMEOUT_S)
+        return tokens_axis(init("online", init_timeout=WANDB_ONLINE_TIMEOUT_S))
     except wandb.errors.UsageError as e:
         raise ConfigError(f"logging.wandb.mode=online, but wandb cannot start: {_first_line(e)}. Set WANDB_API_KEY "
                           "(or run `wandb login`), or use logging.wandb.mode=offline and `wandb sync` later") from None
@@ -314,7 +337,16 @@ def start_wandb(cfg: WandbConfig, run_dir: Path, config: Dict[str, Any], wandb_i
         print(f"[kimi] warning: wandb's server did not answer within {WANDB_ONLINE_TIMEOUT_S:.0f} s "
               f"({_first_line(e)}): logging offline to {run_dir / 'wandb'} instead; upload it with `wandb sync` once "
               "the network is back", flush=True)
-        return init("offline")
+        return tokens_axis(init("offline"))
+
+
+def tokens_axis(run):
+    """Make the tokens trained so far (every row's `tokens`, MetricsLogger.log) the default x axis of every
+    chart: runs of different batch sizes line up where they have seen the same data. Step stays a choice in
+    each panel's x-axis setting."""
+    run.define_metric("tokens")
+    run.define_metric("*", step_metric="tokens")
+    return run
 
 
 def _first_line(e: BaseException) -> str:
@@ -397,7 +429,7 @@ def banner(cfg, dims, num_params, flops_per_token: float, data, device, routing:
     kimi.runlog.write_routing)."""
     m, t = cfg.model, cfg.trainer
     n, n_emb = num_params[0], num_params[0] - num_params[1]
-    tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps * dims.dp
+    tokens = tokens_per_step(t, dims.dp)
     ranks = f" x {dims.dp} data-parallel ranks" if dims.enabled else ""
     moe = (f", MLPs from block {m.moe_first_dense} on: {m.moe_num_experts} experts, top-{m.moe_top_k} + "
            f"{m.moe_shared_experts} shared" if m.moe_num_experts else "")

@@ -30,7 +30,7 @@ from kimi.data import prepare
 from kimi.data.streams import rank_streams
 from kimi.diagnostics import Diagnostics
 from kimi.divergence import check_finite
-from kimi.metrics import MetricsLogger, PeakFlops, ProgressWindow, banner, qk_clip_record
+from kimi.metrics import MetricsLogger, PeakFlops, ProgressWindow, banner, qk_clip_record, tokens_per_step
 from kimi.model import KimiModel
 from kimi.model.decode import sample_text
 from kimi.parallel import (ParallelDims, build_engine, checkpoint_group, fault_tolerance, init_distributed,
@@ -237,7 +237,8 @@ class Trainer:
             save_config(self.run_dir, config_dict(cfg), self.step)
             self.engine.write_run_files(self.run_dir)
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, config_dict(cfg), resume_step=self.step,
-                                     enabled=self.is_main, run_id=self.run_id)
+                                     enabled=self.is_main, run_id=self.run_id, saver=self.saver,
+                                     tokens_per_step=tokens_per_step(cfg.trainer, self.dims.dp))
 
     def _loop(self) -> Dict[str, Any]:
         t = self.cfg.trainer
@@ -245,11 +246,10 @@ class Trainer:
         self.log(peak.describe() + "\n" + ProgressWindow.header(t.log_every))
         if note := self.diagnostics.note():
             self.log(note)
-        tokens_per_step = t.micro_batch_size * t.seq_len * t.grad_accum_steps * self.dims.dp
         if self.step == 0 and t.eval_every:  # the starting point of the validation curve
             self._validate_and_report({"step": 0})
-        window = ProgressWindow(peak, tokens_per_step, self.flops_per_token, self.step, t.max_steps,
-                                self.device)
+        window = ProgressWindow(peak, self.metrics.tokens_per_step, self.flops_per_token, self.step,
+                                t.max_steps, self.device)
         last_saved = None
         while self.step < t.max_steps:
             diagnose = self.diagnostics.due(self.step + 1)

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # what `pip install .` reads: the build configuration and what it packages
 SOURCES = ("pyproject.toml", "setup.py", "README.md", "kimi", "conf")
 CACHES = ("__pycache__", "*.egg-info")
-COMMANDS = ("kimi-train", "kimi-generate", "kimi-convert", "kimi-summary", "kimi-prepare")
+COMMANDS = ("kimi-train", "kimi-generate", "kimi-convert", "kimi-summary", "kimi-prepare", "kimi-eval")
 
 
 def _run(cmd, cwd: Path, env=None) -> str:

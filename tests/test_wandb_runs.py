@@ -1,7 +1,9 @@
 """Which wandb run a training run logs to, and in which mode: the run's own id (a resumed run continues its wandb
 run, an overwritten one starts another), a resume from an older checkpoint than the steps already logged gets a
 run of its own (wandb drops steps that go backwards), and wandb's environment variables fill in what the config
-leaves null while an explicit override wins over them."""
+leaves null while an explicit override wins over them. What an offline run holds, read back from its .wandb file
+(kimi.wandb_offline): tokens as every chart's x axis, and with logging.wandb.log_checkpoints each checkpoint as a
+model artifact."""
 
 import json
 
@@ -10,6 +12,7 @@ from helpers import train_run
 
 from kimi.config import ConfigError, WandbConfig
 from kimi.metrics import wandb_mode, wandb_run_id
+from kimi.wandb_offline import contents, history, read_records, run_file
 
 pytestmark = pytest.mark.e2e
 
@@ -65,3 +68,45 @@ def test_a_resume_behind_the_logged_steps_gets_a_run_of_its_own(tmp_path):
     assert wandb_run_id("abc", 10, metrics) == ("abc-r1", None)
     assert wandb_run_id("abc", 6, metrics) == ("abc-r2", "abc-r1")
     assert wandb_run_id("other", 0, metrics) == ("other", None)  # a new run id: nothing carried over
+
+
+@pytest.fixture
+def wandb_dirs(tmp_path, monkeypatch):
+    """wandb's staging and cache directories (where an offline artifact's files are copied) in tmp_path."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb_data"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb_cache"))
+    return tmp_path / "wandb_data"
+
+
+@pytest.mark.parametrize("background", [False, True])  # trainer.async_checkpoint: logged once complete
+def test_tokens_are_the_x_axis_and_checkpoints_artifacts_when_asked(tmp_path, data, wandb_dirs, background):
+    run = tmp_path / "run"
+    # evaluations at steps 0 to 3, progress lines at 2 and 3: the rows of steps 0 and 1 have no progress
+    # record, which holds `tokens` in metrics.jsonl; their wandb rows get it all the same
+    trainer = train_run(run, data, "logging.wandb.mode=offline", "logging.wandb.log_checkpoints=true",
+                        "trainer.max_steps=3", "trainer.checkpoint_every=2", "trainer.log_every=2",
+                        "trainer.eval_every=1", f"trainer.async_checkpoint={str(background).lower()}")
+    per_step = trainer.metrics.tokens_per_step
+    assert per_step == 4 * 32  # TINY_TRAINER's micro-batch x seq_len, one rank
+    summary = contents(run)
+    assert summary["x_axis"] == {"*": "tokens"}
+    rows = history(read_records(run_file(run)))
+    assert sorted(rows) == [0, 1, 2, 3] and all(rows[s]["tokens"] == s * per_step for s in rows)
+    models = [a for a in summary["artifacts"] if a["type"] == "model"]
+    # checkpoint_every=2 and the last step: steps 2 and 3, each a version of the run's one model artifact
+    assert [a["metadata"] for a in models] == [{"step": s, "tokens": s * per_step} for s in (2, 3)]
+    assert {a["name"] for a in models} == {f"checkpoint-{trainer.run_id}"}
+    assert [a["aliases"] for a in models] == [["latest", "step_2"], ["latest", "step_3"]]
+    for a, step in zip(models, (2, 3)):
+        saved = run / "checkpoints" / f"step_{step:08d}"
+        assert a["files"] == sorted(str(p.relative_to(saved)) for p in saved.rglob("*") if p.is_file())
+        assert "COMPLETE" in a["files"]
+    # offline, a copy of the files waits in wandb's staging directory for `wandb sync` (so a checkpoint that
+    # trainer.keep_checkpoints rotates away before the sync is still uploaded)
+    shard = next(saved.glob("*.distcp")).read_bytes()
+    assert any(p.is_file() and p.read_bytes() == shard for p in wandb_dirs.rglob("*"))
+
+    plain = tmp_path / "plain"  # the default: no artifacts
+    train_run(plain, data, "logging.wandb.mode=offline", "trainer.max_steps=1")
+    assert not [a for a in contents(plain)["artifacts"] if a["type"] == "model"]

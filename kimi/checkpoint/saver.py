@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from kimi import checkpoint
 
@@ -17,6 +17,9 @@ class Saver:
         """group: the background writer's process group (kimi.parallel.checkpoint_group)."""
         self.root, self.keep, self.background, self.group, self.log = root, keep, background, group, log
         self.saving: Optional[BackgroundSave] = None  # the save being written in the background, if any
+        # called with (directory, step) of each save once it is complete (marked and rotated), on this rank:
+        # wandb's checkpoint artifacts (kimi.metrics.MetricsLogger, logging.wandb.log_checkpoints)
+        self.on_saved: List[Callable[[Path, int], None]] = []
 
     def save(self, step: int, engine, loader, config: Dict[str, Any], extra: Dict[str, Any], run_id: str,
              wait: bool = True) -> Path:
@@ -29,7 +32,7 @@ class Saver:
         if not self.background:
             path = checkpoint.save(*args, keep=self.keep, run_id=run_id)
             self.log(f"[kimi] saved checkpoint {path} ({time.time() - t0:.1f}s)")
-            return path
+            return self._saved(path, step)
         self.saving = checkpoint.save_in_background(*args, keep=self.keep, run_id=run_id, group=self.group)
         self.log(f"[kimi] writing checkpoint {self.saving.path} in the background (staged in "
                  f"{self.saving.staged_s:.2f}s)")
@@ -46,6 +49,11 @@ class Saver:
         saving, self.saving = self.saving, None
         path = saving.finish()
         self.log(f"[kimi] saved checkpoint {path} (written in {saving.write_s:.1f}s in the background)")
+        return self._saved(path, saving.step)
+
+    def _saved(self, path: Path, step: int) -> Path:
+        for call in self.on_saved:
+            call(path, step)
         return path
 
     def abandon(self) -> None:
