@@ -21,8 +21,6 @@ from kimi.interop.k3 import k3_config
 from kimi.interop.hf import NotExpressible
 from kimi.model import KimiModel
 
-pytestmark = pytest.mark.unit
-
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 96
 TOKENS = torch.randint(0, VOCAB, (2, 21), generator=torch.Generator().manual_seed(0))
@@ -66,6 +64,7 @@ def mlx_logits(model, tokens: torch.Tensor) -> np.ndarray:
     return np.array(model(mx.array(tokens.numpy())).astype(mx.float32))
 
 
+@pytest.mark.unit
 def test_to_hf_in_k3_layout_reads_in_mlx_lm_and_back(tmp_path, mlx_lm):
     ours = random_k3()
     with torch.no_grad():
@@ -84,6 +83,7 @@ def test_to_hf_in_k3_layout_reads_in_mlx_lm_and_back(tmp_path, mlx_lm):
         assert torch.equal(tensor, mine[name]), name
 
 
+@pytest.mark.unit
 def test_a_model_without_key_weights_exports_as_weights_of_one(tmp_path, mlx_lm):
     """Block AttnRes without key weights (our default) writes K3's norms as ones: the same function; from-hf
     reads it as a model with key weights of 1."""
@@ -98,6 +98,7 @@ def test_a_model_without_key_weights_exports_as_weights_of_one(tmp_path, mlx_lm)
         torch.testing.assert_close(back(TOKENS), logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.unit
 def test_from_hf_reads_what_mlx_lm_writes(tmp_path, mlx_lm):
     """mlx-lm's own K3 model, its weights drawn by mlx and saved under the release's names (its sanitize run
     backwards: fused q/k/v and convs split, the kv_b_proj rebuilt), reads into ours with equal logits."""
@@ -156,6 +157,7 @@ def _sparse(key: str) -> bool:
     return not key.startswith("language_model.model.layers.0.")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("override,named", [
     (dict(mlp_activation="swiglu"), "mlp_activation=swiglu"),
     (dict(attnres_block_size=3), "attnres_block_size=3"),
@@ -166,6 +168,7 @@ def test_k3_layout_refuses_what_it_cannot_hold(override, named):
         k3_config(k3_tiny(**override))
 
 
+@pytest.mark.unit
 def test_mxfp4_experts_in_k3_layout(tmp_path):
     """--mxfp4-experts in K3's layout: each routed expert's w1/w2/w3 as the release packs them (uint8
     weight_packed [out, in/2], weight_scale [out, in/32]), read back dequantised."""
@@ -185,3 +188,24 @@ def test_mxfp4_experts_in_k3_layout(tmp_path):
     for name, tensor in ours.state_dict().items():
         want = fake_quantize(tensor) if ".experts.w_" in name else tensor
         assert torch.equal(back[name], want), name
+
+
+@pytest.mark.e2e
+def test_to_hf_command_writes_a_trained_run_in_k3_layout(tmp_path, data, capsys):
+    """`python -m kimi.convert to-hf RUN OUT --layout k3` on a run trained with K3's parts (at the test
+    trainer's size), then from-hf's reader: the checkpoint's weights bit for bit."""
+    from helpers import train_run
+
+    from kimi.convert import main
+    from kimi.generate import load_from_checkpoint
+
+    run, out = tmp_path / "run", tmp_path / "k3_out"
+    train_run(run, data, "trainer.max_steps=2", "model.mlp_activation=situ", "model.kda_gate_bias=false",
+              "model.kda_gate_lower_bound=-5", "model.kda_full_rank_gate=true", "model.mla_output_gate=true",
+              "model.attnres_key_weight=true")
+    assert main(["to-hf", str(run), str(out), "--layout", "k3"]) == 0
+    assert "in Kimi K3's layout" in capsys.readouterr().out
+    trained, _, _ = load_from_checkpoint(str(run))
+    back = load_hf(out).state_dict()
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(back[name], tensor.float()), name
