@@ -143,6 +143,10 @@ class ModelConfig:
     # A learnable weight on each depth mix's key norm (Kimi K3's AttnRes): logits w . (gamma * RMSNorm(v)).
     # The same functions as gamma * w folded into the query, but the product trains differently; off: none.
     attnres_key_weight: bool = False
+    # Multi-token prediction (DeepSeek-V3; Kimi K3 pretrains with 1): this many extra depths, depth k predicting
+    # token t+k+1 (kimi/model/mtp.py), their mean loss added with this weight (DeepSeek-V3's 0.3) in training
+    mtp_layers: int = 0
+    mtp_loss_weight: float = 0.3
     norm_eps: float = 1e-5
     init_std: float = 0.02
     # The training loss from the final hidden states, this many tokens at a time (kimi/ops/linear_ce.py), so
