@@ -5,6 +5,7 @@ directory back bit for bit."""
 
 import ast
 import dataclasses
+import functools
 import json
 import sys
 
@@ -73,10 +74,16 @@ def exported(request, tmp_path_factory, spm):
     return ours, root / "run", root / "hf", "\n".join(printed)
 
 
-def theirs(directory):
+def load(directory):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).eval()
+
+
+@functools.lru_cache(maxsize=None)
+def theirs(directory):
+    """load(directory), once per directory: the tests that only run it share it."""
+    return load(directory)
 
 
 def test_logits_and_greedy_decoding_equal_ours(exported, spm):
@@ -97,6 +104,46 @@ def test_logits_and_greedy_decoding_equal_ours(exported, spm):
         alone = model.generate(prompt[None], max_new_tokens=8, do_sample=False)[0, 6:].tolist()
         assert alone[:len(mine)] == continued[:len(mine)] == mine
         assert len(mine) == 8 or alone[len(mine)] == spm.eos_id  # ours stops before the EOS it samples
+    assert model.generation_config.eos_token_id == spm.eos_id  # config.json's, the run's tokenizer's
+    stop = generate(ours, prompts[0], 4, temperature=0)[3]  # both stop at its first occurrence, theirs keeping it
+    mine = generate(ours, prompts[0], 8, temperature=0, eos_id=stop)
+    assert model.generate(prompts[:1], max_new_tokens=8, do_sample=False, eos_token_id=stop)[0, 6:].tolist() \
+        == mine + [stop]
+
+
+def test_buffers_and_missing_tensors_start_as_ours_would(exported, tmp_path):
+    """from_pretrained fills our tensors from the file; the MoE layers' running statistics (not stored)
+    start at zero, and a parameter the file lacks starts by our own init rule (a norm weight: ones)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    ours, _, hf_dir, _ = exported
+    model = load(hf_dir)
+    stored = ours.state_dict()
+    for name, b in model.model.named_buffers():
+        assert torch.equal(b, stored[name]) if name in stored else not b.any(), name
+    shutil.copytree(hf_dir, tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    del tensors["model.blocks.1.mlp_norm.weight"]
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    assert torch.equal(load(tmp_path / "hf").model.blocks["1"].mlp_norm.weight, torch.ones(ours.cfg.d_model))
+
+
+def test_sharded_weights_load_both_ways(spm, tmp_path):
+    from kimi.convert import load_hf
+    from kimi.interop.remote import save_remote
+    from kimi.model import KimiModel
+
+    torch.manual_seed(0)
+    ours = fill_randomly(KimiModel(preset("moe_tiny", spm.vocab_size)), std=0.2).eval()
+    files = save_remote(ours, tmp_path / "hf", shard_bytes=2**20)
+    assert sum(f.endswith(".safetensors") for f in files) > 2 and (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    tokens = torch.randint(3, spm.vocab_size, (1, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(load(tmp_path / "hf")(tokens).logits, ours(tokens), atol=1e-4, rtol=1e-4)
+    back = load_hf(tmp_path / "hf").state_dict()
+    assert all(torch.equal(back[k], t) for k, t in ours.state_dict().items())
 
 
 def test_autotokenizer_encodes_like_ours(exported, spm):
