@@ -43,6 +43,8 @@ CASES = {  # name: (optim, overrides)
     "zero2_qkclip_muonclip": ("muonclip", zero(2, *TAU)),
     "zero3_qkclip_adamw": ("adamw", zero(3, *TAU)),
     "zero3_moe_muonclip": ("muonclip", zero(3, *MOE)),
+    # per-head Muon (Kimi K3): each head's block of q/k/v orthogonalised once, on the rank owning it
+    **{f"zero{s}_per_head_muonclip": ("muonclip", zero(s, "optim.muon_per_head=true")) for s in (2, 3)},
     # ZeRO-Offload: optimizer state and fp32 masters in CPU memory, stepped by DeepSpeed's offload path
     "zero2_offload_muonclip": ("muonclip", zero(2, "parallel.deepspeed.offload_optimizer=true")),
     "zero3_offload_adamw": ("adamw", zero(3, "parallel.deepspeed.offload_optimizer=true")),
