@@ -51,10 +51,8 @@ import torch
 from kimi.config import ModelConfig
 from kimi.interop.hf import LAYOUTS, NotExpressible, file_map, in_layout, model_fields, release_config
 from kimi.interop.k3 import Constant, is_k3, k3_config, k3_file_map, k3_model_fields
-from kimi.interop.remote import is_remote, load_remote, save_remote
+from kimi.interop.remote import INDEX, is_remote, load_remote, save_remote, write_shards
 from kimi.model import KimiModel
-
-INDEX = "model.safetensors.index.json"
 
 
 class _LazyTensors:
@@ -236,8 +234,6 @@ def save_hf(model: KimiModel, directory: str | Path, shard_bytes: int = 5 * 2**3
     transformers loads as KimiLinearForCausalLM (and vLLM, mlx-lm read); layout="save_pretrained": the
     tensor names transformers' save_pretrained writes instead (kimi.interop.hf.LAYOUTS). mxfp4_experts: the
     routed experts' weights as MXFP4 (module docstring)."""
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     cfg = model.cfg
     config = dict(k3_config(cfg) if layout == "k3" else release_config(cfg),  # refuses before writing
@@ -248,24 +244,7 @@ def save_hf(model: KimiModel, directory: str | Path, shard_bytes: int = 5 * 2**3
         config["mxfp4_experts"] = {"block_size": 32, "elements": "E2M1, two per uint8, even element in the "
                                    "low nibble", "scale": "E8M0 (uint8, 2^(s-127)) per block of the last dim"}
     directory.mkdir(parents=True, exist_ok=True)
-    shards, current, size = [], {}, 0
-    for name, tensor in _tensors(model, layout, mxfp4_experts):
-        if current and size + tensor.numel() * tensor.element_size() > shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = tensor
-        size += tensor.numel() * tensor.element_size()
-    shards.append(current)
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        file = ("model.safetensors" if len(shards) == 1
-                else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
-        save_file(shard, str(directory / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (directory / INDEX).write_text(json.dumps(index, indent=2))
+    write_shards(_tensors(model, layout, mxfp4_experts), directory, shard_bytes)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return directory
 
