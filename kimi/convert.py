@@ -1,6 +1,7 @@
 """Checkpoints to and from Hugging Face `transformers`' Kimi Linear (`KimiLinearForCausalLM`), and Kimi K3's layout.
 
-    python -m kimi.convert to-hf RUN_DIR HF_DIR [--shard-gb 5] [--layout release|save_pretrained] [--mxfp4-experts]
+    python -m kimi.convert to-hf RUN_DIR HF_DIR [--shard-gb 5] [--layout release|save_pretrained|k3]
+                                 [--mxfp4-experts | --remote-code]
     python -m kimi.convert from-hf HF_DIR RUN_DIR
 
 from-hf makes a new run directory from a transformers Kimi Linear directory: RUN_DIR/init (a weights-only
@@ -28,12 +29,14 @@ is a one-line error naming it. The name and layout mapping is kimi.interop.hf.
 `language_model.`, the depth-mixing sites' queries and key-norm weights, A_log zero-padded), which mlx-lm's
 kimi_k3 reads; from-hf and load_hf read it (a config.json with text_config) as well as Kimi Linear's.
 
-With its own modeling code (kimi.interop.remote), HF_DIR holds config.json (`auto_map`), configuration_kimi.py,
-modeling_kimi.py and the kimi modules they import (our own model's code, its imports made relative), and our
-tensors as safetensors: `AutoModelForCausalLM.from_pretrained(HF_DIR, trust_remote_code=True)` runs our
-forward and our cached decoding (generate()). Either way to-hf writes the run's tokenizer for
-`AutoTokenizer.from_pretrained(HF_DIR)` (kimi.interop.tokenizer_files: tokenizer.json, tokenizer_config.json
-and the run's own file), and from-hf and load_hf read such a directory back, bit for bit.
+With its own modeling code (kimi.interop.remote), HF_DIR holds config.json (`auto_map`),
+configuration_kimi.py, modeling_kimi.py and the kimi modules they import (our own model's code, its imports
+made relative), and our tensors as safetensors: `AutoModelForCausalLM.from_pretrained(HF_DIR,
+trust_remote_code=True)` runs our forward and our cached decoding (generate()); --remote-code writes any model
+so (our forward exactly, where transformers' class differs by its MLA latent norm eps). Either way to-hf
+writes the run's tokenizer for `AutoTokenizer.from_pretrained(HF_DIR)` (kimi.interop.tokenizer_files:
+tokenizer.json, tokenizer_config.json and the run's own file), and from-hf and load_hf read such a directory
+back, bit for bit.
 
 --mxfp4-experts (for a run trained with precision.qat=mxfp4_experts) writes every routed expert's weight as
 MXFP4 (kimi/precision/mxfp4.py): NAME.weight_packed and NAME.weight_scale (uint8) in place of NAME.weight,
@@ -292,21 +295,28 @@ def from_hf(hf_dir: str | Path, run_dir: str | Path) -> list[str]:
     return lines
 
 
-def _to_hf(run: str, out: str, shard_gb: float, layout: str, mxfp4_experts: bool = False) -> int:
+def _to_hf(run: str, out: str, shard_gb: float, layout: str, mxfp4_experts: bool = False,
+           remote_code: bool = False) -> int:
     from kimi.generate import load_from_checkpoint
 
     from kimi.interop.tokenizer_files import write_tokenizer
 
+    if remote_code and (layout != "release" or mxfp4_experts):
+        raise ValueError("--remote-code writes our own tensors and modeling code: drop --layout / --mxfp4-experts")
     model, tokenizer, step = load_from_checkpoint(run)
-    try:
-        save_hf(model, out, int(shard_gb * 2**30), layout, mxfp4_experts)
-    except NotExpressible as e:
-        if layout != "release" or mxfp4_experts:  # those layouts are the native class's own
-            raise
+    why = "--remote-code" if remote_code else None
+    if why is None:
+        try:
+            save_hf(model, out, int(shard_gb * 2**30), layout, mxfp4_experts)
+        except NotExpressible as e:
+            if layout != "release" or mxfp4_experts:  # those layouts are the native class's own
+                raise
+            why = f"not for KimiLinearForCausalLM ({e})"
+    if why is not None:
         special = {f"{k}_token_id": i for k, i in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id)) if i >= 0}
         save_remote(model, out, int(shard_gb * 2**30), special)
-        print(f"[kimi] not for KimiLinearForCausalLM ({e}): written with its own modeling code instead, which "
-              "transformers runs with trust_remote_code=True")
+        print(f"[kimi] {why}: written with its own modeling code, which transformers runs with "
+              "trust_remote_code=True")
         layout = "remote code"
     what = ("; routed experts as MXFP4, which transformers does not read" if mxfp4_experts
             else " in Kimi K3's layout" if layout == "k3" else "" if layout == "remote code"
@@ -335,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
                             "block_sparse_moe), or Kimi K3's (kimi_k3: text_config, language_model.)")
     to_hf.add_argument("--mxfp4-experts", action="store_true",
                        help="routed experts' weights as MXFP4 (a run trained with precision.qat=mxfp4_experts)")
+    to_hf.add_argument("--remote-code", action="store_true",
+                       help="our own modeling code (trust_remote_code) even where transformers' Kimi Linear "
+                            "expresses the model: our forward exactly (its MLA latent norm eps is fixed)")
     from_hf_cmd = sub.add_parser("from-hf", help="a transformers directory -> a new run dir that trains from it")
     from_hf_cmd.add_argument("hf_dir")
     from_hf_cmd.add_argument("run_dir")
@@ -343,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "from-hf":
             print("\n".join(from_hf(args.hf_dir, args.run_dir)))
             return 0
-        return _to_hf(args.run, args.out, args.shard_gb, args.layout, args.mxfp4_experts)
+        return _to_hf(args.run, args.out, args.shard_gb, args.layout, args.mxfp4_experts, args.remote_code)
     except (NotExpressible, FileNotFoundError, ValueError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

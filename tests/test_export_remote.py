@@ -105,6 +105,10 @@ def test_logits_and_greedy_decoding_equal_ours(exported, spm):
         assert alone[:len(mine)] == continued[:len(mine)] == mine
         assert len(mine) == 8 or alone[len(mine)] == spm.eos_id  # ours stops before the EOS it samples
     assert model.generation_config.eos_token_id == spm.eos_id  # config.json's, the run's tokenizer's
+    # a cache handed back continues where it stopped, its prompt cut by the tokens it has seen
+    half = model.generate(prompts[:1], max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    more = model.generate(half.sequences, cache=half.cache, max_new_tokens=4, do_sample=False)
+    assert more[0, 6:].tolist() == batch[0] == generate(ours, prompts[0], 8, temperature=0)
     stop = generate(ours, prompts[0], 4, temperature=0)[3]  # both stop at its first occurrence, theirs keeping it
     mine = generate(ours, prompts[0], 8, temperature=0, eos_id=stop)
     assert model.generate(prompts[:1], max_new_tokens=8, do_sample=False, eos_token_id=stop)[0, 6:].tolist() \
@@ -138,7 +142,8 @@ def test_sharded_weights_load_both_ways(spm, tmp_path):
     torch.manual_seed(0)
     ours = fill_randomly(KimiModel(preset("moe_tiny", spm.vocab_size)), std=0.2).eval()
     files = save_remote(ours, tmp_path / "hf", shard_bytes=2**20)
-    assert sum(f.endswith(".safetensors") for f in files) > 2 and (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    assert sum(f.endswith(".safetensors") for f in files) > 2
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     tokens = torch.randint(3, spm.vocab_size, (1, 16), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(load(tmp_path / "hf")(tokens).logits, ours(tokens), atol=1e-4, rtol=1e-4)
@@ -169,7 +174,7 @@ def test_from_hf_reads_the_export_back_bit_for_bit(exported, spm, tmp_path):
         assert model.cfg == ours.cfg
         state, mine = model.state_dict(), ours.state_dict()
         assert state.keys() == mine.keys()
-        assert all(torch.equal(state[k], mine[k]) for k in mine), [k for k in mine if not torch.equal(state[k], mine[k])]
+        assert [k for k in mine if not torch.equal(state[k], mine[k])] == []
     assert tokenizer.sha256 == spm.sha256
 
 
@@ -244,15 +249,23 @@ def test_other_tokenizer_kinds_load_in_autotokenizer(kind, spm, tmp_path):
 
 
 def test_a_kimi_linear_model_stays_native_with_its_tokenizer(spm, tmp_path, capsys):
-    """What transformers' own class expresses is written for it, as before, now with the tokenizer."""
+    """What transformers' own class expresses is written for it, as before, now with the tokenizer; with
+    --remote-code it is written with our modeling code instead, which runs our forward."""
     from kimi.convert import main
 
     cfg = tiny_model_cfg(vocab_size=spm.vocab_size, residual="standard", kda_gate_bias=False, mla_rotary=False)
-    make_run(tmp_path / "run", cfg, spm)
+    ours = make_run(tmp_path / "run", cfg, spm)
     assert main(["to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "kimi_linear"
     assert not (tmp_path / "hf" / "modeling_kimi.py").exists()
     assert (tmp_path / "hf" / "tokenizer.json").is_file() and "KimiLinearForCausalLM" in capsys.readouterr().out
+    assert main(["to-hf", str(tmp_path / "run"), str(tmp_path / "remote"), "--remote-code"]) == 0
+    tokens = torch.randint(3, spm.vocab_size, (1, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(load(tmp_path / "remote")(tokens).logits, ours(tokens), atol=1e-4, rtol=1e-4)
+    capsys.readouterr()
+    assert main(["to-hf", str(tmp_path / "run"), str(tmp_path / "x"), "--remote-code", "--mxfp4-experts"]) == 2
+    assert "--remote-code" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
 def test_other_layouts_still_refuse_what_they_cannot_express(exported, tmp_path, capsys):

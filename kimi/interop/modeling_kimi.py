@@ -13,7 +13,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from kimi.config import ModelConfig
 from kimi.interop.configuration_kimi import KimiConfig
-from kimi.model.cache import InferenceCache, MLACache
+from kimi.model.cache import InferenceCache
 from kimi.model.transformer import KimiModel
 
 # transformers 5 names the cache `cache`, earlier versions `past_key_values`
@@ -21,15 +21,17 @@ _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
 
 
 class KimiCache(InferenceCache):
-    """Our decoding state with what transformers' generate() asks of a cache. A KDA layer's state does not
-    grow with the sequence (``is_linear``); nothing here can be cropped back or compiled."""
+    """Our decoding state with what transformers' generate() asks of a cache. Nothing here can be cropped
+    back or compiled. ``is_linear`` is false for every layer, KDA's too: the whole state counts the tokens it
+    has seen (seen_tokens), so generate() may always cut a prompt that repeats them (a cache passed back in)
+    by get_seq_length."""
 
     is_compileable = False
     is_croppable = False
 
     @property
     def is_linear(self) -> list[bool]:
-        return [not isinstance(layer, MLACache) for layer in self.layers]
+        return [False] * len(self.layers)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens

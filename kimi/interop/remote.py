@@ -27,7 +27,8 @@ from kimi.model import KimiModel
 MODEL_TYPE = "kimi_hybrid"
 PREFIX = "model."
 INDEX = "model.safetensors.index.json"
-AUTO_MAP = {"AutoConfig": "configuration_kimi.KimiConfig", "AutoModelForCausalLM": "modeling_kimi.KimiForCausalLM"}
+AUTO_MAP = {"AutoConfig": "configuration_kimi.KimiConfig",
+            "AutoModelForCausalLM": "modeling_kimi.KimiForCausalLM"}
 
 
 def is_remote(config: dict) -> bool:
@@ -137,7 +138,8 @@ def load_remote(directory: str | Path, config: dict, dtype: torch.dtype = torch.
             with safe_open(where[PREFIX + name], framework="pt") as f:
                 tensor = f.get_tensor(PREFIX + name)
             if tensor.shape != target.shape:
-                raise ValueError(f"{directory}: tensor {PREFIX + name} has shape {list(tensor.shape)}, config.json "
-                                 f"makes it {list(target.shape)}: the weights and config.json are of different models")
+                raise ValueError(f"{directory}: tensor {PREFIX + name} has shape {list(tensor.shape)}, "
+                                 f"config.json makes it {list(target.shape)}: the weights and config.json are "
+                                 "of different models")
             target.copy_(tensor)
     return model.eval()

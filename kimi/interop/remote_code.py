@@ -77,7 +77,8 @@ def _registry_classes() -> dict[str, str]:
     an import statement)."""
     from kimi.model.registry import MIXERS, MLPS
 
-    return {f"kimi.model.{ref.partition(':')[0]}": ref.partition(":")[2] for ref in (*MIXERS.values(), *MLPS.values())}
+    refs = (ref.partition(":") for ref in (*MIXERS.values(), *MLPS.values()))
+    return {f"kimi.model.{module}": name for module, _, name in refs}
 
 
 def _needs_cut(tree: ast.Module) -> bool:
@@ -184,7 +185,8 @@ def write_sources(directory: Path) -> list[str]:
                      "them\n" + "".join(f"from .{flat[m]} import {name}  # noqa: F401\n"
                                         for m, name in sorted(_registry_classes().items())))
         compile(text, flat[module], "exec")
-        header = f"# kimi's {_path(module).relative_to(_SOURCE.parent)}, its imports made relative (kimi.interop.remote_code)\n"
+        origin = _path(module).relative_to(_SOURCE.parent)
+        header = f"# kimi's {origin}, its imports made relative (kimi.interop.remote_code)\n"
         (directory / f"{flat[module]}.py").write_text(header + text)
         written.append(f"{flat[module]}.py")
     return written

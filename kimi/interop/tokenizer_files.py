@@ -60,13 +60,14 @@ def write_tokenizer(tokenizer: Tokenizer, directory: Path) -> list[str]:
     """Write `tokenizer` into `directory` for AutoTokenizer (module docstring); returns the file names."""
     directory = Path(directory)
     beside = tokenizer.path.parent / CONFIG
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **(json.loads(beside.read_text()) if beside.is_file() else {})}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast",
+              **(json.loads(beside.read_text()) if beside.is_file() else {})}
     if tokenizer.kind == "tokenizer.json":
         from tokenizers import Tokenizer as Fast
 
         fast, own_file = Fast.from_file(str(tokenizer.path)), None
-        names = {key: fast.id_to_token(i) for key, i in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id))
-                 if i >= 0}
+        ids = (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id))
+        names = {key: fast.id_to_token(i) for key, i in ids if i >= 0}
     else:
         try:
             fast, names = _fast_tokenizer(tokenizer)
