@@ -90,7 +90,8 @@ def test_tokens_are_the_x_axis_and_checkpoints_artifacts_when_asked(tmp_path, da
     per_step = trainer.metrics.tokens_per_step
     assert per_step == 4 * 32  # TINY_TRAINER's micro-batch x seq_len, one rank
     summary = contents(run)
-    assert summary["x_axis"] == {"*": "tokens"}
+    # wandb's newer releases record the glob alone, older ones (0.18) each metric it has matched as well
+    assert summary["x_axis"]["*"] == "tokens" and set(summary["x_axis"].values()) == {"tokens"}
     rows = history(read_records(run_file(run)))
     assert sorted(rows) == [0, 1, 2, 3] and all(rows[s]["tokens"] == s * per_step for s in rows)
     models = [a for a in summary["artifacts"] if a["type"] == "model"]

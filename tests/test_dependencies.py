@@ -1,0 +1,119 @@
+"""pyproject.toml's dependencies: each floor is the one recorded here with its reason, the environment running
+the suite meets them, and every third-party module the package imports is a dependency, an extra's, or named
+below as optional with the reason.
+
+How the floors were checked (they cannot be in the suite: CI reaches no package index): the tests named in
+each reason ran in a virtual environment holding the floor release over this venv's packages (a .pth file,
+as tests/test_install.py builds one), on 2026-12-02. Where a floor release cannot run beside this venv's
+other packages (pyarrow 15, numpy 1.26 and matplotlib 3.8 against numpy 2 builds; torch is the venv itself),
+the reason says what sets it instead."""
+
+import ast
+import importlib.metadata
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: pip's copy of the same parser
+    from pip._vendor import tomli as tomllib
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+FLOORS = {
+    "torch": ("2.9", "the release the code was first written against (FSDP2's fully_shard, DTensor, pipelining "
+                     "schedules, torch._grouped_mm where present); older releases never ran; the suite runs the "
+                     "Makefile's pin, 2.13"),
+    "triton": ("3.4", "the Triton that torch 2.9 ships with (the kernels' language features)"),
+    "hydra-core": ("1.3", "version_base='1.3' in every compose and hydra.main; test_config and test_summary pass "
+                          "with hydra-core 1.3.0"),
+    "omegaconf": ("2.3", "hydra-core 1.3's own floor; test_config and test_summary pass with omegaconf 2.3.0"),
+    "wandb": ("0.18", "test_wandb_runs passes with wandb 0.18.0 (offline runs, define_metric's tokens axis, "
+                      "checkpoint artifacts staged offline; the record reader's protobuf types)"),
+    "datasets": ("3.0", "test_data, test_bad_data and test_blend pass with datasets 3.0.0 (text/json/parquet "
+                        "loading, sample_by=document, Arrow batches); 4.x is not needed"),
+    "pyarrow": ("15.0", "imported by kimi.data (pyarrow.compute); datasets 3.0's own floor, which sets it: "
+                        "pyarrow 15 predates numpy 2 and cannot run beside this venv's numpy"),
+    "huggingface-hub": ("0.22", "imported by kimi.data.sources (its offline switch); datasets 3.0's own floor; "
+                                "test_data and test_bad_data pass with huggingface-hub 0.22.0"),
+    "tokenizers": ("0.20", "a tokenizer.json as data.tokenizer (kimi.data.hf_tokenizer), which no other "
+                           "dependency brings; test_data's and test_blend's tokenizer tests pass with 0.20.0"),
+    "sentencepiece": ("0.2", "the default tokenizer; test_data passes with sentencepiece 0.2.0"),
+    "tiktoken": ("0.7", "Kimi's released BPE files (kimi.data.tiktoken_bpe); test_tiktoken passes with 0.7.0 "
+                        "(its comparison against transformers aside)"),
+    "numpy": ("1.26", "the first numpy with wheels for every Python this package supports (3.10-3.12); numpy 1 "
+                      "cannot run beside this venv's numpy-2 builds"),
+    "matplotlib": ("3.8", "the first matplotlib built for numpy 1.26 and Python 3.12; likewise not runnable here"),
+    "safetensors": ("0.4", "kimi.convert's safe_open on a Path and save_file with metadata: checked with 0.4.0 "
+                           "(to-hf's tests compare against transformers, which needs a newer safetensors)"),
+}
+
+# Imported by the package but neither a dependency nor an extra's (the dev list does not count: it is the
+# tests'), each with why a plain install may lack it.
+OPTIONAL = {
+    "transformers": "kimi.convert to-hf's tokenizer files (kimi/interop/tokenizer_files.py) and kimi.eval's hf= "
+                    "check use transformers' own converters, and the modeling files to-hf writes run under "
+                    "transformers; it comes with the eval extra (lm-eval[hf]), not with a plain install",
+    "zstandard": "only for a .zst data file (kimi.data.files), which datasets itself reads only with it",
+}
+
+
+def _requirements(extras: bool = False) -> list[Requirement]:
+    reqs = [Requirement(r) for r in PROJECT["dependencies"]]
+    if extras:
+        reqs += [Requirement(r) for name, rs in PROJECT["optional-dependencies"].items() if name != "dev" for r in rs]
+    return reqs
+
+
+def test_every_dependency_has_its_floor_and_reason():
+    declared = {canonicalize_name(r.name): r for r in _requirements()}
+    assert set(declared) == set(FLOORS), "add the new dependency's floor and its reason to FLOORS (or drop it)"
+    for name, req in declared.items():
+        floors = [s.version for s in req.specifier if s.operator == ">="]
+        assert floors == [FLOORS[name][0]], f"{req}: the floor FLOORS records for {name} is {FLOORS[name][0]}"
+
+
+def test_the_environment_meets_the_floors():
+    for req in _requirements():
+        if req.marker is not None and not req.marker.evaluate():
+            continue
+        installed = Version(importlib.metadata.version(req.name))
+        # a local build tag (torch's +cpu) is the same release
+        assert req.specifier.contains(Version(installed.public), prereleases=True), f"{req}: {installed} installed"
+
+
+def _imported_modules() -> dict[str, str]:
+    """{top-level third-party module: a file of kimi/ importing it}."""
+    found = {}
+    for path in sorted((ROOT / "kimi").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for top in {n.split(".")[0] for n in names} - {"kimi", "__future__"}:
+                if top not in sys.stdlib_module_names:
+                    found.setdefault(top, str(path.relative_to(ROOT)))
+    return found
+
+
+def test_every_imported_module_is_declared():
+    declared = {canonicalize_name(r.name) for r in _requirements(extras=True)}
+    by_module = importlib.metadata.packages_distributions()
+    missing = []
+    for module, where in _imported_modules().items():
+        names = {canonicalize_name(d) for d in by_module.get(module, [module])}
+        if not names & (declared | set(OPTIONAL)):
+            missing.append(f"{module} ({where})")
+    assert not missing, ("imported by the package but not a dependency, an extra's or OPTIONAL's: "
+                         + ", ".join(missing))
