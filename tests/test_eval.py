@@ -155,16 +155,19 @@ def test_build_tasks_writes_the_shipped_files(tmp_path):
         assert (tmp_path / name).read_bytes() == (TASKS_DIR / name).read_bytes(), f"rerun build_tasks: {name}"
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory, data):
-    """A trained Kimi-Linear-like run and its transformers export (kimi.convert to-hf)."""
+@pytest.fixture(scope="module", params=["kimi_linear", pytest.param("tiny", marks=pytest.mark.slow)])
+def exported(request, tmp_path_factory, data):
+    """A trained run and its transformers export (kimi.convert to-hf): Kimi-Linear-like settings, which
+    transformers' KimiLinearForCausalLM runs, or the default tiny (Attention Residuals), exported with its
+    own modeling code (trust_remote_code; one sequence per call, so slower)."""
     from helpers import train_run
 
     from kimi.convert import main
 
-    run = tmp_path_factory.mktemp("eval") / "run"
-    train_run(run, data, "trainer.max_steps=3", *KIMI_LINEAR_LIKE)
+    run = tmp_path_factory.mktemp(request.param) / "run"
+    train_run(run, data, "trainer.max_steps=3", *(KIMI_LINEAR_LIKE if request.param == "kimi_linear" else []))
     assert main(["to-hf", str(run), str(run.parent / "hf")]) == 0
+    assert ("auto_map" in (run.parent / "hf" / "config.json").read_text()) == (request.param == "tiny")
     return run, run.parent / "hf"
 
 

@@ -61,7 +61,8 @@ def torch_kda():
 def hf_lm(hf_dir: str, tokenizer, batch_size: int, max_length: int, device: str):
     """lm-eval's HFLM on an exported directory (fp32). Its generation stops at the tokenizer's EOS, as ours
     does, when the export's generation config names none. A directory whose config.json maps its own
-    modeling code (auto_map: a trust_remote_code export) is loaded with that code."""
+    modeling code (auto_map: to-hf's export of a model transformers has no class for) is loaded with that
+    code, one sequence per call."""
     from lm_eval.models.huggingface import HFLM
 
     config = Path(hf_dir) / "config.json"
@@ -70,8 +71,9 @@ def hf_lm(hf_dir: str, tokenizer, batch_size: int, max_length: int, device: str)
                                 "wrote")
     remote = "auto_map" in json.loads(config.read_text())
     tok = hf_tokenizer(tokenizer)
-    lm = HFLM(pretrained=hf_dir, tokenizer=tok, batch_size=batch_size, max_length=max_length, device=device,
-              dtype="float32", trust_remote_code=remote)
+    # the exported modeling code runs rows without padding, and lm-eval pads a batch of generations
+    lm = HFLM(pretrained=hf_dir, tokenizer=tok, batch_size=1 if remote else batch_size, max_length=max_length,
+              device=device, dtype="float32", trust_remote_code=remote)
     if lm.model.generation_config.eos_token_id is None:
         lm.model.generation_config.eos_token_id = tokenizer.eos_id
     return lm
