@@ -381,6 +381,9 @@ class ParallelConfig:
 @dataclass
 class Fp8Config:
     recipe: str = one_of(FP8_RECIPES, "tensorwise")  # torchao's Float8LinearConfig.from_recipe_name
+    # tensorwise under FSDP2 (dp_shard * cp > 1): FSDP gathers the converted weights as fp8 (1 byte per element)
+    # instead of bf16 (2), each cast from its fp32 shard with the whole weight's amax
+    fsdp_all_gather: bool = False
 
 
 @dataclass

@@ -34,7 +34,7 @@ from kimi.data import Batch
 from kimi.model import KimiModel
 from kimi.model.moe import set_aux_grad_scale, update_expert_bias
 from kimi.optim import build_optimizer, build_qk_clip, build_scheduler
-from kimi.precision import apply_low_precision
+from kimi.precision import apply_low_precision, float8_gather
 
 from .dims import ParallelDims, sum_over
 from .family_stats import FamilyStats
@@ -75,11 +75,15 @@ class TorchEngine(Engine):
         p, t = cfg.parallel, cfg.trainer
         self.cfg, self.dims, self.mesh, self.device = cfg, dims, mesh, device
         self.expert_mesh = dims.build_expert_mesh(device.type)
-        self.low_precision = apply_low_precision(model, cfg, device)  # before any parallelism, as torchao asks
+        # before any parallelism, as torchao asks
+        self.low_precision = apply_low_precision(model, cfg, device, fsdp=dims.fsdp)
         bf16 = t.precision != "fp32"  # fp8 and mxfp8 run the rest of the model as bf16 does
         parts = parallelize(model, p, dims, mesh, bf16=bf16, seq_len=t.seq_len, expert_mesh=self.expert_mesh)
         for part in parts:  # before joining them: to_empty gives plain parameters new objects
             materialize(part, device)
+        self.float8_gather = float8_gather(cfg, dims.fsdp)  # None unless precision.fp8.fsdp_all_gather
+        if self.float8_gather:
+            self.float8_gather.attach(parts, device)
         self.parts = parts  # the model parts this rank runs (its pipeline stages), whose forwards diagnostics observe
         self.model = KimiModel.union(parts)
         self.schedule = self.pp_rank = None
@@ -183,6 +187,7 @@ class TorchEngine(Engine):
         stats = families.finish() if families is not None else {}  # the optimizer's update, before QK-Clip's
         if self.qk_clip is not None:  # after any optimizer's update (K2)
             self.qk_clip()
+        self._weights_changed()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return {"grad_norm": grad_norm, "lr": lr, **self._balance_experts(), **stats}
@@ -237,6 +242,15 @@ class TorchEngine(Engine):
     def write_run_files(self, run_dir) -> None:
         """Nothing: the config says all there is."""
 
+    def _weights_changed(self) -> None:
+        """The float8 gather's scales follow the weights (collective)."""
+        if self.float8_gather:
+            self.float8_gather.refresh_scales(self.model)
+
+    def _plain(self, state: dict) -> dict:
+        """A state dict as checkpoints hold it: plain fp32 tensors, also under the float8 gather."""
+        return self.float8_gather.plain(state) if self.float8_gather else state
+
     # ---- checkpoint state ---------------------------------------------------------------------------
     def _optim_aliases(self) -> dict[str, str]:
         """Optimizer-state names that differ from a whole model's: a tied LM head held without its embedding
@@ -251,7 +265,7 @@ class TorchEngine(Engine):
         """Model, optimizer and lr-schedule state, each tensor laid out like its parameter (DTensors for
         sharded ones), under the single-device names: torch.distributed.checkpoint saves it and reloads it
         into another layout. Collective."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = map(self._plain, get_state_dict(self.model, self.optimizer))
         return {"model": model_sd, "optim": _rename(optim_sd, self._optim_aliases()),
                 "scheduler": self.scheduler.state_dict()}
 
@@ -263,13 +277,15 @@ class TorchEngine(Engine):
         with keep_hyperparameters(self.optimizer, self.scheduler, state["scheduler"]):
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=_rename(state["optim"], back))
+        self._weights_changed()
 
     def model_state_dict(self) -> dict:
         """The weights alone, laid out as in ``state_dict`` (trainer.init_from loads into it). Collective."""
-        return get_model_state_dict(self.model)
+        return self._plain(get_model_state_dict(self.model))
 
     def load_model_state_dict(self, state: dict) -> None:
         set_model_state_dict(self.model, state)
+        self._weights_changed()
 
 
 @contextmanager

@@ -14,9 +14,11 @@ activation checkpointing, torch.compile or FSDP):
   straight-through gradient (kimi/precision/mxfp4.py), so `python -m kimi.convert to-hf --mxfp4-experts`
   writes the experts whose dequantised forward is the trained one.
 
-Parameters keep their names, shapes, dtype (fp32) and plain-tensor type: the optimizer (MuonClip
-orthogonalises these masters, never a quantised copy), checkpoints and QK-Clip (its max logits come from the
-forward's own q and k, so from the precision the forward used) see the model they always saw.
+Parameters keep their names, shapes, dtype (fp32) and values, and their plain-tensor type except under
+precision.fp8.fsdp_all_gather (torchao's fp32 weight subclass; its checkpoints still hold plain tensors,
+fsdp_float8.py): the optimizer (MuonClip orthogonalises these masters, never a quantised copy), checkpoints
+and QK-Clip (its max logits come from the forward's own q and k, so from the precision the forward used) see
+the model they always saw.
 """
 
 from __future__ import annotations
@@ -66,9 +68,11 @@ def targets(model: nn.Module, p: PrecisionConfig, align: int) -> dict[str, nn.Li
     return found
 
 
-def apply_low_precision(model: nn.Module, cfg: Config, device: torch.device) -> list[str]:
+def apply_low_precision(model: nn.Module, cfg: Config, device: torch.device,
+                        fsdp: bool = False) -> list[str]:
     """Convert `model` in place for cfg.trainer.precision and cfg.precision.qat; returns the names of the
-    projections now computed in fp8 / MXFP8."""
+    projections now computed in fp8 / MXFP8. fsdp: FSDP2 will shard the model, so
+    precision.fp8.fsdp_all_gather applies (fsdp_float8.py); a single-process model keeps plain weights."""
     precision, p = cfg.trainer.precision, cfg.precision
     converted: list[str] = []
     if precision in LOW_PRECISION:
@@ -76,7 +80,7 @@ def apply_low_precision(model: nn.Module, cfg: Config, device: torch.device) -> 
 
         emulate = emulated(precision, p, device)
         if precision == "fp8":
-            config = linear.fp8_config(p.fp8.recipe, emulate)
+            config = linear.fp8_config(p.fp8.recipe, emulate, fsdp and p.fp8.fsdp_all_gather)
             convert, align = (lambda m: linear.to_fp8(m, config)), linear.FP8_ALIGN
         else:
             convert, align = (lambda m: linear.to_mxfp8(m, emulate)), linear.MX_BLOCK
@@ -90,3 +94,13 @@ def apply_low_precision(model: nn.Module, cfg: Config, device: torch.device) -> 
         for experts in (m for m in model.modules() if isinstance(m, RoutedExperts)):
             experts.weight_quant = fake_quantize
     return converted
+
+
+def float8_gather(cfg: Config, fsdp: bool):
+    """The engine's hooks for precision.fp8.fsdp_all_gather (fsdp_float8.Float8Gather) when FSDP shards the
+    model, else None."""
+    if not (fsdp and cfg.trainer.precision == "fp8" and cfg.precision.fp8.fsdp_all_gather):
+        return None
+    from .fsdp_float8 import Float8Gather
+
+    return Float8Gather()

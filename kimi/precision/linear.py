@@ -57,9 +57,12 @@ class MXFP8Linear(nn.Linear):
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
-def fp8_config(recipe: str, emulate: bool) -> Float8LinearConfig:
-    """torchao's config for a recipe name (tensorwise | rowwise | rowwise_with_gw_hp)."""
-    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+def fp8_config(recipe: str, emulate: bool, fsdp_all_gather: bool = False) -> Float8LinearConfig:
+    """torchao's config for a recipe name (tensorwise | rowwise | rowwise_with_gw_hp); fsdp_all_gather
+    (tensorwise only): the weight becomes torchao's WeightWithDynamicFloat8CastTensor, which FSDP2 gathers
+    as fp8 (kimi/precision/fsdp_float8.py)."""
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,
+                               enable_fsdp_float8_all_gather=fsdp_all_gather)
 
 
 def to_fp8(linear: nn.Linear, config: Float8LinearConfig) -> Fp8Linear:

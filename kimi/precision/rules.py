@@ -17,6 +17,8 @@ def validate_precision(cfg: Config) -> None:
     check_choices(p, "precision")
     check(p.keep_end_blocks >= 0, "precision.keep_end_blocks", p.keep_end_blocks, "must be >= 0")
     check(p.min_features >= 0, "precision.min_features", p.min_features, "must be >= 0")
+    if p.fp8.fsdp_all_gather:
+        _check_fsdp_all_gather(cfg)
     low = t.precision in ("fp8", "mxfp8")
     asked = [f"trainer.precision={t.precision}"] * low + [f"precision.qat={p.qat}"] * (p.qat is not None)
     if not asked:
@@ -48,3 +50,18 @@ def validate_precision(cfg: Config) -> None:
         require(m.d_model % 32 == 0 and m.moe_hidden % 32 == 0,
                 f"precision.qat=mxfp4_experts quantises the experts' weights in blocks of 32 along their inputs: "
                 f"model.d_model={m.d_model} and model.moe_hidden={m.moe_hidden} must be multiples of 32")
+
+
+def _check_fsdp_all_gather(cfg: Config) -> None:
+    p, t, par = cfg.precision, cfg.trainer, cfg.parallel
+    key, off = "precision.fp8.fsdp_all_gather=true", "or set precision.fp8.fsdp_all_gather=false"
+    require(t.precision == "fp8", f"{key} gathers the weights of fp8 projections, which trainer.precision="
+                                  f"{t.precision} has none of: set trainer.precision=fp8 {off}")
+    require(p.fp8.recipe == "tensorwise",
+            f"{key} needs precision.fp8.recipe=tensorwise, not {p.fp8.recipe} (torchao gathers a weight in "
+            f"fp8 only with one scale per tensor): set precision.fp8.recipe=tensorwise {off}")
+    require(par.engine == "torch",
+            f"{key} is FSDP2's, not parallel.engine={par.engine}'s: set parallel.engine=torch {off}")
+    require(par.dp_shard * par.cp > 1,
+            f"{key} needs FSDP2 to shard the weights (parallel.dp_shard * parallel.cp > 1, here "
+            f"{par.dp_shard * par.cp}): set parallel.dp_shard to the data-parallel ranks {off}")
