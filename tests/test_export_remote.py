@@ -164,13 +164,16 @@ def test_autotokenizer_encodes_like_ours(exported, spm):
 
 
 def test_from_hf_reads_the_export_back_bit_for_bit(exported, spm, tmp_path):
+    """from-hf and load_hf: the same settings and tensors, also from what transformers' save_pretrained
+    writes of the loaded model; the run's tokenizer comes back too."""
     from kimi.convert import load_hf, main
     from kimi.generate import load_from_checkpoint
 
     ours, run, hf_dir, _ = exported
     assert main(["from-hf", str(hf_dir), str(tmp_path / "back")]) == 0
     back, tokenizer, _ = load_from_checkpoint(str(tmp_path / "back"))
-    for model in (back, load_hf(hf_dir)):
+    theirs(hf_dir).save_pretrained(tmp_path / "saved")  # transformers writes the same layout back
+    for model in (back, load_hf(hf_dir), load_hf(tmp_path / "saved")):
         assert model.cfg == ours.cfg
         state, mine = model.state_dict(), ours.state_dict()
         assert state.keys() == mine.keys()

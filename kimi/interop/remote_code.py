@@ -24,7 +24,6 @@ from pathlib import Path
 import kimi
 
 ROOTS = ("kimi.interop.modeling_kimi", "kimi.interop.configuration_kimi")
-MODELING_FILE = "modeling_kimi"
 # what an exported module may import at module level besides each other
 _LIBRARIES = {"torch", "transformers"} | set(sys.stdlib_module_names)
 _SOURCE = Path(kimi.__file__).parent
@@ -179,14 +178,16 @@ def write_sources(directory: Path) -> list[str]:
         raise ValueError(f"two kimi modules would share a file name in an export: {sorted(flat.values())}")
     written = []
     for module in sorted(needed):
-        text = _rewrite(module, _source(module, needed[module]), flat)
+        source = _source(module, needed[module])
+        text = _rewrite(module, source, flat)
         if module == ROOTS[0]:  # transformers copies only what an import statement names
             text += ("\n# kimi/model/registry.py imports these by name: named here so that transformers copies "
                      "them\n" + "".join(f"from .{flat[m]} import {name}  # noqa: F401\n"
                                         for m, name in sorted(_registry_classes().items())))
         compile(text, flat[module], "exec")
         origin = _path(module).relative_to(_SOURCE.parent)
-        header = f"# kimi's {origin}, its imports made relative (kimi.interop.remote_code)\n"
+        cut = ", cut to what the other files use" if source != _path(module).read_text() else ""
+        header = f"# kimi's {origin}{cut}, its imports made relative (kimi.interop.remote_code)\n"
         (directory / f"{flat[module]}.py").write_text(header + text)
         written.append(f"{flat[module]}.py")
     return written
