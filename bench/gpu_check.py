@@ -80,6 +80,7 @@ STEPS = {
     "optim": ("optimizer step", 90),
     "train": ("training on one GPU", 300),
     "train_fp8": ("fp8 training vs bf16 on one GPU", 540),
+    "peer": ("1b against its dense peer dense_1b on one GPU", 360),
 }
 # Each step's size arguments: (on the GPU, in a dry run). The dry run's are tiny because the interpreter
 # runs each program of a kernel in Python; fla-core is left out there (not written for the interpreter).
@@ -98,22 +99,36 @@ SIZES = {
 TRAIN = {"small": (8, 20, 2048), "1b": (4, 20, 4096)}
 TRAIN_DRY = {"tiny": (4, 2, 64)}
 TRAIN_FP8 = {"small": (8, 10, 2048), "1b": (4, 10, 4096)}
+# peer: (sequences per step, timed steps, seq_len), and the dry run's dense stand-in: tiny made dense
+PEER, PEER_DRY = (4, 10, 4096), (4, 2, 64)
+DENSE_TINY = ["--dense-set", "model.layer_pattern=A", "model.residual=standard", "model.attn_num_heads=2"]
+
+
+def training_set(ctx: "Context", seq: int, *extra: str) -> list[str]:
+    """--set's overrides of a training measurement: the sequence length, compiled on a GPU, this repository's
+    text with a 32k vocabulary (the presets' size; the tokenizer trained on ~1 MB has 4096 pieces)."""
+    vocab, pieces, compiled = (512, 384, "false") if ctx.dry else (32000, 4096, "true")
+    return ["--set", f"trainer.seq_len={seq}", *extra, f"parallel.compile={compiled}", f"model.vocab_size={vocab}",
+            "data=files", f"data.data_files=[{ctx.corpus()}/*.txt]", f"data.cache_dir={ctx.tmp / 'data'}",
+            f"data.tokenizer.vocab_size={pieces}", "data.val_fraction=0.15"]
 
 
 def commands(step: str, ctx: "Context") -> list[tuple[str, list[str]]]:
     """(name, arguments after `python bench/`) of each command of a step."""
     if step in ("train", "train_fp8"):
-        vocab, pieces, compiled = (512, 384, "false") if ctx.dry else (32000, 4096, "true")
         fp8 = step == "train_fp8"  # the precisions are layouts there (bench/parallel.py's PRECISION_LAYOUTS)
         layouts = ["bf16", "fp8_tensorwise", "fp8_rowwise"] if fp8 else ["single"]
         sizes = TRAIN_DRY if ctx.dry else TRAIN_FP8 if fp8 else TRAIN
         return [(model, ["parallel.py", "--layouts", *layouts, "--model", model, "--batch", str(batch),
                          "--steps", str(steps), *([] if fp8 else ["--profile"]),
-                         "--set", f"trainer.seq_len={seq}", *([] if fp8 else ["trainer.precision=bf16"]),
-                         f"parallel.compile={compiled}", f"model.vocab_size={vocab}", "data=files",
-                         f"data.data_files=[{ctx.corpus()}/*.txt]", f"data.cache_dir={ctx.tmp / 'data'}",
-                         f"data.tokenizer.vocab_size={pieces}", "data.val_fraction=0.15"])
+                         *training_set(ctx, seq, *([] if fp8 else ["trainer.precision=bf16"]))])
                 for model, (batch, steps, seq) in sizes.items()]
+    if step == "peer":
+        batch, steps, seq = PEER_DRY if ctx.dry else PEER
+        models = ["--kimi", "tiny", "--dense", "tiny", *DENSE_TINY] if ctx.dry else ["--kimi", "1b", "--dense",
+                                                                                      "dense_1b"]
+        return [("peer", ["peer.py", *models, "--batch", str(batch), "--steps", str(steps),
+                          *training_set(ctx, seq, "trainer.precision=bf16")])]
     script = {"kda_check": "kda.py --check", "attention_check": "attention.py --check-only",
               "kda_speed": "kda.py --no-self-check", "attention_speed": "attention.py --skip-check",
               "optim": "optim.py --ranks 0"}[step]
@@ -263,9 +278,23 @@ def train_fp8_rows(r: dict):
     return rows, failures
 
 
+def peer_rows(r: dict):
+    kimi, dense = r["kimi"], r["dense"]
+    seq = next(s.split("=", 1)[1] for s in r["set"] if s.startswith("trainer.seq_len="))
+    rows = [(f"peer {x['model']}: {r['batch']} x {seq} tokens per step",
+             f"{x['tokens_per_s']:,.0f} tokens/s, MFU {100 * x['mfu']:.1f}%, peak memory "
+             f"{x['peak_mem_bytes'] / 2**30:.1f} GiB, {1e3 * x['step_s']:.0f} ms per step") for x in (dense, kimi)]
+    rows.append((f"peer {kimi['model']} / {dense['model']}",
+                 f"{kimi['tokens_per_s'] / dense['tokens_per_s']:.2f}x tokens/s, {kimi['mfu'] / dense['mfu']:.2f}x "
+                 f"MFU, {kimi['peak_mem_bytes'] / dense['peak_mem_bytes']:.2f}x peak memory"))
+    failures = [f"peer {x['model']}: loss not finite" for x in (dense, kimi)
+                if not all(v == v and abs(v) != float("inf") for v in x.get("losses") or [float("nan")])]
+    return rows, failures
+
+
 SUMMARIES = {"kda_check": kda_check_rows, "attention_check": attention_check_rows,
              "kda_speed": kda_speed_rows, "attention_speed": attention_speed_rows, "optim": optim_rows,
-             "train": train_rows, "train_fp8": train_fp8_rows}
+             "train": train_rows, "train_fp8": train_fp8_rows, "peer": peer_rows}
 
 
 # ------------------------------------------------------------------------------------------ running them

@@ -102,7 +102,12 @@ class ModelConfig:
     # (x: the layer's normed input, W_g: [heads * v_head_dim, d_model])
     mla_output_gate: bool = False
     v_head_dim: int = 64
-    rope_theta: float = 10000.0
+    rope_theta: float = 10000.0  # RoPE's base (MLA's rotated key dims, softmax attention)
+    # Softmax attention (letter A in model.layer_pattern: the dense peer's mixer, Llama's): query heads,
+    # key/value heads (0: as many, plain multi-head; fewer: grouped-query) and head dim (0: d_model / heads)
+    attn_num_heads: int = 4
+    attn_kv_heads: int = 0
+    attn_head_dim: int = 0
     # MLP
     mlp_hidden: int = 768  # SwiGLU inner width (of the dense blocks when moe_num_experts > 0)
     # The gated activation of every FFN (dense, shared and routed experts; kimi/model/activations.py): swiglu,

@@ -27,6 +27,8 @@ from kimi import checkpoint
 MOE = ["model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_hidden=16", "model.moe_groups=2",
        "model.moe_topk_groups=1", "model.moe_bias_rate=0.01", "model.moe_aux_loss_coef=0.01"]
 QB = ["model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_hidden=16", "model.moe_balance=quantile"]
+# the dense peer (model=dense_1b's kind): softmax attention with grouped key/value heads, standard residuals
+DENSE = ["model.layer_pattern=A", "model.residual=standard", "model.attn_num_heads=4", "model.attn_kv_heads=2"]
 # Kimi K3's parts at this size (model=k3_tiny's switches): safe-gate full-rank-gate KDA, gated MLA with q-LoRA
 # (the last two blocks, as K3 ends), SiTU-GLU, a latent MoE with two shared experts and Quantile Balancing,
 # Block AttnRes of 2 decoder layers with key-norm weights, per-head Muon
@@ -104,6 +106,8 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
     "k3_ep2xdp2": (4, 4, [*K3, "parallel.dp_shard=4", "parallel.ep=2"]),  # FSDP2 x expert parallelism
     "k3_cp2": (2, 1, [*K3, "parallel.cp=2"]),
     "mtp_dp_shard2": (2, 2, ["parallel.dp_shard=2", "model.mtp_layers=1"]),  # multi-token prediction
+    "dense_tp2_sp": (2, 1, [*DENSE, "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "dense_cp2_varlen": (2, 1, [*DENSE, "parallel.cp=2", "data.varlen=true"]),
     # shards longer than one 64-token KDA chunk: two whole chunks, one and a half (documents crossing shard
     # edges), one and a quarter over 4 ranks (the validation split grown to hold 320-token windows)
     "cp2_t256": (2, 1, ["parallel.cp=2", "trainer.seq_len=256"]),
@@ -125,6 +129,7 @@ CASES = [(layout, optim) for layout in BOTH for optim in ("adamw", "muonclip")] 
     ("dp_shard2_muon_per_head", "muonclip"), ("tp2_muon_per_head", "muonclip"),
     ("moe_cp2", "muonclip"), ("moe_qb_dp2", "muonclip"), ("moe_qb_cp2", "muonclip"), ("moe_qb_ep2xdp2", "adamw"),
     ("k3_ep2xdp2", "muonclip"), ("k3_cp2", "muonclip"), ("mtp_dp_shard2", "muonclip"),
+    ("dense_tp2_sp", "muonclip"), ("dense_cp2_varlen", "muonclip"),
     ("cp2_t256", "adamw"), ("cp2_t192_varlen", "muonclip"), ("cp4_t320_rope", "muonclip")]
 
 

@@ -47,6 +47,26 @@ class MLACache:
 
 
 @dataclass
+class KVCache:
+    """A softmax-attention layer's (kimi/model/mha.py) keys, rotated, and values of every past token:
+    [B, t, Hkv, head_dim] each."""
+
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[1]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the new tokens' keys and values and return all of them (past + new)."""
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=1), torch.cat([self.v, v], dim=1)
+        self.k, self.v = k, v
+        return k, v
+
+
+@dataclass
 class InferenceCache:
     """One entry per transformer block, in order: its token mixer's state (``new_cache()``: a KDACache, an
     MLACache, ...)."""

@@ -35,8 +35,8 @@ from kimi.ops.documents import cu_seqlens_from_starts
 from .cache import MLACache
 from .init import Rules, apply_rules, constant, normal
 from .layouts import QKClipSpec, RowRule, RowSplit
+from .maxlogits import RecordsMaxLogits
 from .norm import RMSNorm
-from .probe import PROBE
 from .sublayer import Sublayer, TPPlan
 
 
@@ -51,12 +51,9 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
-class MLA(Sublayer, nn.Module):
+class MLA(RecordsMaxLogits, Sublayer, nn.Module):
     LABEL, FAMILY = "MLA", "MLA mixers"
     TP_DIVIDES = ("mla_num_heads",)
-    MAX_LOGITS = True
-    RECORDS = ("_seen_max_logits",)
-    PROBES = ("max_logits",)  # per head, scaled
     HF_NAMES = {f"{ours}.weight": f"self_attn.{theirs}.weight" for ours, theirs in (
         ("wq", "q_proj"), ("wq_a", "q_a_proj"), ("q_norm", "q_a_layernorm"), ("wq_b", "q_b_proj"),
         ("wkv_a", "kv_a_proj_with_mqa"), ("kv_norm", "kv_a_layernorm"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"),
@@ -82,12 +79,7 @@ class MLA(Sublayer, nn.Module):
         self.wkv_b = nn.Linear(self.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(H * self.v_dim, d, bias=False)
         self.wg = nn.Linear(d, H * self.v_dim, bias=False) if cfg.mla_output_gate else None
-        # When set (through KimiModel.record_max_logits, for QK-Clip), every forward that builds a graph records its per-head
-        # max scaled logit [H] fp32; consume_max_logits() returns the max over them (micro-batches). They are
-        # kept as a list and reduced on consumption so a forward runs the same ops whatever came before it,
-        # as selective activation checkpointing requires of a recomputed forward.
-        self.track_max_logits = False
-        self._seen_max_logits: list[torch.Tensor] = []
+        self._init_max_logits()
 
     @property
     def q_name(self) -> str:
@@ -97,20 +89,6 @@ class MLA(Sublayer, nn.Module):
     @property
     def q_proj(self) -> nn.Linear:
         return getattr(self, self.q_name)
-
-    @property
-    def max_logits(self) -> torch.Tensor | None:
-        """The per-head max over the recorded forwards since the last consume (None if none)."""
-        seen = self._seen_max_logits
-        return None if not seen else seen[0] if len(seen) == 1 else torch.stack(seen).amax(dim=0)
-
-    def set_record_max_logits(self, enabled: bool) -> None:
-        self.track_max_logits = enabled
-
-    def consume_max_logits(self) -> torch.Tensor | None:
-        """The max since the last call (None if no recorded forward), and forget it."""
-        out, self._seen_max_logits = self.max_logits, []
-        return out
 
     def qk_clip_spec(self, prefix: str) -> QKClipSpec:
         """QK-Clip rows of this layer (layout in the module docstring); prefix is the module's qualified name,
@@ -196,23 +174,14 @@ class MLA(Sublayer, nn.Module):
         kv = self.wkv_b(c_kv).view(c_kv.shape[0], c_kv.shape[1], -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
-        # Only forwards that build a graph feed an update, so only they count: evaluation and generation
-        # run under no_grad and must not clip the next step. (Recomputed forwards of activation
-        # checkpointing record the same values again, which a max ignores.)
-        record = self.track_max_logits and torch.is_grad_enabled()
-        # a diagnostic pass (kimi/diagnostics) wants them from its no_grad forward too, without QK-Clip
-        measure = record or PROBE.on
+        record, measure = self.logits_wanted()
         if context is not None and cu_seqlens is not None:
             out = self._rows_over_documents(q, k, v, context.prefix_doc_starts(), measure)
         else:
             out = attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, return_max_logits=measure)
         if measure:
             out, max_logits = out
-            max_logits = max_logits.amax(dim=0).detach()
-            if record:
-                self._seen_max_logits.append(max_logits)
-            if PROBE.on:
-                PROBE.record(self, max_logits=max_logits)
+            self.keep_max_logits(max_logits, record)
         out = out.reshape(B, T, -1)
         if self.wg is not None:
             out = out * torch.sigmoid(self.wg(x))

@@ -17,6 +17,7 @@ MIXERS: Dict[str, str] = {
     "K": "kda:KDA",
     "M": "mla:MLA",
     "C": "conv:ConvMixer",
+    "A": "mha:MHA",
 }
 MLPS: Dict[str, str] = {
     "dense": "mlp:SwiGLU",

@@ -4,7 +4,8 @@ them in the one validation pass; kimi.summary too."""
 
 from __future__ import annotations
 
-from kimi.config import Config, ModelConfig, check, check_choices, check_finite, check_positive, require
+from kimi.config import (Config, ModelConfig, check, check_choices, check_finite, check_positive, mixer_pattern,
+                         require)
 from kimi.ops.kda.chunk import TRITON_MAX_HEAD_DIM
 
 from .registry import mixer_classes, mlp_class, mlp_kinds
@@ -20,6 +21,13 @@ def validate_model(m: ModelConfig) -> None:
     check(m.conv_size >= 1, "model.conv_size", m.conv_size, "must be >= 1 (4 in Kimi Linear)")
     check(m.moe_latent_dim >= 0, "model.moe_latent_dim", m.moe_latent_dim,
           "must be >= 0 (0: routed experts at d_model; Kimi K3: half of it)")
+    if "A" in mixer_pattern(m):
+        check(m.attn_num_heads >= 1, "model.attn_num_heads", m.attn_num_heads, "must be >= 1")
+        kv = m.attn_kv_heads or m.attn_num_heads
+        check(m.attn_num_heads % kv == 0, "model.attn_kv_heads", m.attn_kv_heads,
+              f"must divide model.attn_num_heads={m.attn_num_heads} (each key/value head serves a group)")
+        check(m.attn_head_dim > 0 or m.d_model % m.attn_num_heads == 0, "model.attn_head_dim", m.attn_head_dim,
+              f"0 takes d_model / attn_num_heads, but {m.d_model} does not divide by {m.attn_num_heads}: set it")
     check(m.mtp_layers >= 0, "model.mtp_layers", m.mtp_layers, "must be >= 0 (0: no multi-token prediction; K3: 1)")
     check(m.mtp_loss_weight >= 0, "model.mtp_loss_weight", m.mtp_loss_weight, "must be >= 0 (DeepSeek-V3: 0.3)")
     check(m.kda_gate_lower_bound is None or m.kda_gate_lower_bound < 0, "model.kda_gate_lower_bound",
