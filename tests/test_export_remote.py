@@ -206,6 +206,31 @@ def test_the_exported_code_imports_torch_and_transformers_only(exported):
                 assert {n.split(".")[0] for n in names} <= libraries, (path.name, ast.unparse(node))
 
 
+@pytest.mark.slow
+def test_the_export_runs_where_kimi_omegaconf_hydra_and_triton_are_missing(exported):
+    """In a process where importing kimi, omegaconf, hydra or triton fails, transformers loads the export and
+    decodes as ours does (a subprocess: about 6 s of CPU, most of it importing transformers)."""
+    import os
+    import subprocess
+
+    from kimi.model.decode import generate
+
+    ours, _, hf_dir, _ = exported
+    # eos_token_id=-1: no stop at the run's EOS, as ours without eos_id
+    script = ("import sys\n"
+              "for name in ('kimi', 'omegaconf', 'hydra', 'triton'):\n"
+              "    sys.modules[name] = None\n"
+              "import torch\n"
+              "from transformers import AutoModelForCausalLM\n"
+              "model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()\n"
+              "ids = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False, eos_token_id=-1)\n"
+              "print(ids[0, 3:].tolist())\n")
+    out = subprocess.run([sys.executable, "-c", script, str(hf_dir)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == str(generate(ours, [5, 6, 7], 4, temperature=0))
+
+
 def test_triton_asked_for_falls_back_to_the_pytorch_path(exported):
     """Where Triton would run (CUDA), the export, which carries no Triton kernels, runs PyTorch's path."""
     ours, _, hf_dir, _ = exported
