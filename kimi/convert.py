@@ -299,11 +299,12 @@ def _to_hf(run: str, out: str, shard_gb: float, layout: str, mxfp4_experts: bool
            remote_code: bool = False) -> int:
     from kimi.generate import load_from_checkpoint
 
-    from kimi.interop.tokenizer_files import write_tokenizer
+    from kimi.interop.tokenizer_files import check_packages, write_tokenizer
 
     if remote_code and (layout != "release" or mxfp4_experts):
         raise ValueError("--remote-code writes our own tensors and modeling code: drop --layout / --mxfp4-experts")
     model, tokenizer, step = load_from_checkpoint(run)
+    check_packages(tokenizer)
     why = "--remote-code" if remote_code else None
     if why is None:
         try:

@@ -304,6 +304,18 @@ def test_other_layouts_still_refuse_what_they_cannot_express(exported, tmp_path,
     assert not (tmp_path / "hf").exists()
 
 
+def test_a_missing_converter_package_is_named_before_anything_is_written(exported, tmp_path, capsys,
+                                                                         monkeypatch):
+    import importlib.util
+
+    from kimi.convert import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    assert main(["to-hf", str(exported[1]), str(tmp_path / "hf")]) == 2
+    assert "pip install transformers" in capsys.readouterr().err and not (tmp_path / "hf").exists()
+
+
 def test_a_config_of_another_kimi_is_a_one_line_error(exported, tmp_path):
     import shutil
 

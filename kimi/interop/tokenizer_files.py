@@ -56,6 +56,20 @@ def _fast_tokenizer(tokenizer: Tokenizer):
                   if i in by_id}
 
 
+def check_packages(tokenizer: Tokenizer) -> None:
+    """Raise (one line) if converting `tokenizer` needs a package that is not installed: before anything is
+    written."""
+    import importlib.util
+
+    needed = {"tokenizer.json": ("tokenizers",), "sentencepiece": ("transformers", "google.protobuf"),
+              "tiktoken": ("transformers",)}[tokenizer.kind]
+    missing = [name for name in needed if importlib.util.find_spec(name.split(".")[0]) is None
+               or importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(f"writing the {tokenizer.kind} tokenizer for transformers needs {', '.join(missing)}: "
+                         f"pip install {' '.join(m.replace('google.', '') for m in missing)}")
+
+
 def write_tokenizer(tokenizer: Tokenizer, directory: Path) -> list[str]:
     """Write `tokenizer` into `directory` for AutoTokenizer (module docstring); returns the file names."""
     directory = Path(directory)
@@ -69,11 +83,7 @@ def write_tokenizer(tokenizer: Tokenizer, directory: Path) -> list[str]:
         ids = (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id))
         names = {key: fast.id_to_token(i) for key, i in ids if i >= 0}
     else:
-        try:
-            fast, names = _fast_tokenizer(tokenizer)
-        except ImportError as e:
-            raise ValueError(f"writing the tokenizer for transformers needs {e.name} (pip install transformers "
-                             "protobuf)") from None
+        fast, names = _fast_tokenizer(tokenizer)
         own_file = "tiktoken.model" if tokenizer.kind == "tiktoken" else "tokenizer.model"
         shutil.copyfile(tokenizer.path, directory / own_file)
     if own_file is None:
