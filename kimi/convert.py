@@ -6,10 +6,10 @@
 
 from-hf makes a new run directory from a transformers Kimi Linear directory: RUN_DIR/init (a weights-only
 checkpoint, fp32), RUN_DIR/model/hf.yaml (the model settings) and RUN_DIR/tokenizer.model, a copy of the
-directory's tokenizer: the tiktoken.model (+ tokenizer_config.json) Kimi's releases ship, or a sentencepiece
-tokenizer.model. It prints the train.py command that starts training from those weights (step 0, fresh
-optimizer state: `trainer.init_from`, which defaults to RUN_DIR/init) on data tokenised by that tokenizer;
-`python -m kimi.generate run=RUN_DIR` samples from it.
+directory's tokenizer: the tiktoken.model (+ tokenizer_config.json) Kimi's releases ship, a sentencepiece
+tokenizer.model, or a tokenizer.json. It prints the train.py command that starts training from those weights
+(step 0, fresh optimizer state: `trainer.init_from`, which defaults to RUN_DIR/init) on data tokenised by that
+tokenizer; `python -m kimi.generate run=RUN_DIR` samples from it.
 
 to-hf writes HF_DIR/config.json and model(-0000i-of-0000n).safetensors (+ the index when sharded) from a run
 directory's newest complete checkpoint (or a checkpoint directory named directly), in the released
