@@ -13,6 +13,8 @@ interpreter running this test, the README's convention being `.venv/bin/python` 
   longer run here: "extend" extends), no evaluation, sample or wandb; then that step's checkpoint must exist;
 - `python -m kimi.generate ...`: against the run the README trained in that run dir; the text must start with
   the prompt;
+- `python -m kimi.eval ...`: against the run the README trained in that run dir (the shipped tasks, no hub);
+  it must print that checkpoint's step and a score per task and metric;
 - `python -m kimi.summary ...`, `--help` lines and `ls`: as written;
 - `python -m kimi.ablate report ...`: in a copy of the package, configs, committed ablation records and
   docs/ablations.md, whose report files (and, with --docs, the page's results section) are removed first:
@@ -52,6 +54,8 @@ GPUS_8 = "8 processes (8 GPUs)"
 FT_JOBS = ("a lighthouse and two replica groups running at once, each waiting on the others; "
            "tests/test_fault_tolerance.py runs them (a lighthouse, two one-process groups, one killed and started "
            "again)")
+HUB_TASKS = ("downloads the tasks' data from the Hugging Face hub, which tests do not reach; docs/eval.md's "
+             "first command runs the same command on the shipped tasks")
 SKIPPED = {
     "make test": "runs the whole suite, this file included (minutes); `make test PYTEST_ARGS=...` is checked "
                  "with make -n",
@@ -99,6 +103,11 @@ SKIPPED = {
         "loads it in transformers",
     ".venv/bin/python -c 'from kimi.convert import load_hf; model = load_hf('\"'\"'hf_dir'\"'\"')'":
         "a placeholder directory; tests/test_hf_interop.py loads save_pretrained's output with load_hf",
+    ".venv/bin/python -m kimi.eval run=runs/first hf=hf_first limit=50":
+        "needs the run exported with kimi.convert to-hf; tests/test_eval.py runs the same command on a trained "
+        "tiny run and a Kimi-Linear-like one and their exports, and compares the two sets of scores",
+    ".venv/bin/python -m kimi.eval run=runs/first tasks=hellaswag,arc_easy,arc_challenge limit=500": HUB_TASKS,
+    ".venv/bin/python -m kimi.eval run=runs/first tasks=mmlu num_fewshot=5": HUB_TASKS,
     ".venv/bin/python -m kimi.convert to-hf runs/qat hf_qat --mxfp4-experts":
         "tests/test_low_precision_train.py exports a QAT run with the same command and loads it back, its forward "
         "equal to the trained one's",
@@ -186,6 +195,8 @@ def kind(command: str) -> str | None:
             return "generate"
         if rest[:2] == ["-m", "kimi.summary"]:
             return "summary"
+        if rest[:2] == ["-m", "kimi.eval"]:
+            return "eval"
         if rest[:3] == ["-m", "kimi.ablate", "report"]:
             return "ablate-report"
     if prog == ".venv/bin/torchrun" and "--standalone" in rest and _value(rest, "--nproc_per_node") == "2":
@@ -403,6 +414,13 @@ def check(box: Sandbox, command: str) -> None:
         assert re.fullmatch(rf"\[kimi\] step {box.trained[run]} checkpoint, [1-9]\d* tokens:", header), out
         assert text.startswith(prompt) and len(text.rstrip()) > len(prompt), (
             f"the README's generate example should print text starting with its prompt {prompt!r}: {out!r}")
+    elif how == "eval":
+        run = box.ensure_trained(_arg(words, "run"))
+        argv = [f"run={run}" if _key(w) == "run" else w for w in words[3:]]
+        out = box.run([*exe, "-m", "kimi.eval", *argv]).stdout
+        header, _, scores = out.partition("\n")
+        assert header == f"[kimi] step {box.trained[run]} checkpoint of {run}:", out
+        assert re.search(r"^kimi_cloze +acc +[\d.]+$", scores, re.M), out
     elif how == "ablate-report":
         report_from_records(box, exe, words)
     elif how in ("summary", "help"):
