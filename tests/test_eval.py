@@ -10,16 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from lm_eval.api.instance import Instance  # the eval extra, also in dev
 
 from helpers import make_corpus, tiny_model_cfg
-
-pytest.importorskip("lm_eval", reason="lm-eval (eval and dev extras) not installed")
-from lm_eval.api.instance import Instance  # noqa: E402
-
-from kimi.eval import harness  # noqa: E402
-from kimi.eval.build_tasks import build  # noqa: E402
-from kimi.eval.lm import KimiLM  # noqa: E402
-from kimi.model import KimiModel  # noqa: E402
+from kimi.eval import harness
+from kimi.eval.build_tasks import build
+from kimi.eval.lm import KimiLM
+from kimi.model import KimiModel
 
 # The settings transformers' Kimi Linear expresses (docs/huggingface.md): a run with them exports natively.
 KIMI_LINEAR_LIKE = ["model.residual=standard", "model.kda_gate_bias=false", "model.qk_rope_head_dim=8",
