@@ -16,11 +16,14 @@ PACKAGE = "kimi.conf"
 
 
 def checkout_conf() -> Optional[Path]:
-    """The checkout's conf/ when this kimi package runs from one, else None. pyproject.toml beside it tells a
-    checkout from site-packages, where an unrelated top-level `conf` directory could lie beside kimi."""
-    root = Path(__file__).resolve().parents[1]
-    conf = root / "conf"
-    return conf if (conf / "config.yaml").is_file() and (root / "pyproject.toml").is_file() else None
+    """The checkout's conf/ when this kimi package runs from one (or from a copy of kimi/ and conf/), else
+    None. A wheel's own copy inside the package comes first: in site-packages an unrelated top-level `conf`
+    directory could lie beside kimi."""
+    package = Path(__file__).resolve().parent
+    if (package / "conf" / "config.yaml").is_file():
+        return None
+    conf = package.parent / "conf"
+    return conf if (conf / "config.yaml").is_file() else None
 
 
 def conf_dir() -> Path:
