@@ -3,15 +3,18 @@ launch, each probed before it trains.
 
     torchrun --nproc_per_node N tests/dist_fp8_gather.py RUNS.json OUT.json
 
-RUNS.json holds a list of {"run_dir", "overrides", "resume_from"?}. With resume_from (a finished run dir and a
-step), rank 0 first copies that run's dir without its checkpoints after the step, so the run resumes there.
+RUNS.json holds a list of {"run_dir", "overrides", "resume_from"?, "reload"?}. With resume_from (a finished run
+dir and a step), rank 0 first copies that run's dir without its checkpoints after the step, so the run resumes
+there. With reload (a step), the trained run then loads its checkpoint of that step back into the same engine,
+as a rollback does.
 OUT.json gets, per run, from rank 0:
 
 * gathered_bytes: what FSDP's all-gathers of one forward (an evaluation batch) return, in bytes;
 * converted: the fp8 projections; fp8_weights: the weights torchao's float8 gather moves, fp8_elements
   their elements;
 * gathered_fp8_exact: for every such weight, whether the fp8 data and scale the layer is handed once its
-  unit is gathered equal torchao's cast of the whole fp32 master (gathered in fp32 and cast in one piece).
+  unit is gathered equal torchao's cast of the whole fp32 master (gathered in fp32 and cast in one piece);
+  before training, and (exact_trained, exact_reloaded) after it and after the reload.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ def probe(trainer) -> dict:
 
 
 def main(spec: Path, out: Path) -> None:
+    from kimi import checkpoint
     from kimi.config import register_configs
     from kimi.parallel import destroy_distributed
     from kimi.trainer import Trainer
@@ -105,6 +109,12 @@ def main(spec: Path, out: Path) -> None:
         trainer = Trainer(cfg)
         results[run["run_dir"]] = probe(trainer)
         trainer.fit()
+        if trainer.engine.float8_gather:
+            results[run["run_dir"]]["exact_trained"] = fp8_exact(trainer)
+        if "reload" in run:
+            ckpt = checkpoint.step_dir(Path(run["run_dir"]) / "checkpoints", run["reload"])
+            checkpoint.load(ckpt, trainer.engine, trainer.loader)
+            results[run["run_dir"]]["exact_reloaded"] = fp8_exact(trainer)
         del trainer
         gc.collect()
     if dist.get_rank() == 0:
