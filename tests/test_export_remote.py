@@ -87,6 +87,7 @@ def theirs(directory):
 
 
 def test_logits_and_greedy_decoding_equal_ours(exported, spm):
+    from kimi.model import lm_loss
     from kimi.model.decode import generate
 
     ours, _, hf_dir, printed = exported
@@ -97,6 +98,8 @@ def test_logits_and_greedy_decoding_equal_ours(exported, spm):
     tokens = torch.randint(3, spm.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(model(tokens).logits, ours(tokens), atol=1e-4, rtol=1e-4)
+        # labels as transformers takes them: the sequence itself, shifted inside
+        torch.testing.assert_close(model(tokens, labels=tokens).loss, lm_loss(ours(tokens)[:, :-1], tokens[:, 1:]))
     prompts = tokens[:, :6]
     batch = model.generate(prompts, max_new_tokens=8, do_sample=False)[:, 6:].tolist()
     for prompt, continued in zip(prompts, batch):
@@ -244,10 +247,12 @@ def test_triton_asked_for_falls_back_to_the_pytorch_path(exported):
     dispatch.reset()
 
 
-def test_padding_is_refused(exported):
+def test_padding_and_embeddings_are_refused(exported):
     model = theirs(exported[2])
     with pytest.raises(ValueError, match="without padding"):
         model(torch.ones(2, 4, dtype=torch.long), attention_mask=torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="not inputs_embeds"):
+        model(inputs_embeds=torch.zeros(1, 4, model.config.hidden_size))
 
 
 @pytest.mark.parametrize("kind", ["tiktoken", "tokenizer.json"])

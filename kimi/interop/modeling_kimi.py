@@ -47,9 +47,9 @@ class KimiPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module):
         """The tensors the weights file did not fill: our MoE layers' running statistics (non-persistent
         buffers) start at zero, as KimiModel.init_buffers starts them; a parameter as our init rules start
-        it (the same value KimiModel would draw for it)."""
+        it (KimiModel.init_parameter)."""
         model = getattr(self, "model", None)
-        if model is None:
+        if model is None:  # called before our model exists: nothing of ours to fill yet
             return
         names = self.__dict__.setdefault("_module_names", {id(m): n for n, m in model.named_modules()})
         for buffer in module.buffers(recurse=False):
@@ -80,13 +80,15 @@ class KimiForCausalLM(KimiPreTrainedModel, GenerationMixin):
     def new_cache(self) -> KimiCache:
         return KimiCache(self.model.new_cache().layers)
 
-    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 cache: KimiCache | None = None, past_key_values: KimiCache | None = None,
                 use_cache: bool | None = None, labels: torch.LongTensor | None = None,
                 return_dict: bool | None = None, **kwargs):
         """Logits [B, T, vocab] of input_ids [B, T]; with a cache (or use_cache, which starts one) the rows
         continue the sequences it holds. labels: the next-token loss over positions 1.. (-100 ignored).
         Rows run unpadded: an attention_mask with a zero is refused."""
+        if input_ids is None:
+            raise ValueError("this model takes input_ids (token ids), not inputs_embeds")
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("this model runs rows without padding: pass rows of equal length (no zeros in "
                              "attention_mask), or one sequence per call")
@@ -96,6 +98,7 @@ class KimiForCausalLM(KimiPreTrainedModel, GenerationMixin):
         logits = self.model(input_ids, cache=cache)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+            shifted = logits[:, :-1].float().flatten(0, 1)
+            loss = F.cross_entropy(shifted, labels[:, 1:].flatten(), ignore_index=-100)
         out = CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
         return out if return_dict is not False else out.to_tuple()
