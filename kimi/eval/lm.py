@@ -56,35 +56,29 @@ class KimiLM(TemplateLM):
         return self.kimi_tokenizer.decode(tokens)
 
     @torch.no_grad()
-    def token_logprobs(self, inputs: list[list[int]]) -> list[torch.Tensor]:
-        """Each token list's log-probabilities of every next token, [len, vocab] in fp32, batched."""
-        out: list[torch.Tensor] = [torch.empty(0)] * len(inputs)
+    def _score(self, inputs: list[list[int]], conts: list[list[int]]) -> list[tuple[float, bool]]:
+        """(log p of conts[i], whether greedy decoding gives it) for each inputs[i], what the model reads:
+        the context and conts[i] less its last token. Batched; log-softmax in fp32 over the scored positions
+        only (a whole row of a large vocabulary's log-probabilities would not fit)."""
+        out: list[tuple[float, bool]] = [(0.0, False)] * len(inputs)
         order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
         for start in range(0, len(order), self.batch_size):
             chunk = order[start:start + self.batch_size]
-            width = len(inputs[chunk[0]])
-            ids = torch.zeros(len(chunk), width, dtype=torch.long)
+            ids = torch.zeros(len(chunk), len(inputs[chunk[0]]), dtype=torch.long)
             for row, i in enumerate(chunk):
                 ids[row, :len(inputs[i])] = torch.tensor(inputs[i])
             logits = _whole(self.model(ids.to(self.device)))
-            logprobs = F.log_softmax(logits.float(), dim=-1).cpu()
             for row, i in enumerate(chunk):
-                out[i] = logprobs[row, :len(inputs[i])]
+                end, target = len(inputs[i]), torch.tensor(conts[i], device=logits.device)
+                logprobs = F.log_softmax(logits[row, end - len(target):end].float(), dim=-1)
+                out[i] = (float(logprobs.gather(1, target[:, None]).sum()),
+                          bool((logprobs.argmax(-1) == target).all()))
         return out
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False,
                               **kwargs) -> list[tuple[float, bool]]:
-        inputs, conts = [], []
-        for _, context, continuation in requests:
-            inputs.append((context + continuation)[-(self.max_length + 1):][:-1])
-            conts.append(continuation)
-        results = []
-        for logprobs, cont in zip(self.token_logprobs(inputs), conts):
-            scored = logprobs[-len(cont):]
-            target = torch.tensor(cont)
-            results.append((float(scored.gather(1, target[:, None]).sum()),
-                            bool((scored.argmax(-1) == target).all())))
-        return results
+        inputs = [(context + cont)[-(self.max_length + 1):][:-1] for _, context, cont in requests]
+        return self._score(inputs, [cont for _, _, cont in requests])
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         windows, owner = [], []
