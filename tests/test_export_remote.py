@@ -143,8 +143,8 @@ def test_sharded_weights_load_both_ways(spm, tmp_path):
     from kimi.model import KimiModel
 
     torch.manual_seed(0)
-    ours = fill_randomly(KimiModel(preset("moe_tiny", spm.vocab_size)), std=0.2).eval()
-    files = save_remote(ours, tmp_path / "hf", shard_bytes=2**20)
+    ours = fill_randomly(KimiModel(tiny_model_cfg(vocab_size=spm.vocab_size, moe_num_experts=4)), std=0.2).eval()
+    files = save_remote(ours, tmp_path / "hf", shard_bytes=2**15)
     assert sum(f.endswith(".safetensors") for f in files) > 2
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     tokens = torch.randint(3, spm.vocab_size, (1, 16), generator=torch.Generator().manual_seed(4))
