@@ -118,6 +118,19 @@ def test_logits_and_greedy_decoding_equal_ours(exported, spm):
         == mine + [stop]
 
 
+def test_beam_search_through_the_cache_equals_beam_search_without_one(exported):
+    """Beam search reorders our cache's rows (KimiCache.reorder_cache); without a cache every step reruns the
+    whole sequence, so the two agree only if each beam's state follows it."""
+    ours, _, hf_dir, _ = exported
+    model = theirs(hf_dir)
+    prompt = torch.randint(3, ours.cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(6))
+    beams = [model.generate(prompt, max_new_tokens=6, num_beams=3, num_return_sequences=3, do_sample=False,
+                            eos_token_id=-1, use_cache=use) for use in (True, False)]
+    assert torch.equal(*beams)
+    new = [tuple(b[5:].tolist()) for b in beams[0]]
+    assert any(a[0] == b[0] and a != b for a in new for b in new)  # two beams of one: rows were copied
+
+
 def test_buffers_and_missing_tensors_start_as_ours_would(exported, tmp_path):
     """from_pretrained fills our tensors from the file; the MoE layers' running statistics (not stored)
     start at zero, and a parameter the file lacks starts by our own init rule (a norm weight: ones)."""

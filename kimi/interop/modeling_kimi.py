@@ -6,6 +6,8 @@ is our forward, and with a cache our incremental decoding: KDA's recurrent state
 latents (kimi.model.cache), carried between generate()'s steps by KimiCache.
 """
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
@@ -36,12 +38,27 @@ class KimiCache(InferenceCache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen_tokens
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: each row of every layer's state becomes the state of the beam it continues."""
+
+        def pick(x):
+            if isinstance(x, torch.Tensor):
+                return x.index_select(0, beam_idx.to(x.device))
+            return {k: pick(v) for k, v in x.items()} if isinstance(x, dict) else x
+
+        for i, layer in enumerate(self.layers):
+            if dataclasses.is_dataclass(layer):
+                for f in dataclasses.fields(layer):
+                    setattr(layer, f.name, pick(getattr(layer, f.name)))
+            else:
+                self.layers[i] = pick(layer)
+
 
 class KimiPreTrainedModel(PreTrainedModel):
     config_class = KimiConfig
     base_model_prefix = "model"
     _no_split_modules = ["Block"]
-    _is_stateful = True  # KDA's state cannot step back: no assisted decoding
+    _is_stateful = True  # KDA's state cannot step back: no assisted decoding (beam search reorders it)
     _tied_weights_keys = {"model.lm_head.weight": "model.embed.weight"}  # when tie_word_embeddings
 
     def _init_weights(self, module):
