@@ -13,12 +13,15 @@ Triton kernels interpreted, at whatever (tiny) sizes are given: plumbing, not me
 
 On CPU: forward+backward time of the token-by-token reference, the PyTorch chunkwise path and SDPA, fp32,
 B = 1 (the shape of the cost, not peak speed: KDA grows linearly in T, attention quadratically once the
-T^2 term dominates). Writes bench/results/kda_cpu.json.
+T^2 term dominates). Writes bench/results/kda_cpu.json. --safe-gate: the PyTorch chunk path told Kimi K3's gate
+bound (lower_bound=-5: 16-token diagonal blocks as anchored matmuls) against its general form, on the same
+safe-gate inputs, calls alternating; writes bench/results/kda_cpu_safe_gate.json.
 
     python bench/kda.py [--T ...] [--repeats 3] [--skip-naive-above 4096] [--threads N]   (CPU)
     python bench/kda.py [--T 2048 4096 8192 16384 32768] [--tokens 32768] [--heads 16] [--dim 128]  (GPU)
     python bench/kda.py --check [--check-docs 100 1 199 137 63] [--check-heads 4] [--check-dim 128]  (GPU)
     python bench/kda.py --compile-check [--arch 90|80|all] [--quick] [--jobs N]   (no GPU needed)
+    python bench/kda.py --safe-gate [--T 1024 2048 4096] [--repeats 7] [--threads 1]   (CPU: bounded vs general)
 
 --compile-check compiles every KDA Triton kernel (kimi/ops/kda/triton/) for sm_90 and sm_80 with triton's
 bundled ptxas, over head dims K, V in {64, 128}, bf16/fp32 inputs and the constexpr switches, and writes
@@ -99,6 +102,52 @@ def cpu_kda_step(backend: str, T: int, heads: int, dim: int):
         o.sum().backward()
 
     return step
+
+
+def cpu_safe_gate_step(T: int, heads: int, dim: int, lower_bound: float | None):
+    """The PyTorch chunk path on Kimi K3's safe-gate inputs (g = -5 sigmoid(x)), told the bound or not."""
+    inputs = kda_inputs(1, T, heads, dim)
+    inputs[3] = -5 * torch.sigmoid(torch.randn(inputs[3].shape, generator=torch.Generator().manual_seed(1)))
+    inputs = [x.requires_grad_() for x in inputs]
+
+    def step():
+        o, _ = chunk_kda(*inputs, backend="chunk", lower_bound=lower_bound)
+        o.sum().backward()
+
+    return step
+
+
+def run_cpu_safe_gate(args) -> None:
+    """The bounded chunk path against the general one on the same safe-gate inputs, calls alternating."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    Ts = sorted(args.T or [1024, 2048, 4096])
+    heads, dim = args.heads or 4, args.dim or 64
+    rows = {}
+    for T in Ts:
+        steps = {name: cpu_safe_gate_step(T, heads, dim, lb) for name, lb in (("general", None), ("bounded", -5.0))}
+        times = {name: [] for name in steps}
+        for step in steps.values():
+            step()  # warm-up
+        for _ in range(args.repeats):
+            for name, step in steps.items():
+                start = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - start)
+        rows[T] = {name: statistics.median(t) for name, t in times.items()}
+        rows[T]["paired_ratios"] = sorted(b / a for a, b in zip(times["general"], times["bounded"]))
+    setup = f"B=1, H={heads}, d={dim}, {torch.get_num_threads()} threads, median of {args.repeats} alternating calls"
+    print(f"\nforward+backward of the PyTorch chunk path on safe-gate inputs (g = -5 sigmoid(x)), fp32 CPU, {setup}\n")
+    print("| T | general path (s) | bounded path, lower_bound=-5 (s) | bounded / general (paired min-max) |")
+    print("|---|---|---|---|")
+    for T, r in rows.items():
+        lo, hi = r["paired_ratios"][0], r["paired_ratios"][-1]
+        print(f"| {T} | {r['general']:.3f} | {r['bounded']:.3f} | {r['bounded'] / r['general']:.2f}x "
+              f"({lo:.2f}-{hi:.2f}) |")
+    write(args.out or RESULTS / "kda_cpu_safe_gate.json",
+          {"config": {"B": 1, "H": heads, "d": dim, "dtype": "float32", "repeats": args.repeats,
+                      "threads": torch.get_num_threads(), "torch": torch.__version__},
+           "seconds_fwd_bwd": {str(T): r for T, r in rows.items()}})
 
 
 def cpu_sdpa_step(T: int, heads: int, dim: int):
@@ -757,6 +806,8 @@ def main() -> None:
     parser.add_argument("--skip-naive-above", type=int, default=4096, help="CPU")
     parser.add_argument("--threads", type=int, default=None, help="CPU: torch intra-op threads")
     parser.add_argument("--cpu", action="store_true", help="the CPU table even when a GPU is present")
+    parser.add_argument("--safe-gate", action="store_true",
+                        help="CPU: the chunk path's bounded form (Kimi K3's safe gate) against its general one")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--check", action="store_true",
                         help="GPU: only the correctness check of every KDA Triton op (exit 1 when one fails)")
@@ -776,6 +827,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="--compile-check: bf16, K = V = 128 only")
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="--compile-check processes")
     args = parser.parse_args()
+    if args.safe_gate:
+        run_cpu_safe_gate(args)
+        return
     if args.compile_check:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         compile_check(args)

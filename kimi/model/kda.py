@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -209,7 +211,7 @@ class KDA(Sublayer, ParamViews, nn.Module):
         if cache is not None and T <= _RECURRENT_MAX_T:
             kda, backend = fused_recurrent_kda, self.recurrent_backend
         else:
-            kda, backend = chunk_kda, self.chunk_backend
+            kda, backend = partial(chunk_kda, lower_bound=self.lower_bound), self.chunk_backend
         if context is not None:
             o = context.kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend)
         else:

@@ -22,6 +22,8 @@ input of the same dtypes and head dims, so a backward kernel that cannot compile
 forward runs (the module docstring of kimi.ops.dispatch says why, and what is not covered).
 """
 
+from functools import partial
+
 import torch
 
 from kimi.ops.dispatch import Guard, auto_picks_triton, needs_grad
@@ -162,13 +164,17 @@ def chunk_kda(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     backend: str | None = None,
+    lower_bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA over whole sequences (training, prefill). backend: "triton" (default for CUDA tensors), "chunk"
-    (PyTorch, the default otherwise) or "naive"."""
+    (PyTorch, the default otherwise) or "naive". lower_bound: every g is >= it (Kimi K3's safe gate), which
+    lets the PyTorch chunk path take its faster bounded form (kimi/ops/kda/chunk.py); the Triton kernels
+    keep their general path."""
+    torch_chunk = partial(chunk_kda_torch, lower_bound=lower_bound)
     fn = _pick_backend(backend, _CHUNK_BACKENDS, "chunk", "chunk_kda", q.device)
     guard = _CHUNK_GUARD if fn is _triton_chunk else None
-    return _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, guard,
-                chunk_kda_torch, backend is not None)
+    return _run(torch_chunk if fn is chunk_kda_torch else fn, q, k, v, g, beta, scale, initial_state,
+                output_final_state, cu_seqlens, guard, torch_chunk, backend is not None)
 
 
 def fused_recurrent_kda(

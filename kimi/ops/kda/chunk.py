@@ -35,6 +35,11 @@ from .naive import compute_dtype
 TRITON_MAX_HEAD_DIM = 256
 CHUNK_SIZE = 64  # tokens per chunk: the one definition (Triton kernels, the layer, FLOP counts use it)
 SUB_CHUNKS = (16, 4)
+# Under Kimi K3's safe gate (every g >= L, L >= -5 = BOUNDED_MIN): within 16 tokens G falls by at most 80,
+# and e^80 fits fp32 and bf16 (their largest is ~e^88.7), so a 16-token diagonal block is one anchored matmul
+# (_bounded_scores) instead of a recursion down to exact 4 x 4 blocks.
+BOUNDED_SUB_CHUNK = 16
+BOUNDED_MIN = -80.0 / BOUNDED_SUB_CHUNK
 
 
 def _to_chunks(x: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -59,8 +64,19 @@ def _exact_scores(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[to
     return (k_decayed @ torch.stack([k, q], dim=-1)).unbind(-1)
 
 
+def _bounded_scores(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same scores of blocks [.., S, K] whose G falls by at most 80 (S tokens of gates >= BOUNDED_MIN):
+    anchored at each block's first position, exp(G_t - G_0) in (e^-80, 1] and exp(G_0 - G_s) in [1, e^80),
+    both finite, so every pair is one matmul; the pairs s > t (finite too) are masked after it."""
+    anchor = G[..., :1, :]
+    keys = k * (anchor - G).exp()
+    to_anchor = (G - anchor).exp()
+    kk, qk = (torch.cat([k * to_anchor, q * to_anchor], dim=-2) @ keys.transpose(-1, -2)).split(G.shape[-2], -2)
+    return kk.tril(), qk.tril()
+
+
 def _scores(
-    q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, subs: tuple[int, ...]
+    q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, subs: tuple[int, ...], leaf=_exact_scores
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Key-key and query-key scores sum_d x_{t,d} k_{s,d} exp(G_{t,d} - G_{s,d}), x = k or q, s <= t.
 
@@ -68,7 +84,7 @@ def _scores(
     length subs[0] are anchored matmuls (module doc); the diagonal sub-blocks recurse on subs[1:].
     """
     if not subs:
-        return _exact_scores(q, k, G)
+        return leaf(q, k, G)
     n, S = G.shape[-2], subs[0]
     J = n // S
     qs, ks, Gs = (x.unflatten(-2, (J, S)) for x in (q, k, G))  # [.., J, S, K]
@@ -84,7 +100,7 @@ def _scores(
     off = rows @ keys.transpose(-1, -2)  # [.., J - 1, 2S, n - S]
     # Row block 0 has no earlier sub-block, and no pair has s in the last one.
     off = F.pad(off, (0, S, 0, 0, 1, 0)).split(S, dim=-2)  # 2 x [.., J, S, n]
-    diagonal = _scores(qs, ks, Gs, subs[1:])  # 2 x [.., J, S, S]
+    diagonal = _scores(qs, ks, Gs, subs[1:], leaf)  # 2 x [.., J, S, S]
     # Add each diagonal block at column block j of row block j.
     on_diagonal = torch.eye(J, dtype=G.dtype, device=G.device).view(J, 1, J, 1)
     return tuple(
@@ -102,8 +118,11 @@ def chunk_kda_torch(
     scale: float,
     initial_state: torch.Tensor | None = None,
     chunk_size: int = CHUNK_SIZE,
+    lower_bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`kimi.ops.kda.naive.naive_recurrent_kda`, computed chunk by chunk."""
+    """Same contract as :func:`kimi.ops.kda.naive.naive_recurrent_kda`, computed chunk by chunk.
+    lower_bound: every g is known to be >= it (Kimi K3's safe gate): at BOUNDED_MIN or above, the diagonal
+    blocks take the bounded path (module constants)."""
     dtype, out_dtype = compute_dtype(q), v.dtype
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -114,8 +133,12 @@ def chunk_kda_torch(
     k, v, g, beta = (_to_chunks(x, chunk_size, dtype) for x in (k, v, g, beta))
     G = g.cumsum(-2)  # in-chunk cumulative log-decay, per channel
 
-    subs = tuple(s for s in SUB_CHUNKS if s < chunk_size and chunk_size % s == 0)
-    L, A_qk = _scores(q, k, G, subs)
+    bounded = lower_bound is not None and lower_bound >= BOUNDED_MIN and chunk_size % BOUNDED_SUB_CHUNK == 0
+    if bounded:
+        subs, leaf = ((BOUNDED_SUB_CHUNK,) if chunk_size > BOUNDED_SUB_CHUNK else ()), _bounded_scores
+    else:
+        subs, leaf = tuple(s for s in SUB_CHUNKS if s < chunk_size and chunk_size % s == 0), _exact_scores
+    L, A_qk = _scores(q, k, G, subs, leaf)
     L = L.tril(-1)  # the delta rule couples each token to earlier ones only
 
     # Delta rule within the chunk: solve (I + StrictLower(Diag(beta) L)) [W U] = Diag(beta) [exp(G) K, V].
