@@ -1,9 +1,12 @@
 """The per-head max logits of a softmax-attention sublayer: what QK-Clip reads after each update and a
-diagnostic pass shows (MLA and MHA share this bookkeeping)."""
+diagnostic pass shows; and the attention call that measures them (MLA and MHA share both)."""
 
 from __future__ import annotations
 
 import torch
+
+from kimi.ops.attention import attention
+from kimi.ops.documents import cu_seqlens_from_starts
 
 from .probe import PROBE
 
@@ -54,3 +57,27 @@ class RecordsMaxLogits:
             self._seen_max_logits.append(max_logits)
         if PROBE.on:
             PROBE.record(self, max_logits=max_logits)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None,
+               context=None) -> torch.Tensor:
+        """Causal attention [B, T, H, Dv], keeping its max logits when wanted. Under context parallelism with
+        packed documents each row's queries attend over its keys under its own documents."""
+        record, measure = self.logits_wanted()
+        if context is not None and cu_seqlens is not None:
+            out = _rows_over_documents(q, k, v, context.prefix_doc_starts(), measure)
+        else:
+            out = attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, return_max_logits=measure)
+        if measure:
+            out, max_logits = out
+            self.keep_max_logits(max_logits, record)
+        return out
+
+
+def _rows_over_documents(q, k, v, starts: torch.Tensor, record: bool):
+    """Each row's queries over its keys under its own documents (starts [rows, Tk]), as attention() returns
+    them for the rows stacked."""
+    outs = [attention(q[r:r + 1], k[r:r + 1], v[r:r + 1], causal=True, return_max_logits=record,
+                      cu_seqlens=cu_seqlens_from_starts(starts[r:r + 1])) for r in range(q.shape[0])]
+    if not record:
+        return torch.cat(outs)
+    return torch.cat([o for o, _ in outs]), torch.cat([m for _, m in outs])

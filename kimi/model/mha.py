@@ -20,13 +20,12 @@ import torch
 from torch import nn
 
 from kimi.config import ModelConfig
-from kimi.ops.attention import attention
 
 from .cache import KVCache
 from .init import Rules, normal
 from .layouts import QKClipSpec, RowRule, RowSplit
 from .maxlogits import RecordsMaxLogits
-from .mla import MLA, apply_rope
+from .mla import apply_rope
 from .sublayer import Sublayer, TPPlan
 
 
@@ -110,12 +109,4 @@ class MHA(RecordsMaxLogits, Sublayer, nn.Module):
             kv = context.prefix(kv)
             k, v = kv.view(*kv.shape[:2], -1, 2 * D).split([D, D], dim=-1)
             q = q.reshape(context.rows, context.length, *q.shape[2:])
-        record, measure = self.logits_wanted()
-        if context is not None and cu_seqlens is not None:
-            out = MLA._rows_over_documents(q, k, v, context.prefix_doc_starts(), measure)
-        else:
-            out = attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, return_max_logits=measure)
-        if measure:
-            out, max_logits = out
-            self.keep_max_logits(max_logits, record)
-        return self.wo(out.reshape(B, T, -1))
+        return self.wo(self.attend(q, k, v, cu_seqlens, context).reshape(B, T, -1))

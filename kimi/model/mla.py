@@ -29,8 +29,6 @@ import torch
 from torch import nn
 
 from kimi.config import ModelConfig
-from kimi.ops.attention import attention
-from kimi.ops.documents import cu_seqlens_from_starts
 
 from .cache import MLACache
 from .init import Rules, apply_rules, constant, normal
@@ -174,25 +172,7 @@ class MLA(RecordsMaxLogits, Sublayer, nn.Module):
         kv = self.wkv_b(c_kv).view(c_kv.shape[0], c_kv.shape[1], -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
-        record, measure = self.logits_wanted()
-        if context is not None and cu_seqlens is not None:
-            out = self._rows_over_documents(q, k, v, context.prefix_doc_starts(), measure)
-        else:
-            out = attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, return_max_logits=measure)
-        if measure:
-            out, max_logits = out
-            self.keep_max_logits(max_logits, record)
-        out = out.reshape(B, T, -1)
+        out = self.attend(q, k, v, cu_seqlens, context).reshape(B, T, -1)
         if self.wg is not None:
             out = out * torch.sigmoid(self.wg(x))
         return self.wo(out)
-
-    @staticmethod
-    def _rows_over_documents(q, k, v, starts: torch.Tensor, record: bool):
-        """Each row's queries over its keys under its own documents (starts [rows, Tk]), as attention()
-        returns them for the rows stacked."""
-        outs = [attention(q[r:r + 1], k[r:r + 1], v[r:r + 1], causal=True, return_max_logits=record,
-                          cu_seqlens=cu_seqlens_from_starts(starts[r:r + 1])) for r in range(q.shape[0])]
-        if not record:
-            return torch.cat(outs)
-        return torch.cat([o for o, _ in outs]), torch.cat([m for _, m in outs])
