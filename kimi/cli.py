@@ -68,6 +68,27 @@ def run_main(body: Callable[[], int]) -> int:
         return code
 
 
+def key_value_main(argv: list[str] | None, help_text: str, usage: str, parse: Callable, run: Callable,
+                   usage_error: type) -> int:
+    """main() of a key=value command (kimi.generate, kimi.eval): -h / --help prints help_text; parse(argv)
+    gives the arguments run(args) takes; a usage_error from parse also prints the usage line; every known
+    problem is one line (run_main)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        print(help_text)
+        return EXIT_OK
+
+    def body() -> int:
+        try:
+            args = parse(argv)
+        except usage_error:
+            print(usage, file=sys.stderr)
+            raise
+        return run(args)
+
+    return run_main(body)
+
+
 def finish(code: int, run_dir: str | os.PathLike) -> int:
     """Record `code` for the launch scripts (rank 0, when the run dir exists) and return the process's own
     exit code."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kimi.cli import EXIT_OK, run_main
+from kimi.cli import EXIT_OK, key_value_main
 from kimi.config import ConfigError
 from kimi.model import KimiModel
 from kimi.model.decode import generate
@@ -240,20 +240,7 @@ def _generate(args: GenerateArgs) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line (see HELP); returns the exit code, every known problem printed as one line."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "-h" in argv or "--help" in argv:
-        print(HELP)
-        return EXIT_OK
-
-    def body() -> int:
-        try:
-            args = parse_args(argv)
-        except UsageError:
-            print(USAGE, file=sys.stderr)
-            raise
-        return _generate(args)
-
-    return run_main(body)
+    return key_value_main(argv, HELP, USAGE, parse_args, _generate, UsageError)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from kimi.cli import EXIT_OK, run_main
+from kimi.cli import EXIT_OK, key_value_main
 from kimi.config import ConfigError
 from kimi.eval import harness
 from kimi.generate import UsageError, _device, _int, load_from_checkpoint
@@ -123,18 +123,8 @@ def _evaluate(args: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "-h" in argv or "--help" in argv:
-        print(HELP)
-        return EXIT_OK
-
-    def body() -> int:
-        try:
-            args = parse_args(argv)
-        except UsageError:
-            print(USAGE, file=sys.stderr)
-            raise
+    def run(args) -> int:
         harness.require_lm_eval()
         return _evaluate(args)
 
-    return run_main(body)
+    return key_value_main(argv, HELP, USAGE, parse_args, run, UsageError)
