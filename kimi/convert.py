@@ -1,8 +1,11 @@
 """Checkpoints to and from Hugging Face `transformers`' Kimi Linear (`KimiLinearForCausalLM`), and Kimi K3's layout.
 
-    python -m kimi.convert to-hf RUN_DIR HF_DIR [--shard-gb 5] [--layout release|save_pretrained|k3]
-                                 [--mxfp4-experts | --remote-code]
-    python -m kimi.convert from-hf HF_DIR RUN_DIR
+    python -m kimi.convert to-hf run=RUN_DIR out=HF_DIR [layout=release|save_pretrained|k3] [shard_gb=5]
+                                 [mxfp4_experts=true | remote_code=true]
+    python -m kimi.convert from-hf hf=HF_DIR run=RUN_DIR
+
+key=value as every kimi command; the positional form with --flags (to-hf RUN_DIR HF_DIR --layout k3 ...,
+from-hf HF_DIR RUN_DIR) is still read.
 
 from-hf makes a new run directory from a transformers Kimi Linear directory: RUN_DIR/init (a weights-only
 checkpoint, fp32), RUN_DIR/model/hf.yaml (the model settings) and RUN_DIR/tokenizer.model, a copy of the
@@ -14,7 +17,7 @@ tokenizer; `python -m kimi.generate run=RUN_DIR` samples from it.
 to-hf writes HF_DIR/config.json and model(-0000i-of-0000n).safetensors (+ the index when sharded) from a run
 directory's newest complete checkpoint (or a checkpoint directory named directly), in the released
 checkpoints' layout, which `transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)` loads as
-KimiLinearForCausalLM and mlx-lm's kimi_linear reads (`--layout save_pretrained`: the tensor names
+KimiLinearForCausalLM and mlx-lm's kimi_linear reads (`layout=save_pretrained`: the tensor names
 transformers' save_pretrained writes, the dense first block's MLP under block_sparse_moe). A model whose
 settings transformers' class cannot express (Attention Residuals, rotated MLA keys, a bias on KDA's output
 gate: every preset but kimi_linear_48b_a3b) is written with its own modeling code instead (below); the other
@@ -25,20 +28,20 @@ exactly. from-hf (and in Python `load_hf(HF_DIR)`, our model in eval mode) reads
 a time; a missing directory, damaged safetensors, a tensor of another shape or a config.json lacking a key
 is a one-line error naming it. The name and layout mapping is kimi.interop.hf.
 
---layout k3 writes Kimi K3's released layout (kimi.interop.k3: config.json with text_config, tensors under
+layout=k3 writes Kimi K3's released layout (kimi.interop.k3: config.json with text_config, tensors under
 `language_model.`, the depth-mixing sites' queries and key-norm weights, A_log zero-padded), which mlx-lm's
 kimi_k3 reads; from-hf and load_hf read it (a config.json with text_config) as well as Kimi Linear's.
 
 With its own modeling code (kimi.interop.remote), HF_DIR holds config.json (`auto_map`),
 configuration_kimi.py, modeling_kimi.py and the kimi modules they import (our own model's code, its imports
 made relative), and our tensors as safetensors: `AutoModelForCausalLM.from_pretrained(HF_DIR,
-trust_remote_code=True)` runs our forward and our cached decoding (generate()); --remote-code writes any model
+trust_remote_code=True)` runs our forward and our cached decoding (generate()); remote_code=true writes any model
 so (our forward exactly, where transformers' class differs by its MLA latent norm eps). Either way to-hf
 writes the run's tokenizer for `AutoTokenizer.from_pretrained(HF_DIR)` (kimi.interop.tokenizer_files:
 tokenizer.json, tokenizer_config.json and the run's own file), and from-hf and load_hf read such a directory
 back, bit for bit.
 
---mxfp4-experts (for a run trained with precision.qat=mxfp4_experts) writes every routed expert's weight as
+mxfp4_experts=true (for a run trained with precision.qat=mxfp4_experts) writes every routed expert's weight as
 MXFP4 (kimi/precision/mxfp4.py): NAME.weight_packed and NAME.weight_scale (uint8) in place of NAME.weight,
 and config.json's "mxfp4_experts" says so. load_hf and from-hf read them back, dequantised: the forward of
 the trained model (whose experts computed with exactly those values). transformers does not read them.
@@ -83,7 +86,7 @@ class _LazyTensors:
 
     def get(self, names) -> tuple[str, torch.Tensor] | None:
         """(the first of `names` the directory holds, its tensor), or None; NAME.weight may be held as MXFP4
-        (NAME.weight_packed and NAME.weight_scale, --mxfp4-experts), returned dequantised (fp32)."""
+        (NAME.weight_packed and NAME.weight_scale, mxfp4_experts=true), returned dequantised (fp32)."""
         from safetensors import safe_open
 
         for key in names:
@@ -243,7 +246,7 @@ def save_hf(model: KimiModel, directory: str | Path, shard_bytes: int = 5 * 2**3
                   dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
     if mxfp4_experts:
         if not cfg.moe_num_experts:
-            raise ValueError("--mxfp4-experts: this model has no routed experts (model.moe_num_experts=0)")
+            raise ValueError("mxfp4_experts=true: this model has no routed experts (model.moe_num_experts=0)")
         config["mxfp4_experts"] = {"block_size": 32, "elements": "E2M1, two per uint8, even element in the "
                                    "low nibble", "scale": "E8M0 (uint8, 2^(s-127)) per block of the last dim"}
     directory.mkdir(parents=True, exist_ok=True)
@@ -302,10 +305,10 @@ def _to_hf(run: str, out: str, shard_gb: float, layout: str, mxfp4_experts: bool
     from kimi.interop.tokenizer_files import check_packages, write_tokenizer
 
     if remote_code and (layout != "release" or mxfp4_experts):
-        raise ValueError("--remote-code writes our own tensors and modeling code: drop --layout / --mxfp4-experts")
+        raise ValueError("remote_code=true writes our own tensors and modeling code: drop layout= / mxfp4_experts=")
     model, tokenizer, step = load_from_checkpoint(run)
     check_packages(tokenizer)
-    why = "--remote-code" if remote_code else None
+    why = "remote_code=true" if remote_code else None
     if why is None:
         try:
             save_hf(model, out, int(shard_gb * 2**30), layout, mxfp4_experts)
@@ -328,7 +331,53 @@ def _to_hf(run: str, out: str, shard_gb: float, layout: str, mxfp4_experts: bool
     return 0
 
 
+def _key_value(argv: list[str]) -> dict:
+    """The key=value form's arguments of `to-hf` / `from-hf` (argv[0]), each required key checked."""
+    from kimi import keyvalue
+    from kimi.config import ConfigError
+
+    command, rest = argv[0], argv[1:]
+    if command == "to-hf":
+        keys = {"run": str, "out": str, "layout": keyvalue.one_of(*sorted([*LAYOUTS, "k3"])),
+                "shard_gb": keyvalue.positive_float, "mxfp4_experts": keyvalue.boolean,
+                "remote_code": keyvalue.boolean}
+        required = ("run", "out")
+    else:
+        keys, required = {"hf": str, "run": str}, ("hf", "run")
+    args = keyvalue.parse(rest, keys, f"python -m kimi.convert {command}")
+    missing = [k for k in required if k not in args]
+    if missing:
+        raise ConfigError(f"kimi.convert {command}: give {' and '.join(k + '=...' for k in missing)} "
+                          f"({USAGE[command]})")
+    return args
+
+
+USAGE = {"to-hf": "to-hf run=RUN_DIR out=HF_DIR [layout=release|save_pretrained|k3] [shard_gb=5] "
+                  "[mxfp4_experts=true] [remote_code=true]",
+         "from-hf": "from-hf hf=HF_DIR run=RUN_DIR"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line: key=value (USAGE), or the positional form with --flags (argparse below)."""
+    from kimi.cli import RunError
+    from kimi.config import ConfigError
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in USAGE and any("=" in a and not a.startswith("-") for a in argv[1:]):
+        try:
+            args = _key_value(argv)
+            if argv[0] == "from-hf":
+                print("\n".join(from_hf(args["hf"], args["run"])))
+                return 0
+            return _to_hf(args["run"], args["out"], args.get("shard_gb", 5.0), args.get("layout", "release"),
+                          args.get("mxfp4_experts", False), args.get("remote_code", False))
+        except (ConfigError, NotExpressible, FileNotFoundError, ValueError, RunError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    return _flags_main(argv)
+
+
+def _flags_main(argv: list[str]) -> int:
     import argparse
 
     from kimi.cli import RunError

@@ -53,3 +53,29 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise ValueError("must be an integer >= 1")
     return value
+
+
+def boolean(text: str) -> bool:
+    """true/false (also 1/0, yes/no), as Hydra reads them."""
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.lower())
+    if value is None:
+        raise ValueError("must be true or false")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ValueError("must be a number > 0")
+    return value
+
+
+def one_of(*choices: str) -> Callable[[str], str]:
+    def pick(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
+        return text
+    return pick

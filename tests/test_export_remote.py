@@ -296,7 +296,7 @@ def test_other_tokenizer_kinds_load_in_autotokenizer(kind, spm, tmp_path):
 
 def test_a_kimi_linear_model_stays_native_with_its_tokenizer(spm, tmp_path, capsys):
     """What transformers' own class expresses is written for it, as before, now with the tokenizer; with
-    --remote-code it is written with our modeling code instead, which runs our forward."""
+    remote_code=true it is written with our modeling code instead, which runs our forward."""
     from kimi.convert import main
 
     cfg = tiny_model_cfg(vocab_size=spm.vocab_size, residual="standard", kda_gate_bias=False, mla_rotary=False)
@@ -305,13 +305,13 @@ def test_a_kimi_linear_model_stays_native_with_its_tokenizer(spm, tmp_path, caps
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "kimi_linear"
     assert not (tmp_path / "hf" / "modeling_kimi.py").exists()
     assert (tmp_path / "hf" / "tokenizer.json").is_file() and "KimiLinearForCausalLM" in capsys.readouterr().out
-    assert main(["to-hf", str(tmp_path / "run"), str(tmp_path / "remote"), "--remote-code"]) == 0
+    assert main(["to-hf", f"run={tmp_path / 'run'}", f"out={tmp_path / 'remote'}", "remote_code=true"]) == 0
     tokens = torch.randint(3, spm.vocab_size, (1, 16), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         torch.testing.assert_close(load(tmp_path / "remote")(tokens).logits, ours(tokens), atol=1e-4, rtol=1e-4)
     capsys.readouterr()
     assert main(["to-hf", str(tmp_path / "run"), str(tmp_path / "x"), "--remote-code", "--mxfp4-experts"]) == 2
-    assert "--remote-code" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    assert "remote_code=true" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
 def test_other_layouts_still_refuse_what_they_cannot_express(exported, tmp_path, capsys):

@@ -98,7 +98,7 @@ SKIPPED = {
     "runs/ablate/ablate_residual/attnres_block_seed1]' out=dashboard.png":
         "needs the study's runs; tests/test_dashboard.py draws a trained run and one with every diagnostic key "
         "with the same command",
-    ".venv/bin/python -m kimi.convert to-hf 'outputs/<date>/<time>' hf_out":
+    ".venv/bin/python -m kimi.convert to-hf 'run=outputs/<date>/<time>' out=hf_out":
         "a placeholder run dir; tests/test_hf_interop.py converts a trained run with the same command and "
         "loads it in transformers",
     ".venv/bin/python -c 'from kimi.convert import load_hf; model = load_hf('\"'\"'hf_dir'\"'\"')'":
@@ -108,13 +108,13 @@ SKIPPED = {
         "tiny run and a Kimi-Linear-like one and their exports, and compares the two sets of scores",
     ".venv/bin/python -m kimi.eval run=runs/first tasks=hellaswag,arc_easy,arc_challenge limit=500": HUB_TASKS,
     ".venv/bin/python -m kimi.eval run=runs/first tasks=mmlu num_fewshot=5": HUB_TASKS,
-    ".venv/bin/python -m kimi.convert to-hf runs/qat hf_qat --mxfp4-experts":
+    ".venv/bin/python -m kimi.convert to-hf run=runs/qat out=hf_qat mxfp4_experts=true":
         "tests/test_low_precision_train.py exports a QAT run with the same command and loads it back, its forward "
         "equal to the trained one's",
-    ".venv/bin/python -m kimi.convert to-hf runs/k3 k3_out --layout k3":
+    ".venv/bin/python -m kimi.convert to-hf run=runs/k3 out=k3_out layout=k3":
         "a placeholder run; tests/test_k3_checkpoint.py runs the same command on a trained run with K3's parts "
         "and reads the output back bit for bit (and mlx-lm reads that layout)",
-    ".venv/bin/python -m kimi.convert from-hf hf_dir runs/from_hf":
+    ".venv/bin/python -m kimi.convert from-hf hf=hf_dir run=runs/from_hf":
         "a placeholder directory; tests/test_hf_interop.py runs from-hf on save_pretrained's output, samples "
         "from the run and trains from it with the printed command",
     ".venv/bin/torchrun --standalone --nproc_per_node 8 train.py model=moe_tiny parallel.dp_shard=8 "

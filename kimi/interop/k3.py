@@ -51,7 +51,7 @@ def k3_config(m: ModelConfig) -> Dict[str, Any]:
                 "its blocks are whole decoder layers: an even number of sublayers")
     if m.mlp_activation != "situ":
         _refuse(f"model.mlp_activation={m.mlp_activation}", "its FFNs are SiTU-GLU (model.mlp_activation=situ); "
-                "a SwiGLU model exports in Kimi Linear's layout (--layout release)")
+                "a SwiGLU model exports in Kimi Linear's layout (layout=release)")
     if m.kda_gate_bias:
         _refuse("a bias on KDA's output gate (model.kda_gate_bias=true)", "set model.kda_gate_bias=false")
     if m.qk_rope_head_dim and m.mla_rotary:

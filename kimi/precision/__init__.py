@@ -11,7 +11,7 @@ activation checkpointing, torch.compile or FSDP):
   for MXFP8). The LM head, embedding, norms, convolutions, AttnRes queries and the routed experts' grouped
   weights are never converted (torchao 0.18's fp8 grouped GEMM needs CUDA's _scaled_grouped_mm).
 * precision.qat=mxfp4_experts: every routed-expert weight is read through MXFP4 fake quantisation with a
-  straight-through gradient (kimi/precision/mxfp4.py), so `python -m kimi.convert to-hf --mxfp4-experts`
+  straight-through gradient (kimi/precision/mxfp4.py), so `python -m kimi.convert to-hf ... mxfp4_experts=true`
   writes the experts whose dequantised forward is the trained one.
 
 Parameters keep their names, shapes, dtype (fp32) and values, and their plain-tensor type except under
