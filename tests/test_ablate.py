@@ -410,3 +410,21 @@ def test_the_docs_page_holds_the_report_of_the_committed_records(tmp_path):
         "python -m kimi.ablate report --docs")
     plots = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", shown)
     assert len(plots) == len(results) + 1 and all((DOCS_PAGE.parent / p).is_file() for p in plots), plots
+
+
+@pytest.mark.unit
+def test_key_value_options_are_the_flags():
+    """kimi.ablate's key=value options (every kimi command's style) mean the --flags they stand for."""
+    from kimi.ablate import as_flags
+
+    words = ["ablate_mixer", "seeds=[1,2]", "steps=300", "arms=[all_mla,hybrid_3to1]", "dry_run=true",
+             "quiet=false", "out=bench/x"]
+    assert as_flags(words) == ["ablate_mixer", "--seeds", "1", "2", "--steps", "300", "--arms", "all_mla",
+                               "hybrid_3to1", "--dry-run", "--out", "bench/x"]
+    assert as_flags(["report", "docs=true"]) == ["report", "--docs"]
+    assert as_flags(["report", "docs=page.md"]) == ["report", "--docs", "page.md"]
+    assert as_flags(["list", "--seeds", "1"]) == ["list", "--seeds", "1"]  # the older flags still read
+    with pytest.raises(ablate.AblateError, match="seed=1: kimi.ablate's options are"):
+        as_flags(["all", "seed=1"])
+    with pytest.raises(ablate.AblateError, match="dry_run is true or false"):
+        as_flags(["all", "dry_run=maybe"])

@@ -90,8 +90,8 @@ SKIPPED = {
     ".venv/bin/python train.py -m +experiment=ablate_residual": "Hydra's multirun of a whole experiment (9 runs of "
                                                                 "600 steps); tests/test_ablate.py runs it at 2 "
                                                                 "steps with trainer.seed=1",
-    ".venv/bin/python -m kimi.ablate ablate_mixer --arms all_mla hybrid_3to1 --root runs/ablate_rope16 "
-    "--out bench/results/ablations/rope16 -- model.qk_rope_head_dim=16":
+    ".venv/bin/python -m kimi.ablate ablate_mixer 'arms=[all_mla,hybrid_3to1]' root=runs/ablate_rope16 "
+    "out=bench/results/ablations/rope16 -- model.qk_rope_head_dim=16":
         "6 runs of 600 steps (20 minutes); tests/test_ablate.py runs the runner end to end at 2 steps with "
         "--root, --out and overrides, and a study limited to some arms",
     ".venv/bin/python -m kimi.dashboard 'runs=[runs/ablate/ablate_residual/standard_seed1,"
@@ -207,7 +207,10 @@ def kind(command: str) -> str | None:
 
 
 def _value(words: list[str], flag: str) -> str | None:
-    return next((words[i + 1] for i, w in enumerate(words[:-1]) if w == flag), None)
+    """The value of --flag VALUE or of its key=value spelling (flag's name without dashes)."""
+    key = flag.lstrip("-").replace("-", "_") + "="
+    return next((words[i + 1] for i, w in enumerate(words[:-1]) if w == flag), None) or next(
+        (w[len(key):] for w in words if w.startswith(key)), None)
 
 
 def _key(word: str) -> str:
@@ -452,7 +455,7 @@ def report_from_records(box: Sandbox, exe: list[str], words: list[str]) -> None:
     assert any(p.suffix == ".json" for p in written) and any(p.suffix == ".png" for p in written), written
     for rel in written:
         (clone / rel).unlink()
-    if "--docs" in words:
+    if "--docs" in words or "docs=true" in words:
         written.append(Path("docs/ablations.md"))
         page = clone / written[-1]
         text = page.read_text()

@@ -1,11 +1,14 @@
 """Ablation studies: one factor at a time at matched tokens, several seeds, and their report.
 
-    python -m kimi.ablate NAME [NAME ...] [--seeds 1 2 3] [--steps N] [--arms ARM ...] [--root runs/ablate]
-                          [--dry-run] [--quiet] [--retry-failed] [-- OVERRIDE ...]
+    python -m kimi.ablate NAME [NAME ...] [seeds=[1,2,3]] [steps=N] [arms=[ARM,...]] [root=runs/ablate]
+                          [out=DIR] [dry_run=true] [quiet=true] [retry_failed=true] [-- OVERRIDE ...]
     python -m kimi.ablate all                 # every experiment, one after another (the whole study)
     python -m kimi.ablate report [NAME ...]   # statistics, plots and a results section from the runs
-    python -m kimi.ablate report --docs       # the same, and the section into docs/ablations.md
+    python -m kimi.ablate report docs=true    # the same, and the section into docs/ablations.md
     python -m kimi.ablate list                # the experiments and their arms
+
+Options are key=value, as every kimi command's (the older --seeds 1 2 3 / --dry-run / --docs flags are still
+read); Hydra overrides for every run go after `--`.
 
 An experiment is a Hydra config, ``conf/experiment/<NAME>.yaml``: it includes the study's scale
 (``conf/ablate/study.yaml``) and lists its arms (``conf/ablate/<NAME>/<ARM>.yaml``, each the overrides that
@@ -58,12 +61,45 @@ __all__ = ["AblateError", "DEFAULT_OUT", "DEFAULT_ROOT", "ORDER", "PAPERS", "RUL
 
 
 # ---- command line ------------------------------------------------------------------------------------------
+# key=value options (every kimi command's style) and the --flags they stand for; a list as Hydra writes one
+OPTIONS = {"seeds": "--seeds", "steps": "--steps", "arms": "--arms", "root": "--root", "out": "--out",
+           "docs": "--docs", "dry_run": "--dry-run", "quiet": "--quiet", "retry_failed": "--retry-failed"}
+SWITCHES = {"dry_run", "quiet", "retry_failed"}
+
+
+def as_flags(argv: List[str]) -> List[str]:
+    """argv with each key=value option (before any `--`) as the --flag form argparse reads: seeds=[1,2] ->
+    --seeds 1 2, dry_run=true -> --dry-run, docs=true -> --docs (docs=PAGE -> --docs PAGE)."""
+    out = []
+    for word in argv:
+        key, eq, value = word.partition("=")
+        if not eq or key.startswith("-"):
+            out.append(word)
+            continue
+        if key not in OPTIONS:
+            raise AblateError(f"{word}: kimi.ablate's options are {', '.join(f'{k}=' for k in OPTIONS)} (Hydra "
+                              "overrides for every run go after --)")
+        items = [v.strip() for v in value[1:-1].split(",") if v.strip()] if value.startswith("[") else [value]
+        if key in SWITCHES or (key == "docs" and value.lower() in ("true", "false")):
+            if value.lower() not in ("true", "false"):
+                raise AblateError(f"{word}: {key} is true or false")
+            out += [OPTIONS[key]] if value.lower() == "true" else []
+        else:
+            out += [OPTIONS[key], *items]
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     overrides: List[str] = []
     if "--" in argv:
         i = argv.index("--")
         argv, overrides = argv[:i], argv[i + 1:]
+    try:
+        argv = as_flags(argv)
+    except AblateError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(prog="python -m kimi.ablate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="+", metavar="NAME",
