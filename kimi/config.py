@@ -211,6 +211,8 @@ class DataConfig:
     # `python -m kimi.data.prepare` (resumable, every core).
     inline_max_mb: float = 512.0
     varlen: bool = False  # feed document boundaries (cu_seqlens) to the model
+    # Read the source as a stream while training (hf or files; kimi/data/streaming.py) instead of token shards
+    streaming: bool = False
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     # A blend: several sources sampled by weight (docs/data.md); null: the one source above
     sources: Optional[List[DataSourceConfig]] = None

@@ -422,6 +422,11 @@ class ProgressWindow:
         return line, record, note
 
 
+def _count(meta) -> str:
+    n = meta["num_tokens"]
+    return f"{n:,}" if isinstance(n, int) else str(n)  # a stream's size is not known ahead
+
+
 def banner(cfg, dims, num_params, flops_per_token: float, data, device, routing: Optional[str] = None,
            layout: Optional[str] = None) -> str:
     """The lines printed before training: model, data and batch, the engine's line on the layout (Engine.layout),
@@ -436,7 +441,7 @@ def banner(cfg, dims, num_params, flops_per_token: float, data, device, routing:
     lines = [f"[kimi] model {m.name}: {n / 1e6:.2f}M parameters ({n_emb / 1e6:.2f}M embedding), blocks "
              f"{mixer_pattern(m)} ({legend(m)}){moe}, residual={m.residual}, vocab {m.vocab_size}, {flops_per_token / 1e6:.1f} "
              "MFLOP/token (train)",
-             f"[kimi] data {cfg.data.name}: {data.train_meta['num_tokens']:,} train / {data.val_meta['num_tokens']:,} "
+             f"[kimi] data {cfg.data.name}: {_count(data.train_meta)} train / {_count(data.val_meta)} "
              f"val tokens; batch {t.micro_batch_size}x{t.seq_len}x{t.grad_accum_steps}{ranks} = {tokens:,} tokens/step;"
              f" device {device}; run dir {t.run_dir}"]
     if layout:

@@ -121,6 +121,9 @@ class TokenLoader:
         and the accumulation steps may change as long as the windows per optimizer step do not: step k then
         covers the same windows on any layout. A state saved before positions were global (micro-batches
         served) continues with that run's epoch length."""
+        if not sd:  # the placeholder's keys are all missing: a streamed run's checkpoint (one "stream" key)
+            raise DataError("the checkpoint's loader read a stream (data.streaming=true) and this run reads "
+                            "prepared shards; resume with data.streaming=true, or start a fresh run")
         if "blend" in sd or ("samples" in sd and "epoch_unit" not in sd):
             raise DataError("the checkpoint's loader read a blend (data.sources) and this run reads one source; "
                             "resume with the data it was trained on, or start a fresh run")

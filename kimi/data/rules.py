@@ -43,6 +43,10 @@ def _check_blend(d: DataConfig) -> None:
 def validate_data(d: DataConfig) -> None:
     check_choices(d, "data")
     check_finite(d, "data")
+    check(not (d.streaming and d.sources), "data.streaming", d.streaming,
+          "a blend (data.sources) is read from prepared shards, not streamed: set data.streaming=false")
+    check(not d.streaming or d.source in ("hf", "files"), "data.streaming", d.streaming,
+          f"only data.source=hf or files can be streamed, not {d.source}: set data.streaming=false")
     if d.sources:
         _check_blend(d)
     else:

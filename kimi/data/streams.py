@@ -9,6 +9,7 @@ from kimi.config import TrainerConfig
 from kimi.data.blend import BlendLoader, PreparedBlend, ValBatches
 from kimi.data.loader import TokenLoader
 from kimi.data.pack import PreparedData, open_split
+from kimi.data.streaming import StreamingData, stream_ranks
 
 
 def _val_batches(data: PreparedData, t: TrainerConfig, eos_id: int, dp_rank: int, dp_world: int) -> list:
@@ -21,9 +22,12 @@ def _val_batches(data: PreparedData, t: TrainerConfig, eos_id: int, dp_rank: int
     return [val_loader.next_batch() for _ in range(n)]
 
 
-def rank_streams(data: Union[PreparedData, PreparedBlend], t: TrainerConfig, dp_rank: int,
+def rank_streams(data: Union[PreparedData, PreparedBlend, StreamingData], t: TrainerConfig, dp_rank: int,
                  dp_world: int) -> Tuple[Union[TokenLoader, BlendLoader], ValBatches]:
     """(this rank's training loader, its validation batches)."""
+    if isinstance(data, StreamingData):
+        loader, batches = stream_ranks(data, t, dp_rank, dp_world)
+        return loader, ValBatches(batches)
     eos = data.tokenizer.eos_id
     # Each rank reads its own micro-batches: one step on N ranks sees what one process would see with an N
     # times larger micro-batch (trainer.micro_batch_size is per rank, as in Megatron). Positions are global

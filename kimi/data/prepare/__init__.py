@@ -18,4 +18,8 @@ def prepare(cfg: DataConfig, limit: bool = True) -> Union[PreparedData, Prepared
     call; the prepare command lifts it)."""
     if cfg.sources:
         return prepare_blend(cfg, pack.prepare, limit)
+    if cfg.streaming:
+        from kimi.data.streaming import prepare_stream
+
+        return prepare_stream(cfg)
     return pack.prepare(cfg, limit)
