@@ -25,7 +25,6 @@ from torch import nn
 from kimi.config import ModelConfig
 from kimi.model.attnres import depth_weights
 from kimi.model.probe import PROBE
-from kimi.model.transformer import site_query
 
 from .record import attnres_sources, sublayers
 
@@ -120,7 +119,7 @@ def _attnres_hooks(part: nn.Module, eps: float, sums: _Sums) -> list:
         return hook
 
     def final_hook(norm, args):
-        sums.add_attnres("final", site_query(part.param("final_query"), part.param("final_key_weight")), held["stream"].sources(), eps)
+        sums.add_attnres("final", part.final_site_query(), held["stream"].sources(), eps)
 
     handles = []
     for name, block in part.blocks.items():

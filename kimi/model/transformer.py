@@ -242,6 +242,10 @@ class KimiModel(Runners, ParamViews, nn.Module):
         qs = [q for b in self.blocks.values() for q in (b.mixer_query, b.mlp_query) if q is not None]
         return qs + ([self.final_query] if self.final_query is not None else [])
 
+    def final_site_query(self) -> torch.Tensor | None:
+        """The final depth mix's effective pseudo-query (its key-norm weight folded in, if it has one)."""
+        return site_query(self.param("final_query"), self.param("final_key_weight"))
+
     def sublayers(self) -> list[tuple[str, Sublayer]]:
         """(qualified name, module) of every token mixer and MLP, in depth order."""
         blocks = [(f"blocks.{i}", b) for i, b in self.blocks.items()]
@@ -323,15 +327,14 @@ class KimiModel(Runners, ParamViews, nn.Module):
             # as they are, not views: a pipeline schedule detaches stage outputs in place
             return tuple(stream.sources())
         hidden = self.run_through("final", lambda query, *sources: self.norm(stream.mix(query, sources)),
-                                  site_query(self.param("final_query"), self.param("final_key_weight")),
-                                  *stream.sources())
+                                  self.final_site_query(), *stream.sources())
         if labels is None:
             return self.lm_head(hidden)
         if self.lm_head.vocab_parallel:  # its logits leave the module sharded: the loss is taken outside it
             return lm_loss(self.lm_head(hidden), labels)
         loss = self.lm_head(hidden, labels)
         if self.mtp is not None and self.training:  # multi-token prediction trains; it never evaluates
-            trunk = stream.mix(site_query(self.param("final_query"), self.param("final_key_weight")))
+            trunk = stream.mix(self.final_site_query())
             loss = loss + c.mtp_loss_weight * mtp_loss(self.mtp, self.embed, self.lm_head, trunk, labels,
                                                        cu_seqlens=cu_seqlens, rows=rows)
         return loss
