@@ -191,3 +191,24 @@ def test_trainer_resume_equals_uninterrupted(repo, tmp_path):
         assert [r[key] for r in a if key in r] == [r[key] for r in b if key in r]
     for (name, p), q in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_two_ranks_resume_equals_uninterrupted(repo, tmp_path):
+    # Each rank reads its own part, so the checkpoint must hold both ranks' positions (gathered into the one
+    # copy it keeps of what is not a tensor): steps 1-3, then 4-6, on 2 ranks equal steps 1-6 on 2 ranks.
+    from layout_runs import final_weights, metrics, torchrun
+
+    from helpers import TINY_TRAINER
+
+    args = [*TINY_TRAINER, "data.source=hf", f"data.path={repo}", "data.text_field=content", "data.streaming=true",
+            f"data.cache_dir={tmp_path / 'cache'}", "data.tokenizer.vocab_size=300", "trainer.max_steps=6",
+            "trainer.seq_len=64", "trainer.eval_every=3", "trainer.checkpoint_every=0", "parallel.dp_shard=2"]
+    torchrun(2, tmp_path / "full", args)
+    torchrun(2, tmp_path / "split", [*args, "trainer.stop_at_step=3"])
+    torchrun(2, tmp_path / "split", args)
+    assert metrics(tmp_path / "split") == metrics(tmp_path / "full")
+    assert len(metrics(tmp_path / "full")[0]) == 6
+    got, want = final_weights(tmp_path / "split", tmp_path), final_weights(tmp_path / "full", tmp_path)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

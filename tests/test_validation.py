@@ -111,6 +111,8 @@ IMPOSSIBLE = [
     ([*FT, *PP2], 2, "parallel.pp=2"),
     ([*FT, "parallel.dp_replicate=2"], 2, "parallel.dp_replicate=2"),
     ([*FT, "model=moe_tiny"], 1, "model.moe_num_experts"),
+    ([*FT, "data.source=hf", "data.path=/data/d", "data.streaming=true"], 1, "data.streaming=true with parallel"),
+    (["data.streaming=true"], 1, "only data.source=hf or files can be streamed"),
     # negative or zero sizes
     (["model.d_model=0"], 1, "model.d_model"),
     (["model.vocab_size=0"], 1, "model.vocab_size"),

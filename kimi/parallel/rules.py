@@ -73,6 +73,9 @@ def check_fault_tolerance(cfg: Config) -> None:
           f"must be in 1..{ft.replica_groups} (parallel.torchft.replica_groups)")
     for key in ("timeout_s", "quorum_timeout_s"):
         check(getattr(ft, key) > 0, f"parallel.torchft.{key}", getattr(ft, key), "must be > 0 seconds")
+    require(not cfg.data.streaming, "data.streaming=true with parallel.fault_tolerance=torchft: a joining group "
+            "takes its peers' data position, and a stream's is per rank; set data.streaming=false (prepared shards) "
+            "or parallel.fault_tolerance=none")
     require(importlib.util.find_spec("torchft") is not None, TORCHFT_MISSING)
     unsupported = [f"parallel.{k}={getattr(p, k)}" for k in ("pp",) if getattr(p, k) > 1]
     unsupported += [f"parallel.engine={p.engine}"] if p.engine != "torch" else []
