@@ -112,10 +112,10 @@ def test_ranks_read_disjoint_documents(repo, tok, dp_world):
     seen = []
     for rank in range(dp_world):
         loader = StreamLoader(_cfg(repo), tok, 2, 16, dp_rank=rank, dp_world=dp_world)
-        text = ""
+        ids = []  # the windows' inputs, in order, are the stream's tokens without a gap
         while loader.epoch == 0:  # through this rank's whole part (and into its repeat)
-            text += tok.decode(loader.next_batch().input_ids.flatten().tolist())
-        seen.append(set(re.findall(r"doc\d{3}", text)))
+            ids += loader.next_batch().input_ids.flatten().tolist()
+        seen.append(set(re.findall(r"doc\d{3}", tok.decode(ids))))
     assert set().union(*seen) == {f"doc{i:03d}" for i in range(SHARDS * PER_SHARD)}
     assert sum(map(len, seen)) == SHARDS * PER_SHARD  # no document on two ranks
 
@@ -128,12 +128,37 @@ def test_validation_is_held_out_and_fixed(repo, tok):
     loader, val = stream_ranks(type("D", (), {"cfg": _cfg(repo), "tokenizer": tok})(), t, 0, 1)
     held = set(re.findall(r"doc\d{3}", tok.decode(torch.cat([b.input_ids.flatten() for b in val]).tolist())))
     assert len(val) == 2 and held
-    trained = ""
+    trained = []
     while loader.epoch == 0:
-        trained += tok.decode(loader.next_batch().input_ids.flatten().tolist())
-    assert held.isdisjoint(re.findall(r"doc\d{3}", trained))
+        trained += loader.next_batch().input_ids.flatten().tolist()
+    assert held.isdisjoint(re.findall(r"doc\d{3}", tok.decode(trained)))
     _, again = stream_ranks(type("D", (), {"cfg": _cfg(repo), "tokenizer": tok})(), t, 0, 1)
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(val, again))
+
+
+@pytest.mark.unit
+def test_subset_and_its_validation_split(tmp_path, tok):
+    # A hub repo's README names subsets (data.config) and their splits: the validation windows come from the
+    # subset's validation split, and training reads every document of its train split, none skipped.
+    (tmp_path / "README.md").write_text(
+        "---\nconfigs:\n- config_name: small\n  data_files:\n  - split: train\n    path: small/train-*.parquet\n"
+        "  - split: validation\n    path: small/validation-*.parquet\n- config_name: other\n"
+        "  data_files: other/*.parquet\n---\n")
+    docs = _docs()
+    for name, part in (("small/train-0", docs[:8]), ("small/validation-0", docs[8:16]), ("other/x", docs[16:])):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        pq.write_table(pa.table({"content": part}), tmp_path / f"{name}.parquet")
+    t = dataclasses.make_dataclass("T", [("micro_batch_size", int, 2), ("seq_len", int, 16),
+                                         ("grad_accum_steps", int, 1), ("eval_batches", int, 1),
+                                         ("seed", int, 0)])()
+    cfg = _cfg(tmp_path, config="small", val_split="validation")
+    loader, val = stream_ranks(type("D", (), {"cfg": cfg, "tokenizer": tok})(), t, 0, 1)
+    names = lambda ids: set(re.findall(r"doc\d{3}", tok.decode(ids.flatten().tolist())))  # noqa: E731
+    assert names(torch.cat([b.input_ids for b in val])) <= {f"doc{i:03d}" for i in range(8, 16)}
+    trained = []  # the windows' inputs, in order, are the stream's tokens without a gap
+    while loader.epoch == 0:
+        trained.append(loader.next_batch().input_ids)
+    assert names(torch.cat(trained)) == {f"doc{i:03d}" for i in range(8)}
 
 
 @pytest.mark.unit
