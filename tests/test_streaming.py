@@ -178,6 +178,10 @@ def test_one_line_refusals(repo, tok, tmp_path):
         one.load_state_dict({k: v for k, v in shards.state_dict().items() if k in one.state_dict()})
     with pytest.raises(DataError, match=r"read a stream \(data.streaming=true\) and this run reads prepared"):
         shards.load_state_dict({k: v for k, v in one.state_dict().items() if k in shards.state_dict()})
+    from kimi.data.prepare.__main__ import main as prepare_main
+
+    with pytest.raises(DataError, match="no shards to prepare"):
+        prepare_main(["data.source=hf", f"data.path={repo}", "data.streaming=true"])
     broken = tmp_path / "broken"
     (broken / "data").mkdir(parents=True)
     (broken / "data" / "train-00000-of-00001.parquet").write_bytes(b"PAR1 not parquet")

@@ -25,6 +25,11 @@ def main(argv: List[str]) -> int:
 
     cfg = OmegaConf.to_object(compose(["trainer.run_dir=unused", *argv])).data
     validate_data(cfg)
+    if cfg.streaming:
+        from kimi.data.errors import DataError
+
+        raise DataError("data.streaming=true reads the source while training, so there are no shards to prepare: "
+                        "run train.py with it, or set data.streaming=false to prepare shards")
     data = prepare(cfg, limit=False)
     for part in getattr(data, "parts", [data]):
         shards = {split: len(paths) for split, paths in part.shards.items()}
