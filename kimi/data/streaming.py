@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Set
@@ -142,6 +143,8 @@ class StreamLoader:
     def _start(self, state: Optional[Dict[str, Any]]) -> None:
         from datasets.distributed import split_dataset_by_node
 
+        if getattr(self, "_closer", None):
+            self._closer()  # the previous epoch's reader, now, not at exit (when pyarrow is half torn down)
         ds = open_stream(self.cfg, self.cfg.train_split)
         if self.dp_world > 1:
             ds = split_dataset_by_node(ds, rank=self.dp_rank, world_size=self.dp_world)
@@ -149,6 +152,7 @@ class StreamLoader:
             ds.load_state_dict(state)
         # whether this epoch has given a document yet (a resumed one has)
         self.ds, self._docs, self._read_any = ds, _texts(self.cfg, ds), state is not None
+        self._closer = weakref.finalize(self, self._docs.close)
 
     def _read(self, need: int) -> None:
         """Documents into the buffer until it holds ``need`` tokens; a new epoch where the stream ends."""
