@@ -20,7 +20,7 @@ from kimi.config import ConfigError, DataConfig, DataSourceConfig
 from kimi.data.errors import DataError
 from kimi.data.loader import TokenLoader
 from kimi.data.rules import validate_data
-from kimi.data.streaming import StreamLoader, stream_ranks
+from kimi.data.streaming import StreamLoader, _digest, stream_ranks
 from kimi.data.tokenizer import Tokenizer, train_tokenizer
 from kimi.metrics import read_metrics
 from helpers import train_run
@@ -178,6 +178,9 @@ def test_one_line_refusals(repo, tok, tmp_path):
         one.load_state_dict({k: v for k, v in shards.state_dict().items() if k in one.state_dict()})
     with pytest.raises(DataError, match=r"read a stream \(data.streaming=true\) and this run reads prepared"):
         shards.load_state_dict({k: v for k, v in one.state_dict().items() if k in shards.state_dict()})
+    every = {_digest(d) for d in _docs()}
+    with pytest.raises(DataError, match="rank 0's part of the stream has no document to train on"):
+        StreamLoader(_cfg(repo), tok, 2, 16, skip=every).next_batch()
     from kimi.data.prepare.__main__ import main as prepare_main
 
     with pytest.raises(DataError, match="no shards to prepare"):

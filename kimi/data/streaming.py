@@ -163,8 +163,8 @@ class StreamLoader:
             if text is None:
                 if not self._read_any:
                     raise DataError(f"{_where(self.cfg)}: data-parallel rank {self.dp_rank}'s part of the stream "
-                                    f"has too few documents for one window of {self.seq_len + 1} tokens; use more "
-                                    "data or fewer ranks")
+                                    "has no document to train on (none, or all held out for validation); use more "
+                                    "data, fewer ranks, a data.val_split or a lower trainer.eval_batches")
                 self.epoch, self.position = self.epoch + 1, 0
                 self._start(None)
                 continue
