@@ -152,11 +152,11 @@ def test_build_tasks_writes_the_shipped_files(tmp_path):
         assert (tmp_path / name).read_bytes() == (TASKS_DIR / name).read_bytes(), f"rerun build_tasks: {name}"
 
 
-@pytest.fixture(scope="module", params=["kimi_linear", pytest.param("tiny", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["kimi_linear", "tiny"])
 def exported(request, tmp_path_factory, data):
     """A trained run and its transformers export (kimi.convert to-hf): Kimi-Linear-like settings, which
     transformers' KimiLinearForCausalLM runs, or the default tiny (Attention Residuals), exported with its
-    own modeling code (trust_remote_code; one sequence per call, so slower)."""
+    own modeling code (trust_remote_code)."""
     from helpers import train_run
 
     from kimi.convert import main
