@@ -188,7 +188,7 @@ def kernel_inputs(seen: Counter):
     """Record the dtypes the KDA and attention kernels are called with (on a GPU, Triton kernels that run in
     the dtype they are given: fp32 q, k, v there mean the slow fp32 kernels)."""
     import kimi.model.kda as kda_layer
-    import kimi.model.mla as mla_layer
+    import kimi.model.maxlogits as attention_call  # where MLA and softmax attention call attention()
 
     def recording(module, name, args):
         original = getattr(module, name)
@@ -200,7 +200,7 @@ def kernel_inputs(seen: Counter):
 
         return original, call
 
-    patches = [(kda_layer, "chunk_kda", ("q", "k", "v", "g", "beta")), (mla_layer, "attention", ("q", "k", "v"))]
+    patches = [(kda_layer, "chunk_kda", ("q", "k", "v", "g", "beta")), (attention_call, "attention", ("q", "k", "v"))]
     saved = []
     for module, name, args in patches:
         original, call = recording(module, name, args)

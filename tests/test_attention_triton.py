@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-import kimi.model.mla as mla_module
+import kimi.model.maxlogits as attention_call  # where MLA (and MHA) call attention()
 from kimi.config import ModelConfig
 from kimi.model.mla import MLA
 from kimi.ops.attention import attention
@@ -177,7 +177,7 @@ def test_mla_layer_on_triton_backend(monkeypatch, packed):
         return out.detach(), layer.consume_max_logits(), [p.grad.clone() for p in layer.parameters()]
 
     want = run()
-    monkeypatch.setattr(mla_module, "attention", functools.partial(attention, backend="triton"))
+    monkeypatch.setattr(attention_call, "attention", functools.partial(attention, backend="triton"))
     got = run()
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.append(str(ROOT / "bench"))  # appended: bench/deepspeed.py must not shadow the deepspeed package
 import gpu_check  # noqa: E402
 
 STEPS = list(gpu_check.STEPS)

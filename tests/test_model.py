@@ -89,12 +89,12 @@ def _dense_attention(q, k, v, causal=True, cu_seqlens=None, return_max_logits=Fa
 def test_flops_per_token_matches_flop_counter(tied, monkeypatch):
     """model.flops_per_token(T) against the matmul FLOPs FlopCounterMode counts in a real forward + backward
     (PyTorch KDA chunk backend), term by term: dense 6N, MLA attention, KDA chunkwise."""
-    import kimi.model.mla
+    import kimi.model.maxlogits
     from torch import nn
 
     from kimi.ops.kda import chunk_kda
 
-    monkeypatch.setattr(kimi.model.mla, "attention", _dense_attention)
+    monkeypatch.setattr(kimi.model.maxlogits, "attention", _dense_attention)
     B, T = 2, 128  # two 64-token KDA chunks per row
     # standard residual: AttnRes' depth mixing (query . keys) is a matmul the formula leaves out on purpose
     cfg = tiny_cfg(num_layers=4, mla_layers=[1, 3], residual="standard", kda_backend="torch", tie_embeddings=tied)

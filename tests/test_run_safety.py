@@ -414,14 +414,20 @@ def test_wandb_online_without_network_logs_offline_with_a_warning(tmp_path, monk
 
     calls = []
 
+    class OfflineRun:  # what wandb.init returns, as far as start_wandb uses it (the tokens axis)
+        def define_metric(self, name, **kwargs):
+            calls.append(("define_metric", name))
+
+    offline = OfflineRun()
+
     def init(mode, settings, **kwargs):
         calls.append((mode, settings.init_timeout))
         if mode == "online":
             raise wandb.errors.CommError("Timed out while retrying: dial tcp: lookup server: no such host\nConsider...")
-        return "offline run"
+        return offline
 
     monkeypatch.setattr(wandb, "init", init)
-    assert start_wandb(WandbConfig(mode="online"), tmp_path, {}, "run-id") == "offline run"
+    assert start_wandb(WandbConfig(mode="online"), tmp_path, {}, "run-id") is offline
     assert calls[0] == ("online", WANDB_ONLINE_TIMEOUT_S) and WANDB_ONLINE_TIMEOUT_S <= 30 and calls[1][0] == "offline"
     out = capsys.readouterr().out.strip().splitlines()
     assert out == [f"[kimi] warning: wandb's server did not answer within {WANDB_ONLINE_TIMEOUT_S:.0f} s (Timed out "
