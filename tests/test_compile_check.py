@@ -22,7 +22,7 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
-sys.path.insert(0, str(BENCH))
+sys.path.append(str(BENCH))  # appended: a bench script must not shadow an installed package
 from compile_check import kernels_and_helpers  # noqa: E402
 
 ARCHS = (90, 80)

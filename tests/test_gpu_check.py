@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.append(str(ROOT / "bench"))  # appended: bench/deepspeed.py must not shadow the deepspeed package
+sys.path.append(str(ROOT / "bench"))  # appended: a bench script must not shadow an installed package
 import gpu_check  # noqa: E402
 
 STEPS = list(gpu_check.STEPS)

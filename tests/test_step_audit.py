@@ -11,7 +11,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.append(str(ROOT / "bench"))  # appended: bench/deepspeed.py must not shadow the deepspeed package
+sys.path.append(str(ROOT / "bench"))  # appended: a bench script must not shadow an installed package
 
 import step_audit  # noqa: E402
 

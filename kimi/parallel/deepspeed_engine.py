@@ -111,7 +111,7 @@ class DeepSpeedEngine(Engine):
 
     def client_optimizer(self, cfg: Config, model: KimiModel) -> tuple[ZeroClient | None, dict]:
         """The optimizer DeepSpeed wraps (ours, over its partitions), and DeepSpeed config entries for it.
-        A subclass may return (None, {"optimizer": ...}) for one of DeepSpeed's own (bench/deepspeed.py)."""
+        A subclass may return (None, {"optimizer": ...}) for one of DeepSpeed's own (bench/zero.py)."""
         return ZeroClient(model, cfg.optim.lr, inner_factory(cfg.optim, model)), {}
 
     # ---- one step -----------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ the same optimizer in one process without accumulation (1.00x: each matrix ortho
 MuonClip's design; more: work repeated across ranks or micro-batches); then --steps steps are timed;
 optimizer state bytes per rank.
 
-    python bench/deepspeed.py [--stages 1 2 3] [--ranks 2] [--model tiny] [--set key=value ...]
+    python bench/zero.py [--stages 1 2 3] [--ranks 2] [--model tiny] [--set key=value ...]
 
 Prints a markdown table and writes bench/results/deepspeed.json.
 """
