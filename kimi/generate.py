@@ -191,6 +191,19 @@ _PARSERS = {
 }
 
 
+def split_known(arg: str, keys) -> tuple[str, str]:
+    """(key, value) of a key=value argument whose key is one of `keys`; UsageError (with the closest key)
+    otherwise."""
+    key, eq, text = arg.partition("=")
+    if not eq:
+        raise UsageError(f"{arg!r} is not key=value")
+    if key not in keys:
+        close = difflib.get_close_matches(key, list(keys), n=1)
+        hint = f": did you mean {close[0]}?" if close else f" (keys: {', '.join(keys)})"
+        raise UsageError(f"unknown key {key!r}{hint}")
+    return key, text
+
+
 def parse_args(argv: list[str]) -> GenerateArgs:
     """key=value arguments, split at the first '='. Values stay strings until their own parser: a general
     one (OmegaConf.from_cli) turns prompt=ROMEO: into a mapping and prompt=yes into True. prompt_file is read
@@ -198,13 +211,7 @@ def parse_args(argv: list[str]) -> GenerateArgs:
     values: dict[str, Any] = {}
     prompt_file: str | None = None
     for arg in argv:
-        key, eq, text = arg.partition("=")
-        if not eq:
-            raise UsageError(f"{arg!r} is not key=value")
-        if key not in _PARSERS:
-            close = difflib.get_close_matches(key, list(_PARSERS), n=1)
-            hint = f": did you mean {close[0]}?" if close else f" (keys: {', '.join(_PARSERS)})"
-            raise UsageError(f"unknown key {key!r}{hint}")
+        key, text = split_known(arg, _PARSERS)
         if key in values or (key == "prompt_file" and prompt_file is not None):
             raise UsageError(f"{key} is given twice")
         if key == "prompt_file":

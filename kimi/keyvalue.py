@@ -45,14 +45,19 @@ def paths(text: str) -> List[Path]:
     return found
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError("must be an integer >= 1")
-    return value
+def _positive(cast: Callable[[str], Any], what: str, ok: Callable[[Any], bool]) -> Callable[[str], Any]:
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise ValueError(f"must be {what}")
+        return value
+    return parse
+
+
+positive_int = _positive(int, "an integer >= 1", lambda v: v >= 1)
 
 
 def boolean(text: str) -> bool:
@@ -63,14 +68,7 @@ def boolean(text: str) -> bool:
     return value
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise ValueError("must be a number > 0")
-    return value
+positive_float = _positive(float, "a number > 0", lambda v: v > 0)
 
 
 def one_of(*choices: str) -> Callable[[str], str]:

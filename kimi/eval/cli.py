@@ -10,7 +10,6 @@ line on stderr and exit code 2 (kimi/cli.py).
 
 from __future__ import annotations
 
-import difflib
 import json
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 from kimi.cli import EXIT_OK, key_value_main
 from kimi.config import ConfigError
 from kimi.eval import harness
-from kimi.generate import UsageError, _device, _int, load_from_checkpoint
+from kimi.generate import UsageError, _device, _int, load_from_checkpoint, split_known
 
 USAGE = ("usage: python -m kimi.eval run=DIR [tasks=kimi_heldout] [limit=N] [num_fewshot=N] [batch_size=16] "
          "[max_length=2048] [device=cpu] [seed=0] [output=PATH] [hf=DIR]")
@@ -68,13 +67,7 @@ def parse_args(argv: list[str]) -> dict:
     values = dict(DEFAULTS)
     given = set()
     for arg in argv:
-        key, eq, text = arg.partition("=")
-        if not eq:
-            raise UsageError(f"{arg!r} is not key=value")
-        if key not in _PARSERS:
-            close = difflib.get_close_matches(key, list(_PARSERS), n=1)
-            hint = f": did you mean {close[0]}?" if close else f" (keys: {', '.join(_PARSERS)})"
-            raise UsageError(f"unknown key {key!r}{hint}")
+        key, text = split_known(arg, _PARSERS)
         if key in given:
             raise UsageError(f"{key} is given twice")
         given.add(key)
