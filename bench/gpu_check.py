@@ -6,7 +6,8 @@ Seven steps, each a subprocess with its own time budget, so a step that hangs or
   1 kda_check        bench/kda.py --check: every KDA Triton op vs the PyTorch path and fp64 (fp32, bf16)
   2 attention_check  bench/attention.py --check-only: the flash-attention kernels vs fp32
   3 kda_speed        bench/kda.py: ours vs fla-core's chunk_kda / fused_recurrent_kda and SDPA, bf16,
-                     T = 4k..64k at 64k tokens, H = 32, d = 128: TFLOP/s, ratios, decoding
+                     T = 4k..64k at 64k tokens, H = 32, d = 128: TFLOP/s, ratios, decoding, and our
+                     kernels' bounded form against their general one on Kimi K3's safe-gate inputs
   4 attention_speed  bench/attention.py --skip-check: vs SDPA's flash backend, max logits, atomic dQ
   5 optim            bench/optim.py --device cuda: optimizer.step() of MuonClip vs torch.optim.Muon + AdamW
   6 train            bench/parallel.py --layouts single: 20 bf16 steps of model=small and model=1b with
@@ -202,6 +203,9 @@ def kda_speed_rows(r: dict):
             parts.append(f"{name} {ours:.2f} ms ({x[f'ours_{mode}_tflops']:.0f} TFLOP/s)"
                          + (f", fla {fla:.2f} ms = {fla / ours:.2f}x ours" if fla else "")
                          + f", SDPA {x[f'sdpa_{mode}_ms']:.2f} ms")
+        if "safe_bounded_fwdbwd_ms" in x and "safe_general_fwdbwd_ms" in x:
+            bounded, general = x["safe_bounded_fwdbwd_ms"], x["safe_general_fwdbwd_ms"]
+            parts.append(f"safe gate fwd+bwd: bounded {bounded:.2f} ms = {bounded / general:.2f}x general")
         decode = f"decode {x['decode_ours_us']:.0f} us" if "decode_ours_us" in x else "decode: ours failed"
         decode += f" (fla {x['decode_fla_us']:.0f} us)" if "decode_fla_us" in x else ""
         parts.append(decode + f", attention over the cache {x['decode_sdpa_us']:.0f} us")

@@ -104,10 +104,16 @@ def cpu_kda_step(backend: str, T: int, heads: int, dim: int):
     return step
 
 
+def safe_gate(shape, lower_bound: float = -5.0, device="cpu") -> torch.Tensor:
+    """Kimi K3's safe-gate log decays, lower_bound * sigmoid(x), fp32 (as the layer feeds them)."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    return (lower_bound * torch.sigmoid(x)).to(device)
+
+
 def cpu_safe_gate_step(T: int, heads: int, dim: int, lower_bound: float | None):
     """The PyTorch chunk path on Kimi K3's safe-gate inputs (g = -5 sigmoid(x)), told the bound or not."""
     inputs = kda_inputs(1, T, heads, dim)
-    inputs[3] = -5 * torch.sigmoid(torch.randn(inputs[3].shape, generator=torch.Generator().manual_seed(1)))
+    inputs[3] = safe_gate(inputs[3].shape)
     inputs = [x.requires_grad_() for x in inputs]
 
     def step():
@@ -304,12 +310,15 @@ def _row(op: str, what: str, dtype, fn) -> dict:
     return row
 
 
-def _chunk_case(dtype, cu_seqlens, H: int, d: int, plant: bool):
+def _chunk_case(dtype, cu_seqlens, H: int, d: int, plant: bool, lower_bound: float | None = None):
     """chunk_kda on packed documents with an initial state: Triton vs the PyTorch chunk path (fp32) and the
     naive recurrence (fp64), on the same rounded inputs and output gradients; output, final state and every
-    input gradient (dh0 included)."""
+    input gradient (dh0 included). lower_bound: Kimi K3's safe-gate inputs, g = lower_bound * sigmoid(x),
+    with both chunk paths told the bound (their bounded form)."""
     T, N = int(cu_seqlens[-1]), len(cu_seqlens) - 1
     q, k, v, g, beta = kda_inputs(1, T, H, d, dtype, DEVICE, seed=2)
+    if lower_bound is not None:
+        g = safe_gate(g.shape, lower_bound)
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     h0 = torch.randn(N, H, d, d, device=DEVICE, generator=gen)
     do = torch.randn(1, T, H, d, device=DEVICE, generator=gen).to(dtype)
@@ -318,7 +327,7 @@ def _chunk_case(dtype, cu_seqlens, H: int, d: int, plant: bool):
     for backend, cast in (("triton", None), ("chunk", torch.float32), ("naive", torch.float64)):
         leaves = [x.detach().to(cast or x.dtype).requires_grad_() for x in (q, k, v, g, beta, h0)]
         o, s = chunk_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True,
-                         cu_seqlens=cu_seqlens, backend=backend)
+                         cu_seqlens=cu_seqlens, backend=backend, lower_bound=lower_bound)
         grads = torch.autograd.grad((o, s), leaves, (do.to(o.dtype), dht.to(s.dtype)))
         out[backend] = dict(o=o, final_state=s, **dict(zip(GRAD_NAMES, grads)))
     if plant:  # tests: a result the check must catch
@@ -380,6 +389,8 @@ def kda_check(docs: list[int], H: int, d: int, plant: bool = False) -> dict:
     for dtype in (torch.float32, torch.bfloat16):
         rows.append(_row("chunk", "chunk_kda forward and backward, packed documents, initial state", dtype,
                          lambda: _chunk_case(dtype, cu_seqlens, H, d, plant)))
+        rows.append(_row("chunk_safe", "chunk_kda bounded form (safe gate, lower_bound=-5), as above", dtype,
+                         lambda: _chunk_case(dtype, cu_seqlens, H, d, plant, lower_bound=-5.0)))
         rows.append(_row("recurrent", "fused_recurrent_kda, packed documents, initial state", dtype,
                          lambda: _recurrent_case(dtype, cu_seqlens, H, d, decode=False)))
         rows.append(_row("decode", "fused_recurrent_kda, one token per sequence from a state", dtype,
@@ -454,6 +465,14 @@ def run_cuda(args) -> None:
             names = "o dq dk dv dg dbeta".split()
             pairs = zip(names, results["ours"], results["fla"])
             row["rel_diff_ours_vs_fla"] = {n: rel(a, b) for n, a, b in pairs}
+        # Kimi K3's safe gate: our kernels' general and bounded forms on the same safe-gate inputs
+        leaves = [x.detach().requires_grad_() for x in (q, k, v, safe_gate(g.shape, device=DEVICE), beta)]
+        for form, lb in (("general", None), ("bounded", -5.0)):
+            def step(lb=lb):
+                impls["ours"](*leaves, lower_bound=lb)[0].backward(do)
+
+            timed(f"T={T}", row, errors, f"safe_{form}",
+                  lambda form=form, step=step: row.update({f"safe_{form}_fwdbwd_ms": cuda_ms(step)}))
         qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
         row["sdpa_fwd_ms"] = cuda_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True))
         qa, ka, va = (x.detach().requires_grad_() for x in (qt, kt, vt))
@@ -541,7 +560,7 @@ HOT = {"scores_kernel": "chunk fwd", "solve_kernel": "chunk fwd", "wu_kernel": "
 # are fp32: gates, G, L, U, final states, score gradients, fp32 partial grads)
 INPUT_TYPED = {"q", "k", "v", "beta", "o", "do", "dq", "dk", "dv", "dbeta", "x", "y", "dy", "dx", "f",
                "Aqk", "Ainv", "W", "KG", "QG", "Hs", "VN", "DH", "DVN"}
-SWITCHES = ("HAS_INIT", "HAS_DFINAL", "REVERSE", "WITH_QG", "SAFE")  # constexpr booleans: both values compiled
+SWITCHES = ("HAS_INIT", "HAS_DFINAL", "REVERSE", "WITH_QG", "SAFE", "BOUNDED")  # constexpr booleans: both values compiled
 BASE = dict(dtype="bf16", K=128, V=128)  # the model's shape: where the cu_seqlens dtype is varied too
 # Why the spills left in hot kernels are left (written into the JSONs beside the numbers).
 NOTES = {
@@ -648,6 +667,7 @@ def kda_signature(fn, variant: dict, extra: dict, hopper: bool) -> tuple[dict, d
                   BC=common.SUB,
                   BR=gate.ROWS, PREC=common.dot_precision(dtype))
     values["PREC_KB"] = common.key_block_precision(values["PREC"], BKC, hopper)
+    values["PREC_D"] = common.dot_precision(torch.float32)  # the bounded diagonal blocks' (scores kernels)
     values.update({s: variant[s] for s in SWITCHES if s in variant})
     values.update(extra)
     if fn.__name__ == "chunk_cumsum_kernel":  # launched with tiles(K, 16)[0]

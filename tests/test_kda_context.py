@@ -85,6 +85,27 @@ def test_sharded_equals_whole_with_gradients(shards):
 
 
 @pytest.mark.unit
+def test_safe_gate_bound_reaches_every_shard(monkeypatch):
+    """Under Kimi K3's safe gate (every g >= -5) context parallelism's KDA passes the bound to each of its
+    chunk_kda calls (summary, transition and outputs), which then take the bounded diagonal blocks, and it
+    still equals the whole sequence's naive recurrence, packed documents crossing shard edges included."""
+    from kimi.ops.kda import chunk as chunk_module
+
+    calls = []
+    bounded = chunk_module._bounded_scores
+    monkeypatch.setattr(chunk_module, "_bounded_scores", lambda *a: calls.append(1) or bounded(*a))
+    q, k, v, _, beta = inputs(b=1, seed=2, t=64)
+    g = (-5 * torch.sigmoid(4 + torch.randn(q.shape, dtype=torch.float64,
+                                            generator=torch.Generator().manual_seed(3)))).requires_grad_()
+    cu = torch.tensor([0, 20, 37, 64], dtype=torch.int32)
+    want_o, want_s = chunk_kda(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu, backend="naive")
+    o, s = sharded_kda(q, k, v, g, beta, 2, cu_seqlens=cu, lower_bound=-5.0)
+    torch.testing.assert_close(o, want_o, rtol=1e-10, atol=1e-11)
+    torch.testing.assert_close(s, want_s[-1:], rtol=1e-10, atol=1e-11)
+    assert len(calls) >= 2 * 3  # per shard: the summary's two passes and the outputs'
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("starts", [[0, 5, 21], [0, 8, 16, 27], [0, 3, 4, 30]])
 def test_packed_documents_across_shard_edges(starts):
     """Documents start inside shards, exactly at a shard edge (8, 16 with 4 shards of 8) or span shards."""

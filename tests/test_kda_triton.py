@@ -30,7 +30,7 @@ def triton_chunk(*args, **kwargs):
     return chunk_kda(*args, **kwargs, backend="triton")
 
 
-def assert_close_to_naive(inputs, dtype, bound, cu_seqlens=None, grad_bounds=None):
+def assert_close_to_naive(inputs, dtype, bound, cu_seqlens=None, grad_bounds=None, lower_bound=None):
     """Triton chunk on `inputs` cast to dtype vs the fp64 reference on the same (rounded) values: output,
     final state and every gradient within `bound` relative error (or grad_bounds[name])."""
     rounded = [x if x is None else x.to(dtype) for x in inputs]
@@ -38,7 +38,8 @@ def assert_close_to_naive(inputs, dtype, bound, cu_seqlens=None, grad_bounds=Non
     rounded = [x if x is None or i < 3 else x.float() for i, x in enumerate(rounded)]
     o_ref, s_ref, grads_ref = run_with_grads(lambda *a, **kw: naive(*a, **kw, cu_seqlens=cu_seqlens),
                                              [x if x is None else x.double() for x in rounded])
-    o, s, grads = run_with_grads(lambda *a, **kw: triton_chunk(*a, **kw, cu_seqlens=cu_seqlens), rounded)
+    o, s, grads = run_with_grads(
+        lambda *a, **kw: triton_chunk(*a, **kw, cu_seqlens=cu_seqlens, lower_bound=lower_bound), rounded)
     assert o.dtype == rounded[2].dtype and s.dtype == torch.float32
     assert rel(o.double(), o_ref) < bound
     assert rel(s.double(), s_ref) < bound

@@ -213,7 +213,7 @@ class KDA(Sublayer, ParamViews, nn.Module):
         else:
             kda, backend = partial(chunk_kda, lower_bound=self.lower_bound), self.chunk_backend
         if context is not None:
-            o = context.kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend)
+            o = context.kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend, lower_bound=self.lower_bound)
         else:
             o, state = kda(q, k, v, g, beta, initial_state=None if cache is None else cache.state,
                            output_final_state=cache is not None, cu_seqlens=cu_seqlens, backend=backend)

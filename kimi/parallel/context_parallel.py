@@ -63,17 +63,18 @@ def previous_tail(tail: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.T
 
 def context_parallel_kda(q, k, v, g, beta, group: dist.ProcessGroup, scale: float | None = None,
                          cu_seqlens: torch.Tensor | None = None, continues: bool = True,
-                         initial_state: torch.Tensor | None = None,
-                         backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         initial_state: torch.Tensor | None = None, backend: str | None = None,
+                         lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's outputs of KDA over a sequence split across ``group`` (its shard's q, k, v, g, beta;
     ``cu_seqlens`` and ``continues`` describe the shard's documents as
     :func:`kimi.ops.kda.context.local_cu_seqlens` gives them), and the whole sequence's final state (the
-    same on every rank). Collective: every rank of ``group`` calls it for the same layer."""
-    P, S = shard_summary(q, k, v, g, beta, scale, cu_seqlens, continues, backend)
+    same on every rank). Collective: every rank of ``group`` calls it for the same layer. lower_bound: as
+    chunk_kda's (Kimi K3's safe gate), for every local chunk_kda call."""
+    P, S = shard_summary(q, k, v, g, beta, scale, cu_seqlens, continues, backend, lower_bound)
     all_P, all_S = all_gather_stacked([P, S], group)
     states = incoming_states(list(zip(all_P.unbind(0), all_S.unbind(0))), initial_state)
     rank = dist.get_rank(group)
-    o = run_shard((q, k, v, g, beta), states[rank], scale, cu_seqlens, continues, backend)
+    o = run_shard((q, k, v, g, beta), states[rank], scale, cu_seqlens, continues, backend, lower_bound)
     return keep_in_graph(o, all_P, all_S), states[-1]
 
 
@@ -127,10 +128,11 @@ class SequenceShard:
         prev = 0.0 * gathered[0] if prev is None else prev
         return list(prev.split([t.shape[-1] for t in tails], dim=-1))
 
-    def kda(self, q, k, v, g, beta, cu_seqlens: torch.Tensor | None = None, backend: str | None = None):
+    def kda(self, q, k, v, g, beta, cu_seqlens: torch.Tensor | None = None, backend: str | None = None,
+            lower_bound: float | None = None):
         """KDA's outputs for this shard (the whole sequence's state passed in from earlier ranks)."""
         o, _ = context_parallel_kda(q, k, v, g, beta, self.group, cu_seqlens=cu_seqlens,
-                                    continues=self.continues, backend=backend)
+                                    continues=self.continues, backend=backend, lower_bound=lower_bound)
         return o
 
     def prefix(self, x: torch.Tensor) -> torch.Tensor:

@@ -32,10 +32,10 @@ from .chunk import CHUNK_SIZE, chunk_kda_torch
 from .naive import naive_recurrent_kda
 
 
-def _triton_chunk(q, k, v, g, beta, scale, initial_state, cu_seqlens=None):
+def _triton_chunk(q, k, v, g, beta, scale, initial_state, cu_seqlens=None, lower_bound=None):
     from .triton import chunk_kda_triton  # imports triton, so only once asked for
 
-    return chunk_kda_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    return chunk_kda_triton(q, k, v, g, beta, scale, initial_state, cu_seqlens, lower_bound)
 
 
 def _triton_recurrent(q, k, v, g, beta, scale, initial_state, cu_seqlens=None):
@@ -93,7 +93,7 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
 
 def _call(fn, q, k, v, g, beta, scale, initial_state, cu_seqlens):
     """(o, final_state) from one backend, packing (cu_seqlens) handled for those that do not take it."""
-    if getattr(fn, "takes_cu_seqlens", False):
+    if getattr(getattr(fn, "func", fn), "takes_cu_seqlens", False):  # fn, or a partial of it
         return fn(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     if cu_seqlens is None:
         return fn(q, k, v, g, beta, scale, initial_state)
@@ -114,7 +114,7 @@ _RECURRENT_GUARD = Guard("fused_recurrent_kda", _FORCED_HINT)
 _PROBE_T = 16  # tokens of the probe input: a short chunk, same kernels and tiles as any length
 
 
-def _probe_chunk(q, k, v, g, beta, initial_state, cu_seqlens, with_dht: bool) -> None:
+def _probe_chunk(q, k, v, g, beta, initial_state, cu_seqlens, with_dht: bool, bounded: bool) -> None:
     """The chunk forward and backward kernels once on zeros shaped like these inputs but _PROBE_T long."""
     from .triton.op import kda_chunk_bwd, kda_chunk_fwd
 
@@ -122,13 +122,13 @@ def _probe_chunk(q, k, v, g, beta, initial_state, cu_seqlens, with_dht: bool) ->
     h0 = None if initial_state is None else initial_state.new_zeros(1, *initial_state.shape[1:])
     cu_dtype = torch.int32 if cu_seqlens is None else cu_seqlens.dtype
     cu = torch.tensor([0, _PROBE_T], dtype=cu_dtype, device=q.device)
-    o, ht = kda_chunk_fwd(q_, k_, v_, g_, beta_, 1.0, h0, cu)
+    o, ht = kda_chunk_fwd(q_, k_, v_, g_, beta_, 1.0, h0, cu, bounded)
     kda_chunk_bwd(q_, k_, v_, g_, beta_, 1.0, h0, cu, torch.zeros_like(o),
-                  torch.zeros_like(ht) if with_dht else None)
+                  torch.zeros_like(ht) if with_dht else None, bounded)
 
 
 def _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, guard=None,
-         fallback=None, forced=False):
+         fallback=None, forced=False, lower_bound=None):
     """Check, then run `fn`; a Triton `fn` (guard given) falls back to `fallback` (kimi.ops.dispatch)."""
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
     if scale is None:
@@ -140,11 +140,13 @@ def _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
         o, state = _call(fallback, *args)
     else:
         if guard is _CHUNK_GUARD and needs_grad(q, k, v, g, beta, initial_state):
+            from .triton.common import bounded
+
             key = (q.device, *((x.dtype, tuple(x.shape[2:])) for x in (q, k, v, g, beta)),
                    None if initial_state is None else initial_state.dtype,
-                   None if cu_seqlens is None else cu_seqlens.dtype, output_final_state)
+                   None if cu_seqlens is None else cu_seqlens.dtype, output_final_state, bounded(lower_bound))
             def probe():
-                _probe_chunk(q, k, v, g, beta, initial_state, cu_seqlens, output_final_state)
+                _probe_chunk(q, k, v, g, beta, initial_state, cu_seqlens, output_final_state, key[-1])
 
             if not guard.probe(key, "kda_chunk_fwd/kda_chunk_bwd", probe, forced):
                 fn = fallback
@@ -168,13 +170,14 @@ def chunk_kda(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA over whole sequences (training, prefill). backend: "triton" (default for CUDA tensors), "chunk"
     (PyTorch, the default otherwise) or "naive". lower_bound: every g is >= it (Kimi K3's safe gate), which
-    lets the PyTorch chunk path take its faster bounded form (kimi/ops/kda/chunk.py); the Triton kernels
-    keep their general path."""
+    lets the chunk paths (PyTorch and Triton) take their faster bounded form (kimi/ops/kda/chunk.py)."""
     torch_chunk = partial(chunk_kda_torch, lower_bound=lower_bound)
     fn = _pick_backend(backend, _CHUNK_BACKENDS, "chunk", "chunk_kda", q.device)
     guard = _CHUNK_GUARD if fn is _triton_chunk else None
-    return _run(torch_chunk if fn is chunk_kda_torch else fn, q, k, v, g, beta, scale, initial_state,
-                output_final_state, cu_seqlens, guard, torch_chunk, backend is not None)
+    if fn in (chunk_kda_torch, _triton_chunk):
+        fn = partial(fn, lower_bound=lower_bound)
+    return _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, guard, torch_chunk,
+                backend is not None, lower_bound)
 
 
 def fused_recurrent_kda(

@@ -58,7 +58,8 @@ def _rows_continuing(continues, rows: int, device) -> torch.Tensor:
 
 
 def shard_summary(q, k, v, g, beta, scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
-                  continues=True, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  continues=True, backend: str | None = None,
+                  lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(P, S_zero) of one shard (module docstring), one per row: P [R, H, K, K], S_zero [R, H, K, V].
     Rows: the batch rows without ``cu_seqlens``; with it, the R = len(continues) rows packed along T
     (R = 1 when ``continues`` is one bool). continues: per row, whether its first token continues the
@@ -66,7 +67,8 @@ def shard_summary(q, k, v, g, beta, scale: float | None = None, cu_seqlens: torc
     B, T, H, K = k.shape
     rows = B if cu_seqlens is None else torch.as_tensor(continues).numel()
     flags = _rows_continuing(continues, rows, k.device)
-    _, states = chunk_kda(q, k, v, g, beta, scale, output_final_state=True, cu_seqlens=cu_seqlens, backend=backend)
+    _, states = chunk_kda(q, k, v, g, beta, scale, output_final_state=True, cu_seqlens=cu_seqlens, backend=backend,
+                          lower_bound=lower_bound)
     first, last = row_sequences(cu_seqlens, rows, B * T)
     S = states[last]
     # the incoming state crosses the shard only along a row that is one continued document
@@ -75,7 +77,7 @@ def shard_summary(q, k, v, g, beta, scale: float | None = None, cu_seqlens: torc
         return k.new_zeros(rows, H, K, K, dtype=states.dtype), S
     eye = torch.eye(K, dtype=states.dtype, device=k.device).expand(states.shape[0], H, K, K).contiguous()
     _, P = chunk_kda(q, k, torch.zeros_like(k), g, beta, scale, initial_state=eye, output_final_state=True,
-                     cu_seqlens=cu_seqlens, backend=backend)
+                     cu_seqlens=cu_seqlens, backend=backend, lower_bound=lower_bound)
     return P[last] * through[:, None, None, None].to(P.dtype), S
 
 
@@ -92,7 +94,7 @@ def incoming_states(summaries: list[tuple[torch.Tensor, torch.Tensor]],
 
 def sharded_kda(q, k, v, g, beta, shards: int, scale: float | None = None,
                 cu_seqlens: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
-                backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                backend: str | None = None, lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """KDA of the whole sequence computed shard by shard as context-parallel ranks compute it (one
     process: the exchange is a list): (o, final state), equal to chunk_kda's. T must divide by shards."""
     T = q.shape[1]
@@ -104,11 +106,12 @@ def sharded_kda(q, k, v, g, beta, shards: int, scale: float | None = None,
         part = tuple(x[:, r * n:(r + 1) * n] for x in (q, k, v, g, beta))
         local, continues = local_cu_seqlens(cu_seqlens, r * n, n)
         parts.append((part, local, continues))
-    summaries = [shard_summary(*part, scale, local, continues, backend) for part, local, continues in parts]
+    summaries = [shard_summary(*part, scale, local, continues, backend, lower_bound)
+                 for part, local, continues in parts]
     states = incoming_states(summaries, initial_state)
     outputs = []
     for (part, local, continues), s_in in zip(parts, states):
-        outputs.append(run_shard(part, s_in, scale, local, continues, backend))
+        outputs.append(run_shard(part, s_in, scale, local, continues, backend, lower_bound))
     return torch.cat(outputs, dim=1), states[-1]
 
 
@@ -121,7 +124,8 @@ def local_cu_seqlens(cu_seqlens: torch.Tensor | None, start: int, length: int):
     return torch.tensor([0, *inside, length], dtype=cu_seqlens.dtype, device=cu_seqlens.device), continues
 
 
-def run_shard(part, incoming: torch.Tensor, scale, cu_seqlens, continues, backend=None) -> torch.Tensor:
+def run_shard(part, incoming: torch.Tensor, scale, cu_seqlens, continues, backend=None,
+              lower_bound=None) -> torch.Tensor:
     """The shard's outputs from its rows' incoming states [R, H, K, V], which only each row's first
     document sees, and only where it continues (rows as in :func:`shard_summary`)."""
     q, k, v, g, beta = part
@@ -131,5 +135,6 @@ def run_shard(part, incoming: torch.Tensor, scale, cu_seqlens, continues, backen
         first, _ = row_sequences(cu_seqlens, rows, k.shape[1])
         zeros = init.new_zeros(cu_seqlens.numel() - 1, *init.shape[1:])
         init = zeros.index_copy(0, torch.tensor(first, device=k.device), init)
-    o, _ = chunk_kda(q, k, v, g, beta, scale, initial_state=init, cu_seqlens=cu_seqlens, backend=backend)
+    o, _ = chunk_kda(q, k, v, g, beta, scale, initial_state=init, cu_seqlens=cu_seqlens, backend=backend,
+                     lower_bound=lower_bound)
     return o

@@ -15,12 +15,13 @@ chunk_fwd.py are rerun (G, scores, inverse, W, U, the entering states and V_new)
 4. `chunk_cumsum(reverse=True)`: dg from dG (G is the in-chunk cumulative sum of g).
 """
 
+import torch
 import triton
 import triton.language as tl
 
 from .chunk_fwd import forward_intermediates, load_square
-from .common import (CHUNK, SUB, chunk_bounds, chunk_cumsum, load_G, load_G_row, load_rows, mm, scratch,
-                     key_block_precision, narrow_operands_fault, state_block, state_program, tiles)
+from .common import (CHUNK, SUB, chunk_bounds, chunk_cumsum, dot_precision, key_block_precision, load_G, load_G_row,
+                     load_rows, mm, narrow_operands_fault, scratch, state_block, state_program, tiles)
 
 
 @triton.jit
@@ -132,12 +133,13 @@ def _load_sq_block(A, t0, last, i, j, h, H, C: tl.constexpr, BC: tl.constexpr):
 @triton.jit
 def scores_bwd_kernel(q, k, Gc, dAqk, dL, dqs, dks, dq, dk, dG, cu_seqlens, chunks, scale, H, K: tl.constexpr,
                       BK: tl.constexpr, BKD: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-                      PREC: tl.constexpr):
+                      PREC: tl.constexpr, BOUNDED: tl.constexpr, PREC_D: tl.constexpr):
     """For P = A_qk (x = q) and P = L (x = k): dx_t = sum_s dP[t, s] k_s exp(G_t - G_s) (row role) and
     dk_s = sum_t dP[t, s] x_t exp(G_t - G_s) (column role). Row role anchors at the first row of t's
     sub-chunk, column role at the last row of s's; diagonal blocks use the masked [t, s, d] decays.
     Every term is separate per key channel, so the work runs on slices of BKD channels. Completes dq, dk
-    and dG (partial sums from chunk_bwd_kernel) for the sub-chunk's rows."""
+    and dG (partial sums from chunk_bwd_kernel) for the sub-chunk's rows. BOUNDED (gates >= -80 / BC): the
+    diagonal block joins both anchored sums as one more matmul each, at PREC_D as in scores_kernel."""
     i_c, h = tl.program_id(0), tl.program_id(1)
     t0, last = chunk_bounds(cu_seqlens, chunks, i_c, C)
     o = tl.arange(0, BC)
@@ -162,6 +164,10 @@ def scores_bwd_kernel(q, k, Gc, dAqk, dL, dqs, dks, dq, dk, dG, cu_seqlens, chun
                     G_a[None, :] - load_G(Gc, cols, last, h, H, cd, K, md))
                 dq_i += mm(_load_sq_block(dAqk, t0, last, i, j, h, H, C, BC), k_j, PREC)
                 dk_row += mm(_load_sq_block(dL, t0, last, i, j, h, H, C, BC), k_j, PREC)
+            if BOUNDED:  # the diagonal block through the same anchor
+                k_a = k_i * tl.exp(G_a[None, :] - G_i)
+                dq_i += mm(dPq, k_a, PREC_D)
+                dk_row += mm(dPk, k_a, PREC_D)
             from_anchor = tl.exp(G_i - G_a[None, :])
             dq_i *= from_anchor
             dk_row *= from_anchor
@@ -175,13 +181,16 @@ def scores_bwd_kernel(q, k, Gc, dAqk, dL, dqs, dks, dq, dk, dG, cu_seqlens, chun
                 k_m = load_rows(k, rows_m, last, h, H, cd, K, md) * to_b
                 dk_col += mm(tl.trans(_load_sq_block(dAqk, t0, last, m, i, h, H, C, BC)), q_m, PREC)
                 dk_col += mm(tl.trans(_load_sq_block(dL, t0, last, m, i, h, H, C, BC)), k_m, PREC)
+            if BOUNDED:
+                to_b = tl.exp(G_i - G_b[None, :])
+                dk_col += mm(tl.trans(dPq), q_i * to_b, PREC_D) + mm(tl.trans(dPk), k_i * to_b, PREC_D)
             dk_col *= tl.exp(G_b[None, :] - G_i)
-            # Diagonal block: [t, s, d] decays, exponent -inf where s > t before exponentiating.
-            decay = tl.exp(tl.where(causal, G_i[:, None, :] - G_i[None, :, :], float("-inf")))
-            dq_i += tl.sum(dPq[:, :, None] * decay * k_i[None, :, :], axis=1)
-            dk_row += tl.sum(dPk[:, :, None] * decay * k_i[None, :, :], axis=1)
-            dk_col += tl.sum((dPq[:, :, None] * q_i[:, None, :] + dPk[:, :, None] * k_i[:, None, :]) * decay,
-                             axis=0)
+            if not BOUNDED:  # diagonal block: [t, s, d] decays, exponent -inf where s > t before exponentiating
+                decay = tl.exp(tl.where(causal, G_i[:, None, :] - G_i[None, :, :], float("-inf")))
+                dq_i += tl.sum(dPq[:, :, None] * decay * k_i[None, :, :], axis=1)
+                dk_row += tl.sum(dPk[:, :, None] * decay * k_i[None, :, :], axis=1)
+                dk_col += tl.sum((dPq[:, :, None] * q_i[:, None, :] + dPk[:, :, None] * k_i[:, None, :])
+                                 * decay, axis=0)
             out = (rows[:, None] * H + h) * K + cd[None, :]
             mask = (rows <= last)[:, None] & md[None, :]
             d_qs = tl.load(dqs + out, mask=mask, other=0) + dq_i
@@ -192,7 +201,8 @@ def scores_bwd_kernel(q, k, Gc, dAqk, dL, dqs, dks, dq, dk, dG, cu_seqlens, chun
             tl.store(dG + out, d_G, mask=mask)
 
 
-def chunk_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_chunk, NT, prec, do, dht):
+def chunk_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_chunk, NT, prec, do, dht,
+              bounded: bool = False):
     """Gradients (dq, dk, dv, dg, dbeta, dh0) of packed [T, H, D] inputs; dht: [N, H, K, V] or None."""
     T, H, K = q.shape
     V = v.shape[-1]
@@ -200,7 +210,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_
     BK, BKD, BV, _, BKC = tiles(K, V)
     BVS = state_block(N, H, V, q.device, q.dtype)
     mid, _ = forward_intermediates(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_chunk,
-                                   NT, prec, backward=True)
+                                   NT, prec, bounded, backward=True)
     DH = scratch(NT, H, K, V, like=q, dtype=q.dtype)  # matmul operands only, like the forward's states
     DVN = scratch(T, H, V, like=q, dtype=q.dtype)
     dh0 = scratch(N, H, K, V, like=q)
@@ -221,6 +231,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_
             key_block_precision(prec, BKC, narrow_operands_fault(q.device)),
             num_warps=8, num_stages=1)  # four [C, C] and three [C, BKC] fp32 tiles; no loop pipelining
         scores_bwd_kernel[(NT, H)](q, k, mid["Gc"], dAqk, dL, dqs, dks, dq, dk, dG, cu_seqlens, chunks, scale,
-                                   H, K, BK, BKD, CHUNK, SUB, prec, num_warps=8)  # 4 warps spill at K = 128
+                                   H, K, BK, BKD, CHUNK, SUB, prec, bounded, dot_precision(torch.float32),
+                                   num_warps=8)  # 4 warps spill at K = 128
     dg = chunk_cumsum(dG, cu_seqlens, chunks, NT, reverse=True)
     return dq, dk, dv, dg.to(g.dtype), dbeta, dh0

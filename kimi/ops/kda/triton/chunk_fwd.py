@@ -18,16 +18,22 @@
 The backward (chunk_bwd.py) reruns 1-4 rather than keeping their outputs from the forward.
 """
 
+import torch
 import triton
 import triton.language as tl
 
-from .common import (CHUNK, SUB, chunk_bounds, chunk_cumsum, load_G, load_G_row, load_rows, mm, scratch,
-                     check_head_dims, state_block, state_program, tiles)
+from .common import (CHUNK, SUB, check_head_dims, chunk_bounds, chunk_cumsum, dot_precision, load_G, load_G_row,
+                     load_rows, mm, scratch, state_block, state_program, tiles)
 
 
 @triton.jit
 def scores_kernel(q, k, Gc, L, Aqk, cu_seqlens, chunks, scale, H, K: tl.constexpr, BK: tl.constexpr,
-                  BKD: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+                  BKD: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
+                  BOUNDED: tl.constexpr, PREC_D: tl.constexpr):
+    """BOUNDED: every gate is >= -80 / BC (common.bounded), so G falls by at most 80 inside a sub-chunk and
+    the diagonal blocks are anchored matmuls too, exp(G_a - G_s) <= e^80 being finite in fp32. Their products
+    take PREC_D, fp32's precision: the diagonal's q_t k_t terms enter dq and dk and cancel in dg only if they
+    are not rounded to half precision (bf16 operands there made dg 40x less accurate)."""
     i_c, h = tl.program_id(0), tl.program_id(1)
     t0, last = chunk_bounds(cu_seqlens, chunks, i_c, C)
     ck = tl.arange(0, BK)
@@ -50,21 +56,26 @@ def scores_kernel(q, k, Gc, L, Aqk, cu_seqlens, chunks, scale, H, K: tl.constexp
             k_jT = tl.trans(k_j)
             tl.store(L + out_ptr + j * BC, mm(ka, k_jT, PREC), mask=out_mask)
             tl.store(Aqk + out_ptr + j * BC, mm(qa, k_jT, PREC), mask=out_mask)
-        # Diagonal block: the [t, s, d] decays, exponent set to -inf where s > t before exponentiating,
-        # a slice of BKD key channels at a time to bound the 3-D tile.
-        causal = (o[:, None] >= o[None, :])[:, :, None]
-        b_kk = tl.zeros([BC, BC], dtype=tl.float32)
-        b_qk = tl.zeros([BC, BC], dtype=tl.float32)
-        for d0 in range(0, BK, BKD):
-            cd = d0 + tl.arange(0, BKD)
-            md = cd < K
-            q_d = load_rows(q, rows, last, h, H, cd, K, md) * scale
-            k_d = load_rows(k, rows, last, h, H, cd, K, md)
-            G_d = load_G(Gc, rows, last, h, H, cd, K, md)
-            decay = tl.exp(tl.where(causal, G_d[:, None, :] - G_d[None, :, :], float("-inf")))
-            k_decayed = decay * k_d[None, :, :]
-            b_kk += tl.sum(k_d[:, None, :] * k_decayed, axis=2)
-            b_qk += tl.sum(q_d[:, None, :] * k_decayed, axis=2)
+        if BOUNDED:  # diagonal block as one more anchored matmul; the pairs s > t are masked after it
+            k_iT = tl.trans(k_i * tl.exp(G_a[None, :] - G_i))
+            b_kk = mm(ka, k_iT, PREC_D)
+            b_qk = tl.where(o[:, None] >= o[None, :], mm(qa, k_iT, PREC_D), 0.0)
+        else:
+            # Diagonal block: the [t, s, d] decays, exponent set to -inf where s > t before exponentiating,
+            # a slice of BKD key channels at a time to bound the 3-D tile.
+            causal = (o[:, None] >= o[None, :])[:, :, None]
+            b_kk = tl.zeros([BC, BC], dtype=tl.float32)
+            b_qk = tl.zeros([BC, BC], dtype=tl.float32)
+            for d0 in range(0, BK, BKD):
+                cd = d0 + tl.arange(0, BKD)
+                md = cd < K
+                q_d = load_rows(q, rows, last, h, H, cd, K, md) * scale
+                k_d = load_rows(k, rows, last, h, H, cd, K, md)
+                G_d = load_G(Gc, rows, last, h, H, cd, K, md)
+                decay = tl.exp(tl.where(causal, G_d[:, None, :] - G_d[None, :, :], float("-inf")))
+                k_decayed = decay * k_d[None, :, :]
+                b_kk += tl.sum(k_d[:, None, :] * k_decayed, axis=2)
+                b_qk += tl.sum(q_d[:, None, :] * k_decayed, axis=2)
         b_kk = tl.where(o[:, None] > o[None, :], b_kk, 0.0)
         tl.store(L + out_ptr + i * BC, b_kk, mask=out_mask)
         tl.store(Aqk + out_ptr + i * BC, b_qk, mask=out_mask)
@@ -231,7 +242,7 @@ def output_kernel(q, Gc, Aqk, Hs, VN, o, cu_seqlens, chunks, scale, H, K: tl.con
 
 
 def forward_intermediates(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_chunk, NT, prec,
-                          backward: bool = False):
+                          bounded: bool = False, backward: bool = False):
     """Steps 1-4 on packed [T, H, D] views. Returns a dict of the intermediates and the final states.
 
     What feeds only matmuls (Aqk, Ainv, W, KG, QG, the entering states Hs, V_new) is stored in the
@@ -257,7 +268,7 @@ def forward_intermediates(q, k, v, g, beta, scale, initial_state, cu_seqlens, ch
     if NT:
         # 8 warps: with 4, the [t, s, d] decay tiles and the [C, K] rows spill registers at K = 128
         scores_kernel[(NT, H)](q, k, Gc, L, Aqk, cu_seqlens, chunks, scale, H, K, BK, BKD, CHUNK, SUB,
-                               prec, num_warps=8)
+                               prec, bounded, dot_precision(torch.float32), num_warps=8)
         solve_kernel[(NT, H)](L, beta, Ainv, cu_seqlens, chunks, H, CHUNK, SUB)
         wu_kernel[(NT, H)](q, k, v, beta, Gc, Ainv, W, U, KG, QG, cu_seqlens, chunks, scale, H, K, V, BK, BV,
                            CHUNK, backward, prec, num_warps=8)
@@ -269,13 +280,14 @@ def forward_intermediates(q, k, v, g, beta, scale, initial_state, cu_seqlens, ch
     return dict(Gc=Gc, L=L, Aqk=Aqk, Ainv=Ainv, W=W, U=U, KG=KG, QG=QG, Hs=Hs, VN=VN), ht
 
 
-def chunk_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_chunk, NT, prec):
+def chunk_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_chunk, NT, prec,
+              bounded: bool = False):
     """o [T, H, V] (v's dtype) and the final states [N, H, K, V] (fp32) of packed [T, H, D] inputs."""
     T, H, K = q.shape
     V = v.shape[-1]
     BK, _, BV, _, _ = tiles(K, V)
     mid, ht = forward_intermediates(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_chunk,
-                                    NT, prec)
+                                    NT, prec, bounded)
     o = scratch(*v.shape, like=v, dtype=v.dtype)
     if NT:
         output_kernel[(NT, H, triton.cdiv(V, BV))](

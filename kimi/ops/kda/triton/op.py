@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .chunk_bwd import chunk_bwd
 from .chunk_fwd import chunk_fwd
-from .common import check_device, check_offsets, chunk_table, dot_precision
+from .common import bounded, check_device, check_offsets, chunk_table, dot_precision
 from .recurrent import recurrent_fwd
 
 
@@ -21,44 +21,45 @@ def _packed(*xs: Tensor) -> list[Tensor]:
 
 @torch.library.custom_op("kimi::kda_chunk_fwd", mutates_args=())
 def kda_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-                  initial_state: Tensor | None, cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
+                  initial_state: Tensor | None, cu_seqlens: Tensor,
+                  bounded: bool = False) -> tuple[Tensor, Tensor]:
     chunks, first, NT = chunk_table(cu_seqlens, q.shape[1])
     h0 = None if initial_state is None else initial_state.contiguous()
     o, ht = chunk_fwd(*_packed(q, k, v, g, beta), scale, h0, cu_seqlens, chunks, first, NT,
-                      dot_precision(q.dtype))
+                      dot_precision(q.dtype), bounded)
     return o.unsqueeze(0), ht
 
 
 @kda_chunk_fwd.register_fake
-def _(q, k, v, g, beta, scale, initial_state, cu_seqlens):
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, bounded=False):
     N, (H, K), V = cu_seqlens.shape[0] - 1, q.shape[2:], v.shape[-1]
     return torch.empty_like(v), q.new_empty(N, H, K, V, dtype=torch.float32)
 
 
 @torch.library.custom_op("kimi::kda_chunk_bwd", mutates_args=())
 def kda_chunk_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-                  initial_state: Tensor | None, cu_seqlens: Tensor, do: Tensor,
-                  dht: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  initial_state: Tensor | None, cu_seqlens: Tensor, do: Tensor, dht: Tensor | None,
+                  bounded: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     chunks, first, NT = chunk_table(cu_seqlens, q.shape[1])
     h0 = None if initial_state is None else initial_state.contiguous()
     dht = None if dht is None else dht.float().contiguous()
     grads = chunk_bwd(*_packed(q, k, v, g, beta), scale, h0, cu_seqlens, chunks, first, NT,
-                      dot_precision(q.dtype), do[0].contiguous(), dht)
+                      dot_precision(q.dtype), do[0].contiguous(), dht, bounded)
     *grads, dh0 = grads
     return (*(x.unsqueeze(0) for x in grads), dh0)
 
 
 @kda_chunk_bwd.register_fake
-def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, bounded=False):
     N, (H, K), V = cu_seqlens.shape[0] - 1, q.shape[2:], v.shape[-1]
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
             torch.empty_like(beta), q.new_empty(N, H, K, V, dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, scale, initial_state, cu_seqlens = inputs
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, bounded = inputs
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
-    ctx.scale = scale
+    ctx.scale, ctx.bounded = scale, bounded
     ctx.set_materialize_grads(False)  # an unused final state passes None, and its kernel input is skipped
 
 
@@ -67,9 +68,9 @@ def _backward(ctx, do, dht):
     if do is None:
         do = torch.zeros_like(v)
     dq, dk, dv, dg, dbeta, dh0 = kda_chunk_bwd(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do,
-                                               dht)
+                                               dht, ctx.bounded)
     dh0 = None if initial_state is None else dh0.to(initial_state.dtype)
-    return dq, dk, dv, dg, dbeta, None, dh0, None
+    return dq, dk, dv, dg, dbeta, None, dh0, None, None
 
 
 kda_chunk_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -111,13 +112,14 @@ def _pack_batch(q: Tensor, cu_seqlens: Tensor | None, *xs: Tensor) -> tuple[list
     return packed, torch.arange(B + 1, device=q.device, dtype=torch.int32) * T
 
 
-def chunk_kda_triton(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None):
+def chunk_kda_triton(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None, lower_bound=None):
     """Same contract as kimi.ops.kda.chunk.chunk_kda_torch, plus cu_seqlens taken in one launch;
-    differentiable wrt q, k, v, g, beta and initial_state. States are fp32."""
+    differentiable wrt q, k, v, g, beta and initial_state. States are fp32. lower_bound: every g is >= it
+    (Kimi K3's safe gate); at -5 or above the score kernels take their bounded form (common.bounded)."""
     check_device(q, k, v, g, beta)
     B, T = q.shape[:2]
     (q, k, v, g, beta), cu = _pack_batch(q, cu_seqlens, q, k, v, g, beta)
-    o, state = kda_chunk_fwd(q, k, v, g, beta, float(scale), initial_state, cu)
+    o, state = kda_chunk_fwd(q, k, v, g, beta, float(scale), initial_state, cu, bounded(lower_bound))
     return o.reshape(B, T, *o.shape[2:]), state
 
 
