@@ -163,3 +163,48 @@ def test_prepare_a_blend_with_a_tokenizer_json_killed_and_rerun(tmp_path, offlin
     train, _ = load_documents(alone)
     tok = blend.tokenizer
     assert read_tokens(web, "train").tolist() == [i for t in train["text"] for i in tok.encode(t) + [tok.eos_id]]
+
+
+def test_a_blend_without_a_tokenizer_trains_one_on_its_sources_by_weight(tmp_path, offline, monkeypatch):
+    """No data.tokenizer.model_path: one BPE is trained on the blend, each source giving its weight's share of
+    data.tokenizer.train_chars (documents drawn across it), cached, so a second prepare trains nothing; every
+    source is tokenised with it, and another weight is another tokenizer."""
+    from kimi.data import pack
+
+    def corpus(name, word):
+        folder = tmp_path / name
+        folder.mkdir()
+        for i in range(30):
+            (folder / f"{i:02d}.txt").write_text(f"{word} number {i} says {word} again. " * 6)
+        return folder
+
+    seen = []
+    real = pack.train_tokenizer
+
+    def recording(texts, *args, **kwargs):
+        seen.append(list(texts))
+        return real(seen[-1], *args, **kwargs)
+
+    monkeypatch.setattr(pack, "train_tokenizer", recording)
+
+    def config(weight_b):
+        return DataConfig(name="mix", cache_dir=str(tmp_path / "cache"),
+                          tokenizer=TokenizerConfig(vocab_size=300, train_chars=6000),
+                          sources=[DataSourceConfig(name="a", weight=2.0, source="files",
+                                                    data_files=[str(corpus_a / "*.txt")], val_fraction=0.1),
+                                   DataSourceConfig(name="b", weight=weight_b, source="files",
+                                                    data_files=[str(corpus_b / "*.txt")], val_fraction=0.1)])
+
+    corpus_a, corpus_b = corpus("a", "zebra"), corpus("b", "quokka")
+    blend = prepare(config(1.0), limit=False)
+    (texts,) = seen
+    chars = {w: sum(len(t) for t in texts if w in t) for w in ("zebra", "quokka")}
+    doc = len(texts[0])
+    assert 4000 <= chars["zebra"] < 4000 + doc and 2000 <= chars["quokka"] < 2000 + doc  # 2 : 1 of 6000
+    tok = blend.tokenizer
+    assert {p.tokenizer.sha256 for p in blend.parts} == {tok.sha256}
+    assert len(tok.encode("zebra quokka")) < len("zebra quokka")  # both sources' words made pieces
+    again = prepare(config(1.0), limit=False)
+    assert len(seen) == 1 and again.tokenizer.sha256 == tok.sha256  # cached: nothing trained
+    other = prepare(config(3.0), limit=False)
+    assert len(seen) == 2 and other.tokenizer.sha256 != tok.sha256

@@ -12,6 +12,8 @@ not finished its first pass.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import itertools
 import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -69,8 +71,37 @@ class PreparedBlend:
         return self._total("val")
 
 
+def blend_tokenizer(cfg: DataConfig) -> Path:
+    """The tokenizer of a blend that names none (data.tokenizer.model_path unset), trained once and cached
+    under the data cache by everything it depends on: data.tokenizer's BPE on up to train_chars characters,
+    each source giving its weight's share of them (the whole source when it holds less), drawn across the
+    source as a single source's tokenizer draws them (kimi.data.pack.tokenizer_texts)."""
+    from kimi.data.pack import TOKENIZER_RECIPE, exclusive, train_with_progress, tokenizer_texts
+    from kimi.data.sources import cache_root, load_documents, source_identity
+
+    tc, sources = cfg.tokenizer, source_configs(cfg)
+    key = {"sources": [[name, weight, source_identity(own)] for name, weight, own in sources],
+           "vocab_size": tc.vocab_size, "train_chars": tc.train_chars, "recipe": TOKENIZER_RECIPE}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_root(cfg) / "tokenizers" / f"{cfg.name}-blend-{digest}" / "tokenizer.model"
+    with exclusive(path.parent):
+        if not path.is_file():
+            total = sum(weight for _, weight, _ in sources)
+            texts = itertools.chain.from_iterable(
+                tokenizer_texts(load_documents(own)[0], int(tc.train_chars * weight / total))
+                for _, weight, own in sources)
+            print(f"[data] the blend names no tokenizer (data.tokenizer.model_path): training one on its sources "
+                  f"by weight into {path}", flush=True)
+            train_with_progress(texts, cfg, path)
+    return path
+
+
 def prepare_blend(cfg: DataConfig, prepare_one, limit: bool = True) -> PreparedBlend:
-    """Every source prepared (or found prepared) with the one tokenizer data.tokenizer.model_path names."""
+    """Every source prepared (or found prepared) with one tokenizer: the one data.tokenizer.model_path names,
+    else one trained on the blend (blend_tokenizer)."""
+    if not cfg.tokenizer.model_path:
+        path = blend_tokenizer(cfg)
+        cfg = dataclasses.replace(cfg, tokenizer=dataclasses.replace(cfg.tokenizer, model_path=str(path)))
     parts, names, weights = [], [], []
     for name, weight, own in source_configs(cfg):
         print(f"[data] blend source {name!r} (weight {weight:g})", flush=True)

@@ -133,11 +133,16 @@ def _tokenizer(cfg: DataConfig, data_dir: Path, train_docs: datasets.Dataset) ->
     if tc.model_path:
         user = Tokenizer(Path(tc.model_path).expanduser())  # refuses a file that is no tokenizer
         return user.copy_to(path)
+    return train_with_progress(tokenizer_texts(train_docs, tc.train_chars), cfg, path)
+
+
+def train_with_progress(texts: Iterator[str], cfg: DataConfig, path: Path) -> Tokenizer:
+    """data.tokenizer's BPE trained on `texts` into `path`, saying what it does and how long it took."""
+    tc = cfg.tokenizer
     print(f"[data] training a {tc.vocab_size}-piece BPE tokenizer on up to {tc.train_chars:,} characters",
           flush=True)
     t0 = time.perf_counter()
-    tok = train_tokenizer(tokenizer_texts(train_docs, tc.train_chars), tc.vocab_size, path,
-                          max_chars=tc.train_chars)
+    tok = train_tokenizer(texts, tc.vocab_size, path, max_chars=tc.train_chars)
     print(f"[data] tokenizer trained in {time.perf_counter() - t0:.1f}s", flush=True)
     return tok
 
@@ -215,7 +220,7 @@ def prepare_command() -> str:
 
 
 @contextlib.contextmanager
-def _exclusive(data_dir: Path) -> Iterator[None]:
+def exclusive(data_dir: Path) -> Iterator[None]:
     """One preparation of a directory at a time (two jobs sharing a cache): the second waits, then finds the
     first's manifest, or its finished shards if it was killed."""
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -301,7 +306,7 @@ def prepare(cfg: DataConfig, limit: bool = True) -> PreparedData:
     data_dir = data_dir_for(cfg)
     if (data_dir / MANIFEST).is_file():
         return _found(data_dir)
-    with _exclusive(data_dir):
+    with exclusive(data_dir):
         if (data_dir / MANIFEST).is_file():
             return _found(data_dir)
         return _tokenise(cfg, data_dir, fp, limit)

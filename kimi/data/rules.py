@@ -33,9 +33,6 @@ def _check_blend(d: DataConfig) -> None:
         check(s.weight > 0 and math.isfinite(s.weight), f"{key}.weight", s.weight, "must be a positive number")
     names = [s.name for s in d.sources]
     check(len(names) == len(set(names)), "data.sources", names, "every source needs a name of its own")
-    check(bool(d.tokenizer.model_path), "data.tokenizer.model_path", d.tokenizer.model_path,
-          "a blend (data.sources) needs one tokenizer for every source: name a tokenizer.json, sentencepiece "
-          ".model or tiktoken.model")
     for i, (_, _, own) in enumerate(source_configs(d)):
         _check_source(own, f"data.sources[{i}]")
 
