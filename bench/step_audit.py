@@ -393,7 +393,10 @@ class OpCost(TorchDispatchMode):
                                "split_with_sizes", "unbind", "reshape", "empty", "empty_like", "zeros",
                                "new_empty", "new_empty_strided", "empty_strided", "lift_fresh"):
             return out
-        flops = self.registry[packet](*args, **kwargs, out_val=out) if packet in self.registry else 0
+        if packet in self.registry:
+            flops = self.registry[packet](*args, **kwargs, out_val=out)
+        else:
+            flops = triton_op_flops(packet.__name__, args)
         tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         dtypes = {t.dtype for t in tensors if t.is_floating_point()}
@@ -406,6 +409,16 @@ class OpCost(TorchDispatchMode):
         return out
 
 
+def triton_op_flops(name: str, args) -> float:
+    """FLOPs of our Triton KDA ops, which torch's flop counter does not know: the chunk form's count
+    (bench/kda.py's kda_flops: 6 K V + 5 C K per token and head, C = 64), the backward twice the forward."""
+    if name not in ("kda_chunk_fwd", "kda_chunk_bwd"):
+        return 0
+    _, T, H, K = args[0].shape
+    V = args[2].shape[-1]
+    return (1 if name == "kda_chunk_fwd" else 2) * T * H * (6 * K * V + 5 * 64 * K)
+
+
 def _kind_of(module: str) -> str:
     """A module name without block indices: blocks.3.mixer.q_proj -> mixer.q_proj."""
     parts = [p for p in module.split(".") if not p.isdigit() and p not in ("blocks", "KimiModel", "Global")]
@@ -413,10 +426,11 @@ def _kind_of(module: str) -> str:
 
 
 def audit_roofline(overrides: list[str], T: int) -> dict:
-    """Trace one forward and backward at T tokens on the meta device (bf16 weights) and price every op."""
+    """Trace one forward and backward at T tokens on the meta device (bf16 weights) and price every op, KDA
+    as the GPU runs it: the Triton custom ops (their fake kernels trace on meta), one op each way."""
     from torch.utils.module_tracker import ModuleTracker
 
-    cfg = compose(overrides)
+    cfg = compose([*overrides, "model.kda_backend=triton"])
     model = build(cfg, device="meta", dtype=torch.bfloat16)
     ids, labels = (x.to("meta") for x in batch(cfg.model.vocab_size, T))
     tracker = ModuleTracker()
@@ -437,7 +451,8 @@ def audit_roofline(overrides: list[str], T: int) -> dict:
         rows.sort(key=lambda r: -r["time_s"])
         by_class = defaultdict(float)
         for r in rows:
-            by_class["matmul" if r["op"] in MATMULS else "other"] += r["time_s"]
+            by_class["matmul" if r["op"] in MATMULS else "kda" if r["op"].startswith("kda_chunk") else
+                     "other"] += r["time_s"]
         gpus[gpu] = {"predicted_step_s": total, "mfu_ceiling": model_flops / peak["bf16"] / total,
                      "time_by_class": dict(by_class),
                      "memory_bound_top10": [r for r in rows if r["bound"] == "memory"][:10]}

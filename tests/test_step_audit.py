@@ -67,3 +67,5 @@ def test_roofline_prices_the_step():
         assert 0 < g["mfu_ceiling"] < 1 and g["predicted_step_s"] > 0
         assert len(g["memory_bound_top10"]) == 10
     assert roof["gpus"]["H100"]["predicted_step_s"] > roof["gpus"]["H200"]["predicted_step_s"]
+    # KDA priced as the GPU runs it: the Triton chunk ops, each way, with their FLOPs
+    assert roof["gpus"]["H200"]["time_by_class"]["kda"] > 0
