@@ -569,9 +569,13 @@ NOTES = {
                      "above the diagonal, so no positive exponent is ever taken) and of the decayed keys, "
                      "beside the [16, K] rows the off-diagonal matmuls keep; BKD = 16 or 4 warps spill as "
                      "much or more (measured 76-336 B). A register-only diagonal would need the anchored "
-                     "form there too, which loses the exactness of strong gates.",
+                     "form there too, which loses the exactness of strong gates. BOUNDED=1 (Kimi K3's safe "
+                     "gate) has that form: 168 B / 304 B on sm_90, 40 / 72 B on sm_80, from its tf32x3 "
+                     "products (bf16 ones spill less but put the output 1.5x further from fp64); a "
+                     "whole-K diagonal product instead of BKD slices spilled 30 KB.",
     "scores_bwd_kernel": "bf16 K = 128: ~100-250 B of spills remain, for the same [16, 16, BKD] diagonal "
-                         "tiles as scores_kernel, here three of them (dq, dk by row and by column).",
+                         "tiles as scores_kernel, here three of them (dq, dk by row and by column); "
+                         "BOUNDED=1, whose diagonal is matmuls, 44 B / 72 B on sm_90.",
     "chunk_bwd_kernel": "sm_90: ~200 B, since its two products with a [C, BKC] operand multiply as tf32x3 "
                         "on fp32 operands there (a 32-wide bf16 operand faults on Hopper, "
                         "common.HALF_MIN_ROW; 0 B before that change). sm_80: ~84 B, its ptxas keeps a few "

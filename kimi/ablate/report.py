@@ -29,6 +29,15 @@ PAPERS = {
     "ablate_k3_moe": ("Normalized LatentMoE (Kimi K3, as Megatron issue 6448 quotes it): the norm before the "
                       "up-projection stabilises training and improves validation loss", "latent_situ",
                       ("win", "tie")),
+    "ablate_k3_kda_gate": ("Kimi K3's report (section 2.1.1): the lower-bounded gate is chosen so that every chunk "
+                           "tile runs as tensor-core matmuls; it is trained with it, at no stated cost in quality",
+                           "safe", ("win", "tie")),
+    "ablate_k3_muon_heads": ("Kimi K3's report (section 2.5, as torchtitan and DeepSpeed issue 8367 quote it): "
+                             "orthogonalising each head's block keeps large-gradient heads from dominating the "
+                             "update of Q, K and V", "per_head", ("win", "tie")),
+    "ablate_k3_balance": ("Kimi K3's report (section 2.3.3): Quantile Balancing sets the router bias to the "
+                          "exact minimiser of the balance objective the sign step only steps along, with no "
+                          "step size to tune", "quantile", ("win", "tie")),
 }
 
 

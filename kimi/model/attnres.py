@@ -21,7 +21,8 @@ completed blocks and the partial sum are what crosses a stage boundary (`sources
 
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+from typing import Callable, Sequence
 
 import torch
 
@@ -55,6 +56,27 @@ def depth_attention(query: torch.Tensor | None, sources: Sequence[torch.Tensor],
     return (weights.unsqueeze(-1) * values).sum(dim=0).to(sources[0].dtype)
 
 
+# A site mixes 1 to N + 1 sources under Block AttnRes (N blocks) and up to 2L + 1 under Full AttnRes: dynamo
+# compiles one graph per count, more than its default limit of 8 per function.
+MIX_RECOMPILE_LIMIT = 256
+
+
+@functools.cache
+def compiled_depth_attention() -> Callable:
+    """depth_attention through torch.compile (what parallel.compile=true gives the streams): the stacks, key
+    norms, scores, softmax and weighted sum become a few fused kernels instead of a dozen elementwise passes
+    over every source (bench/step_audit.py's roofline: the largest memory-bound cost of an unfused step)."""
+    compiled = torch.compile(depth_attention)
+
+    def mix(query: torch.Tensor | None, sources: Sequence[torch.Tensor], eps: float) -> torch.Tensor:
+        if query is None:
+            return depth_attention(query, sources, eps)
+        with torch._dynamo.config.patch(recompile_limit=MIX_RECOMPILE_LIMIT):
+            return compiled(query, list(sources), eps)
+
+    return mix
+
+
 class StandardStream:
     """Pre-norm residual: one running hidden state."""
 
@@ -74,15 +96,15 @@ class StandardStream:
 class FullAttnResStream:
     """Full AttnRes: the embedding and every sublayer output so far are sources (O(L d) per token)."""
 
-    def __init__(self, embedding: torch.Tensor, eps: float):
+    def __init__(self, embedding: torch.Tensor, eps: float, mix: Callable = depth_attention):
         self.outputs = [embedding]
-        self.eps = eps
+        self.eps, self.mix_fn = eps, mix
 
     def sources(self) -> list[torch.Tensor]:
         return list(self.outputs)
 
     def mix(self, query: torch.Tensor | None, sources: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-        return depth_attention(query, self.outputs if sources is None else sources, self.eps)
+        return self.mix_fn(query, self.outputs if sources is None else sources, self.eps)
 
     def push(self, output: torch.Tensor) -> None:
         self.outputs.append(output)
@@ -96,18 +118,18 @@ class BlockAttnResStream:
     has pushed; a trailing incomplete block still counts (as the partial) for the final aggregation.
     """
 
-    def __init__(self, embedding: torch.Tensor, block_size: int, eps: float):
+    def __init__(self, embedding: torch.Tensor, block_size: int, eps: float, mix: Callable = depth_attention):
         self.blocks = [embedding]
         self.partial: torch.Tensor | None = None
         self.filled = 0  # outputs summed into `partial`
         self.block_size = block_size
-        self.eps = eps
+        self.eps, self.mix_fn = eps, mix
 
     def sources(self) -> list[torch.Tensor]:
         return self.blocks + ([] if self.partial is None else [self.partial])
 
     def mix(self, query: torch.Tensor | None, sources: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-        return depth_attention(query, self.sources() if sources is None else sources, self.eps)
+        return self.mix_fn(query, self.sources() if sources is None else sources, self.eps)
 
     def push(self, output: torch.Tensor) -> None:
         self.partial = output if self.partial is None else self.partial + output
@@ -117,29 +139,32 @@ class BlockAttnResStream:
             self.partial, self.filled = None, 0
 
 
-def make_stream(residual: str, embedding: torch.Tensor, block_size: int, eps: float):
-    """The stream for a `ModelConfig.residual` mode, starting from the token embedding v_0."""
+def make_stream(residual: str, embedding: torch.Tensor, block_size: int, eps: float,
+                mix: Callable = depth_attention):
+    """The stream for a `ModelConfig.residual` mode, starting from the token embedding v_0; mix: the depth
+    attention the AttnRes streams call (depth_attention, or compiled_depth_attention())."""
     if residual == "standard":
         return StandardStream(embedding)
     if residual == "attnres_full":
-        return FullAttnResStream(embedding, eps)
+        return FullAttnResStream(embedding, eps, mix)
     if residual == "attnres_block":
-        return BlockAttnResStream(embedding, block_size, eps)
+        return BlockAttnResStream(embedding, block_size, eps, mix)
     raise ValueError(f"unknown residual mode {residual!r}")
 
 
-def resume_stream(residual: str, sources: list[torch.Tensor], sublayers_done: int, block_size: int, eps: float):
+def resume_stream(residual: str, sources: list[torch.Tensor], sublayers_done: int, block_size: int, eps: float,
+                  mix: Callable = depth_attention):
     """The stream after `sublayers_done` sublayers, rebuilt from its sources() alone: what a pipeline stage
     receives. The sources are exactly what later sublayers read (one hidden state; every output; completed
     block sums plus the running partial), and the rest of the state follows from the count."""
     if residual == "standard":
         return StandardStream(sources[0])
     if residual == "attnres_full":
-        stream = FullAttnResStream(sources[0], eps)
+        stream = FullAttnResStream(sources[0], eps, mix)
         stream.outputs = list(sources)
         return stream
     if residual == "attnres_block":
-        stream = BlockAttnResStream(sources[0], block_size, eps)
+        stream = BlockAttnResStream(sources[0], block_size, eps, mix)
         stream.filled = sublayers_done % block_size
         stream.blocks = list(sources[:-1]) if stream.filled else list(sources)
         stream.partial = sources[-1] if stream.filled else None

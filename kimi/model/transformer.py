@@ -15,7 +15,7 @@ from kimi.config import ModelConfig
 from kimi.ops.documents import cu_seqlens_from_starts
 from kimi.ops.linear_ce import linear_cross_entropy
 
-from .attnres import make_stream, resume_stream
+from .attnres import depth_attention, make_stream, resume_stream
 from .cache import InferenceCache
 from .init import Rules, constant, normal, param_seed, prefixed
 from .layouts import QKClipSpec
@@ -126,6 +126,7 @@ class KimiModel(Runners, ParamViews, nn.Module):
         if cfg.vocab_size is None:
             raise ValueError("ModelConfig.vocab_size must be set (resolve it from the tokenizer first)")
         self.cfg = cfg
+        self.depth_mix = depth_attention  # the AttnRes streams' mix; kimi.parallel's apply_compile compiles it
         # One draw from torch's generator, before any module's constructor draws (on the meta device they do
         # not), seeds every parameter's own generator (init_parameter): the weights follow torch.manual_seed
         # but not the device, order or place in which parameters are initialised.
@@ -150,7 +151,7 @@ class KimiModel(Runners, ParamViews, nn.Module):
         aggregation, norm and LM head if `last`: the same modules, shared, under the same names."""
         part = KimiModel.__new__(KimiModel)
         nn.Module.__init__(part)
-        part.cfg, part.init_seed = self.cfg, self.init_seed
+        part.cfg, part.init_seed, part.depth_mix = self.cfg, self.init_seed, self.depth_mix
         part.embed = self.embed if first else None
         part.blocks = nn.ModuleDict({str(i): self.blocks[str(i)] for i in blocks})
         part.final_query = self.final_query if last else None
@@ -313,10 +314,10 @@ class KimiModel(Runners, ParamViews, nn.Module):
             inputs = tuple(x.reshape(1, B * T, *x.shape[2:]) for x in inputs)
         c = self.cfg
         if self.embed is not None:
-            stream = make_stream(c.residual, self.embed(inputs[0]), c.attnres_block_size, c.norm_eps)
+            stream = make_stream(c.residual, self.embed(inputs[0]), c.attnres_block_size, c.norm_eps, self.depth_mix)
         else:  # resume after the sublayers of the blocks before this part
             done = 2 * int(next(iter(self.blocks.keys())))
-            stream = resume_stream(c.residual, list(inputs), done, c.attnres_block_size, c.norm_eps)
+            stream = resume_stream(c.residual, list(inputs), done, c.attnres_block_size, c.norm_eps, self.depth_mix)
         rows = B if doc_starts is not None else None
         for i, block in self.blocks.items():
             stream = block(stream, cu_seqlens=cu_seqlens, cache=None if cache is None else cache.layers[int(i)],

@@ -74,6 +74,10 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
 
 
 def apply_compile(model: nn.Module) -> None:
-    """torch.compile each sublayer (Module.compile: names and state dicts are unchanged)."""
+    """torch.compile each sublayer (Module.compile: names and state dicts are unchanged) and the Attention
+    Residuals' depth mix, which runs between them."""
+    from kimi.model.attnres import compiled_depth_attention
+
     for module in sublayers(model):
         module.compile()
+    model.depth_mix = compiled_depth_attention()

@@ -56,26 +56,28 @@ def scores_kernel(q, k, Gc, L, Aqk, cu_seqlens, chunks, scale, H, K: tl.constexp
             k_jT = tl.trans(k_j)
             tl.store(L + out_ptr + j * BC, mm(ka, k_jT, PREC), mask=out_mask)
             tl.store(Aqk + out_ptr + j * BC, mm(qa, k_jT, PREC), mask=out_mask)
-        if BOUNDED:  # diagonal block as one more anchored matmul; the pairs s > t are masked after it
-            k_iT = tl.trans(k_i * tl.exp(G_a[None, :] - G_i))
-            b_kk = mm(ka, k_iT, PREC_D)
-            b_qk = tl.where(o[:, None] >= o[None, :], mm(qa, k_iT, PREC_D), 0.0)
-        else:
-            # Diagonal block: the [t, s, d] decays, exponent set to -inf where s > t before exponentiating,
-            # a slice of BKD key channels at a time to bound the 3-D tile.
-            causal = (o[:, None] >= o[None, :])[:, :, None]
-            b_kk = tl.zeros([BC, BC], dtype=tl.float32)
-            b_qk = tl.zeros([BC, BC], dtype=tl.float32)
-            for d0 in range(0, BK, BKD):
-                cd = d0 + tl.arange(0, BKD)
-                md = cd < K
-                q_d = load_rows(q, rows, last, h, H, cd, K, md) * scale
-                k_d = load_rows(k, rows, last, h, H, cd, K, md)
-                G_d = load_G(Gc, rows, last, h, H, cd, K, md)
+        # Diagonal block, a slice of BKD key channels at a time (bounding the tiles live beside the rows).
+        causal = (o[:, None] >= o[None, :])[:, :, None]
+        b_kk = tl.zeros([BC, BC], dtype=tl.float32)
+        b_qk = tl.zeros([BC, BC], dtype=tl.float32)
+        for d0 in range(0, BK, BKD):
+            cd = d0 + tl.arange(0, BKD)
+            md = cd < K
+            q_d = load_rows(q, rows, last, h, H, cd, K, md) * scale
+            k_d = load_rows(k, rows, last, h, H, cd, K, md)
+            G_d = load_G(Gc, rows, last, h, H, cd, K, md)
+            if BOUNDED:  # one more anchored matmul; the pairs s > t are masked after it
+                G_ad = load_G_row(Gc, t0 + i * BC, last, h, H, cd, K, md)
+                to_a = tl.exp(G_d - G_ad[None, :])
+                k_aT = tl.trans(k_d * tl.exp(G_ad[None, :] - G_d))
+                b_kk += mm(k_d * to_a, k_aT, PREC_D)
+                b_qk += mm(q_d * to_a, k_aT, PREC_D)
+            else:  # the [t, s, d] decays, exponent set to -inf where s > t before exponentiating
                 decay = tl.exp(tl.where(causal, G_d[:, None, :] - G_d[None, :, :], float("-inf")))
                 k_decayed = decay * k_d[None, :, :]
                 b_kk += tl.sum(k_d[:, None, :] * k_decayed, axis=2)
                 b_qk += tl.sum(q_d[:, None, :] * k_decayed, axis=2)
+        b_qk = tl.where(o[:, None] >= o[None, :], b_qk, 0.0)
         b_kk = tl.where(o[:, None] > o[None, :], b_kk, 0.0)
         tl.store(L + out_ptr + i * BC, b_kk, mask=out_mask)
         tl.store(Aqk + out_ptr + i * BC, b_qk, mask=out_mask)
