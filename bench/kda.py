@@ -390,7 +390,7 @@ def kda_check(docs: list[int], H: int, d: int, plant: bool = False) -> dict:
         rows.append(_row("chunk", "chunk_kda forward and backward, packed documents, initial state", dtype,
                          lambda: _chunk_case(dtype, cu_seqlens, H, d, plant)))
         rows.append(_row("chunk_safe", "chunk_kda bounded form (safe gate, lower_bound=-5), as above", dtype,
-                         lambda: _chunk_case(dtype, cu_seqlens, H, d, plant, lower_bound=-5.0)))
+                         lambda: _chunk_case(dtype, cu_seqlens, H, d, False, lower_bound=-5.0)))
         rows.append(_row("recurrent", "fused_recurrent_kda, packed documents, initial state", dtype,
                          lambda: _recurrent_case(dtype, cu_seqlens, H, d, decode=False)))
         rows.append(_row("decode", "fused_recurrent_kda, one token per sequence from a state", dtype,

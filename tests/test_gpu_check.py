@@ -51,14 +51,16 @@ def test_dry_run_runs_every_step(tmp_path):
 
     kda = result("kda_check")
     assert {(r["op"], r["dtype"]) for r in kda["rows"]} == {
-        (op, dtype) for op in ("chunk", "recurrent", "decode", "gate") for dtype in ("float32", "bfloat16")}
+        (op, dtype) for op in ("chunk", "chunk_safe", "recurrent", "decode", "gate")
+        for dtype in ("float32", "bfloat16")}
     chunk = next(r for r in kda["rows"] if r["op"] == "chunk")
     assert set(chunk["triton_vs_fp64"]) == {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"}
     assert kda["ok"] and 1 in kda["docs"] and all(r["max_vs_fp64"] < r["tol"] for r in kda["rows"])
     attention = result("attention_check")
     assert attention["ok"] and {r["dq_mode"] for r in attention["checks"]} == {"separate", "atomic"}
     (speed,) = result("kda_speed")["rows"]
-    assert {"ours_fwd_ms", "ours_fwdbwd_ms", "sdpa_fwdbwd_ms", "decode_ours_us"} <= set(speed)
+    assert {"ours_fwd_ms", "ours_fwdbwd_ms", "sdpa_fwdbwd_ms", "decode_ours_us", "safe_general_fwdbwd_ms",
+            "safe_bounded_fwdbwd_ms"} <= set(speed)
     assert result("kda_speed")["config"]["fla"] == "skipped" and result("kda_speed")["errors"] == []
     attn_speed = result("attention_speed")
     assert set(attn_speed["dq_modes"]) == {"separate", "atomic"}
