@@ -560,7 +560,8 @@ HOT = {"scores_kernel": "chunk fwd", "solve_kernel": "chunk fwd", "wu_kernel": "
 # are fp32: gates, G, L, U, final states, score gradients, fp32 partial grads)
 INPUT_TYPED = {"q", "k", "v", "beta", "o", "do", "dq", "dk", "dv", "dbeta", "x", "y", "dy", "dx", "f",
                "Aqk", "Ainv", "W", "KG", "QG", "Hs", "VN", "DH", "DVN"}
-SWITCHES = ("HAS_INIT", "HAS_DFINAL", "REVERSE", "WITH_QG", "SAFE", "BOUNDED")  # constexpr booleans: both values compiled
+# constexpr booleans: both values compiled
+SWITCHES = ("HAS_INIT", "HAS_DFINAL", "REVERSE", "WITH_QG", "SAFE", "BOUNDED")
 BASE = dict(dtype="bf16", K=128, V=128)  # the model's shape: where the cu_seqlens dtype is varied too
 # Why the spills left in hot kernels are left (written into the JSONs beside the numbers).
 NOTES = {

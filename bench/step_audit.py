@@ -410,13 +410,14 @@ class OpCost(TorchDispatchMode):
 
 
 def triton_op_flops(name: str, args) -> float:
-    """FLOPs of our Triton KDA ops, which torch's flop counter does not know: the chunk form's count
-    (bench/kda.py's kda_flops: 6 K V + 5 C K per token and head, C = 64), the backward twice the forward."""
+    """FLOPs of our Triton KDA ops, which torch's flop counter does not know: the chunk form's count that
+    the model's FLOPs use (kimi.ops.kda.chunk.chunk_flops_per_token), the backward twice the forward."""
+    from kimi.ops.kda.chunk import chunk_flops_per_token
+
     if name not in ("kda_chunk_fwd", "kda_chunk_bwd"):
         return 0
     _, T, H, K = args[0].shape
-    V = args[2].shape[-1]
-    return (1 if name == "kda_chunk_fwd" else 2) * T * H * (6 * K * V + 5 * 64 * K)
+    return (1 if name == "kda_chunk_fwd" else 2) * T * H * chunk_flops_per_token(K, args[2].shape[-1])
 
 
 def _kind_of(module: str) -> str:

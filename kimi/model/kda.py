@@ -24,6 +24,7 @@ from torch import nn
 from kimi.config import ModelConfig
 from kimi.ops.documents import segment_ids
 from kimi.ops.kda import CHUNK_SIZE, chunk_kda, fused_recurrent_kda
+from kimi.ops.kda.chunk import chunk_flops_per_token
 from kimi.ops.kda.gate import normalize_and_gate
 
 from .cache import KDACache
@@ -171,8 +172,7 @@ class KDA(Sublayer, ParamViews, nn.Module):
     def flops_per_token(self, seq_len: int) -> float:
         """Chunkwise KDA (docs/algorithms.md section 1): about 6 K^2 + 3 C K + C^2 per token and head forward
         (K = head dim, C = the chunk size), times 3 for forward and backward."""
-        heads, K, C = self.A_log.shape[0], self.head_dim, CHUNK_SIZE
-        return 3.0 * heads * (6 * K * K + 3 * C * K + C * C)
+        return 3.0 * self.A_log.shape[0] * chunk_flops_per_token(self.head_dim, self.head_dim)
 
     def new_cache(self) -> KDACache:
         return KDACache()

@@ -35,6 +35,12 @@ from .naive import compute_dtype
 TRITON_MAX_HEAD_DIM = 256
 CHUNK_SIZE = 64  # tokens per chunk: the one definition (Triton kernels, the layer, FLOP counts use it)
 SUB_CHUNKS = (16, 4)
+
+
+def chunk_flops_per_token(K: int, V: int, chunk_size: int = CHUNK_SIZE) -> float:
+    """Forward FLOPs of chunkwise KDA per token and head (docs/algorithms.md section 1): about 6 K V + 3 C K +
+    C^2 (C the chunk size); the backward is about twice that."""
+    return 6 * K * V + 3 * chunk_size * K + chunk_size * chunk_size
 # Under Kimi K3's safe gate (every g >= L, L >= -5 = BOUNDED_MIN): within 16 tokens G falls by at most 80,
 # and e^80 fits fp32 and bf16 (their largest is ~e^88.7), so a 16-token diagonal block is one anchored matmul
 # (_bounded_scores) instead of a recursion down to exact 4 x 4 blocks.
