@@ -576,7 +576,7 @@ NOTES = {
                      "whole-K diagonal product instead of BKD slices spilled 30 KB.",
     "scores_bwd_kernel": "bf16 K = 128: ~100-250 B of spills remain, for the same [16, 16, BKD] diagonal "
                          "tiles as scores_kernel, here three of them (dq, dk by row and by column); "
-                         "BOUNDED=1, whose diagonal is matmuls, 44 B / 72 B on sm_90.",
+                         "BOUNDED=1, whose diagonal is matmuls, 44 B / 72 B on sm_90, 8 / 8 B on sm_80.",
     "chunk_bwd_kernel": "sm_90: ~200 B, since its two products with a [C, BKC] operand multiply as tf32x3 "
                         "on fp32 operands there (a 32-wide bf16 operand faults on Hopper, "
                         "common.HALF_MIN_ROW; 0 B before that change). sm_80: ~84 B, its ptxas keeps a few "
