@@ -122,7 +122,6 @@ def gpu_bench(args, device="cuda", done=lambda rows: None) -> dict:
     """Timing per (head dims, T); done(rows) after each, to keep what is measured should a later one hang."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kimi.ops.attention.triton import common
     from triton.testing import do_bench
 
     def ms(fn, grads=()):
@@ -152,8 +151,12 @@ def gpu_bench(args, device="cuda", done=lambda rows: None) -> dict:
                                                        v_sdpa.transpose(1, 2), is_causal=True)
                 return o.transpose(1, 2)
 
-            def ours(max_logits):
-                return lambda: attention(q, k, v, backend="triton", return_max_logits=max_logits)
+            def ours(max_logits, deterministic=True):
+                return lambda: attention(q, k, v, backend="triton", return_max_logits=max_logits,
+                                         deterministic=deterministic)
+
+            def sdpa_path():  # SDPA's own pick of its kernels, plus the Triton row-max pass
+                return attention(q, k, v, backend="sdpa", return_max_logits=True)
 
             def first(fn):
                 return lambda: (lambda out: out[0] if isinstance(out, tuple) else out)(fn())
@@ -169,14 +172,13 @@ def gpu_bench(args, device="cuda", done=lambda rows: None) -> dict:
                 row["sdpa_fwd_ms"] = ms(sdpa)
                 row["triton_fwd_ms"] = ms(ours(False))
                 row["triton_fwd_max_ms"] = ms(ours(True))
-                row["sdpa_path_fwd_max_ms"] = ms(
-                    lambda: attention(q, k, v, backend="sdpa", return_max_logits=True))
+                row["sdpa_path_fwd_max_ms"] = ms(sdpa_path)
             row["sdpa_fwdbwd_ms"] = ms(lambda: sdpa().backward(do_sdpa), (q, k, v_sdpa))
             row["triton_fwdbwd_ms"] = ms(lambda: first(ours(False))().backward(do), (q, k, v))
             row["triton_fwdbwd_max_ms"] = ms(lambda: first(ours(True))().backward(do), (q, k, v))
-            common.DQ_ATOMIC = True
-            row["triton_fwdbwd_atomic_dq_ms"] = ms(lambda: first(ours(False))().backward(do), (q, k, v))
-            common.DQ_ATOMIC = False
+            row["triton_fwdbwd_atomic_dq_ms"] = ms(lambda: first(ours(False, False))().backward(do), (q, k, v))
+            row["triton_fwdbwd_atomic_dq_max_ms"] = ms(lambda: first(ours(True, False))().backward(do), (q, k, v))
+            row["sdpa_path_fwdbwd_max_ms"] = ms(lambda: first(sdpa_path)().backward(do), (q, k, v))
             rows.append(row)
             print(row, flush=True)
             done(rows)
@@ -184,8 +186,8 @@ def gpu_bench(args, device="cuda", done=lambda rows: None) -> dict:
             torch.cuda.empty_cache()
 
     print("\n| dims | T | B | err | fwd SDPA ms | fwd ours ms | ratio | +max | fwd+bwd SDPA ms | ours ms "
-          "| ratio | +max | atomic dQ ratio | SDPA-path max pass |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| ratio | +max | atomic dQ ratio | SDPA-path max pass | with max: ours (atomic) | with max: SDPA path |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['dims']} | {r['T']} | {r['B']} | {r['rel_err_vs_fp32']:.1e} | {r['sdpa_fwd_ms']:.3f} | "
               f"{r['triton_fwd_ms']:.3f} | {r['triton_fwd_ms'] / r['sdpa_fwd_ms']:.2f}x | "
@@ -194,11 +196,14 @@ def gpu_bench(args, device="cuda", done=lambda rows: None) -> dict:
               f"{r['triton_fwdbwd_ms']:.3f} | {r['triton_fwdbwd_ms'] / r['sdpa_fwdbwd_ms']:.2f}x | "
               f"{100 * (r['triton_fwdbwd_max_ms'] / r['triton_fwdbwd_ms'] - 1):+.1f}% | "
               f"{r['triton_fwdbwd_atomic_dq_ms'] / r['sdpa_fwdbwd_ms']:.2f}x | "
-              f"{100 * (r['sdpa_path_fwd_max_ms'] / r['sdpa_fwd_ms'] - 1):+.0f}% |")
+              f"{100 * (r['sdpa_path_fwd_max_ms'] / r['sdpa_fwd_ms'] - 1):+.0f}% | "
+              f"{r['triton_fwdbwd_atomic_dq_max_ms'] / r['sdpa_fwdbwd_ms']:.2f}x | "
+              f"{r['sdpa_path_fwdbwd_max_ms'] / r['sdpa_fwdbwd_ms']:.2f}x |")
     # the backward's one switch (kimi/ops/attention/triton/common.py), both timed above
-    dq_modes = {"separate": "default: a second kernel recomputes P and dP, deterministic",
-                "atomic": "fp32 atomic adds in the dK/dV kernel (KIMI_ATTENTION_DQ=atomic), not bitwise "
-                          "deterministic: triton_fwdbwd_atomic_dq_ms"}
+    dq_modes = {"separate": "a second kernel recomputes P and dP, deterministic (model.attention_deterministic"
+                            "=true): triton_fwdbwd_ms",
+                "atomic": "default: fp32 atomic adds in the dK/dV kernel, not bitwise deterministic: "
+                          "triton_fwdbwd_atomic_dq_ms"}
     return dict(heads=args.heads, tokens=args.tokens, dtype="bfloat16", causal=True, dq_modes=dq_modes,
                 rows=rows)
 
@@ -249,7 +254,8 @@ def compile_check(args, arch: int = 90) -> dict:
     target, _, per_block = ARCHS[arch]
     pointers = {"LSE": "*fp32", "ROWMAX": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "DQACC": "*fp32",
                 "SEG": "*i32", "DSTART": "*i32", "DEND": "*i32"}
-    kernels = {"fwd": (forward._fwd_kernel, forward._fwd_tuned.configs, dict(STORE_MAX=True)),
+    kernels = {"fwd": (forward._fwd_kernel, forward._fwd_tuned.configs, dict(STORE_MAX=True, MAX_ONLY=False)),
+               "fwd max only": (forward._fwd_kernel, forward._fwd_tuned.configs, dict(STORE_MAX=True, MAX_ONLY=True)),
                "dkdv": (backward._dkdv_kernel, backward._dkdv_tuned.configs, dict(ATOMIC_DQ=False)),
                "dkdv+atomic dq": (backward._dkdv_kernel, backward._dkdv_tuned.configs, dict(ATOMIC_DQ=True)),
                "dq": (backward._dq_kernel, backward._dq_tuned.configs, {}),

@@ -222,10 +222,14 @@ def attention_speed_rows(r: dict):
         fwd, both = x["triton_fwd_ms"], x["triton_fwdbwd_ms"]
         fwd_max, both_max = x["triton_fwd_max_ms"] / fwd - 1, x["triton_fwdbwd_max_ms"] / both - 1
         atomic = x["triton_fwdbwd_atomic_dq_ms"] / x["sdpa_fwdbwd_ms"]
+        # what QK-Clip training runs: both backends with max logits, against SDPA without
+        with_max = {name: x[key] / x["sdpa_fwdbwd_ms"] for name, key in (
+            ("ours", "triton_fwdbwd_atomic_dq_max_ms"), ("SDPA path", "sdpa_path_fwdbwd_max_ms")) if key in x}
         rows.append((f"attention bf16 {x['dims']} T={x['T']} B={x['B']} H={r['heads']}",
                      f"fwd {fwd:.2f} ms = {fwd / x['sdpa_fwd_ms']:.2f}x SDPA, max logits "
                      f"{100 * fwd_max:+.1f}%; fwd+bwd {both:.2f} ms = {both / x['sdpa_fwdbwd_ms']:.2f}x, max "
-                     f"logits {100 * both_max:+.1f}%, atomic dQ {atomic:.2f}x"))
+                     f"logits {100 * both_max:+.1f}%, atomic dQ {atomic:.2f}x"
+                     + "".join(f"; with max logits {k} {v:.2f}x" for k, v in with_max.items())))
         if not x["rel_err_vs_fp32"] < 2e-2:  # bench/attention.py's bf16 mark
             failures.append(f"{x['dims']} T={x['T']}: output {x['rel_err_vs_fp32']:.1e} from fp32 SDPA "
                             "(pass < 2e-2)")
@@ -245,7 +249,16 @@ def optim_rows(r: dict):
 
 
 def train_rows(r: dict):
-    x = r["layouts"]["single"][0]
+    """A row per layout: single, and any other asked for with --step-args (kda_fla: fla-core's KDA kernels)."""
+    rows, failures = [], []
+    for name, (x, *_) in r["layouts"].items():
+        row, failed = _train_row(r, x, "" if name == "single" else f" {name}")
+        rows.append(row)
+        failures += failed
+    return rows, failures
+
+
+def _train_row(r: dict, x: dict, layout: str):
     seq = next(s.split("=", 1)[1] for s in r["set"] if s.startswith("trainer.seq_len="))
     flags = " ".join(s for s in r["set"] if s.startswith(("trainer.precision", "parallel.compile")))
     losses = x.get("losses") or [float("nan")]
@@ -257,12 +270,12 @@ def train_rows(r: dict):
     hungry = x.get("memory_ops") or []
     extra += ("; most memory: " + ", ".join(f"{m['op'][:40]} {m['mib']:,.0f} MiB" for m in hungry[:3])
               if hungry else "")
-    failures = [f"train {r['model']}: loss not finite"] if not all(v == v and abs(v) != float("inf")
-                                                                  for v in losses) else []
-    return [(f"train {r['model']}: {r['batch']} x {seq} tokens per step, {flags}",
-             f"{x['tokens_per_s']:,.0f} tokens/s, MFU {100 * x['mfu']:.1f}%, peak memory "
-             f"{x['peak_mem_bytes'] / 2**30:.1f} GiB, {1e3 * x['step_s']:.0f} ms per step "
-             f"({r['steps']} timed){extra}")], failures
+    failures = [f"train {r['model']}{layout}: loss not finite"] if not all(v == v and abs(v) != float("inf")
+                                                                           for v in losses) else []
+    return (f"train {r['model']}{layout}: {r['batch']} x {seq} tokens per step, {flags}",
+            f"{x['tokens_per_s']:,.0f} tokens/s, MFU {100 * x['mfu']:.1f}%, peak memory "
+            f"{x['peak_mem_bytes'] / 2**30:.1f} GiB, {1e3 * x['step_s']:.0f} ms per step "
+            f"({r['steps']} timed){extra}"), failures
 
 
 def train_fp8_rows(r: dict):

@@ -62,9 +62,13 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides)
     "bf16": (1, 1, ["trainer.precision=bf16"]),
     "fp8_tensorwise": (1, 1, ["trainer.precision=fp8", "precision.fp8.recipe=tensorwise"]),
     "fp8_rowwise": (1, 1, ["trainer.precision=fp8", "precision.fp8.recipe=rowwise"]),
+    # one process with fla-core's KDA kernels (CUDA only): gpu-check's train step beside single, with
+    # --step-args train="--layouts single kda_fla"
+    "kda_fla": (1, 1, ["model.kda_backend=fla"]),
 }
 PRECISION_LAYOUTS = ("bf16", "fp8_tensorwise", "fp8_rowwise")
-DEFAULT_LAYOUTS = [name for name in LAYOUTS if name not in ("dp_shard4", "ep2", "dp4_ep2", "ep4", *PRECISION_LAYOUTS)]
+DEFAULT_LAYOUTS = [name for name in LAYOUTS
+                   if name not in ("dp_shard4", "ep2", "dp4_ep2", "ep4", "kda_fla", *PRECISION_LAYOUTS)]
 
 
 def _dispatch_state() -> dict:

@@ -34,7 +34,8 @@ from kimi.parallel.engine_rules import ENGINES
 # stay `str`, each declared with one_of(TUPLE, default): the field's metadata holds its one tuple of allowed
 # values, and validate() derives the check (and its message) from it for every such field.
 RESIDUAL_MODES = ("standard", "attnres_full", "attnres_block")
-KDA_BACKENDS = ("auto", "torch", "triton")
+KDA_BACKENDS = ("auto", "torch", "triton", "fla")
+ATTENTION_BACKENDS = ("auto", "triton", "sdpa")
 DATA_SOURCES = ("shakespeare", "hf", "files")
 DATA_FORMATS = ("text", "json", "parquet")
 OPTIMIZERS = ("adamw", "muonclip")
@@ -86,7 +87,8 @@ class ModelConfig:
     kda_gate_lower_bound: Optional[float] = None
     kda_full_rank_gate: bool = False
     # KDA kernels: auto = Triton on CUDA, PyTorch on CPU; torch / triton force one (triton on CPU needs
-    # TRITON_INTERPRET=1 and is slow: for tests).
+    # TRITON_INTERPRET=1 and is slow: for tests); fla = fla-core's chunk_kda and fused_recurrent_kda (CUDA,
+    # the optional fla-core package; a graph break under compile: fla marks them compiler-disabled).
     kda_backend: str = one_of(KDA_BACKENDS, "auto")
     # MLA
     mla_num_heads: int = 4
@@ -103,6 +105,13 @@ class ModelConfig:
     mla_output_gate: bool = False
     v_head_dim: int = 64
     rope_theta: float = 10000.0  # RoPE's base (MLA's rotated key dims, softmax attention)
+    # Softmax attention kernels (MLA and A): auto = Triton flash attention for CUDA fp16/bf16 tensors, SDPA
+    # otherwise; triton / sdpa force one (kimi/ops/attention). SDPA measures QK-Clip's max logits in a second
+    # pass (a Triton Q K^T row-max kernel on CUDA), the Triton kernel in the same pass.
+    attention_backend: str = one_of(ATTENTION_BACKENDS, "auto")
+    # The Triton backward's dQ: false = fp32 atomic adds in the dK/dV kernel (the last bits of dQ vary run to
+    # run; about 2x faster forward+backward on an H200), true = its own kernel, bitwise reproducible
+    attention_deterministic: bool = False
     # Softmax attention (letter A in model.layer_pattern: the dense peer's mixer, Llama's): query heads,
     # key/value heads (0: as many, plain multi-head; fewer: grouped-query) and head dim (0: d_model / heads)
     attn_num_heads: int = 4

@@ -2,12 +2,9 @@
 the gradients of q, k, v (through O and LSE); the dispatching attention() against the SDPA path; an MLA layer
 on either backend; torch.compile without graph breaks."""
 
-import functools
-
 import pytest
 import torch
 
-import kimi.model.maxlogits as attention_call  # where MLA (and MHA) call attention()
 from kimi.config import ModelConfig
 from kimi.model.mla import MLA
 from kimi.ops.attention import attention
@@ -158,7 +155,7 @@ def test_backend_errors(monkeypatch):
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_mla_layer_on_triton_backend(monkeypatch, packed):
+def test_mla_layer_on_triton_backend(packed):
     """An MLA layer (RoPE 8 + NoPE 16 query/key dims, 8 value dims) gives the same output, parameter
     gradients and recorded max logits on both backends."""
     cfg = ModelConfig(d_model=32, mla_num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
@@ -177,7 +174,7 @@ def test_mla_layer_on_triton_backend(monkeypatch, packed):
         return out.detach(), layer.consume_max_logits(), [p.grad.clone() for p in layer.parameters()]
 
     want = run()
-    monkeypatch.setattr(attention_call, "attention", functools.partial(attention, backend="triton"))
+    layer.attention_options["backend"] = "triton"  # model.attention_backend=triton
     got = run()
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
@@ -204,3 +201,87 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(m, m_eager, rtol=0, atol=0)
     for g, g_eager in zip(grads, grads_eager):
         torch.testing.assert_close(g, g_eager, rtol=0, atol=0)
+
+
+MAX_PASS_CASES = ["mla_192_128_mqa", "gqa_not_causal", "decode_tail_gqa", "packed", "packed_long_docs"]
+
+
+@pytest.mark.parametrize("name", MAX_PASS_CASES)
+def test_max_logit_pass_matches_reference(name):
+    """The forward kernel reduced to Q K^T and a row max (the SDPA path's max-logit pass on a GPU) gives the
+    fp64 maxima, and bit for bit what the full forward kernel records."""
+    from kimi.ops.attention.triton import max_logits
+
+    B, Tq, Tk, H, Hkv, D, Dv, causal, cu = CASES[name]
+    q, k, v = (x.detach() for x in inputs(B, Tq, Tk, H, Hkv, D, Dv, seed=len(name)))
+    cu_seqlens = None if cu is None else torch.tensor(cu)
+    got = max_logits(q, k, causal, 0.4, cu_seqlens)
+    _, _, want = reference(q.double(), k.double(), v.double(), causal, 0.4, cu_seqlens)
+    assert got.shape == (B, H) and got.dtype == torch.float32
+    assert ((got.double() - want).abs() / want.abs()).max() < 1e-5
+    _, _, full = flash_attention(q, k, v, causal, 0.4, cu_seqlens, return_max_logits=True)
+    torch.testing.assert_close(got, full, rtol=0, atol=0)
+
+
+def test_sdpa_path_measures_max_logits_with_the_kernel(monkeypatch):
+    """Where auto picks Triton (a GPU; here the interpreter), backend="sdpa" takes its max logits from the
+    row-max kernel, not the PyTorch pass over the scores; both give the same maxima."""
+    import kimi.ops.attention.triton as triton_attention
+    from kimi.ops import dispatch
+
+    calls = []
+    kernel = triton_attention.max_logits
+    monkeypatch.setattr(triton_attention, "max_logits", lambda *a: calls.append(1) or kernel(*a))
+    q, k, v = (x.detach() for x in inputs(1, 40, 40, 4, 2, 24, 16, dtype=torch.bfloat16, seed=9))
+    cu_seqlens = torch.tensor([0, 17, 40])
+    o_cpu, m_cpu = attention(q, k, v, cu_seqlens=cu_seqlens, return_max_logits=True, backend="sdpa")
+    assert calls == []
+    monkeypatch.setattr(dispatch, "AUTO_TRITON_ON_CPU", True)
+    o, m = attention(q, k, v, cu_seqlens=cu_seqlens, return_max_logits=True, backend="sdpa")
+    assert calls == [1]
+    torch.testing.assert_close(o, o_cpu, rtol=0, atol=0)
+    torch.testing.assert_close(m, m_cpu, rtol=1e-6, atol=1e-6)
+
+
+def test_deterministic_switch_chooses_the_dq_kernel(monkeypatch):
+    """model.attention_deterministic reaches the Triton backward: true builds dQ in its own kernel, false (the
+    default) with atomics; attention(deterministic=None) follows common.DQ_ATOMIC. The gradients agree."""
+    from kimi.ops.attention.triton import op
+
+    modes = []
+    backward = op.attention_backward
+    monkeypatch.setattr(op, "attention_backward", lambda *a: modes.append(a[-1]) or backward(*a))
+    cfg = ModelConfig(d_model=32, mla_num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, v_head_dim=8,
+                      attention_backend="triton")
+    grads = {}
+    for deterministic in (True, False):
+        torch.manual_seed(3)
+        layer = MLA(ModelConfig(**{**cfg.__dict__, "attention_deterministic": deterministic}))
+        layer.init_weights(0.2, 0.2)
+        layer(torch.randn(2, 24, 32)).square().sum().backward()
+        grads[deterministic] = [p.grad for p in layer.parameters()]
+        assert modes[-1] is (not deterministic)  # the backward's atomic flag (a first call probes it before)
+    for g_det, g_atomic in zip(grads[True], grads[False]):
+        torch.testing.assert_close(g_atomic, g_det, rtol=1e-5, atol=1e-6)
+    q, k, v = inputs(1, 16, 16, 2, 1, 16, 16, seed=2)
+    monkeypatch.setattr(common, "DQ_ATOMIC", False)
+    attention(q, k, v, backend="triton").sum().backward()
+    assert modes[-1] is False
+
+
+def test_selective_checkpointing_keeps_the_kernels_output(monkeypatch):
+    """Under activation_checkpointing=selective the Triton attention forward runs once: its outputs are
+    kept like SDPA's and the matmuls', not recomputed in the backward (full recomputes it)."""
+    from kimi.ops.attention.triton import op
+    from kimi.parallel.checkpointing import _checkpointed
+
+    runs = []
+    forward = op.attention_forward
+    monkeypatch.setattr(op, "attention_forward", lambda *a: runs.append(1) or forward(*a))
+    q, k, v = inputs(1, 24, 24, 2, 1, 16, 16, seed=4)
+    attention(q, k, v, backend="triton").sum().backward()  # the first call also probes the kernels
+    for selective, count in ((True, 1), (False, 2)):
+        runs.clear()
+        out = _checkpointed(selective)(lambda q, k, v: attention(q, k, v, backend="triton").square(), q, k, v)
+        out.sum().backward()
+        assert len(runs) == count

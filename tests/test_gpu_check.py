@@ -64,7 +64,8 @@ def test_dry_run_runs_every_step(tmp_path):
     assert result("kda_speed")["config"]["fla"] == "skipped" and result("kda_speed")["errors"] == []
     attn_speed = result("attention_speed")
     assert set(attn_speed["dq_modes"]) == {"separate", "atomic"}
-    assert {"triton_fwd_max_ms", "triton_fwdbwd_atomic_dq_ms"} <= set(attn_speed["rows"][0])
+    assert {"triton_fwd_max_ms", "triton_fwdbwd_atomic_dq_ms", "triton_fwdbwd_atomic_dq_max_ms",
+            "sdpa_path_fwdbwd_max_ms"} <= set(attn_speed["rows"][0])
     (optim,) = result("optim")["single"]
     assert set(optim["step_s"]) == {"adamw", "muonclip", "muonclip_bf16", "torch_muon"}
     train = step_json(out, "train")["runs"]["tiny"]["result"]["layouts"]["single"][0]

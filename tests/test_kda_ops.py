@@ -193,3 +193,59 @@ def test_bad_arguments_raise(op, message):
     op(**args)  # valid as given
     with pytest.raises(ValueError, match=message):
         op(**{**args, **BAD_ARGUMENTS[message](args)})
+
+
+def test_fla_backend_passes_our_arguments_to_fla_core(monkeypatch):
+    """backend="fla" (model.kda_backend=fla) hands fla-core's kernels our layout, scale, state, int64 document
+    offsets and, under a safe gate, safe_gate=True with the bound. fla's kernels need a GPU, so its own
+    token-by-token reference stands in for them here (make gpu-check compares the real ones)."""
+    fla_naive = pytest.importorskip("fla.ops.kda.naive")
+    import kimi.ops.kda.fla as fla_backend
+
+    calls = []
+
+    def fake(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, **kw):
+        calls.append(dict(kw, cu=None if cu_seqlens is None else cu_seqlens.dtype, scale=scale,
+                          final=output_final_state))
+        bounds = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
+        outs, states = [], []
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            h0 = None if initial_state is None else initial_state[i:i + 1]
+            o, s = fla_naive.naive_recurrent_kda(*(x[:, a:b] for x in (q, k, v, g, beta)), scale=scale,
+                                                 initial_state=h0, output_final_state=True)
+            outs.append(o)
+            states.append(s)
+        return torch.cat(outs, 1), torch.cat(states)
+
+    monkeypatch.setattr(fla_backend, "_kernels", lambda: (fake, fake))
+    q, k, v, g, beta, h0 = (x.float() for x in make_inputs(1, 40, 2, 16, 8, gate_min=4.0))
+    g, h0 = g.clamp(min=-5.0), torch.cat([h0, -h0])  # a state per document
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+    want = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend="chunk")
+    for op in (chunk_kda, fused_recurrent_kda):
+        got = op(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend="fla")
+        for a, b in zip(got, want):
+            assert rel(a.double(), b.double()) < 1e-5
+    assert [c["cu"] for c in calls] == [torch.int64] * 2 and calls[0]["scale"] == 16**-0.5
+    assert "safe_gate" not in calls[0]
+    chunk_kda(q, k, v, g, beta, backend="fla", lower_bound=-5.0)
+    assert calls[-1]["safe_gate"] is True and calls[-1]["lower_bound"] == -5.0
+    chunk_kda(q, k, v, g, beta, backend="fla", lower_bound=-6.0)  # beyond the bounded form's reach
+    assert "safe_gate" not in calls[-1]
+
+    # the layer: model.kda_backend=fla sends its KDA there (its safe gate too), the same output as torch
+    from kimi.config import ModelConfig
+    from kimi.model.kda import KDA
+
+    x = torch.randn(1, 70, 32, generator=torch.Generator().manual_seed(2))
+    outs = []
+    for backend in ("torch", "fla"):
+        torch.manual_seed(0)
+        layer = KDA(ModelConfig(d_model=32, kda_num_heads=2, kda_head_dim=16, kda_gate_lower_bound=-5.0,
+                                kda_backend=backend))
+        layer.init_weights(0.3, 0.3)
+        with torch.no_grad():
+            outs.append(layer(x))
+    assert calls[-1]["safe_gate"] is True and len(calls) == 5
+    assert rel(outs[1].double(), outs[0].double()) < 1e-5  # fp32: two summation orders
+

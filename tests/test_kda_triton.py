@@ -271,3 +271,24 @@ def test_model_decoding_with_triton_matches_full_forward():
     cache = model.new_cache()
     pieces = [model(ids[:, :5], cache=cache)] + [model(ids[:, t : t + 1], cache=cache) for t in range(5, 9)]
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_selective_checkpointing_keeps_the_chunk_forward(monkeypatch):
+    """Under activation_checkpointing=selective the Triton chunk forward runs once (its output is kept like
+    a matmul's); full checkpointing runs it again in the backward."""
+    from kimi.ops.kda.triton import op
+    from kimi.parallel.checkpointing import _checkpointed
+
+    runs = []
+    forward = op.chunk_fwd
+    monkeypatch.setattr(op, "chunk_fwd", lambda *a: runs.append(1) or forward(*a))
+    q, k, v, g, beta, _ = [x.float().requires_grad_() for x in make_inputs(1, 32, 1, 16, 16)[:5]] + [None]
+
+    def kda(q, k, v, g, beta):
+        return chunk_kda(q, k, v, g, beta, backend="triton")[0].square()
+
+    kda(q, k, v, g, beta).sum().backward()  # the first call also probes the kernels
+    for selective, count in ((True, 1), (False, 2)):
+        runs.clear()
+        _checkpointed(selective)(kda, q, k, v, g, beta).sum().backward()
+        assert len(runs) == count

@@ -76,7 +76,7 @@ def _counted_flops(fn) -> int:
     return counter.get_total_flops()
 
 
-def _dense_attention(q, k, v, causal=True, cu_seqlens=None, return_max_logits=False):
+def _dense_attention(q, k, v, causal=True, cu_seqlens=None, return_max_logits=False, **_backend_options):
     """The reference attention (explicit q k^T and p v matmuls): FlopCounterMode has no formula for the CPU
     SDPA kernel (aten._scaled_dot_product_flash_attention_for_cpu), so it would count MLA's attention as 0."""
     from kimi.ops.attention.reference import naive_attention

@@ -89,6 +89,8 @@ IMPOSSIBLE = [
     # a value outside its fixed set, for every such key
     (["model.residual=attnres_half"], 1, "model.residual"),
     (["model.kda_backend=cuda"], 1, "model.kda_backend"),
+    (["model.attention_backend=flash"], 1, "model.attention_backend"),
+    (["model.kda_backend=fla", "trainer.device=cpu"], 1, "model.kda_backend=fla"),
     (["optim.name=sgd"], 1, "optim.name"),
     (["optim.schedule=linear"], 1, "optim.schedule"),
     (["optim.ns_dtype=fp16"], 1, "optim.ns_dtype"),
@@ -389,7 +391,7 @@ def test_fixed_choice_keys_stay_plain_strings():
         "optim.adjust_lr_fn", "trainer.precision", "trainer.device", "logging.wandb.mode", "data.source",
         "data.format", "parallel.activation_checkpointing", "parallel.pp_schedule", "parallel.engine",
         "parallel.fault_tolerance", "precision.fp8.recipe", "precision.qat", "model.mlp_activation",
-        "model.moe_balance"])
+        "model.moe_balance", "model.attention_backend"])
     assert ENGINES == ("torch", "deepspeed") and AC_MODES == ("none", "full", "selective")
     assert PP_SCHEDULES == ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
     assert SINGLE_STAGE_SCHEDULES == ("gpipe", "1f1b")

@@ -14,8 +14,9 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 from .state import status
 
-# Keys of the composed config that do not change what is trained: where it is written and how it is logged.
-_NOT_TRAINING = ("logging", "trainer.run_dir")
+# Keys of the composed config that do not change what is trained: where it is written, how it is logged, and
+# which kernels compute the same attention (so that adding such a switch keeps earlier records current).
+_NOT_TRAINING = ("logging", "trainer.run_dir", "model.attention_backend", "model.attention_deterministic")
 
 
 def fingerprint(cfg: Dict[str, Any]) -> str:

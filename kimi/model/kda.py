@@ -37,8 +37,10 @@ from .views import ParamViews
 
 # Below one chunk the chunked form has nothing to parallelise: step the recurrence instead.
 _RECURRENT_MAX_T = CHUNK_SIZE
-# model.kda_backend -> the `backend=` of chunk_kda and of fused_recurrent_kda (None: chosen by device).
-_BACKENDS = {"auto": (None, None), "torch": ("chunk", "recurrent"), "triton": ("triton", "triton")}
+# model.kda_backend -> the `backend=` of chunk_kda, of fused_recurrent_kda and of the fused l2norm + gate
+# (None: chosen by device). fla-core has no separate gate op here: ours, chosen by device, feeds its kernels.
+_BACKENDS = {"auto": (None, None, None), "torch": ("chunk", "recurrent", "torch"),
+             "triton": ("triton", "triton", "triton"), "fla": ("fla", "fla", None)}
 
 
 class ShortConv(ParamViews, nn.Module):
@@ -120,7 +122,7 @@ class KDA(Sublayer, ParamViews, nn.Module):
         super().__init__()
         d, H, K = cfg.d_model, cfg.kda_num_heads, cfg.kda_head_dim
         self.head_dim = K
-        self.chunk_backend, self.recurrent_backend = _BACKENDS[cfg.kda_backend]
+        self.chunk_backend, self.recurrent_backend, self.gate_backend = _BACKENDS[cfg.kda_backend]
         self.q_proj = nn.Linear(d, H * K, bias=False)
         self.k_proj = nn.Linear(d, H * K, bias=False)
         self.v_proj = nn.Linear(d, H * K, bias=False)
@@ -202,7 +204,7 @@ class KDA(Sublayer, ParamViews, nn.Module):
         q, k, v = qkv
         # Gates in fp32 (fp64 in fp64 models): they are summed over a chunk and exponentiated.
         f = self.f_proj_up(self.f_proj_down(x)).view(B, T, -1, self.head_dim)
-        q, k, g = normalize_and_gate(q, k, f, self.param("A_log"), self.param("dt_bias"), self.chunk_backend,
+        q, k, g = normalize_and_gate(q, k, f, self.param("A_log"), self.param("dt_bias"), self.gate_backend,
                                      self.lower_bound)
         gdt = g.dtype
         beta = torch.sigmoid(self.b_proj(x).to(gdt))

@@ -12,7 +12,7 @@ from .probe import PROBE
 
 
 class RecordsMaxLogits:
-    """Mixin (before nn.Module in the bases; call ``_init_max_logits()`` in __init__).
+    """Mixin (before nn.Module in the bases; call ``_init_max_logits(cfg)`` in __init__).
 
     When set (through KimiModel.record_max_logits, for QK-Clip), every forward that builds a graph records its
     per-head max scaled logit [H] fp32; consume_max_logits() returns the max over them (micro-batches). They
@@ -24,9 +24,12 @@ class RecordsMaxLogits:
     RECORDS = ("_seen_max_logits",)
     PROBES = ("max_logits",)  # per head, scaled
 
-    def _init_max_logits(self) -> None:
+    def _init_max_logits(self, cfg) -> None:
         self.track_max_logits = False
         self._seen_max_logits: list[torch.Tensor] = []
+        # model.attention_backend / attention_deterministic, as attention()'s backend= and deterministic=
+        self.attention_options = dict(backend=None if cfg.attention_backend == "auto" else cfg.attention_backend,
+                                      deterministic=cfg.attention_deterministic)
 
     @property
     def max_logits(self) -> torch.Tensor | None:
@@ -64,20 +67,21 @@ class RecordsMaxLogits:
         packed documents each row's queries attend over its keys under its own documents."""
         record, measure = self.logits_wanted()
         if context is not None and cu_seqlens is not None:
-            out = _rows_over_documents(q, k, v, context.prefix_doc_starts(), measure)
+            out = _rows_over_documents(q, k, v, context.prefix_doc_starts(), measure, self.attention_options)
         else:
-            out = attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, return_max_logits=measure)
+            out = attention(q, k, v, causal=True, cu_seqlens=cu_seqlens, return_max_logits=measure,
+                            **self.attention_options)
         if measure:
             out, max_logits = out
             self.keep_max_logits(max_logits, record)
         return out
 
 
-def _rows_over_documents(q, k, v, starts: torch.Tensor, record: bool):
+def _rows_over_documents(q, k, v, starts: torch.Tensor, record: bool, options: dict):
     """Each row's queries over its keys under its own documents (starts [rows, Tk]), as attention() returns
     them for the rows stacked."""
     outs = [attention(q[r:r + 1], k[r:r + 1], v[r:r + 1], causal=True, return_max_logits=record,
-                      cu_seqlens=cu_seqlens_from_starts(starts[r:r + 1])) for r in range(q.shape[0])]
+                      cu_seqlens=cu_seqlens_from_starts(starts[r:r + 1]), **options) for r in range(q.shape[0])]
     if not record:
         return torch.cat(outs)
     return torch.cat([o for o, _ in outs]), torch.cat([m for _, m in outs])

@@ -52,7 +52,7 @@ class MHA(RecordsMaxLogits, Sublayer, nn.Module):
         self.wk = nn.Linear(d, kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(d, kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(heads * self.head_dim, d, bias=False)
-        self._init_max_logits()
+        self._init_max_logits(cfg)
 
     def init_rules(self, std: float, out_std: float) -> Rules:
         return {"wq.weight": normal(std), "wk.weight": normal(std), "wv.weight": normal(std),

@@ -77,7 +77,7 @@ class MLA(RecordsMaxLogits, Sublayer, nn.Module):
         self.wkv_b = nn.Linear(self.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(H * self.v_dim, d, bias=False)
         self.wg = nn.Linear(d, H * self.v_dim, bias=False) if cfg.mla_output_gate else None
-        self._init_max_logits()
+        self._init_max_logits(cfg)
 
     @property
     def q_name(self) -> str:

@@ -4,6 +4,10 @@ them in the one validation pass; kimi.summary too."""
 
 from __future__ import annotations
 
+import importlib.util
+
+import torch
+
 from kimi.config import (Config, ModelConfig, check, check_choices, check_finite, check_positive, mixer_pattern,
                          require)
 from kimi.ops.kda.chunk import TRITON_MAX_HEAD_DIM
@@ -122,8 +126,16 @@ def check_tensor_parallel(m: ModelConfig, tp: int) -> None:
 
 
 def check_kernels(cfg: Config) -> None:
-    """The Triton KDA kernels (model.kda_backend=triton, or auto on CUDA) take key head dims up to a limit."""
+    """The Triton KDA kernels (model.kda_backend=triton, or auto on CUDA) take key head dims up to a limit;
+    fla-core's (model.kda_backend=fla) need CUDA and the package."""
     m, limit = cfg.model, TRITON_MAX_HEAD_DIM
+    if m.kda_backend == "fla":
+        cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+        require(cuda, f"model.kda_backend=fla is invalid with trainer.device={cfg.trainer.device} on this "
+                      "machine: fla-core's KDA kernels run on CUDA only; set model.kda_backend=auto")
+        require(importlib.util.find_spec("fla") is not None,
+                "model.kda_backend=fla needs the fla-core package, which is not installed: pip install fla-core, "
+                "or set model.kda_backend=auto")
     on = {"triton": "model.kda_backend=triton", "auto": "model.kda_backend=auto and trainer.device=cuda"}
     if m.kda_backend == "triton" or (m.kda_backend == "auto" and cfg.trainer.device == "cuda"):
         require(m.kda_head_dim <= limit,

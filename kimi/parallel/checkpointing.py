@@ -11,8 +11,9 @@ same names with and without these). The recomputation calls the module itself, c
 replays exactly what the forward ran.
 
   full       recompute every sublayer's activations in the backward (only its input is kept)
-  selective  keep the outputs of matmuls and attention, recompute the cheap rest (norms, activations,
-             gates, elementwise products): most of the memory saving for a fraction of the recompute
+  selective  keep the outputs of matmuls, attention (SDPA's and our Triton kernel's) and the Triton KDA
+             chunk forward, recompute the cheap rest (norms, activations, gates, elementwise products):
+             most of the memory saving for a fraction of the recompute
 """
 
 from __future__ import annotations
@@ -36,8 +37,14 @@ _SAVED_OPS |= {getattr(torch.ops._c10d_functional, name).default for name in (
     "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "wait_tensor")}
 
 
+# Our Triton custom ops of the same class, by name: they are registered only once triton is imported, and
+# importing it here would fix its mode (compiled or interpreted) before a test could choose.
+_SAVED_CUSTOM = ("kimi::flash_attention", "kimi::kda_chunk_fwd")
+
+
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    saved = op in _SAVED_OPS or (op.namespace == "kimi" and op.name() in _SAVED_CUSTOM)
+    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 SUBLAYERS = ("mixer", "mlp")

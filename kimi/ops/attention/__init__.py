@@ -1,6 +1,7 @@
 """Softmax attention that can also report, per head, the largest scaled logit (for QK-Clip).
 
-    attention(q, k, v, causal=True, scale=None, cu_seqlens=None, return_max_logits=False)
+    attention(q, k, v, causal=True, scale=None, cu_seqlens=None, return_max_logits=False, backend=None,
+              deterministic=None)
 
 q [B, Tq, H, Dqk], k [B, Tk, Hkv, Dqk], v [B, Tk, Hkv, Dv] (H a multiple of Hkv; Dv may differ from Dqk)
 -> o [B, Tq, H, Dv], or (o, max_logits [B, H] fp32) with return_max_logits. scale defaults to Dqk ** -0.5.
@@ -9,11 +10,15 @@ rank's shard over the keys gathered up to it). cu_seqlens: offsets [N + 1] of do
 positions (B = 1); no token attends across a boundary (the Triton kernel takes Tq = Tk, SDPA any Tq <= Tk).
 
 Two backends compute it. "sdpa" (the default for CPU tensors, and the reference): SDPA for the output and,
-only when asked, a query-chunked pass for the max logits (SDPA does not expose its row maxima). "triton"
-(the default for CUDA tensors in fp16/bf16): a flash-attention kernel whose online softmax already tracks
-every row's max, so the max logits cost one extra store (kimi/ops/attention/triton/). It takes fp32 too, with
-exact fp32 dots (no tensor cores, so slow: not the default). Choose one with `backend=`; "triton" on CPU
-tensors needs TRITON_INTERPRET=1 set before triton is imported.
+only when asked, a separate pass for the max logits (SDPA does not expose its row maxima): on CUDA fp16/bf16
+tensors the Triton forward kernel reduced to Q K^T and a row max (one matmul, no softmax, no V), elsewhere a
+query-chunked PyTorch pass. "triton" (the default for CUDA tensors in fp16/bf16): a flash-attention kernel
+whose online softmax already tracks every row's max, so the max logits cost one extra store
+(kimi/ops/attention/triton/). It takes fp32 too, with exact fp32 dots (no tensor cores, so slow: not the
+default). Choose one with `backend=`; "triton" on CPU tensors needs TRITON_INTERPRET=1 set before triton is
+imported. deterministic (Triton backward only): True builds dQ in its own kernel, bitwise reproducible;
+False adds it up with fp32 atomics, about twice as fast on an H200; None: the process default
+(kimi/ops/attention/triton/common.py DQ_ATOMIC, atomic unless KIMI_ATTENTION_DQ=separate).
 
 Failures (kimi.ops.dispatch): with backend=None a Triton kernel that fails to compile or launch sends
 attention to "sdpa" for the rest of the process, with one warning; with backend="triton" it raises
@@ -70,9 +75,12 @@ _GUARD = Guard("attention", "backend='triton'")
 _PROBE_T = 16  # query (and key) positions of the probe input
 
 
-def _probe(q, k, v, causal, scale, cu_seqlens, return_max_logits) -> None:
+def _probe(q, k, v, causal, scale, cu_seqlens, return_max_logits, atomic_dq) -> None:
     """The forward and backward kernels once on zeros shaped like these inputs but at most _PROBE_T long."""
+    from .triton import common
     from .triton.op import flash_attention_backward_op, flash_attention_op
+
+    atomic_dq = common.DQ_ATOMIC if atomic_dq is None else atomic_dq
 
     Tq, Tk = q.shape[1], k.shape[1]
     tq = max(1, min(Tq, _PROBE_T))
@@ -80,18 +88,42 @@ def _probe(q, k, v, causal, scale, cu_seqlens, return_max_logits) -> None:
     q_ = q.new_zeros(1, tq, *q.shape[2:])
     k_, v_ = (x.new_zeros(1, tk, *x.shape[2:]) for x in (k, v))
     cu = None if cu_seqlens is None else torch.tensor([0, tq], dtype=cu_seqlens.dtype, device=q.device)
-    o, lse, _ = flash_attention_op(q_, k_, v_, cu, float(scale), bool(causal), bool(return_max_logits))
-    flash_attention_backward_op(torch.zeros_like(o), None, q_, k_, v_, o, lse, cu, float(scale), bool(causal))
+    o, lse, _ = flash_attention_op(q_, k_, v_, cu, float(scale), bool(causal), bool(return_max_logits), atomic_dq)
+    flash_attention_backward_op(torch.zeros_like(o), None, q_, k_, v_, o, lse, cu, float(scale), bool(causal),
+                                atomic_dq)
 
 
-def _triton(q, k, v, causal, scale, cu_seqlens, return_max_logits):
+def _triton(q, k, v, causal, scale, cu_seqlens, return_max_logits, atomic_dq=None):
     from .triton import flash_attention  # imported on first use: triton fixes its mode at import
 
-    o, _, max_logits = flash_attention(q, k, v, causal, scale, cu_seqlens, return_max_logits)
+    o, _, max_logits = flash_attention(q, k, v, causal, scale, cu_seqlens, return_max_logits, atomic_dq)
     return (o, max_logits) if return_max_logits else o
 
 
-def _sdpa(q, k, v, causal, scale, cu_seqlens, return_max_logits):
+_MAX_GUARD = Guard("attention max logits", "(never forced)")
+
+
+def _max_pass(q, k, causal, scale, cu_seqlens, mask) -> torch.Tensor:
+    """The SDPA path's max logits: the Triton row-max kernel where auto picks Triton for fp16/bf16, else (or
+    after it failed once) the query-chunked PyTorch pass."""
+    Tq, Tk = q.shape[1], k.shape[1]
+
+    def torch_pass():
+        full = mask if mask is not None or not (causal and Tq > 1) else attention_mask(Tq, Tk, causal, None,
+                                                                                      q.device)
+        return _max_logits(q, k, scale, full)
+
+    triton_ok = (auto_picks_triton(q.device) and q.dtype in (torch.float16, torch.bfloat16)
+                 and (cu_seqlens is None or Tq == Tk))
+    if not (triton_ok and _MAX_GUARD.use_triton(False)):
+        return torch_pass()
+    from .triton import max_logits
+
+    return _MAX_GUARD.call("attention_max_logits", lambda: max_logits(q, k, causal, scale, cu_seqlens),
+                           torch_pass, False)
+
+
+def _sdpa(q, k, v, causal, scale, cu_seqlens, return_max_logits, atomic_dq=None):
     Tq, H = q.shape[1], q.shape[2]
     Tk, Hkv = k.shape[1], k.shape[2]
     # SDPA's own is_causal aligns queries top-left, which is only right when Tq == Tk; otherwise (or with
@@ -111,9 +143,7 @@ def _sdpa(q, k, v, causal, scale, cu_seqlens, return_max_logits):
     ).transpose(1, 2)
     if not return_max_logits:
         return o
-    if mask is None and causal and Tq > 1:
-        mask = attention_mask(Tq, Tk, causal, None, q.device)
-    return o, _max_logits(q, k, scale, mask)
+    return o, _max_pass(q, k, causal, scale, cu_seqlens, mask)
 
 
 def attention(
@@ -125,6 +155,7 @@ def attention(
     cu_seqlens: torch.Tensor | None = None,
     return_max_logits: bool = False,
     backend: str | None = None,
+    deterministic: bool | None = None,
 ):
     B, Tq, H, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
@@ -133,14 +164,15 @@ def attention(
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"cu_seqlens packs documents along T and needs B == 1, got B = {B}")
     scale = D**-0.5 if scale is None else scale
-    args = (q, k, v, causal, scale, cu_seqlens, return_max_logits)
+    atomic_dq = None if deterministic is None else not deterministic
+    args = (q, k, v, causal, scale, cu_seqlens, return_max_logits, atomic_dq)
     forced = backend is not None
     if _pick_backend(backend, q) == "triton" and _GUARD.use_triton(forced):
         if cu_seqlens is not None and Tq != Tk:  # the kernel packs queries and keys alike: SDPA's mask does it
             return _sdpa(*args)
         if needs_grad(q, k, v):
             key = (q.device, q.dtype, k.dtype, v.dtype, H, Hkv, D, v.shape[-1], bool(causal), Tq == Tk,
-                   None if cu_seqlens is None else cu_seqlens.dtype, bool(return_max_logits))
+                   None if cu_seqlens is None else cu_seqlens.dtype, bool(return_max_logits), atomic_dq)
             kernels = "flash_attention/flash_attention_backward"
             if not _GUARD.probe(key, kernels, lambda: _probe(*args), forced):
                 return _sdpa(*args)

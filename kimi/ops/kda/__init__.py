@@ -13,6 +13,7 @@ restarts at every boundary, initial_state and final_state are [N, H, K, V].
 
 backend=None picks by device: the Triton kernels (kimi.ops.kda.triton) for CUDA tensors, PyTorch otherwise.
 backend="triton" on CPU tensors runs the kernels under the Triton interpreter (TRITON_INTERPRET=1).
+backend="fla" calls fla-core's kernels (kimi/ops/kda/fla.py; CUDA and the optional fla-core package).
 
 Failures (kimi.ops.dispatch): with backend=None (model.kda_backend=auto) a Triton kernel that fails to compile
 or launch sends that op (chunk_kda or fused_recurrent_kda) to its PyTorch path ("chunk", "recurrent") for the
@@ -29,6 +30,7 @@ import torch
 from kimi.ops.dispatch import Guard, auto_picks_triton, needs_grad
 
 from .chunk import CHUNK_SIZE, chunk_kda_torch
+from .fla import fla_chunk, fla_recurrent
 from .naive import naive_recurrent_kda
 
 
@@ -48,9 +50,10 @@ def _triton_recurrent(q, k, v, g, beta, scale, initial_state, cu_seqlens=None):
 # possibly-None initial state; packing (cu_seqlens) is handled once, here, for all of them, except by
 # backends marked takes_cu_seqlens, which get it as a last argument and run all sequences in one launch.
 _triton_chunk.takes_cu_seqlens = _triton_recurrent.takes_cu_seqlens = True
-_CHUNK_BACKENDS = {"naive": naive_recurrent_kda, "chunk": chunk_kda_torch, "triton": _triton_chunk}
+_CHUNK_BACKENDS = {"naive": naive_recurrent_kda, "chunk": chunk_kda_torch, "triton": _triton_chunk,
+                   "fla": fla_chunk}
 _RECURRENT_BACKENDS = {"naive": naive_recurrent_kda, "recurrent": naive_recurrent_kda,
-                       "triton": _triton_recurrent}
+                       "triton": _triton_recurrent, "fla": fla_recurrent}
 
 
 def _pick_backend(backend: str | None, backends: dict, default: str, op: str, device: torch.device):
@@ -169,12 +172,13 @@ def chunk_kda(
     lower_bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA over whole sequences (training, prefill). backend: "triton" (default for CUDA tensors), "chunk"
-    (PyTorch, the default otherwise) or "naive". lower_bound: every g is >= it (Kimi K3's safe gate), which
-    lets the chunk paths (PyTorch and Triton) take their faster bounded form (kimi/ops/kda/chunk.py)."""
+    (PyTorch, the default otherwise), "fla" (fla-core's) or "naive". lower_bound: every g is >= it (Kimi
+    K3's safe gate), which lets the chunk paths (PyTorch, Triton, fla) take their faster bounded form
+    (kimi/ops/kda/chunk.py)."""
     torch_chunk = partial(chunk_kda_torch, lower_bound=lower_bound)
     fn = _pick_backend(backend, _CHUNK_BACKENDS, "chunk", "chunk_kda", q.device)
     guard = _CHUNK_GUARD if fn is _triton_chunk else None
-    if fn in (chunk_kda_torch, _triton_chunk):
+    if fn in (chunk_kda_torch, _triton_chunk, fla_chunk):
         fn = partial(fn, lower_bound=lower_bound)
     return _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, guard, torch_chunk,
                 backend is not None, lower_bound)
@@ -193,7 +197,7 @@ def fused_recurrent_kda(
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA token by token (decoding: usually T = 1, state carried). backend: "triton" (default for CUDA
-    tensors; forward only), "recurrent" (PyTorch, the default otherwise) or "naive"."""
+    tensors; forward only), "recurrent" (PyTorch, the default otherwise), "fla" (fla-core's) or "naive"."""
     fn = _pick_backend(backend, _RECURRENT_BACKENDS, "recurrent", "fused_recurrent_kda", q.device)
     guard = _RECURRENT_GUARD if fn is _triton_recurrent else None
     return _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, guard,

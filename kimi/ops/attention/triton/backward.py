@@ -3,8 +3,8 @@ delta_i = rowsum(dO_i * O_i) - dLSE_i, so dS = P * (dP - delta) with dP = dO V^T
 
 One program per (key block, KV head) accumulates dK and dV over the query blocks of every query head sharing
 that KV head (GQA/MQA). dQ comes either from a second kernel, one program per (query block, head), which
-recomputes P and dP (deterministic, the default), or from fp32 atomic adds in the first kernel (fewer
-matmuls; common.DQ_ATOMIC). Rows that saw no key have LSE = -inf in the forward; here it reads as +inf so
+recomputes P and dP (deterministic), or from fp32 atomic adds in the first kernel (fewer matmuls, the
+default: common.DQ_ATOMIC). Rows that saw no key have LSE = -inf in the forward; here it reads as +inf so
 their P is exactly 0.
 """
 
@@ -16,7 +16,6 @@ import triton.language as tl
 
 from .common import (INTERPRET, INTERPRET_BWD, document_tables, dot_precision, dot_transposed, head_blocks,
                      key_range, last_dim_contiguous, pair_mask, pair_mask_t, pick_kernel, query_block)
-from . import common as common_flags
 from .forward import LOG2E
 
 
@@ -284,8 +283,9 @@ _dkdv_atomic_tuned = triton.autotune(_configs(_DKDV_SHAPES), key=_KEY, reset_to_
 _dq_tuned = triton.autotune(_configs(_DQ_SHAPES), key=_KEY)(_dq_kernel)
 
 
-def attention_backward(do, dlse, q, k, v, o, lse, cu_seqlens, scale: float, causal: bool):
-    """-> (dq, dk, dv) in the dtypes of q, k, v. dlse (or None) is the gradient of the LSE output."""
+def attention_backward(do, dlse, q, k, v, o, lse, cu_seqlens, scale: float, causal: bool, atomic: bool):
+    """-> (dq, dk, dv) in the dtypes of q, k, v. dlse (or None) is the gradient of the LSE output; atomic: dQ
+    from fp32 atomic adds in the dK/dV kernel, else from its own deterministic kernel."""
     q, k, v, o, do = (last_dim_contiguous(x) for x in (q, k, v, o, do))
     B, Tq, H, Dqk = q.shape
     Tk, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -306,7 +306,6 @@ def attention_backward(do, dlse, q, k, v, o, lse, cu_seqlens, scale: float, caus
     common = dict(CAUSAL=causal, VARLEN=varlen, BLOCK_D1=d1, BLOCK_D2=d2, BLOCK_DV=dv_block, UPCAST=INTERPRET,
                   PRECISION=dot_precision(q.dtype))
     strides = [*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3]]
-    atomic = common_flags.DQ_ATOMIC
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic else dq
     kernel, launch = pick_kernel(_dkdv_kernel, _dkdv_atomic_tuned if atomic else _dkdv_tuned, INTERPRET_BWD)
     kernel[lambda meta: (triton.cdiv(Tk, meta["BLOCK_N"]), B * Hkv)](

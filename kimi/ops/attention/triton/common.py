@@ -31,11 +31,13 @@ INTERPRET_BWD = dict(BLOCK_M=16, BLOCK_N=32)
 # candidate instead: quick checks, reproducible tiles. Read at every call.
 AUTOTUNE: bool = os.environ.get("KIMI_ATTENTION_AUTOTUNE", "1") != "0"
 
-# How the backward gets dQ. False (default): a second kernel recomputes P and dP per query block, 7 matmuls
-# in all, deterministic. True (or KIMI_ATTENTION_DQ=atomic): the dK/dV kernel adds each block's dQ share
-# into an fp32 buffer with atomics (FlashAttention-2's way), 5 matmuls, but the order of the fp32 sums,
-# hence the last bits of dQ, varies run to run. Read at every call.
-DQ_ATOMIC: bool = os.environ.get("KIMI_ATTENTION_DQ", "separate") == "atomic"
+# How the backward gets dQ, when a call does not say (atomic_dq=None). True (default): the dK/dV kernel adds
+# each block's dQ share into an fp32 buffer with atomics (FlashAttention-2's way), 5 matmuls; the order of
+# the fp32 sums, hence the last bits of dQ, varies run to run. On an H200 (bench/results/gpu/2026-11-30-h200)
+# its forward+backward took 0.73-0.98x SDPA's time against 1.54-2.35x for False (or
+# KIMI_ATTENTION_DQ=separate): a second kernel recomputes P and dP per query block, 7 matmuls, deterministic
+# (the model's switch is model.attention_deterministic). Read at every call.
+DQ_ATOMIC: bool = os.environ.get("KIMI_ATTENTION_DQ", "atomic") != "separate"
 
 
 def pick_kernel(kernel, tuned, interpret_tiles: dict):
