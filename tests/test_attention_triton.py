@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kimi.config import ModelConfig
-from kimi.model.mla import MLA
+from kimi.model.mla import MLA, apply_rope
 from kimi.ops.attention import attention
 from kimi.ops.attention.reference import naive_attention
 from kimi.ops.attention.triton import common, flash_attention
@@ -285,3 +285,90 @@ def test_selective_checkpointing_keeps_the_kernels_output(monkeypatch):
         out = _checkpointed(selective)(lambda q, k, v: attention(q, k, v, backend="triton").square(), q, k, v)
         out.sum().backward()
         assert len(runs) == count
+
+
+def latent_inputs(B=2, block=16, n=3, H=2, nope=16, rope=8, Dv=8, R=12, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, block, H, nope + rope, generator=gen)
+    c, r = torch.randn(B, n * block, R, generator=gen), torch.randn(B, n * block, rope, generator=gen)
+    w = 0.3 * torch.randn(H * (nope + Dv), R, generator=gen)
+    return [x.requires_grad_() for x in (q, c, r, w)]
+
+
+def test_latent_attention_matches_fp64():
+    """Attention over a prefix of MLA latents up-projected one block at a time (context parallelism's last
+    ranks) equals fp64 attention over the whole prefix's keys and values: output, max logits, and the
+    gradients of the queries, the latents, the rotary key part and the up-projection."""
+    from kimi.ops.attention.latent import _up, latent_attention
+
+    q, c, r, w = latent_inputs()
+    o, m = latent_attention(q, c, r, w, nope=16, block=16, return_max_logits=True)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(6))
+    grads = torch.autograd.grad((o * do).sum(), (q, c, r, w))
+    q64, c64, r64, w64 = (x.detach().double().requires_grad_() for x in (q, c, r, w))
+    k, v = _up(c64, r64, w64, 2, 16, torch.float64)
+    o_ref, m_ref = naive_attention(q64, k, v, causal=True)  # the queries are the prefix's last block
+    grads_ref = torch.autograd.grad((o_ref * do.double()).sum(), (q64, c64, r64, w64))
+    assert rel_err(o, o_ref) < 1e-5
+    torch.testing.assert_close(m.double(), m_ref.double(), rtol=1e-6, atol=1e-6)
+    for name, g, g_ref in zip("qcrw", grads, grads_ref):
+        assert rel_err(g, g_ref) < 1e-5, name
+    with pytest.raises(ValueError, match="queries of one block"):
+        latent_attention(q, c[:, :40], r[:, :40], w, nope=16, block=16)
+
+    def loss(q, c, r, w):  # one custom autograd function: torch.compile traces it whole, bit for bit
+        out, m = latent_attention(q, c, r, w, nope=16, block=16, return_max_logits=True)
+        return (out * do).sum(), m
+
+    (value, m_compiled) = torch.compile(loss, fullgraph=True, backend="aot_eager")(q, c, r, w)
+    assert torch.equal(m_compiled, m)
+    for g, g_eager in zip(torch.autograd.grad(value, (q, c, r, w)), grads):
+        assert torch.equal(g, g_eager)
+
+
+def test_mla_under_context_parallelism_attends_latent_blocks(monkeypatch):
+    """The last of 3 context-parallel ranks: with the Triton backend MLA attends its prefix's latents block
+    by block and gives what attention over the whole prefix's keys and values gives (output, max logits,
+    parameter gradients), without any tensor of the prefix's keys or values."""
+    import kimi.model.mla as mla_module
+
+    cfg = ModelConfig(d_model=32, mla_num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                      v_head_dim=8, attention_backend="triton", mla_output_gate=True)
+    torch.manual_seed(3)
+    layer = MLA(cfg)
+    layer.init_weights(0.2, 0.2)
+    layer.track_max_logits = True
+    T = 16
+    x = torch.randn(2, 3 * T, 32, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():  # the earlier ranks' latents, as the all-gather would bring them
+        c_kv, k_rope = layer.wkv_a(x[:, :2 * T]).split([16, 8], dim=-1)
+        k_rope = apply_rope(k_rope.unsqueeze(2), torch.arange(2 * T), cfg.rope_theta).squeeze(2)
+        earlier = torch.cat([layer.kv_norm(c_kv), k_rope], dim=-1)
+
+    class LastRank:  # the parts of kimi.parallel.context_parallel.SequenceShard that MLA reads
+        rows, length = 2, T
+
+        def positions(self, device):
+            return torch.arange(2 * T, 3 * T, device=device)
+
+        def prefix(self, latent):
+            return torch.cat([earlier, latent], dim=1)
+
+    def run():
+        layer.zero_grad()
+        out = layer(x[:, 2 * T:], context=LastRank())
+        out.square().sum().backward()
+        return out.detach(), layer.consume_max_logits(), [p.grad.clone() for p in layer.parameters()]
+
+    blocks = []
+    latent = mla_module.latent_attention
+    monkeypatch.setattr(mla_module, "latent_attention", lambda *a, **k: blocks.append(1) or latent(*a, **k))
+    got = run()
+    assert blocks == [1]
+    monkeypatch.setattr(mla_module, "runs_triton", lambda q, backend: False)  # the whole prefix at once
+    want = run()
+    assert blocks == [1]
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
+    for g, g_want in zip(got[2], want[2]):
+        torch.testing.assert_close(g, g_want, rtol=1e-4, atol=1e-5)

@@ -30,6 +30,9 @@ from torch import nn
 
 from kimi.config import ModelConfig
 
+from kimi.ops.attention import runs_triton
+from kimi.ops.attention.latent import latent_attention
+
 from .cache import MLACache
 from .init import Rules, apply_rules, constant, normal
 from .layouts import QKClipSpec, RowRule, RowSplit
@@ -139,6 +142,21 @@ class MLA(RecordsMaxLogits, Sublayer, nn.Module):
         heads = self.wkv_b.weight.shape[0] // (self.nope + self.v_dim)
         return 3.0 * heads * (self.nope + self.rope + self.v_dim) * seq_len
 
+    def attend_latents(self, q: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+        """Attention over a context-parallel prefix of latents, up-projected one shard-long block at a time
+        (kimi/ops/attention/latent.py: the last rank would otherwise hold the whole sequence's keys and
+        values), keeping its max logits when wanted."""
+        record, measure = self.logits_wanted()
+        w = self.wkv_b.weight
+        w = w.to_local() if hasattr(w, "to_local") else w  # tensor parallelism: this rank's heads' rows
+        deterministic = self.attention_options["deterministic"]
+        out = latent_attention(q, c_kv, k_rope, w, self.nope, q.shape[1], return_max_logits=measure,
+                               atomic_dq=None if deterministic is None else not deterministic)
+        if measure:
+            out, max_logits = out
+            self.keep_max_logits(max_logits, record)
+        return out
+
     def new_cache(self) -> MLACache:
         return MLACache()
 
@@ -169,10 +187,14 @@ class MLA(RecordsMaxLogits, Sublayer, nn.Module):
             latent = torch.cat([c_kv, k_rope], dim=-1).reshape(context.rows, context.length, -1)
             c_kv, k_rope = context.prefix(latent).split([self.kv_lora_rank, self.rope], dim=-1)
             q = q.reshape(context.rows, context.length, *q.shape[2:])
-        kv = self.wkv_b(c_kv).view(c_kv.shape[0], c_kv.shape[1], -1, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
-        out = self.attend(q, k, v, cu_seqlens, context).reshape(B, T, -1)
+        if (context is not None and cu_seqlens is None and c_kv.shape[1] > q.shape[1]
+                and runs_triton(q, self.attention_options["backend"])):
+            out = self.attend_latents(q, c_kv, k_rope).reshape(B, T, -1)
+        else:
+            kv = self.wkv_b(c_kv).view(c_kv.shape[0], c_kv.shape[1], -1, self.nope + self.v_dim)
+            k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+            k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+            out = self.attend(q, k, v, cu_seqlens, context).reshape(B, T, -1)
         if self.wg is not None:
             out = out * torch.sigmoid(self.wg(x))
         return self.wo(out)

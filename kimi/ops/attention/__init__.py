@@ -146,6 +146,11 @@ def _sdpa(q, k, v, causal, scale, cu_seqlens, return_max_logits, atomic_dq=None)
     return o, _max_pass(q, k, causal, scale, cu_seqlens, mask)
 
 
+def runs_triton(q: torch.Tensor, backend: str | None = None) -> bool:
+    """Whether attention(q, ..., backend=backend) would run the Triton kernel (not after a fallback)."""
+    return _pick_backend(backend, q) == "triton" and _GUARD.use_triton(backend is not None)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -180,4 +185,4 @@ def attention(
     return _sdpa(*args)
 
 
-__all__ = ["attention", "naive_attention"]
+__all__ = ["attention", "naive_attention", "runs_triton"]
