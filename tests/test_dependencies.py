@@ -63,6 +63,8 @@ OPTIONAL = {
                     "check use transformers' own converters, and the modeling files to-hf writes run under "
                     "transformers; it comes with the eval extra (lm-eval[hf]), not with a plain install",
     "zstandard": "only for a .zst data file (kimi.data.files), which datasets itself reads only with it",
+    "fla-core": "only for model.kda_backend=fla (kimi/ops/kda/fla.py, CUDA): fla-core's KDA kernels, refused in one "
+           "line without the package; the dev extra has it for the comparisons",
 }
 
 
