@@ -149,9 +149,8 @@ class MLA(RecordsMaxLogits, Sublayer, nn.Module):
         record, measure = self.logits_wanted()
         w = self.wkv_b.weight
         w = w.to_local() if hasattr(w, "to_local") else w  # tensor parallelism: this rank's heads' rows
-        deterministic = self.attention_options["deterministic"]
         out = latent_attention(q, c_kv, k_rope, w, self.nope, q.shape[1], return_max_logits=measure,
-                               atomic_dq=None if deterministic is None else not deterministic)
+                               deterministic=self.attention_options["deterministic"])
         if measure:
             out, max_logits = out
             self.keep_max_logits(max_logits, record)

@@ -1,7 +1,7 @@
 """MLA attention over a long prefix of latents, one key block at a time: no rank holds the whole prefix's
 up-projected keys and values.
 
-    latent_attention(q, c, r, w, nope, block, scale, return_max_logits=False, atomic_dq=None)
+    latent_attention(q, c, r, w, nope, block, scale, return_max_logits=False, deterministic=None)
         -> o [B, Tq, H, Dv], or (o, max_logits [B, H] fp32)
 
 q [B, Tq, H, nope + rope]: the queries, the last Tq positions of the prefix; c [B, Tk, R]: the normalised
@@ -88,7 +88,8 @@ class _LatentAttention(torch.autograd.Function):
 
 
 def latent_attention(q, c, r, w, nope: int, block: int, scale: float | None = None,
-                     return_max_logits: bool = False, atomic_dq: bool | None = None):
+                     return_max_logits: bool = False, deterministic: bool | None = None):
+    """deterministic: the Triton backward's dQ mode, as attention()'s."""
     from .triton import common
     from .triton.common import check_device
 
@@ -97,6 +98,6 @@ def latent_attention(q, c, r, w, nope: int, block: int, scale: float | None = No
         raise ValueError(f"latent_attention: {c.shape[1]} key positions in blocks of {block} need queries of "
                          f"one block, got {q.shape[1]}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    atomic = common.DQ_ATOMIC if atomic_dq is None else atomic_dq
+    atomic = common.DQ_ATOMIC if deterministic is None else not deterministic
     o, m = _LatentAttention.apply(q, c, r, w, nope, block, float(scale), bool(return_max_logits), bool(atomic))
     return (o, m) if return_max_logits else o

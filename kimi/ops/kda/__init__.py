@@ -29,7 +29,7 @@ import torch
 
 from kimi.ops.dispatch import Guard, auto_picks_triton, needs_grad
 
-from .chunk import CHUNK_SIZE, chunk_kda_torch
+from .chunk import CHUNK_SIZE, bounded, chunk_kda_torch
 from .fla import fla_chunk, fla_recurrent
 from .naive import naive_recurrent_kda
 
@@ -143,8 +143,6 @@ def _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
         o, state = _call(fallback, *args)
     else:
         if guard is _CHUNK_GUARD and needs_grad(q, k, v, g, beta, initial_state):
-            from .triton.common import bounded
-
             key = (q.device, *((x.dtype, tuple(x.shape[2:])) for x in (q, k, v, g, beta)),
                    None if initial_state is None else initial_state.dtype,
                    None if cu_seqlens is None else cu_seqlens.dtype, output_final_state, bounded(lower_bound))

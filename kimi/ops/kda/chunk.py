@@ -48,6 +48,12 @@ BOUNDED_SUB_CHUNK = 16
 BOUNDED_MIN = -80.0 / BOUNDED_SUB_CHUNK
 
 
+def bounded(lower_bound: float | None) -> bool:
+    """Whether gates known to be >= lower_bound let the diagonal sub-chunk blocks be anchored matmuls: G then
+    falls by at most 80 inside a sub-chunk, and exp(80) is finite in fp32 (Kimi K3's -5 is exactly that)."""
+    return lower_bound is not None and lower_bound >= BOUNDED_MIN
+
+
 def _to_chunks(x: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
     """[B, T, H, ...] -> [B, H, n_chunks, C, ...], zero-padding T up to a multiple of C.
 
@@ -139,8 +145,7 @@ def chunk_kda_torch(
     k, v, g, beta = (_to_chunks(x, chunk_size, dtype) for x in (k, v, g, beta))
     G = g.cumsum(-2)  # in-chunk cumulative log-decay, per channel
 
-    bounded = lower_bound is not None and lower_bound >= BOUNDED_MIN and chunk_size % BOUNDED_SUB_CHUNK == 0
-    if bounded:
+    if bounded(lower_bound) and chunk_size % BOUNDED_SUB_CHUNK == 0:
         subs, leaf = ((BOUNDED_SUB_CHUNK,) if chunk_size > BOUNDED_SUB_CHUNK else ()), _bounded_scores
     else:
         subs, leaf = tuple(s for s in SUB_CHUNKS if s < chunk_size and chunk_size % s == 0), _exact_scores

@@ -9,7 +9,7 @@ a safe gate (lower_bound >= -5, Kimi K3's) takes fla's safe_gate path, its count
 
 from __future__ import annotations
 
-from .chunk import BOUNDED_MIN
+from .chunk import bounded
 
 
 def _kernels():
@@ -27,8 +27,7 @@ def _long(cu_seqlens):
 
 def fla_chunk(q, k, v, g, beta, scale, initial_state, cu_seqlens=None, lower_bound=None):
     chunk, _ = _kernels()
-    bounded = lower_bound is not None and lower_bound >= BOUNDED_MIN
-    safe = dict(safe_gate=True, lower_bound=lower_bound) if bounded else {}
+    safe = dict(safe_gate=True, lower_bound=lower_bound) if bounded(lower_bound) else {}
     return chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
                  cu_seqlens=_long(cu_seqlens), **safe)
 

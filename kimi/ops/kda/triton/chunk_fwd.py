@@ -30,7 +30,7 @@ from .common import (CHUNK, SUB, check_head_dims, chunk_bounds, chunk_cumsum, do
 def scores_kernel(q, k, Gc, L, Aqk, cu_seqlens, chunks, scale, H, K: tl.constexpr, BK: tl.constexpr,
                   BKD: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
                   BOUNDED: tl.constexpr, PREC_D: tl.constexpr):
-    """BOUNDED: every gate is >= -80 / BC (common.bounded), so G falls by at most 80 inside a sub-chunk and
+    """BOUNDED: every gate is >= -80 / BC (kimi.ops.kda.chunk.bounded), so G falls by at most 80 inside a sub-chunk and
     the diagonal blocks are anchored matmuls too, exp(G_a - G_s) <= e^80 being finite in fp32. Their products
     take PREC_D, fp32's precision: the diagonal's q_t k_t terms enter dq and dk and cancel in dg only if they
     are not rounded to half precision (bf16 operands there made dg 40x less accurate)."""

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ...dispatch import KernelUnsupported
-from ..chunk import BOUNDED_MIN, BOUNDED_SUB_CHUNK, CHUNK_SIZE, TRITON_MAX_HEAD_DIM
+from ..chunk import BOUNDED_SUB_CHUNK, CHUNK_SIZE, TRITON_MAX_HEAD_DIM
 
 # Triton decides at decoration time whether @triton.jit kernels are compiled or interpreted, from this
 # variable; read it once here, when the kernel modules that import this one are decorated.
@@ -23,12 +23,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CHUNK = CHUNK_SIZE  # tokens per chunk
 SUB = 16  # tokens per sub-chunk: the anchoring step inside a chunk (CHUNK // SUB = 4 is hard-wired)
 assert SUB == BOUNDED_SUB_CHUNK  # the PyTorch path's bounded form anchors at the same step
-
-
-def bounded(lower_bound: float | None) -> bool:
-    """Whether gates known to be >= lower_bound let the diagonal sub-chunk blocks be anchored matmuls: G then
-    falls by at most 80 inside a sub-chunk, and exp(80) is finite in fp32 (Kimi K3's -5 is exactly that)."""
-    return lower_bound is not None and lower_bound >= BOUNDED_MIN
 
 
 def check_device(*tensors: torch.Tensor) -> None:
