@@ -15,6 +15,10 @@ from typing import Callable, Dict, Iterator, Optional, Tuple
 
 def exit_while_starting() -> None:
     """Install the at-once SIGTERM handler; the first thing a command that trains does (train.py)."""
+    # The handler needs kimi.cli (standard library imports only, so quick): import it first, or a signal that
+    # lands while the imports below reach it finds it half made (an ImportError instead of exit 75)
+    import kimi.cli  # noqa: F401
+
     signal.signal(signal.SIGTERM, _exit_stopped)
 
 
