@@ -28,7 +28,7 @@ class RecordsMaxLogits:
         self.track_max_logits = False
         self._seen_max_logits: list[torch.Tensor] = []
         # model.attention_backend / attention_deterministic, as attention()'s backend= and deterministic=
-        self.attention_options = dict(backend=None if cfg.attention_backend == "auto" else cfg.attention_backend,
+        self.attention_options = dict(backend=cfg.attention_backend,
                                       deterministic=cfg.attention_deterministic)
 
     @property

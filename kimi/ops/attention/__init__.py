@@ -16,9 +16,11 @@ query-chunked PyTorch pass. "triton" (the default for CUDA tensors in fp16/bf16)
 whose online softmax already tracks every row's max, so the max logits cost one extra store
 (kimi/ops/attention/triton/). It takes fp32 too, with exact fp32 dots (no tensor cores, so slow: not the
 default). Choose one with `backend=`; "triton" on CPU tensors needs TRITON_INTERPRET=1 set before triton is
-imported. deterministic (Triton backward only): True builds dQ in its own kernel, bitwise reproducible;
-False adds it up with fp32 atomics, about twice as fast on an H200; None: the process default
-(kimi/ops/attention/triton/common.py DQ_ATOMIC, atomic unless KIMI_ATTENTION_DQ=separate).
+imported. "auto": what backend=None picks, except that where that is Triton each shape is first timed against
+SDPA, forward and backward, and the faster of the two that agree is kept (kimi/ops/attention/auto.py;
+model.attention_backend=auto). deterministic (Triton backward only): True builds dQ in its own kernel,
+bitwise reproducible; False adds it up with fp32 atomics, about twice as fast on an H200; None: the process
+default (kimi/ops/attention/triton/common.py DQ_ATOMIC, atomic unless KIMI_ATTENTION_DQ=separate).
 
 Failures (kimi.ops.dispatch): with backend=None a Triton kernel that fails to compile or launch sends
 attention to "sdpa" for the rest of the process, with one warning; with backend="triton" it raises
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 
 from kimi.ops.dispatch import Guard, auto_picks_triton, needs_grad
 
+from . import auto
 from .reference import attention_mask, naive_attention
 
 # Elements of one [B, H, chunk, Tk] fp32 score block in the max-logit pass: bounds its memory (64 MiB).
@@ -58,15 +61,15 @@ def _max_logits(q, k, scale, mask) -> torch.Tensor:
     return out.float()
 
 
-_BACKENDS = ("sdpa", "triton")
+_BACKENDS = ("sdpa", "triton")  # forced; None and "auto" choose
 
 
 def _pick_backend(backend: str | None, q: torch.Tensor) -> str:
-    if backend is None:
+    if backend in (None, "auto"):
         triton_ok = auto_picks_triton(q.device) and q.dtype in (torch.float16, torch.bfloat16)
         return "triton" if triton_ok else "sdpa"
     if backend not in _BACKENDS:
-        allowed = f"{list(_BACKENDS)} or None (by device)"
+        allowed = f"{list(_BACKENDS)}, 'auto' (timed per shape) or None (by device)"
         raise ValueError(f"attention: unknown backend {backend!r}; allowed: {allowed}")
     return backend
 
@@ -148,7 +151,7 @@ def _sdpa(q, k, v, causal, scale, cu_seqlens, return_max_logits, atomic_dq=None)
 
 def runs_triton(q: torch.Tensor, backend: str | None = None) -> bool:
     """Whether attention(q, ..., backend=backend) would run the Triton kernel (not after a fallback)."""
-    return _pick_backend(backend, q) == "triton" and _GUARD.use_triton(backend is not None)
+    return _pick_backend(backend, q) == "triton" and _GUARD.use_triton(backend in _BACKENDS)
 
 
 def attention(
@@ -171,9 +174,11 @@ def attention(
     scale = D**-0.5 if scale is None else scale
     atomic_dq = None if deterministic is None else not deterministic
     args = (q, k, v, causal, scale, cu_seqlens, return_max_logits, atomic_dq)
-    forced = backend is not None
+    forced = backend in _BACKENDS
     if _pick_backend(backend, q) == "triton" and _GUARD.use_triton(forced):
         if cu_seqlens is not None and Tq != Tk:  # the kernel packs queries and keys alike: SDPA's mask does it
+            return _sdpa(*args)
+        if backend == "auto" and auto.choose(*args) == "sdpa":
             return _sdpa(*args)
         if needs_grad(q, k, v):
             key = (q.device, q.dtype, k.dtype, v.dtype, H, Hkv, D, v.shape[-1], bool(causal), Tq == Tk,
