@@ -1,7 +1,7 @@
 """`make gpu-check`: every GPU check of this repository in one command, on one CUDA GPU, offline, in about 17
 minutes from a cold Triton cache (9 of them the fp8 step's; --steps takes a subset).
 
-Seven steps, each a subprocess with its own time budget, so a step that hangs or crashes loses only itself:
+Eight steps, each a subprocess with its own time budget, so a step that hangs or crashes loses only itself:
 
   1 kda_check        bench/kda.py --check: every KDA Triton op vs the PyTorch path and fp64 (fp32, bf16)
   2 attention_check  bench/attention.py --check-only: the flash-attention kernels vs fp32
@@ -17,6 +17,8 @@ Seven steps, each a subprocess with its own time budget, so a step that hangs or
   7 train_fp8        bench/parallel.py --layouts bf16 fp8_tensorwise fp8_rowwise: 10 steps of small and 1b
                      (compiled) in bf16 and with trainer.precision=fp8 (both recipes) in the same run: tokens/s
                      and MFU (against the bf16 peak) of each, fp8's ratio to bf16, the losses
+  8 peer             bench/peer.py --titan: 1b, its dense peer dense_1b and torchtitan's trainer on a Llama of
+                     dense_1b's shape, compiled bf16, 4 x 4096 tokens per step: tokens/s, MFU, memory, ratios
 
 After each step it writes <out>/<step>.json (status, seconds, commands, each command's log tail and its own
 JSON under runs.<name>.result) and <out>/summary.md (the table so far); all output goes to
@@ -81,7 +83,7 @@ STEPS = {
     "optim": ("optimizer step", 90),
     "train": ("training on one GPU", 300),
     "train_fp8": ("fp8 training vs bf16 on one GPU", 540),
-    "peer": ("1b against its dense peer dense_1b on one GPU", 360),
+    "peer": ("1b against its dense peer dense_1b and torchtitan's Llama of that shape on one GPU", 480),
 }
 # Each step's size arguments: (on the GPU, in a dry run). The dry run's are tiny because the interpreter
 # runs each program of a kernel in Python; fla-core is left out there (not written for the interpreter).
@@ -128,7 +130,7 @@ def commands(step: str, ctx: "Context") -> list[tuple[str, list[str]]]:
         batch, steps, seq = PEER_DRY if ctx.dry else PEER
         models = ["--kimi", "tiny", "--dense", "tiny", *DENSE_TINY] if ctx.dry else ["--kimi", "1b", "--dense",
                                                                                       "dense_1b"]
-        return [("peer", ["peer.py", *models, "--batch", str(batch), "--steps", str(steps),
+        return [("peer", ["peer.py", *models, "--titan", "--batch", str(batch), "--steps", str(steps),
                           *training_set(ctx, seq, "trainer.precision=bf16")])]
     script = {"kda_check": "kda.py --check", "attention_check": "attention.py --check-only",
               "kda_speed": "kda.py --no-self-check", "attention_speed": "attention.py --skip-check",
@@ -296,15 +298,16 @@ def train_fp8_rows(r: dict):
 
 
 def peer_rows(r: dict):
-    kimi, dense = r["kimi"], r["dense"]
+    runs = [r[name] for name in ("titan", "dense", "kimi") if name in r]
     seq = next(s.split("=", 1)[1] for s in r["set"] if s.startswith("trainer.seq_len="))
     rows = [(f"peer {x['model']}: {r['batch']} x {seq} tokens per step",
              f"{x['tokens_per_s']:,.0f} tokens/s, MFU {100 * x['mfu']:.1f}%, peak memory "
-             f"{x['peak_mem_bytes'] / 2**30:.1f} GiB, {1e3 * x['step_s']:.0f} ms per step") for x in (dense, kimi)]
-    rows.append((f"peer {kimi['model']} / {dense['model']}",
-                 f"{kimi['tokens_per_s'] / dense['tokens_per_s']:.2f}x tokens/s, {kimi['mfu'] / dense['mfu']:.2f}x "
-                 f"MFU, {kimi['peak_mem_bytes'] / dense['peak_mem_bytes']:.2f}x peak memory"))
-    failures = [f"peer {x['model']}: loss not finite" for x in (dense, kimi)
+             f"{x['peak_mem_bytes'] / 2**30:.1f} GiB, {1e3 * x['step_s']:.0f} ms per step") for x in runs]
+    for a, b in zip(runs[1:], runs):  # dense / torchtitan (the framework), kimi / dense (the blocks)
+        rows.append((f"peer {a['model']} / {b['model']}",
+                     f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x tokens/s, {a['mfu'] / b['mfu']:.2f}x MFU, "
+                     f"{a['peak_mem_bytes'] / b['peak_mem_bytes']:.2f}x peak memory"))
+    failures = [f"peer {x['model']}: loss not finite" for x in runs
                 if not all(v == v and abs(v) != float("inf") for v in x.get("losses") or [float("nan")])]
     return rows, failures
 

@@ -10,8 +10,12 @@ same overrides and the same number of timed steps (bench/parallel.py's one-proce
 Prints a table (tokens/s, MFU, peak memory, ms per step, each Kimi/dense ratio) and writes
 bench/results/peer.json. MFU counts each model's own FLOPs per token (model.flops_per_token: the dense
 peer's attention is quadratic in the sequence, KDA's linear), so the two MFUs are comparable as hardware
-use and tokens/s as speed. torchtitan's Llama of the same shape, which would measure the framework itself
-against a well-kept peer, is not run here yet (see docs/benchmarks.md).
+use and tokens/s as speed.
+
+--titan adds a third row: torchtitan's own trainer (bench/titan_peer.py) on a Llama of the dense peer's
+shape, same tokens per step, steps, precision, compile and activation checkpointing. dense vs torchtitan
+measures the framework, kimi vs dense the Kimi blocks. Its MFU is put on our FLOP count (the dense peer's
+FLOPs per token; torchtitan's own, which does not halve causal attention, is kept as mfu_titan).
 """
 
 from __future__ import annotations
@@ -38,16 +42,35 @@ def measure(model: str, args, extra: list[str]) -> dict:
     return json.loads(out.read_text())["layouts"]["single"][0]
 
 
+def titan(args, dense: dict) -> dict:
+    """bench/titan_peer.py on the dense peer's shape, trained as --set trains ours."""
+    from titan_peer import like, run  # bench/ is this script's directory
+
+    sets = dict(s.split("=", 1) for s in args.set)
+    shape = like(args.dense, [*args.set, *args.dense_set], None)
+    spec = {**shape, "batch": args.batch,
+            "compile": sets.get("parallel.compile") == "true", "autotune": False,
+            "dtype": "bfloat16" if sets.get("trainer.precision") == "bf16" else "float32",
+            "ac": sets.get("parallel.activation_checkpointing", "none")}
+    print(f"[peer] torchtitan: {json.dumps(spec)}", flush=True)
+    record = run(spec, args.titan_site, warmup=2, steps=args.steps)
+    return {"model": f"torchtitan {args.dense}", "shape": shape, **record, "mfu_titan": record["mfu"],
+            "mfu": record["tokens_per_s"] * dense["mfu"] / dense["tokens_per_s"]}
+
+
+def ratio(rows: dict, a: str, b: str) -> str:
+    x, y = rows[a], rows[b]
+    return (f"| {a} / {b} | {x['tokens_per_s'] / y['tokens_per_s']:.2f}x | {x['mfu'] / y['mfu']:.2f}x | "
+            f"{x['peak_mem_bytes'] / y['peak_mem_bytes']:.2f}x | {x['step_s'] / y['step_s']:.2f}x |")
+
+
 def table(rows: dict) -> str:
-    kimi, dense = rows["kimi"], rows["dense"]
     lines = ["| model | tokens/s | MFU | peak memory | step |", "|---|---|---|---|---|"]
-    for name in ("dense", "kimi"):
-        r = rows[name]
-        lines.append(f"| {r['model']} ({name}) | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.2f}% | "
-                     f"{r['peak_mem_bytes'] / 2**30:.2f} GiB | {1e3 * r['step_s']:.0f} ms |")
-    lines.append(f"| kimi / dense | {kimi['tokens_per_s'] / dense['tokens_per_s']:.2f}x | "
-                 f"{kimi['mfu'] / dense['mfu']:.2f}x | {kimi['peak_mem_bytes'] / dense['peak_mem_bytes']:.2f}x | "
-                 f"{kimi['step_s'] / dense['step_s']:.2f}x |")
+    for name in ("titan", "dense", "kimi"):
+        if r := rows.get(name):
+            lines.append(f"| {r['model']} ({name}) | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.2f}% | "
+                         f"{r['peak_mem_bytes'] / 2**30:.2f} GiB | {1e3 * r['step_s']:.0f} ms |")
+    lines += [ratio(rows, "kimi", "dense")] + ([ratio(rows, "dense", "titan")] if "titan" in rows else [])
     return "\n".join(lines)
 
 
@@ -60,10 +83,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps, both models")
     parser.add_argument("--set", nargs="*", default=[], help="overrides for both, e.g. trainer.seq_len=4096 "
                         "trainer.precision=bf16 parallel.compile=true")
+    parser.add_argument("--titan", action="store_true", help="also train torchtitan's Llama of the dense shape")
+    parser.add_argument("--titan-site", type=Path, default=None, help="where torchtitan and its packages are "
+                        "installed (default: $TITAN_SITE, else .venv/titan, else importable already)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "peer.json")
     args = parser.parse_args(argv)
     rows = {"dense": {"model": args.dense, **measure(args.dense, args, args.dense_set)},
             "kimi": {"model": args.kimi, **measure(args.kimi, args, [])}}
+    if args.titan:
+        rows["titan"] = titan(args, rows["dense"])
     device = rows["kimi"]["device"]
     print(f"\n{args.batch} sequences per step, {args.steps} timed steps, {' '.join(args.set) or 'defaults'}; "
           f"{device}\n\n{table(rows)}")

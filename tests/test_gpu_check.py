@@ -73,6 +73,8 @@ def test_dry_run_runs_every_step(tmp_path):
     fp8 = step_json(out, "train_fp8")["runs"]["tiny"]["result"]["layouts"]  # emulated on CPU
     assert set(fp8) == {"bf16", "fp8_tensorwise", "fp8_rowwise"}
     assert all(r[0]["tokens_per_s"] > 0 and r[0]["losses"] for r in fp8.values())
+    peer = result("peer")
+    assert all(peer[name]["tokens_per_s"] > 0 for name in ("titan", "dense", "kimi"))
 
     summary = (out / "summary.md").read_text()
     assert summary in proc.stdout  # the table printed at the end is the file

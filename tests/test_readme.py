@@ -75,8 +75,9 @@ SKIPPED = {
     "parallel.pp_microbatches=8 trainer.micro_batch_size=8 hydra.run.dir=runs/exp4": GPUS_8,
     ".venv/bin/python bench/parallel.py --layouts single --model 1b --batch 4 --set trainer.seq_len=4096 "
     "trainer.precision=bf16": "a GPU benchmark: the 1b model at 4096 tokens in bf16",
-    ".venv/bin/python bench/peer.py --batch 4 --steps 10 --set trainer.seq_len=4096 trainer.precision=bf16 "
-    "parallel.compile=true": "a GPU benchmark: 1b and dense_1b at 4096 tokens compiled in bf16 (tests/test_peer.py "
+    ".venv/bin/python bench/peer.py --titan --batch 4 --steps 10 --set trainer.seq_len=4096 trainer.precision=bf16 "
+    "parallel.compile=true": "a GPU benchmark: 1b, dense_1b and torchtitan at 4096 tokens compiled in bf16 "
+                             "(tests/test_peer.py "
                              "runs its CPU dry run at tiny shape)",
     "make gpu-check": "needs a CUDA GPU (its dry run is the next line)",
     "make gpu-check GPU_CHECK_ARGS=--dry-run": "tests/test_gpu_check.py runs it (about a minute)",
