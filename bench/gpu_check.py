@@ -260,11 +260,26 @@ def train_rows(r: dict):
     return rows, failures
 
 
+def roofline_note(model: str, seq: str, batch: int, device: str) -> str:
+    """bench/step_audit.py's prediction for this model, sequence length and GPU, when it has one: the ops of
+    one forward and backward at their datasheet roofline, unfused (an upper bound on fusion's room)."""
+    path = ROOT / "bench" / "results" / "step_audit.json"
+    family = json.loads(path.read_text())["families"].get(model, {}) if path.exists() else {}
+    roof = family.get("roofline") or {}
+    gpu = next((name for name in roof.get("gpus", {}) if name in device), None)
+    if gpu is None or str(roof.get("T")) != seq:
+        return ""
+    pred = roof["gpus"][gpu]
+    return (f"; roofline ({gpu}, bench/step_audit.py): {1e3 * batch * pred['predicted_step_s']:.0f} ms without "
+            f"the optimizer, MFU ceiling {100 * pred['mfu_ceiling']:.0f}%")
+
+
 def _train_row(r: dict, x: dict, layout: str):
     seq = next(s.split("=", 1)[1] for s in r["set"] if s.startswith("trainer.seq_len="))
     flags = " ".join(s for s in r["set"] if s.startswith(("trainer.precision", "parallel.compile")))
     losses = x.get("losses") or [float("nan")]
     extra = f"; loss {losses[0]:.3f} -> {losses[-1]:.3f}; KDA inputs {x.get('kda_dtypes') or '-'}"
+    extra += roofline_note(r["model"], seq, r["batch"], x.get("device", ""))
     extra += f"; fell back to PyTorch: {x['fallbacks']}" if x.get("fallbacks") else ""
     top = x.get("top_kernels") or []
     extra += ("; costliest kernels: " + ", ".join(f"{k['kernel'][:40]} {k['ms']:.1f} ms" for k in top[:3])
