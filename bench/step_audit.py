@@ -383,6 +383,10 @@ class OpCost(TorchDispatchMode):
 
         self.registry, self.tracker = flop_registry, tracker
         self.ops: dict = defaultdict(lambda: [0, 0.0, 0.0])  # (op, module kind, dtype) -> calls, flops, bytes
+        # the same for the forward alone: ModuleTracker names the module of a forward op reliably, but a
+        # backward op only by whichever module's backward hook fired last
+        self.forward_ops: dict = defaultdict(lambda: [0, 0.0, 0.0])
+        self.in_forward = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -402,10 +406,11 @@ class OpCost(TorchDispatchMode):
         dtypes = {t.dtype for t in tensors if t.is_floating_point()}
         dtype = "fp32" if torch.float32 in dtypes and packet.__name__ in MATMULS else "bf16"
         key = (packet.__name__, _kind_of(_module_name(self.tracker)), dtype)
-        entry = self.ops[key]
-        entry[0] += 1
-        entry[1] += flops
-        entry[2] += nbytes
+        for table in (self.ops, self.forward_ops) if self.in_forward else (self.ops,):
+            entry = table[key]
+            entry[0] += 1
+            entry[1] += flops
+            entry[2] += nbytes
         return out
 
 
@@ -446,25 +451,37 @@ def audit_roofline(overrides: list[str], T: int) -> dict:
     tracker = ModuleTracker()
     cost = OpCost(tracker)
     with tracker, cost, mock.patch("kimi.model.moe.grouped_mm_ok", lambda rows: True):
-        loss_of(model, ids, labels).backward()
+        loss = loss_of(model, ids, labels)
+        cost.in_forward = False
+        loss.backward()
     tokens = T
     model_flops = model.flops_per_token(T) * tokens
     gpus = {}
     for gpu, peak in GPUS.items():
-        rows, total = [], 0.0
-        for (op, kind, dtype), (calls, flops, nbytes) in cost.ops.items():
-            compute = flops / peak["bf16" if dtype == "bf16" else "fp32"]
-            memory = nbytes / peak["bandwidth"]
-            total += max(compute, memory)
-            rows.append({"op": op, "module": kind, "dtype": dtype, "calls": calls, "flops": flops, "bytes": nbytes,
-                         "time_s": max(compute, memory), "bound": "memory" if memory > compute else "compute"})
-        rows.sort(key=lambda r: -r["time_s"])
-        by_class = defaultdict(float)
+        def priced(ops: dict) -> list[dict]:
+            rows = []
+            for (op, kind, dtype), (calls, flops, nbytes) in ops.items():
+                compute = flops / peak["bf16" if dtype == "bf16" else "fp32"]
+                memory = nbytes / peak["bandwidth"]
+                rows.append({"op": op, "module": kind, "dtype": dtype, "calls": calls, "flops": flops,
+                             "bytes": nbytes, "time_s": max(compute, memory),
+                             "bound": "memory" if memory > compute else "compute"})
+            return sorted(rows, key=lambda r: -r["time_s"])
+
+        rows = priced(cost.ops)
+        total = sum(r["time_s"] for r in rows)
+        by_class, by_module = defaultdict(float), defaultdict(lambda: [0.0, 0.0])
         for r in rows:
             by_class["matmul" if r["op"] in MATMULS else "kda" if r["op"].startswith("kda_chunk") else
                      "other"] += r["time_s"]
+        for r in priced(cost.forward_ops):
+            by_module[r["module"]][r["bound"] == "memory"] += r["time_s"]
+        modules = sorted(by_module.items(), key=lambda kv: -sum(kv[1]))[:12]
         gpus[gpu] = {"predicted_step_s": total, "mfu_ceiling": model_flops / peak["bf16"] / total,
                      "time_by_class": dict(by_class),
+                     # the forward's, by module kind (`model`: between the sublayers, i.e. the depth
+                     # mixes): seconds of compute- and of memory-bound ops
+                     "forward_time_by_module": [{"module": m, "compute_s": c, "memory_s": b} for m, (c, b) in modules],
                      "memory_bound_top10": [r for r in rows if r["bound"] == "memory"][:10]}
     return {"T": T, "model_flops": model_flops, "traced_flops": sum(v[1] for v in cost.ops.values()),
             "traced_bytes": sum(v[2] for v in cost.ops.values()), "gpus": gpus}
@@ -520,6 +537,13 @@ def report(results: dict) -> str:
                   "| op | module | calls | GB | predicted ms |", "|---|---|---|---|---|"]
         for x in roof["gpus"]["H200"]["memory_bound_top10"]:
             lines.append(f"| {x['op']} | {x['module']} | {x['calls']} | {x['bytes'] / 1e9:.2f} | {x['time_s'] * 1e3:.3f} |")
+        by_module = roof["gpus"]["H200"].get("forward_time_by_module", [])
+        lines += ["", f"{name}: the forward's predicted H200 time by module kind (ms, unfused):", "",
+                  "| module | compute-bound ops | memory-bound ops | share of the forward |", "|---|---|---|---|"]
+        forward = sum(x["compute_s"] + x["memory_s"] for x in by_module) or 1.0
+        for x in by_module:
+            lines.append(f"| {x['module']} | {x['compute_s'] * 1e3:.1f} | {x['memory_s'] * 1e3:.1f} | "
+                         f"{(x['compute_s'] + x['memory_s']) / forward:.0%} |")
     return "\n".join(lines)
 
 

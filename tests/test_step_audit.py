@@ -72,3 +72,8 @@ def test_roofline_prices_the_step(family):
     assert roof["gpus"]["H100"]["predicted_step_s"] > roof["gpus"]["H200"]["predicted_step_s"]
     # KDA priced as the GPU runs it: the Triton chunk ops, each way, with their FLOPs
     assert roof["gpus"]["H200"]["time_by_class"]["kda"] > 0
+    # the forward by module kind: the model's own work between the sublayers (the depth mixes) and the
+    # mixers are named, and the forward is a part of the whole step (the fused loss makes its gradients there)
+    forward = {x["module"]: x["compute_s"] + x["memory_s"] for x in roof["gpus"]["H200"]["forward_time_by_module"]}
+    assert forward["model"] > 0 and forward["mixer"] > 0
+    assert 0.2 < sum(forward.values()) / roof["gpus"]["H200"]["predicted_step_s"] < 1
