@@ -181,14 +181,25 @@ def features(m) -> list[float]:
     return [1.0, float(sublayers), float(sources)]
 
 
-def prefix_bytes(m) -> float:
+def _keys_values(m) -> int:
+    """Elements per token of one MLA layer's up-projected keys and values and their gradients."""
+    return 2 * m.mla_num_heads * (2 * m.qk_nope_head_dim + m.qk_rope_head_dim + 2 * m.v_head_dim)
+
+
+def prefix_bytes(m, blockwise: bool = False) -> float:
     """What the last rank holds per token of the earlier shards while one MLA layer is recomputed and
-    differentiated (an estimate, not fitted: at cp 2 on CPU it is lost beside the KDA P pass): the gathered
-    latent three times (all-gather buffers, stacked, the prefix) and the keys and values up-projected from
-    it with their gradients, bf16."""
+    differentiated (an estimate, not fitted: at cp 2 on CPU it is lost beside the KDA P pass), bf16: the
+    gathered latent three times (all-gather buffers, stacked, the prefix), and, on the whole-prefix path
+    (CPU's SDPA, packed documents), the keys and values up-projected from it with their gradients. The
+    blockwise path (kimi/ops/attention/latent.py: Triton, no packed documents) up-projects one shard-long
+    block at a time instead: `block_bytes` per token of the rank's shard."""
     latent = m.kv_lora_rank + m.qk_rope_head_dim
-    keys_values = m.mla_num_heads * (2 * m.qk_nope_head_dim + m.qk_rope_head_dim + 2 * m.v_head_dim)
-    return 2 * (3 * latent + 2 * keys_values)
+    return 2 * (3 * latent + (0 if blockwise else _keys_values(m)))
+
+
+def block_bytes(m) -> float:
+    """The blockwise path's one block of keys and values with their gradients, per token of the shard."""
+    return 2 * _keys_values(m)
 
 
 def fit(rows: list[dict], name: str) -> dict:
@@ -228,17 +239,17 @@ def persistent_bytes(overrides: list[str], cp: int) -> float:
     return s.heaviest.persistent_bytes + s.heaviest.bytes.get("transient", 0)
 
 
-def longest(coef, m, cp, budget, router_extra) -> int:
+def longest(coef, m, cp, budget, extra) -> int:
     """The longest T (a multiple of 1024 * cp) whose predicted peak fits ``budget`` bytes; 0 if none."""
     step = 1024 * cp
     lo, hi = 0, step
-    while predict(coef, m, hi, cp, router_extra) <= budget and hi < 2**40:
+    while predict(coef, m, hi, cp, extra) <= budget and hi < 2**40:
         lo, hi = hi, hi * 2
     while hi - lo > step:
         mid = (lo + hi) // 2 // step * step
         if mid <= lo:
             break
-        lo, hi = (mid, hi) if predict(coef, m, mid, cp, router_extra) <= budget else (lo, mid)
+        lo, hi = (mid, hi) if predict(coef, m, mid, cp, extra) <= budget else (lo, mid)
     return lo
 
 
@@ -310,30 +321,35 @@ def report(out: dict, reserve: float) -> str:
     text += ["", "The memory model against those measurements (fitted on cut-down models of 4, 6 and 8 blocks, "
              "T 256-1024, cp 1-2):", md(["model", "T", "cp", "measured MiB", "model MiB", "model / measured"], checks)]
 
+    # GPUs run the blockwise MLA prefix (Triton attention, no packed documents): its b and its block
     presets = [p for p in PRESETS if any(r.get("fit") == p for r in rows)]
     table, answers, cps = [], {}, (1, 2, 4, 8, 16, 32, 64)
     for preset in presets:
-        coef = fit(rows, preset)
         full = [o for o in PRESETS[preset] if not o.startswith("model.moe_num_experts")]
         m = compose_config(full).model
-        router_extra = 4 * (m.moe_num_experts - 16) * (m.num_layers - m.moe_first_dense) if m.moe_num_experts else 0
+        coef = {**fit(rows, preset), "b": prefix_bytes(m, blockwise=True)}
+        extra = 4 * (m.moe_num_experts - 16) * (m.num_layers - m.moe_first_dense) if m.moe_num_experts else 0
+        extra += block_bytes(m)
         out.setdefault("fits", {})[preset] = coef
         for dev, cap in DEVICES.items():
             cells = []
             for cp in cps:
                 budget = cap * (1 - reserve) - persistent_bytes(full, cp)
-                T = longest(coef, m, cp, budget, router_extra) if budget > 0 else 0
+                T = longest(coef, m, cp, budget, extra) if budget > 0 else 0
                 cells.append(tokens(T) if T else "-")
                 if T >= 1 << 20:
                     answers.setdefault((preset, dev), cp)
             table.append([preset, dev] + cells)
         per_token = sum(a * f for a, f in zip(coef["a"], features(m))) / 1024
         text += ["", f"`{preset}`: {per_token:.0f} KiB per token of the rank's shard (+{coef['e'] / 1024:.0f} KiB on a "
-                 f"continuing rank), {coef['b'] / 1024:.0f} KiB per token of the earlier shards (MLA's prefix); exchange per layer and step at T = 1M, cp 64: KDA {exchange_bytes(m, 'KDA', 1 << 20, 64) / 2**20:.0f} "
-                 f"MiB, MLA {exchange_bytes(m, 'MLA', 1 << 20, 64) / 2**20:.0f} MiB"]
+                 f"continuing rank), {coef['b'] / 1024:.1f} KiB per token of the earlier shards (MLA's prefix latent; "
+                 f"{prefix_bytes(m) / 1024:.0f} KiB where the prefix is up-projected whole); exchange per layer and "
+                 f"step at T = 1M, cp 64: KDA {exchange_bytes(m, 'KDA', 1 << 20, 64) / 2**20:.0f} MiB, "
+                 f"MLA {exchange_bytes(m, 'MLA', 1 << 20, 64) / 2**20:.0f} MiB"]
     if presets:
         text += ["", f"Longest trainable sequence per GPU (the model; activation checkpointing full, bf16, one GPU "
-                 f"per cp rank, FSDP over them; {reserve:.0%} of memory reserved; '-': the weights and optimizer "
+                 f"per cp rank, FSDP over them, MLA's prefix blockwise; {reserve:.0%} of memory reserved; '-': the "
+                 "weights and optimizer "
                  "state alone do not fit):", md(["preset", "device"] + [f"cp {c}" for c in cps], table)]
         text += [f"- `{p}` on {d} GPUs: 1M tokens from cp = {cp}" for (p, d), cp in answers.items()]
         out["longest"] = table
