@@ -106,8 +106,9 @@ class ModelConfig:
     v_head_dim: int = 64
     rope_theta: float = 10000.0  # RoPE's base (MLA's rotated key dims, softmax attention)
     # Softmax attention kernels (MLA and A): auto = for CUDA fp16/bf16 tensors the faster of Triton flash
-    # attention and SDPA, timed once per shape; SDPA otherwise; triton / sdpa force one (kimi/ops/attention). SDPA measures QK-Clip's max logits in a second
-    # pass (a Triton Q K^T row-max kernel on CUDA), the Triton kernel in the same pass.
+    # attention and SDPA, timed once per shape; SDPA otherwise; triton / sdpa force one (kimi/ops/attention).
+    # SDPA measures QK-Clip's max logits in a second pass (a Triton Q K^T row-max kernel on CUDA), the Triton
+    # kernel in the same pass.
     attention_backend: str = one_of(ATTENTION_BACKENDS, "auto")
     # The Triton backward's dQ: false = fp32 atomic adds in the dK/dV kernel (the last bits of dQ vary run to
     # run; about 2x faster forward+backward on an H200), true = its own kernel, bitwise reproducible

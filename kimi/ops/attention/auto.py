@@ -90,7 +90,7 @@ def _timed(*key) -> str:
 
 
 def choose(q, k, v, causal, scale, cu_seqlens, return_max_logits, atomic_dq) -> str:
-    """"triton" or "sdpa" for this call's shape: timed on its first call, cached after."""
+    """The backend ("triton" or "sdpa") for this call's shape: timed on its first call, cached after."""
     B, Tq, H, D = q.shape
     _, Tk, Hkv, Dv = v.shape
     dims = (B, Tq, Tk, H, Hkv, D, Dv)
