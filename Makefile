@@ -80,7 +80,7 @@ GPU_WHEEL_SPECS ?= hydra-core==1.3.8 omegaconf==2.3.1 datasets==5.2.0 dill==0.4.
 GPU_WHEEL_BUILT ?= antlr4-python3-runtime==4.9.3
 GPU_WHEEL_TARGET := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
                     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
-GPU_NEEDS := hydra omegaconf antlr4 datasets dill multiprocess fla torchtitan tyro
+GPU_NEEDS := hydra omegaconf antlr4 datasets dill multiprocess fla
 # torchtitan, the dense peer of bench/peer.py --titan (bench/titan_peer.py), and the pure-Python packages it
 # imports that torch does not bring. It pins datasets<4.8 (we use 5.2), so it is installed without its
 # dependencies into a directory of its own, never into the venv's site-packages.

@@ -554,16 +554,17 @@ def main(argv=None) -> int:
     print(f"[gpu-check] {len(args.steps)} steps{' (dry run on CPU)' if args.dry_run else ''}, at most "
           f"{args.total:.0f} s; results in {out}", flush=True)
     records: dict[str, dict] = {}
+    summary = table(records, args.steps, started)
     try:
         with open(out / LOG, "w") as log:
             for index, step in enumerate(args.steps, 1):
                 records[step] = run_step(step, index, args, ctx, env, deadline, log)
                 (out / f"{step}.json").write_text(json.dumps(records[step], indent=2) + "\n")
-                (out / "summary.md").write_text(table(records, args.steps, started))
+                summary = table(records, args.steps, started)  # printed at the end as written here
+                (out / "summary.md").write_text(summary)
     finally:
         if not args.keep_tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    summary = table(records, args.steps, started)
     print("\n" + summary)
     failures = [f"{step}: {f}" for step, r in records.items() for f in r["failures"]]
     for failure in failures:

@@ -5,7 +5,6 @@ every later call of that shape, compiled or not, runs the kept backend."""
 import pytest
 import torch
 
-import kimi.ops.attention as attention_module
 from kimi.config import ModelConfig
 from kimi.model.mla import MLA
 from kimi.ops import dispatch
@@ -57,13 +56,13 @@ def test_auto_keeps_the_faster_backend_and_times_each_shape_once(timed, faster):
 
 
 def test_auto_skips_a_backend_that_disagrees_with_sdpa(timed, monkeypatch):
-    real = attention_module._triton
+    real = auto.CANDIDATES["triton"]
 
     def wrong(*args):
         o, m = real(*args)
         return o * 1.5, m
 
-    monkeypatch.setattr(attention_module, "_triton", wrong)
+    monkeypatch.setitem(auto.CANDIDATES, "triton", wrong)
     timed.seconds = [1e-3, 2e-3]  # only sdpa is timed: the faster-looking triton never gets there
     q, k, v = qkv()
     o, m, _ = run("auto", q, k, v)

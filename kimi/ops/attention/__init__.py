@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from kimi.ops.dispatch import Guard, auto_picks_triton, needs_grad
 
-from . import auto
+from .auto import choose, register
 from .reference import attention_mask, naive_attention
 
 # Elements of one [B, H, chunk, Tk] fp32 score block in the max-logit pass: bounds its memory (64 MiB).
@@ -178,7 +178,7 @@ def attention(
     if _pick_backend(backend, q) == "triton" and _GUARD.use_triton(forced):
         if cu_seqlens is not None and Tq != Tk:  # the kernel packs queries and keys alike: SDPA's mask does it
             return _sdpa(*args)
-        if backend == "auto" and auto.choose(*args) == "sdpa":
+        if backend == "auto" and choose(*args) == "sdpa":
             return _sdpa(*args)
         if needs_grad(q, k, v):
             key = (q.device, q.dtype, k.dtype, v.dtype, H, Hkv, D, v.shape[-1], bool(causal), Tq == Tk,
@@ -189,5 +189,7 @@ def attention(
         return _GUARD.call("flash_attention", _triton, _sdpa, forced, *args)
     return _sdpa(*args)
 
+
+register(lambda: _GUARD.use_triton(False), triton=_triton, sdpa=_sdpa)  # what "auto" times
 
 __all__ = ["attention", "naive_attention", "runs_triton"]

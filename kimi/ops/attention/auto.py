@@ -23,6 +23,17 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 _CHOSEN: dict[tuple, str] = {}
 LOG: Callable[[str], None] = lambda line: print(line, flush=True)  # noqa: E731 (tests capture it)
+# Registered by kimi.ops.attention (which imports this module, not the other way round): name -> the backend,
+# called as attention()'s (q, k, v, causal, scale, cu_seqlens, return_max_logits, atomic_dq); "sdpa" is the
+# reference the others must agree with. _triton_usable(): no Triton failure has sent attention to SDPA yet.
+CANDIDATES: dict[str, Callable] = {}
+_triton_usable: Callable[[], bool] = lambda: True  # noqa: E731
+
+
+def register(triton_usable: Callable[[], bool], **candidates: Callable) -> None:
+    global _triton_usable
+    CANDIDATES.update(candidates)
+    _triton_usable = triton_usable
 
 
 def reset() -> None:
@@ -61,15 +72,13 @@ def _first(out):
 def _timed(*key) -> str:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    from . import _GUARD, _sdpa, _triton  # the module that calls us: imported here, once it is complete
-
     if key in _CHOSEN:
         return _CHOSEN[key]
     with unset_fake_temporarily(), torch.enable_grad(), torch.autocast(key[0].type, enabled=False):
         args, grad = _inputs(key)
-        expected = _first(_sdpa(*args)).detach().float()
+        expected = _first(CANDIDATES["sdpa"](*args)).detach().float()
         times = {}
-        for name, fn in (("triton", _triton), ("sdpa", _sdpa)):
+        for name, fn in CANDIDATES.items():
             try:
                 out = _first(fn(*args))
             except Exception as exc:  # noqa: BLE001 (a kernel that cannot run here is not a candidate)
@@ -80,7 +89,7 @@ def _timed(*key) -> str:
                 LOG(f"[kimi] attention auto: {name} differs from SDPA by {float(error):.1e} (relative): skipped")
                 continue
             times[name] = _seconds(lambda: torch.autograd.grad(_first(fn(*args)), args[:3], grad), key[0])
-    choice = min(times, key=times.get) if times and _GUARD.use_triton(False) else "sdpa"
+    choice = min(times, key=times.get) if times and _triton_usable() else "sdpa"
     _, dtype, B, Tq, Tk, H, Hkv, D, Dv = key[:9]
     shape = f"B={B} Tq={Tq} Tk={Tk} H={H}/{Hkv} D={D}/{Dv} {str(dtype).removeprefix('torch.')}"
     timing = ", ".join(f"{name} {1e3 * s:.3f} ms" for name, s in times.items())
