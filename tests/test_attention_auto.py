@@ -103,3 +103,25 @@ def test_auto_on_cpu_times_nothing(monkeypatch):
         outs.append(layer(torch.randn(2, 12, 32)))
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
     assert lines == [] and auto._CHOSEN == {}
+
+
+def test_auto_skips_a_backend_whose_backward_cannot_run(timed, monkeypatch):
+    """The candidate's backward runs once before it is timed: one that fails is not chosen, it does not raise
+    out of the training step."""
+    real = auto.CANDIDATES["triton"]
+
+    class Broken(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, o):
+            return o.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("backward kernel cannot run here")
+
+    monkeypatch.setitem(auto.CANDIDATES, "triton", lambda *a: (Broken.apply(real(*a)[0]), real(*a)[1]))
+    q, k, v = qkv()
+    o = run("auto", q, k, v)[0]
+    assert any("triton failed on this shape" in line for line in timed.lines), timed.lines
+    assert timed.lines[-1].endswith("-> sdpa")
+    torch.testing.assert_close(o, run("sdpa", q, k, v)[0], rtol=0, atol=0)

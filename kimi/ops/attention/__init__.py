@@ -190,6 +190,6 @@ def attention(
     return _sdpa(*args)
 
 
-register(lambda: _GUARD.use_triton(False), triton=_triton, sdpa=_sdpa)  # what "auto" times
+register(triton=_triton, sdpa=_sdpa)  # what "auto" times
 
 __all__ = ["attention", "naive_attention", "runs_triton"]

@@ -25,15 +25,12 @@ _CHOSEN: dict[tuple, str] = {}
 LOG: Callable[[str], None] = lambda line: print(line, flush=True)  # noqa: E731 (tests capture it)
 # Registered by kimi.ops.attention (which imports this module, not the other way round): name -> the backend,
 # called as attention()'s (q, k, v, causal, scale, cu_seqlens, return_max_logits, atomic_dq); "sdpa" is the
-# reference the others must agree with. _triton_usable(): no Triton failure has sent attention to SDPA yet.
+# reference the others must agree with. attention() asks only while no Triton failure has sent it to SDPA.
 CANDIDATES: dict[str, Callable] = {}
-_triton_usable: Callable[[], bool] = lambda: True  # noqa: E731
 
 
-def register(triton_usable: Callable[[], bool], **candidates: Callable) -> None:
-    global _triton_usable
+def register(**candidates: Callable) -> None:
     CANDIDATES.update(candidates)
-    _triton_usable = triton_usable
 
 
 def reset() -> None:
@@ -79,8 +76,9 @@ def _timed(*key) -> str:
         expected = _first(CANDIDATES["sdpa"](*args)).detach().float()
         times = {}
         for name, fn in CANDIDATES.items():
-            try:
+            try:  # forward and backward once: a backward kernel that cannot run here fails here, not later
                 out = _first(fn(*args))
+                torch.autograd.grad(out, args[:3], grad)
             except Exception as exc:  # noqa: BLE001 (a kernel that cannot run here is not a candidate)
                 LOG(f"[kimi] attention auto: {name} failed on this shape ({type(exc).__name__}: {exc})")
                 continue
@@ -89,7 +87,7 @@ def _timed(*key) -> str:
                 LOG(f"[kimi] attention auto: {name} differs from SDPA by {float(error):.1e} (relative): skipped")
                 continue
             times[name] = _seconds(lambda: torch.autograd.grad(_first(fn(*args)), args[:3], grad), key[0])
-    choice = min(times, key=times.get) if times and _triton_usable() else "sdpa"
+    choice = min(times, key=times.get) if times else "sdpa"
     _, dtype, B, Tq, Tk, H, Hkv, D, Dv = key[:9]
     shape = f"B={B} Tq={Tq} Tk={Tk} H={H}/{Hkv} D={D}/{Dv} {str(dtype).removeprefix('torch.')}"
     timing = ", ".join(f"{name} {1e3 * s:.3f} ms" for name, s in times.items())
