@@ -428,3 +428,53 @@ def test_key_value_options_are_the_flags():
         as_flags(["all", "seed=1"])
     with pytest.raises(ablate.AblateError, match="dry_run is true or false"):
         as_flags(["all", "dry_run=maybe"])
+
+
+@pytest.mark.unit
+def test_a_record_survives_config_keys_added_after_it():
+    """A record keeps its run's training config; a key the schema gained since counts as the same run at its
+    default and is named otherwise, as is every changed or removed key (the first committed record predates
+    more than 40 of today's keys, among them model.layer_pattern and model.loss_chunk)."""
+    from kimi.ablate import records
+
+    cfg = ablate.study.arm_config(ablate.load_experiment("ablate_qk_clip"), "tau100", [], ["trainer.seed=1"])
+    rec = {"config": records.training_config(cfg)}
+    assert records.mismatch(rec, cfg) == []
+    assert "logging.wandb.mode" not in rec["config"] and "trainer.threads" not in rec["config"]
+    assert records.mismatch(rec, {**cfg, "logging": {"wandb": {"mode": "online"}}}) == []
+    older = {"config": {k: v for k, v in rec["config"].items() if k != "model.rope_theta"}}
+    assert records.mismatch(older, cfg) == []  # a key added at its default
+    newer = json.loads(json.dumps(cfg))
+    newer["model"]["rope_theta"] = 1234.0
+    assert records.mismatch(older, newer) == [
+        f"model.rope_theta=1234.0 (a key added since the record, not at its default "
+        f"{records.schema_defaults()['model.rope_theta']!r})"]
+    assert records.mismatch(rec, newer) == [
+        f"model.rope_theta: recorded {rec['config']['model.rope_theta']!r}, now 1234.0"]
+    gone = {"config": {**rec["config"], "model.retired_switch": True}}
+    assert records.mismatch(gone, cfg) == ["model.retired_switch (recorded True) is no longer a config key"]
+    # the fingerprint names what defines the run: the same with the added key at its default
+    assert records.fingerprint(cfg) == ablate.study.run_fingerprint(
+        ablate.study.plan_run(ablate.load_experiment("ablate_mixer"), Path("x"), "hybrid_3to1", {}, 1), [])
+    assert records.fingerprint(newer) != records.fingerprint(cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_a_fresh_clone_plans_and_reports_the_committed_study(tmp_path):
+    """`python -m kimi.ablate all dry_run=true` and `report` against the committed records (a copy, so the
+    report's files land in tmp_path): every committed run counts as done, nothing is planned, and the report
+    is the committed one but for where its plots are."""
+    import shutil
+
+    committed = ablate.DEFAULT_OUT
+    out, root = tmp_path / "ablations", tmp_path / "runs"
+    shutil.copytree(committed / "runs", out / "runs")
+    n = len(list((out / "runs").glob("*/*.json")))
+    plan = _run([sys.executable, "-m", "kimi.ablate", "all", "dry_run=true", f"out={out}", f"root={root}"],
+                timeout=1200)  # 90 configs composed: half a minute, minutes on a loaded machine
+    assert plan.splitlines()[-1].startswith(f"[ablate] {n} done; report: python -m kimi.ablate report "), plan
+    assert "would run" not in plan and not root.exists()
+    _run([sys.executable, "-m", "kimi.ablate", "report", f"out={out}", f"root={root}"])
+    mine = (out / "README_section.md").read_text().replace(f"{out}/", "")
+    assert mine == (committed / "README_section.md").read_text().replace("bench/results/ablations/", "")

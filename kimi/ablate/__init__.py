@@ -150,6 +150,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return exit_code_for(e)
     summary = ", ".join(f"{v} {k}" for k, v in counts.items() if v)
     print(f"[ablate] {summary or 'nothing to do'}; report: python -m kimi.ablate report "
-          + " ".join(names) + (f" --root {args.root}" if args.root != DEFAULT_ROOT else "")
-          + (f" --out {args.out}" if args.out != DEFAULT_OUT else ""))
+          + " ".join(names) + (f" root={args.root}" if args.root != DEFAULT_ROOT else "")
+          + (f" out={args.out}" if args.out != DEFAULT_OUT else ""))
     return 1 if counts["failed"] else 0

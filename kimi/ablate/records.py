@@ -1,34 +1,108 @@
 """A finished run's record: what the report needs of it, kept beside the report
 (``<out>/runs/<NAME>/<run>.json``) so that it outlives the run directory (checkpoints are not committed): a
-study continues, and its report is redrawn, on another machine. Each record carries its run's config
-fingerprint, so that a run whose training config equals one finished in another experiment (the default model
-is an arm of several) reuses that result instead of training it again."""
+study continues, and its report is redrawn, on another machine.
+
+Each record carries the config its run trained with (``config``: the composed config as dotted keys, without
+the keys that only name, log or place a run). A study compares it with the config it would train now key by
+key, a key added to the schema since counting as the same when it is at its default, so that adding a config
+key (a new feature, off by default) keeps every earlier record current, while a changed value is named. The
+same comparison finds a finished run of another experiment with the config of a new one (the default model is
+an arm of several), whose result is then reused instead of trained again."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import statistics
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .state import status
 
-# Keys of the composed config that do not change what is trained: where it is written, how it is logged, and
-# which kernels compute the same attention (so that adding such a switch keeps earlier records current).
-_NOT_TRAINING = ("logging", "trainer.run_dir", "model.attention_backend", "model.attention_deterministic")
+# Keys of the composed config that do not change what is trained: where it is written, how it is logged, how
+# many CPU threads or processes compute it (the token files do not depend on data.num_proc: kimi.data.pack's
+# fingerprint leaves it out) and which kernels compute the same attention.
+_NOT_TRAINING = ("logging", "trainer.run_dir", "trainer.threads", "data.num_proc", "data.cache_dir",
+                 "model.attention_backend", "model.attention_deterministic", "model.attnres_backend")
+# What the records of studies run before records kept their config hashed (kept to read those records)
+_LEGACY_NOT_TRAINING = ("logging", "trainer.run_dir", "model.attention_backend", "model.attention_deterministic")
+_ABSENT = object()
+
+
+def _flat(node: Any, prefix: str = "") -> Dict[str, Any]:
+    if not isinstance(node, dict):
+        return {prefix: node}
+    out: Dict[str, Any] = {}
+    for key, value in node.items():
+        out.update(_flat(value, f"{prefix}{key}."))
+    return {k.rstrip("."): v for k, v in out.items()}
+
+
+def _training(flat: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: v for k, v in flat.items() if not any(k == n or k.startswith(n + ".") for n in _NOT_TRAINING)}
+
+
+def training_config(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """A run's composed config (plain containers) as dotted keys, without the keys that do not change what
+    is trained."""
+    return _training(_flat(json.loads(json.dumps(cfg))))
+
+
+@functools.cache
+def schema_defaults() -> Dict[str, Any]:
+    """Every key of the structured config schema (kimi/config.py) at its default, as dotted keys."""
+    from omegaconf import OmegaConf
+
+    from kimi.config import Config
+
+    return _flat(OmegaConf.to_container(OmegaConf.structured(Config), resolve=False))
+
+
+def differences(recorded: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
+    """The keys in which a recorded training config differs from the current one, one phrase each. A key only
+    the current config has is a key added since: the same run when it is at its schema default."""
+    defaults, out = schema_defaults(), []
+    for key in sorted(set(recorded) | set(current)):
+        old, new = recorded.get(key, _ABSENT), current.get(key, _ABSENT)
+        if old is _ABSENT:
+            if new != defaults.get(key, _ABSENT):
+                out.append(f"{key}={new!r} (a key added since the record, not at its default "
+                           f"{defaults.get(key)!r})")
+        elif new is _ABSENT:
+            out.append(f"{key} (recorded {old!r}) is no longer a config key")
+        elif old != new:
+            out.append(f"{key}: recorded {old!r}, now {new!r}")
+    return out
 
 
 def fingerprint(cfg: Dict[str, Any]) -> str:
-    """A hash of a run's composed config (plain containers) without the keys that only name or log it."""
+    """A short hash of what defines a run: its training config as it differs from the schema's defaults."""
+    defaults = schema_defaults()
+    own = {k: v for k, v in training_config(cfg).items() if defaults.get(k, _ABSENT) != v}
+    return hashlib.sha256(json.dumps(own, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _legacy_fingerprint(cfg: Dict[str, Any]) -> str:
     cfg = json.loads(json.dumps(cfg))
-    for key in _NOT_TRAINING:
+    for key in _LEGACY_NOT_TRAINING:
         *parents, last = key.split(".")
         node = cfg
         for p in parents:
             node = node.get(p, {})
         node.pop(last, None)
     return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def mismatch(record: dict, cfg: Dict[str, Any]) -> List[str]:
+    """How the run a record describes differs from a run of the composed config `cfg` ([] when it is the
+    same run). A record without its config (written before records kept it) is the same run only when its
+    config hashes as `cfg` does with the keys of that time."""
+    if "config" in record:
+        return differences(record["config"], training_config(cfg))
+    if record.get("fingerprint") == _legacy_fingerprint(cfg):
+        return []
+    return ["an older record without its config, whose hash differs from this config's"]
 
 
 def path(out: Path, experiment: str, run: str) -> Path:
@@ -54,11 +128,12 @@ def of_experiment(out: Path, experiment: str) -> Iterator[dict]:
         yield json.loads(p.read_text())
 
 
-def find_done(out: Path, fp: str) -> Optional[dict]:
-    """A finished (not shared) record of any experiment with this fingerprint, with its experiment's name."""
+def find_done(out: Path, cfg: Dict[str, Any]) -> Optional[dict]:
+    """A finished (not shared) record of any experiment of a run of the composed config `cfg`, with its
+    experiment's name."""
     for p in sorted((Path(out) / "runs").glob("*/*.json")):
         rec = json.loads(p.read_text())
-        if rec.get("fingerprint") == fp and rec.get("status") == "done" and not rec.get("same_as"):
+        if rec.get("status") == "done" and not rec.get("same_as") and not mismatch(rec, cfg):
             return {**rec, "experiment": p.parent.name}
     return None
 
@@ -82,8 +157,8 @@ def model_cost(model: Dict[str, Any], seq_len: int) -> Tuple[int, float]:
 
 
 def summarise(run) -> Optional[dict]:
-    """What the report needs of one run dir (a study.Run): its record without the fingerprint; None if it has
-    no config.yaml yet."""
+    """What the report needs of one run dir (a study.Run): its record without its config; None if it has no
+    config.yaml yet."""
     from omegaconf import OmegaConf
 
     from kimi.metrics import read_metrics

@@ -202,15 +202,23 @@ def _composed(overrides: Tuple[str, ...]) -> Dict[str, Any]:
     from kimi.config import register_configs
 
     register_configs()
-    check_overrides(list(overrides))
-    cfg = compose(["trainer.run_dir=unused", *overrides])
+    try:
+        cfg = compose(["trainer.run_dir=unused", *overrides])
+    except Exception:  # noqa: BLE001: Hydra's multi-line report; check_overrides says it in one line
+        check_overrides(list(overrides))
+        raise
     return OmegaConf.to_container(cfg, resolve=False)
+
+
+def run_config(run: Run, user: Sequence[str]) -> Dict[str, Any]:
+    """The composed config the run trains with."""
+    values = [f"{k}={v}" for k, v in run.values.items()]
+    return arm_config(run.exp, run.arm, user, [*values, f"trainer.seed={run.seed}"])
 
 
 def run_fingerprint(run: Run, user: Sequence[str]) -> str:
     """records.fingerprint of the config the run trains with."""
-    values = [f"{k}={v}" for k, v in run.values.items()]
-    return records.fingerprint(arm_config(run.exp, run.arm, user, [*values, f"trainer.seed={run.seed}"]))
+    return records.fingerprint(run_config(run, user))
 
 
 def outcome(run: Run, out: Path, max_steps: int) -> Tuple[str, Optional[float]]:
@@ -222,11 +230,12 @@ def outcome(run: Run, out: Path, max_steps: int) -> Tuple[str, Optional[float]]:
     return st, final_val_loss(run.dir, max_steps) if st == "done" else None
 
 
-def record_run(run: Run, out: Path, fingerprint: str) -> None:
-    """Write the record of a finished (done or failed) run dir."""
+def record_run(run: Run, out: Path, cfg: Dict[str, Any]) -> None:
+    """Write the record of a finished (done or failed) run dir trained with the composed config `cfg`."""
     info = records.summarise(run)
     if info is not None:
-        records.write(out, run.exp.name, {**info, "fingerprint": fingerprint})
+        records.write(out, run.exp.name, {**info, "fingerprint": records.fingerprint(cfg),
+                                          "config": records.training_config(cfg)})
 
 
 def check_factor_kept(exp: Experiment, configs: Dict[str, Dict[str, Any]], user: Sequence[str]) -> None:
@@ -324,16 +333,19 @@ def run_study(names: Sequence[str], root: Path, out: Path, seeds: Optional[Seque
             f"{' '.join(map(str, exp_seeds))}, {steps[chosen_arms[0]]} steps{swept}; runs in {root / name}")
 
         def one(run: Run, max_steps: int) -> str:
-            rec, fp = records.read(out, name, run.name), run_fingerprint(run, user)
-            if rec is not None and rec.get("fingerprint") != fp:
-                raise AblateError(f"{records.path(out, name, run.name)} records a run of another config "
-                                  "(another --steps, or other overrides after --) than this study trains: "
-                                  "give this study its own --out (and --root), or move that record away")
+            rec, cfg = records.read(out, name, run.name), run_config(run, user)
+            differ = records.mismatch(rec, cfg) if rec is not None else []
+            if differ:
+                more = f" and {len(differ) - 1} more" if len(differ) > 1 else ""
+                raise AblateError(f"{records.path(out, name, run.name)} records a run of another config than "
+                                  f"this study trains ({differ[0]}{more}; another steps=, or other overrides "
+                                  "after --?): give this study its own out= (and root=), or move that record "
+                                  "away")
             st = rec["status"] if rec else status(run.dir, max_steps)
             if rec is None and st in ("done", "failed") and not dry_run:
-                record_run(run, out, fp)  # finished before records were kept, or its record was lost
+                record_run(run, out, cfg)  # finished before records were kept, or its record was lost
             if st == "new":
-                same = records.find_done(out, fp)
+                same = records.find_done(out, cfg)
                 if same is not None:
                     counts["shared"] += 1
                     log(f"[ablate]   {run.name}: the same config and seed as {same['experiment']}/"
@@ -370,7 +382,7 @@ def run_study(names: Sequence[str], root: Path, out: Path, seeds: Optional[Seque
             code = _run_train(run, args, quiet)
             took = time.perf_counter() - t0
             if code in (0, 1, 2):
-                record_run(run, out, fp)
+                record_run(run, out, cfg)
             if code == 0:
                 counts["trained"] += 1
                 log(f"[ablate]   {run.name}: done in {took:.0f} s")
