@@ -25,8 +25,9 @@
 # Sizes measured for torch 2.13.0, Python 3.11, x86-64 Linux: docs/environment.md.
 #
 # GPU check (bench/gpu_check.py; results in bench/results/gpu, or --out DIR):
-#   make gpu-check                            every GPU check, about 23 minutes on one CUDA GPU
-#   make gpu-check GPU_CHECK_ARGS=--dry-run   the same code on CPU at tiny sizes (about a minute)
+#   make gpu-check                            the GPU checks in priority order, one call of at most 8 minutes
+#   make gpu-check GPU_CHECK_ARGS=--plan      the order, each step's cap and predicted seconds; runs nothing
+#   make gpu-check GPU_CHECK_ARGS=--dry-run   the same code on CPU at tiny sizes (about two minutes)
 #   make gpu-wheels                           downloads into .whl/ the wheels a GPU machine's python3 lacks
 # gpu-check runs GPU_PYTHON: the .venv's python where there is one, else python3 (a GPU machine whose
 # python3 has torch and triton). When that python lacks hydra, omegaconf, datasets or fla-core and .whl/

@@ -10,6 +10,8 @@ lengths, with fixed tiles; --check-only stops there (about a minute, mostly comp
 On CPU timing means nothing: it runs a correctness spot-check under the Triton interpreter instead.
 --dry-run runs the GPU code (check and timing) on CPU, interpreted, on tiny check cases and whatever sizes
 are given: plumbing, not measurements (bench/gpu_check.py --dry-run). --skip-check times without checking.
+--auto reports what model.attention_backend=auto picks at each shape, with the two backends' times as
+its own timing measured them (bench/gpu_check.py's attention_auto step).
 --compile-check (no GPU needed) compiles every kernel and tile candidate for sm_90 (--arch 90, default),
 sm_80 (--arch 80) or both (--arch all) with triton's ptxas and reports registers, spills and shared memory
 (attention_sm90_compile.json, attention_sm80_compile.json); bench/compile_check.py does the compiling.
@@ -208,6 +210,27 @@ def gpu_bench(args, device="cuda", done=lambda rows: None) -> dict:
                 rows=rows)
 
 
+def auto_picks(args, device: str, done=lambda rows: None) -> list[dict]:
+    """What model.attention_backend=auto picks at each shape (causal, with QK-Clip's max logits, bf16, B =
+    tokens // T): kimi.ops.attention.auto's own timing of both backends, forward and backward, as a training
+    run's first call of that shape makes it."""
+    from kimi.ops.attention import auto
+
+    rows = []
+    for T, dims in itertools.product(args.T, args.dims):
+        dqk, dv = map(int, dims.split("/"))
+        B = max(1, args.tokens // T)
+        q, k, v = make_inputs(B, T, args.heads, dqk, dv, torch.bfloat16, device)
+        auto.reset()
+        t0 = time.perf_counter()
+        choice = auto.choose(q, k, v, True, dqk**-0.5, None, True, None)
+        (times,) = auto.TIMINGS.values()
+        rows.append({"T": T, "B": B, "dims": dims, "choice": choice, "seconds": time.perf_counter() - t0,
+                     **{f"{name}_fwdbwd_ms": 1e3 * s for name, s in times.items()}})
+        done(rows)
+    return rows
+
+
 def cpu_check() -> dict:
     """Small fp32 cases through the interpreted kernels against fp64, forward and backward."""
     print("Timing needs a GPU; running a correctness spot-check of the Triton kernels under the interpreter.")
@@ -320,6 +343,8 @@ def main() -> None:
     parser.add_argument("--dims", nargs="+", default=["128/128", "192/128"], help="Dqk/Dv pairs")
     parser.add_argument("--check-only", action="store_true", help="GPU: correctness check, no timing")
     parser.add_argument("--skip-check", action="store_true", help="GPU: timing only")
+    parser.add_argument("--auto", action="store_true",
+                        help="GPU: what model.attention_backend=auto picks at each --T and --dims, no check")
     parser.add_argument("--dry-run", action="store_true",
                         help="the GPU code on CPU, interpreted, tiny check cases: plumbing only")
     parser.add_argument("--plant-failure", action="store_true", help="tests: the GPU check must fail")
@@ -351,6 +376,23 @@ def main() -> None:
         device = "cpu" if args.dry_run else "cuda"
         name = "CPU (dry run, Triton interpreted)" if args.dry_run else torch.cuda.get_device_name()
         result = dict(device=name, torch=torch.__version__, triton=triton.__version__)
+        if args.auto:
+            path = args.out or RESULTS / "attention_auto.json"
+
+            def save(rows, complete=False):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(dict(result, heads=args.heads, tokens=args.tokens, rows=rows,
+                                                complete=complete), indent=2) + "\n")
+
+            rows = auto_picks(args, device, save)
+            save(rows, complete=True)
+            print("| T | B | Dqk/Dv | picks | triton fwd+bwd | SDPA path fwd+bwd |\n"
+                  "|---|---|---|---|---|---|")
+            for r in rows:
+                print(f"| {r['T']} | {r['B']} | {r['dims']} | {r['choice']} | "
+                      f"{r.get('triton_fwdbwd_ms', 0):.3f} ms | {r.get('sdpa_fwdbwd_ms', 0):.3f} ms |")
+            print(f"wrote {path}")
+            return
         if not args.skip_check:
             checks = gpu_check(device=device, cases=DRY_CHECKS if args.dry_run else GPU_CHECKS,
                                plant=args.plant_failure)

@@ -1,34 +1,42 @@
-"""`make gpu-check`: every GPU check of this repository in one command, on one CUDA GPU, offline, in about 17
-minutes from a cold Triton cache (9 of them the fp8 step's; --steps takes a subset).
+"""`make gpu-check`: the GPU checks of this repository, on one CUDA GPU, offline, as one device call of at
+most 8 minutes from cold caches: the steps in priority order, each under its own cap, each writing its
+results as soon as it ends (a call cut short still returns every finished step).
 
-Eight steps, each a subprocess with its own time budget, so a step that hangs or crashes loses only itself:
+The default plan (PLAN; `--plan` prints it with each step's cap and predicted seconds, running nothing):
 
-  1 kda_check        bench/kda.py --check: every KDA Triton op vs the PyTorch path and fp64 (fp32, bf16)
-  2 attention_check  bench/attention.py --check-only: the flash-attention kernels vs fp32
-  3 kda_speed        bench/kda.py: ours vs fla-core's chunk_kda / fused_recurrent_kda and SDPA, bf16,
-                     T = 4k..64k at 64k tokens, H = 32, d = 128: TFLOP/s, ratios, decoding, and our
-                     kernels' bounded form against their general one on Kimi K3's safe-gate inputs
-  4 attention_speed  bench/attention.py --skip-check: vs SDPA's flash backend, max logits, atomic dQ
-  5 optim            bench/optim.py --device cuda: optimizer.step() of MuonClip vs torch.optim.Muon + AdamW
-  6 train            bench/parallel.py --layouts single: 20 bf16 steps of model=small and model=1b with
-                     parallel.compile=true on a corpus made of this repository's text: tokens/s, MFU, memory,
-                     the losses, the dtypes reaching the KDA kernels, any fallback to PyTorch, and (small)
-                     the costliest CUDA kernels of one profiled step
-  7 train_fp8        bench/parallel.py --layouts bf16 fp8_tensorwise fp8_rowwise: 10 steps of small and 1b
-                     (compiled) in bf16 and with trainer.precision=fp8 (both recipes) in the same run: tokens/s
-                     and MFU (against the bf16 peak) of each, fp8's ratio to bf16, the losses
-  8 peer             bench/peer.py --titan: 1b, its dense peer dense_1b and torchtitan's trainer on a Llama of
-                     dense_1b's shape, compiled bf16, 4 x 4096 tokens per step: tokens/s, MFU, memory, ratios
+  1 kda_check        bench/kda.py --check: every KDA Triton op vs the PyTorch path and fp64 in bf16 at 1b's
+                     heads (16 x 128) on packed documents, and fla-core's chunk_kda on the same cases
+  2 train            bench/parallel.py --layouts single --profile: 1b, 4 x 4096 tokens, compiled bf16 (the
+                     settings expected to be fastest): tokens/s, MFU, peak memory, the losses, the dtypes
+                     reaching the KDA kernels, any fallback to PyTorch, and one profiled step: its costliest
+                     kernels, the GPU's busy time against the step's (the share spent waiting on the host),
+                     kernels launched and aten ops dispatched
+  3 peer             bench/peer.py --titan: torchtitan's trainer on a Llama of dense_1b's shape and dense_1b,
+                     same tokens, steps and settings, beside train's 1b row (reused, not trained again)
+  4 attention_auto   bench/attention.py --auto: what model.attention_backend=auto picks at 1b's MLA shape and
+                     Kimi Linear's, 4k-16k tokens per row, with its timing of both backends
+  5 train_fp8        bench/parallel.py --layouts fp8_rowwise: 1b with trainer.precision=fp8, against train's
+                     bf16 row
 
-After each step it writes <out>/<step>.json (status, seconds, commands, each command's log tail and its own
-JSON under runs.<name>.result) and <out>/summary.md (the table so far); all output goes to
-<out>/gpu_check.log: 9 files, what the device tool brings back from $OUT. At the end it prints one markdown
-table (summary.md, ready for the README) and exits 1 if a check failed, a step crashed or ran out of time.
-Each step's sizes are in SIZES below; --step-args NAME="..." appends to a step's arguments (the scripts take
-the last value of a repeated option), e.g. --step-args kda_speed="--T 4096 8192" to shrink one.
+More steps, for a second call (`--steps NAME ...`; `--steps all` for every one):
 
-On the GPU machine python3 lacks hydra-core, omegaconf, datasets and fla-core: `make gpu-wheels` (here, where
-pip can download) puts their wheels in .whl/, and a device session carries .whl and runs
+  attention_check    bench/attention.py --check-only: the flash-attention kernels vs fp32
+  kda_speed          bench/kda.py: ours vs fla-core's chunk_kda / fused_recurrent_kda and SDPA, bf16,
+                     T = 4k..64k at 64k tokens, H = 32, d = 128, decoding, the bounded safe-gate form
+  attention_speed    bench/attention.py --skip-check: vs SDPA's flash backend, max logits, atomic dQ
+  optim              bench/optim.py --device cuda: optimizer.step() of MuonClip vs torch.optim.Muon + AdamW
+
+Each step is a subprocess that gets its cap (STEPS) or what is left of --total, whichever is less; a step that
+hangs or crashes loses only itself. After each one it writes <out>/<step>.json (status, seconds, commands,
+each command's log tail and its own JSON under runs.<name>.result) and <out>/summary.md (the table so far);
+all output goes to <out>/gpu_check.log: the plan's 7 files, within what the device tool brings back (8). At
+the end it prints one markdown table (summary.md) and exits 1 if a check failed, a step crashed or ran out
+of time. Each step's sizes are in SIZES and TRAIN below; --step-args NAME="..." appends to a step's arguments
+(the scripts take the last value of a repeated option), e.g. --step-args train_fp8="--layouts bf16
+fp8_tensorwise fp8_rowwise".
+
+On the GPU machine python3 lacks hydra-core, omegaconf, datasets, fla-core and torchtitan: `make gpu-wheels`
+(here, where pip can download) puts their wheels in .whl/, and a device session carries .whl and runs
 
     make gpu-check GPU_CHECK_ARGS="--out $OUT"        (the device tool's run: carry [".whl"], timeout_s 600)
 
@@ -38,15 +46,15 @@ make, the same is
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/kimi-site .whl/*.whl
     PYTHONPATH=$PWD:/tmp/kimi-site python3 bench/gpu_check.py --out $OUT
 
-    python bench/gpu_check.py [--out DIR] [--steps NAME ...] [--budget NAME=SECONDS ...] [--total SECONDS]
-                              [--step-args NAME="ARGS" ...] [--verbose]
-    python bench/gpu_check.py --dry-run [--out DIR]
+    python bench/gpu_check.py [--out DIR] [--steps NAME ... | all] [--budget NAME=SECONDS ...]
+                              [--total SECONDS] [--step-args NAME="ARGS" ...] [--verbose] [--plan]
+    python bench/gpu_check.py --dry-run [--out DIR] [--steps ...]
 
---dry-run runs every step's code on CPU at tiny sizes (Triton interpreted, fla-core left out, the tiny model
-without torch.compile instead of small and 1b, two steps), so a plumbing bug shows without a GPU; it writes
-to a new temporary directory unless --out is given (tests/test_gpu_check.py). For those tests,
---plant-failure NAME perturbs a check step's result (and crashes any other step) and --plant-hang NAME makes
-a step hang until its budget ends.
+--dry-run runs the steps' code on CPU at tiny sizes (Triton interpreted, fla-core left out, the tiny model
+without torch.compile instead of 1b, two steps), each step with DRY_CAP seconds, so a plumbing bug shows
+without a GPU; it writes to a new temporary directory unless --out is given (tests/test_gpu_check.py). For
+those tests, --plant-failure NAME perturbs a check step's result (and crashes any other step) and
+--plant-hang NAME makes a step hang until its cap ends.
 """
 
 from __future__ import annotations
@@ -74,36 +82,70 @@ CHECK_STEPS = ("kda_check", "attention_check")  # whose results --plant-failure 
 PLANTED_CRASH = "raise SystemExit('planted failure (--plant-failure)')"
 PLANTED_HANG = "import time; print('planted hang (--plant-hang)', flush=True); time.sleep(3600)"
 
-# name: (what it measures, budget in seconds on the GPU from cold caches)
+# name: (what it measures, its cap in seconds on the GPU from cold caches). The first five are the default
+# plan, in priority order: one device call of at most 480 s (the device's 15 minutes hold its start-up and one
+# such call with room to rerun part of it); the rest are for a second call (--steps ...).
 STEPS = {
-    "kda_check": ("KDA Triton ops vs PyTorch and fp64", 150),
+    "kda_check": ("bf16 KDA Triton ops and fla-core's chunk_kda vs fp64 at 1b's heads", 60),
+    "train": ("1b training, compiled bf16: tokens/s, MFU, memory, a profiled step", 150),
+    "peer": ("torchtitan's Llama and dense_1b beside train's 1b", 180),
+    "attention_auto": ("what model.attention_backend=auto picks per shape", 30),
+    "train_fp8": ("1b with fp8 (rowwise) against train's bf16", 110),
     "attention_check": ("flash attention vs fp32", 120),
     "kda_speed": ("KDA vs fla-core and SDPA", 150),
     "attention_speed": ("flash attention vs SDPA", 120),
     "optim": ("optimizer step", 90),
-    "train": ("training on one GPU", 300),
-    "train_fp8": ("fp8 training vs bf16 on one GPU", 540),
-    "peer": ("1b against its dense peer dense_1b and torchtitan's Llama of that shape on one GPU", 480),
+}
+PLAN = ("kda_check", "train", "peer", "attention_auto", "train_fp8")
+TOTAL = 470  # seconds for the default plan's steps; the Makefile's wheel install and start make up the 480
+# a dry run interprets the kernels on a CPU: every step gets DRY_CAP seconds, all of them DRY_TOTAL
+DRY_CAP, DRY_TOTAL = 600, 3600
+# What each step is predicted to take on an H200 from cold caches (--plan prints them), and on what that
+# rests: the 2026-11-30 run's seconds where it ran the same work, else an estimate from its parts.
+PREDICTED = {
+    "kda_check": (45, "2026-11-30: 41 s for fp32 + bf16 at H=4; now bf16 at H=16 plus fla-core's chunk_kda, "
+                      "its autotuning included (estimate)"),
+    "train": (110, "2026-11-30: 1b's command took 127 s for 2 + 20 steps of 2.01 s: 82 s of start and "
+                   "compile, then 2 + 10 timed + 1 profiled steps at 2.01 s"),
+    "peer": (172, "no GPU run yet: dense_1b's start and compile as 1b's (82 s), then 12 steps of ~0.3 s (its "
+                  "FLOPs for 4 x 4096 tokens at 40% MFU), and torchtitan the same again (estimate); 1b is "
+                  "train's row"),
+    "attention_auto": (25, "2026-11-30's attention_speed: 76 s for 6 shapes of 5 timings each and their "
+                           "compilation; auto times 6 shapes with 7 calls of both backends (estimate)"),
+    "train_fp8": (95, "1b's start and compile with fp8 (82 s, as train's) and 2 + 5 timed steps at 2.01 s "
+                      "(estimate)"),
+    "attention_check": (47, "2026-11-30: 47 s"),
+    "kda_speed": (120, "2026-11-30: crashed after 21 s; a cold compile of every kernel plus fla-core's "
+                       "autotuning (estimate)"),
+    "attention_speed": (76, "2026-11-30: 76 s"),
+    "optim": (16, "2026-11-30: 16 s"),
 }
 # Each step's size arguments: (on the GPU, in a dry run). The dry run's are tiny because the interpreter
 # runs each program of a kernel in Python; fla-core is left out there (not written for the interpreter).
+# kda_check: 1b's KDA heads (16 of dimension 128), bf16 as the model trains.
 SIZES = {
-    "kda_check": ("--check-docs 100 1 199 137 63 --check-heads 4 --check-dim 128",
-                  "--dry-run --check-docs 5 1 70 --check-heads 1 --check-dim 16"),
+    "kda_check": ("--check-dtypes bfloat16 --check-fla --check-docs 100 1 199 137 63 --check-heads 16 "
+                  "--check-dim 128",
+                  "--dry-run --check-dtypes bfloat16 --check-fla --check-docs 5 1 70 --check-heads 1 "
+                  "--check-dim 16"),
     "attention_check": ("", "--dry-run"),  # cases: bench/attention.py's GPU_CHECKS (DRY_CHECKS in a dry run)
     "kda_speed": ("--T 4096 8192 16384 32768 65536 --tokens 65536 --heads 32 --dim 128",
                   "--dry-run --T 64 --tokens 64 --heads 1 --dim 16"),
+    # 1b's MLA (16 heads, 128/128) at 4k to 16k tokens per row, and Kimi Linear's 192/128 heads
+    "attention_auto": ("--T 4096 8192 16384 --tokens 16384 --heads 16 --dims 128/128 192/128",
+                       "--dry-run --T 64 --tokens 64 --heads 1 --dims 48/32"),
     "attention_speed": ("--T 4096 8192 16384 --tokens 16384 --heads 16 --dims 128/128 192/128",
                         "--dry-run --T 64 --tokens 64 --heads 1 --dims 48/32"),
     "optim": ("--device cuda --models 1b --repeats 5", "--device cpu --models tiny --repeats 1"),
 }
 # train: model -> (sequences per step, timed steps, seq_len); the presets' 32k vocabulary (the tokenizer
-# trained on this repository's ~1 MB of text has 4096 pieces)
-TRAIN = {"small": (8, 20, 2048), "1b": (4, 20, 4096)}
+# trained on this repository's ~1 MB of text has 4096 pieces). The peer step trains with the same sizes, so
+# it takes train's 1b row instead of training it again.
+TRAIN = {"1b": (4, 10, 4096)}
 TRAIN_DRY = {"tiny": (4, 2, 64)}
-TRAIN_FP8 = {"small": (8, 10, 2048), "1b": (4, 10, 4096)}
+TRAIN_FP8 = {"1b": (4, 5, 4096)}
 # peer: (sequences per step, timed steps, seq_len), and the dry run's dense stand-in: tiny made dense
-PEER, PEER_DRY = (4, 10, 4096), (4, 2, 64)
+PEER, PEER_DRY = TRAIN["1b"], TRAIN_DRY["tiny"]
 DENSE_TINY = ["--dense-set", "model.layer_pattern=A", "model.residual=standard", "model.attn_num_heads=2"]
 
 
@@ -119,22 +161,26 @@ def training_set(ctx: "Context", seq: int, *extra: str) -> list[str]:
 def commands(step: str, ctx: "Context") -> list[tuple[str, list[str]]]:
     """(name, arguments after `python bench/`) of each command of a step."""
     if step in ("train", "train_fp8"):
-        fp8 = step == "train_fp8"  # the precisions are layouts there (bench/parallel.py's PRECISION_LAYOUTS)
-        layouts = ["bf16", "fp8_tensorwise", "fp8_rowwise"] if fp8 else ["single"]
+        # fp8: its recipes are layouts (bench/parallel.py's PRECISION_LAYOUTS), against train's bf16 row;
+        # --step-args train_fp8="--layouts bf16 fp8_tensorwise fp8_rowwise" measures all three in one run
+        fp8 = step == "train_fp8"
         sizes = TRAIN_DRY if ctx.dry else TRAIN_FP8 if fp8 else TRAIN
+        layouts = ["fp8_rowwise"] if fp8 else ["single"]
         return [(model, ["parallel.py", "--layouts", *layouts, "--model", model, "--batch", str(batch),
                          "--steps", str(steps), *([] if fp8 else ["--profile"]),
                          *training_set(ctx, seq, *([] if fp8 else ["trainer.precision=bf16"]))])
                 for model, (batch, steps, seq) in sizes.items()]
     if step == "peer":
         batch, steps, seq = PEER_DRY if ctx.dry else PEER
-        models = ["--kimi", "tiny", "--dense", "tiny", *DENSE_TINY] if ctx.dry else ["--kimi", "1b", "--dense",
-                                                                                      "dense_1b"]
+        kimi = "tiny" if ctx.dry else "1b"
+        models = ["--kimi", kimi, "--dense", "tiny", *DENSE_TINY] if ctx.dry else ["--kimi", kimi, "--dense",
+                                                                                   "dense_1b"]
         return [("peer", ["peer.py", *models, "--titan", "--batch", str(batch), "--steps", str(steps),
+                          "--kimi-result", str(ctx.tmp / f"train.{kimi}.json"),
                           *training_set(ctx, seq, "trainer.precision=bf16")])]
     script = {"kda_check": "kda.py --check", "attention_check": "attention.py --check-only",
               "kda_speed": "kda.py --no-self-check", "attention_speed": "attention.py --skip-check",
-              "optim": "optim.py --ranks 0"}[step]
+              "attention_auto": "attention.py --auto", "optim": "optim.py --ranks 0"}[step]
     return [(script.split(".")[0], [*script.split(), *SIZES[step][ctx.dry].split()])]
 
 
@@ -167,20 +213,28 @@ class Context:
 # Each returns (rows of (what, result) for the table, failures) from one command's JSON.
 
 
-def kda_check_rows(r: dict):
+def kda_check_rows(r: dict, done: dict):
     rows, failures = [], []
-    for dtype in ("float32", "bfloat16"):
-        mine = [x for x in r["rows"] if x["dtype"] == dtype]
+    for dtype in sorted({x["dtype"] for x in r["rows"]}, reverse=True):  # float32 first
+        mine = [x for x in r["rows"] if x["dtype"] == dtype and x.get("ours", True)]
         cells = [f"{x['op']} " + ("error" if "error" in x else f"{x['max_vs_fp64']:.1e}") for x in mine]
         rows.append((f"KDA Triton vs fp64, {dtype}: H={r['H']} d={r['d']}, packed docs {r['docs']}",
                      ", ".join(cells) + f" (max rel. error; pass < {mine[0]['tol']:.0e})"))
         failures += [f"{x['what']} ({dtype}): " + (x["error"] if "error" in x else
                      f"{x['worst']} {x['max_vs_fp64']:.1e} from fp64 (pass < {x['tol']:.0e}), PyTorch path "
                      f"{max(x['torch_vs_fp64'].values()):.1e}") for x in mine if not x["ok"]]
+        theirs = [x for x in r["rows"] if x["dtype"] == dtype and not x.get("ours", True)]
+        if theirs:  # reported, not failing the check: a fault of fla-core's is theirs to fix
+            rows.append((f"{r['fla']} chunk_kda vs fp64, {dtype}, the same cases",
+                         ", ".join(f"{x['op']} " + (f"error: {x['error'][:80]}" if "error" in x else
+                                                     f"{x['max_vs_fp64']:.1e}" + ("" if x["ok"] else " over"))
+                                   for x in theirs)))
+    if not any(not x.get("ours", True) for x in r["rows"]):
+        rows.append(("fla-core", r.get("fla", "not checked")))
     return rows, failures
 
 
-def attention_check_rows(r: dict):
+def attention_check_rows(r: dict, done: dict):
     rows, failures = [], []
     keys = ("o", "lse", "max_logits", "dq", "dk", "dv")
     for dtype in sorted({x["dtype"] for x in r["checks"]}):
@@ -193,7 +247,7 @@ def attention_check_rows(r: dict):
     return rows, failures
 
 
-def kda_speed_rows(r: dict):
+def kda_speed_rows(r: dict, done: dict):
     c, rows = r["config"], []
     for x in r["rows"]:
         parts = []
@@ -218,7 +272,7 @@ def kda_speed_rows(r: dict):
     return rows, [f"{e['where']} {e['impl']}: {e['error']}" for e in r["errors"] if "fla" not in e["impl"]]
 
 
-def attention_speed_rows(r: dict):
+def attention_speed_rows(r: dict, done: dict):
     rows, failures = [], []
     for x in r["rows"]:
         fwd, both = x["triton_fwd_ms"], x["triton_fwdbwd_ms"]
@@ -238,7 +292,7 @@ def attention_speed_rows(r: dict):
     return rows, failures
 
 
-def optim_rows(r: dict):
+def optim_rows(r: dict, done: dict):
     rows = []
     for x in r["single"]:
         t = {k: v * 1e3 for k, v in x["step_s"].items()}
@@ -250,7 +304,7 @@ def optim_rows(r: dict):
     return rows, []
 
 
-def train_rows(r: dict):
+def train_rows(r: dict, done: dict):
     """A row per layout: single, and any other asked for with --step-args (kda_fla: fla-core's KDA kernels)."""
     rows, failures = [], []
     for name, (x, *_) in r["layouts"].items():
@@ -281,6 +335,10 @@ def _train_row(r: dict, x: dict, layout: str):
     extra = f"; loss {losses[0]:.3f} -> {losses[-1]:.3f}; KDA inputs {x.get('kda_dtypes') or '-'}"
     extra += roofline_note(r["model"], seq, r["batch"], x.get("device", ""))
     extra += f"; fell back to PyTorch: {x['fallbacks']}" if x.get("fallbacks") else ""
+    host = x.get("host")
+    extra += (f"; GPU busy {host['gpu_busy_ms']:.0f} ms of the {1e3 * x['step_s']:.0f} ms step "
+              f"({100 * host['gpu_idle_share']:.0f}% waiting on the host), {host['kernels']:,} kernels and "
+              f"{host['aten_ops']:,} aten ops per step" if host else "")
     top = x.get("top_kernels") or []
     extra += ("; costliest kernels: " + ", ".join(f"{k['kernel'][:40]} {k['ms']:.1f} ms" for k in top[:3])
               if top else "")
@@ -295,14 +353,19 @@ def _train_row(r: dict, x: dict, layout: str):
             f"({r['steps']} timed){extra}"), failures
 
 
-def train_fp8_rows(r: dict):
-    base = r["layouts"]["bf16"][0]
+def train_fp8_rows(r: dict, done: dict):
+    """A row per precision this run measured, each against bf16: its own bf16 layout when it ran one, else
+    train's row of the same model (same batch and length; train times more steps)."""
     seq = next(s.split("=", 1)[1] for s in r["set"] if s.startswith("trainer.seq_len="))
+    base = r["layouts"].get("bf16", [None])[0]
+    if base is None:
+        trained = done.get("train", {}).get("runs", {}).get(r["model"], {}).get("result", {})
+        base = trained.get("layouts", {}).get("single", [None])[0]
     rows, failures = [], []
-    for name in ("bf16", "fp8_tensorwise", "fp8_rowwise"):
-        x = r["layouts"][name][0]
+    for name, (x, *_) in r["layouts"].items():
         losses = x.get("losses") or [float("nan")]
-        ratio = "" if name == "bf16" else f" = {x['tokens_per_s'] / base['tokens_per_s']:.2f}x bf16"
+        ratio = ("" if name == "bf16" or base is None
+                 else f" = {x['tokens_per_s'] / base['tokens_per_s']:.2f}x bf16")
         rows.append((f"train {r['model']} {name}: {r['batch']} x {seq} tokens per step",
                      f"{x['tokens_per_s']:,.0f} tokens/s{ratio}, MFU {100 * x['mfu']:.1f}% (of the bf16 peak), "
                      f"peak memory {x['peak_mem_bytes'] / 2**30:.1f} GiB; loss {losses[0]:.3f} -> "
@@ -312,14 +375,23 @@ def train_fp8_rows(r: dict):
     return rows, failures
 
 
-def peer_rows(r: dict):
-    runs = [r[name] for name in ("titan", "dense", "kimi") if name in r]
+def attention_auto_rows(r: dict, done: dict):
+    rows = [(f"attention auto bf16 {x['dims']} T={x['T']} B={x['B']} H={r['heads']}",
+             f"picks {x['choice']}: " + ", ".join(f"{name} {x[f'{name}_fwdbwd_ms']:.2f} ms" for name in
+                                                  ("triton", "sdpa") if f"{name}_fwdbwd_ms" in x)
+             + " (forward+backward with max logits, auto's own timing)") for x in r["rows"]]
+    return rows, ([] if r.get("complete") else ["attention_auto: cut short before every shape was timed"])
+
+
+def peer_rows(r: dict, done: dict):
+    runs = [{**r[name], "role": name} for name in ("titan", "dense", "kimi") if name in r]
     seq = next(s.split("=", 1)[1] for s in r["set"] if s.startswith("trainer.seq_len="))
-    rows = [(f"peer {x['model']}: {r['batch']} x {seq} tokens per step",
+    rows = [(f"peer {x['role']} {x['model']}: {r['batch']} x {seq} tokens per step"
+             + (" (train's row)" if x.get("reused") else ""),
              f"{x['tokens_per_s']:,.0f} tokens/s, MFU {100 * x['mfu']:.1f}%, peak memory "
              f"{x['peak_mem_bytes'] / 2**30:.1f} GiB, {1e3 * x['step_s']:.0f} ms per step") for x in runs]
     for a, b in zip(runs[1:], runs):  # dense / torchtitan (the framework), kimi / dense (the blocks)
-        rows.append((f"peer {a['model']} / {b['model']}",
+        rows.append((f"peer {a['role']} / {b['role']} ({a['model']} / {b['model']})",
                      f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x tokens/s, {a['mfu'] / b['mfu']:.2f}x MFU, "
                      f"{a['peak_mem_bytes'] / b['peak_mem_bytes']:.2f}x peak memory"))
     failures = [f"peer {x['model']}: loss not finite" for x in runs
@@ -327,9 +399,11 @@ def peer_rows(r: dict):
     return rows, failures
 
 
+# each (one command's JSON, the records of the steps before) -> (rows of (what, result), failures)
 SUMMARIES = {"kda_check": kda_check_rows, "attention_check": attention_check_rows,
              "kda_speed": kda_speed_rows, "attention_speed": attention_speed_rows, "optim": optim_rows,
-             "train": train_rows, "train_fp8": train_fp8_rows, "peer": peer_rows}
+             "train": train_rows, "train_fp8": train_fp8_rows, "peer": peer_rows,
+             "attention_auto": attention_auto_rows}
 
 
 # ------------------------------------------------------------------------------------------ running them
@@ -394,9 +468,11 @@ def child_env(dry: bool, tmp: Path) -> dict:
     return env
 
 
-def run_step(step: str, index: int, args, ctx: Context, env: dict, deadline: float, log) -> dict:
-    title, budget = STEPS[step]
-    budget = args.budget.get(step, budget)
+def run_step(step: str, index: int, args, ctx: Context, env: dict, deadline: float, log,
+             done: dict | None = None) -> dict:
+    """Run a step's commands under its cap and what is left of the total; its record. done: the records of
+    the steps before (a step may read theirs: train_fp8 compares with train's bf16 row)."""
+    title, budget = STEPS[step][0], args.caps[step]
     record = {"step": step, "title": title, "budget_s": budget, "dry_run": args.dry_run, "status": "ok",
               "seconds": 0.0, "summary": [], "failures": [], "runs": {}}
     start = time.monotonic()
@@ -430,7 +506,7 @@ def run_step(step: str, index: int, args, ctx: Context, env: dict, deadline: flo
         if result is not None:  # after a timeout too: the scripts write what they measured so far
             entry["result"] = result
             try:
-                rows, failures = SUMMARIES[step](result)
+                rows, failures = SUMMARIES[step](result, done or {})
             except (KeyError, TypeError, ValueError, ZeroDivisionError, StopIteration) as exc:
                 unreadable = f"{name}: unreadable result ({type(exc).__name__}: {exc}); {_last_line(tail)}"
         if code is None:
@@ -511,11 +587,15 @@ def parse_args(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None,
                         help="results directory (default bench/results/gpu; a temporary one in a dry run)")
-    parser.add_argument("--steps", nargs="+", choices=list(STEPS), default=list(STEPS),
-                        help="a subset (run in the usual order)")
+    parser.add_argument("--steps", nargs="+", choices=[*STEPS, "all"], default=list(PLAN),
+                        help="which steps (run in the order of STEPS); default the plan: "
+                             f"{' '.join(PLAN)}; all: every step")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the steps in order with their caps and predicted seconds; run nothing")
     parser.add_argument("--dry-run", action="store_true", help="every step's code on CPU at tiny sizes")
-    parser.add_argument("--total", type=float, default=1020,
-                        help="seconds for all steps: a step gets at most what is left, then none run")
+    parser.add_argument("--total", type=float, default=None,
+                        help=f"seconds for all steps (default {TOTAL}; {DRY_TOTAL} in a dry run): a step "
+                             "gets its cap or what is left, whichever is less, then none run")
     parser.add_argument("--budget", nargs="+", default=[], metavar="NAME=SECONDS",
                         help="a step's own time limit")
     parser.add_argument("--step-args", nargs="+", default=[], metavar='NAME="ARGS"',
@@ -527,7 +607,8 @@ def parse_args(argv=None):
     parser.add_argument("--plant-hang", nargs="+", default=[], choices=list(STEPS), metavar="NAME",
                         help="tests: the step hangs until its budget ends")
     args = parser.parse_args(argv)
-    args.steps = [s for s in STEPS if s in args.steps]
+    args.steps = [s for s in STEPS if s in args.steps or "all" in args.steps]
+    args.total = args.total or (DRY_TOTAL if args.dry_run else TOTAL)
     for option in ("budget", "step_args"):
         pairs = {}
         for item in getattr(args, option):
@@ -537,11 +618,36 @@ def parse_args(argv=None):
                              f"{', '.join(STEPS)}")
             pairs[name] = float(value) if option == "budget" else value
         setattr(args, option, pairs)
+    # the caps are GPU seconds; a dry run interprets the kernels on a CPU, so each step gets DRY_CAP there
+    args.caps = {step: args.budget.get(step, DRY_CAP if args.dry_run else STEPS[step][1]) for step in STEPS}
     return args
+
+
+def plan(args) -> str:
+    """The steps in the order they run, each with its cap, the time it is predicted to take (PREDICTED)
+    and when it is predicted to end; a step predicted to need more than it gets is marked."""
+    lines = [f"gpu-check plan: {len(args.steps)} steps, at most {args.total:.0f} s in all; each step gets "
+             "its cap or what is left, whichever is less, and writes <out>/<step>.json when it ends", "",
+             "| # | step | what | cap | predicted | ends by | prediction rests on |",
+             "|---|---|---|---|---|---|---|"]
+    clock = 0.0
+    for i, step in enumerate(args.steps, 1):
+        cap, (predicted, basis) = args.caps[step], PREDICTED[step]
+        gets = max(0.0, min(cap, args.total - clock))
+        took = min(predicted, gets)
+        mark = "" if predicted <= gets else f" (CUT: needs {predicted} s, gets {gets:.0f})"
+        clock += took
+        lines.append(f"| {i} | {step} | {STEPS[step][0]} | {cap:.0f} s | {predicted} s{mark} | "
+                     f"{clock:.0f} s | {basis} |")
+    lines += ["", f"predicted: {clock:.0f} s of the {args.total:.0f} s"]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plan:
+        print(plan(args))
+        return 0
     started = time.monotonic()
     deadline = started + args.total
     out = args.out or (Path(tempfile.mkdtemp(prefix="kimi-gpu-check-dry-")) if args.dry_run
@@ -558,7 +664,7 @@ def main(argv=None) -> int:
     try:
         with open(out / LOG, "w") as log:
             for index, step in enumerate(args.steps, 1):
-                records[step] = run_step(step, index, args, ctx, env, deadline, log)
+                records[step] = run_step(step, index, args, ctx, env, deadline, log, records)
                 (out / f"{step}.json").write_text(json.dumps(records[step], indent=2) + "\n")
                 summary = table(records, args.steps, started)  # printed at the end as written here
                 (out / "summary.md").write_text(summary)

@@ -310,11 +310,12 @@ def _row(op: str, what: str, dtype, fn) -> dict:
     return row
 
 
-def _chunk_case(dtype, cu_seqlens, H: int, d: int, plant: bool, lower_bound: float | None = None):
-    """chunk_kda on packed documents with an initial state: Triton vs the PyTorch chunk path (fp32) and the
-    naive recurrence (fp64), on the same rounded inputs and output gradients; output, final state and every
-    input gradient (dh0 included). lower_bound: Kimi K3's safe-gate inputs, g = lower_bound * sigmoid(x),
-    with both chunk paths told the bound (their bounded form)."""
+def _chunk_case(dtype, cu_seqlens, H: int, d: int, plant: bool, lower_bound: float | None = None,
+                impl: str = "triton"):
+    """chunk_kda on packed documents with an initial state: Triton (impl="fla": fla-core's kernels) vs the
+    PyTorch chunk path (fp32) and the naive recurrence (fp64), on the same rounded inputs and output
+    gradients; output, final state and every input gradient (dh0 included). lower_bound: Kimi K3's safe-gate
+    inputs, g = lower_bound * sigmoid(x), with both chunk paths told the bound (their bounded form)."""
     T, N = int(cu_seqlens[-1]), len(cu_seqlens) - 1
     q, k, v, g, beta = kda_inputs(1, T, H, d, dtype, DEVICE, seed=2)
     if lower_bound is not None:
@@ -324,15 +325,15 @@ def _chunk_case(dtype, cu_seqlens, H: int, d: int, plant: bool, lower_bound: flo
     do = torch.randn(1, T, H, d, device=DEVICE, generator=gen).to(dtype)
     dht = torch.randn(N, H, d, d, device=DEVICE, generator=gen)
     out = {}
-    for backend, cast in (("triton", None), ("chunk", torch.float32), ("naive", torch.float64)):
+    for backend, cast in ((impl, None), ("chunk", torch.float32), ("naive", torch.float64)):
         leaves = [x.detach().to(cast or x.dtype).requires_grad_() for x in (q, k, v, g, beta, h0)]
         o, s = chunk_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True,
                          cu_seqlens=cu_seqlens, backend=backend, lower_bound=lower_bound)
         grads = torch.autograd.grad((o, s), leaves, (do.to(o.dtype), dht.to(s.dtype)))
         out[backend] = dict(o=o, final_state=s, **dict(zip(GRAD_NAMES, grads)))
     if plant:  # tests: a result the check must catch
-        out["triton"]["dq"] = out["triton"]["dq"] * 1.1
-    return out["triton"], out["chunk"], out["naive"]
+        out[impl]["dq"] = out[impl]["dq"] * 1.1
+    return out[impl], out["chunk"], out["naive"]
 
 
 @torch.no_grad()
@@ -380,13 +381,16 @@ def _gate_case(dtype, T: int, H: int, d: int):
     return out["triton"], out["torch"], out["fp64"]
 
 
-def kda_check(docs: list[int], H: int, d: int, plant: bool = False) -> dict:
-    """Every KDA Triton op against the PyTorch path and fp64, fp32 and bf16 inputs, on packed documents of
-    these lengths (ones of length 1 and not multiples of 64 exercise the chunk edges); g, beta and states
-    fp32, as the layer feeds them. Tests cover the kernels interpreted; on a GPU this covers them compiled."""
+def kda_check(docs: list[int], H: int, d: int, plant: bool = False,
+              dtypes: tuple[str, ...] = ("float32", "bfloat16"), fla: str = "") -> dict:
+    """Every KDA Triton op against the PyTorch path and fp64, in each of `dtypes` (q, k, v), on packed
+    documents of these lengths (ones of length 1 and not multiples of 64 exercise the chunk edges); g, beta
+    and states fp32, as the layer feeds them. Tests cover the kernels interpreted; on a GPU this covers them
+    compiled. fla: what load_fla said ("fla-core <version>" when it loaded: its chunk_kda then gets the same
+    two rows as ours, which are reported but pass or fail only fla-core, not this check)."""
     cu_seqlens = torch.tensor([0, *itertools.accumulate(docs)], device=DEVICE)
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (getattr(torch, name) for name in dtypes):
         rows.append(_row("chunk", "chunk_kda forward and backward, packed documents, initial state", dtype,
                          lambda: _chunk_case(dtype, cu_seqlens, H, d, plant)))
         rows.append(_row("chunk_safe", "chunk_kda bounded form (safe gate, lower_bound=-5), as above", dtype,
@@ -397,6 +401,11 @@ def kda_check(docs: list[int], H: int, d: int, plant: bool = False) -> dict:
                          lambda: _recurrent_case(dtype, cu_seqlens, H, d, decode=True)))
         rows.append(_row("gate", "the layer's l2norm and kda_gate kernels, forward and backward", dtype,
                          lambda: _gate_case(dtype, sum(docs), H, d)))
+        if fla.startswith("fla-core"):
+            for op, bound in (("fla_chunk", None), ("fla_chunk_safe", -5.0)):
+                row = _row(op, f"{fla} chunk_kda" + (" bounded form" if bound else "") + ", as ours", dtype,
+                           lambda: _chunk_case(dtype, cu_seqlens, H, d, False, bound, impl="fla"))
+                rows.append({**row, "ours": False})
     print(f"\nKDA Triton ops vs fp64 (and vs the PyTorch path), {device_name()}, H={H}, d={d}, "
           f"documents {docs}\n")
     print("| op | dtype | worst tensor | rel. error vs fp64 | PyTorch path vs fp64 | tolerance | ok |")
@@ -408,7 +417,8 @@ def kda_check(docs: list[int], H: int, d: int, plant: bool = False) -> dict:
         print(f"| {r['what']} | {r['dtype']} | {r['worst']} | {r['max_vs_fp64']:.1e} | "
               f"{max(r['torch_vs_fp64'].values()):.1e} | {r['tol']:.0e} | {'ok' if r['ok'] else 'FAILED'} |")
     return {"device": device_name(), "torch": torch.__version__, "H": H, "d": d, "docs": list(docs),
-            "tolerance": TOLERANCE, "planted_failure": plant, "ok": all(r["ok"] for r in rows), "rows": rows}
+            "tolerance": TOLERANCE, "planted_failure": plant, "fla": fla or "not checked",
+            "ok": all(r["ok"] for r in rows if r.get("ours", True)), "rows": rows}
 
 
 def timed(where: str, row: dict, errors: list, name: str, fn) -> None:
@@ -840,6 +850,10 @@ def main() -> None:
                         help="GPU check: lengths of the packed documents")
     parser.add_argument("--check-heads", type=int, default=4, help="GPU check: heads")
     parser.add_argument("--check-dim", type=int, default=128, help="GPU check: head dim")
+    parser.add_argument("--check-dtypes", nargs="+", default=["float32", "bfloat16"],
+                        choices=["float32", "bfloat16"], help="GPU check: input dtypes")
+    parser.add_argument("--check-fla", action="store_true",
+                        help="GPU check: fla-core's chunk_kda on the same cases (reported, not failing)")
     parser.add_argument("--no-self-check", action="store_true", help="GPU timing without the check first")
     parser.add_argument("--no-fla", action="store_true", help="GPU: leave fla-core out")
     parser.add_argument("--dry-run", action="store_true",
@@ -867,10 +881,13 @@ def main() -> None:
     elif args.check and not torch.cuda.is_available():
         raise SystemExit("--check needs a CUDA GPU (or --dry-run, which runs its code on CPU)")
     if args.check:
-        result = kda_check(args.check_docs, args.check_heads, args.check_dim, args.plant_failure)
+        fla = load_fla()[1] if args.check_fla else ""
+        result = kda_check(args.check_docs, args.check_heads, args.check_dim, args.plant_failure,
+                           tuple(args.check_dtypes), fla)
         write(args.out or RESULTS / "kda_gpu_check.json", result)
         if not result["ok"]:
-            failed = [f"{r['what']} ({r['dtype']})" for r in result["rows"] if not r["ok"]]
+            failed = [f"{r['what']} ({r['dtype']})" for r in result["rows"]
+                      if not r["ok"] and r.get("ours", True)]
             raise SystemExit(f"KDA check FAILED: {'; '.join(failed)}")
     elif args.dry_run or (torch.cuda.is_available() and not args.cpu):
         run_cuda(args)

@@ -96,23 +96,48 @@ def _kda_dtypes() -> set:
     return seen
 
 
+def _busy_us(intervals: list[tuple[int, int]]) -> int:
+    """Length of the union of [start, end) intervals: the time a device ran at least one kernel."""
+    total, end = 0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total, end = total + (b - a), b
+        elif b > end:
+            total, end = total + (b - end), b
+    return total
+
+
 def _profile(trainer, top: int = 25) -> dict:
-    """One training step under torch.profiler on CUDA: the kernels that took the most device time, and the
-    ops that allocated the most device memory (net of what they freed)."""
+    """One training step under torch.profiler on CUDA: the kernels that took the most device time, the ops
+    that allocated the most device memory (net of what they freed), and where the step's time went: the GPU's
+    busy time (the union of its kernels' intervals) against the step's wall time, the kernels launched and
+    the aten ops the host dispatched. The profiler slows the host, so the wall time set beside the busy time
+    is the unprofiled steps' (`step_s`): 1 - busy / step_s is the share of the step the GPU waited."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], profile_memory=True) as prof:
         trainer.train_step()
         torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
     events = prof.key_averages()
     busy = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]
     memory = sorted(events, key=lambda e: e.self_device_memory_usage, reverse=True)[:10]
+    every = prof.events()
+    kernels = [e for e in every if e.device_type == DeviceType.CUDA]
+    aten = [e for e in every if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
+    roots = [e for e in every if e.device_type == DeviceType.CPU and e.cpu_parent is None]
     return {"top_kernels": [{"kernel": e.key[:120], "ms": e.self_device_time_total / 1e3, "calls": e.count}
                             for e in busy if e.self_device_time_total > 0],
             "device_ms": sum(e.self_device_time_total for e in events) / 1e3,
             "memory_ops": [{"op": e.key[:120], "mib": e.self_device_memory_usage / 2**20, "calls": e.count}
-                           for e in memory if e.self_device_memory_usage > 0]}
+                           for e in memory if e.self_device_memory_usage > 0],
+            "host": {"gpu_busy_ms": _busy_us([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e3,
+                     "profiled_step_ms": 1e3 * wall, "kernels": len(kernels), "aten_ops": len(aten),
+                     # the host's top-level ops, profiled: CPU time the step spent issuing work
+                     "host_ops_ms": sum(e.time_range.elapsed_us() for e in roots) / 1e3}}
 
 
 def worker(out: Path, model: str, overrides: list[str], steps: int, profile: bool = False) -> None:
@@ -150,19 +175,21 @@ def worker(out: Path, model: str, overrides: list[str], steps: int, profile: boo
         losses.append(trainer.train_step()["loss"])
     sync()
     seconds = (time.perf_counter() - t0) / steps
-    profiled = _profile(trainer) if profile and cuda else {"top_kernels": []}
     t = cfg.trainer
     tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps * trainer.dims.dp
     peak = peak_flops(trainer.device, t.peak_flops)
     record = {"calls": dict(counter.calls), "bytes": dict(counter.bytes), "stage_sends": sent,
               "losses": losses, "fallbacks": _dispatch_state(), "kda_dtypes": sorted(kda_dtypes),
-              **profiled,
+              "top_kernels": [],
               "step_s": seconds, "tokens_per_s": tokens / seconds,
               "mfu": tokens / seconds * trainer.flops_per_token / (peak * trainer.dims.world),
               # what this rank's device allocated at most (CUDA), or the process's peak resident memory
               "peak_mem_bytes": (torch.cuda.max_memory_allocated() if cuda
                                  else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
               "device": torch.cuda.get_device_name() if cuda else "cpu"}
+    if profile and cuda:
+        record.update(_profile(trainer))
+        record["host"]["gpu_idle_share"] = max(0.0, 1 - record["host"]["gpu_busy_ms"] / (1e3 * seconds))
     everyone = [record]
     if dist.is_initialized():
         everyone = [None] * dist.get_world_size()
@@ -232,7 +259,12 @@ def main() -> None:
     if args.worker:
         return worker(args.worker, args.model, args.overrides, args.steps, args.profile)
 
-    results = {name: run_layout(name, args) for name in args.layouts}
+    results = {}
+    for name in args.layouts:  # written after each layout: a run stopped by a time limit keeps the others
+        results[name] = run_layout(name, args)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"model": args.model, "batch": args.batch, "set": args.set,
+                                        "steps": args.steps, "layouts": results}, indent=2) + "\n")
     kinds = sorted({k for ranks in results.values() for r in ranks for k in r["bytes"]})
     device = next(iter(results.values()))[0]["device"]
     settings = " ".join(args.set) or "defaults"

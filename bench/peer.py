@@ -12,10 +12,12 @@ bench/results/peer.json. MFU counts each model's own FLOPs per token (model.flop
 peer's attention is quadratic in the sequence, KDA's linear), so the two MFUs are comparable as hardware
 use and tokens/s as speed.
 
---titan adds a third row: torchtitan's own trainer (bench/titan_peer.py) on a Llama of the dense peer's
-shape, same tokens per step, steps, precision, compile and activation checkpointing. dense vs torchtitan
-measures the framework, kimi vs dense the Kimi blocks. Its MFU is put on our FLOP count (the dense peer's
-FLOPs per token; torchtitan's own, which does not halve causal attention, is kept as mfu_titan).
+--kimi-result reuses a measurement of the Kimi preset taken with the same settings (make gpu-check's train
+step), so a short GPU call trains it once. --titan adds a third row: torchtitan's own trainer
+(bench/titan_peer.py) on a Llama of the dense peer's shape, same tokens per step, steps, precision, compile
+and activation checkpointing. dense vs torchtitan measures the framework, kimi vs dense the Kimi blocks.
+Its MFU is put on our FLOP count (the dense peer's FLOPs per token; torchtitan's own, which does not halve
+causal attention, is kept as mfu_titan).
 """
 
 from __future__ import annotations
@@ -86,19 +88,46 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--titan", action="store_true", help="also train torchtitan's Llama of the dense shape")
     parser.add_argument("--titan-site", type=Path, default=None, help="where torchtitan and its packages are "
                         "installed (default: $TITAN_SITE, else .venv/titan, else importable already)")
+    parser.add_argument("--kimi-result", type=Path, default=None,
+                        help="bench/parallel.py's JSON of the Kimi preset measured with the same --batch, "
+                             "--steps and --set (gpu-check's train step): its row instead of training it "
+                             "again")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "peer.json")
     args = parser.parse_args(argv)
-    rows = {"dense": {"model": args.dense, **measure(args.dense, args, args.dense_set)},
-            "kimi": {"model": args.kimi, **measure(args.kimi, args, [])}}
+    rows: dict = {}
+
+    def save() -> None:  # after each row: a run stopped by a time limit keeps the rows it measured
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"batch": args.batch, "steps": args.steps, "set": args.set,
+                                        "dense_set": args.dense_set, **rows}, indent=2) + "\n")
+
+    reused = reuse(args)
+    rows["kimi"] = {"model": args.kimi, **(reused or measure(args.kimi, args, []))}
+    if reused:
+        rows["kimi"]["reused"] = str(args.kimi_result)
+        print(f"[peer] {args.kimi}: the row of {args.kimi_result}", flush=True)
+    save()
+    rows["dense"] = {"model": args.dense, **measure(args.dense, args, args.dense_set)}
+    save()
     if args.titan:
         rows["titan"] = titan(args, rows["dense"])
+        save()
     device = rows["kimi"]["device"]
     print(f"\n{args.batch} sequences per step, {args.steps} timed steps, {' '.join(args.set) or 'defaults'}; "
           f"{device}\n\n{table(rows)}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"batch": args.batch, "steps": args.steps, "set": args.set,
-                                    "dense_set": args.dense_set, **rows}, indent=2) + "\n")
     print(f"\nwrote {args.out}")
+
+
+def reuse(args) -> dict | None:
+    """The Kimi row of --kimi-result when it measured what this run would: the same preset, sequences per
+    step, timed steps and overrides (None when there is no such file, or it differs)."""
+    if args.kimi_result is None or not args.kimi_result.is_file():
+        return None
+    r = json.loads(args.kimi_result.read_text())
+    measured = (r.get("model"), r.get("batch"), r.get("steps"), r.get("set"))
+    same = measured == (args.kimi, args.batch, args.steps, args.set)
+    single = r.get("layouts", {}).get("single")
+    return single[0] if same and single else None
 
 
 if __name__ == "__main__":

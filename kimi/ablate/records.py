@@ -26,7 +26,8 @@ from .state import status
 _NOT_TRAINING = ("logging", "trainer.run_dir", "trainer.threads", "data.num_proc", "data.cache_dir",
                  "model.attention_backend", "model.attention_deterministic", "model.attnres_backend")
 # What the records of studies run before records kept their config hashed (kept to read those records)
-_LEGACY_NOT_TRAINING = ("logging", "trainer.run_dir", "model.attention_backend", "model.attention_deterministic")
+_LEGACY_NOT_TRAINING = ("logging", "trainer.run_dir", "model.attention_backend",
+                        "model.attention_deterministic")
 _ABSENT = object()
 
 

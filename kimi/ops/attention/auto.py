@@ -22,6 +22,7 @@ WARMUP, REPEATS = 2, 5
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 _CHOSEN: dict[tuple, str] = {}
+TIMINGS: dict[tuple, dict[str, float]] = {}  # key -> seconds of each candidate that ran and agreed
 LOG: Callable[[str], None] = lambda line: print(line, flush=True)  # noqa: E731 (tests capture it)
 # Registered by kimi.ops.attention (which imports this module, not the other way round): name -> the backend,
 # called as attention()'s (q, k, v, causal, scale, cu_seqlens, return_max_logits, atomic_dq); "sdpa" is the
@@ -35,6 +36,7 @@ def register(**candidates: Callable) -> None:
 
 def reset() -> None:
     _CHOSEN.clear()
+    TIMINGS.clear()
 
 
 def _seconds(fn: Callable[[], None], device: torch.device) -> float:
@@ -92,7 +94,7 @@ def _timed(*key) -> str:
     shape = f"B={B} Tq={Tq} Tk={Tk} H={H}/{Hkv} D={D}/{Dv} {str(dtype).removeprefix('torch.')}"
     timing = ", ".join(f"{name} {1e3 * s:.3f} ms" for name, s in times.items())
     LOG(f"[kimi] attention auto ({shape}, forward+backward): {timing} -> {choice}")
-    _CHOSEN[key] = choice
+    _CHOSEN[key], TIMINGS[key] = choice, times
     return choice
 
 
