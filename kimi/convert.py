@@ -1,7 +1,7 @@
 """Checkpoints to and from Hugging Face `transformers`' Kimi Linear (`KimiLinearForCausalLM`), and Kimi K3's layout.
 
     python -m kimi.convert to-hf run=RUN_DIR out=HF_DIR [layout=release|save_pretrained|k3] [shard_gb=5]
-                                 [mxfp4_experts=true | remote_code=true]
+                                 [mxfp4_experts=true | remote_code=true] [overwrite=true]
     python -m kimi.convert from-hf hf=HF_DIR run=RUN_DIR
 
 key=value as every kimi command; the positional form with --flags (to-hf RUN_DIR HF_DIR --layout k3 ...,
@@ -41,6 +41,11 @@ writes the run's tokenizer for `AutoTokenizer.from_pretrained(HF_DIR)` (kimi.int
 tokenizer.json, tokenizer_config.json and the run's own file), and from-hf and load_hf read such a directory
 back, bit for bit.
 
+to-hf writes into a new folder beside HF_DIR and renames it into place when complete (kimi.interop.publish):
+an HF_DIR holding files is replaced only with overwrite=true, and a failed write keeps the earlier export.
+from-hf and load_hf never import a directory's Python files, and refuse file names (an index's weight_map,
+links) that lead out of it (kimi.folders); docs/huggingface.md, "What a model folder may do".
+
 mxfp4_experts=true (for a run trained with precision.qat=mxfp4_experts) writes every routed expert's weight as
 MXFP4 (kimi/precision/mxfp4.py): NAME.weight_packed and NAME.weight_scale (uint8) in place of NAME.weight,
 and config.json's "mxfp4_experts" says so. load_hf and from-hf read them back, dequantised: the forward of
@@ -57,7 +62,7 @@ import torch
 from kimi.config import ModelConfig
 from kimi.interop.hf import LAYOUTS, NotExpressible, file_map, in_layout, model_fields, release_config
 from kimi.interop.k3 import Constant, is_k3, k3_config, k3_file_map, k3_model_fields
-from kimi.interop.remote import INDEX, is_remote, load_remote, save_remote, write_shards
+from kimi.interop.remote import is_remote, load_remote, save_remote, shard_files, write_shards
 from kimi.model import KimiModel
 
 
@@ -68,20 +73,13 @@ class _LazyTensors:
     def __init__(self, directory: Path):
         from safetensors import safe_open
 
-        index = directory / INDEX
-        files = (sorted(set(_read_json(index)["weight_map"].values())) if index.is_file()
-                 else ["model.safetensors"])
         self._where = {}
-        for name in files:
-            if not (directory / name).is_file():
-                named = f" (named by {INDEX})" if index.is_file() else ""
-                raise ValueError(f"{directory}: no {name}{named}: the weights are missing; copy or download "
-                                 "them into it")
+        for path in shard_files(directory):
             try:
-                with safe_open(directory / name, framework="pt") as f:
-                    self._where.update({key: directory / name for key in f.keys()})
+                with safe_open(path, framework="pt") as f:
+                    self._where.update({key: path for key in f.keys()})
             except Exception as e:  # safetensors' own error type: a damaged header or a short file
-                raise ValueError(f"{directory / name} is not a readable safetensors file ({e}): truncated or "
+                raise ValueError(f"{path} is not a readable safetensors file ({e}): truncated or "
                                  "damaged (an interrupted download or copy?); fetch it again") from None
 
     def get(self, names) -> tuple[str, torch.Tensor] | None:
@@ -263,28 +261,34 @@ def from_hf(hf_dir: str | Path, run_dir: str | Path) -> list[str]:
     from omegaconf import OmegaConf
 
     from kimi import checkpoint
-    from kimi.cli import RunError
+    from kimi.config import ConfigError
     from kimi.data import Tokenizer
     from kimi.data.errors import DataError
+    from kimi.folders import require_inside
 
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
     if (run_dir / "init").exists() or checkpoint.list_checkpoints(run_dir / "checkpoints"):
-        raise RunError(f"{run_dir} already holds a run or converted weights; from-hf writes a new run dir: "
-                       "choose another, or move that one aside")
+        raise ConfigError(f"{run_dir} already holds a run or converted weights; from-hf writes a new run "
+                          "dir: choose another, or move that one aside")
     model = load_hf(hf_dir)
     fields = dataclasses.asdict(model.cfg)
     extra, lines = {"source": str(hf_dir.resolve())}, []
     tokenizer = None
+    # the first of these the directory holds, whatever it is: a directory or a damaged file is reported
     found = [hf_dir / name for name in ("tiktoken.model", "tokenizer.model", "tokenizer.json")
-             if (hf_dir / name).is_file()]
+             if (hf_dir / name).exists() or (hf_dir / name).is_symlink()]
     if found:
+        require_inside(hf_dir, found[0].name, None)  # a link that leads out of it is refused
         try:
+            if not found[0].is_file():
+                what = "a directory" if found[0].is_dir() else "not a regular file"
+                raise DataError(f"it is {what}, not a tokenizer file")
             tokenizer = Tokenizer(found[0])
         except DataError as e:
             lines.append(f"[kimi] {found[0]} not copied: {e}; train with data.tokenizer.model_path=<a tokenizer>")
     if tokenizer is not None and tokenizer.vocab_size > model.cfg.vocab_size:
-        raise RunError(f"{found[0]} has {tokenizer.vocab_size} tokens, more than the model's vocabulary "
-                       f"({model.cfg.vocab_size}): it is not this model's tokenizer")
+        raise ValueError(f"{found[0]} has {tokenizer.vocab_size} tokens, more than the model's vocabulary "
+                         f"({model.cfg.vocab_size}): it is not this model's tokenizer")
     run_dir.mkdir(parents=True, exist_ok=True)
     if tokenizer is not None:
         extra["tokenizer_sha256"] = tokenizer.copy_to(run_dir / "tokenizer.model").sha256
@@ -299,33 +303,38 @@ def from_hf(hf_dir: str | Path, run_dir: str | Path) -> list[str]:
 
 
 def _to_hf(run: str, out: str, shard_gb: float, layout: str, mxfp4_experts: bool = False,
-           remote_code: bool = False) -> int:
+           remote_code: bool = False, overwrite: bool = False) -> int:
     from kimi.generate import load_from_checkpoint
 
+    from kimi.interop.publish import check_target, fresh_folder
     from kimi.interop.tokenizer_files import check_packages, write_tokenizer
 
     if remote_code and (layout != "release" or mxfp4_experts):
         raise ValueError("remote_code=true writes our own tensors and modeling code: drop layout= / mxfp4_experts=")
+    check_target(Path(out), overwrite, Path(run))  # before the checkpoint is read
     model, tokenizer, step = load_from_checkpoint(run)
     check_packages(tokenizer)
     why = "remote_code=true" if remote_code else None
-    if why is None:
-        try:
-            save_hf(model, out, int(shard_gb * 2**30), layout, mxfp4_experts)
-        except NotExpressible as e:
-            if layout != "release" or mxfp4_experts:  # those layouts are the native class's own
-                raise
-            why = f"not for KimiLinearForCausalLM ({e})"
-    if why is not None:
-        special = {f"{k}_token_id": i for k, i in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id)) if i >= 0}
-        save_remote(model, out, int(shard_gb * 2**30), special)
-        print(f"[kimi] {why}: written with its own modeling code, which transformers runs with "
-              "trust_remote_code=True")
-        layout = "remote code"
+    # written into a new folder, renamed to `out` once every file is there
+    with fresh_folder(Path(out), overwrite, Path(run)) as directory:
+        if why is None:
+            try:
+                save_hf(model, directory, int(shard_gb * 2**30), layout, mxfp4_experts)
+            except NotExpressible as e:
+                if layout != "release" or mxfp4_experts:  # those layouts are the native class's own
+                    raise
+                why = f"not for KimiLinearForCausalLM ({e})"
+        if why is not None:
+            special = {f"{k}_token_id": i for k, i in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id))
+                       if i >= 0}
+            save_remote(model, directory, int(shard_gb * 2**30), special)
+            print(f"[kimi] {why}: written with its own modeling code, which transformers runs with "
+                  "trust_remote_code=True")
+            layout = "remote code"
+        files = write_tokenizer(tokenizer, directory)
     what = ("; routed experts as MXFP4, which transformers does not read" if mxfp4_experts
             else " in Kimi K3's layout" if layout == "k3" else "" if layout == "remote code"
             else " for KimiLinearForCausalLM")
-    files = write_tokenizer(tokenizer, Path(out))
     print(f"[kimi] wrote {out} (step {step}): config.json and safetensors{what} ({layout} layout), "
           f"and the tokenizer ({', '.join(files)})")
     return 0
@@ -340,7 +349,7 @@ def _key_value(argv: list[str]) -> dict:
     if command == "to-hf":
         keys = {"run": str, "out": str, "layout": keyvalue.one_of(*sorted([*LAYOUTS, "k3"])),
                 "shard_gb": keyvalue.positive_float, "mxfp4_experts": keyvalue.boolean,
-                "remote_code": keyvalue.boolean}
+                "remote_code": keyvalue.boolean, "overwrite": keyvalue.boolean}
         required = ("run", "out")
     else:
         keys, required = {"hf": str, "run": str}, ("hf", "run")
@@ -353,34 +362,46 @@ def _key_value(argv: list[str]) -> dict:
 
 
 USAGE = {"to-hf": "to-hf run=RUN_DIR out=HF_DIR [layout=release|save_pretrained|k3] [shard_gb=5] "
-                  "[mxfp4_experts=true] [remote_code=true]",
+                  "[mxfp4_experts=true] [remote_code=true] [overwrite=true]",
          "from-hf": "from-hf hf=HF_DIR run=RUN_DIR"}
+
+
+def _run(body) -> int:
+    """body()'s exit code; a known problem is one line and the exit code kimi/cli.py gives its type (a forged
+    checkpoint 1, as everywhere), a bad source directory or argument (ValueError) 2."""
+    from kimi.cli import EXIT_BAD_INPUT, describe, exit_code_for
+
+    try:
+        return body()
+    except Exception as e:  # noqa: BLE001: anything unknown is re-raised below
+        code = exit_code_for(e)
+        if code is None and isinstance(e, ValueError):
+            code = EXIT_BAD_INPUT
+        if code is None:
+            raise
+        print(f"error: {describe(e)}", file=sys.stderr, flush=True)
+        return code
 
 
 def main(argv: list[str] | None = None) -> int:
     """The command line: key=value (USAGE), or the positional form with --flags (argparse below)."""
-    from kimi.cli import RunError
-    from kimi.config import ConfigError
-
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in USAGE and any("=" in a and not a.startswith("-") for a in argv[1:]):
-        try:
+        def body() -> int:
             args = _key_value(argv)
             if argv[0] == "from-hf":
                 print("\n".join(from_hf(args["hf"], args["run"])))
                 return 0
             return _to_hf(args["run"], args["out"], args.get("shard_gb", 5.0), args.get("layout", "release"),
-                          args.get("mxfp4_experts", False), args.get("remote_code", False))
-        except (ConfigError, NotExpressible, FileNotFoundError, ValueError, RunError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+                          args.get("mxfp4_experts", False), args.get("remote_code", False),
+                          args.get("overwrite", False))
+
+        return _run(body)
     return _flags_main(argv)
 
 
 def _flags_main(argv: list[str]) -> int:
     import argparse
-
-    from kimi.cli import RunError
 
     parser = argparse.ArgumentParser(prog="python -m kimi.convert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -398,18 +419,21 @@ def _flags_main(argv: list[str]) -> int:
     to_hf.add_argument("--remote-code", action="store_true",
                        help="our own modeling code (trust_remote_code) even where transformers' Kimi Linear "
                             "expresses the model: our forward exactly (its MLA latent norm eps is fixed)")
+    to_hf.add_argument("--overwrite", action="store_true",
+                       help="replace the export already in HF_DIR, once the new one is complete")
     from_hf_cmd = sub.add_parser("from-hf", help="a transformers directory -> a new run dir that trains from it")
     from_hf_cmd.add_argument("hf_dir")
     from_hf_cmd.add_argument("run_dir")
     args = parser.parse_args(argv)
-    try:
+
+    def body() -> int:
         if args.command == "from-hf":
             print("\n".join(from_hf(args.hf_dir, args.run_dir)))
             return 0
-        return _to_hf(args.run, args.out, args.shard_gb, args.layout, args.mxfp4_experts, args.remote_code)
-    except (NotExpressible, FileNotFoundError, ValueError, RunError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _to_hf(args.run, args.out, args.shard_gb, args.layout, args.mxfp4_experts, args.remote_code,
+                      args.overwrite)
+
+    return _run(body)
 
 
 if __name__ == "__main__":

@@ -156,7 +156,7 @@ def test_build_tasks_writes_the_shipped_files(tmp_path):
 def exported(request, tmp_path_factory, data):
     """A trained run and its transformers export (kimi.convert to-hf): Kimi-Linear-like settings, which
     transformers' KimiLinearForCausalLM runs, or the default tiny (Attention Residuals), exported with its
-    own modeling code (trust_remote_code)."""
+    own modeling code (which the hf= side runs with trust_remote_code=true)."""
     from helpers import train_run
 
     from kimi.convert import main
@@ -176,7 +176,8 @@ def test_eval_command_scores_a_run_and_its_export_alike(exported, capsys):
 
     run, hf = exported
     out = run.parent / "scores.json"
-    assert main([f"run={run}", f"hf={hf}", "limit=12", "batch_size=4", "max_length=48", f"output={out}"]) == 0
+    assert main([f"run={run}", f"hf={hf}", "trust_remote_code=true", "limit=12", "batch_size=4",
+                 "max_length=48", f"output={out}"]) == 0
     report = json.loads(out.read_text())
     assert "[kimi] step 3 checkpoint of" in capsys.readouterr().out
     ours, theirs = report["scores"], report["hf_scores"]
@@ -200,7 +201,7 @@ def test_each_request_scores_alike_in_lm_evals_hf_model(exported):
     ours = KimiLM(model, tokenizer, batch_size=4, max_length=40)
     gen = [(c, {"until": ["\n"], "max_gen_toks": 6}) for c, _ in PAIRS if c]
     with torch_kda():
-        theirs = hf_lm(str(hf), tokenizer, batch_size=1, max_length=40, device="cpu")
+        theirs = hf_lm(str(hf), tokenizer, batch_size=1, max_length=40, device="cpu", trust_remote_code=True)
         expected_ll = theirs.loglikelihood(requests("loglikelihood", PAIRS))
         expected_gen = theirs.generate_until(requests("generate_until", gen))
     got_ll = ours.loglikelihood(requests("loglikelihood", PAIRS))

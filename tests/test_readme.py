@@ -81,6 +81,8 @@ SKIPPED = {
                              "runs its CPU dry run at tiny shape)",
     "make gpu-check": "needs a CUDA GPU (its dry run is the next line)",
     "make gpu-check GPU_CHECK_ARGS=--dry-run": "tests/test_gpu_check.py runs it (about a minute)",
+    "make gpu-check GPU_CHECK_ARGS=--plan": "tests/test_gpu_check.py runs bench/gpu_check.py --plan and "
+                                            "checks its table against docs/gpu.md's",
     "make gpu-wheels": "downloads from the package index",
     ".venv/bin/python -m kimi.data.prepare data=files 'data.data_files=[corpus/*.jsonl]' data.num_proc=16":
         "needs a corpus of one's own; tests/test_prepare_cli.py runs the command on a generated corpus, then "
@@ -104,7 +106,7 @@ SKIPPED = {
         "loads it in transformers",
     ".venv/bin/python -c 'from kimi.convert import load_hf; model = load_hf('\"'\"'hf_dir'\"'\"')'":
         "a placeholder directory; tests/test_hf_interop.py loads save_pretrained's output with load_hf",
-    ".venv/bin/python -m kimi.eval run=runs/first hf=hf_first limit=50":
+    ".venv/bin/python -m kimi.eval run=runs/first hf=hf_first limit=50 trust_remote_code=true":
         "needs the run exported with kimi.convert to-hf; tests/test_eval.py runs the same command on a trained "
         "tiny run and a Kimi-Linear-like one and their exports, and compares the two sets of scores",
     ".venv/bin/python -m kimi.eval run=runs/first tasks=hellaswag,arc_easy,arc_challenge limit=500": HUB_TASKS,

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from kimi.cli import RunError
 from kimi.config import ConfigError
+from kimi.folders import inside
 
 from . import manifest
 from .background import BackgroundSave
@@ -224,10 +225,10 @@ def _metadata(path: Path):
 
 def _foreign_files(path: Path, listed: Optional[Dict[str, Any]]) -> Optional[str]:
     """What is wrong when checkpoint `path`'s metadata would read files that are not plain names in its own
-    directory (listed in its manifest, when it has one): DCP joins the names to the directory, so '../' or '/'
-    reach anywhere. None when it reads none."""
+    directory (listed in its manifest, when it has one): DCP joins the names to the directory, so '../', '/'
+    or a planted link reach anywhere (kimi.folders). None when it reads none."""
     names = {str(info.relative_path) for info in (_metadata(path).storage_data or {}).values()}
-    foreign = sorted(n for n in names if n in ("", ".", "..", COMPLETE) or "/" in n or "\\" in n
+    foreign = sorted(n for n in names if n == COMPLETE or "/" in n or "\\" in n or inside(path, n) is None
                      or (listed is not None and n not in listed))
     return f"its .metadata reads files outside its manifest ({', '.join(foreign[:3])})" if foreign else None
 

@@ -13,6 +13,8 @@ import zlib
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from kimi.folders import inside
+
 Manifest = Dict[str, Tuple[int, int]]  # file name -> (size in bytes, crc32)
 _BLOCK = 16 << 20
 
@@ -46,7 +48,9 @@ def check_files(path: Path, files: Dict[str, list], names: List[str]) -> List[st
     for name in names:
         size, crc = files[name]
         f = path / name
-        if not f.is_file():
+        if inside(path, name) is None:  # kimi.folders: '../', '/' or a link would check any file
+            problems.append(f"its marker lists {name!r}, which is not a file inside it (forged)")
+        elif not f.is_file():
             problems.append(f"{name} is missing")
         elif f.stat().st_size != size:
             problems.append(f"{name} has {f.stat().st_size} bytes, {size} were written")

@@ -32,6 +32,18 @@ def is_tokenizer_json(data: bytes) -> bool:
         return False
 
 
+def not_tokenizer_json(path: Path, data: bytes) -> str:
+    """Why file bytes that are meant as a tokenizer.json (its name, or a leading '{') are not one."""
+    try:
+        parsed = json.loads(data)
+    except ValueError as e:
+        return (f"{path} is not a tokenizer.json: it is not valid JSON ({one_line(e)}); the file is damaged "
+                "or cut short: fetch it again")
+    missing = "entry" if isinstance(parsed, dict) else "object"
+    return (f"{path} is not a tokenizer.json: it is JSON, but not the tokenizers library's format (no "
+            f"'model' {missing}); use the tokenizer.json of a release")
+
+
 def _name(value: Any) -> Optional[str]:
     return value.get("content") if isinstance(value, dict) else value
 

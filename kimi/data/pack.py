@@ -39,6 +39,7 @@ from kimi.data.shards import (FORMAT_VERSION, ShardedTokens, ShardWriter, docume
                               sha256_file, shard_path, token_dtype, write_atomic)
 from kimi.data.sources import cache_root, load_documents, source_identity
 from kimi.data.tokenizer import Tokenizer, resolve_model_path, train_tokenizer
+from kimi.folders import require_inside
 
 # Part of a trained tokenizer's identity: bump when train_tokenizer's settings change.
 TOKENIZER_RECIPE = 2
@@ -273,10 +274,12 @@ def _prepared(data_dir: Path) -> PreparedData:
     try:
         manifest = json.loads(path.read_text())
         splits = {s: manifest["splits"][s] for s in SPLITS}
-        files = {s: [data_dir / e["file"] for e in splits[s]["shards"]] for s in SPLITS}
+        names = {s: [e["file"] for e in splits[s]["shards"]] for s in SPLITS}
         sums = {s: [e["sha256"] for e in splits[s]["shards"]] for s in SPLITS}
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise DataError(f"{path} is corrupt ({type(e).__name__}: {e}); delete {data_dir} to rebuild it") from None
+    # its shards are files of its own folder: a forged name must not read any file on the machine
+    files = {s: [require_inside(data_dir, name, path, DataError) for name in names[s]] for s in SPLITS}
     tok = _cached_tokenizer(data_dir)
     if manifest.get("tokenizer", {}).get("sha256") != tok.sha256:
         raise DataError(f"the prepared data in {data_dir} was made with tokenizer "

@@ -19,7 +19,8 @@ from typing import Iterable, Iterator, List, Sequence, Union
 import sentencepiece as spm
 
 from kimi.data.sources import DataError
-from kimi.data.hf_tokenizer import FILE_NAME as TOKENIZER_JSON, HFTokenizerJSON, is_tokenizer_json
+from kimi.data.hf_tokenizer import (FILE_NAME as TOKENIZER_JSON, HFTokenizerJSON, is_tokenizer_json,
+                                   not_tokenizer_json)
 from kimi.data.tiktoken_bpe import TiktokenBPE, is_tiktoken_file
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -74,6 +75,8 @@ class Tokenizer:
             self._impl, self.kind = TiktokenBPE(self.path, data), "tiktoken"
         elif is_tokenizer_json(data):
             self._impl, self.kind = HFTokenizerJSON(self.path, data), "tokenizer.json"
+        elif self.path.suffix == ".json" or data.lstrip()[:1] == b"{":  # a sentencepiece model is neither
+            raise DataError(not_tokenizer_json(self.path, data))
         else:
             self._impl, self.kind = _SentencePiece(self.path, data), "sentencepiece"
         self.sha256 = self._impl.sha256

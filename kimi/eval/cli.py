@@ -14,13 +14,15 @@ import json
 import sys
 from pathlib import Path
 
+from kimi import keyvalue
 from kimi.cli import EXIT_OK, key_value_main
 from kimi.config import ConfigError
 from kimi.eval import harness
 from kimi.generate import UsageError, _device, _int, load_from_checkpoint, split_known
 
 USAGE = ("usage: python -m kimi.eval run=DIR [tasks=kimi_heldout] [limit=N] [num_fewshot=N] [batch_size=16] "
-         "[max_length=2048] [device=cpu] [seed=0] [output=PATH] [hf=DIR]")
+         "[max_length=2048] [device=cpu] [seed=0] [output=PATH] [hf=DIR [trust_remote_code=true "
+         "[trust_modified_code=true]]]")
 HELP = f"""{USAGE}
 
 Score the model of a run directory (its newest complete checkpoint, from any parallel layout) or of one
@@ -39,8 +41,14 @@ checkpoint directory on lm-eval-harness tasks, through lm-eval's Python API with
   output       write the scores (and the cross-check's) as JSON to this path
   hf           a directory `python -m kimi.convert to-hf` wrote from this run: also score it with lm-eval's
                hf model and the run's tokenizer, and print the largest difference
+  trust_remote_code
+               true: run the Python code of an hf= directory whose config.json has an auto_map (an export
+               with its own modeling code); without it such a directory is refused (default false)
+  trust_modified_code
+               true: also run such code when it differs from what to-hf recorded in kimi_code.json (edited,
+               added or removed files); without it such a directory is refused (default false)
 
-Exit codes: 0 done, 2 bad arguments, run directory or task name, 1 failure."""
+Exit codes: 0 done, 2 bad arguments, run directory, task name or a refused hf= directory, 1 failure."""
 
 
 def _count(key: str):
@@ -58,9 +66,19 @@ _PARSERS = {
     "seed": lambda t: _int("seed", t, 0, 2**32, "must be an integer in [0, 2**32)"),
     "output": str,
     "hf": str,
+    "trust_remote_code": lambda t: _bool("trust_remote_code", t),
+    "trust_modified_code": lambda t: _bool("trust_modified_code", t),
 }
 DEFAULTS = {"tasks": [harness.LOCAL_GROUP], "limit": None, "num_fewshot": None, "batch_size": 16,
-            "max_length": 2048, "device": "cpu", "seed": 0, "output": None, "hf": None}
+            "max_length": 2048, "device": "cpu", "seed": 0, "output": None, "hf": None,
+            "trust_remote_code": False, "trust_modified_code": False}
+
+
+def _bool(key: str, text: str) -> bool:
+    try:
+        return keyvalue.boolean(text)
+    except ValueError as e:
+        raise ConfigError(f"{key}={text!r} is invalid: {e}") from None
 
 
 def parse_args(argv: list[str]) -> dict:
@@ -76,6 +94,9 @@ def parse_args(argv: list[str]) -> dict:
         raise UsageError("run= is missing: give a run directory or a checkpoint directory")
     if not values["tasks"]:
         raise ConfigError("tasks= is empty: give task names, e.g. tasks=kimi_lastword,kimi_cloze")
+    trusting = [key for key in ("trust_remote_code", "trust_modified_code") if key in given]
+    if trusting and not values["hf"]:
+        raise UsageError(f"{trusting[0]}= is about the hf= directory's code: give hf=DIR too, or drop it")
     return values
 
 
@@ -91,6 +112,11 @@ def _evaluate(args: dict) -> int:
     run = Path(args["run"])
     if not run.is_dir():
         raise FileNotFoundError(f"run={args['run']}: no such directory (give a run or checkpoint directory)")
+    trust = {key: args[key] for key in ("trust_remote_code", "trust_modified_code")}
+    if args["hf"]:  # refused before anything is scored, not after
+        from kimi.eval.hf import check_folder
+
+        check_folder(args["hf"], **trust)
     manager = harness.task_manager(args["tasks"])
     model, tokenizer, step = load_from_checkpoint(args["run"], args["device"])
     lm = KimiLM(model, tokenizer, args["batch_size"], args["max_length"], args["seed"])
@@ -103,7 +129,7 @@ def _evaluate(args: dict) -> int:
         from kimi.eval.hf import hf_lm, torch_kda
 
         with torch_kda():
-            hf = hf_lm(args["hf"], tokenizer, args["batch_size"], args["max_length"], args["device"])
+            hf = hf_lm(args["hf"], tokenizer, args["batch_size"], args["max_length"], args["device"], **trust)
             theirs = harness.scores(harness.evaluate(hf, args["tasks"], **common))
         diff = largest_difference(ours, theirs)
         print(f"[kimi] {args['hf']} through lm-eval's hf model:\n{harness.table(theirs)}\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from pathlib import Path
 
 from kimi.config import ConfigError
@@ -58,18 +59,47 @@ def torch_kda():
             setattr(module, name, fn)
 
 
-def hf_lm(hf_dir: str, tokenizer, batch_size: int, max_length: int, device: str):
-    """lm-eval's HFLM on an exported directory (fp32). Its generation stops at the tokenizer's EOS, as ours
-    does, when the export's generation config names none. A directory whose config.json maps its own
-    modeling code (auto_map: to-hf's export of a model transformers has no class for) is loaded with that
-    code, one sequence per call."""
-    from lm_eval.models.huggingface import HFLM
-
+def read_config(hf_dir: str) -> dict:
+    """config.json of an hf= directory; one line when it has none or it does not parse."""
     config = Path(hf_dir) / "config.json"
     if not config.is_file():
         raise FileNotFoundError(f"hf={hf_dir} has no config.json: give the directory kimi.convert to-hf "
                                 "wrote")
-    remote = "auto_map" in json.loads(config.read_text())
+    try:
+        found = json.loads(config.read_text())
+    except ValueError as e:
+        raise ConfigError(f"hf={hf_dir}: {config} is not valid JSON ({e}): export the run again") from None
+    if not isinstance(found, dict):
+        raise ConfigError(f"hf={hf_dir}: {config} is not a JSON object: export the run again")
+    return found
+
+
+def check_folder(hf_dir: str, trust_remote_code: bool, trust_modified_code: bool) -> bool:
+    """Whether loading the hf= directory runs its own code (config.json's auto_map), once the keys allow it
+    (kimi.interop.trust.allow_code); weights its index names (or links) outside it are refused too
+    (kimi.folders), transformers would read them. Each refusal a one-line ConfigError, nothing imported."""
+    from kimi.interop.remote import INDEX, shard_files
+    from kimi.interop.trust import allow_code
+
+    directory = Path(hf_dir)
+    remote = allow_code(directory, read_config(hf_dir), trust_remote_code, trust_modified_code)
+    if any(os.path.lexists(directory / name) for name in (INDEX, "model.safetensors")):
+        try:
+            shard_files(directory)
+        except ValueError as e:
+            raise ConfigError(f"hf={hf_dir}: {e}") from None
+    return remote
+
+
+def hf_lm(hf_dir: str, tokenizer, batch_size: int, max_length: int, device: str,
+          trust_remote_code: bool = False, trust_modified_code: bool = False):
+    """lm-eval's HFLM on an exported directory (fp32). Its generation stops at the tokenizer's EOS, as ours
+    does, when the export's generation config names none. A directory whose config.json maps its own
+    modeling code (auto_map: to-hf's export of a model transformers has no class for) is loaded with that
+    code, one sequence per call, only as the trust keys allow (check_folder)."""
+    remote = check_folder(hf_dir, trust_remote_code, trust_modified_code)
+    from lm_eval.models.huggingface import HFLM
+
     tok = hf_tokenizer(tokenizer)
     # the exported modeling code runs rows without padding, and lm-eval pads a batch of generations
     lm = HFLM(pretrained=hf_dir, tokenizer=tok, batch_size=1 if remote else batch_size, max_length=max_length,

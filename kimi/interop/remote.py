@@ -8,7 +8,9 @@ by ``model.`` (a tied LM head is the embedding and is not stored). So
 
     AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
 
-runs our forward and our cached decoding, and load_remote reads the tensors back bit for bit.
+runs our forward and our cached decoding, and load_remote reads the tensors back bit for bit (without
+importing the directory's code). ``kimi_code.json`` records the code as written (kimi.interop.trust), so that
+loaders tell our own export apart from one whose code was changed since.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from typing import Iterable, Tuple
 import torch
 
 from kimi.config import ModelConfig
+from kimi.folders import require_inside
 from kimi.interop.remote_code import write_sources
+from kimi.interop.trust import write_record
 from kimi.model import KimiModel
 
 MODEL_TYPE = "kimi_hybrid"
@@ -81,6 +85,7 @@ def save_remote(model: KimiModel, directory: str | Path, shard_bytes: int = 5 * 
               "num_hidden_layers": cfg.num_layers, "tie_word_embeddings": cfg.tie_embeddings,
               "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), **(special_ids or {})}
     files = write_sources(directory)
+    files.append(write_record(directory, AUTO_MAP))
     stored = _stored(model)
     files += write_shards(((PREFIX + name, t.detach().cpu().contiguous()) for name, t in stored.items()),
                           directory, shard_bytes)
@@ -88,18 +93,36 @@ def save_remote(model: KimiModel, directory: str | Path, shard_bytes: int = 5 * 
     return files + ["config.json"]
 
 
+def shard_files(directory: Path) -> list[Path]:
+    """The safetensors files of a directory: those its index's weight_map names (each inside the directory,
+    kimi.folders), else model.safetensors; one-line ValueErrors for a bad index or a missing file."""
+    index = directory / INDEX
+    names = ["model.safetensors"]
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (ValueError, AttributeError) as e:
+            raise ValueError(f"{index} is not valid JSON ({e}): damaged; fetch it again") from None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map (tensor name -> file): damaged; fetch it again")
+        names = sorted(set(map(str, weight_map.values())))
+    files = []
+    for name in names:
+        path = require_inside(directory, name, index if index.is_file() else None)
+        if not path.is_file():
+            named = f" (named by {INDEX})" if index.is_file() else ""
+            raise ValueError(f"{directory}: no {name}{named}: the weights are missing; copy or download them "
+                             "into it")
+        files.append(path)
+    return files
+
+
 def _files(directory: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it."""
     from safetensors import safe_open
 
-    index = directory / INDEX
-    names = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
-             else ["model.safetensors"])
     where = {}
-    for name in names:
-        path = directory / name
-        if not path.is_file():
-            raise ValueError(f"{directory}: no {name}: the weights are missing; copy or download them into it")
+    for path in shard_files(directory):
         try:
             with safe_open(path, framework="pt") as f:
                 where.update(dict.fromkeys(f.keys(), path))
