@@ -73,15 +73,16 @@ GPU_WHEELS ?= .whl
 GPU_SITE ?= /tmp/kimi-site
 # What the GPU machine's python3 lacks (it has torch, triton, numpy, pandas, pyarrow, xxhash, fsspec,
 # huggingface_hub 1.33, einops): Hydra for the configs, datasets (kimi.data imports it) with the two of its
-# dependencies not there, and fla-core for the KDA comparison. wandb is imported only when logging to it.
+# dependencies not there, fla-core for the KDA comparison and torchao for fp8 training. wandb is imported
+# only when logging to it.
 GPU_WHEEL_SPECS ?= hydra-core==1.3.8 omegaconf==2.3.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
-                   fla-core==0.6.0 $(TITAN_SPECS)
+                   fla-core==0.6.0 torchao==0.18.0 $(TITAN_SPECS)
 # hydra 1.3 needs antlr4-python3-runtime 4.9.*, published only as a source archive: its pure-Python wheel
 # is built here
 GPU_WHEEL_BUILT ?= antlr4-python3-runtime==4.9.3
 GPU_WHEEL_TARGET := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
                     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
-GPU_NEEDS := hydra omegaconf antlr4 datasets dill multiprocess fla
+GPU_NEEDS := hydra omegaconf antlr4 datasets dill multiprocess fla torchao
 # torchtitan, the dense peer of bench/peer.py --titan (bench/titan_peer.py), and the pure-Python packages it
 # imports that torch does not bring. It pins datasets<4.8 (we use 5.2), so it is installed without its
 # dependencies into a directory of its own, never into the venv's site-packages.

@@ -5,18 +5,21 @@ results as soon as it ends (a call cut short still returns every finished step).
 The default plan (PLAN; `--plan` prints it with each step's cap and predicted seconds, running nothing):
 
   1 kda_check        bench/kda.py --check: every KDA Triton op vs the PyTorch path and fp64 in bf16 at 1b's
-                     heads (16 x 128) on packed documents, and fla-core's chunk_kda on the same cases
+                     heads (16 x 128) on packed documents (--check-fla adds fla-core's chunk_kda: 85 s more)
   2 train            bench/parallel.py --layouts single --profile: 1b, 4 x 4096 tokens, compiled bf16 (the
                      settings expected to be fastest): tokens/s, MFU, peak memory, the losses, the dtypes
                      reaching the KDA kernels, any fallback to PyTorch, and one profiled step: its costliest
                      kernels, the GPU's busy time against the step's (the share spent waiting on the host),
                      kernels launched and aten ops dispatched
   3 peer             bench/peer.py --titan: torchtitan's trainer on a Llama of dense_1b's shape and dense_1b,
-                     same tokens, steps and settings, beside train's 1b row (reused, not trained again)
+                     same tokens, steps and settings, beside train's 1b row (reused, not trained again);
+                     torchtitan is skipped, with its reason, where it does not import
   4 attention_auto   bench/attention.py --auto: what model.attention_backend=auto picks at 1b's MLA shape and
                      Kimi Linear's, 4k-16k tokens per row, with its timing of both backends
   5 train_fp8        bench/parallel.py --layouts fp8_rowwise: 1b with trainer.precision=fp8, against train's
                      bf16 row
+  6 attnres          bench/attnres.py --gpu: the fused AttnRes depth mix and pre-norm at 1b's width vs fp64,
+                     timed against the eager and compiled mixes (--fla adds fla-core's fused AttnRes)
 
 More steps, for a second call (`--steps NAME ...`; `--steps all` for every one):
 
@@ -29,7 +32,7 @@ More steps, for a second call (`--steps NAME ...`; `--steps all` for every one):
 Each step is a subprocess that gets its cap (STEPS) or what is left of --total, whichever is less; a step that
 hangs or crashes loses only itself. After each one it writes <out>/<step>.json (status, seconds, commands,
 each command's log tail and its own JSON under runs.<name>.result) and <out>/summary.md (the table so far);
-all output goes to <out>/gpu_check.log: the plan's 7 files, within what the device tool brings back (8). At
+all output goes to <out>/gpu_check.log: the plan's 8 files, all that the device tool brings back (8). At
 the end it prints one markdown table (summary.md) and exits 1 if a check failed, a step crashed or ran out
 of time. Each step's sizes are in SIZES and TRAIN below; --step-args NAME="..." appends to a step's arguments
 (the scripts take the last value of a repeated option), e.g. --step-args train_fp8="--layouts bf16
@@ -82,50 +85,50 @@ CHECK_STEPS = ("kda_check", "attention_check")  # whose results --plant-failure 
 PLANTED_CRASH = "raise SystemExit('planted failure (--plant-failure)')"
 PLANTED_HANG = "import time; print('planted hang (--plant-hang)', flush=True); time.sleep(3600)"
 
-# name: (what it measures, its cap in seconds on the GPU from cold caches). The first five are the default
-# plan, in priority order: one device call of at most 480 s (the device's 15 minutes hold its start-up and one
-# such call with room to rerun part of it); the rest are for a second call (--steps ...).
+# name: (what it measures, its cap in seconds on the GPU from cold caches). PLAN's six are the default, in
+# priority order: one device call of at most 480 s (the device's 15 minutes hold its start-up and one such
+# call with room to rerun part of it); the rest are for a second call (--steps ...).
 STEPS = {
-    "kda_check": ("bf16 KDA Triton ops and fla-core's chunk_kda vs fp64 at 1b's heads", 60),
-    "train": ("1b training, compiled bf16: tokens/s, MFU, memory, a profiled step", 150),
-    "peer": ("torchtitan's Llama and dense_1b beside train's 1b", 180),
-    "attention_auto": ("what model.attention_backend=auto picks per shape", 30),
+    "kda_check": ("bf16 KDA Triton ops vs fp64 at 1b's heads", 50),
+    "train": ("1b training, compiled bf16: tokens/s, MFU, memory, a profiled step", 140),
+    "peer": ("torchtitan's Llama and dense_1b beside train's 1b", 120),
+    "attention_auto": ("what model.attention_backend=auto picks per shape", 50),
     "train_fp8": ("1b with fp8 (rowwise) against train's bf16", 110),
+    "attnres": ("fused AttnRes depth mix vs fp64, eager and compiled at 1b's width", 40),
     "attention_check": ("flash attention vs fp32", 120),
     "kda_speed": ("KDA vs fla-core and SDPA", 150),
     "attention_speed": ("flash attention vs SDPA", 120),
     "optim": ("optimizer step", 90),
 }
-PLAN = ("kda_check", "train", "peer", "attention_auto", "train_fp8")
+PLAN = ("kda_check", "train", "peer", "attention_auto", "train_fp8", "attnres")
 TOTAL = 470  # seconds for the default plan's steps; the Makefile's wheel install and start make up the 480
 # a dry run interprets the kernels on a CPU: every step gets DRY_CAP seconds, all of them DRY_TOTAL
 DRY_CAP, DRY_TOTAL = 600, 3600
 # What each step is predicted to take on an H200 from cold caches (--plan prints them), and on what that
 # rests: the 2026-11-30 run's seconds where it ran the same work, else an estimate from its parts.
 PREDICTED = {
-    "kda_check": (45, "2026-11-30: 41 s for fp32 + bf16 at H=4; now bf16 at H=16 plus fla-core's chunk_kda, "
-                      "its autotuning included (estimate)"),
-    "train": (110, "2026-11-30: 1b's command took 127 s for 2 + 20 steps of 2.01 s: 82 s of start and "
-                   "compile, then 2 + 10 timed + 1 profiled steps at 2.01 s"),
-    "peer": (172, "no GPU run yet: dense_1b's start and compile as 1b's (82 s), then 12 steps of ~0.3 s (its "
-                  "FLOPs for 4 x 4096 tokens at 40% MFU), and torchtitan the same again (estimate); 1b is "
-                  "train's row"),
-    "attention_auto": (25, "2026-11-30's attention_speed: 76 s for 6 shapes of 5 timings each and their "
-                           "compilation; auto times 6 shapes with 7 calls of both backends (estimate)"),
-    "train_fp8": (95, "1b's start and compile with fp8 (82 s, as train's) and 2 + 5 timed steps at 2.01 s "
-                      "(estimate)"),
+    "kda_check": (30, "2026-12-04: ours done in 25 s from cold caches (fla-core's chunk_kda rows took over "
+                      "85 s more, its autotuning: --step-args kda_check=--check-fla adds them)"),
+    "train": (120, "2026-12-04: 119 s, twice (start and compile, then 2 + 10 timed + 1 profiled steps)"),
+    "peer": (95, "2026-12-04: dense_1b's command 89 s with 1b reused; torchtitan 0.3.0 does not import on "
+                 "the image's torch 2.11 (seconds to find out; where it does, as long again)"),
+    "attention_auto": (40, "2026-12-04: the first of 6 shapes (both backends compiled and timed) took most "
+                           "of 30 s; the others reuse the compiled kernels (estimate)"),
+    "train_fp8": (100, "train's 119 s (2026-12-04) less 5 of its 13 steps; the first try stopped at the "
+                       "config check: the image has no torchao, now among the wheels (estimate)"),
     "attention_check": (47, "2026-11-30: 47 s"),
     "kda_speed": (120, "2026-11-30: crashed after 21 s; a cold compile of every kernel plus fla-core's "
                        "autotuning (estimate)"),
     "attention_speed": (76, "2026-11-30: 76 s"),
     "optim": (16, "2026-11-30: 16 s"),
+    "attnres": (25, "2026-12-04: eager, compiled and fused at 2, 5 and 9 sources in about 15 s after a 5 s "
+                    "start (fla-core's fused AttnRes autotuned 40 s per shape: --step-args attnres=--fla)"),
 }
 # Each step's size arguments: (on the GPU, in a dry run). The dry run's are tiny because the interpreter
 # runs each program of a kernel in Python; fla-core is left out there (not written for the interpreter).
 # kda_check: 1b's KDA heads (16 of dimension 128), bf16 as the model trains.
 SIZES = {
-    "kda_check": ("--check-dtypes bfloat16 --check-fla --check-docs 100 1 199 137 63 --check-heads 16 "
-                  "--check-dim 128",
+    "kda_check": ("--check-dtypes bfloat16 --check-docs 100 1 199 137 63 --check-heads 16 --check-dim 128",
                   "--dry-run --check-dtypes bfloat16 --check-fla --check-docs 5 1 70 --check-heads 1 "
                   "--check-dim 16"),
     "attention_check": ("", "--dry-run"),  # cases: bench/attention.py's GPU_CHECKS (DRY_CHECKS in a dry run)
@@ -137,6 +140,8 @@ SIZES = {
     "attention_speed": ("--T 4096 8192 16384 --tokens 16384 --heads 16 --dims 128/128 192/128",
                         "--dry-run --T 64 --tokens 64 --heads 1 --dims 48/32"),
     "optim": ("--device cuda --models 1b --repeats 5", "--device cpu --models tiny --repeats 1"),
+    # 1b's width and 4 x 4096 tokens, 2 to 9 sources (its Block AttnRes mixes 1 to 9)
+    "attnres": ("--gpu --tokens 16384 --d-model 2048 --sources 2 5 9", "--gpu --dry-run --sources 2 9"),
 }
 # train: model -> (sequences per step, timed steps, seq_len); the presets' 32k vocabulary (the tokenizer
 # trained on this repository's ~1 MB of text has 4096 pieces). The peer step trains with the same sizes, so
@@ -180,7 +185,8 @@ def commands(step: str, ctx: "Context") -> list[tuple[str, list[str]]]:
                           *training_set(ctx, seq, "trainer.precision=bf16")])]
     script = {"kda_check": "kda.py --check", "attention_check": "attention.py --check-only",
               "kda_speed": "kda.py --no-self-check", "attention_speed": "attention.py --skip-check",
-              "attention_auto": "attention.py --auto", "optim": "optim.py --ranks 0"}[step]
+              "attention_auto": "attention.py --auto", "optim": "optim.py --ranks 0",
+              "attnres": "attnres.py"}[step]
     return [(script.split(".")[0], [*script.split(), *SIZES[step][ctx.dry].split()])]
 
 
@@ -394,8 +400,24 @@ def peer_rows(r: dict, done: dict):
         rows.append((f"peer {a['role']} / {b['role']} ({a['model']} / {b['model']})",
                      f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x tokens/s, {a['mfu'] / b['mfu']:.2f}x MFU, "
                      f"{a['peak_mem_bytes'] / b['peak_mem_bytes']:.2f}x peak memory"))
+    if "titan_skipped" in r:  # this machine's torch cannot run the torchtitan carried: said, not failed
+        rows.append(("peer torchtitan", f"not run: {r['titan_skipped']}"))
     failures = [f"peer {x['model']}: loss not finite" for x in runs
                 if not all(v == v and abs(v) != float("inf") for v in x.get("losses") or [float("nan")])]
+    return rows, failures
+
+
+def attnres_rows(r: dict, done: dict):
+    rows, failures = [], []
+    for x in r["rows"]:
+        e, ms = x["errors"]["fused"], x["ms"]
+        pred = "" if x["predicted_ms"] is None else f", roofline {x['predicted_ms']:.3f} ms"
+        rows.append((f"fused AttnRes + pre-norm, {x['sources']} sources, T={r['T']} d={r['D']} bf16",
+                     f"vs fp64 out {e['out']:.1e} grad {e['grad']:.1e} (pass < {x['limit']:.1e}); fwd+bwd "
+                     + ", ".join(f"{name} {t:.3f} ms" for name, t in ms.items()) + pred))
+        if not x["ok"]:
+            failures.append(f"attnres {x['sources']} sources: fused {e['out']:.1e}/{e['grad']:.1e} from fp64 "
+                            f"(pass < {x['limit']:.1e})")
     return rows, failures
 
 
@@ -403,7 +425,7 @@ def peer_rows(r: dict, done: dict):
 SUMMARIES = {"kda_check": kda_check_rows, "attention_check": attention_check_rows,
              "kda_speed": kda_speed_rows, "attention_speed": attention_speed_rows, "optim": optim_rows,
              "train": train_rows, "train_fp8": train_fp8_rows, "peer": peer_rows,
-             "attention_auto": attention_auto_rows}
+             "attention_auto": attention_auto_rows, "attnres": attnres_rows}
 
 
 # ------------------------------------------------------------------------------------------ running them

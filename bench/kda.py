@@ -319,7 +319,7 @@ def _chunk_case(dtype, cu_seqlens, H: int, d: int, plant: bool, lower_bound: flo
     T, N = int(cu_seqlens[-1]), len(cu_seqlens) - 1
     q, k, v, g, beta = kda_inputs(1, T, H, d, dtype, DEVICE, seed=2)
     if lower_bound is not None:
-        g = safe_gate(g.shape, lower_bound)
+        g = safe_gate(g.shape, lower_bound, DEVICE)
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     h0 = torch.randn(N, H, d, d, device=DEVICE, generator=gen)
     do = torch.randn(1, T, H, d, device=DEVICE, generator=gen).to(dtype)
@@ -382,30 +382,43 @@ def _gate_case(dtype, T: int, H: int, d: int):
 
 
 def kda_check(docs: list[int], H: int, d: int, plant: bool = False,
-              dtypes: tuple[str, ...] = ("float32", "bfloat16"), fla: str = "") -> dict:
+              dtypes: tuple[str, ...] = ("float32", "bfloat16"), fla: str = "",
+              done=lambda result: None) -> dict:
     """Every KDA Triton op against the PyTorch path and fp64, in each of `dtypes` (q, k, v), on packed
     documents of these lengths (ones of length 1 and not multiples of 64 exercise the chunk edges); g, beta
     and states fp32, as the layer feeds them. Tests cover the kernels interpreted; on a GPU this covers them
     compiled. fla: what load_fla said ("fla-core <version>" when it loaded: its chunk_kda then gets the same
-    two rows as ours, which are reported but pass or fail only fla-core, not this check)."""
+    two rows as ours, which are reported but pass or fail only fla-core, not this check). done(result so
+    far) after each row."""
     cu_seqlens = torch.tensor([0, *itertools.accumulate(docs)], device=DEVICE)
-    rows = []
+    rows, start = [], time.perf_counter()
+
+    def add(row: dict) -> None:  # each row as it ends: a check cut short by its cap shows how far it got
+        rows.append(row)
+        print(f"[{time.perf_counter() - start:.0f} s] {row['what']} ({row['dtype']}): "
+              + (row["error"] if "error" in row else f"{row['max_vs_fp64']:.1e} vs fp64"), flush=True)
+        done(result(rows))
+
+    def result(rows: list) -> dict:
+        return {"device": device_name(), "torch": torch.__version__, "H": H, "d": d, "docs": list(docs),
+                "tolerance": TOLERANCE, "planted_failure": plant, "fla": fla or "not checked",
+                "ok": all(r["ok"] for r in rows if r.get("ours", True)), "rows": rows}
     for dtype in (getattr(torch, name) for name in dtypes):
-        rows.append(_row("chunk", "chunk_kda forward and backward, packed documents, initial state", dtype,
+        add(_row("chunk", "chunk_kda forward and backward, packed documents, initial state", dtype,
                          lambda: _chunk_case(dtype, cu_seqlens, H, d, plant)))
-        rows.append(_row("chunk_safe", "chunk_kda bounded form (safe gate, lower_bound=-5), as above", dtype,
+        add(_row("chunk_safe", "chunk_kda bounded form (safe gate, lower_bound=-5), as above", dtype,
                          lambda: _chunk_case(dtype, cu_seqlens, H, d, False, lower_bound=-5.0)))
-        rows.append(_row("recurrent", "fused_recurrent_kda, packed documents, initial state", dtype,
+        add(_row("recurrent", "fused_recurrent_kda, packed documents, initial state", dtype,
                          lambda: _recurrent_case(dtype, cu_seqlens, H, d, decode=False)))
-        rows.append(_row("decode", "fused_recurrent_kda, one token per sequence from a state", dtype,
+        add(_row("decode", "fused_recurrent_kda, one token per sequence from a state", dtype,
                          lambda: _recurrent_case(dtype, cu_seqlens, H, d, decode=True)))
-        rows.append(_row("gate", "the layer's l2norm and kda_gate kernels, forward and backward", dtype,
+        add(_row("gate", "the layer's l2norm and kda_gate kernels, forward and backward", dtype,
                          lambda: _gate_case(dtype, sum(docs), H, d)))
         if fla.startswith("fla-core"):
             for op, bound in (("fla_chunk", None), ("fla_chunk_safe", -5.0)):
                 row = _row(op, f"{fla} chunk_kda" + (" bounded form" if bound else "") + ", as ours", dtype,
                            lambda: _chunk_case(dtype, cu_seqlens, H, d, False, bound, impl="fla"))
-                rows.append({**row, "ours": False})
+                add({**row, "ours": False})
     print(f"\nKDA Triton ops vs fp64 (and vs the PyTorch path), {device_name()}, H={H}, d={d}, "
           f"documents {docs}\n")
     print("| op | dtype | worst tensor | rel. error vs fp64 | PyTorch path vs fp64 | tolerance | ok |")
@@ -416,9 +429,7 @@ def kda_check(docs: list[int], H: int, d: int, plant: bool = False,
             continue
         print(f"| {r['what']} | {r['dtype']} | {r['worst']} | {r['max_vs_fp64']:.1e} | "
               f"{max(r['torch_vs_fp64'].values()):.1e} | {r['tol']:.0e} | {'ok' if r['ok'] else 'FAILED'} |")
-    return {"device": device_name(), "torch": torch.__version__, "H": H, "d": d, "docs": list(docs),
-            "tolerance": TOLERANCE, "planted_failure": plant, "fla": fla or "not checked",
-            "ok": all(r["ok"] for r in rows if r.get("ours", True)), "rows": rows}
+    return result(rows)
 
 
 def timed(where: str, row: dict, errors: list, name: str, fn) -> None:
@@ -882,9 +893,11 @@ def main() -> None:
         raise SystemExit("--check needs a CUDA GPU (or --dry-run, which runs its code on CPU)")
     if args.check:
         fla = load_fla()[1] if args.check_fla else ""
+        path = args.out or RESULTS / "kda_gpu_check.json"
         result = kda_check(args.check_docs, args.check_heads, args.check_dim, args.plant_failure,
-                           tuple(args.check_dtypes), fla)
-        write(args.out or RESULTS / "kda_gpu_check.json", result)
+                           tuple(args.check_dtypes), fla,
+                           lambda r: path.write_text(json.dumps(r, indent=2) + "\n"))
+        write(path, result)
         if not result["ok"]:
             failed = [f"{r['what']} ({r['dtype']})" for r in result["rows"]
                       if not r["ok"] and r.get("ours", True)]

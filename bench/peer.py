@@ -101,6 +101,13 @@ def main(argv: list[str] | None = None) -> None:
         args.out.write_text(json.dumps({"batch": args.batch, "steps": args.steps, "set": args.set,
                                         "dense_set": args.dense_set, **rows}, indent=2) + "\n")
 
+    if args.titan:  # known in seconds, before the two trainings
+        from titan_peer import unusable
+
+        reason = unusable(args.titan_site)
+        if reason:
+            print(f"[peer] torchtitan not run: {reason}", flush=True)
+            rows["titan_skipped"], args.titan = reason, False
     reused = reuse(args)
     rows["kimi"] = {"model": args.kimi, **(reused or measure(args.kimi, args, []))}
     if reused:

@@ -23,8 +23,10 @@ labels=...)):
   cores for bf16 matmuls, fp32 non-tensor peak for fp32 ones); the predicted MFU ceiling is the model's
   FLOPs (kimi.summary's count) over the peak, divided by the summed predicted time; the ten memory-bound
   op kinds that cost most are the fusion candidates.
+* host (not in the default --parts): the host side of one micro-batch, eager and compiled, next to the
+  roofline's GPU time (bench/host_audit.py says how each is measured and why its proxy is fair).
 
-    python bench/step_audit.py [--families tiny,small] [--quick] [--baseline]
+    python bench/step_audit.py [--families tiny,small] [--quick] [--baseline] [--parts ...,host]
 
 Writes bench/results/step_audit.json (--baseline: its `baseline` entry, the figures of the tree before a
 change, kept beside the current ones) and prints the tables. --quick: tiny only, short sequences.
@@ -397,10 +399,8 @@ class OpCost(TorchDispatchMode):
                                "split_with_sizes", "unbind", "reshape", "empty", "empty_like", "zeros",
                                "new_empty", "new_empty_strided", "empty_strided", "lift_fresh"):
             return out
-        if packet in self.registry:
-            flops = self.registry[packet](*args, **kwargs, out_val=out)
-        else:
-            flops = triton_op_flops(packet.__name__, args)
+        # torch's formulas and ours (kimi/ops/flops.py: the Triton KDA and attention ops, the grouped GEMM)
+        flops = self.registry[packet](*args, **kwargs, out_val=out) if packet in self.registry else 0
         tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         dtypes = {t.dtype for t in tensors if t.is_floating_point()}
@@ -412,22 +412,6 @@ class OpCost(TorchDispatchMode):
             entry[1] += flops
             entry[2] += nbytes
         return out
-
-
-def triton_op_flops(name: str, args) -> float:
-    """FLOPs of the ops torch's flop counter does not know: our Triton KDA ops, at the chunk form's count that
-    the model's FLOPs use (kimi.ops.kda.chunk.chunk_flops_per_token), the backward twice the forward; and the
-    experts' grouped GEMM, a [M, K] operand against [E, K, N] (or [K, M] against [M, N] for the weights'
-    gradient): 2 M K N however the rows split among experts."""
-    from kimi.ops.kda.chunk import chunk_flops_per_token
-
-    if name == "_grouped_mm":
-        a, b = args[0], args[1]
-        return 2 * a.shape[0] * a.shape[1] * b.shape[-1] if a.dim() == 2 else 0
-    if name not in ("kda_chunk_fwd", "kda_chunk_bwd"):
-        return 0
-    _, T, H, K = args[0].shape
-    return (1 if name == "kda_chunk_fwd" else 2) * T * H * chunk_flops_per_token(K, args[2].shape[-1])
 
 
 def _kind_of(module: str) -> str:
@@ -495,7 +479,8 @@ def audit(name: str, quick: bool, parts: set[str], modes=("none", "selective", "
     start = time.perf_counter()
     runs = {"ops": lambda: audit_ops(overrides, t1), "graphs": lambda: audit_graphs(overrides, min(t1, 128)),
             "memory": lambda: {**audit_memory(overrides, t1, t2, modes), "precision": PRECISION},
-            "roofline": lambda: audit_roofline(overrides, t_roof)}
+            "roofline": lambda: audit_roofline(overrides, t_roof),
+            "host": lambda: audit_host(name, overrides, t_roof, row)}
     for part in (p for p in runs if p in parts):
         try:
             row[part] = runs[part]()
@@ -503,6 +488,46 @@ def audit(name: str, quick: bool, parts: set[str], modes=("none", "selective", "
             row[f"{part}_error"] = f"{type(e).__name__}: {e}"[:300]
     row["seconds"] = round(time.perf_counter() - start, 1)
     return row
+
+
+def audit_host(name: str, overrides: list[str], T: int, row: dict) -> dict:
+    from host_audit import audit_host  # bench/, beside this script
+
+    return audit_host(name, overrides, T, compose, build, batch, loss_of, predicted_gpu_s(name, row))
+
+
+def predicted_gpu_s(name: str, row: dict) -> dict:
+    """{gpu: the roofline's predicted step seconds} for the host table: this run's roofline part, else the
+    one already in bench/results/step_audit.json (empty when neither has one)."""
+    roof = row.get("roofline")
+    if roof is None:
+        saved = HERE / "results" / "step_audit.json"
+        if saved.exists():
+            roof = json.loads(saved.read_text()).get("families", {}).get(name, {}).get("roofline")
+    return {gpu: x["predicted_step_s"] for gpu, x in roof["gpus"].items()} if roof else {}
+
+
+def host_report(results: dict) -> list[str]:
+    """The host table (--parts host): per family, eager on the meta device at full shape, the proxy eager
+    and compiled, and the compiled host time with its launches against the roofline's GPU time."""
+    rows = [(name, r["host"]) for name, r in results["families"].items() if "host" in r]
+    if not rows:
+        return []
+    lines = ["", "Host side of one micro-batch (one row of T tokens; bench/host_audit.py):", "",
+             "| family | T | eager ops (meta, full shape) | eager launches | eager host ms (meta) | proxy "
+             "eager ms | proxy compiled ms | compiled launches (ops + inductor kernels) | compiled regions | "
+             "compiled host ms + launches | H200 roofline ms | host / roofline | eager ops / compiled |",
+             "|" + "---|" * 13]
+    for name, h in rows:
+        e, pe, pc = h["eager_meta"], h["proxy"]["eager"], h["proxy"]["compiled"]
+        gpu = h.get("gpu_s", {}).get("H200")
+        lines.append(f"| {name} | {h['T']} | {e['ops']:,} | {e['launches']:,} | {e['host_ms']:,.0f} | "
+                     f"{pe['host_ms']:,.1f} | {pc['host_ms']:,.1f} | {pc['launches']:,} "
+                     f"({pc['dispatched']:,} + {pc['inductor_kernels']:,}) | {pc['compiled_regions']} | "
+                     f"{h['compiled_host_ms_gpu']:,.0f} | "
+                     + (f"{1e3 * gpu:,.0f} | {h['host_share']['H200']:.0%}" if gpu else "- | -")
+                     + f" | {h['ops_eager_over_compiled']:.1f}x |")
+    return lines
 
 
 def report(results: dict) -> str:
@@ -544,13 +569,15 @@ def report(results: dict) -> str:
         for x in by_module:
             lines.append(f"| {x['module']} | {x['compute_s'] * 1e3:.1f} | {x['memory_s'] * 1e3:.1f} | "
                          f"{(x['compute_s'] + x['memory_s']) / forward:.0%} |")
-    return "\n".join(lines)
+    return "\n".join(lines + host_report(results))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--parts", default="ops,graphs,memory,roofline")
+    ap.add_argument("--parts", default="ops,graphs,memory,roofline",
+                    help="any of ops, graphs, memory, roofline and host (the host side of a micro-batch: "
+                         "minutes per family, most of it compiling the proxy)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--ac", default="none,selective,full", help="activation checkpointing modes to measure")
     ap.add_argument("--memory-precision", choices=("bf16", "fp32"), default="bf16")

@@ -91,12 +91,18 @@ def titan_config():
         validator=validate.Validator.Config(enable=False), compile=CompileConfig(enable=s["compile"]))
 
 
-def child() -> None:
-    """torchtitan.train.main() behind the shims, printing each step's metrics dict as a tagged JSON line."""
-    sys.path.pop(0)
+def shims() -> None:
+    """What torchtitan imports that this torch or this machine lacks: torch.distributed.set_timeout (older
+    torch), tensorboard (not installed; the metrics go to stdout)."""
     if not hasattr(torch.distributed, "set_timeout"):
         torch.distributed.set_timeout = torch.distributed.distributed_c10d._set_pg_timeout
     sys.modules["torch.utils.tensorboard"] = types.SimpleNamespace(SummaryWriter=None)
+
+
+def child() -> None:
+    """torchtitan.train.main() behind the shims, printing each step's metrics dict as a tagged JSON line."""
+    sys.path.pop(0)
+    shims()
     if not torch.cuda.is_available():
         torch._utils._get_available_device_type = lambda: "cpu"
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -159,6 +165,28 @@ def find_site(site: Path | None) -> Path | None:
         sys.exit("torchtitan is not installed: make titan-site (it goes into .venv/titan), or name its directory "
                  "with --site / $TITAN_SITE")
     return None
+
+
+def unusable(site: Path | None) -> str | None:
+    """Why torchtitan's trainer cannot be imported with this python (None: it can), from a child process: a
+    torchtitan newer than the torch it finds fails at import (0.3.0 needs torch.distributed.fsdp's
+    DataParallelMeshDims, which torch 2.11 lacks), and that is known in seconds, not after its build."""
+    site = find_site(site)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [site and str(site.resolve()),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    probe = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import titan_peer; "
+             "titan_peer.shims(); import torchtitan.train")
+    proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    if proc.returncode == 0:
+        return None
+    last = next((line for line in reversed(proc.stderr.splitlines()) if line.strip()), "no output")
+    return f"torchtitan does not import with torch {torch_version()}: {last.strip()[:200]}"
+
+
+def torch_version() -> str:
+    from importlib.metadata import version
+
+    return version("torch")
 
 
 def run(spec: dict, site: Path | None, warmup: int, steps: int) -> dict:

@@ -36,11 +36,12 @@ from kimi.parallel.engine_rules import ENGINES
 RESIDUAL_MODES = ("standard", "attnres_full", "attnres_block")
 KDA_BACKENDS = ("auto", "torch", "triton", "fla")
 ATTENTION_BACKENDS = ("auto", "triton", "sdpa")
+ATTNRES_BACKENDS = ("torch", "compile", "triton", "fla", "auto")
 DATA_SOURCES = ("shakespeare", "hf", "files")
 DATA_FORMATS = ("text", "json", "parquet")
 OPTIMIZERS = ("adamw", "muonclip")
 SCHEDULES = ("cosine", "wsd", "constant")
-NS_DTYPES = ("fp32", "bf16")
+NS_DTYPES = ("auto", "fp32", "bf16")
 ADJUST_LR_FNS = ("match_rms_adamw", "original")
 PRECISIONS = ("fp32", "bf16", "fp8", "mxfp8")
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's recipe names
@@ -158,6 +159,11 @@ class ModelConfig:
     # A learnable weight on each depth mix's key norm (Kimi K3's AttnRes): logits w . (gamma * RMSNorm(v)).
     # The same functions as gamma * w folded into the query, but the product trains differently; off: none.
     attnres_key_weight: bool = False
+    # The depth mixes' kernels (kimi.model.attnres.depth_mix): torch = PyTorch, eager, compiled under
+    # parallel.compile=true; compile = compiled always; triton = one fused Triton kernel per mix and way,
+    # the pre-norm folded in (CUDA; on CPU only interpreted, TRITON_INTERPRET=1: tests); fla = fla-core's
+    # fused AttnRes (CUDA); auto = triton on CUDA, torch elsewhere. The same numbers up to fp32 rounding.
+    attnres_backend: str = one_of(ATTNRES_BACKENDS, "torch")
     # Multi-token prediction (DeepSeek-V3; Kimi K3 pretrains with 1): this many extra depths, depth k predicting
     # token t+k+1 (kimi/model/mtp.py), their mean loss added with this weight (DeepSeek-V3's 0.3) in training
     mtp_layers: int = 0
@@ -244,7 +250,7 @@ class OptimConfig:
     momentum: float = 0.95  # Muon momentum
     nesterov: bool = True
     ns_steps: int = 5  # Newton-Schulz iterations
-    ns_dtype: str = one_of(NS_DTYPES, "fp32")  # dtype of the Newton-Schulz matmuls (bf16 on GPU)
+    ns_dtype: str = one_of(NS_DTYPES, "auto")  # Newton-Schulz matmuls: auto = bf16 on CUDA, fp32 elsewhere
     # Muon's lr scale: match_rms_adamw (0.2 sqrt(max(A,B))) | original (sqrt(max(1,A/B)))
     adjust_lr_fn: str = one_of(ADJUST_LR_FNS, "match_rms_adamw")
     # fnmatch patterns over parameter names that force a family; null keeps the default (embed, lm_head)

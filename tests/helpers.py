@@ -82,6 +82,19 @@ def run_cfg(run: Path, data: list, *overrides: str):
                                             *overrides])
 
 
+def preset(name: str, vocab: int) -> ModelConfig:
+    """conf/model/<name>.yaml's ModelConfig, as train.py composes it, for a vocabulary of `vocab`."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from kimi.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        model = compose("config", overrides=[f"model={name}"]).model
+    return ModelConfig(**{**OmegaConf.to_container(model, resolve=True), "vocab_size": vocab})
+
+
 def fill_randomly(module, std: float, seed: int = 0):
     """Every parameter of `module` drawn anew (norm weights near 1, the rest normal(0, std)), so that gates and
     caps act when it is compared with another implementation; returns the module."""

@@ -1,6 +1,6 @@
-"""Every KDA and attention Triton kernel compiles for Hopper (sm_90) and Ampere (sm_80), without a GPU:
-bench/kda.py --compile-check and bench/attention.py --compile-check, run in a subprocess because they need
-real (not interpreted) kernels and conftest sets TRITON_INTERPRET=1.
+"""Every KDA, attention and AttnRes depth-mix Triton kernel compiles for Hopper (sm_90) and Ampere (sm_80),
+without a GPU: bench/kda.py, bench/attention.py and bench/attnres.py --compile-check, run in a subprocess
+because they need real (not interpreted) kernels and conftest sets TRITON_INTERPRET=1.
 
 Default: the --quick subset (every kernel, bf16, head dims 128; KDA's constexpr switches both ways and
 cu_seqlens int32/int64; attention's first tile candidate, causal) for both architectures: about 15 s with
@@ -94,6 +94,21 @@ def check_attention(results: list[dict]) -> None:
         assert all("error" not in r for r in result["rows"])
 
 
+def check_attnres(results: list[dict]) -> None:
+    """Both depth-mix kernels compile, and at `1b`'s mix (bf16, d_model 2048, 9 sources, the norm folded in)
+    neither spills registers."""
+    kernels, helpers = kernels_and_helpers(sorted((ROOT / "kimi/ops/attnres/triton").glob("*.py")))
+    assert set(kernels) | set(helpers) == imported_jit_functions("kimi.ops.attnres.triton")
+    for result in results:
+        assert result["kernels"] == kernels and result["helpers_inlined"] == helpers
+        assert all("error" not in r for r in result["rows"]), result["target"]
+        assert {r["kernel"] for r in result["rows"]} == set(kernels)
+        at_1b = [r for r in result["rows"]
+                 if (r["dtype"], r["D"], r["N"], r["norm"]) == ("bf16", 2048, 9, True)]
+        assert {r["kernel"] for r in at_1b} == set(kernels)
+        assert not [r["kernel"] for r in at_1b if r["spill_stores"] or r["spill_loads"]], result["target"]
+
+
 def test_narrow_half_operands_are_found():
     """The check that keeps the Hopper fault out (narrow_half_operands) sees the layout that faulted on an
     H200: state_kernel with bf16 inputs at BVS = 32; at BVS = 64 it finds none."""
@@ -116,6 +131,16 @@ def test_kda_compile_check_quick(tmp_path):
 
 def test_attention_compile_check_quick(tmp_path):
     check_attention(run_check("attention", tmp_path, quick=True))
+
+
+def test_attnres_compile_check_quick(tmp_path):
+    check_attnres(run_check("attnres", tmp_path, quick=True))
+
+
+@pytest.mark.slow
+@slow
+def test_attnres_compile_check_full(tmp_path):
+    check_attnres(run_check("attnres", tmp_path, quick=False))
 
 
 @pytest.mark.slow

@@ -12,25 +12,12 @@ import sys
 import pytest
 import torch
 
-from helpers import MIXED_TEXT, ROOT, fill_randomly, make_corpus, tiny_model_cfg, write_kimi_tiktoken
+from helpers import MIXED_TEXT, fill_randomly, make_corpus, preset, tiny_model_cfg, write_kimi_tiktoken
 
 pytestmark = pytest.mark.unit
 
 TEXTS = [MIXED_TEXT, "The king loves the crown.\nA fool fears", "[EOS] </s> <s> written as text", "",
          "  leading\twhitespace \n\n trailing   "]
-
-
-def preset(name: str, vocab: int):
-    """conf/model/<name>.yaml's ModelConfig, as train.py composes it, for a vocabulary of `vocab`."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from kimi.config import ModelConfig, register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        model = compose("config", overrides=[f"model={name}"]).model
-    return ModelConfig(**{**OmegaConf.to_container(model, resolve=True), "vocab_size": vocab})
 
 
 def make_run(directory, cfg, tokenizer):

@@ -118,7 +118,7 @@ def test_the_plan_fits_one_device_call():
     """make gpu-check's default plan: the priority order, one call of at most 480 s (the wheels' install and
     start inside it), every step predicted to end within its cap and the total, and no more files than the
     device tool brings back (8); --plan prints it and runs nothing."""
-    assert gpu_check.PLAN == ("kda_check", "train", "peer", "attention_auto", "train_fp8")
+    assert gpu_check.PLAN == ("kda_check", "train", "peer", "attention_auto", "train_fp8", "attnres")
     assert list(gpu_check.STEPS)[:len(gpu_check.PLAN)] == list(gpu_check.PLAN)
     assert gpu_check.TOTAL <= 480 - 10 and len(gpu_check.PLAN) + 2 <= 8
     args = gpu_check.parse_args([])

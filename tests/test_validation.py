@@ -91,6 +91,8 @@ IMPOSSIBLE = [
     (["model.kda_backend=cuda"], 1, "model.kda_backend"),
     (["model.attention_backend=flash"], 1, "model.attention_backend"),
     (["model.kda_backend=fla", "trainer.device=cpu"], 1, "model.kda_backend=fla"),
+    (["model.attnres_backend=fused"], 1, "model.attnres_backend"),
+    (["model.attnres_backend=fla", "trainer.device=cpu"], 1, "model.attnres_backend=fla"),
     (["optim.name=sgd"], 1, "optim.name"),
     (["optim.schedule=linear"], 1, "optim.schedule"),
     (["optim.ns_dtype=fp16"], 1, "optim.ns_dtype"),
@@ -362,6 +364,18 @@ def test_fault_tolerance_without_torchft_names_the_extra(monkeypatch):
     assert "\n" not in str(err.value)
 
 
+def test_attnres_triton_needs_cuda_or_the_interpreter(monkeypatch):
+    """model.attnres_backend=triton on a CPU run is refused in one line, unless Triton runs interpreted
+    (tests)."""
+    cfg = compose_cfg("model.attnres_backend=triton", "trainer.device=cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    validate(cfg, world=1)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ConfigError, match=r"^model.attnres_backend=triton is invalid with "
+                                          r"trainer.device=cpu.*set model.attnres_backend=auto$"):
+        validate(cfg, world=1)
+
+
 def test_world_defaults_to_world_size(monkeypatch):
     cfg = compose_cfg("parallel.dp_shard=2")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -391,7 +405,7 @@ def test_fixed_choice_keys_stay_plain_strings():
         "optim.adjust_lr_fn", "trainer.precision", "trainer.device", "logging.wandb.mode", "data.source",
         "data.format", "parallel.activation_checkpointing", "parallel.pp_schedule", "parallel.engine",
         "parallel.fault_tolerance", "precision.fp8.recipe", "precision.qat", "model.mlp_activation",
-        "model.moe_balance", "model.attention_backend"])
+        "model.moe_balance", "model.attention_backend", "model.attnres_backend"])
     assert ENGINES == ("torch", "deepspeed") and AC_MODES == ("none", "full", "selective")
     assert PP_SCHEDULES == ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
     assert SINGLE_STAGE_SCHEDULES == ("gpipe", "1f1b")

@@ -28,6 +28,9 @@ _NOT_TRAINING = ("logging", "trainer.run_dir", "trainer.threads", "data.num_proc
 # What the records of studies run before records kept their config hashed (kept to read those records)
 _LEGACY_NOT_TRAINING = ("logging", "trainer.run_dir", "model.attention_backend",
                         "model.attention_deterministic")
+# Settings that resolve by device, as the CPU the study trains on resolves them: a record of either value is
+# the same run there (optim.ns_dtype=auto became the default, fp32 on CPU, after 90 records said fp32)
+_ON_CPU = {"optim.ns_dtype": {"auto": "fp32"}}
 _ABSENT = object()
 
 
@@ -41,7 +44,12 @@ def _flat(node: Any, prefix: str = "") -> Dict[str, Any]:
 
 
 def _training(flat: Dict[str, Any]) -> Dict[str, Any]:
-    return {k: v for k, v in flat.items() if not any(k == n or k.startswith(n + ".") for n in _NOT_TRAINING)}
+    return {k: _on_cpu(k, v) for k, v in flat.items()
+            if not any(k == n or k.startswith(n + ".") for n in _NOT_TRAINING)}
+
+
+def _on_cpu(key: str, value: Any) -> Any:
+    return _ON_CPU[key].get(value, value) if key in _ON_CPU else value
 
 
 def training_config(cfg: Dict[str, Any]) -> Dict[str, Any]:
@@ -57,7 +65,8 @@ def schema_defaults() -> Dict[str, Any]:
 
     from kimi.config import Config
 
-    return _flat(OmegaConf.to_container(OmegaConf.structured(Config), resolve=False))
+    flat = _flat(OmegaConf.to_container(OmegaConf.structured(Config), resolve=False))
+    return {k: _on_cpu(k, v) for k, v in flat.items()}
 
 
 def differences(recorded: Dict[str, Any], current: Dict[str, Any]) -> List[str]:

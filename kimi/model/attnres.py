@@ -13,7 +13,8 @@ with one of three streams:
 
 `mix(query, sources)` mixes the given sources (a copy of `sources()` taken earlier) rather than the
 stream's current ones: a pure function of its arguments, which activation checkpointing can recompute
-after the stream has moved on.
+after the stream has moved on. `mix(query, sources, norm)` is norm(mix): the sublayer's pre-norm, which a
+fused mix (kimi.ops.attnres, model.attnres_backend) computes in the same kernel.
 
 A stream object is exactly "the set of sources still needed" downstream: under pipeline parallelism the
 completed blocks and the partial sum are what crosses a stage boundary (`sources()` lists them in order).
@@ -66,7 +67,7 @@ def compiled_depth_attention() -> Callable:
     """depth_attention through torch.compile (what parallel.compile=true gives the streams): the stacks, key
     norms, scores, softmax and weighted sum become a few fused kernels instead of a dozen elementwise passes
     over every source (bench/step_audit.py's roofline: the largest memory-bound cost of an unfused step)."""
-    compiled = torch.compile(depth_attention)
+    compiled, compiled_normed = torch.compile(depth_attention), torch.compile(depth_attention_normed)
 
     def mix(query: torch.Tensor | None, sources: Sequence[torch.Tensor], eps: float) -> torch.Tensor:
         if query is None:
@@ -74,7 +75,52 @@ def compiled_depth_attention() -> Callable:
         with torch._dynamo.config.patch(recompile_limit=MIX_RECOMPILE_LIMIT):
             return compiled(query, list(sources), eps)
 
+    def normed(query: torch.Tensor | None, sources: Sequence[torch.Tensor], eps: float, weight: torch.Tensor,
+               norm_eps: float) -> torch.Tensor:
+        # the pre-norm in the mix's compiled region: left eager it was ~10 elementwise kernels a sublayer,
+        # forward and backward (an H200 profile of `1b`: 1,431 eager multiplies, 237 ms of a 1,016 ms step)
+        with torch._dynamo.config.patch(recompile_limit=MIX_RECOMPILE_LIMIT):
+            return compiled_normed(query, list(sources), eps, weight, norm_eps)
+
+    mix.normed = normed  # what mix_normed calls when a norm follows
     return mix
+
+
+def depth_attention_normed(query: torch.Tensor | None, sources: Sequence[torch.Tensor], eps: float,
+                           weight: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """kimi.model.norm.RMSNorm's forward (this weight and eps) on depth_attention's output."""
+    h = depth_attention(query, sources, eps)
+    return (rms_norm(h, norm_eps) * weight).to(h.dtype)
+
+
+def depth_mix(backend: str, compiled: bool) -> Callable:
+    """The AttnRes streams' mix function for model.attnres_backend (kimi.config.ATTNRES_BACKENDS); compiled:
+    whether the sublayers are compiled (parallel.compile=true).
+
+    torch     depth_attention, compiled with the sublayers under parallel.compile (as before the switch)
+    compile   compiled_depth_attention() always
+    triton    the fused Triton kernel (kimi.ops.attnres), the pre-norm folded in; needs CUDA tensors
+    fla       fla-core's fused AttnRes
+    auto      triton for CUDA tensors, elsewhere what torch gives
+    """
+    unfused = compiled_depth_attention() if compiled or backend == "compile" else depth_attention
+    if backend in ("torch", "compile"):
+        return unfused
+    from kimi.ops.attnres import FusedDepthMix  # kimi.ops.attnres imports this module
+
+    return FusedDepthMix(backend, fallback=unfused)
+
+
+def mix_normed(mix: Callable, query: torch.Tensor | None, sources: Sequence[torch.Tensor], eps: float,
+               norm: Callable | None) -> torch.Tensor:
+    """norm(mix(query, sources, eps)); a mix with a fused form (`normed`, kimi.ops.attnres) gets the norm's
+    weight and eps instead, so the pre-norm runs in its kernel. norm: a kimi.model.norm.RMSNorm, or None."""
+    if norm is None:
+        return mix(query, sources, eps)
+    normed = getattr(mix, "normed", None)
+    if normed is None:
+        return norm(mix(query, sources, eps))
+    return normed(query, sources, eps, norm.param("weight"), norm.eps)
 
 
 class StandardStream:
@@ -86,8 +132,10 @@ class StandardStream:
     def sources(self) -> list[torch.Tensor]:
         return [self.hidden]
 
-    def mix(self, query: torch.Tensor | None, sources: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-        return self.hidden if sources is None else sources[0]
+    def mix(self, query: torch.Tensor | None, sources: Sequence[torch.Tensor] | None = None,
+            norm: Callable | None = None) -> torch.Tensor:
+        hidden = self.hidden if sources is None else sources[0]
+        return hidden if norm is None else norm(hidden)
 
     def push(self, output: torch.Tensor) -> None:
         self.hidden = self.hidden + output
@@ -103,8 +151,9 @@ class FullAttnResStream:
     def sources(self) -> list[torch.Tensor]:
         return list(self.outputs)
 
-    def mix(self, query: torch.Tensor | None, sources: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-        return self.mix_fn(query, self.outputs if sources is None else sources, self.eps)
+    def mix(self, query: torch.Tensor | None, sources: Sequence[torch.Tensor] | None = None,
+            norm: Callable | None = None) -> torch.Tensor:
+        return mix_normed(self.mix_fn, query, self.outputs if sources is None else sources, self.eps, norm)
 
     def push(self, output: torch.Tensor) -> None:
         self.outputs.append(output)
@@ -128,8 +177,9 @@ class BlockAttnResStream:
     def sources(self) -> list[torch.Tensor]:
         return self.blocks + ([] if self.partial is None else [self.partial])
 
-    def mix(self, query: torch.Tensor | None, sources: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-        return self.mix_fn(query, self.sources() if sources is None else sources, self.eps)
+    def mix(self, query: torch.Tensor | None, sources: Sequence[torch.Tensor] | None = None,
+            norm: Callable | None = None) -> torch.Tensor:
+        return mix_normed(self.mix_fn, query, self.sources() if sources is None else sources, self.eps, norm)
 
     def push(self, output: torch.Tensor) -> None:
         self.partial = output if self.partial is None else self.partial + output
@@ -142,7 +192,7 @@ class BlockAttnResStream:
 def make_stream(residual: str, embedding: torch.Tensor, block_size: int, eps: float,
                 mix: Callable = depth_attention):
     """The stream for a `ModelConfig.residual` mode, starting from the token embedding v_0; mix: the depth
-    attention the AttnRes streams call (depth_attention, or compiled_depth_attention())."""
+    attention the AttnRes streams call (see depth_mix)."""
     if residual == "standard":
         return StandardStream(embedding)
     if residual == "attnres_full":

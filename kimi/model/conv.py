@@ -38,10 +38,8 @@ class ConvMixer(Sublayer, nn.Module):
         row-parallel."""
         return TPPlan(colwise=("in_proj",), rowwise=("out_proj",), by_heads=("conv.weight",))
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """The depthwise taps (the projections count as parameters): conv_size multiply-adds per channel,
-        times 3 for forward and backward."""
-        return 3.0 * 2 * self.conv.weight.numel()
+    # No flops_per_token beyond the parameters': each depthwise tap weight is one multiply-add per token (the
+    # same 6 per parameter forward and backward as a linear's), which training_flops' 6 N counts already.
 
     def new_cache(self) -> dict:
         return {}  # the conv's last inputs, under "x"

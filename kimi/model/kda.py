@@ -172,8 +172,9 @@ class KDA(Sublayer, ParamViews, nn.Module):
                       sum_grads=("o_norm.weight",))
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Chunkwise KDA (docs/algorithms.md section 1): about 6 K^2 + 3 C K + C^2 per token and head forward
-        (K = head dim, C = the chunk size), times 3 for forward and backward."""
+        """Chunkwise KDA (docs/algorithms.md section 1.3): 6 K^2 + 5 C K + C^2 / 3 per token and head forward
+        (K = head dim = V, C = the chunk size; kimi.ops.kda.chunk.chunk_flops_per_token), times 3 for forward
+        and backward."""
         return 3.0 * self.A_log.shape[0] * chunk_flops_per_token(self.head_dim, self.head_dim)
 
     def new_cache(self) -> KDACache:

@@ -5,6 +5,7 @@ them in the one validation pass; kimi.summary too."""
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
@@ -127,8 +128,10 @@ def check_tensor_parallel(m: ModelConfig, tp: int) -> None:
 
 def check_kernels(cfg: Config) -> None:
     """The Triton KDA kernels (model.kda_backend=triton, or auto on CUDA) take key head dims up to a limit;
-    fla-core's (model.kda_backend=fla) need CUDA and the package."""
+    fla-core's (model.kda_backend=fla) need CUDA and the package. So do the fused depth mixes
+    (model.attnres_backend triton, fla; the Triton one also runs interpreted, for tests)."""
     m, limit = cfg.model, TRITON_MAX_HEAD_DIM
+    check_attnres_kernels(cfg)
     if m.kda_backend == "fla":
         cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
         require(cuda, f"model.kda_backend=fla is invalid with trainer.device={cfg.trainer.device} on this "
@@ -141,6 +144,24 @@ def check_kernels(cfg: Config) -> None:
         require(m.kda_head_dim <= limit,
                 f"model.kda_head_dim={m.kda_head_dim} is invalid with {on[m.kda_backend]}: the Triton KDA "
                 f"kernels take head dims up to {limit}; lower model.kda_head_dim or set model.kda_backend=torch")
+
+
+def check_attnres_kernels(cfg: Config) -> None:
+    backend, device = cfg.model.attnres_backend, cfg.trainer.device
+    if backend not in ("triton", "fla"):
+        return
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    interpreted = backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+    tests = " (on CPU interpreted, with TRITON_INTERPRET=1, for tests)" if backend == "triton" else ""
+    require(cuda or interpreted,
+            f"model.attnres_backend={backend} is invalid with trainer.device={device} on this machine: the "
+            f"fused depth-mix kernel runs on CUDA only{tests}; set model.attnres_backend=auto")
+    if backend == "fla":
+        from kimi.ops.attnres.fla import missing
+
+        reason = missing()
+        require(reason is None, f"model.attnres_backend=fla needs fla-core's fused AttnRes, but {reason}: "
+                "install a fla-core that has it, or set model.attnres_backend=auto")
 
 
 def check_mtp(cfg: Config) -> None:

@@ -15,7 +15,7 @@ from kimi.config import ModelConfig
 from kimi.ops.documents import cu_seqlens_from_starts
 from kimi.ops.linear_ce import linear_cross_entropy
 
-from .attnres import depth_attention, make_stream, resume_stream
+from .attnres import depth_mix, make_stream, resume_stream
 from .cache import InferenceCache
 from .init import Rules, constant, normal, param_seed, prefixed
 from .layouts import QKClipSpec
@@ -79,7 +79,7 @@ class Block(Runners, ParamViews, nn.Module):
         module, norm = getattr(self, name), getattr(self, f"{name}_norm")
 
         def whole(query, *sources):
-            return module(norm(stream.mix(query, sources)), **kwargs)
+            return module(stream.mix(query, sources, norm), **kwargs)
 
         return self.run_through(name, whole, self.site_query(name), *stream.sources())
 
@@ -126,7 +126,8 @@ class KimiModel(Runners, ParamViews, nn.Module):
         if cfg.vocab_size is None:
             raise ValueError("ModelConfig.vocab_size must be set (resolve it from the tokenizer first)")
         self.cfg = cfg
-        self.depth_mix = depth_attention  # the AttnRes streams' mix; kimi.parallel's apply_compile compiles it
+        # the AttnRes streams' mix (model.attnres_backend); kimi.parallel's apply_compile may compile it
+        self.depth_mix = depth_mix(cfg.attnres_backend, compiled=False)
         # One draw from torch's generator, before any module's constructor draws (on the meta device they do
         # not), seeds every parameter's own generator (init_parameter): the weights follow torch.manual_seed
         # but not the device, order or place in which parameters are initialised.
@@ -327,7 +328,7 @@ class KimiModel(Runners, ParamViews, nn.Module):
         if self.lm_head is None:
             # as they are, not views: a pipeline schedule detaches stage outputs in place
             return tuple(stream.sources())
-        hidden = self.run_through("final", lambda query, *sources: self.norm(stream.mix(query, sources)),
+        hidden = self.run_through("final", lambda query, *sources: stream.mix(query, sources, self.norm),
                                   self.final_site_query(), *stream.sources())
         if labels is None:
             return self.lm_head(hidden)
@@ -379,15 +380,18 @@ def training_flops(cfg: ModelConfig, seq_len: int) -> tuple[list[float], float]:
         6 * N  +  each sublayer's flops_per_token(seq_len)
 
     * N = the parameters involved: every one does one multiply-add per token forward and two backward.
-      The LM head always counts (even tied); the embedding lookup does not (it is a gather). Norm weights,
+      The LM head always counts (even tied); the embedding lookup does not (it is a gather). The short
+      convolutions' taps are exactly such parameters (one multiply-add per token each). Norm weights,
       biases, A_log etc. are counted too, a negligible overcount. Parameters a token does not use (the
       routed experts it is not sent to: a sublayer's inactive_params) do not count.
     * Multi-token prediction's depths (model.mtp_layers) count with the end: their blocks the same way, and
       each its own pass through the LM head.
     * What the parameters do not show, each sublayer declares (kimi/model/sublayer.py): softmax attention's
       scores over the sequence, KDA's chunkwise state (docs/algorithms.md section 1).
-    Not counted: the AttnRes depth mixing (O(sources * d) per sublayer), short convs, gates' elementwise
-    work, softmax exponentials: all well under 1% at useful sizes. Counted on the meta device: no memory.
+    Not counted: the AttnRes depth mixing (12 d FLOPs per source and token at each mixing site: under 1% of
+    every preset's step), gates' elementwise work, softmax exponentials. Convention and the check of every
+    preset against torch's FlopCounterMode: kimi/ops/flops.py, tests/test_flop_count.py, docs/benchmarks.md.
+    Counted on the meta device: no memory.
     """
     blocks = []
     with torch.device("meta"):

@@ -11,3 +11,8 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
+
+
+# importing the formulas registers them: torch's flop counter learns the aten ops it counts as 0 (the experts'
+# grouped GEMM, CPU attention, triangular solves)
+from .flops import ATEN_FORMULAS  # noqa: E402,F401

@@ -26,7 +26,8 @@ refused before they start (KernelUnsupported). Inside torch.compile (trainer.com
 inside the compiled graph where no Python handler sees their errors; the dispatch then follows the state
 reached so far in eager calls.
 Guarded ops: chunk_kda, fused_recurrent_kda (kimi.ops.kda), the KDA layer's fused l2norm and gate
-(kimi.ops.kda.gate.normalize_and_gate) and attention (kimi.ops.attention).
+(kimi.ops.kda.gate.normalize_and_gate), attention (kimi.ops.attention) and the fused AttnRes depth mix
+(kimi.ops.attnres).
 
 Tests: `AUTO_TRITON_ON_CPU = True` makes `auto` choose the Triton kernels for CPU tensors too (they run under
 TRITON_INTERPRET=1), and `reset()` forgets every fallback and probe.

@@ -38,9 +38,17 @@ SUB_CHUNKS = (16, 4)
 
 
 def chunk_flops_per_token(K: int, V: int, chunk_size: int = CHUNK_SIZE) -> float:
-    """Forward FLOPs of chunkwise KDA per token and head (docs/algorithms.md section 1): about 6 K V + 3 C K +
-    C^2 (C the chunk size); the backward is about twice that."""
-    return 6 * K * V + 3 * chunk_size * K + chunk_size * chunk_size
+    """Forward FLOPs of chunkwise KDA per token and head (docs/algorithms.md section 1.3), a multiply-add
+    being 2 and a triangular product counting its triangle (C the chunk size):
+
+        6 K V      the state: V_new = U - W S, the read (Q exp(G)) S, the write (exp(G_C - G) K)^T V_new
+        3 C K      L and A_qk (strict and causal triangles of key-key and query-key products), W = M exp(G) K
+        2 C V      U = M V and A_qk V_new
+        C^2 / 3    M, the inverse of the unit lower-triangular C x C system (forward substitution)
+
+    The backward is counted as twice that (autograd's gradients of each product, no recomputation)."""
+    C = chunk_size
+    return 6 * K * V + 3 * C * K + 2 * C * V + C * C / 3
 # Under Kimi K3's safe gate (every g >= L, L >= -5 = BOUNDED_MIN): within 16 tokens G falls by at most 80,
 # and e^80 fits fp32 and bf16 (their largest is ~e^88.7), so a 16-token diagonal block is one anchored matmul
 # (_bounded_scores) instead of a recursion down to exact 4 x 4 blocks.

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from kimi.ops.flops import register_attention_ops
+
 from .backward import attention_backward
 from .forward import attention_forward, attention_max_logits
 
@@ -79,3 +81,6 @@ def attention_max_logits_op(
 @attention_max_logits_op.register_fake
 def _(q, k, cu_seqlens, scale, causal):
     return q.new_empty(q.shape[0], q.shape[2], dtype=torch.float32)
+
+
+register_attention_ops()  # FlopCounterMode counts them as the model declares them (kimi/ops/flops.py)

@@ -8,6 +8,8 @@ sequences of length T, so every kernel has one varlen code path.
 import torch
 from torch import Tensor
 
+from kimi.ops.flops import register_kda_ops
+
 from .chunk_bwd import chunk_bwd
 from .chunk_fwd import chunk_fwd
 from ..chunk import bounded
@@ -144,3 +146,6 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, scale: float, initial_state=Non
         o, state = kda_recurrent_fwd(q, k, v, g, beta, float(scale), initial_state, cu,
                                      cu_seqlens is not None)
     return o.reshape(B, T, *o.shape[2:]), state
+
+
+register_kda_ops()  # FlopCounterMode counts them as the model declares them (kimi/ops/flops.py)

@@ -1,0 +1,252 @@
+"""The host side of a training micro-batch, measured on a CPU: how many ops the host dispatches and how long
+it takes to issue them, eagerly and with parallel.compile=true, next to the GPU time the roofline predicts for
+the same micro-batch (bench/step_audit.py --parts host; its `host` entry of bench/results/step_audit.json).
+
+A GPU step is host-bound when issuing its kernels takes longer than running them. Neither needs a GPU to be
+counted, only to be timed, so each is measured where the compute is negligible, the kernels dispatched as on
+a CUDA device (`as_on_cuda`: the Triton KDA and attention custom ops, the fused gate and norm kernels, not the
+CPU fallbacks):
+
+* eager, on the meta device: the model at its real shape (1b, 4096 tokens), bf16 weights; meta tensors
+  carry shapes but no data, so every op costs only its Python and dispatcher time. The ops counted are
+  every aten op the dispatcher sees (a TorchDispatchMode), and those that are not views (a view launches no
+  kernel): the eager step's kernel launches, each of which a GPU host pays for (about 5 us per launch
+  through CUDA, before any Python).
+* compiled, on the CPU at a tiny width (`proxy`): the same depth, layer pattern, heads and sublayer kinds,
+  every width cut to a few elements per head, one row of 64 tokens (the loss in one chunk, as at 4096), so
+  dynamo traces the same graphs with the same breaks and inductor emits the same kernels per graph, and the
+  kernels themselves cost microseconds. Our Triton custom ops run as null kernels there (zeros of their
+  outputs' shapes: their fake implementations), which is what their host side costs: one call. The host time
+  is the step's median wall time over several steps after warm-up, the ops those the profiler sees dispatched
+  (aten ops and our custom ops) plus inductor's own kernels (each a launch on a GPU). The same proxy run
+  eagerly checks the proxy: its host time against the meta device's at full shape.
+
+`host_ms_gpu` adds what the proxy cannot show, a CUDA launch per kernel (LAUNCH_US), to the measured time; the
+ratio to the roofline's predicted GPU time is what decides whether the step waits on its host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+import time
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# A CUDA kernel launch's host cost (cudaLaunchKernel through PyTorch's or Triton's launcher): about 5 us on a
+# current x86 host; Triton's Python launcher adds more than PyTorch's C++ one.
+LAUNCH_US = 5.0
+# aten ops that only make a view of their input: no kernel runs
+VIEWS = {"view", "_unsafe_view", "transpose", "t", "expand", "select", "slice", "unsqueeze", "squeeze",
+         "detach",
+         "alias", "as_strided", "permute", "split", "split_with_sizes", "unbind", "narrow", "_reshape_alias",
+         "unflatten", "diagonal", "lift_fresh", "view_as_real", "view_as_complex", "_to_copy_view", "unfold",
+         "expand_as", "view_as", "chunk", "movedim", "real", "imag"}
+PROXY_T = 64  # tokens of the proxy's one row
+
+
+class DispatchCount(TorchDispatchMode):
+    """Every aten (and custom) op the dispatcher runs, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def launches(self) -> int:
+        return sum(n for op, n in self.ops.items() if op not in VIEWS)
+
+
+@contextlib.contextmanager
+def as_on_cuda():
+    """Dispatch as on a CUDA device: `auto` picks the Triton kernels for every device, and their host code's
+    device check lets CPU and meta tensors through (as it does for interpreted kernels) to the custom ops,
+    which run on meta tensors or as null kernels here, never compiled or interpreted."""
+    import kimi.ops.attention.triton.common as attention_common
+    import kimi.ops.dispatch as dispatch
+    import kimi.ops.kda.triton.common as kda_common
+
+    saved = dispatch.auto_picks_triton
+    modules = [m for m in list(sys.modules.values())
+               if getattr(m, "__name__", "").startswith("kimi")
+               and getattr(m, "auto_picks_triton", None) is saved]
+    checks = [attention_common, kda_common]
+    interpret = [m.INTERPRET for m in checks]
+    for m in modules:
+        m.auto_picks_triton = lambda device: True
+    for m in checks:
+        m.INTERPRET = True
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.auto_picks_triton = saved
+        for m, value in zip(checks, interpret):
+            m.INTERPRET = value
+
+
+_NULLED = False
+
+
+class _Spec:
+    """An output's shape and dtype (a pytree leaf, unlike a tuple)."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), dtype
+
+
+def null_kernels() -> list[str]:
+    """Register, for CPU tensors, every kimi:: custom op as a null kernel: zeros of the shapes and dtypes its
+    fake implementation gives (found once per input signature on meta tensors, then cached, so a call costs
+    what a launch's host side does: argument handling and the output's allocation). Once per process (it
+    replaces the ops' CPU kernels for good)."""
+    global _NULLED
+    import kimi.ops.attention.triton.op  # noqa: F401  (the ops exist once their modules are imported)
+    import kimi.ops.kda.triton.gate  # noqa: F401
+    import kimi.ops.kda.triton.op  # noqa: F401
+
+    tree_map = torch.utils._pytree.tree_map
+    names = sorted(n for n in dir(torch.ops.kimi) if not n.startswith("_") and n not in ("name",))
+    if _NULLED:
+        return names
+    for name in names:
+        op, shapes = getattr(torch.ops.kimi, name).default, {}
+
+        def null(*args, _op=op, _shapes=shapes, **kwargs):
+            key = tuple((x.shape, x.dtype) if isinstance(x, torch.Tensor) else x
+                        for x in (*args, *kwargs.values()))
+            if key not in _shapes:
+                meta = tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, (args, kwargs))
+                _shapes[key] = tree_map(lambda x: _Spec(x.shape, x.dtype)
+                                        if isinstance(x, torch.Tensor) else x,
+                                        _op(*meta[0], **meta[1]))
+            return tree_map(lambda x: torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, _Spec) else x,
+                            _shapes[key])
+
+        torch.library.register_kernel(f"kimi::{name}", "cpu", null)
+    _NULLED = True
+    return names
+
+
+def proxy_overrides(cfg) -> list[str]:
+    """Overrides that keep a preset's depth, pattern, heads and sublayer kinds and cut every width to a few
+    elements per head (the proxy)."""
+    m = cfg.model
+    heads = max(m.kda_num_heads, m.mla_num_heads, m.attn_num_heads)
+    d = 16 * heads  # every projection keeps its shape's structure; heads of 16 elements
+    out = [f"model.d_model={d}", f"model.mlp_hidden={2 * d}", "model.vocab_size=256",
+           "model.kda_head_dim=16", "model.qk_nope_head_dim=16", "model.v_head_dim=16",
+           f"model.kv_lora_rank={min(m.kv_lora_rank, 32)}", "model.attn_head_dim=16"]
+    out += [f"model.qk_rope_head_dim={min(m.qk_rope_head_dim, 8)}"] if m.qk_rope_head_dim else []
+    out += [f"model.q_lora_rank={min(m.q_lora_rank, 32)}"] if m.q_lora_rank else []
+    if getattr(m, "moe_num_experts", 0):
+        out += [f"model.moe_hidden={d}"] + ([f"model.moe_latent_dim={d // 2}"] if m.moe_latent_dim else [])
+    return out
+
+
+def _step(model, ids, labels, loss_of):
+    loss = loss_of(model, ids, labels)
+    loss.backward()
+    return loss
+
+
+def _timed(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def eager_on_meta(cfg, T: int, build, batch, loss_of, repeats: int = 3) -> dict:
+    """Dispatched ops and host time of one eager fwd+bwd at the real shape, on the meta device."""
+    with as_on_cuda():
+        model = build(cfg, "meta", torch.bfloat16)
+        ids, labels = batch(cfg.model.vocab_size, T, "meta")
+        _step(model, ids, labels, loss_of)  # first calls: probes, caches
+        count = DispatchCount()
+        with count:
+            _step(model, ids, labels, loss_of)
+        seconds = _timed(lambda: _step(model, ids, labels, loss_of), repeats)
+    return {"ops": sum(count.ops.values()), "launches": count.launches, "host_ms": 1e3 * seconds,
+            "top_ops": dict(count.ops.most_common(12))}
+
+
+def _profiled_counts(fn) -> tuple[int, int, int]:
+    """(aten and custom ops dispatched from the top, inductor kernels, compiled graphs called) of one call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    dispatched = kernels = graphs = 0
+    for e in prof.events():
+        name = e.name
+        if name.startswith(("aten::", "kimi::")) and not name.split("::", 1)[1] in VIEWS:
+            # only ops called by Python or a compiled graph, not the ops an op calls inside itself
+            parent = e.cpu_parent
+            if parent is None or not parent.name.startswith(("aten::", "kimi::")):
+                dispatched += 1
+        elif "cpp_fused" in name or name.startswith("triton_"):  # inductor's kernels (graph_N_cpp_fused_*)
+            kernels += 1
+        elif name.startswith(("CompiledFunction", "## Call CompiledFxGraph", "Torch-Compiled Region")):
+            graphs += name.startswith("Torch-Compiled Region")
+    return dispatched, kernels, graphs
+
+
+def proxy_step(cfg, compiled: bool, build, batch, loss_of, repeats: int = 7) -> dict:
+    """The proxy (tiny width, PROXY_T tokens, null custom kernels) eager or compiled as parallel.compile
+    compiles the model: host time per micro-batch and what it dispatches."""
+    import torch._inductor.config as inductor
+
+    from kimi.parallel import apply_compile
+
+    null_kernels()
+    torch.set_num_threads(1)
+    # inductor names its kernels to the profiler (a cached graph compiled without that would not)
+    with as_on_cuda(), inductor.patch({"cpp.enable_kernel_profile": True, "fx_graph_cache": False}):
+        model = build(cfg, "cpu")
+        if compiled:
+            apply_compile(model)
+        ids, labels = batch(cfg.model.vocab_size, PROXY_T, "cpu")
+        t0 = time.perf_counter()
+        _step(model, ids, labels, loss_of)  # compiles
+        compile_s = time.perf_counter() - t0
+        for _ in range(2):
+            _step(model, ids, labels, loss_of)
+        model.zero_grad(set_to_none=True)
+        seconds = _timed(lambda: _step(model, ids, labels, loss_of), repeats)
+        dispatched, kernels, graphs = _profiled_counts(lambda: _step(model, ids, labels, loss_of))
+    return {"host_ms": 1e3 * seconds, "dispatched": dispatched, "inductor_kernels": kernels,
+            "launches": dispatched + kernels, "compiled_regions": graphs, "first_step_s": compile_s}
+
+
+def audit_host(name: str, overrides: list[str], T: int, compose, build, batch, loss_of,
+               predicted_gpu_s: dict | None = None) -> dict:
+    """The host table's row of one family: eager at its real shape on meta, the proxy eager and compiled,
+    and the predicted host time on a GPU against the roofline's GPU time (predicted_gpu_s: {gpu: s})."""
+    # the Triton attention kernel: auto times it against SDPA on a real GPU (each issues about as many ops)
+    overrides = [*overrides, "model.attention_backend=triton"]
+    cfg = compose(overrides)
+    eager = eager_on_meta(cfg, T, build, batch, loss_of)
+    proxy_cfg = compose([*overrides, *proxy_overrides(cfg)])
+    proxy = {"eager": proxy_step(proxy_cfg, False, build, batch, loss_of),
+             "compiled": proxy_step(proxy_cfg, True, build, batch, loss_of)}
+    row = {"T": T, "eager_meta": eager, "proxy": proxy, "proxy_overrides": proxy_overrides(cfg),
+           "launch_us": LAUNCH_US}
+    c = proxy["compiled"]
+    row["compiled_host_ms_gpu"] = c["host_ms"] + c["launches"] * LAUNCH_US / 1e3
+    row["eager_host_ms_gpu"] = eager["host_ms"] + eager["launches"] * LAUNCH_US / 1e3
+    row["ops_eager_over_compiled"] = eager["ops"] / max(1, c["dispatched"] + c["inductor_kernels"])
+    if predicted_gpu_s:
+        row["gpu_s"] = predicted_gpu_s
+        row["host_share"] = {gpu: row["compiled_host_ms_gpu"] / (1e3 * s)
+                             for gpu, s in predicted_gpu_s.items()}
+    return row
