@@ -358,17 +358,9 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     if args.compile_check:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from compile_check import arch_list
+        from compile_check import write_archs
 
-        failed = False
-        for arch in arch_list(args.arch):
-            result = compile_check(args, arch)
-            path = RESULTS / f"attention_sm{arch}_compile{'_quick' if args.quick else ''}.json"
-            failed |= any("error" in r for r in result["rows"])
-            path.write_text(json.dumps(result, indent=2) + "\n")
-            print(f"wrote {path}")
-        if failed:
-            raise SystemExit(1)
+        write_archs(compile_check, args, RESULTS, "attention")
         return
     elif torch.cuda.is_available() or args.dry_run:
         import triton

@@ -460,17 +460,9 @@ def main() -> None:
             raise SystemExit(1)
         return
     if args.compile_check:
-        from compile_check import arch_list
+        from compile_check import write_archs
 
-        failed = False
-        for arch in arch_list(args.arch):
-            result = compile_check(args, arch)
-            path = RESULTS / f"attnres_sm{arch}_compile{'_quick' if args.quick else ''}.json"
-            failed |= any("error" in r for r in result["rows"])
-            path.write_text(json.dumps(result, indent=2) + "\n")
-            print(f"wrote {path}")
-        if failed:
-            raise SystemExit(1)
+        write_archs(compile_check, args, RESULTS, "attnres")
         return
     torch.set_num_threads(min(2, torch.get_num_threads()))
     result = bytes_report(args)

@@ -27,6 +27,22 @@ def arch_list(value: str) -> list[int]:
     return sorted(ARCHS, reverse=True) if value == "all" else [int(value)]
 
 
+def write_archs(check, args, results: Path, name: str) -> None:
+    """check(args, arch) -> result for each of args.arch's targets, written to
+    results/<name>_sm<arch>_compile[_quick].json; exits 1 when a kernel failed to compile."""
+    import json
+
+    failed = False
+    for arch in arch_list(args.arch):
+        result = check(args, arch)
+        path = results / f"{name}_sm{arch}_compile{'_quick' if args.quick else ''}.json"
+        failed |= any("error" in r for r in result["rows"])
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {path}")
+    if failed:
+        raise SystemExit(1)
+
+
 def _ptxas_log(ptx: str, arch: int) -> str:
     """ptxas -v on the PTX triton made, with the flags triton uses (for a kernel that came from triton's
     cache, whose compile printed nothing)."""

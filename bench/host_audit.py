@@ -54,9 +54,12 @@ class DispatchCount(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops: Counter = Counter()
+        self.custom: Counter = Counter()  # our own (kimi::) ops, the Triton kernels' host side
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[func.overloadpacket.__name__] += 1
+        if func.namespace == "kimi":
+            self.custom[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
     @property
@@ -177,7 +180,7 @@ def eager_on_meta(cfg, T: int, build, batch, loss_of, repeats: int = 3) -> dict:
             _step(model, ids, labels, loss_of)
         seconds = _timed(lambda: _step(model, ids, labels, loss_of), repeats)
     return {"ops": sum(count.ops.values()), "launches": count.launches, "host_ms": 1e3 * seconds,
-            "top_ops": dict(count.ops.most_common(12))}
+            "top_ops": dict(count.ops.most_common(12)), "custom_ops": dict(count.custom)}
 
 
 def _profiled_counts(fn) -> tuple[int, int, int]:

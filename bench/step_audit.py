@@ -336,7 +336,7 @@ def peak_activation_bytes(overrides: list[str], T: int, ac: str) -> int:
     from kimi.parallel import apply_activation_checkpointing
 
     # chunks of 16 tokens: the lengths measured here are many chunks, as real ones are (there a chunk's logits
-    # are a constant, at most the hidden states' size or 512 MiB: kimi.ops.linear_ce.chunk_tokens)
+    # are a constant, model.loss_chunk_mib of them in fp32: kimi.ops.linear_ce.chunk_tokens)
     chunked = ["model.loss_chunk=16"] if hasattr(ModelConfig, "loss_chunk") else []  # (not on older trees)
     cfg = compose([*overrides, *chunked])
     model = build(cfg)

@@ -122,7 +122,7 @@ def check_overrides(argv: list[str], config_dir: str | None = None) -> None:
         if a.startswith("hydra.run.dir="):
             _check_run_dir(Path(a.split("=", 1)[1]))
     try:
-        compose([a for a in argv if not a.startswith("hydra.")], where=config_dir)
+        cfg = compose([a for a in argv if not a.startswith("hydra.")], where=config_dir)
     except MissingConfigException as e:
         group, _, name = (e.missing_cfg_file or "").rpartition("/")
         choices = "|".join(e.options or [])
@@ -136,6 +136,28 @@ def check_overrides(argv: list[str], config_dir: str | None = None) -> None:
             value = next((a.split("=", 1)[1] for a in argv if a.lstrip("+~").split("=", 1)[0] == key), "?")
             raise ConfigError(f"{key}={value} is invalid: {str(cause).splitlines()[0]}") from None
         raise ConfigError(f"cannot read the overrides: {' '.join(str(e).split())}") from None
+    _check_resolved(cfg)
+
+
+def _check_resolved(cfg) -> None:
+    """An interpolation that names no key (optim.lr='${nope}') would be OmegaConf's traceback when the trainer
+    resolves the config; and a model size past every real model's (a typo: model.num_layers=1000000) is
+    refused here, before the seconds of importing torch, rather than by the trainer's own validation."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import GrammarParseError, InterpolationKeyError, InterpolationToMissingValueError
+
+    from kimi.config import ConfigError, check_sizes
+
+    cfg.trainer.run_dir = "unused"  # Hydra's ${hydra:...}, which only a running job resolves
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except (GrammarParseError, InterpolationKeyError, InterpolationToMissingValueError) as e:
+        key = getattr(e, "full_key", "") or "an override"
+        raise ConfigError(f"{key} cannot be resolved: {' '.join(str(e).splitlines()[0].split())}; a ${{...}} "
+                          "interpolation must name a key of the config (e.g. ${trainer.seed})") from None
+    except Exception:  # noqa: BLE001: other resolvers (Hydra's own) are resolved by the job itself
+        return
+    check_sizes(cfg.model)
 
 
 def _check_run_dir(path: Path) -> None:

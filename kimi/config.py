@@ -171,11 +171,15 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     # The training loss from the final hidden states, this many tokens at a time (kimi/ops/linear_ce.py), so
-    # the sequence's logits never exist whole: 0 picks the chunk (logits as large as the hidden states, or
-    # 512 MiB of them in fp32 if more: kimi.ops.linear_ce.chunk_tokens), -1 the plain way (every logit, then
-    # the cross-entropy). Vocabulary-parallel heads (tensor parallelism) and pipeline schedules always take
-    # the plain way.
+    # the sequence's logits never exist whole: 0 takes as many as loss_chunk_mib holds, -1 the plain way
+    # (every logit, then the cross-entropy). Vocabulary-parallel heads (tensor parallelism) and pipeline
+    # schedules always take the plain way.
     loss_chunk: int = 0
+    # MiB of fp32 logits one loss chunk may hold when loss_chunk is 0: the chunk is the largest power of two
+    # of tokens within it (kimi.ops.linear_ce.chunk_tokens; 64: 512 tokens at a 32k vocabulary). Its peak,
+    # about 1.5 times this, does not grow with the sequence; a smaller budget makes more passes over the
+    # head's fp32 weight gradient (one per chunk).
+    loss_chunk_mib: int = 64
 
 
 @dataclass
@@ -316,12 +320,17 @@ class TrainerConfig:
     # naming the stalled rank; also the process group's timeout. Raise it for very slow checkpoint storage.
     collective_timeout_s: float = 600.0
     # Stop (with a checkpoint) after this step although the schedule runs to max_steps: for jobs sliced by
-    # a time limit, resumed by rerunning the same command. 0: off.
+    # a time limit, each slice run with a higher stop_at_step (or the last without it) resuming where the
+    # previous one stopped; the same command again trains nothing. 0: off.
     stop_at_step: int = 0
     peak_flops: Optional[float] = None  # per-device FLOP/s for MFU; None: table (CUDA) or measured (CPU)
     sample_tokens: int = 200  # tokens sampled at the end of training (0: none)
     sample_prompt: str = "ROMEO:"
     threads: int = 0  # torch intra-op threads on CPU; 0 leaves torch's default
+    # Before anything is built, a model whose weights, gradients and optimizer state (estimated from the
+    # config, split over the ranks) cannot fit the device's memory is refused (kimi/model/footprint.py);
+    # true skips that check.
+    skip_size_check: bool = False
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
@@ -445,6 +454,45 @@ def register_configs() -> None:
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the one-line message names the key(s) and how to fix it."""
+
+
+# ---- sizes -------------------------------------------------------------------------------------------------
+# Upper bounds of the model's sizes, far past any real model, so that a typo (d_model=1048576, a million
+# layers) is one line instead of an allocator's traceback or minutes of building: key -> (bound, what the
+# largest released model, Kimi K3 (conf/model/kimi_k3.yaml), or the widest preset has); each leaves 8x or
+# more. Here, not with the model's other rules (kimi/model/rules.py, whose validate_model runs them first),
+# because this module does not import torch: train.py refuses such a typo before the seconds of importing it.
+SIZE_BOUNDS = {
+    "d_model": (65536, "Kimi K3 has 7168"),
+    "num_layers": (1024, "Kimi K3 has 93"),
+    "vocab_size": (2**21, "Kimi K3 has 163840"),
+    "kda_num_heads": (1024, "Kimi K3 has 96"),
+    "mla_num_heads": (1024, "Kimi K3 has 96"),
+    "attn_num_heads": (1024, "Kimi K3's attention has 96"),
+    "attn_kv_heads": (1024, "Kimi K3's attention has 96"),
+    "kda_head_dim": (1024, "Kimi K3 has 128"),
+    "qk_nope_head_dim": (1024, "Kimi K3 has 128"),
+    "qk_rope_head_dim": (1024, "Kimi K3 has 64"),
+    "v_head_dim": (1024, "Kimi K3 has 128"),
+    "attn_head_dim": (1024, "Kimi K3's attention has 128"),
+    "q_lora_rank": (65536, "Kimi K3 has 1536"),
+    "kv_lora_rank": (65536, "Kimi K3 has 512"),
+    "moe_latent_dim": (65536, "Kimi K3 has 3584"),
+    "mlp_hidden": (2**21, "Kimi K3 has 33792, the dense 48b_dense preset 247808"),
+    "moe_hidden": (2**21, "Kimi K3 has 3072"),
+    "moe_num_experts": (8192, "Kimi K3 has 896"),
+    "moe_shared_experts": (8192, "Kimi K3 has 2"),
+    "mtp_layers": (64, "Kimi K3 has 1"),
+    "pad_vocab_multiple": (2**21, "64 is usual; Kimi K3's whole vocabulary is 163840"),
+}
+
+
+def check_sizes(m: Any) -> None:
+    """Every size of model section `m` (a ModelConfig, or its DictConfig) at most its bound (SIZE_BOUNDS)."""
+    for key, (bound, largest) in SIZE_BOUNDS.items():
+        value = getattr(m, key)
+        check(value is None or value <= bound, f"model.{key}", value,
+              f"must be <= {bound}, far past any real model ({largest}): is it a typo?")
 
 
 def moe_layer_indices(m: ModelConfig) -> List[int]:

@@ -59,11 +59,12 @@ import sys
 from pathlib import Path
 import torch
 
-from kimi.config import ModelConfig
+from kimi.config import ModelConfig, check_sizes
 from kimi.interop.hf import LAYOUTS, NotExpressible, file_map, in_layout, model_fields, release_config
 from kimi.interop.k3 import Constant, is_k3, k3_config, k3_file_map, k3_model_fields
 from kimi.interop.remote import is_remote, load_remote, save_remote, shard_files, write_shards
 from kimi.model import KimiModel
+from kimi.model.footprint import check_fits
 
 
 class _LazyTensors:
@@ -159,10 +160,12 @@ def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> KimiMo
     try:
         fields, mapping = _layout_of(hf)
         cfg = ModelConfig(**fields)
+        check_sizes(cfg)
     except NotExpressible:
         raise
     except ValueError as e:
         raise ValueError(f"{directory / 'config.json'}: {e}") from None
+    check_fits(cfg, dtype.itemsize, "cpu", f"{dtype} weights", "a machine with more memory")
     with torch.device("meta"):
         model = KimiModel(cfg)
     model = model.to_empty(device="cpu").to(dtype)
@@ -386,6 +389,9 @@ def _run(body) -> int:
 def main(argv: list[str] | None = None) -> int:
     """The command line: key=value (USAGE), or the positional form with --flags (argparse below)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        print(help_text(argv[0] if argv and argv[0] in USAGE else None))
+        return 0
     if argv and argv[0] in USAGE and any("=" in a and not a.startswith("-") for a in argv[1:]):
         def body() -> int:
             args = _key_value(argv)
@@ -400,35 +406,62 @@ def main(argv: list[str] | None = None) -> int:
     return _flags_main(argv)
 
 
-def _flags_main(argv: list[str]) -> int:
+def _parser():
+    """The older positional form with --flags; its arguments' help is also --help's key=value table."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m kimi.convert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    to_hf = sub.add_parser("to-hf", help="a run dir's newest complete checkpoint -> a transformers directory")
-    to_hf.add_argument("run")
-    to_hf.add_argument("out")
-    to_hf.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors file (GiB)")
+    to_hf = sub.add_parser("to-hf", usage=f"python -m kimi.convert {USAGE['to-hf']}",
+                           help="a run dir's newest complete checkpoint -> a transformers directory")
+    to_hf.add_argument("run", help="run directory (its newest complete checkpoint) or checkpoint directory")
+    to_hf.add_argument("out", help="the transformers directory to write (HF_DIR)")
+    to_hf.add_argument("--shard-gb", type=float, default=5.0,
+                       help="largest safetensors file (GiB; default 5)")
     to_hf.add_argument("--layout", choices=sorted([*LAYOUTS, "k3"]), default="release",
                        help="tensor names: the released Kimi Linear checkpoints' (default; what every loader "
                             "reads), the ones transformers' save_pretrained writes (dense MLP under "
                             "block_sparse_moe), or Kimi K3's (kimi_k3: text_config, language_model.)")
     to_hf.add_argument("--mxfp4-experts", action="store_true",
-                       help="routed experts' weights as MXFP4 (a run trained with precision.qat=mxfp4_experts)")
+                       help="routed experts' weights as MXFP4 (a run trained with "
+                            "precision.qat=mxfp4_experts)")
     to_hf.add_argument("--remote-code", action="store_true",
                        help="our own modeling code (trust_remote_code) even where transformers' Kimi Linear "
                             "expresses the model: our forward exactly (its MLA latent norm eps is fixed)")
     to_hf.add_argument("--overwrite", action="store_true",
                        help="replace the export already in HF_DIR, once the new one is complete")
-    from_hf_cmd = sub.add_parser("from-hf", help="a transformers directory -> a new run dir that trains from it")
-    from_hf_cmd.add_argument("hf_dir")
-    from_hf_cmd.add_argument("run_dir")
-    args = parser.parse_args(argv)
+    from_hf_cmd = sub.add_parser("from-hf", usage=f"python -m kimi.convert {USAGE['from-hf']}",
+                                 help="a transformers directory -> a new run dir that trains from it")
+    from_hf_cmd.add_argument("hf", help="a transformers Kimi Linear (or Kimi K3) directory")
+    from_hf_cmd.add_argument("run", help="the new run directory to write")
+    return parser, {"to-hf": to_hf, "from-hf": from_hf_cmd}
+
+
+def help_text(command: str | None) -> str:
+    """--help in the key=value form: the usage, and each argument of `command` (both when None) as its key
+    (the --flag's name with _) with the help the parser gives it."""
+    from kimi import keyvalue
+
+    usage = ("\n\n".join(__doc__.split("\n\n")[:3]) if command is None
+             else f"usage: python -m kimi.convert {USAGE[command]}")
+    parts = [usage, ""]
+    _, commands = _parser()
+    for name, sub in commands.items():
+        if command in (None, name):
+            rows = [(a.dest, f"true: {a.help}" if a.nargs == 0 else
+                     f"{'|'.join(a.choices)}: {a.help}" if a.choices else a.help)
+                    for a in sub._actions if a.dest != "help"]
+            parts += [f"{name}:", keyvalue.table(rows), ""]
+    return "\n".join(parts) + "\nExit codes: 0 done, 2 bad arguments or directory, 1 failure."
+
+
+def _flags_main(argv: list[str]) -> int:
+    args = _parser()[0].parse_args(argv)
 
     def body() -> int:
         if args.command == "from-hf":
-            print("\n".join(from_hf(args.hf_dir, args.run_dir)))
+            print("\n".join(from_hf(args.hf, args.run)))
             return 0
         return _to_hf(args.run, args.out, args.shard_gb, args.layout, args.mxfp4_experts, args.remote_code,
                       args.overwrite)

@@ -2,8 +2,11 @@
 
     python -m kimi.dashboard runs=[RUN_DIR,...] [out=PNG] [columns=3]
 
-key=value arguments (kimi/keyvalue.py): runs, one run directory or a list; out, the PNG (default
-<first run>/dashboard.png); columns, panels per row. A bad argument is one line and exit code 2.
+  runs            one run directory, or a list of them (required)
+  out             the PNG to write (default <first run>/dashboard.png)
+  columns         panels per row (default 3)
+
+key=value arguments (kimi/keyvalue.py); a bad argument is one line and exit code 2.
 
 Panels (each drawn only when some run logged its keys; kimi.metrics.read_metrics reads the records):
 

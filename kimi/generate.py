@@ -38,8 +38,9 @@ def load_from_checkpoint(path: str, device: str = "cpu"):
 
     from kimi import checkpoint
     from kimi.cli import RunError
-    from kimi.config import ModelConfig
+    from kimi.config import ModelConfig, check_sizes
     from kimi.data import Tokenizer
+    from kimi.model.footprint import check_fits
 
     ckpt = Path(path)
     if (ckpt / checkpoint.COMPLETE).is_file():  # a checkpoint named directly: it must be intact
@@ -57,7 +58,15 @@ def load_from_checkpoint(path: str, device: str = "cpu"):
         else:
             ckpt = latest.path
     saved = checkpoint.read_trainer_state(ckpt)
-    model = KimiModel(ModelConfig(**saved["config"]["model"])).to(device)
+    cfg = ModelConfig(**saved["config"]["model"])
+    try:  # sizes no model has: a damaged or forged checkpoint, refused like one
+        check_sizes(cfg)
+    except ConfigError as e:
+        raise RunError(f"checkpoint {ckpt} is damaged: its config has {e}") from None
+    for where in dict.fromkeys(["cpu", str(device)]):  # built in fp32 on the CPU, then moved to the device
+        check_fits(cfg, 4, where, f"fp32 weights on {where}",
+                   "device=cpu" if where != "cpu" else "a machine with more memory")
+    model = KimiModel(cfg).to(device)
     state = get_model_state_dict(model)
     checkpoint.load_model(ckpt, state)
     set_model_state_dict(model, state)

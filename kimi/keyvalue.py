@@ -6,8 +6,9 @@ writes one, `runs=[a,b]`; a value is split from its key at the first '='."""
 from __future__ import annotations
 
 import difflib
+import textwrap
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from kimi.config import ConfigError
 
@@ -77,3 +78,19 @@ def one_of(*choices: str) -> Callable[[str], str]:
             raise ValueError(f"must be one of {', '.join(choices)}")
         return text
     return pick
+
+
+def table(rows: Sequence[Tuple[str, str]], width: int = 16, line: int = 110) -> str:
+    """The keys of a command's --help, as kimi.generate's lists them: two spaces, the key padded to `width`,
+    its description wrapped beside it; a longer key has its description on the next line."""
+    out = []
+    indent = " " * (2 + width)
+    for key, text in rows:
+        lines = textwrap.wrap(text, line - len(indent), break_long_words=False,
+                              break_on_hyphens=False) or [""]
+        if len(key) + 2 > width:
+            out.append(f"  {key}".rstrip())
+        else:
+            out.append(f"  {key:<{width}}{lines.pop(0)}".rstrip())
+        out += [indent + rest for rest in lines]
+    return "\n".join(out)

@@ -394,6 +394,28 @@ class ProgressWindow:
     def add(self, loss: float) -> None:
         self.losses.append(loss)
 
+    def due(self, step: int, out: Dict[str, Any], log_every: int) -> Tuple[Optional[str], Dict[str, Any]]:
+        """(the console text due after `step`, or None; its metrics record, or {}): the progress line and its
+        record every log_every steps and at the end, and after a start's first step its pace (first_step)."""
+        if step % log_every == 0 or step == self.max_steps:
+            line, record, note = self.report(step, out)
+            return (line if note is None else f"{line}\n{note}"), record
+        if step == self.start_step + 1:  # a slow run's pace at once, not after log_every steps
+            return self.first_step(step, log_every), {}
+        return None, {}
+
+    def first_step(self, step: int, log_every: int) -> str:
+        """The line after a start's first step, before its first progress line: a slow run (a large model on
+        a CPU) says at once how fast it goes and when it ends, not after log_every steps. The window goes on
+        (its line and record at log_every are unchanged). This step includes one-off work (allocations, the
+        kernels' first calls), so its ETA is an upper bound."""
+        took = time.perf_counter() - self.t0
+        seconds = f"{took:.2f} s" if took < 60 else format_duration(took)
+        eta = format_duration(took * (self.max_steps - step))
+        return (f"[kimi] step {step}/{self.max_steps} took {seconds} (start-up work included): "
+                f"{format_count(self.tokens_per_step / took)} tok/s, ETA {eta} at that pace; a progress line "
+                f"every {log_every} steps follows")
+
     @contextmanager
     def paused(self):
         t = time.perf_counter()
@@ -420,6 +442,20 @@ class ProgressWindow:
             record["peak_memory_gib"] = memory
         self.t0, self.losses = time.perf_counter(), []
         return line, record, note
+
+
+# Parameters from which a run on a CPU gets a note: the presets made for a CPU (tiny, moe_tiny, k3_tiny) have
+# at most 2M, small (126M) and up are sized for GPUs, where their steps take seconds, not minutes.
+CPU_NOTE_PARAMS = 50_000_000
+
+
+def cpu_size_note(device: torch.device, num_params: int) -> Optional[str]:
+    """A note for a GPU-sized model on a CPU (before its first step, which may take minutes), else None."""
+    if device.type != "cpu" or num_params < CPU_NOTE_PARAMS:
+        return None
+    return (f"[kimi] note: {num_params / 1e6:.1f}M parameters on a CPU: a model this size is meant for a GPU "
+            "and its steps take long here (the first step's time and an ETA follow it); the CPU presets are "
+            "model=tiny, moe_tiny and k3_tiny")
 
 
 def _count(meta) -> str:

@@ -34,6 +34,18 @@ def _exit_stopped(signum, frame) -> None:
     raise SystemExit(finish(EXIT_STOPPED, run_dir))  # through every `except Exception` on its way out
 
 
+def stopped_note(step: int, checkpoint, signal_name: Optional[str], trainer) -> str:
+    """The line a run prints when it stops early with a checkpoint (trainer: the config's trainer section):
+    why, and how to go on. At trainer.stop_at_step the same command again would stop at once, so the limit
+    has to move (or go)."""
+    stop_at_step, max_steps = trainer.stop_at_step, trainer.max_steps
+    at_limit = bool(stop_at_step and step >= stop_at_step)
+    why = signal_name or (f"trainer.stop_at_step={stop_at_step}" if at_limit else "a signal on another rank")
+    how = (f"run the same command with trainer.stop_at_step raised (or dropped: on to trainer.max_steps="
+           f"{max_steps}) to resume" if at_limit else "run the same command again to resume")
+    return f"[kimi] stopped at step {step} ({why}); checkpoint {checkpoint}. To go on, {how}."
+
+
 class StopSignals:
     def __init__(self, where: Callable[[], Tuple[int, int]]):
         """where: (this process's rank, the step done so far), for the message a signal prints."""

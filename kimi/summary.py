@@ -396,8 +396,11 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     print a one-line `error: ...` and exit with status 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
-        return __doc__
+        from kimi.config_help import config_help
+
+        text = config_help(__doc__, argv, only=("model", "optim", "trainer", "parallel", "precision"))
+        print(text)
+        return text
     try:
         text = report(summarize(compose_config(argv)))
     except Exception as e:  # noqa: BLE001: Hydra/OmegaConf errors have no common base; ConfigError too

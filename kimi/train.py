@@ -6,9 +6,10 @@ Hydra's multirun runs several jobs one after another in this process, e.g. an ab
 the others, the command exits 1 at the end if one failed, and a signal stops the sweep after the current
 job's checkpoint.
 
-Exit codes (kimi/cli.py): 0 finished, 75 stopped early with a checkpoint (rerun to continue), 2 bad config,
-data or run directory, 1 failure. Under torchrun a stopped run's ranks exit 0 and <run_dir>/exit_code holds
-75 (torchrun would call any other code a failure); the launch scripts exit with it.
+Exit codes (kimi/cli.py): 0 finished, 75 stopped early with a checkpoint (rerun to continue; after
+trainer.stop_at_step with it raised or dropped), 2 bad config, data or run directory, 1 failure. Under
+torchrun a stopped run's ranks exit 0 and <run_dir>/exit_code holds 75 (torchrun would call any other code a
+failure); the launch scripts exit with it.
 
 The configs come from kimi.conf_dir: a checkout's conf/, else the installed package's (Hydra's pkg://).
 """
@@ -58,12 +59,28 @@ def main() -> None:
     hydra.main(version_base="1.3", config_path=search_path(), config_name="config")(job)()
 
 
+USAGE = """usage: kimi-train [key=value ...]   (in a checkout: python train.py [key=value ...])
+
+Train a Kimi-style model. Each argument is a Hydra override: key=value sets one of the keys below,
+group=name picks a preset (model=small), +experiment=NAME adds an experiment's settings. Hydra's own flags
+still work: -m / --multirun sweeps (key=a,b), --cfg job prints the composed config, --hydra-help lists the
+rest. Put overrides before --help to see the values they give (kimi-train model=small --help).
+
+Exit codes: 0 finished, 75 stopped early with a checkpoint (trainer.stop_at_step or a signal), 2 bad config,
+data or run directory, 1 failure."""
+
+
 def cli() -> None:
     """What `python train.py ...` runs: the overrides are checked first (kimi.cli.check_overrides), so what
     Hydra would refuse with a report of several lines is one line and exit code 2, like every other error."""
     from kimi.cli import check_overrides, finish, run_main
     from kimi.config import register_configs
 
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):  # Hydra's own --help dumps the config unexplained
+        from kimi.config_help import config_help
+
+        print(config_help(USAGE, sys.argv[1:]))
+        sys.exit(0)
     register_configs()  # the schema Hydra checks the overrides against
     code = run_main(lambda: check_overrides(sys.argv[1:]) or 0)
     if code:

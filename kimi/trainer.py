@@ -30,16 +30,18 @@ from kimi.data import prepare
 from kimi.data.streams import rank_streams
 from kimi.diagnostics import Diagnostics
 from kimi.divergence import check_finite
-from kimi.metrics import MetricsLogger, PeakFlops, ProgressWindow, banner, qk_clip_record, tokens_per_step
+from kimi.metrics import (MetricsLogger, PeakFlops, ProgressWindow, banner, cpu_size_note, qk_clip_record,
+                          tokens_per_step)
 from kimi.model import KimiModel
 from kimi.model.decode import sample_text
+from kimi.model.footprint import check_training_fits
 from kimi.parallel import (ParallelDims, build_engine, checkpoint_group, fault_tolerance, init_distributed,
                            mean_over_ranks, resolve_device, setup_group)
 from kimi.parallel.watchdog import Watchdog
 from kimi.profiling import StepProfiler
 from kimi.resume import checkpoint_to_resume, load_weights, resume, weights_to_start_from
 from kimi.runlog import RunLog, data_identity, nothing_to_train, save_config, write_routing
-from kimi.signals import StopSignals
+from kimi.signals import StopSignals, stopped_note
 from kimi.validation import validate
 
 
@@ -47,6 +49,7 @@ class Trainer:
     def __init__(self, cfg: Union[Config, DictConfig, Dict[str, Any]]):
         self.cfg = cfg = to_config(cfg)
         validate(cfg)
+        check_training_fits(cfg, resolve_device(cfg.trainer.device))  # one line, not an allocator's traceback
         # A scheduler's SIGTERM while the run starts (data, model, resume) is kept, not fatal: the run stops
         # with a checkpoint after its first step. Ctrl-C still interrupts the start at once.
         self.step, self.rank = 0, int(os.environ.get("RANK", "0"))
@@ -243,9 +246,9 @@ class Trainer:
     def _loop(self) -> Dict[str, Any]:
         t = self.cfg.trainer
         peak = PeakFlops(self.device, t.peak_flops, self.dims.world)  # MFU over all devices
-        self.log(peak.describe() + "\n" + ProgressWindow.header(t.log_every))
-        if note := self.diagnostics.note():
-            self.log(note)
+        notes = (peak.describe(), ProgressWindow.header(t.log_every),
+                 cpu_size_note(self.device, self.num_params[0]), self.diagnostics.note())
+        self.log("\n".join(note for note in notes if note))
         if self.step == 0 and t.eval_every:  # the starting point of the validation curve
             self._validate_and_report({"step": 0})
         window = ProgressWindow(peak, self.metrics.tokens_per_step, self.flops_per_token, self.step,
@@ -258,10 +261,10 @@ class Trainer:
             if self.watchdog is not None:
                 self.watchdog.progress(self.step)
             window.add(out["loss"])
-            record: Dict[str, Any] = {}
-            if self.step % t.log_every == 0 or self.step == t.max_steps:
-                line, record, note = window.report(self.step, out)
-                self.log(line if note is None else f"{line}\n{note}")
+            text, record = window.due(self.step, out, t.log_every)
+            if text:
+                self.log(text)
+            if record:
                 record.update(qk_clip_record(self.engine.qk_clip_stats))
             if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps:
                 with window.paused():  # throughput is about training only
@@ -281,10 +284,7 @@ class Trainer:
                 with window.paused():
                     last_saved = self.save_checkpoint(wait=last)
             if stop:
-                why = self.signals.received or ("a signal on another rank" if not t.stop_at_step
-                                                else f"trainer.stop_at_step={t.stop_at_step}")
-                self.log(f"[kimi] stopped at step {self.step} ({why}); checkpoint {last_saved}. Run the same "
-                         "command again to resume.")
+                self.log(stopped_note(self.step, last_saved, self.signals.received, t))
                 return {"finished": False, "step": self.step, "val_loss": self._last_val}
         return {"finished": True, "step": self.step, "val_loss": self._last_val}
 

@@ -4,9 +4,13 @@ tables among them.
 
     python -m kimi.wandb_offline run=RUN_DIR [json=OUT]
 
-key=value arguments (kimi/keyvalue.py): run, the run directory; json, a file to write the summary to as well.
-Besides the keys: the charts' x axis the run defines (tokens, kimi.metrics.tokens_axis) and its artifacts,
-the checkpoints among them (logging.wandb.log_checkpoints).
+  run             the run directory (required)
+  json            a file to write the summary to as well, as JSON
+
+key=value arguments (kimi/keyvalue.py); a bad argument is one line and exit code 2.
+
+Besides the logged keys it shows the charts' x axis the run defines (tokens, kimi.metrics.tokens_axis) and
+the run's artifacts, the checkpoints among them (logging.wandb.log_checkpoints).
 
 The ``.wandb`` file is a LevelDB-style log (wandb 0.31 has no Python reader of its own; its Go core writes the
 file): a 7-byte header, then 32 KiB blocks of chunks, each [crc32 of type + data (4), length (2), type (1):

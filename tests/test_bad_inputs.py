@@ -433,7 +433,8 @@ RUN_DIR = [
          EXIT_FAILED, ["at step 6: stopping before the update", f"the last complete checkpoint is {STEP}4",
                        "lower optim.lr"]),
     case("stop_at_step", as_is, ["trainer.max_steps=8", "trainer.stop_at_step=5", KEEP], EXIT_STOPPED,
-         [f"stopped at step 5 (trainer.stop_at_step=5); checkpoint {STEP}5", "Run the same command again"]),
+         [f"stopped at step 5 (trainer.stop_at_step=5); checkpoint {STEP}5",
+          "To go on, run the same command with trainer.stop_at_step raised (or dropped"]),
     case("finished run rerun", as_is, ["trainer.max_steps=4"], EXIT_OK,
          ["run already complete at step 4 (trainer.max_steps=4)", "raise trainer.max_steps"]),
 ]

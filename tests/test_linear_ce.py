@@ -2,16 +2,18 @@
 the model's loss path (KimiModel(ids, labels=...)) against lm_loss of its logits."""
 
 import copy
-import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kimi.model import KimiModel, lm_loss
-from kimi.ops.linear_ce import chunk_tokens, linear_cross_entropy
+from kimi.config import ConfigError
+from kimi.ops.linear_ce import CHUNK_MIB, chunk_tokens, linear_cross_entropy
 from kimi.parallel.checkpointing import apply_activation_checkpointing
 from kimi.summary import compose_config
+from kimi.validation import validate
 
 pytestmark = pytest.mark.unit
 
@@ -37,14 +39,15 @@ def grads(loss_fn, h, w, y, scale=1.0):
     return loss.detach(), h.grad, w.grad
 
 
-@pytest.mark.parametrize("chunk", [0, 1, 7, 64, 1000])
-def test_fused_equals_fp64_definition(chunk):
+@pytest.mark.parametrize("chunk,chunk_bytes", [(0, CHUNK_MIB << 20), (1, 0), (7, 0), (64, 0), (1000, 0),
+                                               (0, 4 * 100 * 8), (0, 4 * 100 * 8 - 1)])
+def test_fused_equals_fp64_definition(chunk, chunk_bytes):
     torch.manual_seed(0)
     h, w = torch.randn(3, 37, 16, dtype=torch.float64), torch.randn(100, 16, dtype=torch.float64)
     y = torch.randint(0, 100, (3, 37))
     y[0, :5] = -100  # ignored, as F.cross_entropy's default ignore_index
     want = grads(reference, h, w, y, scale=2.5)
-    got = grads(lambda *a: linear_cross_entropy(*a, chunk=chunk), h, w, y, scale=2.5)
+    got = grads(lambda *a: linear_cross_entropy(*a, chunk=chunk, chunk_bytes=chunk_bytes), h, w, y, scale=2.5)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
@@ -99,16 +102,42 @@ def test_without_gradients_only_the_loss():
         torch.testing.assert_close(linear_cross_entropy(h, w, y, chunk=9), F.cross_entropy(h @ w.T, y))
 
 
+PRESETS = Path(__file__).resolve().parents[1] / "conf" / "model"
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in PRESETS.glob("*.yaml")))
+def test_chunks_are_sized_by_bytes_for_the_presets(preset):
+    """The default chunk of every preset's vocabulary is the largest power of two of tokens whose fp32 logits
+    fit model.loss_chunk_mib, and it stops growing with the sequence: the loss's peak is a constant per
+    step, not a cost per token (presets without a vocabulary take the tokenizer's: 32k as `small`'s). The
+    160k-vocabulary presets take 512 MiB: each chunk is a pass over the head's weight gradient, which 64
+    tokens a chunk would repeat 64 times at 4,096 tokens."""
+    m = compose_config([f"model={preset}"]).model
+    vocab, budget = m.vocab_size or 32768, m.loss_chunk_mib << 20
+    assert budget == (512 << 20 if vocab >= 100_000 else CHUNK_MIB << 20)
+    c = chunk_tokens(1 << 20, vocab, budget)
+    assert c >= 512, c
+    assert c & (c - 1) == 0 and c * 4 * vocab <= budget < 2 * c * 4 * vocab
+    assert chunk_tokens(2048, vocab, budget) == chunk_tokens(1 << 16, vocab, budget) == c
+    assert chunk_tokens(c // 2 + 1, vocab, budget) == c  # a sequence within one chunk is one chunk
+
+
 def test_chunk_rule():
-    """Chunks as large as the hidden states or 512 MiB of fp32 logits, whichever is more, powers of two."""
-    assert chunk_tokens(16384, 2048, 32768) == 4096  # 1b at 16k tokens: 4 chunks of 512 MiB of logits
-    assert chunk_tokens(262144, 2304, 163840) == 4096  # a 256k-token shard at Kimi's vocabulary: 64 chunks
-    assert chunk_tokens(100, 64, 32) == 128  # everything in one chunk
-    for n, d, v in [(1, 8, 1000), (4096, 768, 32768), (333, 128, 2048), (1 << 20, 4096, 200000)]:
-        c = chunk_tokens(n, d, v)
-        by_size, floor = math.ceil(n / math.ceil(v / d)), (512 << 20) // (4 * v)
-        assert c & (c - 1) == 0 and 1 <= c < 2 * n and c < 2 * max(by_size, floor, 1)
-        assert c >= min(n, max(by_size, floor))
+    assert chunk_tokens(16384, 32768) == 512  # small and 1b: 64 MiB of fp32 logits per chunk
+    assert chunk_tokens(262144, 163840) == 64  # Kimi's vocabulary: 102 tokens fit, a power of two below
+    assert chunk_tokens(262144, 163840, 512 << 20) == 512
+    assert chunk_tokens(100, 32) == 128  # everything in one chunk
+    assert chunk_tokens(4096, 1 << 25, 1 << 20) == 1  # a budget below one token's logits: one token
+
+
+def test_loss_chunk_mib_reaches_the_head_and_is_validated():
+    cfg = compose_config(["model=small", "model.vocab_size=32768", "model.loss_chunk_mib=8"])
+    assert cfg.model.loss_chunk_mib == 8
+    with torch.device("meta"):
+        assert KimiModel(cfg.model).lm_head.chunk_bytes == 8 << 20
+    cfg.model.loss_chunk_mib = 0
+    with pytest.raises(ConfigError, match=r"model\.loss_chunk_mib"):
+        validate(cfg)
 
 
 @pytest.mark.parametrize("residual", ["attnres_block", "attnres_full", "standard"])

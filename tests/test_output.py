@@ -112,6 +112,22 @@ def test_progress_line_shows_the_labelled_window_mean_of_metrics_jsonl(tmp_path,
     for step, _, loss, _ in lines:
         assert loss == round(logged[step], 4)
     assert "loss(avg 3) " in out and "| loss(avg 1)" not in out
+    # the first step's time and an ETA at once, before the first progress line (step 3), and only then
+    first = [line for line in out.splitlines() if line.startswith("[kimi] step 1/7 took ")]
+    assert len(first) == 1, out
+    assert re.search(r" tok/s, ETA \d+m\d\ds at that pace; a progress line every 3 steps", first[0]), first
+    assert out.index(first[0]) < out.index("step 3/7 |") and "[kimi] step 2/7 took" not in out
+    assert "[kimi] note:" not in out  # a 2-block model is no GPU-sized one
+
+
+@pytest.mark.unit
+def test_a_gpu_sized_model_on_a_cpu_gets_a_note():
+    import torch
+
+    note = metrics.cpu_size_note(torch.device("cpu"), 125_600_000)
+    assert note.startswith("[kimi] note: 125.6M parameters on a CPU") and "model=tiny" in note
+    assert metrics.cpu_size_note(torch.device("cpu"), 1_470_000) is None  # model=tiny
+    assert metrics.cpu_size_note(torch.device("cuda"), 125_600_000) is None
 
 
 @pytest.mark.unit

@@ -77,3 +77,24 @@ def test_roofline_prices_the_step(family):
     forward = {x["module"]: x["compute_s"] + x["memory_s"] for x in roof["gpus"]["H200"]["forward_time_by_module"]}
     assert forward["model"] > 0 and forward["mixer"] > 0
     assert 0.2 < sum(forward.values()) / roof["gpus"]["H200"]["predicted_step_s"] < 1
+
+
+def test_the_host_audit_counts_the_ops_a_cuda_step_dispatches():
+    """bench/host_audit.py's eager count (--parts host): on the meta device, dispatched as on CUDA, a tiny
+    step reaches the Triton custom ops (not the CPU fallbacks), counts views apart from launches, and grows
+    with depth; the proxy keeps a preset's depth and heads and narrows its widths."""
+    import host_audit
+
+    def count(*extra):
+        cfg = step_audit.compose([*step_audit.FAMILIES["tiny"], "model.attention_backend=triton", *extra])
+        return host_audit.eager_on_meta(cfg, 64, step_audit.build, step_audit.batch, step_audit.loss_of,
+                                        repeats=1)
+
+    two, four = count("model.num_layers=2"), count("model.num_layers=4")
+    assert {"kda_chunk_fwd", "kda_chunk_bwd"} <= set(two["custom_ops"]), two["custom_ops"]
+    assert 0 < two["launches"] < two["ops"] and 1.6 < four["ops"] / two["ops"] < 2.4, (two, four)
+    cfg = step_audit.compose(step_audit.FAMILIES["1b"])
+    proxy = step_audit.compose([*step_audit.FAMILIES["1b"], *host_audit.proxy_overrides(cfg)])
+    assert (proxy.model.num_layers, proxy.model.kda_num_heads, proxy.model.mla_num_heads) == (
+        cfg.model.num_layers, cfg.model.kda_num_heads, cfg.model.mla_num_heads)
+    assert proxy.model.d_model * 8 <= cfg.model.d_model

@@ -7,8 +7,8 @@
     python -m kimi.ablate report docs=true    # the same, and the section into docs/ablations.md
     python -m kimi.ablate list                # the experiments and their arms
 
-Options are key=value, as every kimi command's (the older --seeds 1 2 3 / --dry-run / --docs flags are still
-read); Hydra overrides for every run go after `--`.
+Options are key=value, as every kimi command's (the older --flag spellings are still read); Hydra overrides
+for every run go after `--`.
 
 An experiment is a Hydra config, ``conf/experiment/<NAME>.yaml``: it includes the study's scale
 (``conf/ablate/study.yaml``) and lists its arms (``conf/ablate/<NAME>/<ARM>.yaml``, each the overrides that
@@ -18,7 +18,7 @@ runs instead as subprocesses of train.py, one after another, into the same run d
 (``<root>/<NAME>/<ARM>_seed<N>``), and resumes a study that was stopped: a run whose final checkpoint (at
 trainer.max_steps) is complete is done and skipped, a run stopped half-way resumes from its newest
 checkpoint, and a run that failed (its ``exit_code`` file says 1 or 2: a diverged lr) is skipped unless
-``--retry-failed``. A run started with another trainer.max_steps (an earlier ``--steps``) is refused rather
+``retry_failed=true``. A run started with another trainer.max_steps (an earlier ``steps=``) is refused rather
 than stretched. Ctrl-C lets the current run save a checkpoint, then stops the study.
 
 Any other key in ``hydra.sweeper.params`` is a sweep run on the first seed only (``ablate_optimizer``'s
@@ -39,7 +39,7 @@ report is redrawn, in a fresh clone. A run whose config and seed equal a finishe
 ``report`` reads the records (and run directories that have none yet) and writes, per experiment,
 ``<out>/<NAME>.json`` and ``<out>/<NAME>.png`` (validation loss per arm, mean +- std over seeds),
 ``<out>/cost_vs_loss.png`` over all experiments, and ``<out>/README_section.md``, which it also prints
-(docs/ablations.md says what each number means); ``--docs`` also puts that section into docs/ablations.md,
+(docs/ablations.md says what each number means); ``docs=true`` also puts that section into docs/ablations.md,
 between its two markers, with the plots linked from there.
 """
 
@@ -89,34 +89,58 @@ def as_flags(argv: List[str]) -> List[str]:
     return out
 
 
+def _parser() -> argparse.ArgumentParser:
+    """The options, in the --flag form as_flags writes; their help is --help's key=value table (help_text)."""
+    parser = argparse.ArgumentParser(prog="python -m kimi.ablate", description=__doc__,
+                                     usage="python -m kimi.ablate NAME [NAME ...] [key=value ...] "
+                                           "[-- OVERRIDE ...] (--help lists the keys)",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="+", metavar="NAME",
+                        help="experiments (conf/experiment/ablate_*.yaml) or all; report [NAME...]; list")
+    parser.add_argument("--seeds", type=int, nargs="+",
+                        help="the seeds, e.g. [1,2,3] (default: the experiment file's)")
+    parser.add_argument("--steps", type=int, help="trainer.max_steps of every run (default: the study's 600)")
+    parser.add_argument("--arms", nargs="+", help="run only these arms, e.g. [standard,attnres_block]")
+    parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="the runs' directory (runs/ablate)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help="each finished run's record (<out>/runs/NAME/), and the report's JSON, PNGs and "
+                             "results section (bench/results/ablations)")
+    parser.add_argument("--docs", type=Path, nargs="?", const=DOCS_PAGE, metavar="PAGE",
+                        help="report: true also puts the section into docs/ablations.md, a path into that "
+                             "page, between its markers")
+    parser.add_argument("--dry-run", action="store_true", help="list the runs and their state; train nothing")
+    parser.add_argument("--quiet", action="store_true", help="train.py's output only in each run's train.log")
+    parser.add_argument("--retry-failed", action="store_true", help="rerun failed runs (exit code 1 or 2)")
+    return parser
+
+
+def help_text(parser: argparse.ArgumentParser) -> str:
+    """--help: the module's usage, then each option as its key (OPTIONS) with the help its --flag has."""
+    from kimi import keyvalue
+
+    key = {flag: k for k, flag in OPTIONS.items()}
+    rows = [("NAME", parser._actions[1].help)]  # the positional names, after argparse's own -h
+    for action in parser._actions[2:]:
+        text = f"true: {action.help}" if action.nargs == 0 else action.help
+        rows.append((key[action.option_strings[0]], text))
+    return f"{__doc__.strip()}\n\nKeys:\n{keyvalue.table(rows)}"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     overrides: List[str] = []
     if "--" in argv:
         i = argv.index("--")
         argv, overrides = argv[:i], argv[i + 1:]
+    parser = _parser()
+    if "-h" in argv or "--help" in argv:
+        print(help_text(parser))
+        return 0
     try:
         argv = as_flags(argv)
     except AblateError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    parser = argparse.ArgumentParser(prog="python -m kimi.ablate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("names", nargs="+", metavar="NAME",
-                        help="experiments (conf/experiment/ablate_*.yaml) or all; report [NAME...]; list")
-    parser.add_argument("--seeds", type=int, nargs="+", help="seeds (default: the experiment file's, 1 2 3)")
-    parser.add_argument("--steps", type=int, help="trainer.max_steps of every run (default: the study's 600)")
-    parser.add_argument("--arms", nargs="+", help="run only these arms")
-    parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="the runs' directory (runs/ablate)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help="each finished run's record (<out>/runs/NAME/), and the report's JSON, PNGs and "
-                             "results section (bench/results/ablations)")
-    parser.add_argument("--docs", type=Path, nargs="?", const=DOCS_PAGE, metavar="PAGE",
-                        help="report: also put the section into this page (default docs/ablations.md), "
-                             "between its markers")
-    parser.add_argument("--dry-run", action="store_true", help="list the runs and their state; train nothing")
-    parser.add_argument("--quiet", action="store_true", help="train.py's output only in each run's train.log")
-    parser.add_argument("--retry-failed", action="store_true", help="rerun failed runs (exit code 1 or 2)")
     args = parser.parse_args(argv)
     try:
         if args.names[0] == "list":

@@ -1,5 +1,5 @@
 """The report of an ablation study: per-arm statistics over seeds, the plots and the results section
-(README_section.md, and with --docs the generated part of docs/ablations.md)."""
+(README_section.md, and with docs=true the generated part of docs/ablations.md)."""
 
 from __future__ import annotations
 

@@ -362,8 +362,8 @@ def run_study(names: Sequence[str], root: Path, out: Path, seeds: Optional[Seque
             started = started_steps(run.dir)
             if st in ("partial", "failed") and started not in (None, max_steps):
                 raise AblateError(f"{run.dir} was started with trainer.max_steps={started}, this study runs "
-                                  f"{max_steps}: resuming would stretch its schedule. Use another --root (or "
-                                  "the same --steps), or move that run away")
+                                  f"{max_steps}: resuming would stretch its schedule. Use another root= (or "
+                                  "the same steps=), or move that run away")
             if st == "done" or (st == "failed" and not retry_failed):
                 counts["done" if st == "done" else "skipped"] += 1
                 why = ("" if st == "done" else

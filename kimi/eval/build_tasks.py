@@ -1,7 +1,9 @@
 """The data of the shipped lm-eval tasks (kimi/eval/tasks/*.jsonl), built from the default corpus's held-out
 works.
 
-    python -m kimi.eval.build_tasks            # rewrites kimi/eval/tasks/lastword.jsonl and cloze.jsonl
+    python -m kimi.eval.build_tasks [out=DIR]   # rewrites kimi/eval/tasks/lastword.jsonl and cloze.jsonl
+
+  out             the directory to write the two files into (default kimi/eval/tasks; a bare DIR is read too)
 
 The default job (conf/data/shakespeare.yaml: data.source=shakespeare, data.val_fraction=0.05) holds out two
 of the complete works, Hamlet and the Sonnets (kimi.data.sources.hold_out, a fixed seed): a model trained
@@ -95,5 +97,19 @@ def main(out: Path = TASKS_DIR) -> int:
     return 0
 
 
+def cli(argv: list[str]) -> int:
+    """The command line: --help, out=DIR, or the older bare DIR."""
+    from kimi import keyvalue
+    from kimi.cli import run_main
+
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return 0
+    if len(argv) == 1 and "=" not in argv[0] and not argv[0].startswith("-"):
+        argv = [f"out={argv[0]}"]
+    return run_main(lambda: main(keyvalue.parse(argv, {"out": Path}, "kimi.eval.build_tasks")
+                                 .get("out", TASKS_DIR)))
+
+
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1]) if len(sys.argv) > 1 else TASKS_DIR))
+    sys.exit(cli(sys.argv[1:]))

@@ -65,6 +65,11 @@ def evaluate(lm, names: list[str], limit: int | None = None, num_fewshot: int | 
                                        task_manager=manager, log_samples=False, bootstrap_iters=0,
                                        random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                                        fewshot_random_seed=seed)
+    except ValueError as e:  # random.sample's, when lm-eval draws more examples than a task holds
+        if num_fewshot and "larger than population" in str(e):
+            raise ConfigError(f"num_fewshot={num_fewshot} is more examples than a task of {','.join(names)} "
+                              "has to draw its few-shot examples from: give a smaller num_fewshot") from None
+        raise
     finally:
         logging.getLogger("lm_eval").setLevel(level)
 

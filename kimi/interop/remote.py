@@ -22,11 +22,12 @@ from typing import Iterable, Tuple
 
 import torch
 
-from kimi.config import ModelConfig
+from kimi.config import ModelConfig, check_sizes
 from kimi.folders import require_inside
 from kimi.interop.remote_code import write_sources
 from kimi.interop.trust import write_record
 from kimi.model import KimiModel
+from kimi.model.footprint import check_fits
 
 MODEL_TYPE = "kimi_hybrid"
 PREFIX = "model."
@@ -143,8 +144,14 @@ def load_remote(directory: str | Path, config: dict, dtype: torch.dtype = torch.
         extra = sorted(set(fields or {}) - known) if isinstance(fields, dict) else "none"
         raise ValueError(f"{directory / 'config.json'}: kimi_model is not this kimi's model settings (unknown: "
                          f"{extra}); read it with the kimi version that exported it")
+    cfg = ModelConfig(**fields)
+    try:
+        check_sizes(cfg)
+    except ValueError as e:
+        raise ValueError(f"{directory / 'config.json'}: kimi_model: {e}") from None
+    check_fits(cfg, dtype.itemsize, "cpu", f"{dtype} weights", "a machine with more memory")
     with torch.device("meta"):
-        model = KimiModel(ModelConfig(**fields))
+        model = KimiModel(cfg)
     model = model.to_empty(device="cpu").to(dtype)
     if model.cfg.tie_embeddings:  # to_empty gives each module a tensor of its own: tie them again
         model.lm_head.weight = model.embed.weight

@@ -27,34 +27,9 @@ from typing import Callable, Sequence
 
 import torch
 
+from kimi.ops.attnres.reference import depth_attention, depth_weights  # noqa: F401 (the model's names)
+
 from .norm import rms_norm
-
-
-def depth_weights(query: torch.Tensor, sources: Sequence[torch.Tensor], eps: float) -> torch.Tensor:
-    """Softmax over sources of query . RMSNorm(v_i), per token: [N, *batch] fp32 (fp64 for fp64 input).
-
-    The key norm has no learnable weight. The paper's pseudocode passes an RMSNorm module, but a per-layer
-    weight gamma would be redundant: w . (gamma * n(v)) = (w * gamma) . n(v), so the pseudo-query already
-    spans every such scaling, and with w initialised to zero gamma would get no gradient at the start
-    anyway. No 1/sqrt(d) and no temperature either: the query's norm is the temperature, learned.
-    """
-    keys = rms_norm(torch.stack(list(sources)), eps)  # normalised only to score; values stay raw
-    return (keys @ query.to(keys.dtype)).softmax(dim=0)
-
-
-def depth_attention(query: torch.Tensor | None, sources: Sequence[torch.Tensor], eps: float) -> torch.Tensor:
-    """sum_i softmax_i(query . RMSNorm(v_i)) v_i, mixed in fp32 and returned in the sources' dtype.
-
-    query None is allowed with a single source (weight 1 whatever the query: the model gives the very first
-    sublayer no query because its gradient would be identically zero).
-    """
-    if query is None:
-        if len(sources) != 1:
-            raise ValueError(f"a sublayer without a pseudo-query must have exactly 1 source, got {len(sources)}")
-        return sources[0]
-    weights = depth_weights(query, sources, eps)
-    values = torch.stack(list(sources)).to(weights.dtype)
-    return (weights.unsqueeze(-1) * values).sum(dim=0).to(sources[0].dtype)
 
 
 # A site mixes 1 to N + 1 sources under Block AttnRes (N blocks) and up to 2L + 1 under Full AttnRes: dynamo
@@ -106,7 +81,7 @@ def depth_mix(backend: str, compiled: bool) -> Callable:
     unfused = compiled_depth_attention() if compiled or backend == "compile" else depth_attention
     if backend in ("torch", "compile"):
         return unfused
-    from kimi.ops.attnres import FusedDepthMix  # kimi.ops.attnres imports this module
+    from kimi.ops.attnres import FusedDepthMix  # imports triton's wrappers: only when asked for
 
     return FusedDepthMix(backend, fallback=unfused)
 

@@ -3,13 +3,9 @@
 import torch
 from torch import nn
 
+from kimi.ops.norm import rms_norm
+
 from .views import ParamViews
-
-
-def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) over the last dim, in fp32 (fp64 stays fp64); returns the compute dtype."""
-    x = x.float() if x.dtype != torch.float64 else x
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 class RMSNorm(ParamViews, nn.Module):

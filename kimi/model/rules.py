@@ -9,8 +9,8 @@ import os
 
 import torch
 
-from kimi.config import (Config, ModelConfig, check, check_choices, check_finite, check_positive, mixer_pattern,
-                         require)
+from kimi.config import (Config, ModelConfig, check, check_choices, check_finite, check_positive,
+                         check_sizes, mixer_pattern, require)
 from kimi.ops.kda.chunk import TRITON_MAX_HEAD_DIM
 
 from .registry import mixer_classes, mlp_class, mlp_kinds
@@ -18,6 +18,7 @@ from .registry import mixer_classes, mlp_class, mlp_kinds
 
 def validate_model(m: ModelConfig) -> None:
     """The model section's own rules (all a model needs to build, also outside the trainer)."""
+    check_sizes(m)
     check_choices(m, "model")
     check_finite(m, "model")
     check_positive(m, "model", ("d_model", "num_layers", "kda_num_heads", "kda_head_dim", "mla_num_heads",
@@ -38,7 +39,9 @@ def validate_model(m: ModelConfig) -> None:
     check(m.kda_gate_lower_bound is None or m.kda_gate_lower_bound < 0, "model.kda_gate_lower_bound",
           m.kda_gate_lower_bound, "must be negative (Kimi K3: -5), or null for Kimi Linear's unbounded gate")
     check(m.loss_chunk >= -1, "model.loss_chunk", m.loss_chunk,
-          "must be -1 (plain loss), 0 (chunk picked from the shapes) or a number of tokens per chunk")
+          "must be -1 (plain loss), 0 (chunk sized by model.loss_chunk_mib) or a number of tokens per chunk")
+    check(m.loss_chunk_mib >= 1, "model.loss_chunk_mib", m.loss_chunk_mib,
+          "must be >= 1 (MiB of fp32 logits per loss chunk; 64 holds 512 tokens at a 32k vocabulary)")
     check(m.q_lora_rank >= 0, "model.q_lora_rank", m.q_lora_rank, "must be >= 0 (0 = no query compression)")
     check(m.qk_rope_head_dim >= 0 and m.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim",
           m.qk_rope_head_dim, "must be an even number >= 0 (0 = NoPE)")

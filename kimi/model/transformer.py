@@ -13,7 +13,7 @@ from torch import nn
 
 from kimi.config import ModelConfig
 from kimi.ops.documents import cu_seqlens_from_starts
-from kimi.ops.linear_ce import linear_cross_entropy
+from kimi.ops.linear_ce import CHUNK_MIB, linear_cross_entropy
 
 from .attnres import depth_mix, make_stream, resume_stream
 from .cache import InferenceCache
@@ -97,12 +97,13 @@ class Block(Runners, ParamViews, nn.Module):
 
 class LMHead(nn.Linear):
     """The output projection to the vocabulary; given labels, the mean cross-entropy instead of the logits,
-    computed chunk by chunk (kimi.ops.linear_ce) unless `chunk` is -1. A module call either way, so every
-    engine's hooks (FSDP, ZeRO-3) see the weight gathered."""
+    computed chunk by chunk (kimi.ops.linear_ce: `chunk` tokens, or 0: as many as `chunk_mib` MiB of fp32
+    logits hold) unless `chunk` is -1. A module call either way, so every engine's hooks (FSDP, ZeRO-3)
+    see the weight gathered."""
 
-    def __init__(self, d_model: int, vocab: int, chunk: int):
+    def __init__(self, d_model: int, vocab: int, chunk: int, chunk_mib: int = CHUNK_MIB):
         super().__init__(d_model, vocab, bias=False)
-        self.chunk = chunk
+        self.chunk, self.chunk_bytes = chunk, chunk_mib << 20
         self.vocab_parallel = False  # set by tensor parallelism, whose plan shards the logits
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -110,7 +111,7 @@ class LMHead(nn.Linear):
             return super().forward(hidden)
         if self.chunk < 0:
             return lm_loss(super().forward(hidden), labels)
-        return linear_cross_entropy(hidden, self.weight, labels, self.chunk)
+        return linear_cross_entropy(hidden, self.weight, labels, self.chunk, self.chunk_bytes)
 
 
 class KimiModel(Runners, ParamViews, nn.Module):
@@ -141,7 +142,7 @@ class KimiModel(Runners, ParamViews, nn.Module):
         self.mtp = nn.ModuleList([MTPLayer(cfg.d_model, cfg.norm_eps, mtp_block(cfg))
                                   for _ in range(cfg.mtp_layers)]) if cfg.mtp_layers else None
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, cfg.loss_chunk)
+        self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, cfg.loss_chunk, cfg.loss_chunk_mib)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         if not self.embed.weight.is_meta:  # on the meta device there is nothing to fill (see materialize)

@@ -12,11 +12,11 @@ can be read (not on meta or fake tensors, where the whole row is taken, an upper
 
 Registered here (importing kimi.ops does it), where torch 2.13 counts 0: torch._grouped_mm (the MoE
 experts), the CPU SDPA kernel (attention on CPU) and triangular solves (the PyTorch KDA chunk path's).
-Registered by the modules that define them (register_attention_ops, register_kda_ops; load_kernel_formulas
-loads both): the Triton attention and KDA ops. The fused gates and L2 norms (kimi::kda_gate_*,
-kimi::l2norm_*) are elementwise and have none. The AttnRes depth mix (aten.mv on the PyTorch path, the
-fused kimi::attnres_mix) stays at 0, as the declared count leaves it out (under 1% of every preset's step:
-tests/test_flop_count.py).
+Registered by the modules that define them (register_attention_ops, register_kda_ops: importing
+kimi.ops.attention.triton.op and kimi.ops.kda.triton.op does it): the Triton attention and KDA ops. The
+fused gates and L2 norms (kimi::kda_gate_*, kimi::l2norm_*) are elementwise and have none. The AttnRes
+depth mix (aten.mv on the PyTorch path, the fused kimi::attnres_mix) stays at 0, as the declared count
+leaves it out (under 1% of every preset's step: tests/test_flop_count.py).
 """
 
 from __future__ import annotations
@@ -182,10 +182,3 @@ def register_kda_ops() -> None:
     _register([ops.kda_chunk_fwd], kda_chunk_flops)
     _register([ops.kda_chunk_bwd], kda_chunk_backward_flops)
     _register([ops.kda_recurrent_fwd, ops.kda_recurrent_fwd_], kda_recurrent_flops)
-
-
-def load_kernel_formulas() -> None:
-    """Define the Triton ops now, and with them their formulas: FlopCounterMode copies torch's registry when
-    it is created, while kimi imports these modules (and triton) only on a kernel's first use."""
-    from kimi.ops.attention.triton.op import flash_attention_op  # noqa: F401
-    from kimi.ops.kda.triton.op import kda_chunk_fwd  # noqa: F401

@@ -18,7 +18,6 @@ F.cross_entropy) do not count; the mean is over the rest.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
@@ -27,18 +26,20 @@ from kimi.ops import autocast_dtype
 IGNORE_INDEX = -100
 
 
-# A chunk may always hold this many bytes of fp32 logits: with fewer, the per-chunk passes over the [vocab, d]
-# fp32 weight gradient (read and written once per chunk) cost more memory traffic than the head's matmuls.
-LOGITS_FLOOR_BYTES = 512 * 2**20
+# The default of model.loss_chunk_mib: MiB of fp32 logits a chunk may hold (512 tokens at a 32k vocabulary, 64
+# at a 160k one: powers of two). A chunk's peak is about 1.5 times that (its logits are made in the matmul
+# dtype and copied to fp32, its fp32 gradient copied back), a constant once the sequence is longer than one
+# chunk. Each chunk costs a pass over the [vocab, d] fp32 weight gradient (about 12 vocab d bytes with the
+# product's copy); at an H200's datasheet peaks the head's matmuls (6 tokens d vocab FLOPs) outlast it from
+# about 400 tokens per chunk, so a large vocabulary wants a larger budget where memory allows.
+CHUNK_MIB = 64
 
 
-def chunk_tokens(tokens: int, d_model: int, vocab: int) -> int:
-    """Tokens per chunk: enough that the chunk's logits are about as large as all the hidden states (Liger's
-    rule: ceil(vocab / d_model) chunks) or hold LOGITS_FLOOR_BYTES in fp32, whichever is more; a power of
-    two, at most the next one above `tokens`."""
-    by_size = math.ceil(tokens / max(1, math.ceil(vocab / d_model)))
-    want = max(1, by_size, LOGITS_FLOOR_BYTES // (4 * vocab))
-    return min(_pow2(want), _pow2(tokens))
+def chunk_tokens(tokens: int, vocab: int, budget_bytes: int = CHUNK_MIB << 20) -> int:
+    """Tokens per chunk: the most whose fp32 logits fit in `budget_bytes`, rounded down to a power of two (at
+    least 1), and at most the next power of two above `tokens` (a short sequence is one chunk)."""
+    fit = max(1, budget_bytes // (4 * vocab))
+    return min(1 << (fit.bit_length() - 1), _pow2(tokens))
 
 
 def _pow2(n: int) -> int:
@@ -104,14 +105,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         chunk: int = 0) -> torch.Tensor:
-    """Mean cross-entropy of F.linear(hidden, weight) against labels, chunk tokens at a time (0: chunk_tokens).
+                         chunk: int = 0, chunk_bytes: int = CHUNK_MIB << 20) -> torch.Tensor:
+    """Mean cross-entropy of F.linear(hidden, weight) against labels, chunk tokens at a time (0: as many as
+    chunk_bytes of fp32 logits hold, chunk_tokens).
 
     hidden [..., d], weight [vocab, d], labels [...] with hidden's leading shape."""
     h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     if h.shape[0] != y.shape[0]:
         raise ValueError(f"linear_cross_entropy: {h.shape[0]} hidden states for {y.shape[0]} labels")
-    chunk = chunk or chunk_tokens(h.shape[0], weight.shape[1], weight.shape[0])
+    chunk = chunk or chunk_tokens(h.shape[0], weight.shape[0], chunk_bytes)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(h, weight, y, chunk)
     dtype = _compute_dtype(hidden, weight)

@@ -44,6 +44,11 @@ def cli() -> None:
     from kimi.config import register_configs
 
     register_configs()  # the schema Hydra checks the overrides against
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):  # before Hydra, which cannot parse them
+        from kimi.config_help import config_help
+
+        print(config_help(__doc__, sys.argv[1:], only=("data",)))
+        sys.exit(0)
     sys.exit(run_main(lambda: check_overrides(sys.argv[1:]) or main(sys.argv[1:])))
 
 

@@ -23,10 +23,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from kimi.model.attnres import depth_attention
 from kimi.ops.dispatch import Guard, auto_picks_triton, needs_grad
 
-from .reference import mix_then_norm
+from .reference import depth_attention, mix_then_norm
 
 BACKENDS = ("triton", "fla", "auto")
 _GUARD = Guard("attnres depth mix", "model.attnres_backend=triton")
