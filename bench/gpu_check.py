@@ -90,7 +90,7 @@ PLANTED_HANG = "import time; print('planted hang (--plant-hang)', flush=True); t
 # call with room to rerun part of it); the rest are for a second call (--steps ...).
 STEPS = {
     "kda_check": ("bf16 KDA Triton ops vs fp64 at 1b's heads", 50),
-    "train": ("1b training, compiled bf16: tokens/s, MFU, memory, a profiled step", 140),
+    "train": ("1b training, compiled bf16: tokens/s, MFU, memory, a profiled step", 150),
     "peer": ("torchtitan's Llama and dense_1b beside train's 1b", 120),
     "attention_auto": ("what model.attention_backend=auto picks per shape", 50),
     "train_fp8": ("1b with fp8 (rowwise) against train's bf16", 110),
@@ -109,7 +109,8 @@ DRY_CAP, DRY_TOTAL = 600, 3600
 PREDICTED = {
     "kda_check": (30, "2026-12-04: ours done in 25 s from cold caches (fla-core's chunk_kda rows took over "
                       "85 s more, its autotuning: --step-args kda_check=--check-fla adds them)"),
-    "train": (120, "2026-12-04: 119 s, twice (start and compile, then 2 + 10 timed + 1 profiled steps)"),
+    "train": (130, "2026-12-04: 119 s, twice (start and compile, then 2 + 10 timed + 1 profiled steps), "
+                   "and more compilation since: the pre-norm joined the depth mix's graphs (estimate)"),
     "peer": (95, "2026-12-04: dense_1b's command 89 s with 1b reused; torchtitan 0.3.0 does not import on "
                  "the image's torch 2.11 (seconds to find out; where it does, as long again)"),
     "attention_auto": (40, "2026-12-04: the first of 6 shapes (both backends compiled and timed) took most "
