@@ -285,6 +285,8 @@ def predicted_ms(N: int, T: int, D: int, bandwidth: float) -> float | None:
 def gpu_check(args) -> dict:
     """Per number of sources: errors against fp64 and milliseconds of each way (module docstring); written
     to args.out after each, so a run cut short keeps what it measured."""
+    from step_audit import GPUS
+
     from kimi.ops.attnres.fla import missing
 
     device = "cpu" if args.dry_run else "cuda"
@@ -318,8 +320,6 @@ def gpu_check(args) -> dict:
             row["ms"][name] = timed(lambda: fn(query, sources, EPS, weight, EPS).backward(dy), leaves, device)
             print(f"[{time.perf_counter() - start:.0f} s] {N} sources, {name}: {row['ms'][name]:.3f} ms",
                   flush=True)
-        from step_audit import GPUS
-
         row["predicted_ms"] = predicted_ms(N, T, D, GPUS["H200"]["bandwidth"])
         result["rows"].append(row)
         print(row, flush=True)

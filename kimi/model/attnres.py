@@ -27,9 +27,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from kimi.ops.attnres.reference import depth_attention, depth_weights  # noqa: F401 (the model's names)
-
-from .norm import rms_norm
+from kimi.ops.attnres.reference import depth_attention, depth_weights, mix_then_norm  # noqa: F401
 
 
 # A site mixes 1 to N + 1 sources under Block AttnRes (N blocks) and up to 2L + 1 under Full AttnRes: dynamo
@@ -42,7 +40,8 @@ def compiled_depth_attention() -> Callable:
     """depth_attention through torch.compile (what parallel.compile=true gives the streams): the stacks, key
     norms, scores, softmax and weighted sum become a few fused kernels instead of a dozen elementwise passes
     over every source (bench/step_audit.py's roofline: the largest memory-bound cost of an unfused step)."""
-    compiled, compiled_normed = torch.compile(depth_attention), torch.compile(depth_attention_normed)
+    # mix_then_norm: depth_attention, then RMSNorm's forward with the norm's weight and eps
+    compiled, compiled_normed = torch.compile(depth_attention), torch.compile(mix_then_norm)
 
     def mix(query: torch.Tensor | None, sources: Sequence[torch.Tensor], eps: float) -> torch.Tensor:
         if query is None:
@@ -59,13 +58,6 @@ def compiled_depth_attention() -> Callable:
 
     mix.normed = normed  # what mix_normed calls when a norm follows
     return mix
-
-
-def depth_attention_normed(query: torch.Tensor | None, sources: Sequence[torch.Tensor], eps: float,
-                           weight: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    """kimi.model.norm.RMSNorm's forward (this weight and eps) on depth_attention's output."""
-    h = depth_attention(query, sources, eps)
-    return (rms_norm(h, norm_eps) * weight).to(h.dtype)
 
 
 def depth_mix(backend: str, compiled: bool) -> Callable:
