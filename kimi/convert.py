@@ -1,11 +1,13 @@
-"""Checkpoints to and from Hugging Face `transformers`' Kimi Linear (`KimiLinearForCausalLM`), and Kimi K3's layout.
+"""Checkpoints to and from Hugging Face `transformers`' Kimi Linear (`KimiLinearForCausalLM`), and Kimi K3's
+layout.
 
     python -m kimi.convert to-hf run=RUN_DIR out=HF_DIR [layout=release|save_pretrained|k3] [shard_gb=5]
                                  [mxfp4_experts=true | remote_code=true] [overwrite=true]
     python -m kimi.convert from-hf hf=HF_DIR run=RUN_DIR
 
 key=value as every kimi command; the positional form with --flags (to-hf RUN_DIR HF_DIR --layout k3 ...,
-from-hf HF_DIR RUN_DIR) is still read.
+from-hf HF_DIR RUN_DIR) is deprecated: it is still read, and says on stderr the key=value command it stands
+for. The layouts are kimi.interop.layouts' registry; reading and writing a folder, kimi.interop.hf_folder.
 
 from-hf makes a new run directory from a transformers Kimi Linear directory: RUN_DIR/init (a weights-only
 checkpoint, fp32), RUN_DIR/model/hf.yaml (the model settings) and RUN_DIR/tokenizer.model, a copy of the
@@ -35,8 +37,8 @@ kimi_k3 reads; from-hf and load_hf read it (a config.json with text_config) as w
 With its own modeling code (kimi.interop.remote), HF_DIR holds config.json (`auto_map`),
 configuration_kimi.py, modeling_kimi.py and the kimi modules they import (our own model's code, its imports
 made relative), and our tensors as safetensors: `AutoModelForCausalLM.from_pretrained(HF_DIR,
-trust_remote_code=True)` runs our forward and our cached decoding (generate()); remote_code=true writes any model
-so (our forward exactly, where transformers' class differs by its MLA latent norm eps). Either way to-hf
+trust_remote_code=True)` runs our forward and our cached decoding (generate()); remote_code=true writes any
+model so (our forward exactly, where transformers' class differs by its MLA latent norm eps). Either way to-hf
 writes the run's tokenizer for `AutoTokenizer.from_pretrained(HF_DIR)` (kimi.interop.tokenizer_files:
 tokenizer.json, tokenizer_config.json and the run's own file), and from-hf and load_hf read such a directory
 back, bit for bit.
@@ -54,206 +56,15 @@ the trained model (whose experts computed with exactly those values). transforme
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
-import torch
 
-from kimi.config import ModelConfig, check_sizes
-from kimi.interop.hf import LAYOUTS, NotExpressible, file_map, in_layout, model_fields, release_config
-from kimi.interop.k3 import Constant, is_k3, k3_config, k3_file_map, k3_model_fields
-from kimi.interop.remote import is_remote, load_remote, save_remote, shard_files, write_shards
-from kimi.model import KimiModel
-from kimi.model.footprint import check_fits
+from kimi.interop import layouts
+from kimi.interop.hf import NotExpressible
+from kimi.interop.hf_folder import load_hf, save_hf
+from kimi.interop.remote import save_remote
 
-
-class _LazyTensors:
-    """Tensors of a safetensors directory (one file, or shards and their index) by name, each read from disk
-    when asked for and not kept."""
-
-    def __init__(self, directory: Path):
-        from safetensors import safe_open
-
-        self._where = {}
-        for path in shard_files(directory):
-            try:
-                with safe_open(path, framework="pt") as f:
-                    self._where.update({key: path for key in f.keys()})
-            except Exception as e:  # safetensors' own error type: a damaged header or a short file
-                raise ValueError(f"{path} is not a readable safetensors file ({e}): truncated or "
-                                 "damaged (an interrupted download or copy?); fetch it again") from None
-
-    def get(self, names) -> tuple[str, torch.Tensor] | None:
-        """(the first of `names` the directory holds, its tensor), or None; NAME.weight may be held as MXFP4
-        (NAME.weight_packed and NAME.weight_scale, mxfp4_experts=true), returned dequantised (fp32)."""
-        from safetensors import safe_open
-
-        for key in names:
-            if key in self._where:
-                with safe_open(self._where[key], framework="pt") as f:
-                    return key, f.get_tensor(key)
-            packed, scale = (key.removesuffix(".weight") + s for s in (".weight_packed", ".weight_scale"))
-            if key.endswith(".weight") and packed in self._where and scale in self._where:
-                from kimi.precision.mxfp4 import dequantize
-
-                with safe_open(self._where[packed], framework="pt") as f, \
-                        safe_open(self._where[scale], framework="pt") as g:
-                    return packed, dequantize(f.get_tensor(packed), g.get_tensor(scale))
-        return None
-
-
-def read_hf_config(directory: Path) -> dict:
-    """config.json of a Kimi Linear directory as it is: model_fields reads its layouts and names a missing
-    key where transformers' AutoConfig would fill in its defaults (another model than the weights')."""
-    if not directory.is_dir():
-        raise ValueError(f"{directory}: no such directory (give a local Kimi Linear directory; download a "
-                         "Hub repository first, e.g. hf download REPO --local-dir DIR)")
-    path = directory / "config.json"
-    if not path.is_file():
-        raise ValueError(f"{directory}: no config.json (a Kimi Linear directory has config.json and "
-                         "safetensors weights)")
-    return _read_json(path)
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}): damaged; fetch it again") from None
-
-
-def _fits(found: torch.Size, expected: torch.Size) -> bool:
-    """Whether a file tensor of shape `found` holds ours of shape `expected`: the same dims apart from 1s,
-    or, for a vector of ours (A_log, dt_bias), any shape of its size (the releases and the loaders
-    disagree on them: A_log as [H] or [1, 1, H, 1], dt_bias as [H*K] or [H, K]) or a longer vector (K3's
-    zero-padded A_log; _unpad checks the padding)."""
-    found_dims, dims = [d for d in found if d != 1], [d for d in expected if d != 1]
-    if found.numel() == expected.numel():
-        return found_dims == dims or len(dims) <= 1
-    return len(dims) <= 1 and len(found_dims) <= 1 and found.numel() > expected.numel()
-
-
-def _unpad(name: str, tensor: torch.Tensor, numel: int) -> torch.Tensor:
-    """The first `numel` values of file tensor `name`, whose others must be the padding's zeros."""
-    flat = tensor.reshape(-1)
-    if flat[numel:].any():
-        raise ValueError(f"tensor {name} has {flat.numel()} values where the config makes {numel}, and the rest "
-                         "are not zero padding: the weights and config.json are of different models")
-    return flat[:numel]
-
-
-def _layout_of(config: dict):
-    """(ModelConfig fields, file map of a ModelConfig) of a config.json: K3's layout or Kimi Linear's."""
-    if is_k3(config):
-        return k3_model_fields(config), k3_file_map
-    return model_fields(config), file_map
-
-
-def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> KimiModel:
-    """Our model with the weights of a Kimi Linear directory (config.json + safetensors, as released or
-    as save_pretrained writes it), in eval mode; tensors are read one at a time. Bad input raises ValueError
-    with a one-line message."""
-    directory = Path(directory)
-    hf = read_hf_config(directory)
-    if is_remote(hf):
-        return load_remote(directory, hf, dtype)
-    try:
-        fields, mapping = _layout_of(hf)
-        cfg = ModelConfig(**fields)
-        check_sizes(cfg)
-    except NotExpressible:
-        raise
-    except ValueError as e:
-        raise ValueError(f"{directory / 'config.json'}: {e}") from None
-    check_fits(cfg, dtype.itemsize, "cpu", f"{dtype} weights", "a machine with more memory")
-    with torch.device("meta"):
-        model = KimiModel(cfg)
-    model = model.to_empty(device="cpu").to(dtype)
-    if cfg.tie_embeddings:  # to_empty gives each module a tensor of its own: tie them again
-        model.lm_head.weight = model.embed.weight
-    model.init_buffers()
-    own = model.state_dict()
-    tensors = _LazyTensors(directory)
-    done = set()
-    with torch.no_grad():
-        for theirs, mine, index, _ in mapping(cfg):
-            if isinstance(mine, Constant):  # no tensor of ours comes from it (kimi.interop.k3)
-                continue
-            found = tensors.get(dict.fromkeys(in_layout(theirs, layout) for layout in LAYOUTS))
-            tied = cfg.tie_embeddings and mine == "lm_head.weight"  # the embedding, filled before
-            if found is None and tied:
-                continue
-            if found is None:
-                raise ValueError(f"{directory}: no tensor {theirs} (a Kimi Linear checkpoint of this config "
-                                 "has one); is it a Kimi Linear directory, and its config.json this one's?")
-            name, tensor = found
-            target = own[mine] if index is None else own[mine][index]
-            if not _fits(tensor.shape, target.shape):
-                raise ValueError(f"{directory}: tensor {name} has shape {list(tensor.shape)}, config.json "
-                                 f"makes it {list(target.shape)}: the weights and config.json are of "
-                                 "different models (or the file is damaged)")
-            if tied and not torch.equal(tensor.reshape(target.shape).to(dtype), target):
-                raise ValueError(f"{directory}: config.json ties the embeddings (tie_word_embeddings), but "
-                                 f"{name} is not model.embed_tokens.weight: set tie_word_embeddings false")
-            target.copy_(_unpad(name, tensor, target.numel()).reshape(target.shape))
-            done.add(mine)
-    filled = {own[name].data_ptr() for name in done}  # a tied lm_head is the embedding, filled with it
-    missing = {name for name, t in own.items() if t.data_ptr() not in filled}
-    if missing:
-        raise ValueError(f"{directory}: nothing filled {sorted(missing)[:5]}")
-    return model.eval()
-
-
-def _tensors(model: KimiModel, layout: str, mxfp4_experts: bool):
-    """(file name, tensor) of every tensor save_hf writes, the routed experts' as MXFP4 if asked."""
-    state = model.state_dict()
-    entries = k3_file_map(model.cfg) if layout == "k3" else file_map(model.cfg, layout)
-    for name, mine, index, shape in entries:
-        if isinstance(mine, Constant):
-            yield name, torch.full(mine.shape, mine.value, dtype=next(iter(state.values())).dtype)
-            continue
-        tensor = state[mine] if index is None else state[mine][index]
-        tensor = _to_file_shape(tensor, shape).detach().cpu().contiguous()
-        if mine == "lm_head.weight" and model.cfg.tie_embeddings:  # safetensors refuses two names for one storage
-            tensor = tensor.clone()
-        if mxfp4_experts and ".experts.w_" in mine:
-            from kimi.precision.mxfp4 import quantize
-
-            packed, scale = quantize(tensor)
-            yield name.removesuffix(".weight") + ".weight_packed", packed
-            yield name.removesuffix(".weight") + ".weight_scale", scale
-        else:
-            yield name, tensor
-
-
-def _to_file_shape(tensor: torch.Tensor, shape) -> torch.Tensor:
-    """Our tensor as the file holds it: reshaped, or a vector zero-padded to a longer one (K3's A_log)."""
-    if not shape:
-        return tensor
-    if len(shape) == 1 and shape[0] > tensor.numel():
-        return torch.cat([tensor.reshape(-1), tensor.new_zeros(shape[0] - tensor.numel())])
-    return tensor.reshape(shape)
-
-
-def save_hf(model: KimiModel, directory: str | Path, shard_bytes: int = 5 * 2**30,
-            layout: str = "release", mxfp4_experts: bool = False) -> Path:
-    """config.json and safetensors shards of `model` in the released checkpoints' layout, which
-    transformers loads as KimiLinearForCausalLM (and vLLM, mlx-lm read); layout="save_pretrained": the
-    tensor names transformers' save_pretrained writes instead (kimi.interop.hf.LAYOUTS). mxfp4_experts: the
-    routed experts' weights as MXFP4 (module docstring)."""
-    directory = Path(directory)
-    cfg = model.cfg
-    config = dict(k3_config(cfg) if layout == "k3" else release_config(cfg),  # refuses before writing
-                  dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
-    if mxfp4_experts:
-        if not cfg.moe_num_experts:
-            raise ValueError("mxfp4_experts=true: this model has no routed experts (model.moe_num_experts=0)")
-        config["mxfp4_experts"] = {"block_size": 32, "elements": "E2M1, two per uint8, even element in the "
-                                   "low nibble", "scale": "E8M0 (uint8, 2^(s-127)) per block of the last dim"}
-    directory.mkdir(parents=True, exist_ok=True)
-    write_shards(_tensors(model, layout, mxfp4_experts), directory, shard_bytes)
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return directory
+__all__ = ["from_hf", "load_hf", "main", "save_hf", "to_hf"]  # load_hf and save_hf: kimi.interop.hf_folder
 
 
 def from_hf(hf_dir: str | Path, run_dir: str | Path) -> list[str]:
@@ -288,7 +99,8 @@ def from_hf(hf_dir: str | Path, run_dir: str | Path) -> list[str]:
                 raise DataError(f"it is {what}, not a tokenizer file")
             tokenizer = Tokenizer(found[0])
         except DataError as e:
-            lines.append(f"[kimi] {found[0]} not copied: {e}; train with data.tokenizer.model_path=<a tokenizer>")
+            lines.append(f"[kimi] {found[0]} not copied: {e}; train with "
+                         "data.tokenizer.model_path=<a tokenizer>")
     if tokenizer is not None and tokenizer.vocab_size > model.cfg.vocab_size:
         raise ValueError(f"{found[0]} has {tokenizer.vocab_size} tokens, more than the model's vocabulary "
                          f"({model.cfg.vocab_size}): it is not this model's tokenizer")
@@ -297,23 +109,28 @@ def from_hf(hf_dir: str | Path, run_dir: str | Path) -> list[str]:
         extra["tokenizer_sha256"] = tokenizer.copy_to(run_dir / "tokenizer.model").sha256
     checkpoint.save_weights(run_dir / "init", model.state_dict(), {"model": fields}, extra)
     (run_dir / "model").mkdir(exist_ok=True)
-    (run_dir / "model" / "hf.yaml").write_text(
-        f"# {hf_dir}, converted by python -m kimi.convert from-hf\n" + OmegaConf.to_yaml({**fields, "name": "hf"}))
+    (run_dir / "model" / "hf.yaml").write_text(f"# {hf_dir}, converted by python -m kimi.convert from-hf\n"
+                                               + OmegaConf.to_yaml({**fields, "name": "hf"}))
     data = f" data.tokenizer.model_path={run_dir / 'tokenizer.model'}" if tokenizer is not None else ""
-    lines += [f"[kimi] wrote {run_dir}/init ({model.num_params():,} parameters, fp32) and {run_dir}/model/hf.yaml",
-              f"[kimi] train from it: python train.py --config-dir {run_dir} model=hf hydra.run.dir={run_dir}{data}"]
+    lines += [f"[kimi] wrote {run_dir}/init ({model.num_params():,} parameters, fp32) and "
+              f"{run_dir}/model/hf.yaml",
+              f"[kimi] train from it: python train.py --config-dir {run_dir} model=hf "
+              f"hydra.run.dir={run_dir}{data}"]
     return lines
 
 
-def _to_hf(run: str, out: str, shard_gb: float, layout: str, mxfp4_experts: bool = False,
-           remote_code: bool = False, overwrite: bool = False) -> int:
+def to_hf(run: str, out: str, layout: str = layouts.DEFAULT, shard_gb: float = 5.0,
+          mxfp4_experts: bool = False, remote_code: bool = False, overwrite: bool = False) -> int:
+    """`to-hf` (module docstring), whichever grammar gave its arguments; prints what it wrote, returns 0."""
     from kimi.generate import load_from_checkpoint
 
     from kimi.interop.publish import check_target, fresh_folder
     from kimi.interop.tokenizer_files import check_packages, write_tokenizer
 
-    if remote_code and (layout != "release" or mxfp4_experts):
-        raise ValueError("remote_code=true writes our own tensors and modeling code: drop layout= / mxfp4_experts=")
+    if remote_code and (layout != layouts.DEFAULT or mxfp4_experts):
+        raise ValueError("remote_code=true writes our own tensors and modeling code: drop layout= / "
+                         "mxfp4_experts=")
+    chosen = layouts.get(layout)
     check_target(Path(out), overwrite, Path(run))  # before the checkpoint is read
     model, tokenizer, step = load_from_checkpoint(run)
     check_packages(tokenizer)
@@ -324,21 +141,19 @@ def _to_hf(run: str, out: str, shard_gb: float, layout: str, mxfp4_experts: bool
             try:
                 save_hf(model, directory, int(shard_gb * 2**30), layout, mxfp4_experts)
             except NotExpressible as e:
-                if layout != "release" or mxfp4_experts:  # those layouts are the native class's own
+                if not chosen.falls_back or mxfp4_experts:  # the other layouts (and MXFP4) refuse
                     raise
-                why = f"not for KimiLinearForCausalLM ({e})"
+                why = f"{chosen.falls_back} ({e})"
         if why is not None:
             special = {f"{k}_token_id": i for k, i in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id))
                        if i >= 0}
             save_remote(model, directory, int(shard_gb * 2**30), special)
             print(f"[kimi] {why}: written with its own modeling code, which transformers runs with "
                   "trust_remote_code=True")
-            layout = "remote code"
+            chosen = layouts.REMOTE_CODE
         files = write_tokenizer(tokenizer, directory)
-    what = ("; routed experts as MXFP4, which transformers does not read" if mxfp4_experts
-            else " in Kimi K3's layout" if layout == "k3" else "" if layout == "remote code"
-            else " for KimiLinearForCausalLM")
-    print(f"[kimi] wrote {out} (step {step}): config.json and safetensors{what} ({layout} layout), "
+    what = "; routed experts as MXFP4, which transformers does not read" if mxfp4_experts else chosen.wrote
+    print(f"[kimi] wrote {out} (step {step}): config.json and safetensors{what} ({chosen.name} layout), "
           f"and the tokenizer ({', '.join(files)})")
     return 0
 
@@ -350,7 +165,7 @@ def _key_value(argv: list[str]) -> dict:
 
     command, rest = argv[0], argv[1:]
     if command == "to-hf":
-        keys = {"run": str, "out": str, "layout": keyvalue.one_of(*sorted([*LAYOUTS, "k3"])),
+        keys = {"run": str, "out": str, "layout": keyvalue.one_of(*sorted(layouts.LAYOUTS)),
                 "shard_gb": keyvalue.positive_float, "mxfp4_experts": keyvalue.boolean,
                 "remote_code": keyvalue.boolean, "overwrite": keyvalue.boolean}
         required = ("run", "out")
@@ -364,7 +179,7 @@ def _key_value(argv: list[str]) -> dict:
     return args
 
 
-USAGE = {"to-hf": "to-hf run=RUN_DIR out=HF_DIR [layout=release|save_pretrained|k3] [shard_gb=5] "
+USAGE = {"to-hf": f"to-hf run=RUN_DIR out=HF_DIR [layout={'|'.join(layouts.LAYOUTS)}] [shard_gb=5] "
                   "[mxfp4_experts=true] [remote_code=true] [overwrite=true]",
          "from-hf": "from-hf hf=HF_DIR run=RUN_DIR"}
 
@@ -376,7 +191,7 @@ def _run(body) -> int:
 
     try:
         return body()
-    except Exception as e:  # noqa: BLE001: anything unknown is re-raised below
+    except Exception as e:  # noqa: BLE001 (anything unknown is re-raised below)
         code = exit_code_for(e)
         if code is None and isinstance(e, ValueError):
             code = EXIT_BAD_INPUT
@@ -386,24 +201,38 @@ def _run(body) -> int:
         return code
 
 
+def _command(command: str, args: dict) -> int:
+    """`to-hf` or `from-hf` with its arguments under their key=value names, from either grammar."""
+    if command == "from-hf":
+        print("\n".join(from_hf(args["hf"], args["run"])))
+        return 0
+    return to_hf(**args)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """The command line: key=value (USAGE), or the positional form with --flags (argparse below)."""
+    """The command line: key=value (USAGE), or the deprecated positional form with --flags (argparse below),
+    which says on stderr the key=value command it stands for."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if "-h" in argv or "--help" in argv:
         print(help_text(argv[0] if argv and argv[0] in USAGE else None))
         return 0
     if argv and argv[0] in USAGE and any("=" in a and not a.startswith("-") for a in argv[1:]):
-        def body() -> int:
-            args = _key_value(argv)
-            if argv[0] == "from-hf":
-                print("\n".join(from_hf(args["hf"], args["run"])))
-                return 0
-            return _to_hf(args["run"], args["out"], args.get("shard_gb", 5.0), args.get("layout", "release"),
-                          args.get("mxfp4_experts", False), args.get("remote_code", False),
-                          args.get("overwrite", False))
+        return _run(lambda: _command(argv[0], _key_value(argv)))
+    parser, commands = _parser()
+    args = vars(parser.parse_args(argv))
+    command = args.pop("command")
+    print("warning: the positional form of kimi.convert is deprecated; write "
+          + _as_key_value(command, args, commands), file=sys.stderr, flush=True)
+    return _run(lambda: _command(command, args))
 
-        return _run(body)
-    return _flags_main(argv)
+
+def _as_key_value(command: str, args: dict, commands: dict) -> str:
+    """The key=value command that parsed positional arguments `args` stand for, defaults left out."""
+    import shlex
+
+    words = [f"{key}={'true' if value is True else f'{value:g}' if isinstance(value, float) else value}"
+             for key, value in args.items() if value != commands[command].get_default(key)]
+    return " ".join(["python -m kimi.convert", command, *map(shlex.quote, words)])
 
 
 def _parser():
@@ -419,10 +248,9 @@ def _parser():
     to_hf.add_argument("out", help="the transformers directory to write (HF_DIR)")
     to_hf.add_argument("--shard-gb", type=float, default=5.0,
                        help="largest safetensors file (GiB; default 5)")
-    to_hf.add_argument("--layout", choices=sorted([*LAYOUTS, "k3"]), default="release",
-                       help="tensor names: the released Kimi Linear checkpoints' (default; what every loader "
-                            "reads), the ones transformers' save_pretrained writes (dense MLP under "
-                            "block_sparse_moe), or Kimi K3's (kimi_k3: text_config, language_model.)")
+    to_hf.add_argument("--layout", choices=sorted(layouts.LAYOUTS), default=layouts.DEFAULT,
+                       help="tensor names: " + "; ".join(f"{name}: {layout.help}"
+                                                         for name, layout in layouts.LAYOUTS.items()))
     to_hf.add_argument("--mxfp4-experts", action="store_true",
                        help="routed experts' weights as MXFP4 (a run trained with "
                             "precision.qat=mxfp4_experts)")
@@ -454,19 +282,6 @@ def help_text(command: str | None) -> str:
                     for a in sub._actions if a.dest != "help"]
             parts += [f"{name}:", keyvalue.table(rows), ""]
     return "\n".join(parts) + "\nExit codes: 0 done, 2 bad arguments or directory, 1 failure."
-
-
-def _flags_main(argv: list[str]) -> int:
-    args = _parser()[0].parse_args(argv)
-
-    def body() -> int:
-        if args.command == "from-hf":
-            print("\n".join(from_hf(args.hf, args.run)))
-            return 0
-        return _to_hf(args.run, args.out, args.shard_gb, args.layout, args.mxfp4_experts, args.remote_code,
-                      args.overwrite)
-
-    return _run(body)
 
 
 if __name__ == "__main__":

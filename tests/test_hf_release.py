@@ -249,7 +249,7 @@ def test_from_hf_names_what_is_wrong_in_one_line(ckpt, tmp_path, capsys, make):
 
     directory, expected = make(ckpt, tmp_path / "hf")
     capsys.readouterr()
-    code = main(["from-hf", str(directory), str(tmp_path / "run")])
+    code = main(["from-hf", f"hf={directory}", f"run={tmp_path / 'run'}"])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert all(e in err for e in expected), err

@@ -194,7 +194,7 @@ def test_mxfp4_experts_in_k3_layout(tmp_path):
 def test_to_hf_command_writes_a_trained_run_in_k3_layout(tmp_path, data, capsys):
     """`python -m kimi.convert to-hf run=RUN out=OUT layout=k3` on a run trained with K3's parts (at the
     test trainer's size), then from-hf's reader: the checkpoint's weights bit for bit; a missing or unknown
-    key is one line, exit code 2, nothing written."""
+    key is one line, exit code 2, nothing written; the positional form writes the same bytes."""
     from helpers import train_run
 
     from kimi.convert import main
@@ -214,3 +214,10 @@ def test_to_hf_command_writes_a_trained_run_in_k3_layout(tmp_path, data, capsys)
     back = load_hf(out).state_dict()
     for name, tensor in trained.state_dict().items():
         assert torch.equal(back[name], tensor.float()), name
+    # the positional form (deprecated) still writes the same files, with one stderr line naming its key=value
+    old = tmp_path / "old_form"
+    assert main(["to-hf", str(run), str(old), "--layout", "k3"]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: the positional form of kimi.convert is deprecated; write python -m kimi.convert to-hf "
+        f"run={run} out={old} layout=k3"]
+    assert {f.name: f.read_bytes() for f in old.iterdir()} == {f.name: f.read_bytes() for f in out.iterdir()}

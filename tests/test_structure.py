@@ -122,3 +122,36 @@ def test_engines_are_named_only_in_kimi_parallel():
 def test_no_engine_probing_outside_kimi_parallel():
     hits = _outside_parallel(r"getattr\((self\.)?engine\b")
     assert not hits, "call what kimi.parallel.interface.Engine declares:\n" + "\n".join(hits)
+
+
+def test_export_layouts_are_compared_only_in_their_registry():
+    registry = KIMI / "interop" / "layouts.py"
+    pattern = re.compile(r"""\blayout\w*\s*(?:[!=]=|(?:not\s+)?in\s*[(\[{])\s*[rbfu]?["']""")
+    hits = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for path in MODULES.values() if path != registry
+            for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not hits, "ask kimi.interop.layouts' Layout (a new layout is a class there):\n" + "\n".join(hits)
+
+
+def _source_comparisons(tree: ast.AST) -> list[int]:
+    """Lines comparing a ``.source`` attribute with a string literal (or a tuple/list/set of them)."""
+    def literal(node: ast.AST) -> bool:
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(literal(e) for e in node.elts)
+        return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+    def compares(node: ast.Compare) -> bool:
+        sides = [node.left, *node.comparators]
+        attribute = any(isinstance(o, ast.Attribute) and o.attr == "source" for o in sides)
+        return attribute and any(map(literal, sides))
+
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare) and compares(node)]
+
+
+def test_data_sources_are_compared_only_in_their_registry():
+    chain = 'if cfg.source == "hf":\n    x = d.source in ("hf", "files")'
+    assert _source_comparisons(ast.parse(chain)) == [1, 2]
+    registry = KIMI / "data" / "source_registry.py"
+    hits = [f"{path.relative_to(ROOT)}:{n}" for path in MODULES.values() if path != registry
+            for n in _source_comparisons(ast.parse(path.read_text(), str(path)))]
+    assert not hits, ("ask kimi.data.source_registry's DataSource (a new source is a class there):\n"
+                      + "\n".join(hits))

@@ -10,7 +10,7 @@ first 8 KB (:func:`check_file`); after loading, the text column is judged from A
 (:func:`require_string_column`) and only the first non-blank batch is looked at (:func:`require_text`). The
 functions that read whole files to name the culprit (:func:`locate` and the ``_*_problem`` finders it runs)
 are called only once something has already failed: loading, a column check, or the UTF-8 decoding that the
-tokenising pass does anyway (:func:`undecodable_text_error`).
+tokenising pass does anyway (the files source's ``undecodable``, kimi/data/sources.py).
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from kimi.config import DataConfig
 from kimi.data.errors import DataError, one_line
 # Files are opened through open_binary, so they are read as datasets reads them.
-from kimi.data.files import file_format, open_binary, resolve_files
+from kimi.data.files import open_binary
 
 _SNIFF_BYTES = 8192  # how much of each file is looked at for NUL bytes before loading
 # What reading a (possibly compressed) file can raise when the file itself is broken.
@@ -128,25 +127,6 @@ def require_text(docs: datasets.Dataset, where: str) -> None:
 
 
 # -------------------------------------------------------------------------------------------- after a failure
-
-
-def undecodable_text_error(cfg: DataConfig, e: UnicodeDecodeError) -> DataError:
-    """The error for text that turned out not to be UTF-8 while it was being read for tokenising.
-
-    Arrow's JSON and Parquet readers load a string column's bytes unchecked, and checking them at load
-    would read the corpus an extra time; the tokenising pass decodes every document anyway, and only when
-    that fails are the files searched for the culprit.
-    """
-    if cfg.source == "files":
-        files = resolve_files(cfg)
-        fmt = file_format(cfg, files)
-        found = locate(files, fmt, "text" if fmt == "text" else cfg.text_field)
-        if found:
-            return DataError(found)
-        where = f"data.data_files={list(cfg.data_files)}"
-    else:
-        where = f"data.path={cfg.path!r}" if cfg.source == "hf" else f"data.source={cfg.source}"
-    return DataError(f"{where} holds text that is not valid UTF-8 ({one_line(e)}); convert it to UTF-8")
 
 
 def locate(files: List[str], fmt: str, field: str) -> Optional[str]:

@@ -32,11 +32,11 @@ import numpy as np
 import pyarrow.compute as pc
 
 from kimi.config import DataConfig
-from kimi.data.checks import undecodable_text_error
 from kimi.data.encode import Progress, default_num_proc, encode_documents
 from kimi.data.errors import DataError
 from kimi.data.shards import (FORMAT_VERSION, ShardedTokens, ShardWriter, document_index, open_tokens, read_meta,
                               sha256_file, shard_path, token_dtype, write_atomic)
+from kimi.data.source_registry import source_for
 from kimi.data.sources import cache_root, load_documents, source_identity
 from kimi.data.tokenizer import Tokenizer, resolve_model_path, train_tokenizer
 from kimi.folders import require_inside
@@ -252,7 +252,7 @@ def _tokenise(cfg: DataConfig, data_dir: Path, fp: str, limit: bool) -> Prepared
         splits = {split: _write_split(docs, tok, cfg, data_dir, split, base, num_proc)
                   for split, docs in zip(SPLITS, (train_docs, val_docs))}
     except UnicodeDecodeError as e:
-        raise undecodable_text_error(cfg, e) from None
+        raise source_for(cfg).undecodable(e) from None
     manifest = {"format_version": FORMAT_VERSION, "fingerprint": fp,
                 "tokenizer": {"file": "tokenizer.model", "kind": tok.kind, "sha256": tok.sha256,
                               "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "bos_id": tok.bos_id},

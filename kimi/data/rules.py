@@ -6,19 +6,17 @@ import math
 import re
 
 from kimi.config import DataConfig, check, check_choices, check_finite
+from kimi.data.source_registry import names_where, source_for
 
 
 def _check_source(d: DataConfig, key: str) -> None:
-    """Where one source's documents come from (data.*, or a blend entry merged over data.*: key names it)."""
-    if d.source == "hf":
-        check(bool(d.path), f"{key}.path", d.path,
-              "data.source=hf needs a dataset name, e.g. data.path=roneneldan/TinyStories")
-    if d.source == "files":
-        check(bool(d.data_files), f"{key}.data_files", d.data_files,
-              "data.source=files needs a list of local files, e.g. 'data.data_files=[/data/a.txt]'")
-    check(not d.val_split or d.source == "hf", f"{key}.val_split", d.val_split,
-          f"only data.source=hf has named splits (data.source={d.source} holds out data.val_fraction of its "
-          "documents): set data.val_split=null")
+    """Where one source's documents come from (data.*, or a blend entry merged over data.*: key names it);
+    data.source is known (check_choices ran)."""
+    source = source_for(d)
+    source.check(key)
+    check(not d.val_split or source.NAMED_SPLITS, f"{key}.val_split", d.val_split,
+          f"only data.source={' or '.join(names_where('NAMED_SPLITS'))} has named splits "
+          f"(data.source={d.source} holds out data.val_fraction of its documents): set data.val_split=null")
     check(0.0 <= d.val_fraction < 1.0, f"{key}.val_fraction", d.val_fraction, "must be in [0, 1)")
 
 
@@ -42,8 +40,9 @@ def validate_data(d: DataConfig) -> None:
     check_finite(d, "data")
     check(not (d.streaming and d.sources), "data.streaming", d.streaming,
           "a blend (data.sources) is read from prepared shards, not streamed: set data.streaming=false")
-    check(not d.streaming or d.source in ("hf", "files"), "data.streaming", d.streaming,
-          f"only data.source=hf or files can be streamed, not {d.source}: set data.streaming=false")
+    check(not d.streaming or source_for(d).STREAMS, "data.streaming", d.streaming,
+          f"only data.source={' or '.join(names_where('STREAMS'))} can be streamed, not {d.source}: set "
+          "data.streaming=false")
     if d.sources:
         _check_blend(d)
     else:

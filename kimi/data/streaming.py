@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -30,9 +29,9 @@ import torch
 from kimi.config import DataConfig, TrainerConfig
 from kimi.data import sources
 from kimi.data.errors import DataError, one_line
-from kimi.data.files import file_format, resolve_files
 from kimi.data.loader import Batch, TokenLoader
 from kimi.data.shards import sha256_file
+from kimi.data.source_registry import source_for
 from kimi.data.tokenizer import Tokenizer, resolve_model_path, train_tokenizer
 from kimi.ops.documents import doc_starts_after_eos
 
@@ -50,42 +49,17 @@ class StreamingData:
 
 
 def _where(cfg: DataConfig) -> str:
-    return f"data.path={cfg.path!r}" if cfg.source == "hf" else f"data.data_files={list(cfg.data_files or [])}"
+    return source_for(cfg).where()
 
 
 def open_stream(cfg: DataConfig, split: str):
-    """The source's ``split`` as a datasets IterableDataset of rows (data.source=hf: path, subset, revision;
-    files: data_files in their format)."""
-    import datasets
-
-    if cfg.source == "files":
-        files = resolve_files(cfg)
-        fmt = file_format(cfg, files)
-        args, kwargs = (fmt,), {"data_files": files, "split": "train"}
-        if fmt == "text":  # the text builder yields one row per line by default; a file is one document here
-            kwargs["sample_by"] = "document"
-    elif cfg.source == "hf":
-        local = os.path.exists(os.path.expanduser(str(cfg.path)))
-        setting = None if local else sources._offline_setting()
-        reason = None if local or setting else sources.hub_unreachable()
-        if setting or reason:  # a stream reads the hub's files as it goes: no cache can stand in for it
-            raise DataError(f"cannot stream data.path={cfg.path!r}: the Hugging Face hub is offline or unreachable "
-                            f"({f'{setting}=1 is set' if setting else reason}) and a stream reads it while "
-                            "training; use a local dataset directory or files, or data.streaming=false to read "
-                            "the local datasets cache")
-        args, kwargs = (cfg.path, cfg.config), {"split": split, "revision": cfg.revision}
-    else:
-        raise DataError(f"data.streaming reads data.source=hf or files, not {cfg.source!r}: set "
-                        "data.streaming=false")
-    try:
-        return datasets.load_dataset(*args, streaming=True, **kwargs)
-    except Exception as e:  # noqa: BLE001: datasets wraps what went wrong in its own error types
-        raise DataError(f"cannot stream {_where(cfg)}[{split}]: {one_line(e)}; check the source or set "
-                        "data.streaming=false") from e
+    """The source's ``split`` as a datasets IterableDataset of rows (DataSource.stream: data.source=hf: path,
+    subset, revision; files: data_files in their format)."""
+    return source_for(cfg).stream(split)
 
 
 def _texts(cfg: DataConfig, rows) -> Iterator[str]:
-    field = "text" if cfg.source == "files" and file_format(cfg, resolve_files(cfg)) == "text" else cfg.text_field
+    field = source_for(cfg).text_field()
     rows = iter(rows)
     while True:
         try:

@@ -192,8 +192,9 @@ def release_config(m: ModelConfig) -> Dict[str, Any]:
 # a dense block's SwiGLU; from_pretrained converts them. Each sublayer declares its tensors' names in that
 # released layout (HF_NAMES, kimi/model/sublayer.py). save_pretrained writes them back through its MoE
 # rename in reverse, which also catches the dense MLP: model.layers.0.block_sparse_moe.gate_proj, a name
-# other loaders (vLLM, mlx-lm) do not read. LAYOUTS: each layout's renames of the released names.
-LAYOUTS = {"release": (), "save_pretrained": ((".mlp.", ".block_sparse_moe."),)}
+# other loaders (vLLM, mlx-lm) do not read. RENAMES: each Kimi Linear layout's renames of the released names
+# (the layouts themselves, by name, are kimi.interop.layouts).
+RENAMES = {"release": (), "save_pretrained": ((".mlp.", ".block_sparse_moe."),)}
 # One entry per file tensor: (its name, our tensor's name, index into our tensor's first dim or None, the
 # file tensor's shape when it differs from ours: None keeps it).
 FileEntry = Tuple[str, str, Optional[int], Optional[Tuple[int, ...]]]
@@ -201,7 +202,7 @@ FileEntry = Tuple[str, str, Optional[int], Optional[Tuple[int, ...]]]
 
 def in_layout(name: str, layout: str) -> str:
     """A released tensor name as `layout` writes it."""
-    for old, new in LAYOUTS[layout]:
+    for old, new in RENAMES[layout]:
         name = name.replace(old, new)
     return name
 
