@@ -159,7 +159,8 @@ def training_set(ctx: "Context", seq: int, *extra: str) -> list[str]:
     """--set's overrides of a training measurement: the sequence length, compiled on a GPU, this repository's
     text with a 32k vocabulary (the presets' size; the tokenizer trained on ~1 MB has 4096 pieces)."""
     vocab, pieces, compiled = (512, 384, "false") if ctx.dry else (32000, 4096, "true")
-    return ["--set", f"trainer.seq_len={seq}", *extra, f"parallel.compile={compiled}", f"model.vocab_size={vocab}",
+    return ["--set", f"trainer.seq_len={seq}", *extra, f"parallel.compile={compiled}",
+            f"model.vocab_size={vocab}",
             "data=files", f"data.data_files=[{ctx.corpus()}/*.txt]", f"data.cache_dir={ctx.tmp / 'data'}",
             f"data.tokenizer.vocab_size={pieces}", "data.val_fraction=0.15"]
 
@@ -312,7 +313,8 @@ def optim_rows(r: dict, done: dict):
 
 
 def train_rows(r: dict, done: dict):
-    """A row per layout: single, and any other asked for with --step-args (kda_fla: fla-core's KDA kernels)."""
+    """A row per layout: single, and any other asked for with --step-args (kda_fla: fla-core's KDA
+    kernels)."""
     rows, failures = [], []
     for name, (x, *_) in r["layouts"].items():
         row, failed = _train_row(r, x, "" if name == "single" else f" {name}")
@@ -323,7 +325,8 @@ def train_rows(r: dict, done: dict):
 
 def roofline_note(model: str, seq: str, batch: int, device: str) -> str:
     """bench/step_audit.py's prediction for this model, sequence length and GPU, when it has one: the ops of
-    one forward and backward at their datasheet roofline, unfused (an upper bound on fusion's room)."""
+    one forward and backward at their datasheet roofline, unfused (an upper bound on fusion's room), and
+    compiled as parallel.compile=true runs them (bench/compiled_roofline.py) where it was priced."""
     path = ROOT / "bench" / "results" / "step_audit.json"
     family = json.loads(path.read_text())["families"].get(model, {}) if path.exists() else {}
     roof = family.get("roofline") or {}
@@ -331,8 +334,13 @@ def roofline_note(model: str, seq: str, batch: int, device: str) -> str:
     if gpu is None or str(roof.get("T")) != seq:
         return ""
     pred = roof["gpus"][gpu]
-    return (f"; roofline ({gpu}, bench/step_audit.py): {1e3 * batch * pred['predicted_step_s']:.0f} ms without "
-            f"the optimizer, MFU ceiling {100 * pred['mfu_ceiling']:.0f}%")
+    note = (f"; roofline ({gpu}, bench/step_audit.py): {1e3 * batch * pred['predicted_step_s']:.0f} ms "
+            f"without the optimizer, MFU ceiling {100 * pred['mfu_ceiling']:.0f}%")
+    compiled = (family.get("compiled") or {}).get("gpus", {}).get(gpu)
+    if compiled and str(family["compiled"].get("T")) == seq:  # what parallel.compile=true should approach
+        note += (f"; compiled roofline {1e3 * batch * compiled['compiled_step_s']:.0f} ms, MFU ceiling "
+                 f"{100 * compiled['mfu_ceiling']:.0f}%")
+    return note
 
 
 def _train_row(r: dict, x: dict, layout: str):
@@ -374,8 +382,8 @@ def train_fp8_rows(r: dict, done: dict):
         ratio = ("" if name == "bf16" or base is None
                  else f" = {x['tokens_per_s'] / base['tokens_per_s']:.2f}x bf16")
         rows.append((f"train {r['model']} {name}: {r['batch']} x {seq} tokens per step",
-                     f"{x['tokens_per_s']:,.0f} tokens/s{ratio}, MFU {100 * x['mfu']:.1f}% (of the bf16 peak), "
-                     f"peak memory {x['peak_mem_bytes'] / 2**30:.1f} GiB; loss {losses[0]:.3f} -> "
+                     f"{x['tokens_per_s']:,.0f} tokens/s{ratio}, MFU {100 * x['mfu']:.1f}% (of the bf16 "
+                     f"peak), peak memory {x['peak_mem_bytes'] / 2**30:.1f} GiB; loss {losses[0]:.3f} -> "
                      f"{losses[-1]:.3f} ({r['steps']} timed)"))
         if not all(v == v and abs(v) != float("inf") for v in losses):
             failures.append(f"train_fp8 {r['model']} {name}: loss not finite")
@@ -399,8 +407,8 @@ def peer_rows(r: dict, done: dict):
              f"{x['peak_mem_bytes'] / 2**30:.1f} GiB, {1e3 * x['step_s']:.0f} ms per step") for x in runs]
     for a, b in zip(runs[1:], runs):  # dense / torchtitan (the framework), kimi / dense (the blocks)
         rows.append((f"peer {a['role']} / {b['role']} ({a['model']} / {b['model']})",
-                     f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x tokens/s, {a['mfu'] / b['mfu']:.2f}x MFU, "
-                     f"{a['peak_mem_bytes'] / b['peak_mem_bytes']:.2f}x peak memory"))
+                     f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x tokens/s, {a['mfu'] / b['mfu']:.2f}x "
+                     f"MFU, {a['peak_mem_bytes'] / b['peak_mem_bytes']:.2f}x peak memory"))
     if "titan_skipped" in r:  # this machine's torch cannot run the torchtitan carried: said, not failed
         rows.append(("peer torchtitan", f"not run: {r['titan_skipped']}"))
     failures = [f"peer {x['model']}: loss not finite" for x in runs

@@ -23,10 +23,12 @@ labels=...)):
   cores for bf16 matmuls, fp32 non-tensor peak for fp32 ones); the predicted MFU ceiling is the model's
   FLOPs (kimi.summary's count) over the peak, divided by the summed predicted time; the ten memory-bound
   op kinds that cost most are the fusion candidates.
+* compiled (not in the default --parts): the roofline of the step as parallel.compile=true runs it, its
+  compiled regions' elementwise work replaced by the kernels Inductor generates (bench/compiled_roofline.py).
 * host (not in the default --parts): the host side of one micro-batch, eager and compiled, next to the
   roofline's GPU time (bench/host_audit.py says how each is measured and why its proxy is fair).
 
-    python bench/step_audit.py [--families tiny,small] [--quick] [--baseline] [--parts ...,host]
+    python bench/step_audit.py [--families tiny,small] [--quick] [--baseline] [--parts ...,compiled,host]
 
 Writes bench/results/step_audit.json (--baseline: its `baseline` entry, the figures of the tree before a
 change, kept beside the current ones) and prints the tables. --quick: tiny only, short sequences.
@@ -64,22 +66,26 @@ FAMILIES = {
     "standard": ["model=tiny", "model.residual=standard", *VOCAB],
 }
 # (tokens per row at the two memory points, tokens per row of the roofline)
-SHAPES = {"tiny": (256, 512, 4096), "small": (256, 512, 4096), "1b": (128, 256, 4096), "moe": (256, 512, 4096),
+SHAPES = {"tiny": (256, 512, 4096), "small": (256, 512, 4096), "1b": (128, 256, 4096),
+          "moe": (256, 512, 4096),
           "attnres_full": (256, 512, 4096), "standard": (256, 512, 4096)}
 QUICK = (64, 128, 1024)
-# Memory runs in bf16 autocast as the trainer does; --memory-precision fp32 measures fp32 activations instead, an
-# upper bound of bf16's that runs at MKL's speed where the CPU has no bf16 matmul (torch's fallback loops
+# Memory runs in bf16 autocast as the trainer does; --memory-precision fp32 measures fp32 activations instead,
+# an upper bound of bf16's that runs at MKL's speed where the CPU has no bf16 matmul (torch's fallback loops
 # then make a bf16 run of `small` take many minutes)
 PRECISION = "bf16"
 
 aten = torch.ops.aten
-MATMULS = {"mm", "bmm", "_grouped_mm", "addmm", "baddbmm", "convolution", "convolution_backward", "_convolution",
+MATMULS = {"mm", "bmm", "_grouped_mm", "addmm", "baddbmm", "convolution", "convolution_backward",
+           "_convolution",
            "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-           "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention_backward",
+           "_scaled_dot_product_flash_attention_for_cpu_backward",
+           "_scaled_dot_product_flash_attention_backward",
            "_scaled_dot_product_efficient_attention_backward", "_flash_attention_forward",
            "_flash_attention_backward", "_efficient_attention_forward", "_efficient_attention_backward"}
-SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive",
+SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2",
+         "unique_consecutive",
          "equal", "is_nonzero", "repeat_interleave", "bincount", "histc"}
 # fp32 on purpose: (fragment of where it runs, op) -> why
 ALLOWED_FP32 = {
@@ -88,7 +94,8 @@ ALLOWED_FP32 = {
 }
 # host reads on purpose: (fragment of where it runs, op) -> why
 ALLOWED_SYNCS = {
-    ("_adamw_block", "_local_scalar_dense"): "AdamW's step count, a CPU tensor as torch.optim.AdamW keeps it: "
+    ("_adamw_block", "_local_scalar_dense"):
+        "AdamW's step count, a CPU tensor as torch.optim.AdamW keeps it: "
     "reading it does not wait for the GPU",
     ("update_expert_bias", "tolist"): "the MoE balance statistics, one read for all layers per step (the "
     "trainer logs them with the loss, which it reads every step for the non-finite check)",
@@ -202,7 +209,8 @@ def kernel_inputs(seen: Counter):
 
         return original, call
 
-    patches = [(kda_layer, "chunk_kda", ("q", "k", "v", "g", "beta")), (attention_call, "attention", ("q", "k", "v"))]
+    patches = [(kda_layer, "chunk_kda", ("q", "k", "v", "g", "beta")),
+               (attention_call, "attention", ("q", "k", "v"))]
     saved = []
     for module, name, args in patches:
         original, call = recording(module, name, args)
@@ -240,7 +248,8 @@ def audit_ops(overrides: list[str], T: int) -> dict:
             qk_clip()
         if cfg.model.moe_num_experts:
             update_expert_bias(model, cfg.model.moe_bias_rate)
-    rows = [{"module": m, "op": op, "dtypes": d, "calls": n} for (m, op, d), n in sorted(fwd_bwd.matmuls.items())]
+    rows = [{"module": m, "op": op, "dtypes": d, "calls": n}
+            for (m, op, d), n in sorted(fwd_bwd.matmuls.items())]
     fp32 = []
     for r in rows:
         if "float32" not in r["dtypes"]:
@@ -253,7 +262,8 @@ def audit_ops(overrides: list[str], T: int) -> dict:
     slow = [r for r in kernel_rows if any(f"{x} float32" in r["inputs"] for x in ("q", "k", "v"))]
     return {"matmuls": rows, "fp32": fp32, "unexplained_fp32": sum(1 for r in fp32 if r["allowed"] is None),
             "kernels": kernel_rows, "fp32_kernel_calls": len(slow), "syncs": syncs,
-            "unexplained_syncs": sum(r["calls"] for rows in syncs.values() for r in rows if r["allowed"] is None)}
+            "unexplained_syncs": sum(r["calls"] for rows in syncs.values() for r in rows
+                                     if r["allowed"] is None)}
 
 
 def _allowed(table: dict, where: str, op: str) -> str | None:
@@ -294,7 +304,8 @@ def audit_graphs(overrides: list[str], T: int, steps: int = 3) -> dict:
 
 # ---- memory --------------------------------------------------------------------------------------------
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks",
                                                "uordblks", "fordblks", "keepcost")]
 
 
@@ -363,7 +374,8 @@ def peak_activation_bytes(overrides: list[str], T: int, ac: str) -> int:
     tracker.track_external(model)
     with tracker:
         step()
-    kinds = {str(k).rsplit(".", 1)[-1]: v for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    kinds = {str(k).rsplit(".", 1)[-1]: v for k, v in peak.items()}
     return kinds.get("ACT", 0) + kinds.get("TEMP", 0)
 
 
@@ -379,12 +391,15 @@ def audit_memory(overrides: list[str], t1: int, t2: int, modes=("none", "selecti
 class OpCost(TorchDispatchMode):
     """FLOPs and bytes of every op, by op kind and dtype class."""
 
-    def __init__(self, tracker):
+    def __init__(self, tracker, inside=None):
         super().__init__()
         from torch.utils.flop_counter import flop_registry
 
         self.registry, self.tracker = flop_registry, tracker
-        self.ops: dict = defaultdict(lambda: [0, 0.0, 0.0])  # (op, module kind, dtype) -> calls, flops, bytes
+        # inside(): whether the op runs in a compiled region (bench/compiled_roofline.py's Regions)
+        self.inside = inside or (lambda: False)
+        # (op, module kind, dtype, in a compiled region) -> calls, flops, bytes
+        self.ops: dict = defaultdict(lambda: [0, 0.0, 0.0])
         # the same for the forward alone: ModuleTracker names the module of a forward op reliably, but a
         # backward op only by whichever module's backward hook fired last
         self.forward_ops: dict = defaultdict(lambda: [0, 0.0, 0.0])
@@ -401,11 +416,13 @@ class OpCost(TorchDispatchMode):
             return out
         # torch's formulas and ours (kimi/ops/flops.py: the Triton KDA and attention ops, the grouped GEMM)
         flops = self.registry[packet](*args, **kwargs, out_val=out) if packet in self.registry else 0
-        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out))
+                   if isinstance(t, torch.Tensor)]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         dtypes = {t.dtype for t in tensors if t.is_floating_point()}
         dtype = "fp32" if torch.float32 in dtypes and packet.__name__ in MATMULS else "bf16"
-        key = (packet.__name__, _kind_of(_module_name(self.tracker)), dtype)
+        name = packet.__name__ if func.namespace == "aten" else f"{func.namespace}::{packet.__name__}"
+        key = (name, _kind_of(_module_name(self.tracker)), dtype, self.inside())
         for table in (self.ops, self.forward_ops) if self.in_forward else (self.ops,):
             entry = table[key]
             entry[0] += 1
@@ -420,55 +437,88 @@ def _kind_of(module: str) -> str:
     return ".".join(parts[-2:]) or "model"
 
 
-def audit_roofline(overrides: list[str], T: int) -> dict:
-    """Trace one forward and backward at T tokens on the meta device (bf16 weights) and price every op, KDA
-    as the GPU runs it: the Triton custom ops (their fake kernels trace on meta), one op each way; the MoE
-    experts as a Hopper GPU runs them in bf16: grouped GEMMs, whose sizes need no host read of the counts
-    (the per-expert loop, meta's default, would read them)."""
+def trace_step(overrides: list[str], T: int, regions=None):
+    """(OpCost of one forward and backward at T tokens on the meta device with bf16 weights, the model's
+    FLOPs), dispatched as on CUDA (host_audit.as_on_cuda); KDA and attention as the GPU runs them: the Triton
+    custom ops (their fake kernels trace on meta), one op each way;
+    the MoE experts as a Hopper GPU runs them in bf16: grouped GEMMs, whose sizes need no host read of the
+    counts (the per-expert loop, meta's default, would read them). regions: a compiled_roofline.Regions,
+    applied to the model so that each op says whether parallel.compile would run it in a compiled region."""
     from unittest import mock
 
     from torch.utils.module_tracker import ModuleTracker
 
-    cfg = compose([*overrides, "model.kda_backend=triton"])
+    from host_audit import as_on_cuda  # bench/, beside this script
+
+    # attention as our Triton op (bf16, its FLOPs registered): on meta, SDPA would trace its math fallback,
+    # fp32 batched matmuls a GPU never runs (24.6 of 1b's 152.9 ms before this)
+    cfg = compose([*overrides, "model.kda_backend=triton", "model.attention_backend=triton"])
     model = build(cfg, device="meta", dtype=torch.bfloat16)
+    if regions is not None:
+        regions.apply(model)
     ids, labels = (x.to("meta") for x in batch(cfg.model.vocab_size, T))
     tracker = ModuleTracker()
-    cost = OpCost(tracker)
-    with tracker, cost, mock.patch("kimi.model.moe.grouped_mm_ok", lambda rows: True):
+    cost = OpCost(tracker, regions.inside if regions is not None else None)
+    with as_on_cuda(), tracker, cost, mock.patch("kimi.model.moe.grouped_mm_ok", lambda rows: True):
         loss = loss_of(model, ids, labels)
         cost.in_forward = False
         loss.backward()
-    tokens = T
-    model_flops = model.flops_per_token(T) * tokens
+    return cost, model.flops_per_token(T) * T
+
+
+def priced(ops: dict, peak: dict) -> list[dict]:
+    """Each op kind's predicted time on a GPU (peak: GPUS' entry): max(FLOPs / peak, bytes / bandwidth)."""
+    rows = []
+    for (op, kind, dtype, region), (calls, flops, nbytes) in ops.items():
+        compute = flops / peak["bf16" if dtype == "bf16" else "fp32"]
+        memory = nbytes / peak["bandwidth"]
+        rows.append({"op": op, "module": kind, "dtype": dtype, "region": region, "calls": calls,
+                     "flops": flops,
+                     "bytes": nbytes, "time_s": max(compute, memory),
+                     "bound": "memory" if memory > compute else "compute"})
+    return sorted(rows, key=lambda r: -r["time_s"])
+
+
+def audit_roofline(overrides: list[str], T: int) -> dict:
+    """The unfused roofline of one step at T tokens (trace_step), on each GPU."""
+    cost, model_flops = trace_step(overrides, T)
     gpus = {}
     for gpu, peak in GPUS.items():
-        def priced(ops: dict) -> list[dict]:
-            rows = []
-            for (op, kind, dtype), (calls, flops, nbytes) in ops.items():
-                compute = flops / peak["bf16" if dtype == "bf16" else "fp32"]
-                memory = nbytes / peak["bandwidth"]
-                rows.append({"op": op, "module": kind, "dtype": dtype, "calls": calls, "flops": flops,
-                             "bytes": nbytes, "time_s": max(compute, memory),
-                             "bound": "memory" if memory > compute else "compute"})
-            return sorted(rows, key=lambda r: -r["time_s"])
-
-        rows = priced(cost.ops)
+        rows = priced(cost.ops, peak)
         total = sum(r["time_s"] for r in rows)
         by_class, by_module = defaultdict(float), defaultdict(lambda: [0.0, 0.0])
         for r in rows:
-            by_class["matmul" if r["op"] in MATMULS else "kda" if r["op"].startswith("kda_chunk") else
+            by_class["matmul" if r["op"] in MATMULS else "kda" if "kda_chunk" in r["op"] else
                      "other"] += r["time_s"]
-        for r in priced(cost.forward_ops):
+        for r in priced(cost.forward_ops, peak):
             by_module[r["module"]][r["bound"] == "memory"] += r["time_s"]
         modules = sorted(by_module.items(), key=lambda kv: -sum(kv[1]))[:12]
         gpus[gpu] = {"predicted_step_s": total, "mfu_ceiling": model_flops / peak["bf16"] / total,
                      "time_by_class": dict(by_class),
                      # the forward's, by module kind (`model`: between the sublayers, i.e. the depth
                      # mixes): seconds of compute- and of memory-bound ops
-                     "forward_time_by_module": [{"module": m, "compute_s": c, "memory_s": b} for m, (c, b) in modules],
+                     "forward_time_by_module": [{"module": m, "compute_s": c, "memory_s": b}
+                                                for m, (c, b) in modules],
                      "memory_bound_top10": [r for r in rows if r["bound"] == "memory"][:10]}
     return {"T": T, "model_flops": model_flops, "traced_flops": sum(v[1] for v in cost.ops.values()),
             "traced_bytes": sum(v[2] for v in cost.ops.values()), "gpus": gpus}
+
+
+def audit_compiled(overrides: list[str], T: int, lengths: tuple[int, int]) -> dict:
+    """The compiled roofline at T tokens (bench/compiled_roofline.py): the meta trace with its compiled
+    regions marked, and Inductor's kernels counted at two short lengths on this CPU."""
+    import compiled_roofline as cr  # bench/, beside this script
+
+    overrides = [*overrides, *cr.OVERRIDES]
+    regions = cr.Regions()
+    cost, model_flops = trace_step(overrides, T, regions)
+    cfg = compose([*overrides, "model.attention_backend=triton"])  # our op, a null kernel on the CPU run
+    counts = [cr.inductor_kernels(cfg, t, build, batch, loss_of) for t in lengths]
+    fused = cr.at(T, *counts)
+    gpus = cr.price({gpu: priced(cost.ops, peak) for gpu, peak in GPUS.items()}, fused, model_flops, GPUS,
+                    MATMULS)
+    return {"T": T, "model_flops": model_flops, "inductor": counts, "inductor_bytes": fused,
+            "kernels_per_step": counts[-1]["kernels"], "region_calls": len(regions.spans), "gpus": gpus}
 
 
 # ---- driver --------------------------------------------------------------------------------------------
@@ -480,11 +530,13 @@ def audit(name: str, quick: bool, parts: set[str], modes=("none", "selective", "
     runs = {"ops": lambda: audit_ops(overrides, t1), "graphs": lambda: audit_graphs(overrides, min(t1, 128)),
             "memory": lambda: {**audit_memory(overrides, t1, t2, modes), "precision": PRECISION},
             "roofline": lambda: audit_roofline(overrides, t_roof),
+            "compiled": lambda: audit_compiled(overrides, t_roof, (t1, t2)),
             "host": lambda: audit_host(name, overrides, t_roof, row)}
     for part in (p for p in runs if p in parts):
         try:
             row[part] = runs[part]()
-        except Exception as e:  # one part that cannot run here (e.g. MoE's dispatch on the meta device) says why
+        # one part that cannot run here (e.g. MoE's dispatch on the meta device) says why
+        except Exception as e:
             row[f"{part}_error"] = f"{type(e).__name__}: {e}"[:300]
     row["seconds"] = round(time.perf_counter() - start, 1)
     return row
@@ -507,6 +559,16 @@ def predicted_gpu_s(name: str, row: dict) -> dict:
     return {gpu: x["predicted_step_s"] for gpu, x in roof["gpus"].items()} if roof else {}
 
 
+def gpu_step_s(row: dict, host: dict, gpu: str = "H200") -> float | None:
+    """The GPU time a micro-batch's host side is compared with: the compiled roofline (the host side measured
+    is the compiled step's) where this family has one, else the unfused roofline, else the host part's own."""
+    if "compiled" in row:
+        return row["compiled"]["gpus"][gpu]["compiled_step_s"]
+    if "roofline" in row:
+        return row["roofline"]["gpus"][gpu]["predicted_step_s"]
+    return host.get("gpu_s", {}).get(gpu)
+
+
 def host_report(results: dict) -> list[str]:
     """The host table (--parts host): per family, eager on the meta device at full shape, the proxy eager
     and compiled, and the compiled host time with its launches against the roofline's GPU time."""
@@ -516,22 +578,24 @@ def host_report(results: dict) -> list[str]:
     lines = ["", "Host side of one micro-batch (one row of T tokens; bench/host_audit.py):", "",
              "| family | T | eager ops (meta, full shape) | eager launches | eager host ms (meta) | proxy "
              "eager ms | proxy compiled ms | compiled launches (ops + inductor kernels) | compiled regions | "
-             "compiled host ms + launches | H200 roofline ms | host / roofline | eager ops / compiled |",
-             "|" + "---|" * 13]
+             "compiled host ms + launches | H200 roofline ms (compiled, else unfused) | host / roofline | "
+             "eager ops / compiled |", "|" + "---|" * 13]
     for name, h in rows:
         e, pe, pc = h["eager_meta"], h["proxy"]["eager"], h["proxy"]["compiled"]
-        gpu = h.get("gpu_s", {}).get("H200")
+        gpu = gpu_step_s(results["families"][name], h)
         lines.append(f"| {name} | {h['T']} | {e['ops']:,} | {e['launches']:,} | {e['host_ms']:,.0f} | "
                      f"{pe['host_ms']:,.1f} | {pc['host_ms']:,.1f} | {pc['launches']:,} "
                      f"({pc['dispatched']:,} + {pc['inductor_kernels']:,}) | {pc['compiled_regions']} | "
                      f"{h['compiled_host_ms_gpu']:,.0f} | "
-                     + (f"{1e3 * gpu:,.0f} | {h['host_share']['H200']:.0%}" if gpu else "- | -")
+                     + (f"{1e3 * gpu:,.0f} | {h['compiled_host_ms_gpu'] / (1e3 * gpu):.0%}"
+                        if gpu else "- | -")
                      + f" | {h['ops_eager_over_compiled']:.1f}x |")
     return lines
 
 
 def report(results: dict) -> str:
-    lines = ["| family | unexplained fp32 matmuls | host syncs (fwd+bwd / update) | graph breaks | recompiles | "
+    lines = ["| family | unexplained fp32 matmuls | host syncs (fwd+bwd / update) | graph breaks | "
+             "recompiles | "
              "KiB/token AC none / selective / full | H200 MFU ceiling | H100 MFU ceiling |", "|" + "---|" * 8]
     for name, r in results["families"].items():
         ops, g, m, roof = r.get("ops"), r.get("graphs"), r.get("memory"), r.get("roofline")
@@ -541,12 +605,15 @@ def report(results: dict) -> str:
                          for ac in ("none", "selective", "full")) if m else "-"
         ceil = [f"{roof['gpus'][gpu]['mfu_ceiling']:.0%}" if roof else "-" for gpu in GPUS]
         lines.append(f"| {name} | {ops['unexplained_fp32'] if ops else '-'} | {syncs} | "
-                     f"{g['graph_breaks'] if g else '-'} | {g['graphs_after_first_step'] if g else '-'} | {mem} | "
+                     f"{g['graph_breaks'] if g else '-'} | "
+                     f"{g['graphs_after_first_step'] if g else '-'} | {mem} | "
                      f"{ceil[0]} | {ceil[1]} |")
     base = results.get("baseline", {}).get("families", {})
     if base:
-        lines += ["", "Activation bytes per token against the baseline (" + results["baseline"].get("tree", "?") + "):",
-                  "", "| family | AC | baseline KiB/token | now KiB/token | now / baseline |", "|---|---|---|---|---|"]
+        tree = results["baseline"].get("tree", "?")
+        lines += ["", f"Activation bytes per token against the baseline ({tree}):", "",
+                  "| family | AC | baseline KiB/token | now KiB/token | now / baseline |",
+                  "|---|---|---|---|---|"]
         for name, r in results["families"].items():
             b = base.get(name, {}).get("memory")
             if not b or "memory" not in r:
@@ -558,25 +625,31 @@ def report(results: dict) -> str:
         roof = r.get("roofline")
         if not roof:
             continue
-        lines += ["", f"{name}: top memory-bound op kinds on an H200 (T={roof['T']}, predicted time, unfused):", "",
+        lines += ["", f"{name}: top memory-bound op kinds on an H200 (T={roof['T']}, predicted time, "
+                  "unfused):", "",
                   "| op | module | calls | GB | predicted ms |", "|---|---|---|---|---|"]
         for x in roof["gpus"]["H200"]["memory_bound_top10"]:
-            lines.append(f"| {x['op']} | {x['module']} | {x['calls']} | {x['bytes'] / 1e9:.2f} | {x['time_s'] * 1e3:.3f} |")
+            lines.append(f"| {x['op']} | {x['module']} | {x['calls']} | {x['bytes'] / 1e9:.2f} | "
+                         f"{x['time_s'] * 1e3:.3f} |")
         by_module = roof["gpus"]["H200"].get("forward_time_by_module", [])
         lines += ["", f"{name}: the forward's predicted H200 time by module kind (ms, unfused):", "",
-                  "| module | compute-bound ops | memory-bound ops | share of the forward |", "|---|---|---|---|"]
+                  "| module | compute-bound ops | memory-bound ops | share of the forward |",
+                  "|---|---|---|---|"]
         forward = sum(x["compute_s"] + x["memory_s"] for x in by_module) or 1.0
         for x in by_module:
             lines.append(f"| {x['module']} | {x['compute_s'] * 1e3:.1f} | {x['memory_s'] * 1e3:.1f} | "
                          f"{(x['compute_s'] + x['memory_s']) / forward:.0%} |")
-    return "\n".join(lines + host_report(results))
+    import compiled_roofline
+
+    return "\n".join(lines + host_report(results) + compiled_roofline.report(results))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--parts", default="ops,graphs,memory,roofline",
-                    help="any of ops, graphs, memory, roofline and host (the host side of a micro-batch: "
+                    help="any of ops, graphs, memory, roofline, compiled (the roofline as parallel.compile "
+                         "runs the step: minutes per family) and host (the host side of a micro-batch: "
                          "minutes per family, most of it compiling the proxy)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--ac", default="none,selective,full", help="activation checkpointing modes to measure")

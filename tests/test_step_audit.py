@@ -98,3 +98,38 @@ def test_the_host_audit_counts_the_ops_a_cuda_step_dispatches():
     assert (proxy.model.num_layers, proxy.model.kda_num_heads, proxy.model.mla_num_heads) == (
         cfg.model.num_layers, cfg.model.kda_num_heads, cfg.model.mla_num_heads)
     assert proxy.model.d_model * 8 <= cfg.model.d_model
+
+
+def test_the_compiled_roofline_marks_what_parallel_compile_compiles():
+    """bench/compiled_roofline.py's Regions: in tiny's meta trace, the ops that apply_compile's regions run
+    (each sublayer, each depth mix with its pre-norm) are marked in the forward and in the backward, the
+    embedding and the loss's head are not, and marking changes nothing that is traced. The compiled price
+    takes out the marked elementwise ops, keeps the matmuls, and adds Inductor's kernels."""
+    import compiled_roofline as cr
+
+    overrides = [*step_audit.FAMILIES["tiny"], *cr.OVERRIDES]
+    plain, flops = step_audit.trace_step(overrides, 128)
+    regions = cr.Regions()
+    marked, _ = step_audit.trace_step(overrides, 128, regions)
+    cfg = step_audit.compose(overrides)
+    # each block's two sublayers and the mix with its pre-norm before each, then the final mix: the 17
+    # regions the host audit's compiled tiny calls
+    assert len(regions.spans) == 4 * cfg.model.num_layers + 1
+    total = lambda ops, i: sum(v[i] for v in ops.values())  # noqa: E731
+    # the same ops but for how the pre-norm after a mix is written (the unmarked mixes run RMSNorm's module)
+    assert total(marked.ops, 1) == pytest.approx(total(plain.ops, 1), rel=0.01)
+    assert total(marked.ops, 2) == pytest.approx(total(plain.ops, 2), rel=0.01)
+    inside = {k[0] for k in marked.ops if k[3]}
+    outside = {k[0] for k in marked.ops if not k[3]}
+    assert {"mm", "mul", "sum"} <= inside and "kimi::kda_chunk_fwd" in inside and "kimi::kda_chunk_bwd" in inside
+    assert {"embedding", "embedding_dense_backward"} <= outside and "embedding" not in inside
+    backward_inside = {k[0] for k, v in marked.ops.items() if k[3] and v[0] > marked.forward_ops.get(k, [0])[0]}
+    assert {"mm", "mul"} <= backward_inside, backward_inside
+    rows = {g: step_audit.priced(marked.ops, peak) for g, peak in step_audit.GPUS.items()}
+    no_kernels = cr.price(rows, 0.0, flops, step_audit.GPUS, step_audit.MATMULS)["H200"]
+    parts = no_kernels["parts_s"]
+    assert parts["absorbed (unfused)"] > 0 and parts["matmuls"] > 0
+    unfused_rest = no_kernels["unfused_step_s"] - parts["absorbed (unfused)"]
+    assert no_kernels["compiled_step_s"] == pytest.approx(unfused_rest)
+    line = cr.at(4096, {"T": 128, "bytes": 1000}, {"T": 256, "bytes": 1800})
+    assert line == 1000 + 800 / 128 * (4096 - 128)
