@@ -41,9 +41,11 @@ trust_remote_code=True)` runs our forward and our cached decoding (generate()); 
 model so (our forward exactly, where transformers' class differs by its MLA latent norm eps). Either way to-hf
 writes the run's tokenizer for `AutoTokenizer.from_pretrained(HF_DIR)` (kimi.interop.tokenizer_files:
 tokenizer.json, tokenizer_config.json and the run's own file), and from-hf and load_hf read such a directory
-back, bit for bit.
+back, bit for bit. For publishing it also writes generation_config.json (the tokenizer's ids, kimi.generate's
+sampling defaults) and a model card, README.md (kimi.interop.model_card).
 
-to-hf writes into a new folder beside HF_DIR and renames it into place when complete (kimi.interop.publish):
+to-hf writes into a new folder beside HF_DIR and renames it into place when complete, its files 0644 and
+folders 0755 whatever the umask (kimi.interop.publish):
 an HF_DIR holding files is replaced only with overwrite=true, and a failed write keeps the earlier export.
 from-hf and load_hf never import a directory's Python files, and refuse file names (an index's weight_map,
 links) that lead out of it (kimi.folders); docs/huggingface.md, "What a model folder may do".
@@ -122,8 +124,9 @@ def from_hf(hf_dir: str | Path, run_dir: str | Path) -> list[str]:
 def to_hf(run: str, out: str, layout: str = layouts.DEFAULT, shard_gb: float = 5.0,
           mxfp4_experts: bool = False, remote_code: bool = False, overwrite: bool = False) -> int:
     """`to-hf` (module docstring), whichever grammar gave its arguments; prints what it wrote, returns 0."""
-    from kimi.generate import load_from_checkpoint
-
+    from kimi import checkpoint
+    from kimi.generate import GenerateArgs, find_checkpoint, load_from_checkpoint, run_of
+    from kimi.interop.model_card import write_generation_config, write_model_card
     from kimi.interop.publish import check_target, fresh_folder
     from kimi.interop.tokenizer_files import check_packages, write_tokenizer
 
@@ -132,7 +135,8 @@ def to_hf(run: str, out: str, layout: str = layouts.DEFAULT, shard_gb: float = 5
                          "mxfp4_experts=")
     chosen = layouts.get(layout)
     check_target(Path(out), overwrite, Path(run))  # before the checkpoint is read
-    model, tokenizer, step = load_from_checkpoint(run)
+    ckpt = find_checkpoint(run)
+    model, tokenizer, step = load_from_checkpoint(ckpt, found=True)
     check_packages(tokenizer)
     why = "remote_code=true" if remote_code else None
     # written into a new folder, renamed to `out` once every file is there
@@ -152,9 +156,15 @@ def to_hf(run: str, out: str, layout: str = layouts.DEFAULT, shard_gb: float = 5
                   "trust_remote_code=True")
             chosen = layouts.REMOTE_CODE
         files = write_tokenizer(tokenizer, directory)
+        # for publishing: transformers' sampling settings and a model card (neither is code: no trust record)
+        sampling = GenerateArgs(run="")  # python -m kimi.generate's defaults
+        card = [write_generation_config(directory, tokenizer, sampling.temperature, sampling.top_k,
+                                        sampling.max_new_tokens),
+                write_model_card(directory, model, checkpoint.read_trainer_state(ckpt)["config"], step,
+                                 run_of(ckpt), chosen.own_code, chosen.name)]
     what = "; routed experts as MXFP4, which transformers does not read" if mxfp4_experts else chosen.wrote
     print(f"[kimi] wrote {out} (step {step}): config.json and safetensors{what} ({chosen.name} layout), "
-          f"and the tokenizer ({', '.join(files)})")
+          f"the tokenizer ({', '.join(files)}), {' and '.join(card)}")
     return 0
 
 

@@ -28,19 +28,11 @@ from kimi.model import KimiModel
 from kimi.model.decode import generate
 
 
-def load_from_checkpoint(path: str, device: str = "cpu"):
-    """(model, tokenizer, step) from a checkpoint directory, or from a run directory (its newest complete
-    checkpoint, else the weights kimi.convert from-hf put in <run>/init). The model is rebuilt from the
-    config saved in the checkpoint."""
-    from pathlib import Path
-
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
+def find_checkpoint(path: str | Path) -> Path:
+    """The checkpoint directory `path` names (checked intact), or a run directory's newest complete
+    checkpoint, else the weights kimi.convert from-hf put in <run>/init."""
     from kimi import checkpoint
     from kimi.cli import RunError
-    from kimi.config import ModelConfig, check_sizes
-    from kimi.data import Tokenizer
-    from kimi.model.footprint import check_fits
 
     ckpt = Path(path)
     if (ckpt / checkpoint.COMPLETE).is_file():  # a checkpoint named directly: it must be intact
@@ -57,6 +49,27 @@ def load_from_checkpoint(path: str, device: str = "cpu"):
                                     f"(looked for {ckpt / 'checkpoints'}/step_*/{checkpoint.COMPLETE})")
         else:
             ckpt = latest.path
+    return ckpt
+
+
+def run_of(ckpt: Path) -> Path:
+    """The run directory a checkpoint directory (find_checkpoint's) belongs to."""
+    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+
+
+def load_from_checkpoint(path: str | Path, device: str = "cpu", found: bool = False):
+    """(model, tokenizer, step) from a checkpoint directory, or from a run directory (find_checkpoint;
+    found=True: `path` is find_checkpoint's answer, not checked again). The model is rebuilt from the config
+    saved in the checkpoint."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from kimi import checkpoint
+    from kimi.cli import RunError
+    from kimi.config import ModelConfig, check_sizes
+    from kimi.data import Tokenizer
+    from kimi.model.footprint import check_fits
+
+    ckpt = Path(path) if found else find_checkpoint(path)
     saved = checkpoint.read_trainer_state(ckpt)
     cfg = ModelConfig(**saved["config"]["model"])
     try:  # sizes no model has: a damaged or forged checkpoint, refused like one
@@ -70,7 +83,7 @@ def load_from_checkpoint(path: str, device: str = "cpu"):
     state = get_model_state_dict(model)
     checkpoint.load_model(ckpt, state)
     set_model_state_dict(model, state)
-    run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+    run = run_of(ckpt)
     run_copy = run / "tokenizer.model"  # the run's own copy
     if not run_copy.is_file() and "tokenizer_path" not in saved["extra"]:
         raise FileNotFoundError(f"{run} has no tokenizer.model: these weights came without a tokenizer "

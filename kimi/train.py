@@ -14,11 +14,17 @@ failure); the launch scripts exit with it.
 The configs come from kimi.conf_dir: a checkout's conf/, else the installed package's (Hydra's pkg://).
 """
 
+import os
 import sys
+from pathlib import Path
 
 # Hydra's multirun (`-m ...`, e.g. `-m +experiment=ablate_residual`, conf/experiment/) runs its jobs one after
 # another in this process: (run dir, exit code) of each job that failed, reported once all have run.
 FAILED_JOBS: list = []
+# The folders a single run's hydra.run.dir will make (kimi.rundir.FoldersMade), taken before Hydra makes them:
+# a job refused before any work removes them again while they are empty. None: not known (a multirun, or
+# main() called without cli()).
+FOLDERS_MADE = None
 
 
 def train(cfg) -> int:
@@ -36,9 +42,15 @@ def job(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from kimi.cli import EXIT_OK, EXIT_STOPPED, finish, run_main
+    from kimi.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_STOPPED, finish, run_main
 
-    code = finish(run_main(lambda: train(cfg)), cfg.trainer.run_dir)
+    code = run_main(lambda: train(cfg))
+    if code == EXIT_BAD_INPUT and FOLDERS_MADE is not None and "TORCHELASTIC_RUN_ID" not in os.environ:
+        from kimi.rundir import remove_unused
+
+        # refused before any work (one line said why): no empty outputs/<date>/<time>/ left behind
+        remove_unused(Path(cfg.trainer.run_dir), FOLDERS_MADE.top(Path(cfg.trainer.run_dir)))
+    code = finish(code, cfg.trainer.run_dir)
     if HydraConfig.get().mode != RunMode.MULTIRUN or code in (EXIT_STOPPED, 130):  # 130: Ctrl-C at start-up
         # one run; or a multirun job stopped by a signal, which stops the sweep (rerun it to continue: the
         # finished jobs say so and exit, the stopped one resumes from its checkpoint)
@@ -86,13 +98,36 @@ def cli() -> None:
     if code:
         run_dir = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("hydra.run.dir=")), "")
         sys.exit(finish(code, run_dir))
-    main()
+    global FOLDERS_MADE
+    FOLDERS_MADE = _folders_made(sys.argv[1:])
+    try:
+        main()
+    finally:  # this command's: a later main() in the same process (tests) takes its own
+        FOLDERS_MADE = None
     if FAILED_JOBS:  # only after a multirun
         from kimi.cli import EXIT_FAILED
 
         for run_dir, code in FAILED_JOBS:
             print(f"error: multirun job {run_dir} exited with code {code}", file=sys.stderr)
         sys.exit(EXIT_FAILED)
+
+
+def _folders_made(argv: list):
+    """kimi.rundir.FoldersMade of this command's hydra.run.dir (the override, else conf/config.yaml's), for a
+    single run; None for a multirun or Hydra's other flags (their folders are Hydra's own)."""
+    from omegaconf import OmegaConf
+
+    from kimi.conf_dir import conf_dir
+    from kimi.rundir import FoldersMade
+
+    if any(a.startswith("-") for a in argv):
+        return None
+    given = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
+    try:
+        pattern = given[-1] if given else OmegaConf.load(conf_dir() / "config.yaml").hydra.run.dir
+        return FoldersMade(str(pattern))
+    except Exception:  # noqa: BLE001 (without it a refused run keeps its folder, as before)
+        return None
 
 
 def entry() -> None:

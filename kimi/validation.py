@@ -4,18 +4,19 @@
 kimi.summary before it sizes a layout. Each section's rules live with the code that owns the section
 (kimi/model/rules.py, kimi/data/rules.py, kimi/optim/rules.py, kimi/parallel/rules.py); the trainer and
 logging sections, the run's own, are here; the rules across sections are kimi.config's. Each failure is a
-one-line ConfigError naming its key(s) and the fix.
+one-line ConfigError naming its key(s) and the fix. A setting that works but is likely not what was meant is
+a warning instead: one stdout line each (rank 0), from ``warnings_of``, and the run goes on.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import List, Optional
 
 from kimi.config import (Config, LoggingConfig, TrainerConfig, check, check_choices, check_context_parallel,
                          check_expert_parallel, check_finite, check_pipeline, check_positive,
                          check_sequence_parallel, check_vocab, require)
-from kimi.data.rules import validate_data
+from kimi.data.rules import data_warnings, validate_data
 from kimi.eval_tasks import check_names
 from kimi.model.rules import check_kernels, check_mtp, check_tensor_parallel, validate_model
 from kimi.optim.rules import validate_optim
@@ -49,8 +50,23 @@ def validate(cfg: Config, world: Optional[int] = None) -> None:
     # across model and trainer: a short convolution wider than the sequence sees only its zero padding past
     # it, and made steps about 20x slower
     require(cfg.model.conv_size <= cfg.trainer.seq_len,
-            f"model.conv_size={cfg.model.conv_size} is longer than trainer.seq_len={cfg.trainer.seq_len}: use a "
-            "conv_size of at most the sequence length (4 in Kimi Linear) or a longer sequence")
+            f"model.conv_size={cfg.model.conv_size} is longer than trainer.seq_len={cfg.trainer.seq_len}: "
+            "use a conv_size of at most the sequence length (4 in Kimi Linear) or a longer sequence")
+    if int(os.environ.get("RANK", "0")) == 0:
+        for line in warnings_of(cfg):
+            print(f"[kimi] warning: {line}", flush=True)
+
+
+def warnings_of(cfg: Config) -> List[str]:
+    """What validate warns about (a valid config): each a line naming its key(s) and the fix."""
+    o, t = cfg.optim, cfg.trainer
+    found = []
+    if o.warmup_steps > t.max_steps:  # the linear warmup (kimi/optim/schedules.py) is cut off part way
+        peak = t.max_steps / o.warmup_steps
+        found.append(f"optim.warmup_steps={o.warmup_steps} is more than trainer.max_steps={t.max_steps}: the "
+                     f"learning rate never reaches optim.lr (at most {peak:.0%} of it) and never decays; "
+                     f"lower optim.warmup_steps (to {max(1, t.max_steps // 10)}, say)")
+    return found + data_warnings(cfg.data)
 
 
 def validate_trainer(t: TrainerConfig) -> None:
@@ -75,11 +91,12 @@ def validate_trainer(t: TrainerConfig) -> None:
               "must be > 0 FLOP/s, or null for the table")
     steps = t.profile.steps
     if steps is not None:
-        check(len(steps) == 2 and 1 <= steps[0] <= steps[1] <= t.max_steps, "trainer.profile.steps", list(steps),
-              f"must be [first, last] training steps with 1 <= first <= last <= trainer.max_steps ({t.max_steps}), "
-              "e.g. [5,6]; null: no profile")
+        check(len(steps) == 2 and 1 <= steps[0] <= steps[1] <= t.max_steps, "trainer.profile.steps",
+              list(steps), f"must be [first, last] training steps with 1 <= first <= last <= "
+              f"trainer.max_steps ({t.max_steps}), e.g. [5,6]; null: no profile")
     check(t.profile.top >= 1, "trainer.profile.top", t.profile.top, "must be >= 1 rows")
-    check(t.eval_tasks_limit >= 0, "trainer.eval_tasks_limit", t.eval_tasks_limit, "must be >= 0 (0: every example)")
+    check(t.eval_tasks_limit >= 0, "trainer.eval_tasks_limit", t.eval_tasks_limit,
+          "must be >= 0 (0: every example)")
     check_names(t.eval_tasks)
 
 

@@ -440,3 +440,30 @@ def test_trainer_fails_before_tokenisation(tmp_path, monkeypatch, world, overrid
         Trainer(cfg)
     assert key in str(err.value) and "\n" not in str(err.value)
     assert not cache.exists() and not (tmp_path / "run").exists()
+
+
+# ---- warnings: a config that works, but likely not as meant ----------------------------------------------
+@pytest.mark.parametrize("overrides,words", [
+    (["optim.warmup_steps=50", "trainer.max_steps=20"],
+     "optim.warmup_steps=50 is more than trainer.max_steps=20: the learning rate never reaches optim.lr "
+     "(at most 40% of it)"),
+    (["data.num_proc=3"], "data.num_proc=3 is more than the 2 cores this process may use"),
+])
+def test_a_likely_mistake_is_one_warning_line_not_an_error(monkeypatch, capsys, overrides, words):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)  # a 2-core machine
+    monkeypatch.delenv("RANK", raising=False)
+    validate(compose_cfg(*overrides))
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].startswith(f"[kimi] warning: {words}"), out
+    monkeypatch.setenv("RANK", "1")  # once per run: rank 0's
+    validate(compose_cfg(*overrides))
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("overrides", [["optim.warmup_steps=20", "trainer.max_steps=20"], ["data.num_proc=2"],
+                                       []])
+def test_a_fitting_setting_warns_nothing(monkeypatch, capsys, overrides):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    validate(compose_cfg(*overrides))
+    assert capsys.readouterr().out == ""

@@ -77,16 +77,24 @@ def _unreadable(path: str, e: BaseException) -> DataError:
 @contextlib.contextmanager
 def quiet_loaders() -> Iterator[None]:
     # datasets logs each bad JSON/Parquet file before raising; the DataError raised instead says it better
-    # and in one line.
+    # and in one line. Its progress bars ("Downloading data", "Generating train split") count local files
+    # copied into its cache in a fraction of a second, between our [data] lines: off here too (a hub
+    # download, which nothing of ours reports, keeps them).
+    from datasets.utils import logging as datasets_logging
+
     loggers = [logging.getLogger(f"datasets.packaged_modules.{m}.{m}") for m in ("json", "parquet")]
     levels = [lg.level for lg in loggers]
+    bars = datasets_logging.is_progress_bar_enabled()
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)
+    datasets_logging.disable_progress_bar()
     try:
         yield
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
+        if bars:
+            datasets_logging.enable_progress_bar()
 
 
 # ---------------------------------------------------------------------------------------------- after loading

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import List
 
 from kimi.config import DataConfig, check, check_choices, check_finite
 from kimi.data.source_registry import names_where, source_for
@@ -28,7 +29,8 @@ def _check_blend(d: DataConfig) -> None:
         check_choices(s, key)
         check(bool(re.fullmatch(r"[A-Za-z0-9._-]+", s.name or "")), f"{key}.name", s.name,
               "every blend source needs a name of letters, digits, '.', '_' or '-' (it names its directory)")
-        check(s.weight > 0 and math.isfinite(s.weight), f"{key}.weight", s.weight, "must be a positive number")
+        check(s.weight > 0 and math.isfinite(s.weight), f"{key}.weight", s.weight,
+              "must be a positive number")
     names = [s.name for s in d.sources]
     check(len(names) == len(set(names)), "data.sources", names, "every source needs a name of its own")
     for i, (_, _, own) in enumerate(source_configs(d)):
@@ -47,10 +49,25 @@ def validate_data(d: DataConfig) -> None:
         _check_blend(d)
     else:
         _check_source(d, "data")
-    check(d.num_proc is None or d.num_proc >= 1, "data.num_proc", d.num_proc, "must be >= 1 (null: every core)")
+    check(d.num_proc is None or d.num_proc >= 1, "data.num_proc", d.num_proc,
+          "must be >= 1 (null: every core)")
     check(d.shard_mb > 0, "data.shard_mb", d.shard_mb, "must be a positive size in MB")
     check(d.inline_max_mb >= 0, "data.inline_max_mb", d.inline_max_mb, "must be >= 0 MB")
     check(d.tokenizer.vocab_size >= 260, "data.tokenizer.vocab_size", d.tokenizer.vocab_size,
           "must be >= 260: 256 byte-fallback pieces, 3 special pieces, and the text's characters")
     check(d.tokenizer.train_chars > 0, "data.tokenizer.train_chars", d.tokenizer.train_chars,
           "must be a positive number of characters")
+
+
+def data_warnings(d: DataConfig) -> List[str]:
+    """Settings that work but are likely not what was meant (kimi.validation prints them, one line each)."""
+    if d.num_proc is None:
+        return []
+    from kimi.data.encode import default_num_proc  # (it imports datasets: only for a num_proc to judge)
+
+    cores = default_num_proc(None)  # every core this process may use: its affinity, which taskset narrows
+    if d.num_proc > cores:
+        return [f"data.num_proc={d.num_proc} is more than the {cores} cores this process may use: the "
+                f"tokenising processes share them (no faster, more memory); set data.num_proc={cores} or "
+                "null (every core)"]
+    return []

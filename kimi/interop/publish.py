@@ -1,7 +1,8 @@
 """An export appears complete or not at all. It is written into a fresh folder beside its target and renamed
 into place once every file is there; a target holding an earlier export is replaced only when the user asks
 (overwrite=true), and only after the new export is complete, so the target never mixes two exports' files
-and a write that fails (a full disk) leaves the previous export as it was.
+and a write that fails (a full disk) leaves the previous export as it was. Before the rename its folders are
+made 0755 and its files 0644: an export is for sharing, whatever the umask made them.
 
 Between the two renames of a replacement the target is briefly absent; the previous export is then
 ``.<name>.old-<pid>`` beside it (renamed back if the second rename fails). A writer killed outright leaves
@@ -67,6 +68,7 @@ def fresh_folder(out: Path, overwrite: bool, source: Path | None = None) -> Iter
     partial.mkdir()
     try:
         yield partial
+        _publishable(partial)
         _replace(partial, out)
     except BaseException as e:
         shutil.rmtree(partial, ignore_errors=True)
@@ -76,6 +78,15 @@ def fresh_folder(out: Path, overwrite: bool, source: Path | None = None) -> Iter
             raise RunError(f"out={out}: {describe(error)} while writing the export; {kept} (free space, or "
                            "choose another out=)") from None
         raise
+
+
+def _publishable(folder: Path) -> None:
+    """Modes for sharing: 0755 folders and 0644 files, whatever the umask or the temporary folder's own mode
+    (0700 where made private) would leave, so that an upload or a colleague reads every file."""
+    os.chmod(folder, 0o755)
+    for path in folder.rglob("*"):
+        if not path.is_symlink():
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
 
 
 def _replace(partial: Path, out: Path) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,6 +26,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from kimi.config import ConfigError, ParallelConfig
+
+# fsdp_mesh slices the flattened "dp_shard_cp" dim from the root mesh, which torch's DeviceMesh says it will
+# deprecate: a note for us, not for the user, and every rank printed it. Rank 0 alone still shows it.
+if int(os.environ.get("RANK", "0")) != 0:
+    warnings.filterwarnings("ignore", message=r"Slicing a flattened dim from root mesh")
 
 
 @dataclass(frozen=True)
@@ -43,9 +49,11 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world: int | None = None) -> "ParallelDims":
-        """The degrees of an already validated config (kimi.validation.validate checks them against the world)."""
+        """The degrees of an already validated config (kimi.validation.validate checks them against the
+        world)."""
         world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
-        groups = (p.torchft.replica_group, p.torchft.replica_groups) if p.fault_tolerance == "torchft" else (0, 1)
+        groups = (p.torchft.replica_group,
+                  p.torchft.replica_groups) if p.fault_tolerance == "torchft" else (0, 1)
         return cls(p.dp_replicate, p.dp_shard, p.tp, p.pp, world, p.ep, p.cp, *groups)
 
     @property
@@ -83,7 +91,8 @@ class ParallelDims:
         if self.ep == 1:
             return None
         return init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep,
-                                              self.tp), mesh_dim_names=("pp", "dp_replicate", "edp", "ep", "tp"))
+                                              self.tp), mesh_dim_names=("pp", "dp_replicate", "edp", "ep",
+                                                                        "tp"))
 
     @property
     def data_world(self) -> int:
@@ -119,7 +128,8 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("trainer.device='cuda' is invalid: no CUDA device is visible; use trainer.device=cpu")
+        raise ConfigError("trainer.device='cuda' is invalid: no CUDA device is visible; use "
+                          "trainer.device=cpu")
     return torch.device(name)
 
 
@@ -147,7 +157,8 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
         # torchrun's agent keeps its store across restarts, with the previous group's addresses in it: a
         # restarted rank would connect to its dead predecessor. Each restart's group gets keys of its own.
         store, rank, world = next(dist.rendezvous("env://"))
-        kwargs = {"store": dist.PrefixStore(f"kimi/restart{restart}", store), "rank": rank, "world_size": world}
+        kwargs = {"store": dist.PrefixStore(f"kimi/restart{restart}", store), "rank": rank,
+                  "world_size": world}
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             timeout=datetime.timedelta(seconds=timeout_s + 60), **kwargs)
 
