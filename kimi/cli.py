@@ -9,7 +9,9 @@
 
 torchrun turns any non-zero exit of a rank into its own failure (exit 1, after killing the other ranks), so
 under torchrun a stopped run's ranks exit 0 and rank 0 records the code in ``<run_dir>/exit_code``, which
-launch/torchrun.sh and launch/slurm.sbatch exit with. A single process exits with the code itself.
+launch/torchrun.sh and launch/slurm.sbatch exit with. A single process exits with the code itself. The same
+holds for a FinalError (exit code 1 in the file): with --max-restarts, torchrun restarts a rank that exits
+non-zero, and a restart would only repeat that failure.
 """
 
 from __future__ import annotations
@@ -23,12 +25,21 @@ from typing import Callable
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 75
 # errno -> what a user should read
 STORAGE_ERRORS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
-          errno.EROFS: "not writable (read-only file system)", errno.EACCES: "not writable (permission denied)",
-          errno.EPERM: "not writable (not permitted)"}
+                  errno.EROFS: "not writable (read-only file system)",
+                  errno.EACCES: "not writable (permission denied)",
+                  errno.EPERM: "not writable (not permitted)"}
 
 
 class RunError(RuntimeError):
     """A failure whose message says everything (printed as one line, exit code 1)."""
+
+
+class FinalError(RunError):
+    """A RunError that a restart would only repeat (the torchft lighthouse gone): under torchrun its ranks
+    exit 0, so that torchrun does not restart them, and <run_dir>/exit_code holds 1 (finish)."""
+
+
+_final = False  # whether the error run_main last reported is a FinalError (for finish)
 
 
 def exit_code_for(e: BaseException) -> int | None:
@@ -55,16 +66,19 @@ def describe(e: BaseException) -> str:
 
 def run_main(body: Callable[[], int]) -> int:
     """Run `body` (which returns an exit code); known problems become one line on stderr and their code."""
+    global _final
+    _final = False
     try:
         return body()
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # noqa: BLE001: anything unknown is re-raised below
+    except Exception as e:  # noqa: BLE001 (anything unknown is re-raised below)
         code = exit_code_for(e)
         if code is None:
             raise
         print(f"error: {describe(e)}", file=sys.stderr, flush=True)
+        _final = isinstance(e, FinalError)
         return code
 
 
@@ -99,7 +113,7 @@ def finish(code: int, run_dir: str | os.PathLike) -> int:
         except OSError:
             pass  # a run dir that cannot be written has already been reported
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
-    return EXIT_OK if code == EXIT_STOPPED and under_torchrun else code
+    return EXIT_OK if (code == EXIT_STOPPED or (_final and code)) and under_torchrun else code
 
 
 def check_overrides(argv: list[str], config_dir: str | None = None) -> None:
@@ -126,8 +140,9 @@ def check_overrides(argv: list[str], config_dir: str | None = None) -> None:
     except MissingConfigException as e:
         group, _, name = (e.missing_cfg_file or "").rpartition("/")
         choices = "|".join(e.options or [])
-        raise ConfigError(f"{group}={name}: no such preset; choose one of {choices} (files in conf/{group}/)") from None
-    except Exception as e:  # noqa: BLE001: Hydra's and OmegaConf's errors, whose messages span lines
+        raise ConfigError(f"{group}={name}: no such preset; choose one of {choices} (files in "
+                          f"conf/{group}/)") from None
+    except Exception as e:  # noqa: BLE001 (Hydra's and OmegaConf's errors, whose messages span lines)
         cause = e.__cause__
         key = getattr(cause, "full_key", None)
         if key and type(cause).__name__ in ("ConfigAttributeError", "ConfigKeyError"):
@@ -155,7 +170,7 @@ def _check_resolved(cfg) -> None:
         key = getattr(e, "full_key", "") or "an override"
         raise ConfigError(f"{key} cannot be resolved: {' '.join(str(e).splitlines()[0].split())}; a ${{...}} "
                           "interpolation must name a key of the config (e.g. ${trainer.seed})") from None
-    except Exception:  # noqa: BLE001: other resolvers (Hydra's own) are resolved by the job itself
+    except Exception:  # noqa: BLE001 (other resolvers (Hydra's own) are resolved by the job itself)
         return
     check_sizes(cfg.model)
 
@@ -170,11 +185,12 @@ def _check_run_dir(path: Path) -> None:
     for p in (path, *path.parents):
         if p.exists():
             if not p.is_dir():
-                raise ConfigError(f"hydra.run.dir={path}: {p} is a file, not a directory; choose another run dir")
+                raise ConfigError(f"hydra.run.dir={path}: {p} is a file, not a directory; choose another "
+                                  "run dir")
             try:  # by trying: os.access says yes to root on a read-only file system
                 tempfile.TemporaryFile(dir=p).close()
             except OSError as e:
                 why = STORAGE_ERRORS.get(e.errno, e.strerror)
-                raise ConfigError(f"hydra.run.dir={path}: cannot write in {p}: {why}; choose another run dir or "
-                                  "make it writable") from None
+                raise ConfigError(f"hydra.run.dir={path}: cannot write in {p}: {why}; choose another run "
+                                  "dir or make it writable") from None
             return

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -310,18 +311,19 @@ def start_wandb(cfg: WandbConfig, run_dir: Path, config: Dict[str, Any], wandb_i
                 rewound: Optional[str] = None):
     """wandb's run `wandb_id` (wandb_run_id) for `run_dir`. Online without credentials is a one-line ConfigError
     at once (there is nothing to wait for); online without a reachable server logs offline instead, with one
-    warning line, after WANDB_ONLINE_TIMEOUT_S: a network outage should not cost a training run (`wandb sync`
-    uploads it later). Null keys leave wandb's environment variables in charge (WANDB_ENTITY, WANDB_NAME,
-    WANDB_RUN_GROUP, WANDB_TAGS); the project is logging.wandb.project, $WANDB_PROJECT, else kimi."""
+    warning line, after WANDB_ONLINE_TIMEOUT_S, as a wandb run of its own (`<id>-offline-<hex>`): a network
+    outage should not cost a training run (`wandb sync` uploads it later). Null keys leave wandb's environment
+    variables in charge (WANDB_ENTITY, WANDB_NAME, WANDB_RUN_GROUP, WANDB_TAGS); the project is
+    logging.wandb.project, $WANDB_PROJECT, else kimi."""
     import wandb
 
     notes = (f"resumed from an older checkpoint than wandb run {rewound} had logged: this run continues it"
              if rewound else None)
 
-    def init(mode: str, **settings):
+    def init(mode: str, run_id: str = wandb_id, **settings):
         return wandb.init(project=cfg.project or os.environ.get("WANDB_PROJECT") or "kimi", entity=cfg.entity,
                           name=cfg.name, group=cfg.group, tags=list(cfg.tags) or None, notes=notes, mode=mode,
-                          dir=str(run_dir), config=config, resume="allow", id=wandb_id,
+                          dir=str(run_dir), config=config, resume="allow", id=run_id,
                           # our own progress line already says everything wandb would print
                           settings=wandb.Settings(quiet=True, console="off", **settings))
 
@@ -334,10 +336,13 @@ def start_wandb(cfg: WandbConfig, run_dir: Path, config: Dict[str, Any], wandb_i
         raise ConfigError(f"logging.wandb.mode=online, but wandb cannot start: {_first_line(e)}. Set WANDB_API_KEY "
                           "(or run `wandb login`), or use logging.wandb.mode=offline and `wandb sync` later") from None
     except wandb.errors.CommError as e:
+        # wandb's service still holds the online attempt's id ("run ID is in use"): the offline record is a
+        # run of its own, which `wandb sync` uploads beside the online one
+        offline_id = f"{wandb_id}-offline-{uuid.uuid4().hex[:6]}"
         print(f"[kimi] warning: wandb's server did not answer within {WANDB_ONLINE_TIMEOUT_S:.0f} s "
-              f"({_first_line(e)}): logging offline to {run_dir / 'wandb'} instead; upload it with `wandb sync` once "
-              "the network is back", flush=True)
-        return tokens_axis(init("offline"))
+              f"({_first_line(e)}): logging offline to {run_dir / 'wandb'} as run {offline_id} instead; "
+              "upload it with `wandb sync` once the network is back", flush=True)
+        return tokens_axis(init("offline", run_id=offline_id))
 
 
 def tokens_axis(run):

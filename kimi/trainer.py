@@ -41,7 +41,7 @@ from kimi.parallel.watchdog import Watchdog
 from kimi.profiling import StepProfiler
 from kimi.resume import checkpoint_to_resume, load_weights, resume, weights_to_start_from
 from kimi.runlog import RunLog, data_identity, nothing_to_train, save_config, write_routing
-from kimi.signals import StopSignals, stopped_note
+from kimi.signals import StopSignals, release_on_exit, stopped_note
 from kimi.validation import validate
 
 
@@ -80,8 +80,8 @@ class Trainer:
         self.runlog = RunLog(enabled=self.is_main)  # rank 0's stdout, also in <run_dir>/train.log
         try:
             with self.runlog.tee():
-                self.lock = rundir.open_run_dir(self.run_dir, t.resume, t.overwrite, self.is_main,
-                                                dims.enabled, self.log)
+                self.lock = release_on_exit(rundir.open_run_dir(self.run_dir, t.resume, t.overwrite,
+                                                                self.is_main, dims.enabled, self.log))
                 self.runlog.open(self.run_dir)
                 self._build()
         except BaseException:
@@ -253,7 +253,7 @@ class Trainer:
             self._validate_and_report({"step": 0})
         window = ProgressWindow(peak, self.metrics.tokens_per_step, self.flops_per_token, self.step,
                                 t.max_steps, self.device)
-        last_saved = None
+        last_saved, self.signals.starting = None, False  # a second signal now interrupts training
         while self.step < t.max_steps:
             diagnose = self.diagnostics.due(self.step + 1)
             with self.profiler.around(self.step + 1):
@@ -281,7 +281,7 @@ class Trainer:
             stop = self._stop_requested() or bool(t.stop_at_step and self.step >= t.stop_at_step)
             last = self.step == t.max_steps or stop
             if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last:
-                with window.paused():
+                with window.paused(), self.signals.saving():  # a second signal waits for the write
                     last_saved = self.save_checkpoint(wait=last)
             if stop:
                 self.log(stopped_note(self.step, last_saved, self.signals.received, t))

@@ -143,3 +143,66 @@ def test_a_killed_replica_group_rejoins_from_its_peer_while_the_other_trains_on(
     assert a.keys() == b.keys() and any(k.startswith(".optim.") for k in a)
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_error(out: str, lighthouse: str, gave_up: str) -> None:
+    """Exactly one `error:` line, naming the lighthouse and what the group gave up on; no traceback."""
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in out, out[-5000:]
+    assert errors[0].startswith(f"error: torchft's lighthouse {lighthouse} does not answer: gave up "
+                                f"{gave_up}"), errors
+
+
+def test_an_unreachable_lighthouse_at_the_start_is_one_line_and_exit_1(data, tmp_path):
+    lighthouse, run = f"http://localhost:{free_port()}", tmp_path / "run"  # nothing listens there
+    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run}",
+           *overrides(data, "adamw", "parallel.fault_tolerance=torchft", "parallel.torchft.timeout_s=2",
+                      f"parallel.torchft.lighthouse={lighthouse}")]
+    job = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert job.returncode == 1, job.stdout[-2000:] + job.stderr[-3000:]
+    one_error(job.stderr, lighthouse, "connecting to it (parallel.torchft.timeout_s=2)")
+    assert (run / "exit_code").read_text() == "1\n"
+
+
+def test_a_lighthouse_that_dies_ends_its_group_once_without_restarts(data, tmp_path):
+    """launch/torchft.sh runs torchrun with --max-restarts 3: the group's ranks exit 0 (a restart would wait
+    for the lighthouse and fail alike) and the script exits with the recorded 1."""
+    port = free_port()
+    lighthouse_cmd = [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1",
+                      "--bind", f"[::]:{port}"]
+    house = subprocess.Popen(lighthouse_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env={**os.environ, "RUST_LOG": "error"})
+    run, lighthouse = tmp_path / "group0", f"http://localhost:{port}"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env.update(OMP_NUM_THREADS="1", PYTHON=sys.executable, REPLICA_GROUP="0", REPLICA_GROUPS="1", NPROC="1",
+               MAX_RESTARTS="3", RUN_DIR=str(run), LIGHTHOUSE=lighthouse)
+    job = subprocess.Popen(["bash", str(ROOT / "launch/torchft.sh"), "group",
+                            *overrides(data, "adamw", "trainer.max_steps=100000", "trainer.eval_every=0",
+                                       "trainer.checkpoint_every=0", "parallel.torchft.quorum_timeout_s=3",
+                                       "parallel.torchft.timeout_s=5")],  # a restart would fail fast
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True, cwd=ROOT)
+    try:
+        wait_until("the group trains", lambda: len(steps(run)) >= 3, job)
+        house.kill()
+        out = job.communicate(timeout=300)[0]
+    finally:
+        house.kill()
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 1, out[-5000:]
+    one_error(out, lighthouse, "waiting for a quorum (parallel.torchft.quorum_timeout_s=3)")
+    assert (run / "exit_code").read_text() == "1\n"
+    # torchrun started the rank once: a restart would have written another header (and failed again)
+    starts = [line for line in (run / "train.log").read_text().splitlines() if line.startswith("---- ")]
+    assert len(starts) == 1, starts

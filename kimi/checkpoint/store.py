@@ -84,7 +84,7 @@ def _fresh_dir(path: Path) -> None:
 
 @contextlib.contextmanager
 def _saving(path: Path, kept: Optional[CheckpointInfo]):
-    """A failed or interrupted save (a second SIGTERM: exit at once) removes its partial directory, which no
+    """A failed or interrupted save (an exception raised into it) removes its partial directory, which no
     resume would use or remove; a storage error (full disk, read-only) becomes one line that says the older
     checkpoint `kept` is intact."""
     try:
@@ -93,9 +93,10 @@ def _saving(path: Path, kept: Optional[CheckpointInfo]):
         _discard(path)
         cause = _cause(e, OSError)
         if cause is not None and cause.errno in STORAGE_ERRORS:
-            earlier = f"the newest complete checkpoint {kept.path} is intact" if kept else "no earlier checkpoint exists"
-            raise RunError(f"{STORAGE_ERRORS[cause.errno]} while saving checkpoint {path}; {earlier}. Fix that and "
-                           "rerun the same command to continue") from e
+            earlier = (f"the newest complete checkpoint {kept.path} is intact" if kept
+                       else "no earlier checkpoint exists")
+            raise RunError(f"{STORAGE_ERRORS[cause.errno]} while saving checkpoint {path}; {earlier}. Fix "
+                           "that and rerun the same command to continue") from e
         raise
 
 

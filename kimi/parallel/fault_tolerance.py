@@ -25,16 +25,20 @@ gradient is the mean over what was read. That is said in a log line whenever the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
 from datetime import timedelta
 from typing import Any, Dict, Optional
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
+from kimi.cli import FinalError, RunError
 from kimi.config import ConfigError
 from kimi.optim.owners import like_param, local_tensor
 
@@ -71,19 +75,46 @@ class FaultTolerance:
         else:  # one process started without torchrun
             self._store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
             addr, port = "localhost", self._store.port
-        self.manager = Manager(
-            pg=pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=ft.min_replicas,
-            use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
-            connect_timeout=timeout, rank=trainer.rank, world_size=dims.world, store_addr=addr, store_port=port,
-            lighthouse_addr=lighthouse, replica_id=f"kimi_{ft.replica_group}",
-            # every group initialises the same weights from the seed: nothing to copy at step 0
-            init_sync=False)
+        self.lighthouse = lighthouse
+        with self._lighthouse_wait(f"connecting to it (parallel.torchft.timeout_s={ft.timeout_s:g})"):
+            self.manager = Manager(
+                pg=pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=ft.min_replicas,
+                use_async_quorum=False, timeout=timeout,
+                quorum_timeout=timedelta(seconds=ft.quorum_timeout_s), connect_timeout=timeout,
+                rank=trainer.rank, world_size=dims.world, store_addr=addr, store_port=port,
+                lighthouse_addr=lighthouse, replica_id=f"kimi_{ft.replica_group}",
+                # every group initialises the same weights from the seed: nothing to copy at step 0
+                init_sync=False)
         # a group resuming from its own checkpoint counts its steps from there
         self.manager.load_state_dict({"step": trainer.step, "batches_committed": trainer.step})
         self.committed, self.participants, self._quorum_ready = True, None, False
         trainer.engine = _GroupEngine(trainer.engine, self)
         self._quorum()  # a group behind its peers takes their state now, before the run's start is logged
         self._quorum_ready = True
+
+    @contextlib.contextmanager
+    def _lighthouse_wait(self, what: str):
+        """torchft's own error for a lighthouse that does not answer within the wait (a connection error at
+        the start, a TimeoutError at a quorum) as one line when the lighthouse is indeed unreachable; then
+        the Manager is of no further use (it fails every later quorum at once) and a restart would wait and
+        fail alike, so the group ends without torchrun restarting it (FinalError). A quorum that times out
+        while the lighthouse answers (fewer than min_replicas groups) is a RunError: restarted, the group
+        rejoins."""
+        try:
+            yield
+        except (RuntimeError, TimeoutError) as e:
+            if isinstance(e, RunError):
+                raise
+            if reachable(self.lighthouse):
+                if isinstance(e, TimeoutError):
+                    need = f"parallel.torchft.min_replicas={self.cfg.min_replicas} replica group(s)"
+                    raise RunError(f"no quorum of {need} at the lighthouse {self.lighthouse}: gave up "
+                                   f"{what}") from None
+                raise
+            fix = ("Start it again (launch/torchft.sh lighthouse) or fix parallel.torchft.lighthouse, then "
+                   "rerun this group's command: it resumes from its newest checkpoint")
+            what = f"torchft's lighthouse {self.lighthouse} does not answer: gave up {what}"
+            raise FinalError(f"{what}. {fix}") from None
 
     # ---- the step ---------------------------------------------------------------------------------------
     def train_step(self, family_stats: bool = False) -> Dict[str, float]:
@@ -103,7 +134,9 @@ class FaultTolerance:
                   "running it again with the same batches")
 
     def _quorum(self) -> None:
-        self.manager.start_quorum()  # healing, if any, has loaded a peer's state when this returns
+        with self._lighthouse_wait(f"waiting for a quorum (parallel.torchft.quorum_timeout_s="
+                                   f"{self.cfg.quorum_timeout_s:g})"):
+            self.manager.start_quorum()  # healing, if any, has loaded a peer's state when this returns
         n = self.manager.num_participants()
         if n != self.participants:
             t, groups = self.trainer, self.cfg.replica_groups
@@ -158,6 +191,16 @@ class FaultTolerance:
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None
+
+
+def reachable(url: str, timeout_s: float = 5.0) -> bool:
+    """Whether anything accepts a TCP connection at the lighthouse's address (http://host:port)."""
+    parts = urlsplit(url if "//" in url else f"http://{url}")
+    try:
+        with socket.create_connection((parts.hostname or "localhost", parts.port or 80), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 class _GroupEngine:
