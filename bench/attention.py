@@ -178,17 +178,21 @@ def gpu_bench(args, device="cuda", done=lambda rows: None) -> dict:
             row["sdpa_fwdbwd_ms"] = ms(lambda: sdpa().backward(do_sdpa), (q, k, v_sdpa))
             row["triton_fwdbwd_ms"] = ms(lambda: first(ours(False))().backward(do), (q, k, v))
             row["triton_fwdbwd_max_ms"] = ms(lambda: first(ours(True))().backward(do), (q, k, v))
-            row["triton_fwdbwd_atomic_dq_ms"] = ms(lambda: first(ours(False, False))().backward(do), (q, k, v))
-            row["triton_fwdbwd_atomic_dq_max_ms"] = ms(lambda: first(ours(True, False))().backward(do), (q, k, v))
+            row["triton_fwdbwd_atomic_dq_ms"] = ms(lambda: first(ours(False, False))().backward(do),
+                                                   (q, k, v))
+            row["triton_fwdbwd_atomic_dq_max_ms"] = ms(lambda: first(ours(True, False))().backward(do),
+                                                       (q, k, v))
             row["sdpa_path_fwdbwd_max_ms"] = ms(lambda: first(sdpa_path)().backward(do), (q, k, v))
             rows.append(row)
             print(row, flush=True)
             done(rows)
-            del q, k, v, v_sdpa, do, do_sdpa
+            # frees this size's tensors before the next: rebound, not deleted, as the closures above read them
+            q = k = v = v_sdpa = do = do_sdpa = None
             torch.cuda.empty_cache()
 
     print("\n| dims | T | B | err | fwd SDPA ms | fwd ours ms | ratio | +max | fwd+bwd SDPA ms | ours ms "
-          "| ratio | +max | atomic dQ ratio | SDPA-path max pass | with max: ours (atomic) | with max: SDPA path |")
+          "| ratio | +max | atomic dQ ratio | SDPA-path max pass | with max: ours (atomic) | with max: SDPA "
+          "path |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['dims']} | {r['T']} | {r['B']} | {r['rel_err_vs_fp32']:.1e} | {r['sdpa_fwd_ms']:.3f} | "
@@ -202,8 +206,8 @@ def gpu_bench(args, device="cuda", done=lambda rows: None) -> dict:
               f"{r['triton_fwdbwd_atomic_dq_max_ms'] / r['sdpa_fwdbwd_ms']:.2f}x | "
               f"{r['sdpa_path_fwdbwd_max_ms'] / r['sdpa_fwdbwd_ms']:.2f}x |")
     # the backward's one switch (kimi/ops/attention/triton/common.py), both timed above
-    dq_modes = {"separate": "a second kernel recomputes P and dP, deterministic (model.attention_deterministic"
-                            "=true): triton_fwdbwd_ms",
+    dq_modes = {"separate": "a second kernel recomputes P and dP, deterministic "
+                            "(model.attention_deterministic=true): triton_fwdbwd_ms",
                 "atomic": "default: fp32 atomic adds in the dK/dV kernel, not bitwise deterministic: "
                           "triton_fwdbwd_atomic_dq_ms"}
     return dict(heads=args.heads, tokens=args.tokens, dtype="bfloat16", causal=True, dq_modes=dq_modes,
@@ -278,7 +282,8 @@ def compile_check(args, arch: int = 90) -> dict:
     pointers = {"LSE": "*fp32", "ROWMAX": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "DQACC": "*fp32",
                 "SEG": "*i32", "DSTART": "*i32", "DEND": "*i32"}
     kernels = {"fwd": (forward._fwd_kernel, forward._fwd_tuned.configs, dict(STORE_MAX=True, MAX_ONLY=False)),
-               "fwd max only": (forward._fwd_kernel, forward._fwd_tuned.configs, dict(STORE_MAX=True, MAX_ONLY=True)),
+               "fwd max only": (forward._fwd_kernel, forward._fwd_tuned.configs,
+                                dict(STORE_MAX=True, MAX_ONLY=True)),
                "dkdv": (backward._dkdv_kernel, backward._dkdv_tuned.configs, dict(ATOMIC_DQ=False)),
                "dkdv+atomic dq": (backward._dkdv_kernel, backward._dkdv_tuned.configs, dict(ATOMIC_DQ=True)),
                "dq": (backward._dq_kernel, backward._dq_tuned.configs, {}),

@@ -42,7 +42,8 @@ def build(model: str, overrides: list[str]) -> Trainer:
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[
-            f"model={model}", f"trainer.run_dir={run}", "trainer.max_steps=1000000", "trainer.checkpoint_every=0",
+            f"model={model}", f"trainer.run_dir={run}", "trainer.max_steps=1000000",
+            "trainer.checkpoint_every=0",
             "trainer.eval_every=0", "trainer.sample_tokens=0", "trainer.keep_checkpoints=2",
             "logging.wandb.mode=disabled", *MODEL_OVERRIDES.get(model, []), *overrides])
     return Trainer(cfg)
@@ -84,12 +85,14 @@ def measure(model: str, steps: int, repeats: int, overrides: list[str]) -> dict:
            "background_write_s": statistics.median(writes), "steps_in_flight": len(in_flight) / repeats,
            "step_in_flight_s": statistics.median(in_flight) if in_flight else None,
            "lost_background_s": statistics.median(lost)}
-    row["lost_ratio"] = row["lost_background_s"] / row["blocking_save_s"]  # a blocking save loses all of itself
+    # a blocking save loses all of itself
+    row["lost_ratio"] = row["lost_background_s"] / row["blocking_save_s"]
     return row
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["tiny", "small"])
     parser.add_argument("--steps", type=int, default=6, help="steps timed for the median step time")
     parser.add_argument("--repeats", type=int, default=3, help="saves of each kind (medians reported)")
@@ -99,17 +102,18 @@ def main() -> None:
     rows = [measure(m, args.steps, args.repeats, args.overrides) for m in args.models]
     machine = f"{os.cpu_count()} logical CPUs, torch {torch.__version__}"
     print(f"\nCheckpoint cost, one process, {machine}; medians of {args.repeats} saves of each kind:\n")
-    print("| model | params | checkpoint | step | blocking save | background: pause | write | steps in flight "
-          "(each) | training time lost in the background | / blocking save |")
+    print("| model | params | checkpoint | step | blocking save | background: pause | write | steps in "
+          "flight (each) | training time lost in the background | / blocking save |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         each = "-" if r["step_in_flight_s"] is None else f"{r['step_in_flight_s']:.2f} s"
-        print(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['checkpoint_mb']:.0f} MiB | {r['step_s']:.2f} s | "
-              f"{r['blocking_save_s']:.2f} s | {r['background_pause_s']:.3f} s | {r['background_write_s']:.2f} s | "
-              f"{r['steps_in_flight']:.1f} ({each}) | {r['lost_background_s']:.2f} s "
-              f"| {r['lost_ratio']:.2f}x |")
+        print(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['checkpoint_mb']:.0f} MiB | {r['step_s']:.2f} "
+              f"s | {r['blocking_save_s']:.2f} s | {r['background_pause_s']:.3f} s | "
+              f"{r['background_write_s']:.2f} s | {r['steps_in_flight']:.1f} ({each}) | "
+              f"{r['lost_background_s']:.2f} s | {r['lost_ratio']:.2f}x |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine, "overrides": args.overrides, "rows": rows}, indent=2) + "\n")
+    args.out.write_text(json.dumps({"machine": machine, "overrides": args.overrides, "rows": rows}, indent=2)
+                        + "\n")
     print(f"\nwrote {args.out}")
 
 

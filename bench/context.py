@@ -46,7 +46,8 @@ import torch.distributed as dist  # noqa: E402
 
 from comm_count import CommCounter  # noqa: E402
 
-MEASURED = {"tiny": ["model=tiny", "model.vocab_size=32768"], "small": ["model=small", "model.vocab_size=32768"]}
+MEASURED = {"tiny": ["model=tiny", "model.vocab_size=32768"],
+            "small": ["model=small", "model.vocab_size=32768"]}
 # cut-down models for the fit: which blocks are MLA (0-based), every other block KDA
 CUTS = {"A": (4, [3]), "B": (8, [3, 7]), "C": (6, [3])}
 PRESETS = {"1b": ["model=1b", "model.vocab_size=32768"],
@@ -90,7 +91,8 @@ def measure(job: dict) -> dict:
     ids, labels = shard_inputs(model.cfg.vocab_size, job["T"], rank, cp)
 
     def step():
-        model(ids, labels=labels).backward()  # the loss as the engines ask for it (chunked, kimi/ops/linear_ce.py)
+        # the loss as the engines ask for it (chunked, kimi/ops/linear_ce.py)
+        model(ids, labels=labels).backward()
 
     if job["what"] == "bytes":
         counter = CommCounter()
@@ -213,7 +215,8 @@ def fit(rows: list[dict], name: str) -> dict:
     mine = [r for r in rows if r.get("fit") == name]
     slopes, intercepts, feats = [], [], []
     for c in CUTS:
-        (t0, p0), (t1, p1) = sorted((r["T"], max(r["per_rank"])) for r in mine if r["cut"] == c and r["cp"] == 1)
+        (t0, p0), (t1, p1) = sorted((r["T"], max(r["per_rank"])) for r in mine if r["cut"] == c
+                                    and r["cp"] == 1)
         slopes.append((p1 - p0) / (t1 - t0))
         intercepts.append(p0 - slopes[-1] * t0)
         feats.append(features(compose_config(next(r["overrides"] for r in mine if r["cut"] == c)).model))
@@ -227,12 +230,14 @@ def fit(rows: list[dict], name: str) -> dict:
 
 def predict(coef: dict, m, T: int, cp: int, extra_per_token: float = 0.0) -> float:
     n = T / cp
-    per_token = sum(a * f for a, f in zip(coef["a"], features(m))) + extra_per_token + (coef["e"] if cp > 1 else 0)
+    per_token = (sum(a * f for a, f in zip(coef["a"], features(m))) + extra_per_token
+                 + (coef["e"] if cp > 1 else 0))
     return n * per_token + (T - n) * coef["b"] + coef["c"]
 
 
 def persistent_bytes(overrides: list[str], cp: int) -> float:
-    """kimi.summary's per-rank state with FSDP over the cp ranks (dp_shard 1), bf16, plus one gathered unit."""
+    """kimi.summary's per-rank state with FSDP over the cp ranks (dp_shard 1), bf16, plus one gathered
+    unit."""
     from kimi.summary import compose_config, summarize
 
     s = summarize(compose_config([*overrides, f"parallel.cp={cp}", "trainer.precision=bf16"]))
@@ -270,7 +275,8 @@ def exchange_bytes(m, mixer: str, T: int, cp: int, rows: int = 1) -> int:
     convs' halos (bf16) and the shard summary P, S_zero (fp32); MLA's: the shard's latent and shared key."""
     if mixer == "KDA":
         width = m.kda_num_heads * m.kda_head_dim
-        message = rows * (3 * (m.conv_size - 1) * width * 2 + m.kda_num_heads * m.kda_head_dim * 2 * m.kda_head_dim * 4)
+        message = rows * (3 * (m.conv_size - 1) * width * 2 + m.kda_num_heads * m.kda_head_dim * 2
+                          * m.kda_head_dim * 4)
     else:
         message = rows * T // cp * (m.kv_lora_rank + m.qk_rope_head_dim) * 2
     return (2 + cp) * message
@@ -285,13 +291,14 @@ def report(out: dict, reserve: float) -> str:
     names = list(dict.fromkeys(r["name"] for r in mem))
     lengths = sorted({r["T"] for r in mem})
     cps = sorted({r["cp"] for r in mem})
-    text = ["Peak activation memory per rank (MiB; the heaviest rank; bf16, activation checkpointing full, one "
-            "row of T tokens), and its ratio to cp = 1:"]
+    text = ["Peak activation memory per rank (MiB; the heaviest rank; bf16, activation checkpointing full, "
+            "one row of T tokens), and its ratio to cp = 1:"]
     table = []
     for name in names:
         for T in lengths:
             peaks = {r["cp"]: max(r["per_rank"]) for r in mem if r["name"] == name and r["T"] == T}
-            table.append([name, str(T)] + [f"{peaks[cp] / 2**20:.1f} ({peaks[cp] / peaks[1]:.2f}x)" for cp in cps])
+            table.append([name, str(T)] + [f"{peaks[cp] / 2**20:.1f} "
+                                           f"({peaks[cp] / peaks[1]:.2f}x)" for cp in cps])
     text.append(md(["model", "T"] + [f"cp {cp}" for cp in cps], table))
 
     traffic = [r for r in rows if r["what"] == "bytes"]
@@ -318,8 +325,9 @@ def report(out: dict, reserve: float) -> str:
             checks.append([name, str(r["T"]), str(r["cp"]), f"{want / 2**20:.1f}", f"{got / 2**20:.1f}",
                            f"{got / want:.2f}"])
     out["model_check"] = checks
-    text += ["", "The memory model against those measurements (fitted on cut-down models of 4, 6 and 8 blocks, "
-             "T 256-1024, cp 1-2):", md(["model", "T", "cp", "measured MiB", "model MiB", "model / measured"], checks)]
+    text += ["", "The memory model against those measurements (fitted on cut-down models of 4, 6 and 8 "
+             "blocks, T 256-1024, cp 1-2):", md(["model", "T", "cp", "measured MiB", "model MiB",
+                                                 "model / measured"], checks)]
 
     # GPUs run the blockwise MLA prefix (Triton attention, no packed documents): its b and its block
     presets = [p for p in PRESETS if any(r.get("fit") == p for r in rows)]
@@ -341,15 +349,16 @@ def report(out: dict, reserve: float) -> str:
                     answers.setdefault((preset, dev), cp)
             table.append([preset, dev] + cells)
         per_token = sum(a * f for a, f in zip(coef["a"], features(m))) / 1024
-        text += ["", f"`{preset}`: {per_token:.0f} KiB per token of the rank's shard (+{coef['e'] / 1024:.0f} KiB on a "
-                 f"continuing rank), {coef['b'] / 1024:.1f} KiB per token of the earlier shards (MLA's prefix latent; "
-                 f"{prefix_bytes(m) / 1024:.0f} KiB where the prefix is up-projected whole); exchange per layer and "
-                 f"step at T = 1M, cp 64: KDA {exchange_bytes(m, 'KDA', 1 << 20, 64) / 2**20:.0f} MiB, "
-                 f"MLA {exchange_bytes(m, 'MLA', 1 << 20, 64) / 2**20:.0f} MiB"]
+        text += ["", f"`{preset}`: {per_token:.0f} KiB per token of the rank's shard "
+                 f"(+{coef['e'] / 1024:.0f} KiB on a continuing rank), {coef['b'] / 1024:.1f} KiB per token "
+                 f"of the earlier shards (MLA's prefix latent; {prefix_bytes(m) / 1024:.0f} KiB where the "
+                 "prefix is up-projected whole); exchange per layer and step at T = 1M, cp 64: KDA "
+                 f"{exchange_bytes(m, 'KDA', 1 << 20, 64) / 2**20:.0f} MiB, MLA "
+                 f"{exchange_bytes(m, 'MLA', 1 << 20, 64) / 2**20:.0f} MiB"]
     if presets:
-        text += ["", f"Longest trainable sequence per GPU (the model; activation checkpointing full, bf16, one GPU "
-                 f"per cp rank, FSDP over them, MLA's prefix blockwise; {reserve:.0%} of memory reserved; '-': the "
-                 "weights and optimizer "
+        text += ["", "Longest trainable sequence per GPU (the model; activation checkpointing full, bf16, "
+                 f"one GPU per cp rank, FSDP over them, MLA's prefix blockwise; {reserve:.0%} of memory "
+                 "reserved; '-': the weights and optimizer "
                  "state alone do not fit):", md(["preset", "device"] + [f"cp {c}" for c in cps], table)]
         text += [f"- `{p}` on {d} GPUs: 1M tokens from cp = {cp}" for (p, d), cp in answers.items()]
         out["longest"] = table
@@ -382,7 +391,8 @@ def main() -> None:
             if name == "tiny" and cp > 1:  # one block of each mixer: bytes per layer
                 for mixer, mla in (("KDA", "[]"), ("MLA", "[0]")):
                     by_cp[cp] += [{"name": f"{mixer} layer", "overrides": [*ov, "model.num_layers=1",
-                                   f"model.mla_layers={mla}", "model.residual=standard"], "T": T, "what": "bytes"}
+                                   f"model.mla_layers={mla}", "model.residual=standard"], "T": T,
+                                   "what": "bytes"}
                                   for T in lengths]
     for name, ov in {**measured, **presets}.items():
         for cp, job in fit_jobs(name, ov):

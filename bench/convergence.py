@@ -1,4 +1,5 @@
-"""Does MuonClip train faster than AdamW? The default job (tiny model, Shakespeare, CPU) run once per optimizer
+"""Does MuonClip train faster than AdamW? The default job (tiny model, Shakespeare, CPU) run once per \
+optimizer
 with everything else equal: the same data order, initial weights, learning rate, warmup and cosine schedule.
 
 Reports validation loss along the way, the final one, wall time, and how many training tokens each optimizer
@@ -31,7 +32,8 @@ def train(optim: str, steps: int, eval_every: int, overrides: list[str], run_dir
     if run_dir.exists():  # a fresh run, never a resume of an older one
         shutil.rmtree(run_dir)
     cmd = [sys.executable, str(ROOT / "train.py"), f"optim={optim}", f"trainer.max_steps={steps}",
-           f"trainer.eval_every={eval_every}", f"trainer.checkpoint_every={steps}", "logging.wandb.mode=disabled",
+           f"trainer.eval_every={eval_every}", f"trainer.checkpoint_every={steps}",
+           "logging.wandb.mode=disabled",
            f"hydra.run.dir={run_dir}", *overrides]
     start = time.perf_counter()
     print(f"[bench] {' '.join(cmd[1:])}", flush=True)
@@ -47,7 +49,8 @@ def train(optim: str, steps: int, eval_every: int, overrides: list[str], run_dir
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--optims", nargs="+", default=["adamw", "muonclip"])
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--eval-every", type=int, default=50)
@@ -66,8 +69,8 @@ def main() -> None:
     print("|---" * (len(runs) + 1) + "|")
     for i, step in enumerate(steps):
         print(f"| {step} | " + " | ".join(f"{r['evals'][i]['val_loss']:.4f}" for r in runs) + " |")
-    print(f"\n| optimizer | final val loss | wall time | tokens to reach {base['optim']}'s {target:.4f} | ratio "
-          "| time to reach it | ratio |")
+    print(f"\n| optimizer | final val loss | wall time | tokens to reach {base['optim']}'s {target:.4f} | "
+          "ratio | time to reach it | ratio |")
     print("|---|---|---|---|---|---|---|")
     base_need = tokens_to_reach(base["evals"], target)
     base_time = base["seconds"] * base_need / base["evals"][-1]["tokens"]
@@ -79,9 +82,11 @@ def main() -> None:
         cells = (["not reached", "-", "-", "-"] if need is None else
                  [f"{need:,.0f}", f"{need / base_need:.2f}", f"{r['seconds_to_target']:.0f} s",
                   f"{r['seconds_to_target'] / base_time:.2f}"])
-        print(f"| {r['optim']} | {r['evals'][-1]['val_loss']:.4f} | {r['seconds']:.0f} s | " + " | ".join(cells) + " |")
+        print(f"| {r['optim']} | {r['evals'][-1]['val_loss']:.4f} | {r['seconds']:.0f} s | "
+              + " | ".join(cells) + " |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"steps": args.steps, "overrides": args.overrides, "runs": runs}, indent=2) + "\n")
+    args.out.write_text(json.dumps({"steps": args.steps, "overrides": args.overrides, "runs": runs}, indent=2)
+                        + "\n")
     print(f"\nwrote {args.out}")
 
 

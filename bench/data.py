@@ -32,8 +32,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -105,8 +103,10 @@ def main() -> None:
         t0 = time.perf_counter()
         corpus, nbytes = write_corpus(work / "corpus", args.gb)
         print(f"corpus: {nbytes / 1e9:.2f} GB in {corpus} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        tok_dir = train_tokenizer_json(list(shakespeare_texts(DataConfig()).values()), args.vocab, work / "tok")
-        cfg = DataConfig(name="bench", source="files", data_files=[str(corpus / "*.jsonl")], val_fraction=0.001,
+        tok_dir = train_tokenizer_json(list(shakespeare_texts(DataConfig()).values()), args.vocab,
+                                       work / "tok")
+        cfg = DataConfig(name="bench", source="files", data_files=[str(corpus / "*.jsonl")],
+                         val_fraction=0.001,
                          cache_dir=str(work / "cache"), num_proc=procs,
                          tokenizer=TokenizerConfig(model_path=str(tok_dir)))
         t0 = time.perf_counter()
@@ -126,7 +126,8 @@ def main() -> None:
         t0, cpu0, base_tokens = time.perf_counter(), _cpu_seconds(), 0
         for docs in (train, val):
             for batch in docs.iter(batch_size=256):
-                base_tokens += sum(len(e.ids) for e in hf.encode_batch(batch["text"], add_special_tokens=False))
+                base_tokens += sum(len(e.ids) for e in hf.encode_batch(batch["text"],
+                                                                       add_special_tokens=False))
         base_s, base_cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
         base_tokens += len(train) + len(val)  # the EOS prepare appends to each document
 

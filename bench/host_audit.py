@@ -15,11 +15,13 @@ CPU fallbacks):
 * compiled, on the CPU at a tiny width (`proxy`): the same depth, layer pattern, heads and sublayer kinds,
   every width cut to a few elements per head, one row of 64 tokens (the loss in one chunk, as at 4096), so
   dynamo traces the same graphs with the same breaks and inductor emits the same kernels per graph, and the
-  kernels themselves cost microseconds. Our Triton custom ops run as null kernels there (zeros of their
+  kernels themselves cost little. Our Triton custom ops run as null kernels there (zeros of their
   outputs' shapes: their fake implementations), which is what their host side costs: one call. The host time
-  is the step's median wall time over several steps after warm-up, the ops those the profiler sees dispatched
-  (aten ops and our custom ops) plus inductor's own kernels (each a launch on a GPU). The same proxy run
-  eagerly checks the proxy: its host time against the meta device's at full shape.
+  is the step's median wall time over several steps after warm-up less the CPU time its matmuls and
+  inductor's kernels took in a profiled step (at 16 elements per head `1b`'s proxy is 256 wide: its matmuls
+  were about half of the step's time on a 2-core CPU, compute a GPU does), the ops those the profiler
+  sees dispatched (aten ops and our custom ops) plus inductor's own kernels (each a launch on a GPU). The
+  same proxy run eagerly checks the proxy: its host time against the meta device's at full shape.
 
 `host_ms_gpu` adds what the proxy cannot show, a CUDA launch per kernel (LAUNCH_US), to the measured time; the
 ratio to the roofline's predicted GPU time is what decides whether the step waits on its host.
@@ -46,6 +48,12 @@ VIEWS = {"view", "_unsafe_view", "transpose", "t", "expand", "select", "slice", 
          "unflatten", "diagonal", "lift_fresh", "view_as_real", "view_as_complex", "_to_copy_view", "unfold",
          "expand_as", "view_as", "chunk", "movedim", "real", "imag"}
 PROXY_T = 64  # tokens of the proxy's one row
+# the ops whose CPU time on the proxy is compute a GPU does, not host work: at 16 elements per head `1b`'s
+# proxy is 256 wide, and its ~500 matmuls a step take tens of milliseconds of the CPU's time
+# (self time: a composite such as linear keeps only its own overhead, which is the host's)
+COMPUTE = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "mkldnn_convolution", "_convolution",
+           "convolution_backward", "_scaled_dot_product_flash_attention_for_cpu",
+           "_scaled_dot_product_flash_attention_for_cpu_backward"}
 
 
 class DispatchCount(TorchDispatchMode):
@@ -183,25 +191,30 @@ def eager_on_meta(cfg, T: int, build, batch, loss_of, repeats: int = 3) -> dict:
             "top_ops": dict(count.ops.most_common(12)), "custom_ops": dict(count.custom)}
 
 
-def _profiled_counts(fn) -> tuple[int, int, int]:
-    """(aten and custom ops dispatched from the top, inductor kernels, compiled graphs called) of one call."""
+def _profiled_counts(fn) -> tuple[int, int, int, float]:
+    """(aten and custom ops dispatched from the top, inductor kernels, compiled graphs called, milliseconds
+    the CPU spent computing in matmuls and inductor's kernels) of one call."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     dispatched = kernels = graphs = 0
+    compute_us = 0.0
     for e in prof.events():
         name = e.name
-        if name.startswith(("aten::", "kimi::")) and not name.split("::", 1)[1] in VIEWS:
+        if name.startswith(("aten::", "kimi::")) and name.split("::", 1)[1] not in VIEWS:
             # only ops called by Python or a compiled graph, not the ops an op calls inside itself
             parent = e.cpu_parent
             if parent is None or not parent.name.startswith(("aten::", "kimi::")):
                 dispatched += 1
+            if name.split("::", 1)[1] in COMPUTE:
+                compute_us += e.self_cpu_time_total
         elif "cpp_fused" in name or name.startswith("triton_"):  # inductor's kernels (graph_N_cpp_fused_*)
             kernels += 1
+            compute_us += e.self_cpu_time_total
         elif name.startswith(("CompiledFunction", "## Call CompiledFxGraph", "Torch-Compiled Region")):
             graphs += name.startswith("Torch-Compiled Region")
-    return dispatched, kernels, graphs
+    return dispatched, kernels, graphs, compute_us / 1e3
 
 
 def proxy_step(cfg, compiled: bool, build, batch, loss_of, repeats: int = 7) -> dict:
@@ -226,9 +239,12 @@ def proxy_step(cfg, compiled: bool, build, batch, loss_of, repeats: int = 7) -> 
             _step(model, ids, labels, loss_of)
         model.zero_grad(set_to_none=True)
         seconds = _timed(lambda: _step(model, ids, labels, loss_of), repeats)
-        dispatched, kernels, graphs = _profiled_counts(lambda: _step(model, ids, labels, loss_of))
-    return {"host_ms": 1e3 * seconds, "dispatched": dispatched, "inductor_kernels": kernels,
-            "launches": dispatched + kernels, "compiled_regions": graphs, "first_step_s": compile_s}
+        dispatched, kernels, graphs, compute_ms = _profiled_counts(lambda: _step(model, ids, labels, loss_of))
+    # the host's part: the step's time less what its kernels computed (measured in the profiled step; a
+    # GPU host pays for a launch instead, added by audit_host)
+    return {"host_ms": 1e3 * seconds - compute_ms, "step_ms": 1e3 * seconds, "kernel_compute_ms": compute_ms,
+            "dispatched": dispatched, "inductor_kernels": kernels, "launches": dispatched + kernels,
+            "compiled_regions": graphs, "first_step_s": compile_s}
 
 
 def audit_host(name: str, overrides: list[str], T: int, compose, build, batch, loss_of,

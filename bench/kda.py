@@ -13,7 +13,8 @@ Triton kernels interpreted, at whatever (tiny) sizes are given: plumbing, not me
 
 On CPU: forward+backward time of the token-by-token reference, the PyTorch chunkwise path and SDPA, fp32,
 B = 1 (the shape of the cost, not peak speed: KDA grows linearly in T, attention quadratically once the
-T^2 term dominates). Writes bench/results/kda_cpu.json. --safe-gate: the PyTorch chunk path told Kimi K3's gate
+T^2 term dominates). Writes bench/results/kda_cpu.json. --safe-gate: the PyTorch chunk path told Kimi K3's \
+gate
 bound (lower_bound=-5: 16-token diagonal blocks as anchored matmuls) against its general form, on the same
 safe-gate inputs, calls alternating; writes bench/results/kda_cpu_safe_gate.json.
 
@@ -21,7 +22,8 @@ safe-gate inputs, calls alternating; writes bench/results/kda_cpu_safe_gate.json
     python bench/kda.py [--T 2048 4096 8192 16384 32768] [--tokens 32768] [--heads 16] [--dim 128]  (GPU)
     python bench/kda.py --check [--check-docs 100 1 199 137 63] [--check-heads 4] [--check-dim 128]  (GPU)
     python bench/kda.py --compile-check [--arch 90|80|all] [--quick] [--jobs N]   (no GPU needed)
-    python bench/kda.py --safe-gate [--T 1024 2048 4096] [--repeats 7] [--threads 1]   (CPU: bounded vs general)
+    python bench/kda.py --safe-gate [--T 1024 2048 4096] [--repeats 7] [--threads 1]   (CPU: bounded vs \
+general)
 
 --compile-check compiles every KDA Triton kernel (kimi/ops/kda/triton/) for sm_90 and sm_80 with triton's
 bundled ptxas, over head dims K, V in {64, 128}, bf16/fp32 inputs and the constexpr switches, and writes
@@ -131,7 +133,8 @@ def run_cpu_safe_gate(args) -> None:
     heads, dim = args.heads or 4, args.dim or 64
     rows = {}
     for T in Ts:
-        steps = {name: cpu_safe_gate_step(T, heads, dim, lb) for name, lb in (("general", None), ("bounded", -5.0))}
+        steps = {name: cpu_safe_gate_step(T, heads, dim, lb)
+                 for name, lb in (("general", None), ("bounded", -5.0))}
         times = {name: [] for name in steps}
         for step in steps.values():
             step()  # warm-up
@@ -142,8 +145,10 @@ def run_cpu_safe_gate(args) -> None:
                 times[name].append(time.perf_counter() - start)
         rows[T] = {name: statistics.median(t) for name, t in times.items()}
         rows[T]["paired_ratios"] = sorted(b / a for a, b in zip(times["general"], times["bounded"]))
-    setup = f"B=1, H={heads}, d={dim}, {torch.get_num_threads()} threads, median of {args.repeats} alternating calls"
-    print(f"\nforward+backward of the PyTorch chunk path on safe-gate inputs (g = -5 sigmoid(x)), fp32 CPU, {setup}\n")
+    setup = (f"B=1, H={heads}, d={dim}, {torch.get_num_threads()} threads, median of {args.repeats} "
+             "alternating calls")
+    print("\nforward+backward of the PyTorch chunk path on safe-gate inputs (g = -5 sigmoid(x)), fp32 CPU, "
+          f"{setup}\n")
     print("| T | general path (s) | bounded path, lower_bound=-5 (s) | bounded / general (paired min-max) |")
     print("|---|---|---|---|")
     for T, r in rows.items():
@@ -194,7 +199,8 @@ def run_cpu(args) -> None:
             f"{fmt(results[m][T], '.3f')}" + (f" ({fmt(growths[m][T], '.2f')}x)" if T in growths[m] else "")
             for m in methods
         ]
-        ratio = results["chunk"][T] / results["sdpa"][T] if results["chunk"][T] and results["sdpa"][T] else None
+        ratio = (results["chunk"][T] / results["sdpa"][T] if results["chunk"][T] and results["sdpa"][T]
+                 else None)
         print(f"| {T} | " + " | ".join(cells) + f" | {fmt(ratio, '.2f')}x |")
 
     record = {
@@ -723,7 +729,8 @@ def _constexpr_names(fn) -> set[str]:
 
 
 def launched(variant: dict, extra: dict, arch: int) -> bool:
-    """Whether state_block can pick this value block for this dtype there (Hopper, half precision: 64 only)."""
+    """Whether state_block can pick this value block for this dtype there (Hopper, half precision: 64
+    only)."""
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[variant["dtype"]]
     from kimi.ops.kda.triton import common
 
@@ -853,7 +860,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="CPU: torch intra-op threads")
     parser.add_argument("--cpu", action="store_true", help="the CPU table even when a GPU is present")
     parser.add_argument("--safe-gate", action="store_true",
-                        help="CPU: the chunk path's bounded form (Kimi K3's safe gate) against its general one")
+                        help="CPU: the chunk path's bounded form (Kimi K3's safe gate) against its "
+                             "general one")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--check", action="store_true",
                         help="GPU: only the correctness check of every KDA Triton op (exit 1 when one fails)")

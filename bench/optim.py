@@ -1,7 +1,8 @@
 """What an optimizer step costs: MuonClip vs AdamW vs torch.optim.Muon (with AdamW for the rest).
 
 One process: optimizer.step() time on the tiny and small models with random gradients (the optimizers
-interleaved in every repeat, so a shared machine slows them alike), as ratios to torch.optim.Muon + AdamW and to
+interleaved in every repeat, so a shared machine slows them alike), as ratios to torch.optim.Muon + AdamW \
+and to
 AdamW. With --ranks N (gloo, CPU; this script relaunches itself under torchrun): the model fully sharded
 with FSDP2 over N ranks, and per rank per step the bytes it puts into collectives, the number of
 collectives and the matmul FLOPs it runs (both counted below DTensor, on the local tensors), ours against
@@ -50,7 +51,8 @@ def model_config(name: str) -> ModelConfig:
 
 
 def torch_muon(model: torch.nn.Module, lr: float, adamw_patterns=DEFAULT_ADAMW_PATTERNS) -> list:
-    """torch.optim.Muon on the parameters MuonClip sends to Muon, AdamW on the rest (how one combines them)."""
+    """torch.optim.Muon on the parameters MuonClip sends to Muon, AdamW on the rest (how one combines
+    them)."""
     named = list(model.named_parameters())
     muon = [p for n, p in named if route(n, p, adamw_patterns, ()) == "muon"]
     rest = [(n, p) for n, p in named if route(n, p, adamw_patterns, ()) == "adamw"]
@@ -90,7 +92,8 @@ def time_steps(opts: list[torch.optim.Optimizer], repeats: int) -> float:
     return statistics.median(times)
 
 
-def side_by_side(optims: dict[str, list[torch.optim.Optimizer]], repeats: int, sync=lambda: None) -> dict[str, float]:
+def side_by_side(optims: dict[str, list[torch.optim.Optimizer]], repeats: int,
+                 sync=lambda: None) -> dict[str, float]:
     """Median seconds of one step of each entry, the entries interleaved within every repeat (so a shared,
     noisy machine slows them alike) in an order reversed every other repeat (so none always runs right
     after the same one: after MuonClip's fp32 step the caches hold other data than after AdamW's), after a
@@ -112,7 +115,8 @@ def side_by_side(optims: dict[str, list[torch.optim.Optimizer]], repeats: int, s
 
 def machine() -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown CPU") if Path("/proc/cpuinfo").exists() else "unknown CPU"
+                if line.startswith("model name")),
+               "unknown CPU") if Path("/proc/cpuinfo").exists() else "unknown CPU"
     load = " ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
     return f"{cpu}, {os.cpu_count()} logical CPUs visible, load average {load} at the end of the run"
 
@@ -122,7 +126,8 @@ def single_process(models: list[str], repeats: int, device: str = "cpu") -> list
     rows = []
     for name in models:
         torch.manual_seed(0)
-        with torch.device(device):  # built in place: a 1b model initialised on CPU would take longer than its steps
+        # built in place: a 1b model initialised on CPU would take longer than its steps
+        with torch.device(device):
             model = KimiModel(model_config(name))
         fill_grads(model)
         times = side_by_side(optimizers(model), repeats, torch.cuda.synchronize if cuda else lambda: None)
@@ -166,7 +171,8 @@ def distributed(model_name: str, repeats: int, out: Path) -> None:
             for o in opts:
                 o.step()
         seconds = time_steps(opts, repeats)
-        result[name] = {"bytes": counter.total_bytes, "collectives": counter.collectives, "flops": counter.flops,
+        result[name] = {"bytes": counter.total_bytes, "collectives": counter.collectives,
+                        "flops": counter.flops,
                         "step_s": seconds}
     everyone = [None] * world
     dist.all_gather_object(everyone, result)
@@ -193,7 +199,8 @@ def fmt_bytes(n: float) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["tiny", "small"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ranks", type=int, default=4, help="0 skips the distributed table")
@@ -209,7 +216,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     record = {"threads": args.threads, "torch": torch.__version__, "device": args.device,
               "single": single_process(args.models, args.repeats, args.device)}
-    record["machine"] = machine() + (f"; {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else "")
+    record["machine"] = machine() + (f"; {torch.cuda.get_device_name()}" if args.device.startswith("cuda")
+                                     else "")
     print(f"\noptimizer.step() on random gradients on {args.device}, {args.threads} threads, median of "
           f"{args.repeats} interleaved repeats; in brackets: x AdamW, x torch.optim.Muon + AdamW\n"
           f"({record['machine']})\n")
@@ -217,18 +225,22 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for r in record["single"]:
         t, x, y = r["step_s"], r["ratio_to_adamw"], r["ratio_to_torch_muon"]
-        cells = [f"{t[k] * 1e3:.1f} ms ({x[k]:.1f}x, {y[k]:.2f}x)" for k in ("muonclip", "muonclip_bf16", "torch_muon")]
-        print(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {t['adamw'] * 1e3:.1f} ms | " + " | ".join(cells) + " |")
+        cells = [f"{t[k] * 1e3:.1f} ms ({x[k]:.1f}x, {y[k]:.2f}x)"
+                 for k in ("muonclip", "muonclip_bf16", "torch_muon")]
+        print(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {t['adamw'] * 1e3:.1f} ms | "
+              + " | ".join(cells) + " |")
 
     if args.ranks > 1:
         per_rank = launch_distributed(args.ranks, args.dist_model, args.repeats)
         record["distributed"] = {"ranks": args.ranks, "model": args.dist_model, "per_rank": per_rank}
-        print(f"\n{args.dist_model} model, FSDP2 over {args.ranks} gloo ranks (CPU), one optimizer step, per rank\n")
-        print("| rank | ours: bytes sent | collectives | matmul GFLOP | torch.optim.Muon: bytes sent | collectives"
-              " | matmul GFLOP |")
+        print(f"\n{args.dist_model} model, FSDP2 over {args.ranks} gloo ranks (CPU), one optimizer step, per "
+              "rank\n")
+        print("| rank | ours: bytes sent | collectives | matmul GFLOP | torch.optim.Muon: bytes sent | "
+              "collectives | matmul GFLOP |")
         print("|---|---|---|---|---|---|---|")
         if per_rank[0]["adamw_instead"]:
-            print(f"(on AdamW in both, as torch.optim.Muon fails on them: {', '.join(per_rank[0]['adamw_instead'])})\n")
+            print("(on AdamW in both, as torch.optim.Muon fails on them: "
+                  f"{', '.join(per_rank[0]['adamw_instead'])})\n")
         for rank, r in enumerate(per_rank):
             a, b = r["muonclip"], r["torch_muon"]
             print(f"| {rank} | {fmt_bytes(a['bytes'])} | {a['collectives']} | {a['flops'] / 1e9:.3f} | "
@@ -236,10 +248,11 @@ def main() -> None:
         total = {k: {m: sum(r[k][m] for r in per_rank) for m in ("bytes", "collectives", "flops")}
                  for k in ("muonclip", "torch_muon")}
         record["distributed"]["total"] = total
-        print(f"\nall ranks: bytes {total['torch_muon']['bytes'] / max(1, total['muonclip']['bytes']):.1f}x fewer, "
-              f"collectives {total['torch_muon']['collectives'] / max(1, total['muonclip']['collectives']):.1f}x "
-              f"fewer, matmul FLOPs {total['torch_muon']['flops'] / max(1, total['muonclip']['flops']):.1f}x fewer"
-              " with ours than with torch.optim.Muon")
+        print(f"\nall ranks: bytes {total['torch_muon']['bytes'] / max(1, total['muonclip']['bytes']):.1f}x "
+              "fewer, collectives "
+              f"{total['torch_muon']['collectives'] / max(1, total['muonclip']['collectives']):.1f}x fewer, "
+              f"matmul FLOPs {total['torch_muon']['flops'] / max(1, total['muonclip']['flops']):.1f}x fewer "
+              "with ours than with torch.optim.Muon")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"\nwrote {args.out}")

@@ -17,7 +17,8 @@ whole residual history, as Full AttnRes needs, would send), for the tiny and sma
     python bench/parallel.py --model moe_tiny --layouts single dp_shard2 ep2 dp_shard4 dp4_ep2 ep4 \
         --out bench/results/moe_parallel.json
     # the 1b preset on one GPU:
-    python bench/parallel.py --layouts single --model 1b --batch 4 --set trainer.seq_len=4096 trainer.precision=bf16
+    python bench/parallel.py --layouts single --model 1b --batch 4 --set trainer.seq_len=4096 \
+trainer.precision=bf16
 
 Prints markdown tables and writes bench/results/parallel.json.
 """
@@ -150,8 +151,10 @@ def worker(out: Path, model: str, overrides: list[str], steps: int, profile: boo
     register_configs()
     run = Path(tempfile.mkdtemp(prefix="kimi_bench_parallel_"))
     with initialize_config_dir(str(ROOT / "conf"), version_base=None):
-        cfg = compose("config", overrides=[f"model={model}", f"trainer.run_dir={run}", "logging.wandb.mode=disabled",
-                                           "trainer.checkpoint_every=0", "trainer.eval_every=0", "trainer.threads=1",
+        cfg = compose("config", overrides=[f"model={model}", f"trainer.run_dir={run}",
+                                           "logging.wandb.mode=disabled",
+                                           "trainer.checkpoint_every=0", "trainer.eval_every=0",
+                                           "trainer.threads=1",
                                            "trainer.resume=false", *overrides])
     trainer = Trainer(cfg)
     sent = []  # bytes each stage hands to the next, per micro-batch
@@ -202,7 +205,8 @@ def worker(out: Path, model: str, overrides: list[str], steps: int, profile: boo
 def run_layout(name: str, args) -> list[dict]:
     nproc, dp, extra = LAYOUTS[name]
     out = Path(tempfile.mkdtemp()) / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           __file__,
            "--worker", str(out), "--model", args.model, "--steps", str(args.steps),
            *(["--profile"] if args.profile else []), "--", *extra,
            f"trainer.micro_batch_size={args.batch // dp}", *args.set]
@@ -231,8 +235,10 @@ def attnres_payloads(model: str, pp: int, seq_len: int) -> list[dict]:
             ours = 1 + done // mcfg.attnres_block_size + (done % mcfg.attnres_block_size > 0)
         else:
             ours = 1 if mcfg.residual == "standard" else 1 + done
-        rows.append({"model": model, "pp": pp, "boundary": f"{stage}->{stage + 1}", "after_block": blocks.stop,
-                     "tensors": ours, "all_outputs": 1 + done, "bytes_per_token_fp32": ours * mcfg.d_model * 4,
+        rows.append({"model": model, "pp": pp, "boundary": f"{stage}->{stage + 1}",
+                     "after_block": blocks.stop,
+                     "tensors": ours, "all_outputs": 1 + done,
+                     "bytes_per_token_fp32": ours * mcfg.d_model * 4,
                      "all_outputs_bytes_per_token_fp32": (1 + done) * mcfg.d_model * 4})
     return rows
 
@@ -242,11 +248,14 @@ def fmt_bytes(n: float) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS, choices=list(LAYOUTS))
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--batch", type=int, default=16, help="sequences per step over all data-parallel ranks")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per layout (after two untimed ones)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step over all data-parallel "
+                        "ranks")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per layout (after two untimed "
+                        "ones)")
     parser.add_argument("--set", nargs="*", default=[], help="more overrides for every layout, e.g. "
                         "trainer.seq_len=2048 trainer.precision=bf16")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "parallel.json")
@@ -284,8 +293,8 @@ def main() -> None:
     print("\n(bytes, with the number of calls in brackets)")
 
     base = results.get("single", [None])[0]
-    print(f"\nthroughput ({args.steps} timed steps; tokens/s of all ranks together, MFU against all ranks' peak, "
-          "peak memory of the fullest rank: CUDA allocations, or resident memory on CPU)\n")
+    print(f"\nthroughput ({args.steps} timed steps; tokens/s of all ranks together, MFU against all ranks' "
+          "peak, peak memory of the fullest rank: CUDA allocations, or resident memory on CPU)\n")
     print("| layout | ranks | step | tokens/s | vs single | MFU | peak memory per rank |")
     print("|---|---|---|---|---|---|---|")
     for name, ranks in results.items():
@@ -295,15 +304,18 @@ def main() -> None:
         print(f"| {name} | {len(ranks)} | {r['step_s'] * 1e3:.0f} ms | {r['tokens_per_s']:,.0f} | {ratio} | "
               f"{100 * r['mfu']:.2f}% | {fmt_bytes(memory)} |")
 
-    payloads = [row for model in ("tiny", "small") for pp in (2, 4) for row in attnres_payloads(model, pp, 128)]
+    payloads = [row for model in ("tiny", "small") for pp in (2, 4)
+                for row in attnres_payloads(model, pp, 128)]
     print("\nAttnRes payload per pipeline boundary: tensors of [tokens, d_model] sent\n")
-    print("| model | pp | boundary (after block) | kimi: block sums + partial | every sublayer output so far | ratio |")
+    print("| model | pp | boundary (after block) | kimi: block sums + partial | every sublayer output so far "
+          "| ratio |")
     print("|---|---|---|---|---|---|")
     for r in payloads:
         print(f"| {r['model']} | {r['pp']} | {r['boundary']} ({r['after_block']}) | {r['tensors']} | "
               f"{r['all_outputs']} | {r['all_outputs'] / r['tensors']:.1f}x |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": args.model, "batch": args.batch, "set": args.set, "steps": args.steps,
+    args.out.write_text(json.dumps({"model": args.model, "batch": args.batch, "set": args.set,
+                                    "steps": args.steps,
                                     "layouts": results, "payloads": payloads}, indent=2) + "\n")
     print(f"\nwrote {args.out}")
 

@@ -36,7 +36,8 @@ def measure(model: str, args, extra: list[str]) -> dict:
     """bench/parallel.py's one-process layout for `model`: its record (tokens/s, MFU, peak memory, ...)."""
     out = Path(tempfile.mkdtemp(prefix="kimi_peer_")) / f"{model}.json"
     cmd = [sys.executable, str(ROOT / "bench" / "parallel.py"), "--layouts", "single", "--model", model,
-           "--batch", str(args.batch), "--steps", str(args.steps), "--out", str(out), "--set", *args.set, *extra]
+           "--batch", str(args.batch), "--steps", str(args.steps), "--out", str(out), "--set", *args.set,
+           *extra]
     print(f"[peer] {' '.join(cmd[1:])}", flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -77,7 +78,8 @@ def table(rows: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kimi", default="1b", help="the Kimi preset")
     parser.add_argument("--dense", default="dense_1b", help="its dense peer's preset")
     parser.add_argument("--dense-set", nargs="*", default=[], help="overrides for the dense peer only")
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps, both models")
     parser.add_argument("--set", nargs="*", default=[], help="overrides for both, e.g. trainer.seq_len=4096 "
                         "trainer.precision=bf16 parallel.compile=true")
-    parser.add_argument("--titan", action="store_true", help="also train torchtitan's Llama of the dense shape")
+    parser.add_argument("--titan", action="store_true", help="also train torchtitan's Llama of the dense "
+                        "shape")
     parser.add_argument("--titan-site", type=Path, default=None, help="where torchtitan and its packages are "
                         "installed (default: $TITAN_SITE, else .venv/titan, else importable already)")
     parser.add_argument("--kimi-result", type=Path, default=None,

@@ -2,7 +2,8 @@
 precision with everything else equal (data order, initial weights, schedule); fp8 and MXFP8 emulated on CPU
 (torchao's emulation: the same quantisation, the matmul in fp32 over the dequantised operands).
 
-    python bench/precision.py [--runs bf16 fp8_tensorwise ...] [--steps 300] [--eval-every 50] [-- OVERRIDE ...]
+    python bench/precision.py [--runs bf16 fp8_tensorwise ...] [--steps 300] [--eval-every 50] [-- OVERRIDE \
+...]
     python bench/precision.py --table     # the table and plot again from the JSON, no training
     python bench/precision.py --numerics  # one layer's error against fp64 per format (seconds)
 
@@ -53,7 +54,8 @@ def train(name: str, steps: int, eval_every: int, overrides: list[str]) -> dict:
 
 def table(runs: dict) -> str:
     base = runs.get("bf16")
-    lines = ["| run | steps | final val loss | minus bf16's | largest gap to bf16 at an evaluation | wall time (s) |",
+    lines = ["| run | steps | final val loss | minus bf16's | largest gap to bf16 at an evaluation | wall "
+             "time (s) |",
              "|---|---|---|---|---|---|"]
     for name, r in runs.items():
         final = r["evals"][-1]["val_loss"]
@@ -121,7 +123,8 @@ def numerics() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval-every", type=int, default=50)

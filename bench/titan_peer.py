@@ -162,8 +162,8 @@ def find_site(site: Path | None) -> Path | None:
         if candidate and (Path(candidate) / "torchtitan").is_dir():
             return Path(candidate)
     if importlib.util.find_spec("torchtitan") is None:
-        sys.exit("torchtitan is not installed: make titan-site (it goes into .venv/titan), or name its directory "
-                 "with --site / $TITAN_SITE")
+        sys.exit("torchtitan is not installed: make titan-site (it goes into .venv/titan), or name its "
+                 "directory with --site / $TITAN_SITE")
     return None
 
 
@@ -231,7 +231,8 @@ def main(argv: list[str] | None = None) -> dict:
         p.add_argument(f"--{flag}", action="store_true", help=what)
     p.add_argument("--ac", choices=("none", "selective", "full"), default="none",
                    help="as our parallel.activation_checkpointing")
-    p.add_argument("--site", type=Path, help="torchtitan's directory (default: $TITAN_SITE, else .venv/titan)")
+    p.add_argument("--site", type=Path, help="torchtitan's directory (default: $TITAN_SITE, else "
+                   ".venv/titan)")
     a = p.parse_args(argv)
     shape = like(a.like, a.set, a.seq_len) if a.like else dict(
         layers=a.layers, dim=a.dim, heads=a.heads, kv_heads=a.kv_heads or a.heads, ffn_dim=a.ffn_dim,

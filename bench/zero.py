@@ -103,8 +103,10 @@ def worker(out: Path, arm: str, overrides: list[str], steps: int) -> None:
     optim = "muonclip" if arm == "deepspeed_muon" else arm
     with initialize_config_dir(str(ROOT / "conf"), version_base=None):
         cfg = compose("config", overrides=[f"trainer.run_dir={run}", "logging.wandb.mode=disabled",
-                                           "trainer.checkpoint_every=0", "trainer.eval_every=0", "trainer.threads=1",
-                                           "trainer.resume=false", "parallel.engine=deepspeed", f"optim={optim}",
+                                           "trainer.checkpoint_every=0", "trainer.eval_every=0",
+                                           "trainer.threads=1",
+                                           "trainer.resume=false", "parallel.engine=deepspeed",
+                                           f"optim={optim}",
                                            *overrides])
     if arm == "deepspeed_muon":
         kimi.trainer.build_engine = builtin_muon_engine
@@ -121,7 +123,8 @@ def worker(out: Path, arm: str, overrides: list[str], steps: int) -> None:
     for _ in range(steps):
         trainer.train_step()
     seconds = (time.perf_counter() - t0) / steps
-    record = {"bytes": counter.total_bytes, "calls": dict(counter.calls), "ns_flops": ns_flops, "step_s": seconds,
+    record = {"bytes": counter.total_bytes, "calls": dict(counter.calls), "ns_flops": ns_flops,
+              "step_s": seconds,
               "optimizer_state_bytes": state_bytes(trainer.engine.optimizer)}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, record)
@@ -132,10 +135,13 @@ def worker(out: Path, arm: str, overrides: list[str], steps: int) -> None:
 
 def run(arm: str, stage: int, args, ranks: int, accum: int) -> list[dict]:
     out = Path(tempfile.mkdtemp()) / "result.json"
-    overrides = [f"model={args.model}", f"parallel.dp_shard={ranks}", f"parallel.deepspeed.zero_stage={stage}",
-                 f"trainer.micro_batch_size={args.batch // ranks // accum}", f"trainer.grad_accum_steps={accum}",
+    overrides = [f"model={args.model}", f"parallel.dp_shard={ranks}",
+                 f"parallel.deepspeed.zero_stage={stage}",
+                 f"trainer.micro_batch_size={args.batch // ranks // accum}",
+                 f"trainer.grad_accum_steps={accum}",
                  *args.set]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", __file__,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+           __file__,
            "--worker", str(out), "--arm", arm, "--steps", str(args.steps), "--", *overrides]
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     if proc.returncode != 0 and not out.exists():
@@ -151,12 +157,14 @@ def mib(n: float) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", nargs="+", type=int, default=[1, 2, 3], choices=[1, 2, 3])
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--batch", type=int, default=16, help="sequences per step over all ranks and micro-batches")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step over all ranks and "
+                        "micro-batches")
     parser.add_argument("--accum", type=int, default=2, help="gradient accumulation steps")
     parser.add_argument("--steps", type=int, default=8, help="timed steps (after two untimed ones)")
     parser.add_argument("--set", nargs="*", default=[], help="more overrides, e.g. trainer.seq_len=256")
@@ -168,15 +176,16 @@ def main() -> None:
     if args.worker:
         return worker(args.worker, args.arm, args.overrides, args.steps)
 
-    results = {f"zero{s}/{arm}": run(arm, s, args, args.ranks, args.accum) for s in args.stages for arm in args.arms}
+    results = {f"zero{s}/{arm}": run(arm, s, args, args.ranks, args.accum) for s in args.stages
+               for arm in args.arms}
     # the same optimizer in one process without accumulation: the Newton-Schulz work of one step done once
     alone = {f"zero{s}/{arm}": run(arm, s, args, 1, 1) for s in args.stages for arm in args.arms
              if arm != "adamw"}
     settings = " ".join(args.set) or "defaults"
-    print(f"\n{args.model} model on {args.ranks} ranks, {args.batch} sequences per step in {args.accum} micro-batches "
-          f"({settings}); per rank, the fullest rank where ranks differ\n")
-    print("| ZeRO | optimizer | bytes sent per step | Newton-Schulz FLOPs | all ranks' vs one process | step time | "
-          "vs adamw | optimizer state |")
+    print(f"\n{args.model} model on {args.ranks} ranks, {args.batch} sequences per step in {args.accum} "
+          f"micro-batches ({settings}); per rank, the fullest rank where ranks differ\n")
+    print("| ZeRO | optimizer | bytes sent per step | Newton-Schulz FLOPs | all ranks' vs one process | step "
+          "time | vs adamw | optimizer state |")
     print("|---|---|---|---|---|---|---|---|")
     for s in args.stages:
         base = results.get(f"zero{s}/adamw")
@@ -187,8 +196,8 @@ def main() -> None:
             step = max(r["step_s"] for r in ranks)
             ratio = f"{step / max(r['step_s'] for r in base):.2f}x" if base else "-"
             print(f"| {s} | {arm} | {mib(max(r['bytes'] for r in ranks))} | "
-                  f"{max(r['ns_flops'] for r in ranks) / 1e9:.3f} G | {times} | {step * 1e3:.0f} ms | {ratio} | "
-                  f"{mib(max(r['optimizer_state_bytes'] for r in ranks))} |")
+                  f"{max(r['ns_flops'] for r in ranks) / 1e9:.3f} G | {times} | {step * 1e3:.0f} ms | "
+                  f"{ratio} | {mib(max(r['optimizer_state_bytes'] for r in ranks))} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": args.model, "ranks": args.ranks, "batch": args.batch,
                                     "accum": args.accum, "set": args.set, "steps": args.steps,

@@ -165,8 +165,9 @@ class ModelConfig:
     # the pre-norm folded in (CUDA; on CPU only interpreted, TRITON_INTERPRET=1: tests); fla = fla-core's
     # fused AttnRes (CUDA); auto = triton on CUDA, torch elsewhere. The same numbers up to fp32 rounding.
     attnres_backend: str = one_of(ATTNRES_BACKENDS, "torch")
-    # Multi-token prediction (DeepSeek-V3; Kimi K3 pretrains with 1): this many extra depths, depth k predicting
-    # token t+k+1 (kimi/model/mtp.py), their mean loss added with this weight (DeepSeek-V3's 0.3) in training
+    # Multi-token prediction (DeepSeek-V3; Kimi K3 pretrains with 1): this many extra depths, depth k
+    # predicting token t+k+1 (kimi/model/mtp.py), their mean loss added with this weight (DeepSeek-V3's 0.3)
+    # in training
     mtp_layers: int = 0
     mtp_loss_weight: float = 0.3
     norm_eps: float = 1e-5
@@ -299,7 +300,8 @@ class TrainerConfig:
     # (eval_every) and the last; 0: never.
     diag_every: Optional[int] = None
     eval_batches: int = 8
-    # lm-eval tasks also scored at each evaluation, logged as eval/<task>/<metric> (docs/eval.md; the eval extra)
+    # lm-eval tasks also scored at each evaluation, logged as eval/<task>/<metric> (docs/eval.md; the eval
+    # extra)
     eval_tasks: List[str] = field(default_factory=list)
     eval_tasks_limit: int = 100  # examples of each task scored at an evaluation; 0: all
     log_every: int = 10
@@ -354,7 +356,8 @@ class WandbConfig:
 class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     metrics_file: str = "metrics.jsonl"
-    plot: bool = True  # write loss_curve.png in the run dir at the end, and diagnostics/*.png (README: Diagnostics)
+    # write loss_curve.png in the run dir at the end, and diagnostics/*.png (README: Diagnostics)
+    plot: bool = True
 
 
 @dataclass
@@ -377,7 +380,8 @@ class TorchftConfig:
 
     replica_group: int = 0  # this job's group, 0..replica_groups-1: which share of the data it reads
     replica_groups: int = 2  # groups the run is planned with: the global batch when all are in the quorum
-    lighthouse: Optional[str] = None  # e.g. http://host:29510; null: the TORCHFT_LIGHTHOUSE environment variable
+    # e.g. http://host:29510; null: the TORCHFT_LIGHTHOUSE environment variable
+    lighthouse: Optional[str] = None
     min_replicas: int = 1  # groups a step needs to commit its update (the others wait for more)
     timeout_s: float = 60.0  # a collective or a state transfer between groups
     quorum_timeout_s: float = 60.0  # waiting for the quorum at the start of a step
@@ -414,18 +418,19 @@ class ParallelConfig:
 @dataclass
 class Fp8Config:
     recipe: str = one_of(FP8_RECIPES, "tensorwise")  # torchao's Float8LinearConfig.from_recipe_name
-    # tensorwise under FSDP2 (dp_shard * cp > 1): FSDP gathers the converted weights as fp8 (1 byte per element)
-    # instead of bf16 (2), each cast from its fp32 shard with the whole weight's amax
+    # tensorwise under FSDP2 (dp_shard * cp > 1): FSDP gathers the converted weights as fp8 (1 byte per
+    # element) instead of bf16 (2), each cast from its fp32 shard with the whole weight's amax
     fsdp_all_gather: bool = False
 
 
 @dataclass
 class PrecisionConfig:
-    """Low-precision training (trainer.precision=fp8|mxfp8, precision.qat; kimi/precision, docs/precision.md)."""
+    """Low-precision training (trainer.precision=fp8|mxfp8, precision.qat; kimi/precision,
+    docs/precision.md)."""
 
     fp8: Fp8Config = field(default_factory=Fp8Config)
-    # null: the fp8 / MXFP8 matmuls emulated on CPU, native on CUDA (a GPU without them, below sm_89 for fp8 or
-    # sm_100 for MXFP8, is refused unless true); true: emulated everywhere; false: native only
+    # null: the fp8 / MXFP8 matmuls emulated on CPU, native on CUDA (a GPU without them, below sm_89 for fp8
+    # or sm_100 for MXFP8, is refused unless true); true: emulated everywhere; false: native only
     emulate: Optional[bool] = None
     # blocks at each end of the model whose projections stay bf16 (the first and last layers)
     keep_end_blocks: int = 1
@@ -534,7 +539,8 @@ def pipeline_microbatches(cfg: Config) -> int:
     return 1 if p.pp == 1 else (p.pp_microbatches or p.pp)
 
 
-# ---- the rules' vocabulary ---------------------------------------------------------------------------------------------
+# ---- the rules' vocabulary
+# ---------------------------------------------------------------------------------------------
 def check(ok: bool, key: str, value: Any, allowed: str) -> None:
     """A value of one key: `key=value is invalid: allowed`."""
     if not ok:
@@ -597,9 +603,9 @@ def check_context_parallel(cfg: Config) -> None:
             f"trainer.seq_len={t.seq_len} does not split into parallel.cp={p.cp} equal shards: make it a "
             f"multiple of {p.cp}")
     require(t.seq_len // p.cp >= m.conv_size - 1,
-            f"trainer.seq_len={t.seq_len} over parallel.cp={p.cp} gives shards of {t.seq_len // p.cp} tokens, "
-            f"shorter than the short convolutions' halo (model.conv_size - 1 = {m.conv_size - 1}): use a "
-            "longer sequence or a smaller cp")
+            f"trainer.seq_len={t.seq_len} over parallel.cp={p.cp} gives shards of {t.seq_len // p.cp} "
+            f"tokens, shorter than the short convolutions' halo (model.conv_size - 1 = {m.conv_size - 1}): "
+            "use a longer sequence or a smaller cp")
     unsupported = [f"parallel.{k}={getattr(p, k)}" for k in ("ep",) if getattr(p, k) > 1]
     unsupported += ["parallel.compile=true"] if p.compile else []
     unsupported += [f"model.moe_aux_loss_coef={m.moe_aux_loss_coef} (its balance statistics are per whole "
@@ -614,12 +620,12 @@ def check_expert_parallel(cfg: Config) -> None:
     m, p = cfg.model, cfg.parallel
     if p.ep == 1:
         return
-    require(m.moe_num_experts > 0, f"parallel.ep={p.ep} needs a mixture-of-experts model (model.moe_num_experts "
-                                    "> 0, e.g. model=moe_tiny): expert parallelism splits the routed experts; "
-                                    "set parallel.ep=1")
+    require(m.moe_num_experts > 0, f"parallel.ep={p.ep} needs a mixture-of-experts model "
+                                    "(model.moe_num_experts > 0, e.g. model=moe_tiny): expert parallelism "
+                                    "splits the routed experts; set parallel.ep=1")
     require(p.dp_shard % p.ep == 0,
-            f"parallel.ep={p.ep} does not divide parallel.dp_shard={p.dp_shard}: the expert-parallel ranks are "
-            "taken from the dp_shard ranks; make dp_shard a multiple of ep")
+            f"parallel.ep={p.ep} does not divide parallel.dp_shard={p.dp_shard}: the expert-parallel ranks "
+            "are taken from the dp_shard ranks; make dp_shard a multiple of ep")
     require(m.moe_num_experts % p.ep == 0,
             f"model.moe_num_experts={m.moe_num_experts} is not divisible by parallel.ep={p.ep}: each "
             "expert-parallel rank holds the same number of experts; choose an ep that divides it")

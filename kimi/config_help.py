@@ -121,7 +121,7 @@ def composed(argv: Sequence[str]) -> Optional[Dict[str, Any]]:
     try:
         return OmegaConf.to_container(compose([a for a in argv if not a.startswith(("-", "hydra."))]),
                                       resolve=False)
-    except Exception:  # noqa: BLE001: a bad override is reported when the command runs, not in its help
+    except Exception:  # noqa: BLE001 (a bad override is reported when the command runs, not in its help)
         return None
 
 

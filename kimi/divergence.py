@@ -19,7 +19,8 @@ def check_finite(what: str, value: float, step: int, ckpt_dir: Path, precision: 
     if math.isfinite(value):
         return
     raise FloatingPointError(f"{what} is {value} at step {step + 1}: stopping before the update"
-                             f"{_where_to_resume(ckpt_dir, step)}. Try a lower optim.lr or more optim.warmup_steps"
+                             f"{_where_to_resume(ckpt_dir, step)}. Try a lower optim.lr or more "
+                             "optim.warmup_steps"
                              + (" or trainer.precision=fp32" if precision != "fp32" else ""))
 
 
@@ -31,5 +32,5 @@ def _where_to_resume(ckpt_dir: Path, step: int) -> str:
         return f"; the last complete checkpoint is {done[-1].path}"
     if len(done) == 1:
         return f"; the only complete checkpoint, {done[-1].path}, holds the weights that gave it: start over"
-    return (f"; the last complete checkpoint {done[-1].path} holds the weights that gave it: move it aside to "
-            f"resume from {done[-2].path}")
+    return (f"; the last complete checkpoint {done[-1].path} holds the weights that gave it: move it "
+            f"aside to resume from {done[-2].path}")

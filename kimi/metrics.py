@@ -76,8 +76,8 @@ class PeakFlops:
         else:
             self.per_device, self.kind = measure_cpu_peak_flops(), "the measured CPU rate"
             n = torch.get_num_threads()
-            self.source = (f"this CPU's measured fp32 matmul rate (best of 5 x 0.1 s, {n} thread{'s' * (n != 1)}), "
-                           "not a datasheet peak")
+            self.source = (f"this CPU's measured fp32 matmul rate (best of 5 x 0.1 s, {n} "
+                           f"thread{'s' * (n != 1)}), not a datasheet peak")
 
     @property
     def total(self) -> float:
@@ -197,7 +197,8 @@ class MetricsLogger:
             import wandb
 
             media = {k: wandb.Image(str(path)) for k, path in (images or {}).items()}
-            media.update({k: wandb.Table(columns=cols, data=rows) for k, (cols, rows) in (tables or {}).items()})
+            media.update({k: wandb.Table(columns=cols, data=rows)
+                          for k, (cols, rows) in (tables or {}).items()})
             # every row has the x axis, also an evaluation's or the diagnostics' off the progress lines' steps
             tokens = {"tokens": record["step"] * self.tokens_per_step} if self.tokens_per_step else {}
             self._wandb.log({**tokens, **{k: v for k, v in record.items() if k != "step"}, **media},
@@ -273,14 +274,15 @@ WANDB_ONLINE_TIMEOUT_S = 20.0  # wandb's own default (90 s, then a traceback) ho
 
 
 def wandb_mode(cfg: WandbConfig) -> str:
-    """logging.wandb.mode; where the config leaves it null, $WANDB_MODE (wandb's own variable), else offline."""
+    """logging.wandb.mode; where the config leaves it null, $WANDB_MODE (wandb's own variable), else
+    offline."""
     if cfg.mode is not None:
         return cfg.mode
     env = os.environ.get("WANDB_MODE", "").strip()
     mode = {"": "offline", "dryrun": "offline", "run": "online"}.get(env, env)  # wandb's older spellings
     if mode not in WANDB_MODES:
-        raise ConfigError(f"WANDB_MODE={env!r} in the environment is invalid: choose one of {'|'.join(WANDB_MODES)}, "
-                          "or set logging.wandb.mode (which wins over it)")
+        raise ConfigError(f"WANDB_MODE={env!r} in the environment is invalid: choose one of "
+                          f"{'|'.join(WANDB_MODES)}, or set logging.wandb.mode (which wins over it)")
     return mode
 
 
@@ -309,12 +311,12 @@ def wandb_run_id(run_id: str, resume_step: int, metrics: Path) -> Tuple[str, Opt
 
 def start_wandb(cfg: WandbConfig, run_dir: Path, config: Dict[str, Any], wandb_id: str,
                 rewound: Optional[str] = None):
-    """wandb's run `wandb_id` (wandb_run_id) for `run_dir`. Online without credentials is a one-line ConfigError
-    at once (there is nothing to wait for); online without a reachable server logs offline instead, with one
-    warning line, after WANDB_ONLINE_TIMEOUT_S, as a wandb run of its own (`<id>-offline-<hex>`): a network
-    outage should not cost a training run (`wandb sync` uploads it later). Null keys leave wandb's environment
-    variables in charge (WANDB_ENTITY, WANDB_NAME, WANDB_RUN_GROUP, WANDB_TAGS); the project is
-    logging.wandb.project, $WANDB_PROJECT, else kimi."""
+    """wandb's run `wandb_id` (wandb_run_id) for `run_dir`. Online without credentials is a one-line
+    ConfigError at once (there is nothing to wait for); online without a reachable server logs offline
+    instead, with one warning line, after WANDB_ONLINE_TIMEOUT_S, as a wandb run of its own
+    (`<id>-offline-<hex>`): a network outage should not cost a training run (`wandb sync` uploads it later).
+    Null keys leave wandb's environment variables in charge (WANDB_ENTITY, WANDB_NAME, WANDB_RUN_GROUP,
+    WANDB_TAGS); the project is logging.wandb.project, $WANDB_PROJECT, else kimi."""
     import wandb
 
     notes = (f"resumed from an older checkpoint than wandb run {rewound} had logged: this run continues it"
@@ -333,8 +335,9 @@ def start_wandb(cfg: WandbConfig, run_dir: Path, config: Dict[str, Any], wandb_i
     try:
         return tokens_axis(init("online", init_timeout=WANDB_ONLINE_TIMEOUT_S))
     except wandb.errors.UsageError as e:
-        raise ConfigError(f"logging.wandb.mode=online, but wandb cannot start: {_first_line(e)}. Set WANDB_API_KEY "
-                          "(or run `wandb login`), or use logging.wandb.mode=offline and `wandb sync` later") from None
+        raise ConfigError(f"logging.wandb.mode=online, but wandb cannot start: {_first_line(e)}. Set "
+                          "WANDB_API_KEY (or run `wandb login`), or use logging.wandb.mode=offline and "
+                          "`wandb sync` later") from None
     except wandb.errors.CommError as e:
         # wandb's service still holds the online attempt's id ("run ID is in use"): the offline record is a
         # run of its own, which `wandb sync` uploads beside the online one
@@ -393,8 +396,8 @@ class ProgressWindow:
     def header(log_every: int) -> str:
         if log_every == 1:
             return "[kimi] a progress line every step: tok/s and MFU over its training time"
-        return (f"[kimi] a progress line every {log_every} steps: loss is the mean of those steps (metrics.jsonl's "
-                "loss), lr and gnorm the last one's, tok/s and MFU over their training time")
+        return (f"[kimi] a progress line every {log_every} steps: loss is the mean of those steps "
+                "(metrics.jsonl's loss), lr and gnorm the last one's, tok/s and MFU over their training time")
 
     def add(self, loss: float) -> None:
         self.losses.append(loss)
@@ -470,9 +473,9 @@ def _count(meta) -> str:
 
 def banner(cfg, dims, num_params, flops_per_token: float, data, device, routing: Optional[str] = None,
            layout: Optional[str] = None) -> str:
-    """The lines printed before training: model, data and batch, the engine's line on the layout (Engine.layout),
-    and the optimizer's parameter routing (a one-line summary: the table itself is a file, see
-    kimi.runlog.write_routing)."""
+    """The lines printed before training: model, data and batch, the engine's line on the layout
+    (Engine.layout), and the optimizer's parameter routing (a one-line summary: the table itself is a file,
+    see kimi.runlog.write_routing)."""
     m, t = cfg.model, cfg.trainer
     n, n_emb = num_params[0], num_params[0] - num_params[1]
     tokens = tokens_per_step(t, dims.dp)
@@ -480,11 +483,11 @@ def banner(cfg, dims, num_params, flops_per_token: float, data, device, routing:
     moe = (f", MLPs from block {m.moe_first_dense} on: {m.moe_num_experts} experts, top-{m.moe_top_k} + "
            f"{m.moe_shared_experts} shared" if m.moe_num_experts else "")
     lines = [f"[kimi] model {m.name}: {n / 1e6:.2f}M parameters ({n_emb / 1e6:.2f}M embedding), blocks "
-             f"{mixer_pattern(m)} ({legend(m)}){moe}, residual={m.residual}, vocab {m.vocab_size}, {flops_per_token / 1e6:.1f} "
-             "MFLOP/token (train)",
+             f"{mixer_pattern(m)} ({legend(m)}){moe}, residual={m.residual}, vocab {m.vocab_size}, "
+             f"{flops_per_token / 1e6:.1f} MFLOP/token (train)",
              f"[kimi] data {cfg.data.name}: {_count(data.train_meta)} train / {_count(data.val_meta)} "
-             f"val tokens; batch {t.micro_batch_size}x{t.seq_len}x{t.grad_accum_steps}{ranks} = {tokens:,} tokens/step;"
-             f" device {device}; run dir {t.run_dir}"]
+             f"val tokens; batch {t.micro_batch_size}x{t.seq_len}x{t.grad_accum_steps}{ranks} = {tokens:,} "
+             f"tokens/step; device {device}; run dir {t.run_dir}"]
     if layout:
         lines.append(layout)
     if routing:  # MuonClip: which parameters Muon and AdamW each update

@@ -106,7 +106,8 @@ def save_config(run_dir: Path, config: Dict[str, Any], step: int) -> Path:
     from omegaconf import OmegaConf
 
     started = time.strftime("%Y-%m-%d %H:%M:%S")
-    text = (f"# the resolved config of the training started {started} at step {step}\n# command: {_command()}\n"
+    text = (f"# the resolved config of the training started {started} at step {step}\n# command: "
+            f"{_command()}\n"
             + OmegaConf.to_yaml(config))
     history = Path(run_dir) / "configs"
     history.mkdir(parents=True, exist_ok=True)
@@ -153,8 +154,8 @@ def schedule_change(saved: Dict[str, Any], optim, max_steps: int, step: int) -> 
     new = optim.lr * lr_multiplier(step, optim, max_steps)
     ended = " (where that schedule had ended)" if step >= old_max else ""
     return (f"[kimi] trainer.max_steps {old_max} -> {max_steps}: the lr schedule ({optim.schedule}) is "
-            f"recomputed for {max_steps} steps, so step {step + 1} trains with lr {new:.3e}, not {old:.3e} as on the "
-            f"{old_max}-step schedule{ended}")
+            f"recomputed for {max_steps} steps, so step {step + 1} trains with lr {new:.3e}, not {old:.3e} "
+            f"as on the {old_max}-step schedule{ended}")
 
 
 def data_identity(run_dir: Path, data, is_main: bool) -> Dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Size a configuration without training: parameters per family, the optimizer's split, FLOPs, memory per rank.
+"""Size a configuration without training: parameters per family, the optimizer's split, FLOPs, memory per \
+rank.
 
     python -m kimi.summary model=48b_dense parallel.dp_shard=64 parallel.tp=8 parallel.pp=4 \\
         trainer.seq_len=4096 trainer.micro_batch_size=1 trainer.precision=bf16
@@ -33,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch import nn
 
 from kimi.config import (Config, ConfigError, check_stage_split, mixer_pattern, resolve_vocab,
                          stages_per_rank)
@@ -345,10 +345,11 @@ def report(s: Summary) -> str:
              f"{flops(s.flops_per_step / s.world)}, average over {s.world} ranks"]]
     out += ["", "Training compute", table(rows, ["", "value", ""], "lrl")]
 
-    virtual = "" if p.pp == 1 or len(s.ranks[0].stages) == 1 else f", {len(s.ranks[0].stages)} stages per rank"
+    virtual = ("" if p.pp == 1 or len(s.ranks[0].stages) == 1
+               else f", {len(s.ranks[0].stages)} stages per rank")
     experts = f"; routed experts over ep {p.ep}" if p.ep > 1 else ""
-    out += ["", f"Layout: dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard} x cp {p.cp} x tp {p.tp} x pp {p.pp} = "
-                f"{s.world} ranks (pp_schedule {p.pp_schedule}{virtual}){experts}"]
+    out += ["", f"Layout: dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard} x cp {p.cp} x tp {p.tp} x pp "
+                f"{p.pp} = {s.world} ranks (pp_schedule {p.pp_schedule}{virtual}){experts}"]
     rows = []
     for r in s.ranks:
         ends = "+".join(x for x, on in (("embed", r.first), ("head", r.last)) if on)
@@ -372,10 +373,11 @@ def report(s: Summary) -> str:
     out += ["", f"Memory per rank, heaviest pipeline rank {h.pp_rank}: {h.local:,} parameters per rank "
                 f"(optim={o.name}, precision={t.precision})",
             table(rows, ["", "bytes", "GiB"], "lrr"),
-            "  Counted: fp32 weights, fp32 gradients, fp32 optimizer state, after pp, then tp, then FSDP over "
-            "dp_shard x cp (not dp_replicate).",
+            "  Counted: fp32 weights, fp32 gradients, fp32 optimizer state, after pp, then tp, then FSDP "
+            "over dp_shard x cp (not dp_replicate).",
             "  Not counted: activations (they depend on micro_batch_size, seq_len and "
-            "parallel.activation_checkpointing), communication buffers, the CUDA context and allocator slack."]
+            "parallel.activation_checkpointing), communication buffers, the CUDA context and allocator "
+            "slack."]
     return "\n".join(out)
 
 
@@ -403,7 +405,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         return text
     try:
         text = report(summarize(compose_config(argv)))
-    except Exception as e:  # noqa: BLE001: Hydra/OmegaConf errors have no common base; ConfigError too
+    except Exception as e:  # noqa: BLE001 (Hydra/OmegaConf errors have no common base; ConfigError too)
         from hydra.errors import HydraException
         from omegaconf.errors import OmegaConfBaseException
 

@@ -33,7 +33,7 @@ from kimi.divergence import check_finite
 from kimi.metrics import (MetricsLogger, PeakFlops, ProgressWindow, banner, cpu_size_note, qk_clip_record,
                           tokens_per_step)
 from kimi.model import KimiModel
-from kimi.model.decode import sample_text
+from kimi.model.decode import final_sample
 from kimi.model.footprint import check_training_fits
 from kimi.parallel import (ParallelDims, build_engine, checkpoint_group, fault_tolerance, init_distributed,
                            mean_over_ranks, resolve_device, setup_group)
@@ -124,7 +124,8 @@ class Trainer:
             return
         self.engine = build_engine(cfg, dims, self.mesh, self.device, model)
         self.model, self.optimizer = self.engine.model, self.engine.optimizer
-        self.diagnostics = Diagnostics(cfg, self.run_dir, self.engine, self.mesh, dims, self.is_main, self.log)
+        self.diagnostics = Diagnostics(cfg, self.run_dir, self.engine, self.mesh, dims, self.is_main,
+                                       self.log)
         if start:
             self.step, run_id = resume(cfg, self.engine, self.loader, *start, self.log)
             self.run_id = run_id or self.run_id
@@ -138,8 +139,7 @@ class Trainer:
             print(message, flush=True)
 
     def close(self) -> None:
-        """Restore the signal handlers, stop the watchdog and unlock the run dir (the process's end does the
-        last two too)."""
+        """Restore the signal handlers, stop the watchdog and unlock the run dir."""
         self.signals.restore()
         if self.ft is not None:
             self.ft.close()
@@ -150,7 +150,8 @@ class Trainer:
 
     def _intact_note(self) -> str:
         last = checkpoint.latest_complete(self.ckpt_dir)
-        return f"Rerun the same command to resume from {last.path}." if last else "No checkpoint was written yet."
+        return (f"Rerun the same command to resume from {last.path}." if last
+                else "No checkpoint was written yet.")
 
     # ---- the loop ------------------------------------------------------------------------------------
     def train_step(self, family_stats: bool = False) -> Dict[str, float]:
@@ -165,7 +166,8 @@ class Trainer:
         check_finite("loss", loss, self.step, self.ckpt_dir, self.cfg.trainer.precision)
         out = self.engine.step(self.cfg.optim.grad_clip, family_stats=family_stats)
         # a global norm, the same on every rank; the torch engine has skipped the update for it
-        check_finite("the gradient norm", out["grad_norm"], self.step, self.ckpt_dir, self.cfg.trainer.precision)
+        check_finite("the gradient norm", out["grad_norm"], self.step, self.ckpt_dir,
+                     self.cfg.trainer.precision)
         self.step += 1
         return {"loss": loss, **out}
 
@@ -220,13 +222,10 @@ class Trainer:
         if cfg.logging.plot and self.metrics.history:
             if png := self.metrics.plot(self.run_dir / "loss_curve.png"):
                 self.log(f"[kimi] loss curve: {png}")
-        if result["finished"] and t.sample_tokens > 0 and (self.dims.pp > 1 or cfg.parallel.sequence_parallel):
-            # a pipeline would need its own decoding schedule; one token cannot be split over tp ranks
-            self.log("[kimi] no sample under pipeline or sequence parallelism: sample from the run directory "
-                     "with python -m kimi.generate run=<run dir>")
-        elif result["finished"] and t.sample_tokens > 0:
-            result["sample"] = sample_text(self.model, self.data.tokenizer, t.sample_prompt, t.sample_tokens, t.seed)
-            self.log(f"[kimi] sample (step {self.step}):\n{t.sample_prompt}{result['sample']}\n")
+        can_decode = self.dims.pp == 1 and not cfg.parallel.sequence_parallel
+        if result["finished"] and (text := final_sample(self.model, self.data.tokenizer, t, can_decode,
+                                                        self.step, self.log)) is not None:
+            result["sample"] = text
         return result
 
     def _start(self) -> None:
@@ -291,7 +290,8 @@ class Trainer:
     def _validate_and_report(self, record: Dict[str, Any], log: bool = True) -> Dict[str, Any]:
         self._last_val = val = self.evaluate()
         ppl = math.exp(min(val, 50.0))
-        self.log(f"[kimi] step {self.step}: validation loss {val:.4f}, perplexity {ppl:.2f}{self.val_batches.note()}")
+        self.log(f"[kimi] step {self.step}: validation loss {val:.4f}, perplexity "
+                 f"{ppl:.2f}{self.val_batches.note()}")
         record = {**record, "val_loss": val, "val_ppl": ppl, **self.val_batches.by_source,
                   **eval_tasks.scores(self)}
         if log:

@@ -111,7 +111,8 @@ def contents(run_dir: Path) -> Dict[str, Any]:
     return {"file": str(path), "run": None if run is None else {
                 "name": run.display_name, "project": run.project, "group": run.run_group,
                 "tags": list(run.tags)},
-            "steps": len(steps), "first_step": min(steps, default=None), "last_step": max(steps, default=None),
+            "steps": len(steps), "first_step": min(steps, default=None),
+            "last_step": max(steps, default=None),
             "scalars": dict(sorted(scalars.items())), "media": media, "x_axis": x_axis(records),
             "artifacts": artifacts(records)}
 

@@ -77,8 +77,8 @@ def as_flags(argv: List[str]) -> List[str]:
             out.append(word)
             continue
         if key not in OPTIONS:
-            raise AblateError(f"{word}: kimi.ablate's options are {', '.join(f'{k}=' for k in OPTIONS)} (Hydra "
-                              "overrides for every run go after --)")
+            raise AblateError(f"{word}: kimi.ablate's options are {', '.join(f'{k}=' for k in OPTIONS)} "
+                              "(Hydra overrides for every run go after --)")
         items = [v.strip() for v in value[1:-1].split(",") if v.strip()] if value.startswith("[") else [value]
         if key in SWITCHES or (key == "docs" and value.lower() in ("true", "false")):
             if value.lower() not in ("true", "false"):
@@ -165,7 +165,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("[ablate] stopped; rerun the same command to continue", file=sys.stderr)
         return 130
-    except Exception as e:  # noqa: BLE001: a config error from composing the overrides
+    except Exception as e:  # noqa: BLE001 (a config error from composing the overrides)
         from kimi.cli import exit_code_for
 
         if exit_code_for(e) is None:

@@ -21,20 +21,22 @@ PAPERS = {
                         "with ~1.25x the compute", "attnres_block", ("win",)),
     "ablate_mixer": ("Kimi Linear (arXiv 2510.26692): the 3:1 KDA:MLA hybrid is at least as good as all-MLA "
                      "attention", "hybrid_3to1", ("win", "tie")),
-    **{f"ablate_depth{n}": ("Attention Residuals (arXiv 2603.15031): Block AttnRes matches the baseline trained "
-                            "with ~1.25x the compute, a gain the paper reports growing with depth", "attnres_block",
+    **{f"ablate_depth{n}": ("Attention Residuals (arXiv 2603.15031): Block AttnRes matches the baseline "
+                            "trained with ~1.25x the compute, a gain the paper reports growing with depth",
+                            "attnres_block",
                             ("win",)) for n in (8, 16)},
-    "ablate_k3_mla_gate": ("Gated attention (arXiv 2505.06708): a per-element sigmoid gate on the attention output "
-                           "lowers perplexity and training instability", "gated", ("win",)),
+    "ablate_k3_mla_gate": ("Gated attention (arXiv 2505.06708): a per-element sigmoid gate on the attention "
+                           "output lowers perplexity and training instability", "gated", ("win",)),
     "ablate_k3_moe": ("Normalized LatentMoE (Kimi K3, as Megatron issue 6448 quotes it): the norm before the "
                       "up-projection stabilises training and improves validation loss", "latent_situ",
                       ("win", "tie")),
-    "ablate_k3_kda_gate": ("Kimi K3's report (section 2.1.1): the lower-bounded gate is chosen so that every chunk "
-                           "tile runs as tensor-core matmuls; it is trained with it, at no stated cost in quality",
+    "ablate_k3_kda_gate": ("Kimi K3's report (section 2.1.1): the lower-bounded gate is chosen so that every "
+                           "chunk tile runs as tensor-core matmuls; it is trained with it, at no stated cost "
+                           "in quality",
                            "safe", ("win", "tie")),
-    "ablate_k3_muon_heads": ("Kimi K3's report (section 2.5, as torchtitan and DeepSpeed issue 8367 quote it): "
-                             "orthogonalising each head's block keeps large-gradient heads from dominating the "
-                             "update of Q, K and V", "per_head", ("win", "tie")),
+    "ablate_k3_muon_heads": ("Kimi K3's report (section 2.5, as torchtitan and DeepSpeed issue 8367 quote "
+                             "it): orthogonalising each head's block keeps large-gradient heads from "
+                             "dominating the update of Q, K and V", "per_head", ("win", "tie")),
     "ablate_k3_balance": ("Kimi K3's report (section 2.3.3): Quantile Balancing sets the router bias to the "
                           "exact minimiser of the balance objective the sign step only steps along, with no "
                           "step size to tune", "quantile", ("win", "tie")),

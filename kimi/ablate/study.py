@@ -157,7 +157,7 @@ def started_steps(run_dir: Path) -> Optional[int]:
 
     try:
         return int(OmegaConf.load(run_dir / "config.yaml").trainer.max_steps)
-    except Exception:  # noqa: BLE001: no config.yaml yet, or one cut short
+    except Exception:  # noqa: BLE001 (no config.yaml yet, or one cut short)
         return None
 
 
@@ -204,7 +204,7 @@ def _composed(overrides: Tuple[str, ...]) -> Dict[str, Any]:
     register_configs()
     try:
         cfg = compose(["trainer.run_dir=unused", *overrides])
-    except Exception:  # noqa: BLE001: Hydra's multi-line report; check_overrides says it in one line
+    except Exception:  # noqa: BLE001 (Hydra's multi-line report; check_overrides says it in one line)
         check_overrides(list(overrides))
         raise
     return OmegaConf.to_container(cfg, resolve=False)

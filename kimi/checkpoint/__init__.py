@@ -48,7 +48,8 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 def rng_state() -> Dict[str, Any]:
     _, keys, pos, has_gauss, gauss = np.random.get_state()
-    numpy_state = {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+    numpy_state = {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                   "has_gauss": int(has_gauss),
                    "gauss": float(gauss)}
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
     if torch.cuda.is_available():
@@ -60,7 +61,8 @@ def set_rng_state(state: Dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -83,12 +85,14 @@ def _full_state(engine, loader, step: int, config: Dict[str, Any], extra: Dict[s
     }
 
 
-def save(root: Path, step: int, engine, loader, config: Dict[str, Any], extra: Optional[Dict[str, Any]] = None,
+def save(root: Path, step: int, engine, loader, config: Dict[str, Any],
+         extra: Optional[Dict[str, Any]] = None,
          keep: int = 2, run_id: str = "") -> Path:
     """Write checkpoint ``step``, then its manifest and COMPLETE marker; then keep only the newest ``keep``
     complete checkpoints of run ``run_id`` (never one of another run, never one newer than ``step``).
 
-    A failed write (a full disk, say) removes the partial directory and raises: the earlier checkpoints stay."""
+    A failed write (a full disk, say) removes the partial directory and raises: the earlier checkpoints
+    stay."""
     path = step_dir(root, step)
     _write(path, _full_state(engine, loader, step, config, extra or {}), {"step": step, "run_id": run_id},
            latest_complete(root))
@@ -106,7 +110,8 @@ def save_in_background(root: Path, step: int, engine, loader, config: Dict[str, 
                           {"step": step, "run_id": run_id}, keep, group)
 
 
-def save_weights(path: Path, model_state: Dict[str, Any], config: Dict[str, Any], extra: Dict[str, Any]) -> Path:
+def save_weights(path: Path, model_state: Dict[str, Any], config: Dict[str, Any],
+                 extra: Dict[str, Any]) -> Path:
     """A weights-only checkpoint at `path` (no optimizer, schedule, data position or RNG): what
     ``trainer.init_from`` starts a new run from (kimi.convert from-hf writes one). Same files, manifest and
     COMPLETE marker as :func:`save`; `extra` is marked ``weights_only``."""
@@ -153,7 +158,8 @@ def _content_problems(path: Path, marker: Dict[str, Any]) -> List[str]:
         step, named = read_trainer_state(path)["step"], _STEP_NAME.match(Path(path).name)
     except RunError:
         return []
-    claimed = {"its COMPLETE marker": marker.get("step", step), "its name": int(named.group(1)) if named else step}
+    claimed = {"its COMPLETE marker": marker.get("step", step),
+               "its name": int(named.group(1)) if named else step}
     wrong = [f"{who} says step {s}" for who, s in claimed.items() if s != step]
     return [f"holds the state of step {step}, but {' and '.join(wrong)}: forged or edited"] if wrong else []
 
@@ -173,7 +179,8 @@ def newest_intact(root: Path, log=print, set_aside: bool = False) -> Optional[Ch
         if not c.complete:  # never usable; a trainer (which holds the run dir) removes it, or nothing would
             if set_aside and _is_rank0():
                 shutil.rmtree(c.path, ignore_errors=True)
-            log(f"[kimi] skipping incomplete checkpoint {c.path} (no {COMPLETE} marker: its save did not finish)"
+            log(f"[kimi] skipping incomplete checkpoint {c.path} (no {COMPLETE} marker: its save did not "
+                "finish)"
                 + ("; removed" if set_aside else ""))
     complete, damaged = [c for c in found if c.complete], []
     for c in reversed(complete):
@@ -182,14 +189,15 @@ def newest_intact(root: Path, log=print, set_aside: bool = False) -> Optional[Ch
             if set_aside and damaged and _is_rank0():
                 for bad in damaged:
                     os.replace(bad, _free_name(bad.with_name(bad.name + DAMAGED)))
-                log(f"[kimi] moved the damaged checkpoint(s) aside: {', '.join(p.name + DAMAGED for p in damaged)}")
+                log("[kimi] moved the damaged checkpoint(s) aside: "
+                    f"{', '.join(p.name + DAMAGED for p in damaged)}")
             _barrier()
             return c
         log(f"[kimi] skipping damaged checkpoint {c.path}: {'; '.join(problems[:3])}")
         damaged.append(c.path)
     if complete:
-        raise RunError(f"no intact checkpoint in {root}: {', '.join(c.path.name for c in complete)} all fail their "
-                       "checks (see above). Move them aside to start over, or restore them from a copy")
+        raise RunError(f"no intact checkpoint in {root}: {', '.join(c.path.name for c in complete)} all fail "
+                       "their checks (see above). Move them aside to start over, or restore them from a copy")
     return None
 
 
@@ -209,8 +217,8 @@ def load(path: Path, engine, loader) -> Dict[str, Any]:
     return {"step": tr["step"], "config": json.loads(tr["config"]), "extra": json.loads(tr["extra"])}
 
 
-_UNTRUSTED = ("refusing to load checkpoint {}: {}. It was not written by kimi; remove it if you do not know where "
-              "it came from")
+_UNTRUSTED = ("refusing to load checkpoint {}: {}. It was not written by kimi; remove it if you do not know "
+              "where it came from")
 _STEP_NAME = re.compile(r"^step_(\d+)$")
 
 
@@ -248,12 +256,14 @@ def _read(state: Dict[str, Any], path: Path) -> None:
         if refused is None:
             raise
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(refused))
-        what = f"an entry refers to {found.group(1)}" if found else f"an entry cannot be read ({type(refused).__name__})"
+        what = (f"an entry refers to {found.group(1)}" if found
+                else f"an entry cannot be read ({type(refused).__name__})")
         raise RunError(_UNTRUSTED.format(path, what + ", which checkpoints never contain")) from None
 
 
 def load_model(path: Path, model_state: Dict[str, Any]) -> None:
-    """Fill a model state dict (e.g. torch.distributed.checkpoint.state_dict.get_model_state_dict) in place."""
+    """Fill a model state dict (e.g. torch.distributed.checkpoint.state_dict.get_model_state_dict) in
+    place."""
     state = {"model": model_state}
     _read(state, path)
 
@@ -266,20 +276,22 @@ def read_trainer_state(path: Path) -> Dict[str, Any]:
     return {"step": tr["step"], "config": json.loads(tr["config"]), "extra": json.loads(tr["extra"])}
 
 
-def check_compatible(saved: Dict[str, Any], path: Path, config: Dict[str, Any], tokenizer_sha256: str) -> None:
+def check_compatible(saved: Dict[str, Any], path: Path, config: Dict[str, Any],
+                     tokenizer_sha256: str) -> None:
     """Refuse to resume into a different model, tokenizer or optimizer: the weights or the optimizer state
     would not load, or tokens would silently mean other things. `saved` is read_trainer_state(path); config
     is this run's (config_dict)."""
     lines = _model_diff(saved, config, "checkpoint")
     if lines:
-        raise ConfigError(f"cannot resume from {path}: the model differs ({lines}). Use the same model settings, "
-                          "another run dir (hydra.run.dir=...), or trainer.resume=false trainer.overwrite=true to "
-                          "start over (the old run is moved aside)")
+        raise ConfigError(f"cannot resume from {path}: the model differs ({lines}). Use the same model "
+                          "settings, another run dir (hydra.run.dir=...), or trainer.resume=false "
+                          "trainer.overwrite=true to start over (the old run is moved aside)")
     old_optim = saved["config"].get("optim", {}).get("name")
     if old_optim and old_optim != config["optim"]["name"]:
-        raise ConfigError(f"cannot resume from {path} with optim={config['optim']['name']}: it was trained with "
-                          f"optim={old_optim}, whose state does not carry over. Use optim={old_optim}, or start "
-                          "over in another run dir (or with trainer.resume=false trainer.overwrite=true)")
+        raise ConfigError(f"cannot resume from {path} with optim={config['optim']['name']}: it was trained "
+                          f"with optim={old_optim}, whose state does not carry over. Use optim={old_optim}, "
+                          "or start over in another run dir (or with trainer.resume=false "
+                          "trainer.overwrite=true)")
     check_tokenizer(saved, path, tokenizer_sha256, "resume from")
 
 
@@ -297,14 +309,15 @@ def check_tokenizer(saved: Dict[str, Any], path: Path, tokenizer_sha256: str, ve
                           f"uses {tokenizer_sha256[:12]}; use the original data/tokenizer settings")
 
 
-def check_same_model(saved: Dict[str, Any], path: Path, config: Dict[str, Any], tokenizer_sha256: str) -> None:
+def check_same_model(saved: Dict[str, Any], path: Path, config: Dict[str, Any],
+                     tokenizer_sha256: str) -> None:
     """Refuse to start a run from the weights of `path` (trainer.init_from) when its model or tokenizer
     differs from this run's."""
     lines = _model_diff(saved, config, "weights")
     if lines:
-        raise ConfigError(f"cannot start from the weights in {path}: the model differs ({lines}). Use the model "
-                          "settings they were written with (kimi.convert from-hf writes them as <run>/model/hf.yaml:"
-                          " --config-dir <run> model=hf)")
+        raise ConfigError(f"cannot start from the weights in {path}: the model differs ({lines}). Use the "
+                          "model settings they were written with (kimi.convert from-hf writes them as "
+                          "<run>/model/hf.yaml: --config-dir <run> model=hf)")
     check_tokenizer(saved, path, tokenizer_sha256, "start from the weights in")
 
 
@@ -317,7 +330,8 @@ def config_changes(saved: Dict[str, Any], config: Dict[str, Any]) -> List[str]:
     model, tokenizer and optimizer changes are refused by check_compatible before this is asked)."""
     old, new = flatten(saved), flatten(config)
     keys = sorted((set(old) | set(new)) - set(_UNREPORTED))
-    return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}" for k in keys if old.get(k) != new.get(k)]
+    return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}" for k in keys
+            if old.get(k) != new.get(k)]
 
 
 def flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:

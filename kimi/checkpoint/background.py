@@ -22,11 +22,13 @@ from typing import Any, Dict, List, Optional
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from .store import _fresh_dir, _manifest_share, _mark_complete, _rotate_after, _saving, latest_complete, step_dir
+from .store import (_fresh_dir, _manifest_share, _mark_complete, _rotate_after, _saving, latest_complete,
+                    step_dir)
 
 
 class BackgroundSave:
-    def __init__(self, root: Path, step: int, state: Dict[str, Any], marker: Dict[str, Any], keep: int, group):
+    def __init__(self, root: Path, step: int, state: Dict[str, Any], marker: Dict[str, Any], keep: int,
+                 group):
         self.root, self.step, self.keep, self.marker = Path(root), step, keep, marker
         self.path = step_dir(root, step)
         self.kept = latest_complete(root)

@@ -38,7 +38,8 @@ def read_marker(marker: Path) -> Tuple[Optional[dict], str]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         return None, f"its {marker.name} marker is unreadable ({type(e).__name__})"
     if not isinstance(data, dict) or not isinstance(data.get("files"), dict) or not data["files"]:
-        return None, f"its {marker.name} marker lists no files (not written by this version of kimi, or planted)"
+        return None, (f"its {marker.name} marker lists no files (not written by this version of kimi, or "
+                      "planted)")
     return data, ""
 
 

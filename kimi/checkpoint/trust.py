@@ -34,7 +34,8 @@ class UntrustedCheckpoint(pickle.UnpicklingError):
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                           torch.dtype)):
             return super().find_class(module, name)
         raise UntrustedCheckpoint(f"refers to {module}.{name}, which checkpoint metadata never contains")
 
@@ -44,7 +45,7 @@ def load_metadata(stream) -> Metadata:
         metadata = _MetadataUnpickler(stream).load()
     except UntrustedCheckpoint:
         raise
-    except Exception as e:  # noqa: BLE001: empty, cut short, or not a pickle at all
+    except Exception as e:  # noqa: BLE001 (empty, cut short, or not a pickle at all)
         raise UntrustedCheckpoint(f"is not checkpoint metadata ({type(e).__name__}: {e})") from None
     if not isinstance(metadata, Metadata):
         raise UntrustedCheckpoint(f"holds a {type(metadata).__name__}, not checkpoint metadata")

@@ -37,7 +37,8 @@ def source_configs(cfg: DataConfig) -> List[Tuple[str, float, DataConfig]]:
     out = []
     for entry in cfg.sources or []:
         own = {k: getattr(entry, k) for k in _PER_SOURCE if getattr(entry, k) is not None}
-        out.append((entry.name, float(entry.weight), dataclasses.replace(cfg, name=entry.name, sources=None, **own)))
+        out.append((entry.name, float(entry.weight), dataclasses.replace(cfg, name=entry.name, sources=None,
+                                                                         **own)))
     return out
 
 
@@ -90,8 +91,8 @@ def blend_tokenizer(cfg: DataConfig) -> Path:
             texts = itertools.chain.from_iterable(
                 tokenizer_texts(load_documents(own)[0], int(tc.train_chars * weight / total))
                 for _, weight, own in sources)
-            print(f"[data] the blend names no tokenizer (data.tokenizer.model_path): training one on its sources "
-                  f"by weight into {path}", flush=True)
+            print("[data] the blend names no tokenizer (data.tokenizer.model_path): training one on its "
+                  f"sources by weight into {path}", flush=True)
             train_with_progress(texts, cfg, path)
     return path
 
@@ -110,12 +111,13 @@ def prepare_blend(cfg: DataConfig, prepare_one, limit: bool = True) -> PreparedB
         weights.append(weight)
     shas = {p.tokenizer.sha256 for p in parts}
     if len(shas) != 1:  # the same model_path for all; a file replaced between two sources' preparation
-        raise DataError(f"the blend's sources were tokenised with {len(shas)} different tokenizers; delete their "
-                        f"prepared directories under {parts[0].data_dir.parent} and prepare again")
+        raise DataError(f"the blend's sources were tokenised with {len(shas)} different tokenizers; delete "
+                        f"their prepared directories under {parts[0].data_dir.parent} and prepare again")
     return PreparedBlend(names, weights, parts)
 
 
-def assign(weights: Sequence[float], counts: Sequence[int], start: int, n: int) -> Tuple[np.ndarray, np.ndarray]:
+def assign(weights: Sequence[float], counts: Sequence[int], start: int, n: int) -> Tuple[np.ndarray,
+                                                                                         np.ndarray]:
     """(source of each of the n samples from sample number `start` on, the counts after them), given the
     per-source counts before them."""
     w = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
@@ -156,7 +158,8 @@ class BlendLoader:
         epoch, i = divmod(k, self.num_windows[j])
         if (j, epoch) not in self._orders:
             self._orders = {key: o for key, o in self._orders.items() if key[0] != j}  # one epoch per source
-            self._orders[j, epoch] = np.random.default_rng([self.seed, epoch, j]).permutation(self.num_windows[j])
+            self._orders[j, epoch] = np.random.default_rng([self.seed, epoch,
+                                                            j]).permutation(self.num_windows[j])
         return int(self._orders[j, epoch][i])
 
     def next_batch(self) -> Batch:
@@ -171,7 +174,8 @@ class BlendLoader:
         windows = torch.from_numpy(np.stack(rows).astype(np.int64))
         inputs, labels = windows[:, :-1], windows[:, 1:]
         epoch = max(c // n for c, n in zip(self.counts, self.num_windows))
-        batch = Batch(inputs.contiguous(), labels.contiguous(), doc_starts_after_eos(inputs, self.eos_id), epoch,
+        batch = Batch(inputs.contiguous(), labels.contiguous(), doc_starts_after_eos(inputs, self.eos_id),
+                      epoch,
                       self.samples // self.micro)
         self.samples, self.counts = self.samples + self.micro, [int(c) for c in after]
         return batch
@@ -185,19 +189,19 @@ class BlendLoader:
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         if "blend" not in sd:
-            raise DataError("the checkpoint's loader read one source and this run reads a blend (data.sources); "
-                            "resume with the data it was trained on, or start a fresh run")
+            raise DataError("the checkpoint's loader read one source and this run reads a blend "
+                            "(data.sources); resume with the data it was trained on, or start a fresh run")
         blend = json.loads(sd["blend"])
         if int(sd["global_batch"]) != self.global_batch:
-            raise DataError(f"the loader state was saved reading {sd['global_batch']} windows per step; this run "
-                            f"reads {self.global_batch}. Resume with the same windows per step, or start a fresh "
-                            "run")
+            raise DataError(f"the loader state was saved reading {sd['global_batch']} windows per step; this "
+                            f"run reads {self.global_batch}. Resume with the same windows per step, or start "
+                            "a fresh run")
         for key, saved, now in (("trainer.seq_len", int(sd["seq_len"]), self.seq_len),
                                 ("windows per source", blend["num_windows"], self.num_windows),
                                 ("data.sources weights", blend["weights"], self.weights)):
             if saved != now:
-                raise DataError(f"the loader state was saved with {key} {saved}, this run has {now}: resume with "
-                                "the same data.sources and trainer.seq_len, or start a fresh run")
+                raise DataError(f"the loader state was saved with {key} {saved}, this run has {now}: resume "
+                                "with the same data.sources and trainer.seq_len, or start a fresh run")
         self.seed, self.samples = int(sd["seed"]), int(sd["samples"])
         self.counts = [int(c) for c in blend["counts"]]
         self._orders = {}

@@ -68,7 +68,7 @@ class HFTokenizerJSON:
 
         try:
             self._tok = _Tokenizer.from_str(data.decode("utf-8"))
-        except Exception as e:  # noqa: BLE001: the library raises a bare Exception for a malformed file
+        except Exception as e:  # noqa: BLE001 (the library raises a bare Exception for a malformed file)
             raise DataError(f"{path} does not load as a tokenizer.json ({one_line(e)}); point "
                             "data.tokenizer.model_path at a release's tokenizer.json") from None
         config = _config(path)
@@ -78,8 +78,8 @@ class HFTokenizerJSON:
         self.eos_id = self._tok.token_to_id(eos) if eos else None
         if self.eos_id is None:
             raise DataError(f"{path} names no end-of-text token (looked for {CONFIG_NAME}'s eos_token, then "
-                            f"{', '.join(EOS_NAMES)}); documents are separated by it: put a {CONFIG_NAME} with "
-                            "eos_token beside it")
+                            f"{', '.join(EOS_NAMES)}); documents are separated by it: put a {CONFIG_NAME} "
+                            "with eos_token beside it")
         found = self._tok.token_to_id(bos) if bos else None
         self.bos_id = -1 if found is None else found
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)

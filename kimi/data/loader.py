@@ -47,7 +47,8 @@ class TokenLoader:
     """
 
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, eos_id: int,
-                 dp_rank: int = 0, dp_world: int = 1, shuffle: bool = True, global_batch: Optional[int] = None):
+                 dp_rank: int = 0, dp_world: int = 1, shuffle: bool = True,
+                 global_batch: Optional[int] = None):
         if not 0 <= dp_rank < dp_world:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_world={dp_world})")
         self.tokens, self.batch_size, self.seq_len, self.seed = tokens, batch_size, seq_len, seed
@@ -55,15 +56,16 @@ class TokenLoader:
         self.micro = batch_size * dp_world  # windows per micro-batch over all ranks
         self.global_batch = global_batch or self.micro
         if self.global_batch % self.micro:
-            raise ValueError(f"global_batch={self.global_batch} is not a multiple of {batch_size} x {dp_world}")
+            raise ValueError(f"global_batch={self.global_batch} is not a multiple of {batch_size} x "
+                             f"{dp_world}")
         self.num_windows = max(0, (len(tokens) - 1) // seq_len)
         self._set_epoch_unit(self.global_batch)
         if self.batches_per_epoch == 0:
             raise DataError(
                 f"{len(tokens):,} tokens make {self.num_windows} windows of seq_len+1={seq_len + 1} tokens, "
                 f"fewer than one step's {self.global_batch} ({batch_size} per micro-batch on {dp_world} "
-                "data-parallel rank(s)). Use more text, a smaller trainer.seq_len or trainer.micro_batch_size, "
-                "or for the validation split a larger data.val_fraction")
+                "data-parallel rank(s)). Use more text, a smaller trainer.seq_len or "
+                "trainer.micro_batch_size, or for the validation split a larger data.val_fraction")
         self.epoch = 0
         self.samples = 0  # windows all ranks have consumed in this epoch
         self._order = self._epoch_order(0)
@@ -109,7 +111,8 @@ class TokenLoader:
             yield self.next_batch()
 
     def state_dict(self) -> Dict[str, int]:
-        return {"epoch": self.epoch, "samples": self.samples, "seed": self.seed, "epoch_unit": self.epoch_unit,
+        return {"epoch": self.epoch, "samples": self.samples, "seed": self.seed,
+                "epoch_unit": self.epoch_unit,
                 "global_batch": self.global_batch, "num_windows": self.num_windows, "seq_len": self.seq_len,
                 "batch_size": self.batch_size, "dp_world": self.dp_world, "position": self.position}
 
@@ -125,8 +128,8 @@ class TokenLoader:
             raise DataError("the checkpoint's loader read a stream (data.streaming=true) and this run reads "
                             "prepared shards; resume with data.streaming=true, or start a fresh run")
         if "blend" in sd or ("samples" in sd and "epoch_unit" not in sd):
-            raise DataError("the checkpoint's loader read a blend (data.sources) and this run reads one source; "
-                            "resume with the data it was trained on, or start a fresh run")
+            raise DataError("the checkpoint's loader read a blend (data.sources) and this run reads one "
+                            "source; resume with the data it was trained on, or start a fresh run")
         saved_micro, accum = int(sd["batch_size"]) * int(sd["dp_world"]), self.global_batch // self.micro
         if "samples" not in sd:  # saved before positions were global: micro-batches served, same accumulation
             sd = {**sd, "samples": int(sd["position"]) * saved_micro, "epoch_unit": saved_micro,
@@ -147,9 +150,10 @@ class TokenLoader:
                                 f"{key}={getattr(self, key)}: resume with the same trainer.seq_len, "
                                 "trainer.micro_batch_size and data, or start a fresh run")
         if int(sd["epoch_unit"]) % self.micro:
-            raise DataError(f"the loader state's epochs are {sd['epoch_unit']}-window multiples, which this run's "
-                            f"micro-batches of {self.batch_size} x {self.dp_world} windows do not divide: resume "
-                            f"with {sd['batch_size']} windows per micro-batch on {sd['dp_world']} rank(s)")
+            raise DataError(f"the loader state's epochs are {sd['epoch_unit']}-window multiples, which this "
+                            f"run's micro-batches of {self.batch_size} x {self.dp_world} windows do not "
+                            f"divide: resume with {sd['batch_size']} windows per micro-batch on "
+                            f"{sd['dp_world']} rank(s)")
         self._set_epoch_unit(int(sd["epoch_unit"]))
         self.seed, self.epoch, self.samples = int(sd["seed"]), int(sd["epoch"]), int(sd["samples"])
         self._order = self._epoch_order(self.epoch)

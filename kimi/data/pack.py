@@ -3,8 +3,8 @@
 ``prepare`` writes, under ``<cache>/datasets/<name>-<fingerprint>/``::
 
     tokenizer.model            the tokenizer the tokens were made with
-    train-00000.bin/.idx/.json the training split's shards (kimi.data.shards: tokens, document index, metadata)
-    val-00000.bin/.idx/.json   the validation split's
+    train-00000.bin/.idx/.json the training split's shards (kimi.data.shards: tokens, document index,
+    metadata) val-00000.bin/.idx/.json   the validation split's
     manifest.json              written last: tokenizer identity, every shard's counts and checksum
 
 The fingerprint hashes the source identity, the split settings and the tokenizer identity, so any change
@@ -20,7 +20,6 @@ import contextlib
 import fcntl
 import hashlib
 import json
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -34,7 +33,8 @@ import pyarrow.compute as pc
 from kimi.config import DataConfig
 from kimi.data.encode import Progress, default_num_proc, encode_documents
 from kimi.data.errors import DataError
-from kimi.data.shards import (FORMAT_VERSION, ShardedTokens, ShardWriter, document_index, open_tokens, read_meta,
+from kimi.data.shards import (FORMAT_VERSION, ShardedTokens, ShardWriter, document_index, open_tokens,
+                              read_meta,
                               sha256_file, shard_path, token_dtype, write_atomic)
 from kimi.data.source_registry import source_for
 from kimi.data.sources import cache_root, load_documents, source_identity
@@ -46,7 +46,8 @@ TOKENIZER_RECIPE = 2
 SPLITS = ("train", "val")
 MANIFEST = "manifest.json"
 
-__all__ = ["FORMAT_VERSION", "PreparedData", "fingerprint", "open_split", "open_tokens", "prepare", "read_meta"]
+__all__ = ["FORMAT_VERSION", "PreparedData", "fingerprint", "open_split", "open_tokens", "prepare",
+           "read_meta"]
 
 
 @dataclass
@@ -71,8 +72,9 @@ def _tokenizer_identity(cfg: DataConfig) -> Dict[str, Any]:
         path = resolve_model_path(Path(tc.model_path).expanduser())
         if path.is_dir():
             raise IsADirectoryError(f"data.tokenizer.model_path={tc.model_path!r} is a directory without a "
-                                    "tokenizer.json; it must name the tokenizer file (a sentencepiece .model, a "
-                                    "tiktoken BPE file or a tokenizer.json) or a directory holding a tokenizer.json")
+                                    "tokenizer.json; it must name the tokenizer file (a sentencepiece "
+                                    ".model, a tiktoken BPE file or a tokenizer.json) or a directory holding "
+                                    "a tokenizer.json")
         if not path.is_file():
             raise FileNotFoundError(f"data.tokenizer.model_path={tc.model_path!r} does not exist")
         return {"model_sha256": sha256_file(path)}
@@ -181,7 +183,8 @@ def _write_split(docs: datasets.Dataset, tok: Tokenizer, cfg: DataConfig, data_d
     done = _finished_shards(data_dir, split, base["fingerprint"], tok)
     start = sum(int(m["num_documents"]) for m in done)
     if done:
-        print(f"[data] {split}: {len(done)} finished shard(s) kept, {start:,} documents; continuing", flush=True)
+        print(f"[data] {split}: {len(done)} finished shard(s) kept, {start:,} documents; continuing",
+              flush=True)
     shard_tokens = max(1, int(cfg.shard_mb * 2**20) // token_dtype(tok.vocab_size).itemsize)
     writer = ShardWriter(data_dir, split, len(done), start, shard_tokens, base)
     progress = Progress(f"tokenising {split}", len(docs), start)
@@ -199,7 +202,8 @@ def _write_split(docs: datasets.Dataset, tok: Tokenizer, cfg: DataConfig, data_d
             "num_documents": sum(m["num_documents"] for m in shards),
             "num_chars": sum(m["num_chars"] for m in shards),
             "shards": [{"file": shard_path(data_dir, split, i).name, "num_tokens": m["num_tokens"],
-                        "num_documents": m["num_documents"], "sha256": m["sha256"]} for i, m in enumerate(shards)]}
+                        "num_documents": m["num_documents"], "sha256": m["sha256"]}
+                       for i, m in enumerate(shards)]}
 
 
 def _text_mb(docs: datasets.Dataset) -> float:
@@ -238,14 +242,15 @@ def _tokenise(cfg: DataConfig, data_dir: Path, fp: str, limit: bool) -> Prepared
     train_docs, val_docs = load_documents(cfg)
     mb = _text_mb(train_docs)
     if limit and mb > cfg.inline_max_mb:
-        raise DataError(f"data {cfg.name!r} holds {mb:,.0f} MB of text, more than the trainer tokenises itself "
-                        f"(data.inline_max_mb={cfg.inline_max_mb:g}); prepare it first with `{prepare_command()}` "
-                        f"(data.num_proc processes, resumable), then start training again")
+        raise DataError(f"data {cfg.name!r} holds {mb:,.0f} MB of text, more than the trainer tokenises "
+                        f"itself (data.inline_max_mb={cfg.inline_max_mb:g}); prepare it first with "
+                        f"`{prepare_command()}` (data.num_proc processes, resumable), then start training "
+                        "again")
     try:  # this pass decodes every document: the UTF-8 check of JSON and Parquet text costs nothing extra
         tok = _tokenizer(cfg, data_dir, train_docs)
         num_proc = default_num_proc(cfg.num_proc)
-        print(f"[data] tokenising {len(train_docs):,} train / {len(val_docs):,} val documents ({mb:,.1f} MB) on "
-              f"{num_proc} process(es) into {data_dir}", flush=True)
+        print(f"[data] tokenising {len(train_docs):,} train / {len(val_docs):,} val documents ({mb:,.1f} "
+              f"MB) on {num_proc} process(es) into {data_dir}", flush=True)
         base = {"format_version": FORMAT_VERSION, "fingerprint": fp, "tokenizer_sha256": tok.sha256,
                 "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "bos_id": tok.bos_id,
                 "source": source_identity(cfg)}
@@ -259,8 +264,8 @@ def _tokenise(cfg: DataConfig, data_dir: Path, fp: str, limit: bool) -> Prepared
                 "source": source_identity(cfg), "splits": splits}
     write_atomic(data_dir / MANIFEST, json.dumps(manifest, indent=1).encode())  # last: marks the data done
     prepared = _prepared(data_dir)
-    print(f"[data] wrote {prepared.train_meta['num_tokens']:,} train / {prepared.val_meta['num_tokens']:,} val "
-          f"tokens to {data_dir} in {time.perf_counter() - t0:.1f}s", flush=True)
+    print(f"[data] wrote {prepared.train_meta['num_tokens']:,} train / {prepared.val_meta['num_tokens']:,} "
+          f"val tokens to {data_dir} in {time.perf_counter() - t0:.1f}s", flush=True)
     return prepared
 
 
@@ -277,14 +282,15 @@ def _prepared(data_dir: Path) -> PreparedData:
         names = {s: [e["file"] for e in splits[s]["shards"]] for s in SPLITS}
         sums = {s: [e["sha256"] for e in splits[s]["shards"]] for s in SPLITS}
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise DataError(f"{path} is corrupt ({type(e).__name__}: {e}); delete {data_dir} to rebuild it") from None
+        raise DataError(f"{path} is corrupt ({type(e).__name__}: {e}); delete {data_dir} to rebuild "
+                        "it") from None
     # its shards are files of its own folder: a forged name must not read any file on the machine
     files = {s: [require_inside(data_dir, name, path, DataError) for name in names[s]] for s in SPLITS}
     tok = _cached_tokenizer(data_dir)
     if manifest.get("tokenizer", {}).get("sha256") != tok.sha256:
         raise DataError(f"the prepared data in {data_dir} was made with tokenizer "
-                        f"{manifest.get('tokenizer', {}).get('sha256')}, but its tokenizer.model is {tok.sha256}; "
-                        f"delete {data_dir} to rebuild it")
+                        f"{manifest.get('tokenizer', {}).get('sha256')}, but its tokenizer.model is "
+                        f"{tok.sha256}; delete {data_dir} to rebuild it")
     for split in SPLITS:
         for file, want in zip(files[split], sums[split]):
             open_tokens(file, expected_tokenizer_sha256=tok.sha256, vocab_size=tok.vocab_size)

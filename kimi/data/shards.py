@@ -98,7 +98,8 @@ class ShardWriter:
                 "num_tokens": self.tokens, "num_documents": len(self.starts), "num_chars": self.chars,
                 "first_document": self.first_document, "sha256": self.hash.hexdigest(),
                 "index_sha256": hashlib.sha256(index).hexdigest()}
-        write_atomic(self.path.with_suffix(".json"), json.dumps(meta, indent=1).encode())  # last: marks it done
+        # last: marks it done
+        write_atomic(self.path.with_suffix(".json"), json.dumps(meta, indent=1).encode())
         self.written.append(meta)
 
     def finish(self) -> List[Dict[str, Any]]:
@@ -174,8 +175,8 @@ def _check_contents(bin_path: Path, tokens: np.memmap, vocab_size: int, meta: Di
                         f"{bin_path.parent} to rebuild it")
     if meta.get("sha256") != h.hexdigest():
         raise DataError(f"token file {bin_path} does not match its checksum (sha256 {h.hexdigest()[:16]}..., "
-                        f"metadata {str(meta.get('sha256'))[:16]}...): it changed after it was written; delete "
-                        f"{bin_path.parent} to rebuild it")
+                        f"metadata {str(meta.get('sha256'))[:16]}...): it changed after it was written; "
+                        f"delete {bin_path.parent} to rebuild it")
     _CHECKED.add(key)
 
 

@@ -78,7 +78,7 @@ class DataSource:
 
         try:
             return datasets.load_dataset(*args, streaming=True, **kwargs)
-        except Exception as e:  # noqa: BLE001: datasets wraps what went wrong in its own error types
+        except Exception as e:  # noqa: BLE001 (datasets wraps what went wrong in its own error types)
             raise DataError(f"cannot stream {self.where()}[{split}]: {one_line(e)}; check the source or set "
                             "data.streaming=false") from e
 

@@ -126,12 +126,13 @@ def _load_files(files: List[str], fmt: str, field: str, where: str) -> datasets.
     try:
         with checks.quiet_loaders():
             if not apart:
-                return _text_only(datasets.load_dataset(fmt, data_files=patterns, split="train", **kwargs), field,
+                return _text_only(datasets.load_dataset(fmt, data_files=patterns, split="train", **kwargs),
+                                  field,
                                   where, locate=lambda: checks.locate(files, fmt, field))
             parts = [datasets.load_dataset(fmt, data_files=[p], split="train") for p in patterns]
     except DataError:
         raise
-    except Exception as e:  # noqa: BLE001: datasets wraps what went wrong in its own error types
+    except Exception as e:  # noqa: BLE001 (datasets wraps what went wrong in its own error types)
         found = checks.locate(files, fmt, field)
         if found:
             raise DataError(found) from e
@@ -256,7 +257,7 @@ def hub_unreachable(timeout: Optional[float] = None) -> Optional[str]:
         try:
             get_session().head(endpoint, timeout=timeout, follow_redirects=False)  # any HTTP answer will do
             outcome.append(None)
-        except Exception as e:  # noqa: BLE001: every failure to get an answer means the same here
+        except Exception as e:  # noqa: BLE001 (every failure to get an answer means the same here)
             outcome.append(f"{type(e).__name__}: {one_line(e)}")
 
     thread = threading.Thread(target=probe, name="kimi-hub-probe", daemon=True)

@@ -1,5 +1,5 @@
-"""data.streaming: training reads the source as it goes (``datasets.load_dataset(..., streaming=True)``), never
-tokenised into shards first.
+"""data.streaming: training reads the source as it goes (``datasets.load_dataset(..., streaming=True)``),
+never tokenised into shards first.
 
 Each data-parallel rank reads its own part of the stream (``split_dataset_by_node``: whole files when their
 number is a multiple of the ranks, else every dp_world-th document), tokenises each document, appends EOS as
@@ -66,7 +66,7 @@ def _texts(cfg: DataConfig, rows) -> Iterator[str]:
             row = next(rows)
         except StopIteration:
             return
-        except Exception as e:  # noqa: BLE001: a stream reads its files only now, datasets wraps the failure
+        except Exception as e:  # noqa: BLE001 (a stream reads its files only now, datasets wraps the failure)
             raise DataError(f"cannot stream {_where(cfg)}: {one_line(e)}; check the source or set "
                             "data.streaming=false") from e
         text = row.get(field)
@@ -85,7 +85,8 @@ def prepare_stream(cfg: DataConfig) -> StreamingData:
     data.tokenizer.train_chars characters of the training stream and cached by what it depends on."""
     tc = cfg.tokenizer
     key = {"stream": sources.source_identity(cfg),
-           "tokenizer": sha256_file(resolve_model_path(Path(tc.model_path).expanduser())) if tc.model_path else
+           "tokenizer": sha256_file(resolve_model_path(Path(tc.model_path).expanduser())) if tc.model_path
+           else
            [tc.vocab_size, tc.train_chars]}
     fp = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     data_dir = sources.cache_root(cfg) / "datasets" / f"{cfg.name}-stream-{fp}"
@@ -136,9 +137,10 @@ class StreamLoader:
             text = next(self._docs, None)
             if text is None:
                 if not self._read_any:
-                    raise DataError(f"{_where(self.cfg)}: data-parallel rank {self.dp_rank}'s part of the stream "
-                                    "has no document to train on (none, or all held out for validation); use more "
-                                    "data, fewer ranks, a data.val_split or a lower trainer.eval_batches")
+                    raise DataError(f"{_where(self.cfg)}: data-parallel rank {self.dp_rank}'s part of the "
+                                    "stream has no document to train on (none, or all held out for "
+                                    "validation); use more data, fewer ranks, a data.val_split or a lower "
+                                    "trainer.eval_batches")
                 self.epoch, self.position = self.epoch + 1, 0
                 self._start(None)
                 continue
@@ -156,7 +158,8 @@ class StreamLoader:
         windows = torch.from_numpy(self.buffer[starts[:, None] + np.arange(T + 1)])
         self.buffer = self.buffer[self.batch_size * T:]  # the last label starts the next window
         inputs, labels = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
-        batch = Batch(inputs, labels, doc_starts_after_eos(inputs, self.tok.eos_id), self.epoch, self.position)
+        batch = Batch(inputs, labels, doc_starts_after_eos(inputs, self.tok.eos_id), self.epoch,
+                      self.position)
         self.position += 1
         return batch
 
@@ -169,8 +172,8 @@ class StreamLoader:
                 "position": self.position}
 
     def state_dict(self) -> Dict[str, Any]:
-        """Every rank's position, as one JSON string (the checkpoint keeps one copy of what is not a tensor, so
-        every rank's is gathered into it)."""
+        """Every rank's position, as one JSON string (the checkpoint keeps one copy of what is not a tensor,
+        so every rank's is gathered into it)."""
         import torch.distributed as dist
 
         mine = (self.dp_rank, self._own_state())
@@ -188,9 +191,10 @@ class StreamLoader:
                             "(data.streaming=true); resume with data.streaming=false, or start a fresh run")
         saved = json.loads(sd["stream"])
         if int(saved["dp_world"]) != self.dp_world:
-            raise DataError(f"the stream's position was saved on {saved['dp_world']} data-parallel rank(s) and this "
-                            f"run has {self.dp_world}: split_dataset_by_node gives each rank its part of the "
-                            f"stream by the number of ranks; resume on {saved['dp_world']} rank(s)")
+            raise DataError(f"the stream's position was saved on {saved['dp_world']} data-parallel rank(s) "
+                            f"and this run has {self.dp_world}: split_dataset_by_node gives each rank its "
+                            f"part of the stream by the number of ranks; resume on {saved['dp_world']} "
+                            "rank(s)")
         for key in ("seq_len", "batch_size"):
             if int(saved[key]) != getattr(self, key):
                 raise DataError(f"the stream's position was saved with {key}={saved[key]} and this run has "
@@ -215,8 +219,9 @@ def held_out(cfg: DataConfig, tok: Tokenizer, windows: int, seq_len: int) -> tup
         if have >= need:
             break
     else:
-        raise DataError(f"{_where(cfg)}[{split}] has {have:,} tokens, fewer than the {need:,} of the validation "
-                        "windows (trainer.eval_batches steps); lower trainer.eval_batches or use more data")
+        raise DataError(f"{_where(cfg)}[{split}] has {have:,} tokens, fewer than the {need:,} of the "
+                        "validation windows (trainer.eval_batches steps); lower trainer.eval_batches or use "
+                        "more data")
     return np.concatenate([np.asarray(p, np.int64) for p in parts]), digests
 
 
@@ -227,7 +232,8 @@ def stream_ranks(data: StreamingData, t: TrainerConfig, dp_rank: int, dp_world: 
     tokens, digests = held_out(data.cfg, data.tokenizer, t.eval_batches * global_batch, t.seq_len)
     val = TokenLoader(tokens, t.micro_batch_size, t.seq_len, t.seed, data.tokenizer.eos_id, dp_rank=dp_rank,
                       dp_world=dp_world, shuffle=False)
-    batches = [val.next_batch() for _ in range(min(t.eval_batches * t.grad_accum_steps, val.batches_per_epoch))]
+    batches = [val.next_batch() for _ in range(min(t.eval_batches * t.grad_accum_steps,
+                                                   val.batches_per_epoch))]
     loader = StreamLoader(data.cfg, data.tokenizer, t.micro_batch_size, t.seq_len, dp_rank, dp_world,
                           skip=set() if data.cfg.val_split else digests)
     return loader, batches

@@ -13,8 +13,9 @@ from kimi.data.streaming import StreamingData, stream_ranks
 
 
 def _val_batches(data: PreparedData, t: TrainerConfig, eos_id: int, dp_rank: int, dp_world: int) -> list:
-    # A fixed set of validation windows (the first ones, in order), so evaluations are comparable: eval_batches
-    # steps' worth (micro-batch x ranks x accumulation steps each), split over the ranks like training
+    # A fixed set of validation windows (the first ones, in order), so evaluations are comparable:
+    # eval_batches steps' worth (micro-batch x ranks x accumulation steps each), split over the ranks like
+    # training
     # batches, so every layout of the same step evaluates the same windows.
     val_loader = TokenLoader(open_split(data, "val"), t.micro_batch_size, t.seq_len, t.seed, eos_id,
                              dp_rank=dp_rank, dp_world=dp_world, shuffle=False)

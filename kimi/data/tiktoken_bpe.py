@@ -1,4 +1,5 @@
-"""The byte-level BPE tokenizer Kimi's released checkpoints ship: ``tiktoken.model`` + ``tokenizer_config.json``.
+"""The byte-level BPE tokenizer Kimi's released checkpoints ship: ``tiktoken.model`` +
+``tokenizer_config.json``.
 
 ``tiktoken.model`` holds one ``<base64 bytes> <rank>`` line per mergeable token (163,584 in Kimi Linear's
 release). The 256 ids after them are special tokens: those ``tokenizer_config.json`` names in
@@ -111,8 +112,8 @@ def _specials(path: Path, num_base: int) -> tuple[Dict[str, int], int, int]:
     outside = sorted(i for i in named if not num_base <= i < num_base + NUM_SPECIAL)
     if outside:
         raise DataError(f"{config_path} names special token id {outside[0]}, outside the {NUM_SPECIAL} ids "
-                        f"{num_base}..{num_base + NUM_SPECIAL - 1} that follow {path.name}'s {num_base} tokens: "
-                        "the config belongs to another tokenizer")
+                        f"{num_base}..{num_base + NUM_SPECIAL - 1} that follow {path.name}'s {num_base} "
+                        "tokens: the config belongs to another tokenizer")
     specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(num_base, num_base + NUM_SPECIAL)}
     eos, bos = _token_name(config.get("eos_token")), _token_name(config.get("bos_token"))
     if eos not in specials:
@@ -132,7 +133,8 @@ class TiktokenBPE:
                             "(pip install tiktoken, or reinstall kimi: it depends on it)") from None
         ranks = _ranks(path, data)
         specials, self.bos_id, self.eos_id = _specials(path, len(ranks))
-        identity = json.dumps({"pattern": KIMI_PATTERN, "specials": sorted(specials.items(), key=lambda s: s[1]),
+        identity = json.dumps({"pattern": KIMI_PATTERN, "specials": sorted(specials.items(),
+                                                                           key=lambda s: s[1]),
                                "bos": self.bos_id, "eos": self.eos_id}).encode()
         self.sha256 = hashlib.sha256(data + b"\0" + identity).hexdigest()
         self.files = [path, path.parent / CONFIG_NAME]

@@ -42,7 +42,8 @@ class _SentencePiece:
             raise DataError(f"{path} is neither a sentencepiece model (it does not parse) nor a tiktoken BPE "
                             "file; point data.tokenizer.model_path at a .model file written by sentencepiece "
                             "or at a Kimi release's tiktoken.model") from None
-        self.vocab_size, self.eos_id, self.bos_id = self._sp.get_piece_size(), self._sp.eos_id(), self._sp.bos_id()
+        self.vocab_size, self.eos_id, self.bos_id = (self._sp.get_piece_size(), self._sp.eos_id(),
+                                                     self._sp.bos_id())
 
     def encode(self, text: str) -> List[int]:
         return self._sp.encode(text, out_type=int)
@@ -55,7 +56,8 @@ class _SentencePiece:
 
 
 def resolve_model_path(path: Path) -> Path:
-    """The tokenizer file a path names: itself, or the tokenizer.json inside a directory (as releases ship)."""
+    """The tokenizer file a path names: itself, or the tokenizer.json inside a directory (as releases
+    ship)."""
     return path / TOKENIZER_JSON if path.is_dir() and (path / TOKENIZER_JSON).is_file() else path
 
 
@@ -67,9 +69,9 @@ class Tokenizer:
         self.path = resolve_model_path(Path(path))
         if not self.path.is_file():
             what = "is a directory without a tokenizer.json" if self.path.is_dir() else "does not exist"
-            raise FileNotFoundError(f"tokenizer model {self.path} {what} (data.tokenizer.model_path must name a "
-                                    "sentencepiece .model file, a tiktoken BPE file, a tokenizer.json or a "
-                                    "directory holding one)")
+            raise FileNotFoundError(f"tokenizer model {self.path} {what} (data.tokenizer.model_path must "
+                                    "name a sentencepiece .model file, a tiktoken BPE file, a tokenizer.json "
+                                    "or a directory holding one)")
         data = self.path.read_bytes()
         if is_tiktoken_file(data):
             self._impl, self.kind = TiktokenBPE(self.path, data), "tiktoken"

@@ -1,5 +1,5 @@
-"""Diagnostics as metrics: the ranks' tallies (observe.py) combined into metrics.jsonl's keys, and parsers that
-turn a record back into matrices (for the PNGs here and for dashboards). The keys (README: Diagnostics):
+"""Diagnostics as metrics: the ranks' tallies (observe.py) combined into metrics.jsonl's keys, and parsers
+that turn a record back into matrices (for the PNGs here and for dashboards). The keys (README: Diagnostics):
 
   attnres/<sublayer>/<source>          mean softmax weight over the first validation batch's tokens
   qk_max_logit/<layer>/h<h>            per-head max scaled logit (QK-Clip's last step; without QK-Clip the
@@ -91,12 +91,14 @@ def _qk_heads(tallies: Sequence, cfg: ModelConfig, tau: Optional[float]) -> Dict
             for h, v in enumerate(values, start=first):
                 acc[h] = max(acc[h], v)
     heads = {layer: heads[layer] for layer in sorted(heads, key=natural_key)}
-    record = {f"qk_max_logit/{layer}/h{h}": v for layer, values in heads.items() for h, v in enumerate(values)}
+    record = {f"qk_max_logit/{layer}/h{h}": v for layer, values in heads.items()
+              for h, v in enumerate(values)}
     if clip:  # QK-Clip's stats computed as it computes them (fp32), here over every pipeline stage's layers
         stats = {}
         for layer, v in heads.items():
             s_max = torch.tensor(v, dtype=torch.float32)
-            stats[layer] = {"max_logit": s_max.max().item(), "clipped_frac": (s_max > tau).float().mean().item()}
+            stats[layer] = {"max_logit": s_max.max().item(),
+                            "clipped_frac": (s_max > tau).float().mean().item()}
         record.update(qk_clip_record(stats))
     elif heads:
         record.update({f"qk_max_logit/{layer}": max(v) for layer, v in heads.items()})

@@ -43,7 +43,8 @@ def _heatmap(path: Path, matrix: Matrix, title: str, xlabel: str, ylabel: str, f
     import matplotlib.pyplot as plt
 
     rows, cols, _ = matrix
-    fig, ax = plt.subplots(figsize=(min(max(5.5, 2.5 + 0.55 * len(cols)), 24), min(2.2 + 0.4 * len(rows), 24)),
+    fig, ax = plt.subplots(figsize=(min(max(5.5, 2.5 + 0.55 * len(cols)), 24),
+                                    min(2.2 + 0.4 * len(rows), 24)),
                            dpi=100)
     draw_heatmap(ax, fig, matrix, title, xlabel, ylabel, fmt, cmap, vmin, vmax)
     fig.tight_layout()
@@ -52,7 +53,8 @@ def _heatmap(path: Path, matrix: Matrix, title: str, xlabel: str, ylabel: str, f
     return path
 
 
-def write_pngs(out_dir: Path, step: int, record: Dict[str, float], qk_clip_tau: Optional[float]) -> Dict[str, Path]:
+def write_pngs(out_dir: Path, step: int, record: Dict[str, float],
+               qk_clip_tau: Optional[float]) -> Dict[str, Path]:
     """attnres_step_<N>.png (AttnRes) and qk_heads_step_<N>.png (MLA), where the model has them; returns
     them by their wandb key."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -61,11 +63,13 @@ def write_pngs(out_dir: Path, step: int, record: Dict[str, float], qk_clip_tau: 
     if weights[0]:
         images["diagnostics/attnres"] = _heatmap(
             out_dir / f"attnres_step_{step:08d}.png", weights,
-            f"AttnRes: mean weight of each source, step {step}\n(first validation batch)", "source", "sublayer",
+            f"AttnRes: mean weight of each source, step {step}\n(first validation batch)", "source",
+            "sublayer",
             "{:.2f}", "viridis", 0.0, 1.0)
     heads = head_matrix(record)
     if heads[0]:
-        source = f"QK-Clip's last step (tau {qk_clip_tau:g})" if qk_clip_tau else "no QK-Clip: first validation batch"
+        source = (f"QK-Clip's last step (tau {qk_clip_tau:g})" if qk_clip_tau
+                  else "no QK-Clip: first validation batch")
         images["diagnostics/qk_heads"] = _heatmap(
             out_dir / f"qk_heads_step_{step:08d}.png", heads,
             f"MLA max scaled logit per head, step {step}\n{source}", "head", "layer", "{:.3g}", "magma")
@@ -75,7 +79,8 @@ def write_pngs(out_dir: Path, step: int, record: Dict[str, float], qk_clip_tau: 
 def tables(record: Dict[str, float]) -> Dict[str, Table]:
     """The AttnRes weights, the per-head max logits and the experts' loads as tables (absent cells None)."""
     out = {}
-    for key, first, (rows, cols, values) in (("diagnostics/attnres_table", "sublayer", attnres_matrix(record)),
+    for key, first, (rows, cols, values) in (("diagnostics/attnres_table", "sublayer",
+                                              attnres_matrix(record)),
                                             ("diagnostics/qk_heads_table", "layer", head_matrix(record)),
                                             ("diagnostics/moe_load_table", "block", moe_matrix(record))):
         if rows:

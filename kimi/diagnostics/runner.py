@@ -33,7 +33,8 @@ class Diagnostics:
         self.enabled = t.diag_every != 0
         self.max_steps = t.max_steps
         self.head_rank = mesh["tp"].get_local_rank() if dims.tp > 1 else 0
-        self.qk_clip_tau = cfg.optim.qk_clip_tau or None  # a stage without MLA layers has no QK-Clip of its own
+        # a stage without MLA layers has no QK-Clip of its own
+        self.qk_clip_tau = cfg.optim.qk_clip_tau or None
         self.out_dir = run_dir / "diagnostics"
         self.plot = cfg.logging.plot
 
@@ -50,7 +51,8 @@ class Diagnostics:
         return None
 
     @torch.no_grad()
-    def run(self, step: int, batch: Batch, step_out: Dict[str, Any]) -> Tuple[Dict[str, float], Dict[str, Path],
+    def run(self, step: int, batch: Batch, step_out: Dict[str, Any]) -> Tuple[Dict[str, float],
+                                                                              Dict[str, Path],
                                                                                Dict[str, Table]]:
         """Observe the engine's evaluation of `batch` on every rank (collective); on rank 0 return the step's
         metrics (with the optimizer families' from `step_out`, the engine's step output), its PNGs and

@@ -11,7 +11,6 @@ line on stderr and exit code 2 (kimi/cli.py).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from kimi import keyvalue

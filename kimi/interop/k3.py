@@ -50,12 +50,14 @@ def k3_config(m: ModelConfig) -> Dict[str, Any]:
         _refuse(f"model.attnres_block_size={m.attnres_block_size} (odd)",
                 "its blocks are whole decoder layers: an even number of sublayers")
     if m.mlp_activation != "situ":
-        _refuse(f"model.mlp_activation={m.mlp_activation}", "its FFNs are SiTU-GLU (model.mlp_activation=situ); "
-                "a SwiGLU model exports in Kimi Linear's layout (layout=release)")
+        _refuse(f"model.mlp_activation={m.mlp_activation}", "its FFNs are SiTU-GLU "
+                "(model.mlp_activation=situ); a SwiGLU model exports in Kimi Linear's layout "
+                "(layout=release)")
     if m.kda_gate_bias:
         _refuse("a bias on KDA's output gate (model.kda_gate_bias=true)", "set model.kda_gate_bias=false")
     if m.qk_rope_head_dim and m.mla_rotary:
-        _refuse("RoPE on MLA's shared key dims (model.mla_rotary=true)", "K3's MLA is NoPE: model.mla_rotary=false")
+        _refuse("RoPE on MLA's shared key dims (model.mla_rotary=true)",
+                "K3's MLA is NoPE: model.mla_rotary=false")
     other = sorted(set(mixer_pattern(m)) - {"K", "M"})
     if other:
         _refuse(f"token mixers {', '.join(other)} of model.layer_pattern", "only K (KDA) and M (MLA) convert")
@@ -67,7 +69,8 @@ def k3_config(m: ModelConfig) -> Dict[str, Any]:
     text["linear_attn_config"].update(use_full_rank_gate=m.kda_full_rank_gate,
                                       **({"gate_lower_bound": m.kda_gate_lower_bound}
                                          if m.kda_gate_lower_bound is not None else {}))
-    text.update(hidden_act="situ", activation_situ_beta=m.situ_beta, activation_situ_linear_beta=m.situ_linear_beta,
+    text.update(hidden_act="situ", activation_situ_beta=m.situ_beta,
+                activation_situ_linear_beta=m.situ_linear_beta,
                 mla_use_output_gate=m.mla_output_gate, num_nextn_predict_layers=0,
                 routed_expert_hidden_size=m.moe_latent_dim or None, latent_moe_use_norm=m.moe_latent_norm)
     if m.residual == "attnres_block":
@@ -89,7 +92,8 @@ def k3_model_fields(config: Dict[str, Any]) -> Dict[str, Any]:
                   kda_full_rank_gate=bool(linear.get("use_full_rank_gate", False)),
                   mla_output_gate=bool(text.get("mla_use_output_gate", False)),
                   mlp_activation="situ" if act == "situ" else "swiglu",
-                  tie_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+                  tie_embeddings=bool(config.get("tie_word_embeddings",
+                                                 text.get("tie_word_embeddings", False))),
                   residual="attnres_block" if blocks else "standard", attnres_block_size=2 * (blocks or 2),
                   attnres_key_weight=bool(blocks))
     if act == "situ":
@@ -100,7 +104,8 @@ def k3_model_fields(config: Dict[str, Any]) -> Dict[str, Any]:
         latent = text.get("routed_expert_hidden_size") or 0
         fields.update(moe_latent_dim=latent, moe_latent_norm=bool(latent and text.get("latent_moe_use_norm")),
                       # K3 sets its router bias by Quantile Balancing, which needs ungrouped routing
-                      moe_balance="quantile" if fields["moe_topk_groups"] == fields["moe_groups"] == 1 else "sign")
+                      moe_balance="quantile" if fields["moe_topk_groups"] == fields["moe_groups"] == 1
+                      else "sign")
     return fields
 
 

@@ -61,7 +61,8 @@ def write_shards(tensors: Iterable[Tuple[str, torch.Tensor]], directory: Path, s
     if len(shards) > 1:
         total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
         weight_map = {name: file for file, shard in zip(files, shards) for name in shard}
-        (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+        (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                                   "weight_map": weight_map},
                                                   indent=2))
     return files
 
@@ -128,7 +129,8 @@ def _files(directory: Path) -> dict[str, Path]:
             with safe_open(path, framework="pt") as f:
                 where.update(dict.fromkeys(f.keys(), path))
         except Exception as e:  # safetensors' own error type: a damaged header or a short file
-            raise ValueError(f"{path} is not a readable safetensors file ({e}): damaged; fetch it again") from None
+            raise ValueError(f"{path} is not a readable safetensors file ({e}): damaged; fetch it "
+                             "again") from None
     return where
 
 
@@ -142,8 +144,8 @@ def load_remote(directory: str | Path, config: dict, dtype: torch.dtype = torch.
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     if not isinstance(fields, dict) or set(fields) - known:
         extra = sorted(set(fields or {}) - known) if isinstance(fields, dict) else "none"
-        raise ValueError(f"{directory / 'config.json'}: kimi_model is not this kimi's model settings (unknown: "
-                         f"{extra}); read it with the kimi version that exported it")
+        raise ValueError(f"{directory / 'config.json'}: kimi_model is not this kimi's model settings "
+                         f"(unknown: {extra}); read it with the kimi version that exported it")
     cfg = ModelConfig(**fields)
     try:
         check_sizes(cfg)
@@ -169,7 +171,7 @@ def load_remote(directory: str | Path, config: dict, dtype: torch.dtype = torch.
                 tensor = f.get_tensor(PREFIX + name)
             if tensor.shape != target.shape:
                 raise ValueError(f"{directory}: tensor {PREFIX + name} has shape {list(tensor.shape)}, "
-                                 f"config.json makes it {list(target.shape)}: the weights and config.json are "
-                                 "of different models")
+                                 f"config.json makes it {list(target.shape)}: the weights and config.json "
+                                 "are of different models")
             target.copy_(tensor)
     return model.eval()

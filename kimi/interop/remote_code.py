@@ -32,7 +32,8 @@ _SOURCE = Path(kimi.__file__).parent
 def flat_name(module: str) -> str:
     """The file name (without .py) kimi module `module` has in an export."""
     package, _, last = module.rpartition(".")
-    return last if package in ("kimi.model", "kimi.interop") else module.removeprefix("kimi.").replace(".", "_")
+    return last if package in ("kimi.model", "kimi.interop") else module.removeprefix("kimi.").replace(".",
+                                                                                                       "_")
 
 
 def _path(module: str) -> Path:
@@ -62,10 +63,12 @@ def _kimi_imports(module: str, tree: ast.Module):
     """(node, the kimi module it reads, the names it takes) of every kimi import in `module`."""
     for node in ast.walk(tree):
         if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "kimi" for a in node.names):
-            raise ValueError(f"{module}: `import kimi...` cannot be made relative; write `from kimi.x import y`")
+            raise ValueError(f"{module}: `import kimi...` cannot be made relative; write `from kimi.x "
+                             "import y`")
         if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == "kimi"):
             target = _target(module, node)
-            if any(_is_module(f"{target}.{a.name}") and not _dropped(f"{target}.{a.name}") for a in node.names):
+            if any(_is_module(f"{target}.{a.name}") and not _dropped(f"{target}.{a.name}")
+                   for a in node.names):
                 raise ValueError(f"{module}: `from {target} import <module>` cannot be made relative; import "
                                  "names from the module itself")
             yield node, target, [a.name for a in node.names]
@@ -157,10 +160,10 @@ def _rewrite(module: str, source: str, flat: dict[str, str]) -> str:
         indent = " " * node.col_offset
         if _dropped(target):
             if node.col_offset == 0:
-                raise ValueError(f"{module} imports {target} at module level: the Triton kernels are left out "
-                                 "of an export, so import them inside the function that launches them")
-            text = (f"{indent}raise ImportError('{target}: the Triton kernels are not part of this export; the "
-                    "PyTorch path runs instead', name='triton')")
+                raise ValueError(f"{module} imports {target} at module level: the Triton kernels are left "
+                                 "out of an export, so import them inside the function that launches them")
+            text = (f"{indent}raise ImportError('{target}: the Triton kernels are not part of this export; "
+                    "the PyTorch path runs instead', name='triton')")
         else:
             aliases = ", ".join(a.name + (f" as {a.asname}" if a.asname else "") for a in node.names)
             text = f"{indent}from .{flat[target]} import {aliases}"
@@ -181,8 +184,8 @@ def write_sources(directory: Path) -> list[str]:
         source = _source(module, needed[module])
         text = _rewrite(module, source, flat)
         if module == ROOTS[0]:  # transformers copies only what an import statement names
-            text += ("\n# kimi/model/registry.py imports these by name: named here so that transformers copies "
-                     "them\n" + "".join(f"from .{flat[m]} import {name}  # noqa: F401\n"
+            text += ("\n# kimi/model/registry.py imports these by name: named here so that transformers "
+                     "copies them\n" + "".join(f"from .{flat[m]} import {name}  # noqa: F401\n"
                                         for m, name in sorted(_registry_classes().items())))
         compile(text, flat[module], "exec")
         origin = _path(module).relative_to(_SOURCE.parent)

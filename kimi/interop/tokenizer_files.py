@@ -35,7 +35,8 @@ def _fast_tokenizer(tokenizer: Tokenizer):
         proto = sentencepiece_model_pb2.ModelProto()
         proto.ParseFromString(tokenizer.path.read_bytes())
         vocab = {piece.piece: i for i, piece in enumerate(proto.pieces)}
-        ids = {"unk_token": proto.trainer_spec.unk_id, "bos_token": tokenizer.bos_id, "eos_token": tokenizer.eos_id}
+        ids = {"unk_token": proto.trainer_spec.unk_id, "bos_token": tokenizer.bos_id,
+               "eos_token": tokenizer.eos_id}
         names = {key: proto.pieces[i].piece for key, i in ids.items() if 0 <= i < len(proto.pieces)}
         return SpmConverter.build_tokenizer_from_spm_proto(proto, vocab), names
     from tokenizers import AddedToken
@@ -49,10 +50,11 @@ def _fast_tokenizer(tokenizer: Tokenizer):
     fast.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in specials])
     moved = [name for name, i in specials.items() if fast.token_to_id(name) != i]
     if moved:
-        raise ValueError(f"{tokenizer.path}: transformers' converter put special token {moved[0]} at another id "
-                         "than ours; the tokenizer.json would not match")
+        raise ValueError(f"{tokenizer.path}: transformers' converter put special token {moved[0]} at "
+                         "another id than ours; the tokenizer.json would not match")
     by_id = {i: name for name, i in specials.items()}
-    return fast, {key: by_id[i] for key, i in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id))
+    return fast, {key: by_id[i] for key, i in (("bos_token", tokenizer.bos_id),
+                                               ("eos_token", tokenizer.eos_id))
                   if i in by_id}
 
 
@@ -66,8 +68,9 @@ def check_packages(tokenizer: Tokenizer) -> None:
     missing = [name for name in needed if importlib.util.find_spec(name.split(".")[0]) is None
                or importlib.util.find_spec(name) is None]
     if missing:
-        raise ValueError(f"writing the {tokenizer.kind} tokenizer for transformers needs {', '.join(missing)}: "
-                         f"pip install {' '.join(m.replace('google.', '') for m in missing)}")
+        raise ValueError(f"writing the {tokenizer.kind} tokenizer for transformers needs "
+                         f"{', '.join(missing)}: pip install "
+                         f"{' '.join(m.replace('google.', '') for m in missing)}")
 
 
 def write_tokenizer(tokenizer: Tokenizer, directory: Path) -> list[str]:

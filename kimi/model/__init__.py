@@ -7,4 +7,5 @@ from .mlp import SwiGLU
 from .norm import RMSNorm
 from .transformer import Block, KimiModel, lm_loss, training_flops
 
-__all__ = ["KimiModel", "Block", "lm_loss", "training_flops", "KDA", "MLA", "SwiGLU", "RMSNorm", "InferenceCache", "KDACache", "MLACache"]
+__all__ = ["KimiModel", "Block", "lm_loss", "training_flops", "KDA", "MLA", "SwiGLU", "RMSNorm",
+           "InferenceCache", "KDACache", "MLACache"]

@@ -25,7 +25,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: Optional[float] = 25.0) -> torch.Tensor:
+def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0,
+         linear_beta: Optional[float] = 25.0) -> torch.Tensor:
     dtype = torch.promote_types(torch.promote_types(gate.dtype, up.dtype), torch.float32)
     g, u = gate.to(dtype), up.to(dtype)
     if linear_beta is not None:

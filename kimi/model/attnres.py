@@ -169,7 +169,8 @@ def make_stream(residual: str, embedding: torch.Tensor, block_size: int, eps: fl
     raise ValueError(f"unknown residual mode {residual!r}")
 
 
-def resume_stream(residual: str, sources: list[torch.Tensor], sublayers_done: int, block_size: int, eps: float,
+def resume_stream(residual: str, sources: list[torch.Tensor], sublayers_done: int, block_size: int,
+                  eps: float,
                   mix: Callable = depth_attention):
     """The stream after `sublayers_done` sublayers, rebuilt from its sources() alone: what a pipeline stage
     receives. The sources are exactly what later sublayers read (one hidden state; every output; completed

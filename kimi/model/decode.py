@@ -9,7 +9,8 @@ from torch.distributed.tensor import DTensor
 from kimi.model import KimiModel
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator | None) -> int:
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int,
+                generator: torch.Generator | None) -> int:
     """One token id from the logits [vocab] of one position. temperature <= 0 means greedy (argmax)."""
     if temperature <= 0:
         return int(logits.argmax())
@@ -72,3 +73,19 @@ def sample_text(model: KimiModel, tokenizer, prompt: str, max_new_tokens: int, s
     ids = generate(model, tokenizer.encode(prompt), max_new_tokens, temperature=temperature, top_k=top_k,
                    eos_id=tokenizer.eos_id, generator=g)
     return tokenizer.decode(list(ids))
+
+
+def final_sample(model: KimiModel, tokenizer, trainer, can_decode: bool, step: int, log) -> str | None:
+    """The sample a finished run prints: trainer.sample_tokens (a TrainerConfig) continuing
+    trainer.sample_prompt, logged with `log`; None when none is asked for or the layout cannot decode
+    (can_decode false: a pipeline would need its own decoding schedule, and one token cannot be split over
+    sequence-parallel ranks), which the log then says."""
+    if trainer.sample_tokens <= 0:
+        return None
+    if not can_decode:
+        log("[kimi] no sample under pipeline or sequence parallelism: sample from the run directory "
+            "with python -m kimi.generate run=<run dir>")
+        return None
+    text = sample_text(model, tokenizer, trainer.sample_prompt, trainer.sample_tokens, trainer.seed)
+    log(f"[kimi] sample (step {step}):\n{trainer.sample_prompt}{text}\n")
+    return text

@@ -5,7 +5,8 @@
     g       = -exp(A_log[h]) * softplus(W_f_up W_f_down x + dt_bias)     per-channel log decay, <= 0
               or L * sigmoid(exp(A_log[h]) * (W_f_up W_f_down x + dt_bias))  in (L, 0): Kimi K3's safe gate
     beta    = sigmoid(W_b x)                                              one per head
-    o       = W_o( sigmoid(W_g_up W_g_down x + b_g) * RMSNorm_per_head(KDA(q, k, v, g, beta)) )  (b_g: optional)
+    o       = W_o( sigmoid(W_g_up W_g_down x + b_g) * RMSNorm_per_head(KDA(q, k, v, g, beta)) )
+              (b_g: optional)
               with a full-rank output gate (Kimi K3) sigmoid(W_g x + b_g) instead
 
 Head counts come from tensor shapes, so a tensor-parallel shard (a slice of heads) runs this same code.
@@ -80,7 +81,8 @@ class ShortConv(ParamViews, nn.Module):
         rows = prev.shape[0] if prev is not None else B if continues is None else continues.numel()
         n = B * T // rows
         if prev is None:
-            prev, continues = x.new_zeros(rows, K - 1, C), torch.zeros(rows, dtype=torch.bool, device=x.device)
+            prev, continues = x.new_zeros(rows, K - 1, C), torch.zeros(rows, dtype=torch.bool,
+                                                                       device=x.device)
         elif continues is None:
             continues = torch.ones(rows, dtype=torch.bool, device=x.device)
         else:
@@ -93,8 +95,8 @@ class ShortConv(ParamViews, nn.Module):
             first = segment.view(rows, n)
             # a row's first segment continues prev's document: its taps may read prev
             doc_pos = doc_pos + ((first == first[:, :1]) & continues[:, None]) * (K - 1)
-        # Sums in fp32 (fp64 for fp64), output in x's dtype: under autocast x is bf16 while the weight is fp32,
-        # and a bf16 x times an fp32 weight would promote q, k and v, and so the KDA kernels, to fp32.
+        # Sums in fp32 (fp64 for fp64), output in x's dtype: under autocast x is bf16 while the weight is
+        # fp32, and a bf16 x times an fp32 weight would promote q, k and v, and so the KDA kernels, to fp32.
         acc = torch.promote_types(x.dtype, torch.float32)
         y = torch.zeros(rows, n, C, dtype=acc, device=x.device)
         for j in range(K):
@@ -185,7 +187,8 @@ class KDA(Sublayer, ParamViews, nn.Module):
         context=None,
     ) -> torch.Tensor:
         """context: this rank's shard of a sequence split over ranks (kimi.parallel.context_parallel's
-        SequenceShard): the convs read the previous shard's last inputs, the state comes from earlier shards."""
+        SequenceShard): the convs read the previous shard's last inputs, the state comes from earlier
+        shards."""
         B, T, _ = x.shape
         if cache is not None and cu_seqlens is not None:
             raise ValueError("KDA decoding with a cache takes one sequence per batch row, not cu_seqlens")
@@ -216,7 +219,8 @@ class KDA(Sublayer, ParamViews, nn.Module):
         else:
             kda, backend = partial(chunk_kda, lower_bound=self.lower_bound), self.chunk_backend
         if context is not None:
-            o = context.kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend, lower_bound=self.lower_bound)
+            o = context.kda(q, k, v, g, beta, cu_seqlens=cu_seqlens, backend=backend,
+                            lower_bound=self.lower_bound)
         else:
             o, state = kda(q, k, v, g, beta, initial_state=None if cache is None else cache.state,
                            output_final_state=cache is not None, cu_seqlens=cu_seqlens, backend=backend)

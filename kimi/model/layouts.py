@@ -27,7 +27,8 @@ class RowRule:
     def __post_init__(self) -> None:
         for offset, length, _ in self.segments:
             if offset < 0 or length <= 0 or offset + length > self.stride:
-                raise ValueError(f"{self.param}: segment ({offset}, {length}) outside a head of {self.stride} rows")
+                raise ValueError(f"{self.param}: segment ({offset}, {length}) outside a head of "
+                                 f"{self.stride} rows")
 
 
 @dataclass

@@ -81,7 +81,8 @@ def _rows_over_documents(q, k, v, starts: torch.Tensor, record: bool, options: d
     """Each row's queries over its keys under its own documents (starts [rows, Tk]), as attention() returns
     them for the rows stacked."""
     outs = [attention(q[r:r + 1], k[r:r + 1], v[r:r + 1], causal=True, return_max_logits=record,
-                      cu_seqlens=cu_seqlens_from_starts(starts[r:r + 1]), **options) for r in range(q.shape[0])]
+                      cu_seqlens=cu_seqlens_from_starts(starts[r:r + 1]), **options)
+            for r in range(q.shape[0])]
     if not record:
         return torch.cat(outs)
     return torch.cat([o for o, _ in outs]), torch.cat([m for _, m in outs])

@@ -74,11 +74,13 @@ class MHA(RecordsMaxLogits, Sublayer, nn.Module):
         return QKClipSpec(prefix, heads, rows, self.consume_max_logits)
 
     def muon_splits(self, prefix: str, per_head: bool = False) -> dict[str, RowSplit]:
-        """With per_head (Kimi K3's per-head Muon): each head's rows of W_q, W_k and W_v a matrix of its own."""
+        """With per_head (Kimi K3's per-head Muon): each head's rows of W_q, W_k and W_v a matrix of its
+        own."""
         if not per_head:
             return {}
         D = self.head_dim
-        return {f"{prefix}.{name}.weight": RowSplit(D, ((0, D),), per_head=True) for name in ("wq", "wk", "wv")}
+        return {f"{prefix}.{name}.weight": RowSplit(D, ((0, D),), per_head=True)
+                for name in ("wq", "wk", "wv")}
 
     def flops_per_token(self, seq_len: int) -> float:
         """Causal softmax attention: per token and query head, q.k over T/2 keys on average and the weighted

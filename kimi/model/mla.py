@@ -57,7 +57,8 @@ class MLA(RecordsMaxLogits, Sublayer, nn.Module):
     TP_DIVIDES = ("mla_num_heads",)
     HF_NAMES = {f"{ours}.weight": f"self_attn.{theirs}.weight" for ours, theirs in (
         ("wq", "q_proj"), ("wq_a", "q_a_proj"), ("q_norm", "q_a_layernorm"), ("wq_b", "q_b_proj"),
-        ("wkv_a", "kv_a_proj_with_mqa"), ("kv_norm", "kv_a_layernorm"), ("wkv_b", "kv_b_proj"), ("wo", "o_proj"),
+        ("wkv_a", "kv_a_proj_with_mqa"), ("kv_norm", "kv_a_layernorm"), ("wkv_b", "kv_b_proj"),
+        ("wo", "o_proj"),
         ("wg", "g_proj"))}
 
     def __init__(self, cfg: ModelConfig):
@@ -120,7 +121,8 @@ class MLA(RecordsMaxLogits, Sublayer, nn.Module):
 
     def init_rules(self, std: float, out_std: float) -> Rules:
         """Projections normal(0, std), the output projection normal(0, out_std), norms 1."""
-        names = [self.q_name, "wkv_a", "wkv_b"] + (["wq_a"] if self.q_lora else []) + (["wg"] if self.wg else [])
+        names = [self.q_name, "wkv_a", "wkv_b"] + (["wq_a"] if self.q_lora else []) + (["wg"] if self.wg
+                                                                                       else [])
         rules = {f"{name}.weight": normal(std) for name in names}
         rules.update({"wo.weight": normal(out_std), "kv_norm.weight": constant(1.0)})
         if self.q_lora:
@@ -178,7 +180,8 @@ class MLA(RecordsMaxLogits, Sublayer, nn.Module):
             else:
                 start = 0 if cache is None else cache.length
                 positions = torch.arange(start, start + T, device=x.device)
-            q = torch.cat([q[..., : self.nope], apply_rope(q[..., self.nope :], positions, self.rope_theta)], -1)
+            q = torch.cat([q[..., : self.nope], apply_rope(q[..., self.nope :], positions, self.rope_theta)],
+                          -1)
             k_rope = apply_rope(k_rope.unsqueeze(2), positions, self.rope_theta).squeeze(2)
         if cache is not None:
             c_kv, k_rope = cache.append(c_kv, k_rope)

@@ -98,7 +98,8 @@ def swiglu_sorted(rows: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor
     dtype = autocast_dtype(rows.device.type)
     if dtype is not None:
         # autocast does not cover torch._grouped_mm: without this the experts ran in fp32 on CPU, and on a GPU
-        # took the per-expert loop below (found by bench/step_audit.py); cast as autocast casts a linear's inputs
+        # took the per-expert loop below (found by bench/step_audit.py); cast as autocast casts a linear's
+        # inputs
         rows, w_gate, w_up, w_down = (t.to(dtype) for t in (rows, w_gate, w_up, w_down))
     if grouped_mm_ok(rows):
         ends = counts.cumsum(0).to(torch.int32)
@@ -130,7 +131,8 @@ def experts_grouped(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
     return combine(y, order, k, weights, x)
 
 
-def combine(y: torch.Tensor, order: torch.Tensor, k: int, weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def combine(y: torch.Tensor, order: torch.Tensor, k: int, weights: torch.Tensor,
+            x: torch.Tensor) -> torch.Tensor:
     """y [N k, d]: the expert outputs of the (token, choice) pairs in the order `order` sorted them; their
     weighted sum per token, [N, d] in x's dtype."""
     dtype = torch.promote_types(torch.promote_types(y.dtype, weights.dtype), x.dtype)
@@ -234,9 +236,11 @@ class MoE(Sublayer, nn.Module):
         width = cfg.moe_latent_dim or d
         self.latent_down = nn.Linear(d, width, bias=False) if cfg.moe_latent_dim else None
         self.experts = RoutedExperts(E, hidden, width, cfg.moe_impl, glu_of(cfg))
-        self.latent_norm = RMSNorm(width, cfg.norm_eps) if cfg.moe_latent_dim and cfg.moe_latent_norm else None
+        self.latent_norm = RMSNorm(width,
+                                   cfg.norm_eps) if cfg.moe_latent_dim and cfg.moe_latent_norm else None
         self.latent_up = nn.Linear(width, d, bias=False) if cfg.moe_latent_dim else None
-        self.shared = SwiGLU(d, hidden * cfg.moe_shared_experts, glu_of(cfg)) if cfg.moe_shared_experts else None
+        self.shared = SwiGLU(d, hidden * cfg.moe_shared_experts,
+                             glu_of(cfg)) if cfg.moe_shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(E))
         self.register_buffer("load", torch.zeros(E), persistent=False)
         self.quantile = cfg.moe_balance == "quantile"
@@ -261,7 +265,8 @@ class MoE(Sublayer, nn.Module):
     def inactive_params(self) -> int:
         """Parameters a token does not use: the routed experts it is not sent to."""
         x = self.experts
-        return (x.w_gate.shape[0] - self.top_k) * (x.w_gate[0].numel() + x.w_up[0].numel() + x.w_down[0].numel())
+        return (x.w_gate.shape[0] - self.top_k) * (x.w_gate[0].numel() + x.w_up[0].numel()
+                                                   + x.w_down[0].numel())
 
     def init_rules(self, std: float, out_std: float) -> Rules:
         rules = {"router.weight": normal(std), "experts.w_gate": normal(std), "experts.w_up": normal(std),

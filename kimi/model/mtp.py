@@ -45,7 +45,8 @@ def shifted(labels: torch.Tensor, k: int) -> torch.Tensor:
     """labels [B, T] moved k places left within each row, IGNORE where the row has no such token."""
     if k == 0:
         return labels
-    return torch.cat([labels[:, k:], labels.new_full((labels.shape[0], min(k, labels.shape[1])), IGNORE)], dim=1)
+    return torch.cat([labels[:, k:], labels.new_full((labels.shape[0], min(k, labels.shape[1])), IGNORE)],
+                     dim=1)
 
 
 def mtp_loss(layers: nn.ModuleList, embed: nn.Embedding, loss: Callable, trunk: torch.Tensor,
@@ -57,5 +58,6 @@ def mtp_loss(layers: nn.ModuleList, embed: nn.Embedding, loss: Callable, trunk: 
         inputs, targets = shifted(labels, k - 1), shifted(labels, k)  # tokens t+k and t+k+1
         unknown = inputs == IGNORE  # no token t+k: it embeds token 0 and predicts nothing
         hidden = layer(hidden, embed(inputs.masked_fill(unknown, 0).reshape(trunk.shape[:2])), **block_kwargs)
-        total = total + loss(layer.norm(hidden), targets.masked_fill(unknown, IGNORE).reshape(trunk.shape[:2]))
+        total = total + loss(layer.norm(hidden), targets.masked_fill(unknown,
+                                                                     IGNORE).reshape(trunk.shape[:2]))
     return total / len(layers)

@@ -32,10 +32,13 @@ def validate_model(m: ModelConfig) -> None:
         kv = m.attn_kv_heads or m.attn_num_heads
         check(m.attn_num_heads % kv == 0, "model.attn_kv_heads", m.attn_kv_heads,
               f"must divide model.attn_num_heads={m.attn_num_heads} (each key/value head serves a group)")
-        check(m.attn_head_dim > 0 or m.d_model % m.attn_num_heads == 0, "model.attn_head_dim", m.attn_head_dim,
-              f"0 takes d_model / attn_num_heads, but {m.d_model} does not divide by {m.attn_num_heads}: set it")
-    check(m.mtp_layers >= 0, "model.mtp_layers", m.mtp_layers, "must be >= 0 (0: no multi-token prediction; K3: 1)")
-    check(m.mtp_loss_weight >= 0, "model.mtp_loss_weight", m.mtp_loss_weight, "must be >= 0 (DeepSeek-V3: 0.3)")
+        check(m.attn_head_dim > 0 or m.d_model % m.attn_num_heads == 0, "model.attn_head_dim",
+              m.attn_head_dim, f"0 takes d_model / attn_num_heads, but {m.d_model} does not divide by "
+              f"{m.attn_num_heads}: set it")
+    check(m.mtp_layers >= 0, "model.mtp_layers", m.mtp_layers,
+          "must be >= 0 (0: no multi-token prediction; K3: 1)")
+    check(m.mtp_loss_weight >= 0, "model.mtp_loss_weight", m.mtp_loss_weight,
+          "must be >= 0 (DeepSeek-V3: 0.3)")
     check(m.kda_gate_lower_bound is None or m.kda_gate_lower_bound < 0, "model.kda_gate_lower_bound",
           m.kda_gate_lower_bound, "must be negative (Kimi K3: -5), or null for Kimi Linear's unbounded gate")
     check(m.loss_chunk >= -1, "model.loss_chunk", m.loss_chunk,
@@ -103,9 +106,11 @@ def _validate_moe(m: ModelConfig) -> None:
           "must be >= 0 (0 = no auxiliary loss; DeepSeek-V3 used 1e-4)")
     if m.moe_balance == "quantile":
         check(m.moe_groups == 1, "model.moe_groups", m.moe_groups,
-              "must be 1 with model.moe_balance=quantile: its cutoff is each token's (k+1)-th best expert of all")
+              "must be 1 with model.moe_balance=quantile: its cutoff is each token's (k+1)-th best expert "
+              "of all")
         check(m.moe_top_k < E, "model.moe_top_k", m.moe_top_k,
-              f"must be < model.moe_num_experts = {E} with model.moe_balance=quantile (it reads the (k+1)-th)")
+              f"must be < model.moe_num_experts = {E} with model.moe_balance=quantile (it reads the "
+              "(k+1)-th)")
         check(m.moe_qb_bins >= 2, "model.moe_qb_bins", m.moe_qb_bins, "must be >= 2 (Kimi K3: 1000)")
 
 
@@ -140,13 +145,14 @@ def check_kernels(cfg: Config) -> None:
         require(cuda, f"model.kda_backend=fla is invalid with trainer.device={cfg.trainer.device} on this "
                       "machine: fla-core's KDA kernels run on CUDA only; set model.kda_backend=auto")
         require(importlib.util.find_spec("fla") is not None,
-                "model.kda_backend=fla needs the fla-core package, which is not installed: pip install fla-core, "
-                "or set model.kda_backend=auto")
+                "model.kda_backend=fla needs the fla-core package, which is not installed: pip install "
+                "fla-core, or set model.kda_backend=auto")
     on = {"triton": "model.kda_backend=triton", "auto": "model.kda_backend=auto and trainer.device=cuda"}
     if m.kda_backend == "triton" or (m.kda_backend == "auto" and cfg.trainer.device == "cuda"):
         require(m.kda_head_dim <= limit,
                 f"model.kda_head_dim={m.kda_head_dim} is invalid with {on[m.kda_backend]}: the Triton KDA "
-                f"kernels take head dims up to {limit}; lower model.kda_head_dim or set model.kda_backend=torch")
+                f"kernels take head dims up to {limit}; lower model.kda_head_dim or set "
+                "model.kda_backend=torch")
 
 
 def check_attnres_kernels(cfg: Config) -> None:
@@ -175,6 +181,6 @@ def check_mtp(cfg: Config) -> None:
     p = cfg.parallel
     unsupported = [f"parallel.{k}={getattr(p, k)}" for k in ("tp", "pp", "cp", "ep") if getattr(p, k) > 1]
     unsupported += [f"parallel.engine={p.engine}"] if p.engine != "torch" else []
-    require(not unsupported, f"model.mtp_layers={cfg.model.mtp_layers} does not run with {', '.join(unsupported)} "
-            "yet: train multi-token prediction with data parallelism (parallel.dp_shard / dp_replicate) alone, "
-            "or set model.mtp_layers=0")
+    require(not unsupported, f"model.mtp_layers={cfg.model.mtp_layers} does not run with "
+            f"{', '.join(unsupported)} yet: train multi-token prediction with data parallelism "
+            "(parallel.dp_shard / dp_replicate) alone, or set model.mtp_layers=0")

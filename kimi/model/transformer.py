@@ -72,8 +72,8 @@ class Block(Runners, ParamViews, nn.Module):
         return site_query(self.param(f"{name}_query"), self.param(f"{name}_key_weight"))
 
     def sublayer(self, name: str, stream, **kwargs) -> torch.Tensor:
-        """Sublayer `name`'s ("mixer" or "mlp") output: its depth mix of the stream, pre-norm and module, as one
-        function of the stream's sources, called through the sublayer's runner (see :meth:`set_runner`) if
+        """Sublayer `name`'s ("mixer" or "mlp") output: its depth mix of the stream, pre-norm and module, as
+        one function of the stream's sources, called through the sublayer's runner (see :meth:`set_runner`) if
         any. The mix is inside: activation checkpointing then keeps the sources (alive in the stream anyway)
         rather than the mix's fp32 stacks, and recomputes the mix with the module."""
         module, norm = getattr(self, name), getattr(self, f"{name}_norm")
@@ -214,7 +214,8 @@ class KimiModel(Runners, ParamViews, nn.Module):
             rules.update(prefixed(f"mtp.{k}.block.mixer", layer.block.mixer.init_rules(std, out_std)))
             rules.update(prefixed(f"mtp.{k}.block.mlp", layer.block.mlp.init_rules(std, out_std)))
             rules.update({f"mtp.{k}.{n}.weight": constant(1.0)
-                          for n in ("embed_norm", "hidden_norm", "norm", "block.mixer_norm", "block.mlp_norm")})
+                          for n in ("embed_norm", "hidden_norm", "norm", "block.mixer_norm",
+                                    "block.mlp_norm")})
             rules[f"mtp.{k}.proj.weight"] = normal(std)
         return rules
 
@@ -316,13 +317,16 @@ class KimiModel(Runners, ParamViews, nn.Module):
             inputs = tuple(x.reshape(1, B * T, *x.shape[2:]) for x in inputs)
         c = self.cfg
         if self.embed is not None:
-            stream = make_stream(c.residual, self.embed(inputs[0]), c.attnres_block_size, c.norm_eps, self.depth_mix)
+            stream = make_stream(c.residual, self.embed(inputs[0]), c.attnres_block_size, c.norm_eps,
+                                 self.depth_mix)
         else:  # resume after the sublayers of the blocks before this part
             done = 2 * int(next(iter(self.blocks.keys())))
-            stream = resume_stream(c.residual, list(inputs), done, c.attnres_block_size, c.norm_eps, self.depth_mix)
+            stream = resume_stream(c.residual, list(inputs), done, c.attnres_block_size, c.norm_eps,
+                                   self.depth_mix)
         rows = B if doc_starts is not None else None
         for i, block in self.blocks.items():
-            stream = block(stream, cu_seqlens=cu_seqlens, cache=None if cache is None else cache.layers[int(i)],
+            stream = block(stream, cu_seqlens=cu_seqlens, cache=None if cache is None
+                           else cache.layers[int(i)],
                            rows=rows, context=context)
         if cache is not None:
             cache.seen_tokens += T
@@ -402,7 +406,8 @@ def training_flops(cfg: ModelConfig, seq_len: int) -> tuple[list[float], float]:
             subs = (block.mixer, block.mlp)
             blocks.append(6.0 * (params - sum(m.inactive_params() for m in subs))
                           + sum(m.flops_per_token(seq_len) for m in subs))
-    end = 6.0 * cfg.d_model * (cfg.vocab_size + 1 + (cfg.residual != "standard"))  # LM head, final norm, query
+    # LM head, final norm, query
+    end = 6.0 * cfg.d_model * (cfg.vocab_size + 1 + (cfg.residual != "standard"))
     if cfg.mtp_layers:  # each depth: its block, projection and norms, and one more pass through the LM head
         with torch.device("meta"):
             layer = MTPLayer(cfg.d_model, cfg.norm_eps, mtp_block(cfg))
@@ -414,5 +419,6 @@ def training_flops(cfg: ModelConfig, seq_len: int) -> tuple[list[float], float]:
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over every position, in fp32: the one training and validation loss
-    (also the pipeline schedule's, per micro-batch). Vocabulary-sharded logits need torch's loss_parallel()."""
+    (also the pipeline schedule's, per micro-batch). Vocabulary-sharded logits need torch's
+    loss_parallel()."""
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())

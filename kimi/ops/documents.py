@@ -13,7 +13,8 @@ import torch
 
 
 def doc_starts_after_eos(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """[B, T] ids -> the [B, T] mask of segment starts: each row's first token and every token after an EOS."""
+    """[B, T] ids -> the [B, T] mask of segment starts: each row's first token and every token after an
+    EOS."""
     starts = torch.zeros_like(input_ids, dtype=torch.bool)
     starts[:, 1:] = input_ids[:, :-1] == eos_id
     starts[:, 0] = True

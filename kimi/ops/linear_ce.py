@@ -1,8 +1,8 @@
 """The LM head and cross-entropy fused: the mean next-token loss from the final hidden states, chunk by chunk,
 so the whole sequence's logits never exist at once.
 
-The plain way (kimi.model.lm_loss on the logits, the reference) materialises [N, vocab] logits, their fp32 copy
-and the fp32 gradient: 10 bytes per token per vocabulary entry under bf16 autocast, 330 KB per token at a
+The plain way (kimi.model.lm_loss on the logits, the reference) materialises [N, vocab] logits, their fp32
+copy and the fp32 gradient: 10 bytes per token per vocabulary entry under bf16 autocast, 330 KB per token at a
 32k vocabulary, more than the rest of a checkpointed model keeps. Here each chunk's logits are made,
 reduced to the loss and turned into the chunk's gradients at once (Liger-Kernel's fused linear
 cross-entropy does the same): the backward only scales the gradients kept from the forward, so the

@@ -58,8 +58,9 @@ def ns_dtype(name: str, named) -> torch.dtype:
 
 
 def muon_splits(model: torch.nn.Module, cfg: OptimConfig) -> dict:
-    """The weights MuonClip orthogonalises in blocks: MLA's fused ones per logical matrix (optim.muon_split_fused)
-    and, with optim.muon_per_head, the query, key and value projections head by head."""
+    """The weights MuonClip orthogonalises in blocks: MLA's fused ones per logical matrix
+    (optim.muon_split_fused) and, with optim.muon_per_head, the query, key and value projections head by
+    head."""
     if not hasattr(model, "muon_splits"):
         return {}
     return {name: split for name, split in model.muon_splits(per_head=cfg.muon_per_head).items()

@@ -65,7 +65,8 @@ def route(name: str, p: torch.Tensor, adamw_patterns: Sequence[str], muon_patter
 
 
 def _slot(batch: torch.Tensor, start: int, k: int, tall: bool, shape: Tuple[int, ...]) -> torch.Tensor:
-    """The view of a batch of wide matrices [N, rows, cols] that holds matrices start..start+k, as ``shape``."""
+    """The view of a batch of wide matrices [N, rows, cols] that holds matrices start..start+k, as
+    ``shape``."""
     block = batch[start : start + k]
     return (block.mT if tall else block).view(shape)
 
@@ -167,10 +168,12 @@ class MuonClip(torch.optim.Optimizer):
         self._router = Router(process_group)
         self._stepped = False  # the same on every rank: they step together
         self.qk_clip_tau, self.qk_clip_specs = qk_clip_tau, list(qk_clip_specs)
-        self._qk_clip = QKClip(named, self.qk_clip_specs, qk_clip_tau, group=process_group, fragments=self.fragments)
+        self._qk_clip = QKClip(named, self.qk_clip_specs, qk_clip_tau, group=process_group,
+                               fragments=self.fragments)
         self.step_stats: dict = {}
-        # Newton-Schulz batches and scratch kept across steps on CPU (4 bytes per Muon parameter in bf16), where
-        # tensors this large come from fresh mmaps whose page faults cost a few percent of a step (`small`,
+        # Newton-Schulz batches and scratch kept across steps on CPU (4 bytes per Muon parameter in bf16),
+        # where tensors this large come from fresh mmaps whose page faults cost a few percent of a step
+        # (`small`,
         # bench/optim.py); CUDA's caching allocator reuses its blocks anyway.
         self._ns_buffers: dict = {}
 
@@ -256,11 +259,13 @@ class MuonClip(torch.optim.Optimizer):
         clip_collectives = self._qk_clip.collectives
         self._qk_clip()
         self._stepped = True
-        for group in self.param_groups:  # an entry per parameter on every rank, owner or not: see _import_state
+        # an entry per parameter on every rank, owner or not: see _import_state
+        for group in self.param_groups:
             for p in group["params"]:
                 self.state[p]
         self.step_stats = {"ns_matrices": ns_count, "ns_flops": flops,
-                           "collectives": router.collectives - collectives + self._qk_clip.collectives - clip_collectives,
+                           "collectives": router.collectives - collectives + self._qk_clip.collectives
+                           - clip_collectives,
                            "bytes_sent": router.bytes_sent - sent}
         return loss
 
@@ -286,7 +291,8 @@ class MuonClip(torch.optim.Optimizer):
         of the NS output (in the NS dtype, as torch.optim.Muon applies its bf16 update), so one step makes
         no other copy of the Muon matrices than the ones Newton-Schulz itself needs."""
         blocks: List[Optional[list]] = [None] * len(muon)  # per member: its logical matrices' NS outputs
-        # (rows, cols) of the wide orientation, ns settings -> [(member, logical index, count, tall, shape, src)]
+        # (rows, cols) of the wide orientation, ns settings -> [(member, logical index, count, tall, shape,
+        # src)]
         buckets = defaultdict(list)
         for n, ((group, p, plan), g) in enumerate(zip(muon, grads)):
             if g is None:  # not the owner
@@ -345,7 +351,8 @@ class MuonClip(torch.optim.Optimizer):
                 continue
             ref = self._scale_of(group, plan)
             shapes = self._logical_shapes(plan)
-            scaled = [m.to(plan.dtype) * (update_scale(group["adjust_lr_fn"], *s) / ref) for m, s in zip(mats, shapes)]
+            scaled = [m.to(plan.dtype) * (update_scale(group["adjust_lr_fn"], *s) / ref)
+                      for m, s in zip(mats, shapes)]
             updates.append(split.join(scaled, torch.empty(plan.shape, dtype=plan.dtype, device=plan.device)))
         return updates, count, flops
 

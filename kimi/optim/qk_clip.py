@@ -65,7 +65,8 @@ def apply_qk_clip(
             continue
         s_max = s_max.float()
         if s_max.shape != (spec.num_heads,):
-            raise ValueError(f"{spec.layer}: max_logits has shape {tuple(s_max.shape)}, want ({spec.num_heads},)")
+            raise ValueError(f"{spec.layer}: max_logits has shape {tuple(s_max.shape)}, want "
+                             f"({spec.num_heads},)")
         clipped = s_max > tau
         reported.append((spec.layer, s_max.max(), clipped.float().mean()))
         # tau / s_max where clipped; non-clipped heads (also s_max <= 0) get exactly 1.
@@ -89,7 +90,8 @@ def apply_qk_clip(
                 p.mul_(scale.to(p.dtype).view(-1, *([1] * (p.ndim - 1))))
     if not reported:
         return {}
-    return LayerStats([layer for layer, _, _ in reported], torch.stack([torch.stack([m, f]) for _, m, f in reported]))
+    return LayerStats([layer for layer, _, _ in reported], torch.stack([torch.stack([m, f])
+                                                                        for _, m, f in reported]))
 
 
 class LayerStats(abc.Mapping):
@@ -102,7 +104,8 @@ class LayerStats(abc.Mapping):
     def _table(self) -> dict:
         if self._read is None:
             rows = self._tensor.tolist()
-            self._read = {layer: {"max_logit": m, "clipped_frac": f} for layer, (m, f) in zip(self._layers, rows)}
+            self._read = {layer: {"max_logit": m, "clipped_frac": f}
+                          for layer, (m, f) in zip(self._layers, rows)}
         return self._read
 
     def __getitem__(self, layer: str) -> dict:
@@ -128,7 +131,8 @@ class QKClip:
     (every head, reduced over ``group``; kept as tensors, read only by diagnostics: kimi/diagnostics).
     """
 
-    def __init__(self, named_params: Iterable[Tuple[str, torch.Tensor]], specs: Sequence[QKClipSpec], tau: float,
+    def __init__(self, named_params: Iterable[Tuple[str, torch.Tensor]], specs: Sequence[QKClipSpec],
+                 tau: float,
                  group: Optional[dist.ProcessGroup] = None, head_group: Optional[dist.ProcessGroup] = None,
                  fragments: Optional[Mapping[str, Fragment]] = None):
         if not tau > 0:
@@ -150,8 +154,8 @@ class QKClip:
         h = local.numel()
         if h != spec.num_heads:
             if self.head_group is None or spec.num_heads % h:
-                raise ValueError(f"{spec.layer}: {h} of {spec.num_heads} heads reported and no tensor-parallel "
-                                 "group to place them")
+                raise ValueError(f"{spec.layer}: {h} of {spec.num_heads} heads reported and no "
+                                 "tensor-parallel group to place them")
             start = dist.get_rank(self.head_group) * h
             full[start : start + h] = local.float().to(device)
             return full
@@ -172,8 +176,10 @@ class QKClip:
                        for spec, r in zip(self.specs, reported)]
         grouped = self.group is not None and dist.get_world_size(self.group) > 1
         if grouped or replica_max is not None:
-            # one collective for all layers; -inf marks heads a rank did not compute (or layers it did not run)
-            full = torch.stack([torch.full((spec.num_heads,), float("-inf"), device=device) if s is None else s
+            # one collective for all layers; -inf marks heads a rank did not compute (or layers it did not
+            # run)
+            full = torch.stack([torch.full((spec.num_heads,), float("-inf"), device=device) if s is None
+                                else s
                                 for spec, s in zip(self.specs, s_max)])
             if grouped:
                 dist.all_reduce(full, op=dist.ReduceOp.MAX, group=self.group)

@@ -29,13 +29,13 @@ def __getattr__(name: str):
     return getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
 
 
-if TYPE_CHECKING:
-    from .build import build_engine
-    from .checkpointing import apply_activation_checkpointing, apply_compile
-    from .dims import (ParallelDims, checkpoint_group, destroy_distributed, init_distributed, mean_over_ranks,
-                       resolve_device, setup_group)
-    from .engine import TorchEngine
-    from .engine_rules import ENGINES
-    from .fsdp import apply_data_parallel
-    from .interface import Engine
-    from .parallelize import parallelize
+if TYPE_CHECKING:  # for type checkers: the names of __all__, which __getattr__ imports at run time
+    from .build import build_engine  # noqa: F401
+    from .checkpointing import apply_activation_checkpointing, apply_compile  # noqa: F401
+    from .dims import (ParallelDims, checkpoint_group, destroy_distributed, init_distributed,  # noqa: F401
+                       mean_over_ranks, resolve_device, setup_group)
+    from .engine import TorchEngine  # noqa: F401
+    from .engine_rules import ENGINES  # noqa: F401
+    from .fsdp import apply_data_parallel  # noqa: F401
+    from .interface import Engine  # noqa: F401
+    from .parallelize import parallelize  # noqa: F401

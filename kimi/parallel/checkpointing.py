@@ -5,10 +5,10 @@ recomputing a block in the backward would replay it on a stream that later block
 A sublayer, with its depth mix and pre-norm (Block.sublayer), is a function of the stream's sources and
 the sublayer's query that returns one tensor: checkpointing keeps only those inputs, which the stream holds
 anyway, and recomputes the mix, the norm and the module. The final mix and norm are checkpointed alike.
-Checkpointing goes through the block's explicit sublayer runner (``Block.set_runner``) and compiling through torch's ``Module.compile``: no forward is replaced and no
-module wrapped, so parameter names do not change (optimizer routing, QK-Clip specs and checkpoints see the
-same names with and without these). The recomputation calls the module itself, compiled if it is, so it
-replays exactly what the forward ran.
+Checkpointing goes through the block's explicit sublayer runner (``Block.set_runner``) and compiling through
+torch's ``Module.compile``: no forward is replaced and no module wrapped, so parameter names do not change
+(optimizer routing, QK-Clip specs and checkpoints see the same names with and without these). The
+recomputation calls the module itself, compiled if it is, so it replays exactly what the forward ran.
 
   full       recompute every sublayer's activations in the backward (only its input is kept)
   selective  keep the outputs of matmuls, attention (SDPA's and our Triton kernel's) and the Triton KDA
@@ -57,7 +57,8 @@ def sublayers(model: nn.Module) -> Iterator[nn.Module]:
 
 
 def _checkpointed(selective: bool) -> Callable:
-    extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)} if selective else {}
+    extra = ({"context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)}
+             if selective else {})
 
     def run(function: Callable, *args):
         if not torch.is_grad_enabled():  # evaluation and decoding: nothing to recompute

@@ -61,7 +61,8 @@ def _import_deepspeed():
 def deepspeed_config(cfg: Config, dims: ParallelDims) -> dict:
     """The DeepSpeed JSON config that runs what the Hydra config says."""
     t, ds = cfg.trainer, cfg.parallel.deepspeed
-    zero = {"stage": ds.zero_stage, "reduce_bucket_size": ds.reduce_bucket_size, "overlap_comm": ds.overlap_comm,
+    zero = {"stage": ds.zero_stage, "reduce_bucket_size": ds.reduce_bucket_size,
+            "overlap_comm": ds.overlap_comm,
             "contiguous_gradients": True}
     if ds.zero_stage < 3:
         zero["allgather_bucket_size"] = ds.allgather_bucket_size
@@ -90,7 +91,8 @@ class DeepSpeedEngine(Engine):
         if not dist.is_initialized():  # one process without torchrun: DeepSpeed still wants a process group
             for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
                 os.environ.setdefault(key, value)
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                    rank=0,
                                     world_size=1)
         self.cfg, self.dims, self.mesh, self.device = cfg, dims, mesh, device
         self.pp_rank = None  # no pipeline
@@ -153,7 +155,8 @@ class DeepSpeedEngine(Engine):
     def _balance_experts(self) -> dict:
         if not self.cfg.model.moe_num_experts:
             return {}
-        return update_expert_bias(self.model, self.cfg.model.moe_bias_rate, sum_over(self.dims.stage_group(self.mesh)))
+        return update_expert_bias(self.model, self.cfg.model.moe_bias_rate,
+                                  sum_over(self.dims.stage_group(self.mesh)))
 
     @property
     def qk_clip(self):
@@ -182,8 +185,8 @@ class DeepSpeedEngine(Engine):
             return None
         ds = self.cfg.parallel.deepspeed
         offload = ", optimizer state offloaded to CPU" if ds.offload_optimizer else ""
-        return (f"[kimi] parallel: DeepSpeed ZeRO-{ds.zero_stage} over dp_shard={self.dims.dp_shard} processes"
-                f"{offload}; its config in {self.cfg.trainer.run_dir}/deepspeed.json")
+        return (f"[kimi] parallel: DeepSpeed ZeRO-{ds.zero_stage} over dp_shard={self.dims.dp_shard} "
+                f"processes{offload}; its config in {self.cfg.trainer.run_dir}/deepspeed.json")
 
     def write_run_files(self, run_dir: Path) -> None:
         """deepspeed.json: what DeepSpeed was given."""
@@ -203,7 +206,8 @@ class DeepSpeedEngine(Engine):
 
     def _model_state(self, masters: dict) -> dict:
         buffers = dict(self.model.named_buffers())
-        return {k: masters[n] if n in masters else buffers[n].detach().clone() for k, n in self._state_names().items()}
+        return {k: masters[n] if n in masters else buffers[n].detach().clone()
+                for k, n in self._state_names().items()}
 
     def state_dict(self) -> dict:
         """Model, optimizer and lr-schedule state as TorchEngine.state_dict lays them out, so a checkpoint

@@ -22,7 +22,8 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -84,13 +85,15 @@ class TorchEngine(Engine):
         self.float8_gather = float8_gather(cfg, dims.fsdp)  # None unless precision.fp8.fsdp_all_gather
         if self.float8_gather:
             self.float8_gather.attach(parts, device)
-        self.parts = parts  # the model parts this rank runs (its pipeline stages), whose forwards diagnostics observe
+        # the model parts this rank runs (its pipeline stages), whose forwards diagnostics observe
+        self.parts = parts
         self.model = KimiModel.union(parts)
         self.schedule = self.pp_rank = None
         self.cp_rank = mesh["cp"].get_local_rank() if dims.cp > 1 else 0
         if dims.pp > 1:
             self.pp_rank = mesh["pp"].get_local_rank()  # 0 feeds the tokens, pp - 1 computes the loss
-            self.schedule = build_schedule(parts, mesh["pp"], device, p.pp_schedule, pipeline_microbatches(cfg))
+            self.schedule = build_schedule(parts, mesh["pp"], device, p.pp_schedule,
+                                           pipeline_microbatches(cfg))
         self.tied_ends = TiedEnds(mesh) if dims.pp > 1 and cfg.model.tie_embeddings else None
         group = dims.stage_group(mesh)
         self.optimizer = build_optimizer(self.model, cfg.optim, process_group=group)
@@ -198,7 +201,8 @@ class TorchEngine(Engine):
         which changes neither the update's sign nor max/mean); statistics as their max over the stages."""
         if not self.cfg.model.moe_num_experts:
             return {}
-        stats = update_expert_bias(self.model, self.cfg.model.moe_bias_rate, sum_over(self.dims.stage_group(self.mesh)))
+        stats = update_expert_bias(self.model, self.cfg.model.moe_bias_rate,
+                                   sum_over(self.dims.stage_group(self.mesh)))
         if self.dims.pp > 1:  # every stage joins, one without MoE layers with zeros
             keys = ["moe_imbalance", "moe_bias_range"]
             keys += ["moe_aux_loss"] if self.cfg.model.moe_aux_loss_coef else []  # same keys on every stage
@@ -235,7 +239,8 @@ class TorchEngine(Engine):
         if not d.enabled:
             return None
         experts = f"; MoE experts split over ep={d.ep} of the dp_shard ranks" if d.ep > 1 else ""
-        context = f"; each sequence split into cp={d.cp} shards of {seq_len // d.cp} tokens" if d.cp > 1 else ""
+        context = (f"; each sequence split into cp={d.cp} shards of {seq_len // d.cp} tokens" if d.cp > 1
+                   else "")
         return (f"[kimi] parallel: pp={d.pp} x dp_replicate={d.dp_replicate} x dp_shard={d.dp_shard} x "
                 f"cp={d.cp} x tp={d.tp} over {d.world} processes{experts}{context}")
 

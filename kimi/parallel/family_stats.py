@@ -56,7 +56,8 @@ class FamilyStats:
             for p, before in zip(ps, self.before[f]):
                 diff = _local(p).detach() - before
                 if isinstance(p, DTensor):
-                    diff = DTensor.from_local(diff, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                    diff = DTensor.from_local(diff, p.device_mesh, p.placements, run_check=False,
+                                              shape=p.shape,
                                               stride=p.stride())
                 diffs.append(diff)
             sums.append(squared_norm(diffs, self.pp_group, self.device))

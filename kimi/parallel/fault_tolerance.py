@@ -65,12 +65,14 @@ class FaultTolerance:
         lighthouse = ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
         if not lighthouse:
             raise ConfigError("parallel.fault_tolerance=torchft needs the lighthouse's address: set "
-                              "parallel.torchft.lighthouse=http://HOST:29510 or TORCHFT_LIGHTHOUSE (start one with "
-                              "torchft_lighthouse --min_replicas 1)")
+                              "parallel.torchft.lighthouse=http://HOST:29510 or TORCHFT_LIGHTHOUSE (start "
+                              "one with torchft_lighthouse --min_replicas 1)")
         timeout = timedelta(seconds=ft.timeout_s)
-        pg = ProcessGroupNCCL(timeout=timeout) if trainer.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        group = ProcessGroupNCCL if trainer.device.type == "cuda" else ProcessGroupGloo
+        pg = group(timeout=timeout)
         self._store = None
-        if "MASTER_ADDR" in os.environ:  # torchrun's store: the group's ranks find their rank 0's manager there
+        # torchrun's store: the group's ranks find their rank 0's manager there
+        if "MASTER_ADDR" in os.environ:
             addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         else:  # one process started without torchrun
             self._store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
@@ -163,7 +165,8 @@ class FaultTolerance:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
         if engine.qk_clip is not None:
-            engine.qk_clip.gather(replica_max=lambda x: self.manager.allreduce(x, reduce_op=ReduceOp.MAX).wait())
+            engine.qk_clip.gather(replica_max=lambda x: self.manager.allreduce(x,
+                                                                               reduce_op=ReduceOp.MAX).wait())
         self.committed = self.manager.should_commit()
         if self.committed:
             return engine.step(max_norm, family_stats=family_stats)
@@ -183,8 +186,8 @@ class FaultTolerance:
         t.engine.load_state_dict(_like(state["engine"], t.engine.state_dict()))
         t.loader.load_state_dict(state["loader"])  # the position; this group keeps its own data rank
         t.step = int(state["step"])
-        t.log(f"[kimi] torchft: replica group {self.cfg.replica_group} took the live state of step {t.step} from "
-              "a peer (weights, optimizer, lr schedule, data position); no checkpoint read")
+        t.log(f"[kimi] torchft: replica group {self.cfg.replica_group} took the live state of step {t.step} "
+              "from a peer (weights, optimizer, lr schedule, data position); no checkpoint read")
 
     def close(self) -> None:
         """Stop this rank's torchft servers (the lighthouse then sees the group leave); once is enough."""
@@ -234,7 +237,8 @@ def _local(tree: Any) -> Any:
 
 
 def _like(tree: Any, template: Any) -> Any:
-    """The received blocks laid out as this rank's own state (`template`): DTensors again where it has them."""
+    """The received blocks laid out as this rank's own state (`template`): DTensors again where it has
+    them."""
     if isinstance(tree, dict) and isinstance(template, dict):
         return {k: _like(v, template.get(k)) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)) and isinstance(template, (list, tuple)) and len(tree) == len(template):

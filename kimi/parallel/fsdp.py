@@ -22,7 +22,8 @@ def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, reshard_after_forwar
     are their own unit over its (dp_replicate, edp) ranks."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     kw = {"mp_policy": policy} if policy else {}
-    if expert_mesh is not None:  # their gradients are averaged over (dp_replicate, edp) only: see expert_parallel
+    # their gradients are averaged over (dp_replicate, edp) only: see expert_parallel
+    if expert_mesh is not None:
         for experts in (m for m in model.modules() if isinstance(m, RoutedExperts)):
             fully_shard(experts, mesh=expert_mesh["dp_replicate", "edp"],
                         reshard_after_forward=reshard_after_forward, **kw)

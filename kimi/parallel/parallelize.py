@@ -19,7 +19,8 @@ from .tensor_parallel import apply_tensor_parallel
 
 
 def parallelize(model: KimiModel, cfg: ParallelConfig, dims: ParallelDims, mesh: DeviceMesh | None,
-                bf16: bool = False, seq_len: int = 0, expert_mesh: DeviceMesh | None = None) -> list[KimiModel]:
+                bf16: bool = False, seq_len: int = 0,
+                expert_mesh: DeviceMesh | None = None) -> list[KimiModel]:
     """Returns the parts of `model` this rank runs, parallelised: its pipeline stages, or `model` itself
     without a pipeline. KimiModel.union(parts) is every parameter this rank holds, under the whole model's
     names (what the optimizer and checkpoints see); build it once the parts are materialised."""

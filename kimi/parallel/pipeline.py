@@ -39,7 +39,8 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": S
              "zero_bubble": ScheduleInterleavedZeroBubble}
 
 
-def split_blocks(cfg: ModelConfig, stages: int, seq_len: int, split: Sequence[int] | None = None) -> List[range]:
+def split_blocks(cfg: ModelConfig, stages: int, seq_len: int,
+                 split: Sequence[int] | None = None) -> List[range]:
     """Contiguous block ranges, one per stage: `split` (first block of stages 1..) or balanced by cost. The
     stages and split must have passed kimi.config.check_stage_split (the validation pass runs it)."""
     n = cfg.num_layers
@@ -104,7 +105,8 @@ class TiedEnds:
         return self.weight(model) if model.embed is None else None
 
 
-def stage_parts(model: nn.Module, ranges: Sequence[range], rank: int, pp: int, virtual: int) -> list[nn.Module]:
+def stage_parts(model: nn.Module, ranges: Sequence[range], rank: int, pp: int,
+                virtual: int) -> list[nn.Module]:
     """The parts of `model` that pipeline rank `rank` runs, one per stage, in stage order."""
     total = pp * virtual
     return [model.part(ranges[i], i == 0, i == total - 1) for i in stage_indices(rank, pp, virtual)]

@@ -73,18 +73,19 @@ def check_fault_tolerance(cfg: Config) -> None:
           f"must be in 1..{ft.replica_groups} (parallel.torchft.replica_groups)")
     for key in ("timeout_s", "quorum_timeout_s"):
         check(getattr(ft, key) > 0, f"parallel.torchft.{key}", getattr(ft, key), "must be > 0 seconds")
-    require(not cfg.data.streaming, "data.streaming=true with parallel.fault_tolerance=torchft: a joining group "
-            "takes its peers' data position, and a stream's is per rank; set data.streaming=false (prepared shards) "
-            "or parallel.fault_tolerance=none")
+    require(not cfg.data.streaming, "data.streaming=true with parallel.fault_tolerance=torchft: a joining "
+            "group takes its peers' data position, and a stream's is per rank; set data.streaming=false "
+            "(prepared shards) or parallel.fault_tolerance=none")
     require(importlib.util.find_spec("torchft") is not None, TORCHFT_MISSING)
     unsupported = [f"parallel.{k}={getattr(p, k)}" for k in ("pp",) if getattr(p, k) > 1]
     unsupported += [f"parallel.engine={p.engine}"] if p.engine != "torch" else []
     require(not unsupported, f"parallel.fault_tolerance=torchft runs on the torch engine without pipeline "
-            f"parallelism, not with {', '.join(unsupported)}: reset those, or set parallel.fault_tolerance=none")
+            f"parallelism, not with {', '.join(unsupported)}: reset those, or set "
+            "parallel.fault_tolerance=none")
     require(p.dp_replicate == 1,
-            f"parallel.dp_replicate={p.dp_replicate} with parallel.fault_tolerance=torchft: the replica groups are "
-            "the replicate dimension (one torchrun job each); set parallel.dp_replicate=1 and launch "
-            "parallel.torchft.replica_groups jobs")
+            f"parallel.dp_replicate={p.dp_replicate} with parallel.fault_tolerance=torchft: the replica "
+            "groups are the replicate dimension (one torchrun job each); set parallel.dp_replicate=1 and "
+            "launch parallel.torchft.replica_groups jobs")
     require(not cfg.model.moe_num_experts,
             f"model.moe_num_experts={cfg.model.moe_num_experts} with parallel.fault_tolerance=torchft: the "
             "expert biases follow each group's own token counts, so replica groups would drift apart; use a "

@@ -126,7 +126,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
                     input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True))
             _apply_plan(sublayer, sublayer.tp_plan(), mesh, row)
         if sequence_parallel:
-            _sum_grads(block, ["mixer_norm.weight", "mlp_norm.weight", "mixer_query", "mlp_query", "mixer_key_weight",
+            _sum_grads(block, ["mixer_norm.weight", "mlp_norm.weight", "mixer_query", "mlp_query",
+                               "mixer_key_weight",
                                "mlp_key_weight"], mesh)
     if sequence_parallel:  # the final norm and query, applied to this rank's tokens
         _sum_grads(model, ["norm.weight", "final_query", "final_key_weight"], mesh)

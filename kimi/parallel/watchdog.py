@@ -76,7 +76,7 @@ class Watchdog:
             try:
                 self._publish()
                 beat = self._read([watched])[watched]["beat"]
-            except Exception:  # noqa: BLE001: the store is gone, so the job is ending anyway
+            except Exception:  # noqa: BLE001 (the store is gone, so the job is ending anyway)
                 return
             now = time.monotonic()
             if beat != last:
@@ -89,8 +89,9 @@ class Watchdog:
         b = beats[stalled]
         steps = ", ".join(f"{r}: {x['step']}" for r, x in sorted(beats.items()))
         print(f"error: rank {stalled} (pid {b['pid']} on {b['host']}) made no progress for {silent_s:.0f} s "
-              f"(trainer.collective_timeout_s={self.timeout_s:g}): its process is stopped or hung. Last finished "
-              f"step per rank: {steps}. Ending the job. {self.explain()}".rstrip(), file=sys.stderr, flush=True)
+              f"(trainer.collective_timeout_s={self.timeout_s:g}): its process is stopped or hung. Last "
+              f"finished step per rank: {steps}. Ending the job. {self.explain()}".rstrip(), file=sys.stderr,
+              flush=True)
         if b["host"] == socket.gethostname():  # a stopped process ignores everything but SIGKILL
             try:
                 os.kill(b["pid"], signal.SIGKILL)

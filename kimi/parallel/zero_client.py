@@ -42,8 +42,9 @@ def zero_layout(zero_optimizer, names: Dict[int, str]) -> Tuple[torch.Tensor, La
     layout: Layout = {}
     if hasattr(zero_optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3
         if len(zero_optimizer.fp16_groups) != 1:
-            raise RuntimeError(f"ZeRO-3 split the parameters into {len(zero_optimizer.fp16_groups)} sub-groups; "
-                               "the client optimizer needs one (sub_group_size >= the number of parameters)")
+            raise RuntimeError(f"ZeRO-3 split the parameters into {len(zero_optimizer.fp16_groups)} "
+                               "sub-groups; the client optimizer needs one (sub_group_size >= the number of "
+                               "parameters)")
         rank = dist.get_rank(zero_optimizer.dp_process_group)
         offset = 0
         for p in zero_optimizer.fp16_groups[0]:
@@ -126,7 +127,8 @@ class ZeroClient(torch.optim.Optimizer):
             raise RuntimeError("ZeroClient.bind(deepspeed optimizer) must run before the first step")
         flat = self._partition()
         if flat is not self._flat:  # the fragments view the partition found at bind
-            raise RuntimeError("DeepSpeed stepped ZeroClient with another partition than the one it was bound to")
+            raise RuntimeError("DeepSpeed stepped ZeroClient with another partition than the one it was "
+                               "bound to")
         grad = flat.grad
         if grad is not None and not self._finite_everywhere(grad):
             return  # no update: the trainer stops on DeepSpeed's gradient norm, which is not finite either

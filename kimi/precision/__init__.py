@@ -11,8 +11,8 @@ activation checkpointing, torch.compile or FSDP):
   for MXFP8). The LM head, embedding, norms, convolutions, AttnRes queries and the routed experts' grouped
   weights are never converted (torchao 0.18's fp8 grouped GEMM needs CUDA's _scaled_grouped_mm).
 * precision.qat=mxfp4_experts: every routed-expert weight is read through MXFP4 fake quantisation with a
-  straight-through gradient (kimi/precision/mxfp4.py), so `python -m kimi.convert to-hf ... mxfp4_experts=true`
-  writes the experts whose dequantised forward is the trained one.
+  straight-through gradient (kimi/precision/mxfp4.py), so `python -m kimi.convert to-hf ...
+  mxfp4_experts=true` writes the experts whose dequantised forward is the trained one.
 
 Parameters keep their names, shapes, dtype (fp32) and values, and their plain-tensor type except under
 precision.fp8.fsdp_all_gather (torchao's fp32 weight subclass; its checkpoints still hold plain tensors,
@@ -47,8 +47,9 @@ def emulated(precision: str, p: PrecisionConfig, device: torch.device) -> bool:
     need, have = NATIVE_FROM[precision], torch.cuda.get_device_capability(device)
     if have < need:
         raise ConfigError(f"trainer.precision={precision} needs a GPU of compute capability "
-                          f"{need[0]}.{need[1]} or newer for its native matmuls, this one is {have[0]}.{have[1]}: "
-                          "use trainer.precision=bf16, or precision.emulate=true (slow, for checks)")
+                          f"{need[0]}.{need[1]} or newer for its native matmuls, this one is "
+                          f"{have[0]}.{have[1]}: use trainer.precision=bf16, or precision.emulate=true "
+                          "(slow, for checks)")
     return False
 
 

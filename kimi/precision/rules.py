@@ -36,8 +36,8 @@ def validate_precision(cfg: Config) -> None:
                 f"precision.emulate=false needs CUDA for trainer.precision={t.precision}: set "
                 "precision.emulate=null (emulated on CPU) or trainer.device=cuda")
     if low:
-        # the weight gradient's GEMM reduces over the tokens of one forward: fp8 GEMMs take multiples of 16 there,
-        # and MXFP8's blocks of 32 run along them
+        # the weight gradient's GEMM reduces over the tokens of one forward: fp8 GEMMs take multiples of 16
+        # there, and MXFP8's blocks of 32 run along them
         tokens = t.micro_batch_size // pipeline_microbatches(cfg) * (t.seq_len // par.cp)
         multiple = 32 if t.precision == "mxfp8" else 16
         require(tokens % multiple == 0,
@@ -46,10 +46,12 @@ def validate_precision(cfg: Config) -> None:
                 "trainer.micro_batch_size or trainer.seq_len")
     if p.qat == "mxfp4_experts":
         require(m.moe_num_experts > 0, "precision.qat=mxfp4_experts needs a mixture-of-experts model "
-                                       "(model.moe_num_experts > 0, e.g. model=moe_tiny): set precision.qat=null")
+                                       "(model.moe_num_experts > 0, e.g. model=moe_tiny): set "
+                                       "precision.qat=null")
         require(m.d_model % 32 == 0 and m.moe_hidden % 32 == 0,
-                f"precision.qat=mxfp4_experts quantises the experts' weights in blocks of 32 along their inputs: "
-                f"model.d_model={m.d_model} and model.moe_hidden={m.moe_hidden} must be multiples of 32")
+                "precision.qat=mxfp4_experts quantises the experts' weights in blocks of 32 along their "
+                f"inputs: model.d_model={m.d_model} and model.moe_hidden={m.moe_hidden} must be multiples "
+                "of 32")
 
 
 def _check_fsdp_all_gather(cfg: Config) -> None:

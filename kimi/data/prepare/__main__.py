@@ -28,18 +28,19 @@ def main(argv: List[str]) -> int:
     if cfg.streaming:
         from kimi.data.errors import DataError
 
-        raise DataError("data.streaming=true reads the source while training, so there are no shards to prepare: "
-                        "run train.py with it, or set data.streaming=false to prepare shards")
+        raise DataError("data.streaming=true reads the source while training, so there are no shards to "
+                        "prepare: run train.py with it, or set data.streaming=false to prepare shards")
     data = prepare(cfg, limit=False)
     for part in getattr(data, "parts", [data]):
         shards = {split: len(paths) for split, paths in part.shards.items()}
-        print(f"[data] ready: {part.data_dir} ({shards['train']} train / {shards['val']} val shard(s), manifest "
-              f"{part.data_dir / 'manifest.json'})", flush=True)
+        print(f"[data] ready: {part.data_dir} ({shards['train']} train / {shards['val']} val shard(s), "
+              f"manifest {part.data_dir / 'manifest.json'})", flush=True)
     return 0
 
 
 def cli() -> None:
-    """`kimi-prepare` and `python -m kimi.data.prepare`: the overrides checked first, as training checks them."""
+    """`kimi-prepare` and `python -m kimi.data.prepare`: the overrides checked first, as training checks
+    them."""
     from kimi.cli import check_overrides, run_main
     from kimi.config import register_configs
 

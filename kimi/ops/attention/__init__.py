@@ -91,7 +91,8 @@ def _probe(q, k, v, causal, scale, cu_seqlens, return_max_logits, atomic_dq) -> 
     q_ = q.new_zeros(1, tq, *q.shape[2:])
     k_, v_ = (x.new_zeros(1, tk, *x.shape[2:]) for x in (k, v))
     cu = None if cu_seqlens is None else torch.tensor([0, tq], dtype=cu_seqlens.dtype, device=q.device)
-    o, lse, _ = flash_attention_op(q_, k_, v_, cu, float(scale), bool(causal), bool(return_max_logits), atomic_dq)
+    o, lse, _ = flash_attention_op(q_, k_, v_, cu, float(scale), bool(causal), bool(return_max_logits),
+                                   atomic_dq)
     flash_attention_backward_op(torch.zeros_like(o), None, q_, k_, v_, o, lse, cu, float(scale), bool(causal),
                                 atomic_dq)
 
@@ -176,7 +177,8 @@ def attention(
     args = (q, k, v, causal, scale, cu_seqlens, return_max_logits, atomic_dq)
     forced = backend in _BACKENDS
     if _pick_backend(backend, q) == "triton" and _GUARD.use_triton(forced):
-        if cu_seqlens is not None and Tq != Tk:  # the kernel packs queries and keys alike: SDPA's mask does it
+        # the kernel packs queries and keys alike: SDPA's mask does it
+        if cu_seqlens is not None and Tq != Tk:
             return _sdpa(*args)
         if backend == "auto" and choose(*args) == "sdpa":
             return _sdpa(*args)

@@ -1,5 +1,5 @@
-"""backend="auto": for each attention shape, time the Triton kernel against SDPA (with its max-logit pass) once,
-forward and backward on random inputs of that shape, and keep the faster one that agrees with SDPA.
+"""backend="auto": for each attention shape, time the Triton kernel against SDPA (with its max-logit pass)
+once, forward and backward on random inputs of that shape, and keep the faster one that agrees with SDPA.
 
 The first call of a shape pays the timing (a few launches of each backend, Triton's compilation included in
 its warm-up) and prints one line; later calls, the recomputed forwards of activation checkpointing among
@@ -86,7 +86,8 @@ def _timed(*key) -> str:
                 continue
             error = (out.detach().float() - expected).abs().max() / expected.abs().max().clamp_min(1e-30)
             if name != "sdpa" and not error <= TOLERANCE.get(key[1], 5e-2):
-                LOG(f"[kimi] attention auto: {name} differs from SDPA by {float(error):.1e} (relative): skipped")
+                LOG(f"[kimi] attention auto: {name} differs from SDPA by {float(error):.1e} (relative): "
+                    "skipped")
                 continue
             times[name] = _seconds(lambda: torch.autograd.grad(_first(fn(*args)), args[:3], grad), key[0])
     choice = min(times, key=times.get) if times else "sdpa"

@@ -6,11 +6,12 @@ up-projected keys and values.
 
 q [B, Tq, H, nope + rope]: the queries, the last Tq positions of the prefix; c [B, Tk, R]: the normalised
 latents of the whole prefix; r [B, Tk, rope]: its shared (rotated) key part; w [H * (nope + Dv), R]: MLA's
-up-projection (wkv_b), so that block j's keys are [(c_j w^T)_h[:nope] | r_j] and its values (c_j w^T)_h[nope:].
-Tk is a multiple of block = Tq: every block but the last lies wholly before the queries (no mask), the last is
-the queries' own (causal). This is context parallelism's MLA (kimi.parallel.context_parallel): the last rank's
-prefix is the whole sequence, and up-projecting it at once costs (nope + rope + Dv) values per head and token
-of the sequence, 35 KiB per token for `1b` (docs/parallelism.md), where the latent is R + rope.
+up-projection (wkv_b), so that block j's keys are [(c_j w^T)_h[:nope] | r_j] and its
+values (c_j w^T)_h[nope:]. Tk is a multiple of block = Tq: every block but the last lies wholly before the
+queries (no mask), the last is the queries' own (causal). This is context parallelism's MLA
+(kimi.parallel.context_parallel): the last rank's prefix is the whole sequence, and up-projecting it at once
+costs (nope + rope + Dv) values per head and token of the sequence, 35 KiB per token for `1b`
+(docs/parallelism.md), where the latent is R + rope.
 
 The forward runs the Triton flash kernel per block and merges the blocks' outputs by their log-sum-exps (the
 online softmax one level up), keeping no block's keys or values. The backward is FlashAttention's over each
@@ -37,7 +38,8 @@ def _up(c: torch.Tensor, r: torch.Tensor, w: torch.Tensor, heads: int, nope: int
 
 def _blocks(c, r, block):
     n = c.shape[1] // block
-    return [(j, j == n - 1, c[:, j * block:(j + 1) * block], r[:, j * block:(j + 1) * block]) for j in range(n)]
+    return [(j, j == n - 1, c[:, j * block:(j + 1) * block], r[:, j * block:(j + 1) * block])
+            for j in range(n)]
 
 
 class _LatentAttention(torch.autograd.Function):
@@ -74,8 +76,8 @@ class _LatentAttention(torch.autograd.Function):
         dc, dr, dw = torch.zeros_like(c, dtype=torch.float32), torch.zeros_like(r, dtype=torch.float32), None
         for j, last, c_j, r_j in _blocks(c, r, ctx.block):
             k, v = _up(c_j, r_j, w, H, nope, q.dtype)
-            dq_j, dk, dv = flash_attention_backward_op(do.contiguous(), None, q, k, v, o, lse, None, ctx.scale,
-                                                       last, ctx.atomic)
+            dq_j, dk, dv = flash_attention_backward_op(do.contiguous(), None, q, k, v, o, lse, None,
+                                                       ctx.scale, last, ctx.atomic)
             dq += dq_j.float()
             B, T = c_j.shape[:2]
             dkv = torch.cat([dk[..., :nope], dv], dim=-1).reshape(B * T, -1).float()  # d (c_j w^T)
@@ -99,5 +101,6 @@ def latent_attention(q, c, r, w, nope: int, block: int, scale: float | None = No
                          f"one block, got {q.shape[1]}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     atomic = common.DQ_ATOMIC if deterministic is None else not deterministic
-    o, m = _LatentAttention.apply(q, c, r, w, nope, block, float(scale), bool(return_max_logits), bool(atomic))
+    o, m = _LatentAttention.apply(q, c, r, w, nope, block, float(scale), bool(return_max_logits),
+                                  bool(atomic))
     return (o, m) if return_max_logits else o

@@ -178,7 +178,8 @@ def chunk_kda(
     guard = _CHUNK_GUARD if fn is _triton_chunk else None
     if fn in (chunk_kda_torch, _triton_chunk, fla_chunk):
         fn = partial(fn, lower_bound=lower_bound)
-    return _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, guard, torch_chunk,
+    return _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, guard,
+                torch_chunk,
                 backend is not None, lower_bound)
 
 

@@ -91,7 +91,8 @@ def _bounded_scores(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[
     anchor = G[..., :1, :]
     keys = k * (anchor - G).exp()
     to_anchor = (G - anchor).exp()
-    kk, qk = (torch.cat([k * to_anchor, q * to_anchor], dim=-2) @ keys.transpose(-1, -2)).split(G.shape[-2], -2)
+    kk, qk = (torch.cat([k * to_anchor, q * to_anchor], dim=-2) @ keys.transpose(-1, -2)).split(G.shape[-2],
+                                                                                                -2)
     return kk.tril(), qk.tril()
 
 

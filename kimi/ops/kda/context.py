@@ -67,7 +67,8 @@ def shard_summary(q, k, v, g, beta, scale: float | None = None, cu_seqlens: torc
     B, T, H, K = k.shape
     rows = B if cu_seqlens is None else torch.as_tensor(continues).numel()
     flags = _rows_continuing(continues, rows, k.device)
-    _, states = chunk_kda(q, k, v, g, beta, scale, output_final_state=True, cu_seqlens=cu_seqlens, backend=backend,
+    _, states = chunk_kda(q, k, v, g, beta, scale, output_final_state=True, cu_seqlens=cu_seqlens,
+                          backend=backend,
                           lower_bound=lower_bound)
     first, last = row_sequences(cu_seqlens, rows, B * T)
     S = states[last]
@@ -94,7 +95,8 @@ def incoming_states(summaries: list[tuple[torch.Tensor, torch.Tensor]],
 
 def sharded_kda(q, k, v, g, beta, shards: int, scale: float | None = None,
                 cu_seqlens: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
-                backend: str | None = None, lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                backend: str | None = None, lower_bound: float | None = None) -> tuple[torch.Tensor,
+                                                                                       torch.Tensor]:
     """KDA of the whole sequence computed shard by shard as context-parallel ranks compute it (one
     process: the exchange is a list): (o, final state), equal to chunk_kda's. T must divide by shards."""
     T = q.shape[1]

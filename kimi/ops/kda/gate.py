@@ -67,6 +67,7 @@ def normalize_and_gate(q: torch.Tensor, k: torch.Tensor, f: torch.Tensor, A_log:
     if needs_grad(q, k, f, A_log, dt_bias):
         key = (q.device, q.dtype, q.shape[-1], f.dtype, A_log.dtype, dt_bias.dtype, tuple(f.shape[2:]),
                lower_bound is None)
-        if not _GUARD.probe(key, "kda_gate/l2norm", lambda: _probe(q, f, A_log, dt_bias, lower_bound), forced):
+        if not _GUARD.probe(key, "kda_gate/l2norm", lambda: _probe(q, f, A_log, dt_bias, lower_bound),
+                            forced):
             return _torch(q, k, f, A_log, dt_bias, lower_bound)
     return _GUARD.call("l2norm/kda_gate", _triton, _torch, forced, q, k, f, A_log, dt_bias, lower_bound)

@@ -35,7 +35,8 @@ def flash_attention(
 
 def max_logits(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,
                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """The largest scaled logit per (batch, head) [B, H] fp32, from the forward kernel without softmax or V."""
+    """The largest scaled logit per (batch, head) [B, H] fp32, from the forward kernel without softmax or
+    V."""
     check_device(q, k)
     return attention_max_logits_op(q, k, cu_seqlens, float(scale), bool(causal))
 

@@ -152,7 +152,8 @@ def dot_transposed(a1, a2, base, offs, stride, ok, DQK: tl.constexpr, BLOCK_D1: 
     """a @ X^T for the rows `offs` of X (valid where `ok`) at base + row * stride, X's head dim in two tiles
     (a = [a1 | a2]); returns (a @ X^T, X^T's first tile, its second, which is the first when BLOCK_D2 = 0)."""
     offs_d1 = tl.arange(0, BLOCK_D1)
-    xt1 = tl.load(base + offs[None, :] * stride + offs_d1[:, None], mask=ok[None, :] & (offs_d1 < DQK)[:, None],
+    xt1 = tl.load(base + offs[None, :] * stride + offs_d1[:, None],
+                  mask=ok[None, :] & (offs_d1 < DQK)[:, None],
                   other=0.0)
     if UPCAST:
         xt1 = xt1.to(tl.float32)

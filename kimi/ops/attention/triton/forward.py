@@ -35,7 +35,8 @@ def _fwd_blocks(acc, l_i, m_i, q1, q2, k_base, v_base, skt, svt, offs_m, seg_q, 
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_ok = offs_n < Tk
-        qk, _, _ = dot_transposed(q1, q2, k_base, offs_n, skt, col_ok, DQK, BLOCK_D1, BLOCK_D2, UPCAST, PRECISION)
+        qk, _, _ = dot_transposed(q1, q2, k_base, offs_n, skt, col_ok, DQK, BLOCK_D1, BLOCK_D2, UPCAST,
+                                  PRECISION)
         s = qk * qk_scale
         if MASKED:
             s = tl.where(pair_mask(offs_m, offs_n, Tq, Tk, seg_q, SEG, CAUSAL, VARLEN), s, float("-inf"))
@@ -63,7 +64,8 @@ def _fwd_kernel(Q, K, V, O, LSE, ROWMAX, SEG, DSTART, DEND,
                 H, GROUP, Tq, Tk, DQK: tl.constexpr, DV: tl.constexpr, qk_scale,
                 CAUSAL: tl.constexpr, VARLEN: tl.constexpr, STORE_MAX: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
-                BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, MAX_ONLY: tl.constexpr):
+                BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                MAX_ONLY: tl.constexpr):
     b, h, hk, m0, offs_m, row_ok = query_block(H, GROUP, Tq, BLOCK_M, CAUSAL)
     offs_d1 = tl.arange(0, BLOCK_D1)
     offs_dv = tl.arange(0, BLOCK_DV)

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from .chunk_fwd import forward_intermediates, load_square
-from .common import (CHUNK, SUB, chunk_bounds, chunk_cumsum, dot_precision, key_block_precision, load_G, load_G_row,
+from .common import (CHUNK, SUB, chunk_bounds, chunk_cumsum, dot_precision, key_block_precision, load_G,
+                     load_G_row,
                      load_rows, mm, narrow_operands_fault, scratch, state_block, state_program, tiles)
 
 
@@ -185,7 +186,8 @@ def scores_bwd_kernel(q, k, Gc, dAqk, dL, dqs, dks, dq, dk, dG, cu_seqlens, chun
                 to_b = tl.exp(G_i - G_b[None, :])
                 dk_col += mm(tl.trans(dPq), q_i * to_b, PREC_D) + mm(tl.trans(dPk), k_i * to_b, PREC_D)
             dk_col *= tl.exp(G_b[None, :] - G_i)
-            if not BOUNDED:  # diagonal block: [t, s, d] decays, exponent -inf where s > t before exponentiating
+            # diagonal block: [t, s, d] decays, exponent -inf where s > t before exponentiating
+            if not BOUNDED:
                 decay = tl.exp(tl.where(causal, G_i[:, None, :] - G_i[None, :, :], float("-inf")))
                 dq_i += tl.sum(dPq[:, :, None] * decay * k_i[None, :, :], axis=1)
                 dk_row += tl.sum(dPk[:, :, None] * decay * k_i[None, :, :], axis=1)

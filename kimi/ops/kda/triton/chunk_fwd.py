@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (CHUNK, SUB, check_head_dims, chunk_bounds, chunk_cumsum, dot_precision, load_G, load_G_row,
+from .common import (CHUNK, SUB, check_head_dims, chunk_bounds, chunk_cumsum, dot_precision, load_G,
+                     load_G_row,
                      load_rows, mm, scratch, state_block, state_program, tiles)
 
 
@@ -30,10 +31,10 @@ from .common import (CHUNK, SUB, check_head_dims, chunk_bounds, chunk_cumsum, do
 def scores_kernel(q, k, Gc, L, Aqk, cu_seqlens, chunks, scale, H, K: tl.constexpr, BK: tl.constexpr,
                   BKD: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
                   BOUNDED: tl.constexpr, PREC_D: tl.constexpr):
-    """BOUNDED: every gate is >= -80 / BC (kimi.ops.kda.chunk.bounded), so G falls by at most 80 inside a sub-chunk and
-    the diagonal blocks are anchored matmuls too, exp(G_a - G_s) <= e^80 being finite in fp32. Their products
-    take PREC_D, fp32's precision: the diagonal's q_t k_t terms enter dq and dk and cancel in dg only if they
-    are not rounded to half precision (bf16 operands there made dg 40x less accurate)."""
+    """BOUNDED: every gate is >= -80 / BC (kimi.ops.kda.chunk.bounded), so G falls by at most 80 inside a
+    sub-chunk and the diagonal blocks are anchored matmuls too, exp(G_a - G_s) <= e^80 being finite in fp32.
+    Their products take PREC_D, fp32's precision: the diagonal's q_t k_t terms enter dq and dk and cancel in
+    dg only if they are not rounded to half precision (bf16 operands there made dg 40x less accurate)."""
     i_c, h = tl.program_id(0), tl.program_id(1)
     t0, last = chunk_bounds(cu_seqlens, chunks, i_c, C)
     ck = tl.arange(0, BK)

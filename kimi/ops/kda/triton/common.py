@@ -121,7 +121,8 @@ def state_block(N: int, H: int, V: int, device: torch.device, dtype: torch.dtype
 
 
 def state_blocks(dtype: torch.dtype, hopper: bool) -> tuple[int, ...]:
-    """The BVS values state_block can pick for inputs of this dtype on a GPU (what the compile check builds)."""
+    """The BVS values state_block can pick for inputs of this dtype on a GPU (what the compile check
+    builds)."""
     return STATE_BLOCKS[-1:] if hopper and dtype.itemsize < 4 else STATE_BLOCKS
 
 
@@ -180,9 +181,11 @@ def mm(a, b, PREC: tl.constexpr):
     elif PREC == 3:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
     elif PREC == 4:
-        return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
+        return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32),
+                      input_precision="ieee")
     elif PREC == 5:
-        return tl.dot(a.to(tl.float16).to(tl.float32), b.to(tl.float16).to(tl.float32), input_precision="ieee")
+        return tl.dot(a.to(tl.float16).to(tl.float32), b.to(tl.float16).to(tl.float32),
+                      input_precision="ieee")
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 

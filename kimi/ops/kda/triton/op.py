@@ -118,7 +118,8 @@ def _pack_batch(q: Tensor, cu_seqlens: Tensor | None, *xs: Tensor) -> tuple[list
 def chunk_kda_triton(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None, lower_bound=None):
     """Same contract as kimi.ops.kda.chunk.chunk_kda_torch, plus cu_seqlens taken in one launch;
     differentiable wrt q, k, v, g, beta and initial_state. States are fp32. lower_bound: every g is >= it
-    (Kimi K3's safe gate); at -5 or above the score kernels take their bounded form (kimi.ops.kda.chunk.bounded)."""
+    (Kimi K3's safe gate); at -5 or above the score kernels take their bounded form
+    (kimi.ops.kda.chunk.bounded)."""
     check_device(q, k, v, g, beta)
     B, T = q.shape[:2]
     (q, k, v, g, beta), cu = _pack_batch(q, cu_seqlens, q, k, v, g, beta)
