@@ -40,11 +40,13 @@ ATTNRES_BACKENDS = ("torch", "compile", "triton", "fla", "auto")
 # data.source's names: the table of kimi/data/source_registry.py, which fills it (it imports this module)
 DATA_SOURCES: Dict[str, Any] = {}
 DATA_FORMATS = ("text", "json", "parquet")
-OPTIMIZERS = ("adamw", "muonclip")
+# optim.name's names: the table of kimi/optim/registry.py, which fills it (it imports this module)
+OPTIMIZERS: Dict[str, Any] = {}
 SCHEDULES = ("cosine", "wsd", "constant")
 NS_DTYPES = ("auto", "fp32", "bf16")
 ADJUST_LR_FNS = ("match_rms_adamw", "original")
-PRECISIONS = ("fp32", "bf16", "fp8", "mxfp8")
+# trainer.precision's names: the table of kimi/precision/registry.py, which fills it
+PRECISIONS: Dict[str, Any] = {}
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's recipe names
 QAT_MODES = ("mxfp4_experts",)
 DEVICES = ("auto", "cpu", "cuda")
@@ -56,6 +58,18 @@ SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage per rank; the others run
 MOE_IMPLS = ("grouped", "loop")
 MOE_BALANCE = ("sign", "quantile")
 MLP_ACTIVATIONS = ("swiglu", "situ")
+
+
+def registered(entry: Any, package: str) -> type:
+    """A registry table's entry (DATA_SOURCES, OPTIMIZERS): the class itself, or "module:Class" of a module
+    in `package`, imported when first asked for (a registry's built-ins import the registry for its base
+    class, so the table names them rather than importing them)."""
+    if isinstance(entry, str):
+        import importlib
+
+        module, _, cls = entry.partition(":")
+        entry = getattr(importlib.import_module(f".{module}", package), cls)
+    return entry
 
 
 def one_of(choices: Tuple[str, ...], default: Optional[str]) -> Any:
@@ -328,8 +342,11 @@ class TrainerConfig:
     stop_at_step: int = 0
     peak_flops: Optional[float] = None  # per-device FLOP/s for MFU; None: table (CUDA) or measured (CPU)
     sample_tokens: int = 200  # tokens sampled at the end of training (0: none)
-    sample_prompt: str = "ROMEO:"
-    threads: int = 0  # torch intra-op threads on CPU; 0 leaves torch's default
+    # the text the end-of-run sample continues; null: the first words of the first validation document
+    sample_prompt: Optional[str] = None
+    # torch intra-op threads on CPU; null: the usable cores less the one-minute load (at least 1), or
+    # $OMP_NUM_THREADS where set; 0: torch's default
+    threads: Optional[int] = None
     # Before anything is built, a model whose weights, gradients and optimizer state (estimated from the
     # config, split over the ranks) cannot fit the device's memory is refused (kimi/model/footprint.py);
     # true skips that check.

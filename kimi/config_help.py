@@ -82,6 +82,9 @@ def _value(values: Optional[Dict[str, Any]], key: str, f) -> Any:
 def keys_help(values: Optional[Dict[str, Any]], only: Sequence[str] = ()) -> str:
     """The keys of the sections named in `only` (all when empty) as a key=value table; values: the composed
     config as nested dicts (what each key is now), None for the schema's defaults."""
+    # the registries fill the choices of optim.name, trainer.precision and data.source (kimi.config's tables)
+    import kimi.data.source_registry, kimi.optim.registry, kimi.precision.registry  # noqa: F401, E401
+
     blocks = []
     for section, doc, rows in sections():
         if only and section.split(".")[0] not in only:

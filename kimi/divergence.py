@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 from kimi.checkpoint import list_checkpoints
+from kimi.precision.registry import precision_for
 
 
 def check_finite(what: str, value: float, step: int, ckpt_dir: Path, precision: str) -> None:
@@ -21,7 +22,7 @@ def check_finite(what: str, value: float, step: int, ckpt_dir: Path, precision: 
     raise FloatingPointError(f"{what} is {value} at step {step + 1}: stopping before the update"
                              f"{_where_to_resume(ckpt_dir, step)}. Try a lower optim.lr or more "
                              "optim.warmup_steps"
-                             + (" or trainer.precision=fp32" if precision != "fp32" else ""))
+                             + (" or trainer.precision=fp32" if precision_for(precision).BF16 else ""))
 
 
 def _where_to_resume(ckpt_dir: Path, step: int) -> str:

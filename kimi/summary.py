@@ -6,9 +6,9 @@ rank.
 
 The config is composed from conf/ with the same overrides train.py takes; the model is built on the meta
 device (shapes only: no memory, no initialisation cost). Memory per rank counts the persistent training
-state of the heaviest pipeline rank: fp32 master weights, fp32 gradients and the optimizer's fp32 state
-(MuonClip: one momentum per Muon parameter, two moments per AdamW parameter; AdamW: two moments for all),
-after
+state of the heaviest pipeline rank: fp32 master weights, fp32 gradients and the optimizer's fp32 state, as
+its registry entry's state model counts it (kimi/optim/registry.py; MuonClip: one momentum per Muon
+parameter, two moments per AdamW parameter; AdamW: two moments for all), after
 
   1. pipeline parallelism: a pipeline rank holds its stages' blocks (kimi.parallel.pipeline.split_blocks),
      the first stage also the embedding, the last the final norm, final AttnRes query and LM head;
@@ -41,8 +41,11 @@ from kimi.config import (Config, ConfigError, check_stage_split, mixer_pattern, 
 from kimi.model import KimiModel
 from kimi.model.registry import legend
 from kimi.model.rules import validate_model
+from kimi.optim.optimizers import MuonClipKind
+from kimi.optim.registry import OptimizerKind, optimizer_for
 from kimi.optim.rules import validate_optim
 from kimi.parallel.rules import validate_parallel
+from kimi.precision.registry import precision_for
 
 GIB = 1024**3
 
@@ -62,8 +65,7 @@ class RankState:
     tp_split: int  # of those, divided by tp
     tp_replicated: int  # of those, whole on every tp rank
     local: int  # parameters a rank keeps after tp and FSDP
-    local_muon: int
-    local_adamw: int
+    local_by_family: Dict[str, int]  # of those, per family of optim.name (kimi/optim/registry.py)
     largest_unit: Tuple[str, int] = ("", 0)  # FSDP unit with the most tp-local parameters, and that count
     bytes: Dict[str, int] = field(default_factory=dict)
 
@@ -146,14 +148,9 @@ def tp_dim(model: KimiModel, name: str) -> Optional[int]:
     return None if sub is None else sub.tp_plan().split_dim(rel)
 
 
-def optimizer_families(cfg: Config, model: KimiModel) -> Dict[str, str]:
-    """'muon' or 'adamw' per parameter name under optim=muonclip (kimi.optim.muonclip.route)."""
-    from kimi.optim.muonclip import DEFAULT_ADAMW_PATTERNS, route
-
-    o = cfg.optim
-    adamw = DEFAULT_ADAMW_PATTERNS if o.adamw_patterns is None else tuple(o.adamw_patterns)
-    return {n: route(n, p, tuple(adamw), tuple(o.muon_patterns))
-            for n, p in model.named_parameters(remove_duplicate=False)}
+def optimizer_families(kind: OptimizerKind, model: KimiModel) -> Dict[str, str]:
+    """The family of each parameter name under the optimizer `kind` (its registry entry's routing)."""
+    return {n: kind.family(n, p) for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -199,9 +196,11 @@ def _on_rank(name: str, blocks: set, first: bool, last: bool) -> bool:
 
 def rank_state(cfg: Config, model: KimiModel, routes: Dict[str, str], pp_rank: int, stages: List[int],
                blocks: List[int], first: bool, last: bool) -> RankState:
+    """routes: the family of each parameter under optim.name (optimizer_families)."""
     p, t = cfg.parallel, cfg.trainer
+    kind = optimizer_for(cfg.optim)
     block_set, seen = set(blocks), set()
-    st = RankState(pp_rank, stages, blocks, first, last, 0, 0, 0, 0, 0, 0)
+    st = RankState(pp_rank, stages, blocks, first, last, 0, 0, 0, 0, dict.fromkeys(kind.FAMILIES, 0))
     units: Dict[str, int] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         # a tied LM head is the embedding on one rank; across pipeline stages each end holds its own copy
@@ -221,23 +220,19 @@ def rank_state(cfg: Config, model: KimiModel, routes: Dict[str, str], pp_rank: i
             unit = name.rsplit(".", 1)[0]
         local = local_numel(shape, dim, p.tp, shard)
         st.local += local
-        if cfg.optim.name == "muonclip" and routes[name] == "muon":
-            st.local_muon += local
-        else:
-            st.local_adamw += local
+        st.local_by_family[routes[name]] += local
         parts = name.split(".")
         if unit is None:
             unit = ".".join(parts[:3]) if parts[0] == "blocks" and parts[2] in ("mixer", "mlp") else "root"
         units[unit] = units.get(unit, 0) + local_numel(shape, dim, p.tp, 1)
     st.largest_unit = max(units.items(), key=lambda kv: kv[1])
     st.bytes = {"fp32 master weights": 4 * st.local, "fp32 gradients": 4 * st.local}
-    if cfg.optim.name == "muonclip":
-        st.bytes["Muon momentum (fp32, 1 per Muon param)"] = 4 * st.local_muon
-        st.bytes["AdamW moments (fp32, 2 per AdamW param)"] = 8 * st.local_adamw
-    else:
-        st.bytes["AdamW moments (fp32, 2 per param)"] = 8 * st.local_adamw
+    for fam, state in kind.FAMILIES.items():  # the optimizer's state model, per family it routes to
+        per = f"per {state.title} param" if len(kind.FAMILIES) > 1 else "per param"
+        st.bytes[f"{state.title} {state.state} (fp32, {state.tensors} {per})"] = (
+            state.bytes_per_param * st.local_by_family[fam])
     if p.dp_shard * p.cp > 1:
-        st.bytes["transient"] = (4 if t.precision == "fp32" else 2) * st.largest_unit[1]
+        st.bytes["transient"] = precision_for(t.precision).compute_bytes() * st.largest_unit[1]
     return st
 
 
@@ -260,8 +255,10 @@ def summarize(cfg: Config) -> Summary:
     families[NORMS] = 0
     for name, param in model.named_parameters():  # a tied LM head is not listed again
         families[family(model, name)] += param.numel()
-    routes = optimizer_families(cfg, model)
-    muon = sum(p.numel() for n, p in model.named_parameters() if routes[n] == "muon")
+    # the parameter table's split is MuonClip's routing whatever optim.name is (the memory is optim.name's)
+    split = optimizer_families(MuonClipKind(cfg.optim), model)
+    muon = sum(p.numel() for n, p in model.named_parameters() if split[n] == "muon")
+    routes = optimizer_families(optimizer_for(cfg.optim), model)
     total = model.num_params()
     t, p = cfg.trainer, cfg.parallel
     tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps * p.dp_replicate * p.dp_shard
@@ -366,7 +363,7 @@ def report(s: Summary) -> str:
             rows.append([k, f"{v:,}", f"{v / GIB:.2f}"])
     rows.append(["total (persistent)", f"{h.persistent_bytes:,}", f"{h.persistent_bytes / GIB:.2f}"])
     if "transient" in h.bytes:
-        v, dtype = h.bytes["transient"], "fp32" if t.precision == "fp32" else "bf16"
+        v, dtype = h.bytes["transient"], precision_for(t.precision).compute_name()
         rows.append([f"+ one gathered FSDP unit ({dtype}, {h.largest_unit[0]}: {h.largest_unit[1]:,})",
                      f"{v:,}", f"{v / GIB:.2f}"])
         rows.append(["total with it", f"{h.persistent_bytes + v:,}", f"{(h.persistent_bytes + v) / GIB:.2f}"])

@@ -155,3 +155,32 @@ def test_data_sources_are_compared_only_in_their_registry():
             for n in _source_comparisons(ast.parse(path.read_text(), str(path)))]
     assert not hits, ("ask kimi.data.source_registry's DataSource (a new source is a class there):\n"
                       + "\n".join(hits))
+
+
+def _name_comparisons(tree: ast.AST, names: set[str]) -> list[int]:
+    """Lines comparing anything with a string literal in `names` (or a tuple/list/set holding one)."""
+    def literals(node: ast.AST) -> list[str]:
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return [v for e in node.elts for v in literals(e)]
+        return [node.value] if isinstance(node, ast.Constant) and isinstance(node.value, str) else []
+
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
+            and names & {v for side in (node.left, *node.comparators) for v in literals(side)}]
+
+
+def test_optimizers_and_precisions_are_compared_only_in_their_registries():
+    from kimi.optim.optimizers import MuonClipKind
+    from kimi.optim.registry import OPTIMIZERS
+    from kimi.precision.registry import PRECISIONS
+
+    names = set(OPTIMIZERS) | set(PRECISIONS)
+    chain = 'if cfg.optim.name == "muonclip":\n    x = t.precision in ("fp8", "mxfp8")\ny = o.name != "x"'
+    assert _name_comparisons(ast.parse(chain), names) == [1, 2]
+    registries = {KIMI / "optim" / "registry.py", KIMI / "optim" / "optimizers.py",
+                  KIMI / "precision" / "registry.py"}
+    # MuonClip's own module compares its families ("muon", "adamw"): routing, not optimizer names
+    own = {KIMI / "optim" / "muonclip.py": names - set(MuonClipKind.FAMILIES)}
+    hits = [f"{path.relative_to(ROOT)}:{n}" for path in MODULES.values() if path not in registries
+            for n in _name_comparisons(ast.parse(path.read_text(), str(path)), own.get(path, names))]
+    assert not hits, ("ask kimi.optim.registry's OptimizerKind or kimi.precision.registry's Precision (a new "
+                      "optimizer or precision is a class there):\n" + "\n".join(hits))

@@ -8,10 +8,9 @@ kimi/data/sources.py, which imports this module for the base class), or the clas
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, ClassVar, Dict, List, Tuple, Union
 
-from kimi.config import DATA_SOURCES, DataConfig
+from kimi.config import DATA_SOURCES, DataConfig, registered
 from kimi.data.errors import DataError, one_line
 
 # The table is kimi.config.DATA_SOURCES itself, the values validate() allows for data.source: config.py is
@@ -86,11 +85,7 @@ class DataSource:
 def source_class(name: str) -> type:
     if name not in SOURCES:
         raise DataError(f"data.source={name!r}: choose {'|'.join(SOURCES)}")
-    entry = SOURCES[name]
-    if isinstance(entry, str):
-        module, _, cls = entry.partition(":")
-        entry = getattr(importlib.import_module(f".{module}", __package__), cls)
-    return entry
+    return registered(SOURCES[name], __package__)
 
 
 def source_for(cfg: DataConfig) -> DataSource:

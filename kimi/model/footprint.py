@@ -1,7 +1,7 @@
 """A model's size from its config, before anything is built: its parameter count by arithmetic over block
 kinds (one meta-device block of each kind, times how many there are: a million-layer typo costs no more
 than a small model), and the refusal of a model whose weights (and, training, gradients and optimizer
-state) cannot fit the memory of the device it would be allocated on.
+state: kimi/optim/memory.py) cannot fit the memory of the device it would be allocated on.
 
 The estimate is a lower bound on what the allocation needs (activations, buffers and allocator slack come
 on top), so a model it refuses cannot fit; one it lets through may still run out. The check is skipped with
@@ -20,10 +20,6 @@ from kimi.config import ConfigError, ModelConfig, check_sizes
 
 
 GIB = 1024**3
-# Bytes per parameter that training keeps at the least: fp32 weights and gradients, and the optimizer's
-# fp32 state (AdamW: two moments; MuonClip: one momentum per Muon matrix, two moments for the rest, so at
-# least one per parameter).
-TRAIN_BYTES = {"adamw": 16, "muonclip": 12}
 SKIP_ENV = "KIMI_SKIP_SIZE_CHECK"
 
 
@@ -87,16 +83,3 @@ def check_fits(m: ModelConfig, bytes_per_param: int, device: torch.device | str,
                           f"({have / GIB:,.1f} GiB); "
                           f"choose a smaller model, {fix}, or skip this check with {skip_with}")
     return need
-
-
-def check_training_fits(cfg, device: torch.device | str) -> int:
-    """check_fits for a training run of the config `cfg` (a kimi.config.Config), before its data and model:
-    fp32 weights, gradients and optim.name's state, split evenly over the ranks that shard them (the best
-    any layout does: FSDP does not shard over dp_replicate, DeepSpeed's ZeRO may shard over every rank);
-    trainer.skip_size_check skips it."""
-    p = cfg.parallel
-    shards = p.dp_shard * p.cp * p.tp * p.pp * (p.dp_replicate if p.engine != "torch" else 1)
-    return check_fits(cfg.model, TRAIN_BYTES[cfg.optim.name], device, "fp32 weights, gradients and optimizer "
-                      "state", "more ranks (parallel.dp_shard, tp, pp)", shards=shards,
-                      vocab_size=cfg.data.tokenizer.vocab_size, skip=cfg.trainer.skip_size_check,
-                      skip_with="trainer.skip_size_check=true")

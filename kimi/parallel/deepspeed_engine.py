@@ -28,6 +28,7 @@ from kimi.model import KimiModel
 from kimi.model.moe import set_aux_grad_scale, update_expert_bias
 from kimi.model.transformer import Block
 from kimi.optim import build_scheduler
+from kimi.precision.registry import precision_for
 
 from .dims import ParallelDims, sum_over
 from .engine import keep_hyperparameters, materialize
@@ -75,7 +76,7 @@ def deepspeed_config(cfg: Config, dims: ParallelDims) -> dict:
         "gradient_accumulation_steps": t.grad_accum_steps,
         "train_batch_size": t.micro_batch_size * t.grad_accum_steps * dims.dp,
         "gradient_clipping": cfg.optim.grad_clip,
-        "bf16": {"enabled": t.precision == "bf16"},
+        "bf16": {"enabled": precision_for(t.precision).BF16},  # the converting ones are refused (rules.py)
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,  # our client optimizer (ZeroClient)
         "zero_force_ds_cpu_optimizer": False,  # offload keeps our optimizer, on the CPU

@@ -36,6 +36,7 @@ from kimi.model import KimiModel
 from kimi.model.moe import set_aux_grad_scale, update_expert_bias
 from kimi.optim import build_optimizer, build_qk_clip, build_scheduler
 from kimi.precision import apply_low_precision, float8_gather
+from kimi.precision.registry import precision_for
 
 from .dims import ParallelDims, sum_over
 from .family_stats import FamilyStats
@@ -78,7 +79,7 @@ class TorchEngine(Engine):
         self.expert_mesh = dims.build_expert_mesh(device.type)
         # before any parallelism, as torchao asks
         self.low_precision = apply_low_precision(model, cfg, device, fsdp=dims.fsdp)
-        bf16 = t.precision != "fp32"  # fp8 and mxfp8 run the rest of the model as bf16 does
+        bf16 = precision_for(t.precision).BF16  # fp8 and mxfp8 run the rest of the model as bf16 does
         parts = parallelize(model, p, dims, mesh, bf16=bf16, seq_len=t.seq_len, expert_mesh=self.expert_mesh)
         for part in parts:  # before joining them: to_empty gives plain parameters new objects
             materialize(part, device)

@@ -1,7 +1,7 @@
-"""Per optimizer family (MuonClip's "muon" and "adamw" param groups; every parameter of any other optimizer is
-"adamw"): the gradient norm before clipping and the RMS of the optimizer's update, for the trainer's
-diagnostics (kimi/diagnostics). Taken only at the steps that log them: the update needs a copy of every
-parameter this rank holds.
+"""Per optimizer family (the families of optim.name's registry entry, kimi/optim/registry.py: MuonClip's
+"muon" and "adamw" param groups, AdamW's one "adamw"): the gradient norm before clipping and the RMS of the
+optimizer's update, for the trainer's diagnostics (kimi/diagnostics). Taken only at the steps that log them:
+the update needs a copy of every parameter this rank holds.
 
 Sharded parameters (FSDP, tensor parallelism, expert parallelism, pipeline stages) reduce like the global
 gradient norm (tensor_parallel.squared_norm): sums of squares of the local pieces, reduced over the mesh
@@ -16,16 +16,20 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
+from kimi.optim.registry import families_of
+
 from .tensor_parallel import squared_norm
 
 
 def families(optimizer: torch.optim.Optimizer) -> Dict[str, List[torch.Tensor]]:
     """The optimizer's parameters by family, every family of its kind present even if empty here (a pipeline
     stage could lack one, and every stage must join the same reductions)."""
-    tagged = any("family" in group for group in optimizer.param_groups)
-    out: Dict[str, List[torch.Tensor]] = {f: [] for f in (("muon", "adamw") if tagged else ("adamw",))}
-    for group in optimizer.param_groups:
-        out[group.get("family", "adamw")].extend(group["params"])
+    names = families_of(optimizer)
+    if names is None:
+        raise ValueError("per-family statistics need an optimizer made by kimi.optim.build_optimizer")
+    out: Dict[str, List[torch.Tensor]] = {f: [] for f in names}
+    for group in optimizer.param_groups:  # one family needs no tags; several tag every group
+        out[group.get("family", names[0])].extend(group["params"])
     return out
 
 

@@ -28,10 +28,7 @@ from torch import nn
 
 from kimi.config import Config, ConfigError, PrecisionConfig
 from kimi.model.moe import RoutedExperts
-
-LOW_PRECISION = ("fp8", "mxfp8")
-# compute capability of the first GPUs with the format's matmuls
-NATIVE_FROM = {"fp8": (8, 9), "mxfp8": (10, 0)}
+from kimi.precision.registry import precision_for
 
 
 def emulated(precision: str, p: PrecisionConfig, device: torch.device) -> bool:
@@ -44,7 +41,7 @@ def emulated(precision: str, p: PrecisionConfig, device: torch.device) -> bool:
             return True
         raise ConfigError(f"precision.emulate=false needs CUDA for trainer.precision={precision}: set "
                           "precision.emulate=null (emulated on CPU) or train on a GPU")
-    need, have = NATIVE_FROM[precision], torch.cuda.get_device_capability(device)
+    need, have = precision_for(precision).NATIVE_FROM, torch.cuda.get_device_capability(device)
     if have < need:
         raise ConfigError(f"trainer.precision={precision} needs a GPU of compute capability "
                           f"{need[0]}.{need[1]} or newer for its native matmuls, this one is "
@@ -75,17 +72,11 @@ def apply_low_precision(model: nn.Module, cfg: Config, device: torch.device,
     projections now computed in fp8 / MXFP8. fsdp: FSDP2 will shard the model, so
     precision.fp8.fsdp_all_gather applies (fsdp_float8.py); a single-process model keeps plain weights."""
     precision, p = cfg.trainer.precision, cfg.precision
+    kind = precision_for(precision)
     converted: list[str] = []
-    if precision in LOW_PRECISION:
-        from . import linear
-
-        emulate = emulated(precision, p, device)
-        if precision == "fp8":
-            config = linear.fp8_config(p.fp8.recipe, emulate, fsdp and p.fp8.fsdp_all_gather)
-            convert, align = (lambda m: linear.to_fp8(m, config)), linear.FP8_ALIGN
-        else:
-            convert, align = (lambda m: linear.to_mxfp8(m, emulate)), linear.MX_BLOCK
-        for name, mod in targets(model, p, align).items():
+    if kind.converts:
+        convert = kind.converter(p, emulated(precision, p, device), fsdp and p.fp8.fsdp_all_gather)
+        for name, mod in targets(model, p, kind.ALIGN).items():
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent), attr, convert(mod))
             converted.append(name)
@@ -100,7 +91,7 @@ def apply_low_precision(model: nn.Module, cfg: Config, device: torch.device,
 def float8_gather(cfg: Config, fsdp: bool):
     """The engine's hooks for precision.fp8.fsdp_all_gather (fsdp_float8.Float8Gather) when FSDP shards the
     model, else None."""
-    if not (fsdp and cfg.trainer.precision == "fp8" and cfg.precision.fp8.fsdp_all_gather):
+    if not (fsdp and precision_for(cfg.trainer.precision).FSDP_GATHER and cfg.precision.fp8.fsdp_all_gather):
         return None
     from .fsdp_float8 import Float8Gather
 

@@ -22,9 +22,6 @@ from torchao.quantization.quantize_.common.kernel_preference import KernelPrefer
 
 from kimi.ops import autocast_dtype
 
-MX_BLOCK = 32  # MXFP8: one E8M0 scale per 32 elements along the reduced dimension
-FP8_ALIGN = 16  # the fp8 GEMM's dimensions must be multiples of 16
-
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return autocast_dtype(x.device.type) or x.dtype

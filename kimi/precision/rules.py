@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 
 from kimi.config import Config, check, check_choices, pipeline_microbatches, require
+# fills kimi.config.PRECISIONS, trainer.precision's choices, before check_choices reads them
+from kimi.precision.registry import names_where, precision_for
 
 TORCHAO_MISSING = ("{what} needs torchao, which is not installed: pip install -e '.[fp8]' (the fp8 extra), "
                    "or use trainer.precision=bf16 without precision.qat")
@@ -19,7 +21,8 @@ def validate_precision(cfg: Config) -> None:
     check(p.min_features >= 0, "precision.min_features", p.min_features, "must be >= 0")
     if p.fp8.fsdp_all_gather:
         _check_fsdp_all_gather(cfg)
-    low = t.precision in ("fp8", "mxfp8")
+    kind = precision_for(t.precision)
+    low = kind.converts
     asked = [f"trainer.precision={t.precision}"] * low + [f"precision.qat={p.qat}"] * (p.qat is not None)
     if not asked:
         return
@@ -39,7 +42,7 @@ def validate_precision(cfg: Config) -> None:
         # the weight gradient's GEMM reduces over the tokens of one forward: fp8 GEMMs take multiples of 16
         # there, and MXFP8's blocks of 32 run along them
         tokens = t.micro_batch_size // pipeline_microbatches(cfg) * (t.seq_len // par.cp)
-        multiple = 32 if t.precision == "mxfp8" else 16
+        multiple = kind.ALIGN
         require(tokens % multiple == 0,
                 f"trainer.precision={t.precision} needs the tokens of one forward (micro_batch_size/pipeline "
                 f"micro-batches * seq_len/cp = {tokens}) to be a multiple of {multiple}: change "
@@ -57,8 +60,10 @@ def validate_precision(cfg: Config) -> None:
 def _check_fsdp_all_gather(cfg: Config) -> None:
     p, t, par = cfg.precision, cfg.trainer, cfg.parallel
     key, off = "precision.fp8.fsdp_all_gather=true", "or set precision.fp8.fsdp_all_gather=false"
-    require(t.precision == "fp8", f"{key} gathers the weights of fp8 projections, which trainer.precision="
-                                  f"{t.precision} has none of: set trainer.precision=fp8 {off}")
+    gathers = "|".join(names_where(lambda kind: kind.FSDP_GATHER))
+    require(precision_for(t.precision).FSDP_GATHER,
+            f"{key} gathers the weights of {gathers} projections, which trainer.precision={t.precision} has "
+            f"none of: set trainer.precision={gathers} {off}")
     require(p.fp8.recipe == "tensorwise",
             f"{key} needs precision.fp8.recipe=tensorwise, not {p.fp8.recipe} (torchao gathers a weight in "
             f"fp8 only with one scale per tensor): set precision.fp8.recipe=tensorwise {off}")
