@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from kimi import cpu
 from kimi.config import WANDB_MODES, ConfigError, LoggingConfig, WandbConfig, mixer_pattern
 from kimi.model.registry import legend
 
@@ -21,22 +22,6 @@ from kimi.model.registry import legend
 _CUDA_PEAK_BF16 = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
                    "A10": 125e12, "4090": 165e12}
 _CUDA_UNKNOWN = 100e12  # a GPU not in the table: MFU against this, and the start-up line says so
-
-
-def measure_cpu_peak_flops(size: int = 512, seconds: float = 0.1, repeats: int = 5) -> float:
-    """Achieved fp32 matmul FLOP/s of this CPU with torch's current thread count, the best of `repeats`
-    timed runs of `seconds` each (another process busy for a moment lowers one run, not the best): a
-    practical ceiling for MFU on machines with no datasheet number at hand."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b  # warm up
-    best = 0.0
-    for _ in range(repeats):
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            a @ b
-            n += 1
-        best = max(best, 2 * size**3 * n / (time.perf_counter() - t0))
-    return best
 
 
 def _cuda_peak(device: torch.device) -> Tuple[float, str]:
@@ -48,10 +33,8 @@ def _cuda_peak(device: torch.device) -> Tuple[float, str]:
 
 
 def peak_flops(device: torch.device, configured: Optional[float]) -> float:
-    """Per-device FLOP/s: trainer.peak_flops, else the datasheet's (CUDA) or a measured matmul rate (CPU)."""
-    if configured:
-        return float(configured)
-    return _cuda_peak(device)[0] if device.type == "cuda" else measure_cpu_peak_flops()
+    """Per-device FLOP/s: trainer.peak_flops, else the datasheet's (CUDA) or the measured CPU rate."""
+    return PeakFlops(device, configured).per_device
 
 
 def format_flops(x: float) -> str:
@@ -62,22 +45,33 @@ def format_flops(x: float) -> str:
 
 
 class PeakFlops:
-    """What MFU divides by (`world` devices' peak) and where the number comes from. An achieved rate above
-    it (a CPU measured while another process was busy, a trainer.peak_flops set too low) becomes the peak,
-    said once, so MFU never exceeds 100%."""
+    """What MFU divides by (`world` devices' peak) and where the number comes from. On a CPU: one core's
+    fp32 matmul rate (kimi.cpu.per_core_peak, cached per machine) times the threads training uses. An
+    achieved rate above the peak means the peak is wrong (a trainer.peak_flops set too low, a CPU rate
+    measured while something else ran): MFU is then n/a, said once, and null in metrics.jsonl, not a
+    number that looks exact."""
 
-    def __init__(self, device: torch.device, configured: Optional[float], world: int = 1):
-        self.world, self.raised = world, False
+    def __init__(self, device: torch.device, configured: Optional[float], world: int = 1,
+                 cache_dir: Optional[Path] = None):
+        self.world, self.unreliable, self.measured_cpu = world, False, False
         if configured:
             self.per_device, self.source = float(configured), "trainer.peak_flops"
-            self.kind = self.source
+            self.kind, self.fix = self.source, "set trainer.peak_flops to the device's peak"
         elif device.type == "cuda":
             (self.per_device, self.source), self.kind = _cuda_peak(device), "the datasheet peak"
+            self.fix = "set trainer.peak_flops to the device's peak"
         else:
-            self.per_device, self.kind = measure_cpu_peak_flops(), "the measured CPU rate"
-            n = torch.get_num_threads()
-            self.source = (f"this CPU's measured fp32 matmul rate (best of 5 x 0.1 s, {n} "
-                           f"thread{'s' * (n != 1)}), not a datasheet peak")
+            cache = Path(cache_dir) if cache_dir else cpu.default_cache_dir()
+            cores = cpu.usable_cores()
+            remeasure = os.environ.get(cpu.REMEASURE_ENV, "") not in ("", "0")
+            per_core, cached = cpu.per_core_peak(cache, cpu.peak_key(cpu.cpu_model(), cores), remeasure)
+            n = min(torch.get_num_threads(), cores)
+            self.per_device, self.kind, self.measured_cpu = per_core * n, "the measured CPU rate", True
+            self.fix = f"{cpu.REMEASURE_ENV}=1 measures this CPU again"
+            self.source = (f"{n} thread{'s' * (n != 1)} x this CPU's fp32 matmul rate per core "
+                           f"({format_flops(per_core)}, {'cached in' if cached else 'measured now, kept in'} "
+                           f"{cache / cpu.PEAK_FILE}; {cpu.REMEASURE_ENV}=1 measures again), not a datasheet "
+                           "peak")
 
     @property
     def total(self) -> float:
@@ -87,16 +81,29 @@ class PeakFlops:
         devices = f" x {self.world} devices" if self.world > 1 else ""
         return f"[kimi] MFU against {format_flops(self.per_device)}{devices}: {self.source}"
 
-    def mfu(self, flops_per_s: float) -> Tuple[float, Optional[str]]:
-        """(MFU in [0, 1], a note the first time the achieved rate beat the peak, else None)."""
-        note = None
-        if flops_per_s > self.total:
-            if not self.raised:
-                note = (f"[kimi] achieved {format_flops(flops_per_s)}, more than {self.kind} "
-                        f"({format_flops(self.total)}): MFU is against the best rate achieved from now on, "
-                        "so at most 100%")
-            self.raised, self.per_device = True, flops_per_s / self.world
-        return min(1.0, flops_per_s / self.total), note
+    def mfu(self, flops_per_s: float) -> Tuple[Optional[float], Optional[str]]:
+        """(MFU in [0, 1], or None from the first achieved rate above the peak on; a note that first time)."""
+        if flops_per_s > self.total and not self.unreliable:
+            self.unreliable = True
+            return None, (f"[kimi] MFU n/a (peak unreliable: achieved {format_flops(flops_per_s)}, more than "
+                          f"{self.kind} {format_flops(self.total)}): logged as null from now on; {self.fix}")
+        return (None if self.unreliable else flops_per_s / self.total), None
+
+
+# Below this MFU a CPU run is far slower than its threads can go (a healthy tiny run: about 25% on 1 thread
+# of a 2-core machine; 2 threads on the same machine kept busy by other processes: 1 to 4%).
+SLOW_CPU_MFU = 0.1
+
+
+def busy_cpu_hint(mfu: float, threads: int, cores: int, load: float) -> Optional[str]:
+    """One line for a CPU run at under SLOW_CPU_MFU of its measured rate, naming the threads and the load;
+    None for a run that is not."""
+    if mfu >= SLOW_CPU_MFU:
+        return None
+    return (f"[kimi] hint: training runs at {100 * mfu:.1f}% of this CPU's measured rate for {threads} "
+            f"thread{'s' * (threads != 1)} with a load of {load:.1f} on {cores} cores over the last minute: "
+            "threads that other processes keep waiting slow every step; set trainer.threads lower (1 on a "
+            "busy machine), or null to take the cores free at the start")
 
 
 def format_duration(seconds: float) -> str:
@@ -391,6 +398,7 @@ class ProgressWindow:
         self.start_step, self.max_steps, self.device = start_step, max_steps, device
         self.t_start = self.t0 = time.perf_counter()
         self.losses: List[float] = []
+        self.windows, self.hinted = 0, False
 
     @staticmethod
     def header(log_every: int) -> str:
@@ -433,10 +441,18 @@ class ProgressWindow:
             self.t0 += time.perf_counter() - t
 
     def report(self, step: int, out: Dict[str, float]) -> Tuple[str, Dict[str, Any], Optional[str]]:
-        """(progress line, metrics record, a note on the MFU peak or None); starts the next window."""
+        """(progress line, metrics record, a note on the MFU peak or a busy CPU, or None); starts the next
+        window."""
         now, n = time.perf_counter(), len(self.losses)
         tps = n * self.tokens_per_step / (now - self.t0)
         mfu, note = self.peak.mfu(tps * self.flops_per_token)
+        self.windows += 1
+        if not self.hinted and mfu is not None and self.peak.measured_cpu and self.windows > 1:
+            # the first window holds the start's one-off work; a hint once, from the second window on
+            threads = torch.get_num_threads()
+            hint = busy_cpu_hint(mfu, threads, cpu.usable_cores(), cpu.cpu_load())
+            self.hinted = hint is not None
+            note = "\n".join(x for x in (note, hint) if x) or None
         eta = (now - self.t_start) / max(1, step - self.start_step) * (self.max_steps - step)
         loss = sum(self.losses) / n
         # this rank's peak allocation on its GPU so far (ranks differ little but for pipeline stages)
@@ -472,10 +488,10 @@ def _count(meta) -> str:
 
 
 def banner(cfg, dims, num_params, flops_per_token: float, data, device, routing: Optional[str] = None,
-           layout: Optional[str] = None) -> str:
-    """The lines printed before training: model, data and batch, the engine's line on the layout
-    (Engine.layout), and the optimizer's parameter routing (a one-line summary: the table itself is a file,
-    see kimi.runlog.write_routing)."""
+           layout: Optional[str] = None, threads: str = "") -> str:
+    """The lines printed before training: model, data and batch, the device (`threads`: its CPU threads and
+    why, kimi.cpu.set_threads), the engine's line on the layout (Engine.layout), and the optimizer's
+    parameter routing (a one-line summary: the table itself is a file, see kimi.runlog.write_routing)."""
     m, t = cfg.model, cfg.trainer
     n, n_emb = num_params[0], num_params[0] - num_params[1]
     tokens = tokens_per_step(t, dims.dp)
@@ -487,7 +503,7 @@ def banner(cfg, dims, num_params, flops_per_token: float, data, device, routing:
              f"{flops_per_token / 1e6:.1f} MFLOP/token (train)",
              f"[kimi] data {cfg.data.name}: {_count(data.train_meta)} train / {_count(data.val_meta)} "
              f"val tokens; batch {t.micro_batch_size}x{t.seq_len}x{t.grad_accum_steps}{ranks} = {tokens:,} "
-             f"tokens/step; device {device}; run dir {t.run_dir}"]
+             f"tokens/step; device {device}{threads}; run dir {t.run_dir}"]
     if layout:
         lines.append(layout)
     if routing:  # MuonClip: which parameters Muon and AdamW each update

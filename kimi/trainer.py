@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 from kimi import checkpoint, eval_tasks, rundir
 from kimi.checkpoint.saver import Saver
 from kimi.config import Config, config_dict, resolve_vocab, to_config
+from kimi.cpu import set_threads
 from kimi.data import prepare
 from kimi.data.streams import rank_streams
 from kimi.diagnostics import Diagnostics
@@ -34,7 +35,7 @@ from kimi.metrics import (MetricsLogger, PeakFlops, ProgressWindow, banner, cpu_
                           tokens_per_step)
 from kimi.model import KimiModel
 from kimi.model.decode import final_sample
-from kimi.model.footprint import check_training_fits
+from kimi.optim.memory import check_training_fits
 from kimi.parallel import (ParallelDims, build_engine, checkpoint_group, fault_tolerance, init_distributed,
                            mean_over_ranks, resolve_device, setup_group)
 from kimi.parallel.watchdog import Watchdog
@@ -90,8 +91,7 @@ class Trainer:
 
     def _build(self) -> None:
         cfg, t, dims = self.cfg, self.cfg.trainer, self.dims
-        if t.threads:
-            torch.set_num_threads(t.threads)
+        self.threads = set_threads(t.threads, self.device)  # for the banner: how many, and why
         torch.manual_seed(t.seed)
 
         # Rank 0 tokenises and packs; the others then find the finished cache instead of racing to write it.
@@ -223,7 +223,7 @@ class Trainer:
             if png := self.metrics.plot(self.run_dir / "loss_curve.png"):
                 self.log(f"[kimi] loss curve: {png}")
         can_decode = self.dims.pp == 1 and not cfg.parallel.sequence_parallel
-        if result["finished"] and (text := final_sample(self.model, self.data.tokenizer, t, can_decode,
+        if result["finished"] and (text := final_sample(self.model, self.data, t, can_decode,
                                                         self.step, self.log)) is not None:
             result["sample"] = text
         return result
@@ -234,7 +234,7 @@ class Trainer:
         cfg = self.cfg
         routing = write_routing(self.run_dir, self.engine, self.mesh, cfg.optim.name)
         self.log(banner(cfg, self.dims, self.num_params, self.flops_per_token, self.data, self.device,
-                        routing, self.engine.layout()))
+                        routing, self.engine.layout(), self.threads))
         if self.is_main:
             save_config(self.run_dir, config_dict(cfg), self.step)
             self.engine.write_run_files(self.run_dir)

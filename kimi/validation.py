@@ -76,8 +76,10 @@ def validate_trainer(t: TrainerConfig) -> None:
     check(0 <= t.seed < 2**64, "trainer.seed", t.seed, "must be an integer in [0, 2**64)")
     check_positive(t, "trainer", ("max_steps", "micro_batch_size", "seq_len", "grad_accum_steps",
                                    "eval_batches", "log_every"))
-    for key in ("eval_every", "checkpoint_every", "sample_tokens", "threads", "stop_at_step"):
+    for key in ("eval_every", "checkpoint_every", "sample_tokens", "stop_at_step"):
         check(getattr(t, key) >= 0, f"trainer.{key}", getattr(t, key), "must be >= 0 (0 disables)")
+    check(t.threads is None or t.threads >= 0, "trainer.threads", t.threads,
+          "must be >= 0 (0: torch's default), or null to fit the free cores")
     check(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", t.keep_checkpoints, "must be >= 1")
     check(t.diag_every is None or t.diag_every >= 0, "trainer.diag_every", t.diag_every,
           "must be >= 0 (0 disables diagnostics), or null for the evaluation steps")

@@ -536,3 +536,18 @@ def test_real_shakespeare_download(tmp_path):
     assert out.train_meta["num_documents"] + out.val_meta["num_documents"] == 42
     text = out.tokenizer.decode(read_tokens(out, "train")[:2000].tolist())
     assert "\r" not in text and "\n\n\n" not in text
+    # what README.md's "What the default run does" says of this corpus, and the prompt its sample shows
+    from pathlib import Path
+
+    from kimi.data.streams import val_opening
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    prose = " ".join(readme.split())
+    train, val = out.train_meta["num_tokens"], out.val_meta["num_tokens"]
+    assert "(42 public-domain works" in prose
+    assert f"({train / 1e6:.2f}M train / {val / 1e6:.2f}M validation tokens; Hamlet and the Sonnets" \
+        in prose
+    assert f"[kimi] data shakespeare: {train:,} train / {val:,} val tokens" in readme
+    held = out.tokenizer.decode(read_tokens(out, "val").tolist())
+    assert "HAMLET, PRINCE OF DENMARK" in held and "THE SONNETS" in held and out.val_meta["num_documents"] == 2
+    assert f"[kimi] sample (step 600):\n{val_opening(out)}" in readme

@@ -31,6 +31,7 @@ directory of the repository, and a `#fragment` a heading of the page it points t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
@@ -61,6 +62,10 @@ SKIPPED = {
                  "with make -n",
     ".venv/bin/python train.py model=small trainer.precision=bf16 hydra.run.dir=runs/small":
         "the First hour's GPU step: on CPU it would repeat step 1's run",
+    ".venv/bin/python train.py model=small data=files 'data.data_files=[corpus/*.jsonl]' "
+    "trainer.precision=bf16 trainer.max_steps=20000 hydra.run.dir=runs/mine-small":
+        "Your own data's GPU-sized line: on CPU it would repeat the CPU line's run above it (run here); "
+        "test_own_data_example_fits_a_small_corpus checks the tokenizer size each line trains",
     ".venv/bin/torchrun --standalone --nproc_per_node 8 train.py parallel.dp_shard=8 "
     "hydra.run.dir=runs/fsdp8": GPUS_8,
     ".venv/bin/torchrun --nnodes 2 --nproc_per_node 2 --rdzv_backend c10d --rdzv_endpoint '$HEAD:29500' "
@@ -488,3 +493,210 @@ def test_readme_command_runs(box, page, command):
     if kind(command) == "skip":
         pytest.skip(f"{page}: {command}: {SKIPPED[command]}")
     check(box, command)
+
+
+# ------------------------------------------------------------------------------- the README's own numbers
+# Sizes and counts the README states are recomputed here (times and losses are measurements: the README
+# says on which machine and with which command, and nothing asserts them).
+
+SCALE = {"k": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
+
+
+def _same_figure(figure: str, n: float) -> bool:
+    """Whether the README's figure ("125.6M", "2.78T", "942,848") is n written to the figure's precision."""
+    if figure[-1] in SCALE:
+        digits = figure[:-1]
+        decimals = len(digits.partition(".")[2])
+        return f"{n / SCALE[figure[-1]]:.{decimals}f}" == digits
+    return int(figure.replace(",", "")) == n
+
+
+def _summary(*overrides: str):
+    from kimi.summary import compose_config, summarize
+
+    return summarize(compose_config(list(overrides)))
+
+
+@pytest.mark.unit
+@pytest.mark.slow
+def test_readme_preset_sizes_are_what_kimi_summary_counts():
+    """The Configuration table's preset sizes (and the First hour's GPU step) are kimi.summary's totals and
+    active counts, with the vocabulary the table's note names (about 10 s: kimi_k3 is sized on meta)."""
+    text = README.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `model` |"))
+    presets, note = row.split("|")[2], row.split("|")[3]
+    small_vocab = set(re.findall(r"`(\w+)`", note.split("vocabulary for", 1)[1].split(" and 32000")[0]))
+    assert {"tiny", "moe_tiny"} <= small_vocab, note
+    sized = re.findall(r"`(\w+)` \(([^)]*)\)", presets)
+    assert len(sized) >= 8, presets
+    wrong = []
+    for name, inside in sized:
+        s = _summary(f"model={name}", f"data.tokenizer.vocab_size={2048 if name in small_vocab else 32000}")
+        for figure, what in re.findall(r"(\d[\d.]*[kMBT])((?: active)?(?: without the embedding)?)", inside):
+            n = {"": s.total, " active": s.active,
+                 " active without the embedding": s.active - s.families["embedding"]}[what]
+            if not _same_figure(figure, n):
+                wrong.append(f"{name}: README {figure}{what}, kimi.summary {n:,}")
+    step7 = re.search(r"here `small` \((\S+) parameters with this (\d+)-piece vocabulary\)", text)
+    assert step7, "the First hour's GPU step should say the small model's size with Shakespeare's vocabulary"
+    s = _summary("model=small")
+    assert s.cfg.model.vocab_size == int(step7[2])
+    if not _same_figure(step7[1], s.total):
+        wrong.append(f"First hour step 7: README {step7[1]}, kimi.summary {s.total:,}")
+    assert not wrong, ("README.md's parameter counts differ from python -m kimi.summary's:\n"
+                       + "\n".join(wrong))
+
+
+@pytest.mark.unit
+def test_readme_default_run_numbers_are_the_default_configs():
+    """What the README says the default run trains (tokenizer, model, steps, batch) and the banner lines it
+    shows (parameters, FLOPs, vocabulary, the optimizer's split) are those of the default config."""
+    text = README.read_text()
+    s = _summary()
+    cfg, t = s.cfg, s.cfg.trainer
+    said = re.search(r"trains\s+a (\d+)-piece BPE tokenizer.*?the `(\w+)` model \((\S+) parameters, "
+                     r".*?for (\d+) steps of (\d+) x (\d+) tokens", text, re.S)
+    assert said, "README's 'What the default run does' no longer says what it trains"
+    assert int(said[1]) == cfg.data.tokenizer.vocab_size and said[2] == cfg.model.name
+    assert _same_figure(said[3], s.total), (said[3], s.total)
+    assert (int(said[4]), int(said[5]), int(said[6])) == (t.max_steps, t.micro_batch_size, t.seq_len)
+    banner = re.search(r"\[kimi\] model \w+: (\S+) parameters \((\S+) embedding\).* vocab (\d+), ([\d.]+) "
+                       r"MFLOP/token", text)
+    assert banner and _same_figure(banner[1], s.total) and _same_figure(banner[2], s.families["embedding"])
+    assert int(banner[3]) == cfg.model.vocab_size and f"{s.flops_per_token / 1e6:.1f}" == banner[4]
+    opt = re.search(r"muon: (\d+) tensors, ([\d,]+) params; adamw: (\d+) tensors, ([\d,]+) params", text)
+    assert opt and _same_figure(opt[2], s.muon) and _same_figure(opt[4], s.adamw), (opt and opt[0], s.muon)
+    assert int(opt[1]) + int(opt[3]) == len(list(s.model.parameters()))
+    data = re.search(r"batch (\d+)x(\d+)x(\d+) = ([\d,]+) tokens/step", text)
+    assert data and int(data[4].replace(",", "")) == s.tokens_per_step == t.micro_batch_size * t.seq_len
+
+
+def _own_data_lines() -> tuple[str, str]:
+    """The README's two 'Your own data' training commands: (the CPU one, the GPU-sized one)."""
+    section = README.read_text().split("## Your own data", 1)[1].split("\n## ", 1)[0]
+    lines = [c for c in page_commands_of(section) if "train.py" in c]
+    assert len(lines) == 2, lines
+    return lines[0], lines[1]
+
+
+def page_commands_of(markdown: str) -> list[str]:
+    """The commands of the ```bash blocks of a piece of Markdown, continuation lines joined, comments off."""
+    out = []
+    for block in re.findall(r"^```bash\n(.*?)^```", markdown, flags=re.M | re.S):
+        joined = re.sub(r"\\\n\s*", "", block)
+        out += [line.split(" #")[0].strip() for line in joined.splitlines()
+                if line.strip() and not line.lstrip().startswith("#")]
+    return out
+
+
+@pytest.mark.unit
+def test_own_data_example_fits_a_small_corpus(tmp_path):
+    """The CPU example's tokenizer can be trained on a small corpus (this repository's docs/*.md, a few
+    hundred kB), and its model is the CPU-sized default; the GPU-sized one's (the files preset's size) cannot
+    be filled by that corpus, and the README says so and labels that line as a GPU's."""
+    from kimi.data.sources import DataError
+    from kimi.data.tokenizer import train_tokenizer
+
+    cpu, gpu = _own_data_lines()
+    words = shlex.split(cpu)
+    vocab = int(_arg(words, "data.tokenizer.vocab_size") or 0)
+    assert vocab and _arg(words, "model") is None and _arg(words, "trainer.max_steps") is None, cpu
+    texts = [p.read_text() for p in sorted(DOCS.glob("*.md"))]
+    assert train_tokenizer(texts, vocab, tmp_path / "cpu.model").vocab_size == vocab
+    files = _summary("data=files").cfg
+    # the GPU line keeps the preset's size, which docs/ cannot fill
+    assert _arg(shlex.split(gpu), "data.tokenizer.vocab_size") is None
+    with pytest.raises(DataError, match="lower it for a small corpus"):
+        train_tokenizer(texts, files.data.tokenizer.vocab_size, tmp_path / "gpu.model")
+    section = README.read_text().split("## Your own data", 1)[1]
+    assert re.search(r"# GPU-sized \(a CUDA GPU", section), "the GPU-sized example must say it needs a GPU"
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_testing_page_has_the_collected_test_counts():
+    """docs/testing.md's table of tests per tier is what a fresh collection counts (tests/count_tests.py,
+    one subprocess that only collects: about 20 s on 2 cores)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "count_tests.py")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    block = proc.stdout.strip()
+    assert block.startswith("<!--") and "| all |" in block, block
+    assert block in (DOCS / "testing.md").read_text(), (
+        "docs/testing.md's test counts differ from pytest's collection; rerun "
+        f"`.venv/bin/python tests/count_tests.py --write`. Collected now:\n{block}")
+
+
+@pytest.mark.unit
+def test_readme_figures_agree_with_the_configs_and_the_pages_that_measured_them():
+    """The pinned torch and Python, the First hour's lr schedule figures, and every result the README quotes
+    from a docs page (compute multipliers, the AdamW run's final loss) are where they come from."""
+    from kimi.optim.schedules import lr_multiplier
+
+    text = " ".join(README.read_text().split())
+    torch_pin = re.search(r"\(torch (\S+) pinned\)", text)
+    assert torch_pin and f"TORCH_SPEC ?= torch=={torch_pin[1]}\n" in (ROOT / "Makefile").read_text()
+    python = re.search(r"Python >= (\d+\.\d+)", text)
+    assert python and f'requires-python = ">={python[1]}"' in (ROOT / "pyproject.toml").read_text()
+    # First hour, Extend: 600 -> 1200 steps under the default cosine
+    extend = re.search(r"from its final ([\d.]+) x peak back up to ([\d.]+) x peak at step (\d+)", text)
+    optim = _summary().cfg.optim
+    assert extend and float(extend[1]) == optim.min_lr_ratio, extend
+    assert f"{lr_multiplier(int(extend[3]), optim, 2 * int(extend[3])):.2f}" == extend[2]
+    assert f"the last {round(optim.decay_fraction * 100)}% of steps" in text
+    # quoted results: each figure is on the page its sentence links
+    results = text.split("## Where the results are", 1)[1]
+    quoted = re.findall(r"\[docs/(\w+\.md)[^\]]*\]\([^)]*\): (.*?)(?= - \[|$)", results)
+    adamw = re.search(r"With `optim=adamw` the same run ends at validation loss ([\d.]+) \(see \[[^\]]*\]\("
+                      r"docs/(\w+\.md)", text)
+    assert adamw and len(quoted) >= 5
+    missing = [f"{adamw[1]} (docs/{adamw[2]})"] if adamw[1] not in (DOCS / adamw[2]).read_text() else []
+    for page, sentence in quoted:
+        body = (DOCS / page).read_text()
+        missing += [f"{x} (docs/{page})" for x in re.findall(r"\d+\.\d+x", sentence) if x not in body]
+    assert not missing, f"README.md quotes figures its pages do not have: {missing}"
+
+
+def _as_written(value) -> str:
+    """A config value as the README's key table writes it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value == "":
+        return '""'
+    return str(value)
+
+
+@pytest.mark.unit
+def test_readme_key_table_defaults_are_the_configs():
+    """Each default in the Configuration section's key tables is what the default config composes to (rows
+    whose default is a preset's, such as `2 (tiny)`, are checked for that preset)."""
+    from kimi.summary import compose_config
+
+    cfg = compose_config([])  # as composed: model.vocab_size still null
+    rows = re.findall(r"^\| `([\w.]+)`((?:(?:, | / )`[\w.]+`)*) \| ([^|]*) \|", README.read_text(), flags=re.M)
+    checked, wrong = 0, []
+    for first, more, defaults in rows:
+        prefix = first.rsplit(".", 1)[0]
+        keys = [first] + [k if not k.startswith(".") else prefix + k for k in re.findall(r"`([\w.]+)`", more)]
+        values = [v.strip().strip("`") for v in re.split(r",| / ", defaults)]
+        if len(values) == 1 and len(keys) > 1:
+            values *= len(keys)  # one default for all (`parallel.dp_shard`, `.dp_replicate`, `.tp` | 1)
+        if len(values) != len(keys) or not defaults.strip():
+            continue
+        for key, said in zip(keys, values):
+            said = said.split(" (")[0]
+            node = cfg
+            for part in key.split("."):
+                node = getattr(node, part)
+            if dataclasses.is_dataclass(node):
+                continue  # a group (`trainer`, ...), not a key
+            actual = _as_written(node)
+            same = actual == said or (isinstance(node, (int, float)) and not isinstance(node, bool)
+                                      and re.fullmatch(r"[\d.e+-]+", said) and float(said) == float(node))
+            checked += 1
+            if not same:
+                wrong.append(f"{key}: README {said}, config {actual}")
+    assert checked >= 40, f"only {checked} defaults found in README.md's key tables"
+    assert not wrong, "README.md's key tables give defaults the config does not have:\n" + "\n".join(wrong)

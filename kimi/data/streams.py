@@ -1,15 +1,20 @@
 """What one data-parallel rank reads: its own training micro-batches, and its share of a fixed set of
-validation batches (for a blend, of each source's)."""
+validation batches (for a blend, of each source's); and the opening words of the validation split, which every
+rank reads alike (the end-of-run sample's default prompt)."""
 
 from __future__ import annotations
 
 from typing import Tuple, Union
 
+import numpy as np
+
 from kimi.config import TrainerConfig
 from kimi.data.blend import BlendLoader, PreparedBlend, ValBatches
 from kimi.data.loader import TokenLoader
 from kimi.data.pack import PreparedData, open_split
-from kimi.data.streaming import StreamingData, stream_ranks
+from kimi.data.streaming import StreamingData, held_out, stream_ranks
+
+OPENING_CHARS = 40  # the default sample prompt: at most this many characters of the first validation document
 
 
 def _val_batches(data: PreparedData, t: TrainerConfig, eos_id: int, dp_rank: int, dp_world: int) -> list:
@@ -47,3 +52,37 @@ def rank_streams(data: Union[PreparedData, PreparedBlend, StreamingData], t: Tra
         return loader, ValBatches(batches, parts)
     loader = TokenLoader(open_split(data, "train"), t.micro_batch_size, t.seq_len, t.seed, eos, **layout)
     return loader, ValBatches(_val_batches(data, t, eos, dp_rank, dp_world))
+
+
+def val_opening(data: Union[PreparedData, PreparedBlend, StreamingData],
+                max_chars: int = OPENING_CHARS) -> str:
+    """The first words of the run's first validation document that has any (a blend's: its first
+    source's), at most max_chars characters, cut after a whole word (a single longer word is cut at
+    max_chars): the end-of-run sample's prompt when trainer.sample_prompt is null, so it continues text like
+    the run's own."""
+    tok = data.tokenizer
+    if isinstance(data, StreamingData):
+        tokens, _ = held_out(data.cfg, tok, 0, 0)  # the first document of the validation stream
+    else:
+        tokens = open_split(data.parts[0] if isinstance(data, PreparedBlend) else data, "val")
+    # 4 tokens per character are enough for any text: a byte-level piece is at least a byte, and a
+    # character at most 4 bytes
+    ids = [int(i) for i in tokens[np.arange(min(4 * max_chars + 1, len(tokens)))]]
+    docs: list = [[]]  # the documents these tokens hold, the last one perhaps cut
+    for i in ids:
+        if i == tok.eos_id:
+            docs.append([])
+        else:
+            docs[-1].append(i)
+    text = next((t for t in map(tok.decode, docs) if t.strip()), "")
+    return opening_words(text, max_chars) or "\n"  # "\n": a split of blank documents only
+
+
+def opening_words(text: str, max_chars: int = OPENING_CHARS) -> str:
+    """text's first whole words (its whitespace kept as it is) within max_chars characters."""
+    text = text.lstrip()
+    if len(text) <= max_chars:
+        return text.rstrip()
+    cut = text[:max_chars + 1]  # a word ending at max_chars is whole when the next character is a space
+    end = max((cut.rfind(c) for c in " \t\n"), default=-1)
+    return cut[:end].rstrip() if end > 0 and cut[:end].strip() else text[:max_chars]

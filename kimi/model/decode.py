@@ -75,9 +75,10 @@ def sample_text(model: KimiModel, tokenizer, prompt: str, max_new_tokens: int, s
     return tokenizer.decode(list(ids))
 
 
-def final_sample(model: KimiModel, tokenizer, trainer, can_decode: bool, step: int, log) -> str | None:
+def final_sample(model: KimiModel, data, trainer, can_decode: bool, step: int, log) -> str | None:
     """The sample a finished run prints: trainer.sample_tokens (a TrainerConfig) continuing
-    trainer.sample_prompt, logged with `log`; None when none is asked for or the layout cannot decode
+    trainer.sample_prompt, or when that is null the first words of `data`'s (the run's prepared data) first
+    validation document, logged with `log`; None when none is asked for or the layout cannot decode
     (can_decode false: a pipeline would need its own decoding schedule, and one token cannot be split over
     sequence-parallel ranks), which the log then says."""
     if trainer.sample_tokens <= 0:
@@ -86,6 +87,10 @@ def final_sample(model: KimiModel, tokenizer, trainer, can_decode: bool, step: i
         log("[kimi] no sample under pipeline or sequence parallelism: sample from the run directory "
             "with python -m kimi.generate run=<run dir>")
         return None
-    text = sample_text(model, tokenizer, trainer.sample_prompt, trainer.sample_tokens, trainer.seed)
-    log(f"[kimi] sample (step {step}):\n{trainer.sample_prompt}{text}\n")
+    # imported here: kimi.generate and kimi.eval import this module and never need the data pipeline
+    from kimi.data.streams import val_opening
+
+    prompt = trainer.sample_prompt if trainer.sample_prompt is not None else val_opening(data)
+    text = sample_text(model, data.tokenizer, prompt, trainer.sample_tokens, trainer.seed)
+    log(f"[kimi] sample (step {step}):\n{prompt}{text}\n")
     return text
