@@ -4,7 +4,7 @@
 The unfused roofline prices every aten op as its own kernel. With parallel.compile=true each sublayer and
 each depth mix (with its pre-norm) is one compiled region: Inductor generates fused kernels for its
 elementwise ops and reductions and calls the rest (matmuls, our Triton custom ops) as extern kernels. So the
-compiled step is priced in three parts, at the GPU shape (one row of T tokens, bf16 weights):
+compiled step is priced in four parts, at the GPU shape (one row of T tokens, bf16 weights):
 
 * outside the regions (embedding, the chunked loss, gradient accumulation), and the matmuls and our custom
   ops inside them: priced as the unfused roofline prices them, from the same meta-device trace. What is
@@ -16,6 +16,10 @@ compiled step is priced in three parts, at the GPU shape (one row of T tokens, b
   weights, our custom ops as null kernels: they are extern and not counted). A kernel's bytes are linear in
   the tokens (a per-token part, and a weight-sized part such as a norm weight's gradient), so the counts at
   two short lengths fix the line that gives T: compiling at 4,096 tokens on a CPU would take hours.
+* the gradient sums autograd's engine makes between regions: a region input that several regions read gets
+  one gradient from each, and the engine adds them outside every graph (`accumulations`, counted in the
+  same CPU run's profile). The eager trace runs those adds under the region's backward node, so they are
+  among the marked ops that the Inductor kernels replace, and are added back here.
 
 Where it can be off: Inductor's C++ backend fuses as its Triton backend does (one scheduler) but not always
 identically: it may fuse loops a GPU launches as separate kernels (outer-loop fusion), and the GPU backend
@@ -101,6 +105,8 @@ def inductor_kernels(cfg, T: int, build, batch, loss_of) -> dict:
     from torch._inductor import metrics
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+    from torch.profiler import ProfilerActivity, profile
+
     from host_audit import as_on_cuda, null_kernels  # bench/, beside this script
     from kimi.model.attnres import compiled_depth_attention
     from kimi.parallel import apply_compile
@@ -150,26 +156,52 @@ def inductor_kernels(cfg, T: int, build, batch, loss_of) -> dict:
             compile_s = time.perf_counter() - t0
             for g in graphs:
                 g["calls"] = 0
-            loss_of(model, ids, labels).backward()  # counted
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                loss_of(model, ids, labels).backward()  # counted
+            sums = accumulations(prof.events())
     finally:
         compile_fx_module.inductor_metrics_log.setLevel(level)
         compiled_depth_attention.cache_clear()
         torch._dynamo.reset()
-    return {"T": T, "graphs": len(graphs), "region_calls": sum(g["calls"] for g in graphs),
+    return {"T": T, "graphs": len(graphs), "region_calls": sum(g["calls"] for g in graphs), **sums,
             "kernels": sum(g["calls"] * g["kernels"] for g in graphs),
             "extern": sum(g["calls"] * g["extern"] for g in graphs),
             "bytes": sum(g["calls"] * g["bytes"] for g in graphs), "first_step_s": compile_s}
 
 
-def at(T: int, a: dict, b: dict) -> float:
-    """Inductor's bytes per step at T tokens, on the line through two compiled lengths."""
-    slope = (b["bytes"] - a["bytes"]) / (b["T"] - a["T"])
-    return a["bytes"] + slope * (T - a["T"])
+ENGINE = "autograd::engine::evaluate_function: CompiledFunctionBackward"
+SIZES = {"c10::BFloat16": 2, "c10::Half": 2, "float": 4, "double": 8}  # the profiler's dtype names
 
 
-def price(rows: list[dict], fused_bytes: float, model_flops: float, gpus: dict, matmuls: set[str]) -> dict:
+def accumulations(events) -> dict:
+    """The gradient sums autograd's engine makes outside the compiled graphs, for a region's input that
+    other regions also read (under Block AttnRes a block's sum feeds every later depth mix): an add each,
+    which the eager trace runs under the region's backward node (so Regions marks it inside) but Inductor
+    never sees. {"accumulations": calls, "accumulation_bytes": two operands read and one written}."""
+    calls, nbytes = 0, 0
+    for e in events:
+        if e.name not in ("aten::add_", "aten::add") or e.cpu_parent is None or e.cpu_parent.name != ENGINE:
+            continue
+        numel = 1
+        for n in (e.input_shapes or [[0]])[0]:
+            numel *= n
+        size = SIZES.get((e.input_dtypes or ["?"])[0], 4)
+        calls, nbytes = calls + 1, nbytes + 3 * numel * size
+    return {"accumulations": calls, "accumulation_bytes": nbytes}
+
+
+def at(T: int, a: dict, b: dict, key: str = "bytes") -> float:
+    """A per-step byte count (Inductor's kernels', or the engine's sums) at T tokens, on the line through two
+    compiled lengths."""
+    slope = (b[key] - a[key]) / (b["T"] - a["T"])
+    return a[key] + slope * (T - a["T"])
+
+
+def price(rows: list[dict], fused_bytes: float, model_flops: float, gpus: dict, matmuls: set[str],
+          accumulation_bytes: float = 0.0) -> dict:
     """{gpu: the compiled step's predicted time by part and its MFU ceiling}, from the unfused roofline's
-    priced rows at the same T (each with `region`: traced inside a compiled region) and Inductor's bytes."""
+    priced rows at the same T (each with `region`: traced inside a compiled region), Inductor's bytes and
+    the engine's gradient sums between regions (accumulations)."""
     out = {}
     for gpu, peak in gpus.items():
         parts = {"matmuls": 0.0, "custom ops": 0.0, "eager, outside regions": 0.0, "absorbed (unfused)": 0.0}
@@ -183,8 +215,10 @@ def price(rows: list[dict], fused_bytes: float, model_flops: float, gpus: dict, 
             else:
                 parts["eager, outside regions"] += r["time_s"]
         parts["inductor kernels"] = fused_bytes / peak["bandwidth"]
+        parts["gradient sums between regions"] = accumulation_bytes / peak["bandwidth"]
         unfused = sum(r["time_s"] for r in rows[gpu])
-        compiled = unfused - parts["absorbed (unfused)"] + parts["inductor kernels"]
+        compiled = (unfused - parts["absorbed (unfused)"] + parts["inductor kernels"]
+                    + parts["gradient sums between regions"])
         kept = [r for r in rows[gpu] if not (r["region"] and absorbed(r["op"], matmuls))]
         out[gpu] = {"unfused_step_s": unfused, "compiled_step_s": compiled, "parts_s": parts,
                     "top_kept": kept[:12],
@@ -202,8 +236,8 @@ def report(results: dict) -> list[str]:
     lines = ["", "The step as parallel.compile=true runs it (one row of T tokens; "
              "bench/compiled_roofline.py), H200 ms:", "",
              "| family | T | unfused roofline | compiled roofline | matmuls | our custom ops | eager outside "
-             "regions | region ops unfused | their Inductor kernels (bytes) | kernels per step | MFU ceiling "
-             "unfused / compiled |", "|" + "---|" * 11]
+             "regions | region ops unfused | their Inductor kernels (bytes) | gradient sums between "
+             "regions (adds) | kernels per step | MFU ceiling unfused / compiled |", "|" + "---|" * 12]
     for name, c in rows:
         g = c["gpus"]["H200"]
         p = {k: 1e3 * v for k, v in g["parts_s"].items()}
@@ -211,6 +245,8 @@ def report(results: dict) -> list[str]:
                      f"{1e3 * g['compiled_step_s']:,.1f} | "
                      f"{p['matmuls']:,.1f} | {p['custom ops']:,.1f} | {p['eager, outside regions']:,.1f} | "
                      f"{p['absorbed (unfused)']:,.1f} | {p['inductor kernels']:,.1f} "
-                     f"({c['inductor_bytes'] / 1e9:,.1f} GB) | {c['kernels_per_step']:,} | "
+                     f"({c['inductor_bytes'] / 1e9:,.1f} GB) | "
+                     f"{p.get('gradient sums between regions', 0):,.1f} ({c.get('accumulations', 0)}) | "
+                     f"{c['kernels_per_step']:,} | "
                      f"{g['mfu_ceiling_unfused']:.0%} / {g['mfu_ceiling']:.0%} |")
     return lines

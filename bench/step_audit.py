@@ -514,10 +514,11 @@ def audit_compiled(overrides: list[str], T: int, lengths: tuple[int, int]) -> di
     cost, model_flops = trace_step(overrides, T, regions)
     cfg = compose([*overrides, "model.attention_backend=triton"])  # our op, a null kernel on the CPU run
     counts = [cr.inductor_kernels(cfg, t, build, batch, loss_of) for t in lengths]
-    fused = cr.at(T, *counts)
+    fused, sums = cr.at(T, *counts), cr.at(T, *counts, key="accumulation_bytes")
     gpus = cr.price({gpu: priced(cost.ops, peak) for gpu, peak in GPUS.items()}, fused, model_flops, GPUS,
-                    MATMULS)
+                    MATMULS, sums)
     return {"T": T, "model_flops": model_flops, "inductor": counts, "inductor_bytes": fused,
+            "accumulation_bytes": sums, "accumulations": counts[-1]["accumulations"],
             "kernels_per_step": counts[-1]["kernels"], "region_calls": len(regions.spans), "gpus": gpus}
 
 

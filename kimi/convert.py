@@ -158,8 +158,7 @@ def to_hf(run: str, out: str, layout: str = layouts.DEFAULT, shard_gb: float = 5
         files = write_tokenizer(tokenizer, directory)
         # for publishing: transformers' sampling settings and a model card (neither is code: no trust record)
         sampling = GenerateArgs(run="")  # python -m kimi.generate's defaults
-        card = [write_generation_config(directory, tokenizer, sampling.temperature, sampling.top_k,
-                                        sampling.max_new_tokens),
+        card = [write_generation_config(directory, tokenizer, sampling.temperature, sampling.top_k),
                 write_model_card(directory, model, checkpoint.read_trainer_state(ckpt)["config"], step,
                                  run_of(ckpt), chosen.own_code, chosen.name)]
     what = "; routed experts as MXFP4, which transformers does not read" if mxfp4_experts else chosen.wrote

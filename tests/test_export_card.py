@@ -64,7 +64,8 @@ def test_generation_config_is_the_runs_tokens_and_kimi_generates_defaults(run, t
     assert (config.bos_token_id, config.eos_token_id) == (tokenizer.bos_id, tokenizer.eos_id)
     assert config.pad_token_id == tokenizer.eos_id  # no pad piece: finished rows are filled with EOS
     assert config.do_sample and config.temperature == defaults.temperature and config.top_k == defaults.top_k
-    assert config.max_new_tokens == defaults.max_new_tokens
+    # no length of its own: a caller's max_length (lm-eval's) must not be overridden
+    assert "max_new_tokens" not in json.loads((out / "generation_config.json").read_text())
     # neither file is code: the export's own-code record still matches
     assert code_changes(out, json.loads((out / "config.json").read_text())) == []
 

@@ -133,3 +133,24 @@ def test_the_compiled_roofline_marks_what_parallel_compile_compiles():
     assert no_kernels["compiled_step_s"] == pytest.approx(unfused_rest)
     line = cr.at(4096, {"T": 128, "bytes": 1000}, {"T": 256, "bytes": 1800})
     assert line == 1000 + 800 / 128 * (4096 - 128)
+
+
+def test_the_compiled_roofline_counts_the_gradient_sums_between_regions():
+    """A tensor read by two compiled regions gets one gradient from each, which autograd's engine adds
+    outside both graphs: compiled_roofline.accumulations finds that add (and its bytes: two bf16 operands
+    read, one written) in a profile, and nothing when one region reads it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import compiled_roofline as cr
+
+    region = torch.compile(lambda x: x.sin() * 2)
+    x = torch.randn(64, 16, dtype=torch.bfloat16, requires_grad=True)
+
+    def sums(reads: int) -> dict:
+        y = x * 1  # a tensor with a producer, as every region input in the model
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            sum(region(y) for _ in range(reads)).sum().backward()
+        return cr.accumulations(prof.events())
+
+    assert sums(2) == {"accumulations": 1, "accumulation_bytes": 3 * 64 * 16 * 2}
+    assert sums(1) == {"accumulations": 0, "accumulation_bytes": 0}

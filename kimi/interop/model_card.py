@@ -15,11 +15,12 @@ GENERATION_CONFIG = "generation_config.json"
 CARD = "README.md"
 
 
-def generation_config(tokenizer, temperature: float, top_k: int, max_new_tokens: int) -> Dict[str, Any]:
+def generation_config(tokenizer, temperature: float, top_k: int) -> Dict[str, Any]:
     """transformers' GenerationConfig of our decoding: the sampling settings given (kimi.convert passes
     kimi.generate's defaults), its stop at EOS, and the tokenizer's ids. Rows that end early are filled with
     pad_token_id; our tokenizers have no pad piece, so that is EOS (what transformers falls back to, with a
-    warning at every generate() call)."""
+    warning at every generate() call). No length: a max_new_tokens here would override the max_length a
+    caller passes (lm-eval's HF model generated 200 tokens past its limit with one)."""
     ids = {f"{name}_token_id": i for name, i in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id))
            if i is not None and i >= 0}
     pad = getattr(tokenizer, "pad_id", -1)
@@ -27,8 +28,7 @@ def generation_config(tokenizer, temperature: float, top_k: int, max_new_tokens:
         ids["pad_token_id"] = pad
     elif "eos_token_id" in ids:
         ids["pad_token_id"] = ids["eos_token_id"]
-    return {**ids, "do_sample": temperature > 0, "temperature": temperature, "top_k": top_k,
-            "max_new_tokens": max_new_tokens}
+    return {**ids, "do_sample": temperature > 0, "temperature": temperature, "top_k": top_k}
 
 
 def write_generation_config(directory: Path, *args) -> str:
