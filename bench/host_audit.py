@@ -17,11 +17,12 @@ CPU fallbacks):
   dynamo traces the same graphs with the same breaks and inductor emits the same kernels per graph, and the
   kernels themselves cost little. Our Triton custom ops run as null kernels there (zeros of their
   outputs' shapes: their fake implementations), which is what their host side costs: one call. The host time
-  is the step's median wall time over several steps after warm-up less the CPU time its matmuls and
-  inductor's kernels took in a profiled step (at 16 elements per head `1b`'s proxy is 256 wide: its matmuls
-  were about half of the step's time on a 2-core CPU, compute a GPU does), the ops those the profiler
-  sees dispatched (aten ops and our custom ops) plus inductor's own kernels (each a launch on a GPU). The
-  same proxy run eagerly checks the proxy: its host time against the meta device's at full shape.
+  is the step's median wall time over several steps after warm-up less the median CPU time its matmuls
+  and inductor's kernels took in as many profiled steps (at 16 elements per head `1b`'s proxy is 256 wide:
+  its matmuls were about half of the step's time on a 2-core CPU, compute a GPU does), the ops those the
+  profiler sees dispatched (aten ops and our custom ops) plus inductor's own kernels (each a launch on a
+  GPU). The same proxy run eagerly checks the proxy: its host time against the meta device's at full
+  shape.
 
 `host_ms_gpu` adds what the proxy cannot show, a CUDA launch per kernel (LAUNCH_US), to the measured time; the
 ratio to the roofline's predicted GPU time is what decides whether the step waits on its host.
@@ -163,6 +164,7 @@ def proxy_overrides(cfg) -> list[str]:
 
 
 def _step(model, ids, labels, loss_of):
+    model.zero_grad(set_to_none=True)  # as the optimizer leaves them: no gradient to add into
     loss = loss_of(model, ids, labels)
     loss.backward()
     return loss
@@ -191,13 +193,15 @@ def eager_on_meta(cfg, T: int, build, batch, loss_of, repeats: int = 3) -> dict:
             "top_ops": dict(count.ops.most_common(12)), "custom_ops": dict(count.custom)}
 
 
-def _profiled_counts(fn) -> tuple[int, int, int, float]:
+def _profiled_counts(fn) -> tuple[int, int, int, float, float]:
     """(aten and custom ops dispatched from the top, inductor kernels, compiled graphs called, milliseconds
-    the CPU spent computing in matmuls and inductor's kernels) of one call."""
+    the CPU spent computing in matmuls and inductor's kernels, the call's wall milliseconds) of one call."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
         fn()
+        wall_ms = 1e3 * (time.perf_counter() - t0)
     dispatched = kernels = graphs = 0
     compute_us = 0.0
     for e in prof.events():
@@ -214,7 +218,7 @@ def _profiled_counts(fn) -> tuple[int, int, int, float]:
             compute_us += e.self_cpu_time_total
         elif name.startswith(("CompiledFunction", "## Call CompiledFxGraph", "Torch-Compiled Region")):
             graphs += name.startswith("Torch-Compiled Region")
-    return dispatched, kernels, graphs, compute_us / 1e3
+    return dispatched, kernels, graphs, compute_us / 1e3, wall_ms
 
 
 def proxy_step(cfg, compiled: bool, build, batch, loss_of, repeats: int = 7) -> dict:
@@ -239,10 +243,14 @@ def proxy_step(cfg, compiled: bool, build, batch, loss_of, repeats: int = 7) -> 
             _step(model, ids, labels, loss_of)
         model.zero_grad(set_to_none=True)
         seconds = _timed(lambda: _step(model, ids, labels, loss_of), repeats)
-        dispatched, kernels, graphs, compute_ms = _profiled_counts(lambda: _step(model, ids, labels, loss_of))
-    # the host's part: the step's time less what its kernels computed (measured in the profiled step; a
-    # GPU host pays for a launch instead, added by audit_host)
+        profiled = [_profiled_counts(lambda: _step(model, ids, labels, loss_of)) for _ in range(repeats)]
+    dispatched, kernels, graphs = profiled[0][:3]
+    # the host's part: the step's median time less the median time its kernels computed in the profiled
+    # steps (a GPU host pays for a launch instead, added by audit_host). Not each profiled step's own wall
+    # time: the profiler adds about 10 us an op, as much as the eager step's own dispatch
+    compute_ms = statistics.median(compute for *_, compute, _ in profiled)
     return {"host_ms": 1e3 * seconds - compute_ms, "step_ms": 1e3 * seconds, "kernel_compute_ms": compute_ms,
+            "profiled_step_ms": statistics.median(wall for *_, wall in profiled),
             "dispatched": dispatched, "inductor_kernels": kernels, "launches": dispatched + kernels,
             "compiled_regions": graphs, "first_step_s": compile_s}
 

@@ -15,9 +15,8 @@ from kimi.config import ModelConfig, check_sizes
 from kimi.interop import layouts
 from kimi.interop.hf import RENAMES, NotExpressible, in_layout
 from kimi.interop.k3 import Constant
-from kimi.interop.remote import load_remote, shard_files, write_shards
+from kimi.interop.remote import empty_model, load_remote, shard_files, write_shards
 from kimi.model import KimiModel
-from kimi.model.footprint import check_fits
 
 
 class _LazyTensors:
@@ -111,13 +110,7 @@ def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32) -> KimiMo
         raise
     except ValueError as e:
         raise ValueError(f"{directory / 'config.json'}: {e}") from None
-    check_fits(cfg, dtype.itemsize, "cpu", f"{dtype} weights", "a machine with more memory")
-    with torch.device("meta"):
-        model = KimiModel(cfg)
-    model = model.to_empty(device="cpu").to(dtype)
-    if cfg.tie_embeddings:  # to_empty gives each module a tensor of its own: tie them again
-        model.lm_head.weight = model.embed.weight
-    model.init_buffers()
+    model = empty_model(cfg, dtype)
     own = model.state_dict()
     tensors = _LazyTensors(directory)
     done = set()

@@ -134,6 +134,19 @@ def _files(directory: Path) -> dict[str, Path]:
     return where
 
 
+def empty_model(cfg: ModelConfig, dtype: torch.dtype) -> KimiModel:
+    """cfg's model on the CPU in `dtype`, its weights allocated but not set (a folder's tensors fill them),
+    after checking that it fits the machine's memory."""
+    check_fits(cfg, dtype.itemsize, "cpu", f"{dtype} weights", "a machine with more memory")
+    with torch.device("meta"):
+        model = KimiModel(cfg)
+    model = model.to_empty(device="cpu").to(dtype)
+    if cfg.tie_embeddings:  # to_empty gives each module a tensor of its own: tie them again
+        model.lm_head.weight = model.embed.weight
+    model.init_buffers()
+    return model
+
+
 def load_remote(directory: str | Path, config: dict, dtype: torch.dtype = torch.float32) -> KimiModel:
     """Our model, in eval mode, from an export with our modeling code whose config.json is `config`; tensors
     are read one at a time."""
@@ -151,13 +164,7 @@ def load_remote(directory: str | Path, config: dict, dtype: torch.dtype = torch.
         check_sizes(cfg)
     except ValueError as e:
         raise ValueError(f"{directory / 'config.json'}: kimi_model: {e}") from None
-    check_fits(cfg, dtype.itemsize, "cpu", f"{dtype} weights", "a machine with more memory")
-    with torch.device("meta"):
-        model = KimiModel(cfg)
-    model = model.to_empty(device="cpu").to(dtype)
-    if model.cfg.tie_embeddings:  # to_empty gives each module a tensor of its own: tie them again
-        model.lm_head.weight = model.embed.weight
-    model.init_buffers()
+    model = empty_model(cfg, dtype)
     own = _stored(model)
     where = _files(directory)
     expected = {PREFIX + name for name in own}
