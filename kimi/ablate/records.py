@@ -22,9 +22,11 @@ from .state import status
 
 # Keys of the composed config that do not change what is trained: where it is written, how it is logged, how
 # many CPU threads or processes compute it (the token files do not depend on data.num_proc: kimi.data.pack's
-# fingerprint leaves it out) and which kernels compute the same attention.
+# fingerprint leaves it out), which kernels compute the same attention, and the prompt of the sample printed
+# after the last step.
 _NOT_TRAINING = ("logging", "trainer.run_dir", "trainer.threads", "data.num_proc", "data.cache_dir",
-                 "model.attention_backend", "model.attention_deterministic", "model.attnres_backend")
+                 "model.attention_backend", "model.attention_deterministic", "model.attnres_backend",
+                 "trainer.sample_prompt")
 # What the records of studies run before records kept their config hashed (kept to read those records)
 _LEGACY_NOT_TRAINING = ("logging", "trainer.run_dir", "model.attention_backend",
                         "model.attention_deterministic")
@@ -108,8 +110,8 @@ def mismatch(record: dict, cfg: Dict[str, Any]) -> List[str]:
     """How the run a record describes differs from a run of the composed config `cfg` ([] when it is the
     same run). A record without its config (written before records kept it) is the same run only when its
     config hashes as `cfg` does with the keys of that time."""
-    if "config" in record:
-        return differences(record["config"], training_config(cfg))
+    if "config" in record:  # the record's keys filtered as today's (a key may have joined _NOT_TRAINING)
+        return differences(_training(record["config"]), training_config(cfg))
     if record.get("fingerprint") == _legacy_fingerprint(cfg):
         return []
     return ["an older record without its config, whose hash differs from this config's"]
