@@ -151,8 +151,9 @@ def test_bad_arguments_are_refused():
 
 @pytest.mark.unit
 def test_a_training_row_carries_the_step_audits_roofline_for_its_shape():
-    """The measured 1b row on an H200 gets bench/step_audit.py's predictions beside it, unfused and compiled (4
-    sequences: 4x the one-sequence step time); a length or a device the audit did not price gets nothing."""
+    """The measured 1b row on an H200 gets bench/step_audit.py's predictions beside it, unfused and compiled
+    (4 sequences: 4x the one-sequence step time); a length or a device the audit did not price gets
+    nothing."""
     roof = json.loads((ROOT / "bench" / "results" / "step_audit.json").read_text())["families"]["1b"]["roofline"]
     pred = roof["gpus"]["H200"]
     note = gpu_check.roofline_note("1b", str(roof["T"]), 4, "NVIDIA H200")

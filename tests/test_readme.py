@@ -675,7 +675,8 @@ def test_readme_key_table_defaults_are_the_configs():
     from kimi.summary import compose_config
 
     cfg = compose_config([])  # as composed: model.vocab_size still null
-    rows = re.findall(r"^\| `([\w.]+)`((?:(?:, | / )`[\w.]+`)*) \| ([^|]*) \|", README.read_text(), flags=re.M)
+    row = r"^\| `([\w.]+)`((?:(?:, | / )`[\w.]+`)*) \| ([^|]*) \|"
+    rows = re.findall(row, README.read_text(), flags=re.M)
     checked, wrong = 0, []
     for first, more, defaults in rows:
         prefix = first.rsplit(".", 1)[0]
