@@ -1,6 +1,6 @@
 """The package layout, which pyproject.toml cannot say: the kimi packages, and the presets in conf/ shipped as
 the package data of ``kimi.conf`` (conf/ stays where the checkout, the tests and the benches read it;
-kimi/conf_dir.py finds either). Everything else about the package is in pyproject.toml."""
+kimi/cli/conf_dir.py finds either). Everything else about the package is in pyproject.toml."""
 
 from setuptools import find_namespace_packages, setup
 

@@ -10,7 +10,7 @@ Exit codes (kimi/cli.py): 0 finished, 75 stopped early with a checkpoint (rerun 
 data or run directory, 1 failure. Under torchrun a stopped run's ranks exit 0 and <run_dir>/exit_code holds
 75 (torchrun would call any other code a failure); the launch scripts exit with it."""
 
-from kimi.signals import exit_while_starting
+from kimi.run.signals import exit_while_starting
 
 exit_while_starting()  # before the imports that take seconds: a SIGTERM among them exits 75, not -15
 

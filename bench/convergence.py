@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from kimi.ablate import tokens_to_reach  # training tokens to a validation loss, between evaluations
-from kimi.metrics import read_metrics
+from kimi.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -63,7 +63,7 @@ def layer_times(tokens: int, dtype: torch.dtype, repeats: int, d=256, experts=16
 
 
 def train(rate: float, steps: int, run_dir: Path) -> dict:
-    from kimi.metrics import read_metrics
+    from kimi.run.metrics import read_metrics
 
     if run_dir.exists():
         shutil.rmtree(run_dir)

@@ -37,9 +37,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
-
 from comm_count import CommCounter
+from hydra import compose, initialize_config_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {  # name: (processes, data-parallel ranks, overrides)
@@ -143,9 +142,9 @@ def _profile(trainer, top: int = 25) -> dict:
 
 def worker(out: Path, model: str, overrides: list[str], steps: int, profile: bool = False) -> None:
     from kimi.config import register_configs
-    from kimi.metrics import peak_flops
-    from kimi.parallel import destroy_distributed
     from kimi.model import KimiModel
+    from kimi.parallel import destroy_distributed
+    from kimi.run.peaks import peak_flops
     from kimi.trainer import Trainer
 
     register_configs()

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from kimi.metrics import read_metrics
+from kimi.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "precision.json"

@@ -275,7 +275,7 @@ def audit_graphs(overrides: list[str], T: int, steps: int = 3) -> dict:
     """Graph breaks and recompiles of the sublayers compiled as parallel.compile=true does, over `steps`."""
     import torch._dynamo
 
-    from kimi.parallel.checkpointing import sublayers
+    from kimi.parallel.activation_checkpointing import sublayers
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -446,9 +446,8 @@ def trace_step(overrides: list[str], T: int, regions=None):
     applied to the model so that each op says whether parallel.compile would run it in a compiled region."""
     from unittest import mock
 
-    from torch.utils.module_tracker import ModuleTracker
-
     from host_audit import as_on_cuda  # bench/, beside this script
+    from torch.utils.module_tracker import ModuleTracker
 
     # attention as our Triton op (bf16, its FLOPs registered): on meta, SDPA would trace its math fallback,
     # fp32 batched matmuls a GPU never runs (24.6 of 1b's 152.9 ms before this)

@@ -4,15 +4,16 @@ rules are written in, and the rules that span sections.
 The root schema is stored as ``base_config``; ``conf/config.yaml`` lists it first in its defaults, so every
 YAML preset and command-line override is merged into typed nodes and a misspelt key fails with Hydra's
 "Key 'x' not in 'TrainerConfig'" before any work. Values that type-check but cannot work are caught by the one
-validation pass, :func:`kimi.validation.validate`, which ``Trainer.__init__`` calls first (before any data is
-downloaded or tokenised). Each section's own rules live with the code that owns it (kimi/model/rules.py,
-kimi/data/rules.py, kimi/optim/rules.py, kimi/parallel/rules.py, kimi/validation.py for the run's trainer and
-logging sections); the rules here read several sections (context, expert and pipeline parallelism against the
-model and the batch, the vocabulary against the tokenizer). Each failure is a one-line :class:`ConfigError`
-that names the key(s) and how to fix it.
+validation pass, :func:`kimi.run.validation.validate`, which ``Trainer.__init__`` calls first (before any
+data is downloaded or tokenised). Each section's own rules live with the code that owns it
+(kimi/model/rules.py, kimi/data/rules.py, kimi/optim/rules.py, kimi/parallel/rules.py, kimi/run/validation.py
+for the run's trainer and logging sections); the rules here read several sections (context, expert and
+pipeline parallelism against the model and the batch, the vocabulary against the tokenizer). Each failure is
+a one-line :class:`ConfigError` that names the key(s) and how to fix it.
 
-This module is pure data: it imports neither torch nor the rest of kimi (it is imported first), but for the
-engines' torch-free names (kimi/parallel/engine_rules.py).
+This module is pure data: it imports neither torch nor the rest of kimi (it is imported first) but for the
+error types (kimi/errors.py). The registries (data sources, optimizers, engines, precisions) fill its tables
+of names when they are imported.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 from omegaconf import DictConfig, OmegaConf
 
-# the engines' names, torch-free (kimi.parallel imports its other modules on first use)
-from kimi.parallel.engine_rules import ENGINES
+from kimi.errors import ConfigError  # noqa: F401 (kimi.config.ConfigError, as ever)
 
 # ---- keys that take one of a fixed set of values ---------------------------------------------------------
 # The installed OmegaConf (2.3) rejects typing.Literal in structured configs ("Unexpected type annotation:
@@ -42,6 +42,8 @@ DATA_SOURCES: Dict[str, Any] = {}
 DATA_FORMATS = ("text", "json", "parquet")
 # optim.name's names: the table of kimi/optim/registry.py, which fills it (it imports this module)
 OPTIMIZERS: Dict[str, Any] = {}
+# parallel.engine's names: the table of kimi/parallel/engine_rules.py, which fills it (it imports this module)
+ENGINES: Dict[str, Any] = {}
 SCHEDULES = ("cosine", "wsd", "constant")
 NS_DTYPES = ("auto", "fp32", "bf16")
 ADJUST_LR_FNS = ("match_rms_adamw", "original")
@@ -289,7 +291,7 @@ class OptimConfig:
 
 @dataclass
 class ProfileConfig:
-    """trainer.profile (kimi/profiling.py): a torch.profiler trace of a few training steps."""
+    """trainer.profile (kimi/run/profiling.py): a torch.profiler trace of a few training steps."""
 
     steps: Optional[List[int]] = None  # [first, last] training steps to record (1-based); null: off
     ranks: List[int] = field(default_factory=lambda: [0])  # the global ranks that record
@@ -356,7 +358,8 @@ class TrainerConfig:
 
 @dataclass
 class WandbConfig:
-    # offline: no network (`wandb sync` later). null: $WANDB_MODE, else offline (kimi.metrics.wandb_mode)
+    # offline: no network (`wandb sync` later). null: $WANDB_MODE, else offline
+    # (kimi.run.wandb_run.wandb_mode)
     mode: Optional[str] = one_of(WANDB_MODES, None)
     project: Optional[str] = None  # null: $WANDB_PROJECT, else kimi
     entity: Optional[str] = None
@@ -416,7 +419,7 @@ class ParallelConfig:
     # context parallelism: every sequence split into this many consecutive shards, one per rank
     # (kimi/parallel/context_parallel.py); trainer.seq_len must divide by it
     cp: int = 1
-    activation_checkpointing: str = one_of(AC_MODES, "none")  # see kimi/parallel/checkpointing.py
+    activation_checkpointing: str = one_of(AC_MODES, "none")  # see kimi/parallel/activation_checkpointing.py
     compile: bool = False  # torch.compile each token mixer and MLP
     reshard_after_forward: bool = True  # FSDP2: False keeps weights gathered until the backward (ZeRO-2-like)
     sequence_parallel: bool = False  # with tp > 1: activations between sublayers split along the sequence
@@ -473,10 +476,6 @@ def register_configs() -> None:
 
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot work; the one-line message names the key(s) and how to fix it."""
 
 
 # ---- sizes -------------------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ def from_hf(hf_dir: str | Path, run_dir: str | Path) -> list[str]:
     from kimi import checkpoint
     from kimi.config import ConfigError
     from kimi.data import Tokenizer
-    from kimi.data.errors import DataError
+    from kimi.errors import DataError
     from kimi.folders import require_inside
 
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
@@ -160,16 +160,23 @@ def to_hf(run: str, out: str, layout: str = layouts.DEFAULT, shard_gb: float = 5
         sampling = GenerateArgs(run="")  # python -m kimi.generate's defaults
         card = [write_generation_config(directory, tokenizer, sampling.temperature, sampling.top_k),
                 write_model_card(directory, model, checkpoint.read_trainer_state(ckpt)["config"], step,
-                                 run_of(ckpt), chosen.own_code, chosen.name)]
+                                 run_of(ckpt), _records(run_of(ckpt)), chosen.own_code, chosen.name)]
     what = "; routed experts as MXFP4, which transformers does not read" if mxfp4_experts else chosen.wrote
     print(f"[kimi] wrote {out} (step {step}): config.json and safetensors{what} ({chosen.name} layout), "
           f"the tokenizer ({', '.join(files)}), {' and '.join(card)}")
     return 0
 
 
+def _records(run: Path) -> list:
+    """The records of `run`'s metrics.jsonl (none when it has none): the model card's losses and scores."""
+    from kimi.run.metrics import read_metrics
+
+    return read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
+
+
 def _key_value(argv: list[str]) -> dict:
     """The key=value form's arguments of `to-hf` / `from-hf` (argv[0]), each required key checked."""
-    from kimi import keyvalue
+    from kimi.cli import keyvalue
     from kimi.config import ConfigError
 
     command, rest = argv[0], argv[1:]
@@ -194,9 +201,9 @@ USAGE = {"to-hf": f"to-hf run=RUN_DIR out=HF_DIR [layout={'|'.join(layouts.LAYOU
 
 
 def _run(body) -> int:
-    """body()'s exit code; a known problem is one line and the exit code kimi/cli.py gives its type (a forged
-    checkpoint 1, as everywhere), a bad source directory or argument (ValueError) 2."""
-    from kimi.cli import EXIT_BAD_INPUT, describe, exit_code_for
+    """body()'s exit code; a known problem is one line and the exit code kimi/errors.py gives its type (a
+    forged checkpoint 1, as everywhere), a bad source directory or argument (ValueError) 2."""
+    from kimi.errors import EXIT_BAD_INPUT, describe, exit_code_for
 
     try:
         return body()
@@ -278,7 +285,7 @@ def _parser():
 def help_text(command: str | None) -> str:
     """--help in the key=value form: the usage, and each argument of `command` (both when None) as its key
     (the --flag's name with _) with the help the parser gives it."""
-    from kimi import keyvalue
+    from kimi.cli import keyvalue
 
     usage = ("\n\n".join(__doc__.split("\n\n")[:3]) if command is None
              else f"usage: python -m kimi.convert {USAGE[command]}")

@@ -6,9 +6,9 @@
   out             the PNG to write (default <first run>/dashboard.png)
   columns         panels per row (default 3)
 
-key=value arguments (kimi/keyvalue.py); a bad argument is one line and exit code 2.
+key=value arguments (kimi/cli/keyvalue.py); a bad argument is one line and exit code 2.
 
-Panels (each drawn only when some run logged its keys; kimi.metrics.read_metrics reads the records):
+Panels (each drawn only when some run logged its keys; kimi.run.metrics.read_metrics reads the records):
 
 - loss: train ``loss`` (lines) and validation ``val_loss`` (markers); learning rate ``lr``; ``tokens_per_s``;
   ``mfu``; ``grad_norm`` with the per-family ``optim/grad_norm/{muon,adamw}``;
@@ -62,7 +62,7 @@ class Dashboard:
 
 # ---- reading -----------------------------------------------------------------------------------------------
 def load_runs(run_dirs: Sequence[Path]) -> List[Run]:
-    from kimi.metrics import read_metrics
+    from kimi.run.metrics import read_metrics
 
     runs = []
     names = [Path(d).resolve().name for d in run_dirs]
@@ -233,7 +233,7 @@ def draw(run_dirs: Sequence[Path], out: Path, columns: int = 3) -> Dashboard:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from kimi import keyvalue
+    from kimi.cli import keyvalue
     from kimi.config import ConfigError
 
     argv = list(sys.argv[1:] if argv is None else argv)

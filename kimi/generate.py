@@ -7,7 +7,7 @@ From a shell, on a run directory (or one checkpoint directory, <run>/checkpoints
 
 Arguments are key=value, split at the first '='; the prompt is taken as written (prompt=ROMEO: is the text
 "ROMEO:", prompt=yes the text "yes"), and one with spaces needs shell quotes: 'prompt=The king'. A bad
-argument or run directory is one line on stderr and exit code 2 (kimi/cli.py); `--help` lists the keys.
+argument or run directory is one line on stderr and exit code 2 (kimi/errors.py); `--help` lists the keys.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from kimi.cli import EXIT_OK, key_value_main
+from kimi.cli import key_value_main
 from kimi.config import ConfigError
+from kimi.errors import EXIT_OK
 from kimi.model import KimiModel
 from kimi.model.decode import generate
 
@@ -32,7 +33,7 @@ def find_checkpoint(path: str | Path) -> Path:
     """The checkpoint directory `path` names (checked intact), or a run directory's newest complete
     checkpoint, else the weights kimi.convert from-hf put in <run>/init."""
     from kimi import checkpoint
-    from kimi.cli import RunError
+    from kimi.errors import RunError
 
     ckpt = Path(path)
     if (ckpt / checkpoint.COMPLETE).is_file():  # a checkpoint named directly: it must be intact
@@ -64,9 +65,9 @@ def load_from_checkpoint(path: str | Path, device: str = "cpu", found: bool = Fa
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     from kimi import checkpoint
-    from kimi.cli import RunError
     from kimi.config import ModelConfig, check_sizes
     from kimi.data import Tokenizer
+    from kimi.errors import RunError
     from kimi.model.footprint import check_fits
 
     ckpt = Path(path) if found else find_checkpoint(path)

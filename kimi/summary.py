@@ -35,9 +35,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from kimi.config import (Config, ConfigError, check_stage_split, mixer_pattern, resolve_vocab,
-                         stages_per_rank)
-
+from kimi.config import Config, ConfigError, check_stage_split, mixer_pattern, resolve_vocab, stages_per_rank
 from kimi.model import KimiModel
 from kimi.model.registry import legend
 from kimi.model.rules import validate_model
@@ -67,6 +65,7 @@ class RankState:
     local: int  # parameters a rank keeps after tp and FSDP
     local_by_family: Dict[str, int]  # of those, per family of optim.name (kimi/optim/registry.py)
     largest_unit: Tuple[str, int] = ("", 0)  # FSDP unit with the most tp-local parameters, and that count
+    units: Dict[str, int] = field(default_factory=dict)  # every FSDP unit's tp-local parameters
     bytes: Dict[str, int] = field(default_factory=dict)
 
     @property
@@ -97,7 +96,7 @@ def compose_config(overrides: Sequence[str]) -> Config:
     """The typed config train.py would run with these overrides (the run dir is not needed here)."""
     from omegaconf import OmegaConf
 
-    from kimi.conf_dir import compose
+    from kimi.cli.conf_dir import compose
 
     return OmegaConf.to_object(compose(["trainer.run_dir=unused", *overrides]))
 
@@ -225,6 +224,7 @@ def rank_state(cfg: Config, model: KimiModel, routes: Dict[str, str], pp_rank: i
         if unit is None:
             unit = ".".join(parts[:3]) if parts[0] == "blocks" and parts[2] in ("mixer", "mlp") else "root"
         units[unit] = units.get(unit, 0) + local_numel(shape, dim, p.tp, 1)
+    st.units = units
     st.largest_unit = max(units.items(), key=lambda kv: kv[1])
     st.bytes = {"fp32 master weights": 4 * st.local, "fp32 gradients": 4 * st.local}
     for fam, state in kind.FAMILIES.items():  # the optimizer's state model, per family it routes to
@@ -395,7 +395,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     print a one-line `error: ...` and exit with status 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
-        from kimi.config_help import config_help
+        import kimi.parallel.engine_rules  # noqa: F401 (fills parallel.engine's choices)
+        from kimi.cli.config_help import config_help
 
         text = config_help(__doc__, argv, only=("model", "optim", "trainer", "parallel", "precision"))
         print(text)

@@ -6,12 +6,12 @@ Hydra's multirun runs several jobs one after another in this process, e.g. an ab
 the others, the command exits 1 at the end if one failed, and a signal stops the sweep after the current
 job's checkpoint.
 
-Exit codes (kimi/cli.py): 0 finished, 75 stopped early with a checkpoint (rerun to continue; after
+Exit codes (kimi/errors.py): 0 finished, 75 stopped early with a checkpoint (rerun to continue; after
 trainer.stop_at_step with it raised or dropped), 2 bad config, data or run directory, 1 failure. Under
 torchrun a stopped run's ranks exit 0 and <run_dir>/exit_code holds 75 (torchrun would call any other code a
 failure); the launch scripts exit with it.
 
-The configs come from kimi.conf_dir: a checkout's conf/, else the installed package's (Hydra's pkg://).
+The configs come from kimi.cli.conf_dir: a checkout's conf/, else the installed package's (Hydra's pkg://).
 """
 
 import os
@@ -21,14 +21,14 @@ from pathlib import Path
 # Hydra's multirun (`-m ...`, e.g. `-m +experiment=ablate_residual`, conf/experiment/) runs its jobs one after
 # another in this process: (run dir, exit code) of each job that failed, reported once all have run.
 FAILED_JOBS: list = []
-# The folders a single run's hydra.run.dir will make (kimi.rundir.FoldersMade), taken before Hydra makes them:
-# a job refused before any work removes them again while they are empty. None: not known (a multirun, or
+# The folders a single run's hydra.run.dir will make (kimi.run.rundir.FoldersMade), taken before Hydra makes
+# them: a job refused before any work removes them again while they are empty. None: not known (a multirun, or
 # main() called without cli()).
 FOLDERS_MADE = None
 
 
 def train(cfg) -> int:
-    from kimi.cli import EXIT_OK, EXIT_STOPPED
+    from kimi.errors import EXIT_OK, EXIT_STOPPED
     from kimi.parallel import destroy_distributed
     from kimi.trainer import Trainer
 
@@ -42,11 +42,12 @@ def job(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from kimi.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_STOPPED, finish, run_main
+    from kimi.cli import finish, run_main
+    from kimi.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_STOPPED
 
     code = run_main(lambda: train(cfg))
     if code == EXIT_BAD_INPUT and FOLDERS_MADE is not None and "TORCHELASTIC_RUN_ID" not in os.environ:
-        from kimi.rundir import remove_unused
+        from kimi.run.rundir import remove_unused
 
         # refused before any work (one line said why): no empty outputs/<date>/<time>/ left behind
         remove_unused(Path(cfg.trainer.run_dir), FOLDERS_MADE.top(Path(cfg.trainer.run_dir)))
@@ -63,7 +64,7 @@ def main() -> None:
     """Hydra's entry over sys.argv (its flags included: --multirun, --cfg, --config-path, ...)."""
     import hydra
 
-    from kimi.conf_dir import search_path
+    from kimi.cli.conf_dir import search_path
     from kimi.config import register_configs
 
     register_configs()
@@ -89,7 +90,11 @@ def cli() -> None:
     from kimi.config import register_configs
 
     if any(a in ("-h", "--help") for a in sys.argv[1:]):  # Hydra's own --help dumps the config unexplained
-        from kimi.config_help import config_help
+        import kimi.data.source_registry  # noqa: F401 (the registries fill the keys' choices)
+        import kimi.optim.registry  # noqa: F401
+        import kimi.parallel.engine_rules  # noqa: F401
+        import kimi.precision.registry  # noqa: F401
+        from kimi.cli.config_help import config_help
 
         print(config_help(USAGE, sys.argv[1:]))
         sys.exit(0)
@@ -105,7 +110,7 @@ def cli() -> None:
     finally:  # this command's: a later main() in the same process (tests) takes its own
         FOLDERS_MADE = None
     if FAILED_JOBS:  # only after a multirun
-        from kimi.cli import EXIT_FAILED
+        from kimi.errors import EXIT_FAILED
 
         for run_dir, code in FAILED_JOBS:
             print(f"error: multirun job {run_dir} exited with code {code}", file=sys.stderr)
@@ -113,12 +118,12 @@ def cli() -> None:
 
 
 def _folders_made(argv: list):
-    """kimi.rundir.FoldersMade of this command's hydra.run.dir (the override, else conf/config.yaml's), for a
-    single run; None for a multirun or Hydra's other flags (their folders are Hydra's own)."""
+    """kimi.run.rundir.FoldersMade of this command's hydra.run.dir (the override, else conf/config.yaml's),
+    for a single run; None for a multirun or Hydra's other flags (their folders are Hydra's own)."""
     from omegaconf import OmegaConf
 
-    from kimi.conf_dir import conf_dir
-    from kimi.rundir import FoldersMade
+    from kimi.cli.conf_dir import conf_dir
+    from kimi.run.rundir import FoldersMade
 
     if any(a.startswith("-") for a in argv):
         return None
@@ -132,7 +137,7 @@ def _folders_made(argv: list):
 
 def entry() -> None:
     """The kimi-train console script: the at-once SIGTERM handler first, as train.py installs it."""
-    from kimi.signals import exit_while_starting
+    from kimi.run.signals import exit_while_starting
 
     exit_while_starting()  # before the imports that take seconds: a SIGTERM among them exits 75, not -15
     cli()

@@ -5,10 +5,10 @@ the whole config first (no data is downloaded for a run whose config cannot work
 the meta device, the newest intact checkpoint in ``<run_dir>/checkpoints`` (checked against this config),
 the engine (parallelism, this rank's shards, optimizer) and its state. A run with nothing left to train
 builds no engine, and its ``fit`` starts no metrics, wandb or sample. ``fit`` keeps the config it trains
-with, the optimizer's routing table and rank 0's console output in the run dir (kimi/runlog.py).
+with, the optimizer's routing table and rank 0's console output in the run dir (kimi/run/runlog.py).
 Everything that depends on how the model is distributed lives in the engine (kimi/parallel/interface.py);
-where a run starts from is kimi/resume.py's, its saves kimi/checkpoint/saver.py's, its stop signals
-kimi/signals.py's.
+where a run starts from is kimi/run/resume.py's, its saves kimi/checkpoint/saver.py's, its stop signals
+kimi/run/signals.py's.
 """
 
 from __future__ import annotations
@@ -23,27 +23,29 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from kimi import checkpoint, eval_tasks, rundir
+from kimi import checkpoint
 from kimi.checkpoint.saver import Saver
 from kimi.config import Config, config_dict, resolve_vocab, to_config
-from kimi.cpu import set_threads
 from kimi.data import prepare
-from kimi.data.streams import rank_streams
+from kimi.data.rank_batches import rank_streams
 from kimi.diagnostics import Diagnostics
-from kimi.divergence import check_finite
-from kimi.metrics import (MetricsLogger, PeakFlops, ProgressWindow, banner, cpu_size_note, qk_clip_record,
-                          tokens_per_step)
+from kimi.eval.in_training import TaskScores
 from kimi.model import KimiModel
-from kimi.model.decode import final_sample
+from kimi.model.decode import decode_blocker, final_sample
 from kimi.optim.memory import check_training_fits
 from kimi.parallel import (ParallelDims, build_engine, checkpoint_group, fault_tolerance, init_distributed,
                            mean_over_ranks, resolve_device, setup_group)
 from kimi.parallel.watchdog import Watchdog
-from kimi.profiling import StepProfiler
-from kimi.resume import checkpoint_to_resume, load_weights, resume, weights_to_start_from
-from kimi.runlog import RunLog, data_identity, nothing_to_train, save_config, write_routing
-from kimi.signals import StopSignals, release_on_exit, stopped_note
-from kimi.validation import validate
+from kimi.run import cpu, rundir
+from kimi.run.divergence import check_finite
+from kimi.run.metrics import MetricsLogger, qk_clip_record, tokens_per_step
+from kimi.run.peaks import PeakFlops
+from kimi.run.progress import ProgressWindow, banner, cpu_size_note
+from kimi.run.profiling import StepProfiler
+from kimi.run.resume import checkpoint_to_resume, load_weights, resume, weights_to_start_from
+from kimi.run.runlog import RunLog, data_identity, nothing_to_train, save_config, write_routing
+from kimi.run.signals import StopSignals, release_on_exit, stopped_note
+from kimi.run.validation import validate
 
 
 class Trainer:
@@ -65,8 +67,7 @@ class Trainer:
         cfg = self.cfg
         self.dims = dims = ParallelDims.from_config(cfg.parallel)
         t = cfg.trainer
-        self.run_dir = Path(t.run_dir)
-        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.run_dir, self.ckpt_dir = Path(t.run_dir), Path(t.run_dir) / "checkpoints"
         self.device = resolve_device(t.device)
         if dims.enabled:
             init_distributed(self.device, t.collective_timeout_s)
@@ -91,7 +92,7 @@ class Trainer:
 
     def _build(self) -> None:
         cfg, t, dims = self.cfg, self.cfg.trainer, self.dims
-        self.threads = set_threads(t.threads, self.device)  # for the banner: how many, and why
+        self.threads = cpu.set_threads(t.threads, self.device)  # for the banner: how many, and why
         torch.manual_seed(t.seed)
 
         # Rank 0 tokenises and packs; the others then find the finished cache instead of racing to write it.
@@ -105,6 +106,7 @@ class Trainer:
         tok = self.data.tokenizer
         resolve_vocab(cfg.model, tok.vocab_size)
         self.loader, self.val_batches = rank_streams(self.data, t, self.dp_rank, dims.data_world)
+        self.task_scores = TaskScores(t, tok, decode_blocker(cfg.parallel), self.log)
 
         # Every rank builds the model on the meta device (no memory); the engine applies parallelism, then
         # allocates and initialises only this rank's shards.
@@ -157,17 +159,16 @@ class Trainer:
     def train_step(self, family_stats: bool = False) -> Dict[str, float]:
         """One optimizer step; family_stats: also each optimizer family's gradient norm and update RMS (a
         diagnostics step)."""
-        accum = self.cfg.trainer.grad_accum_steps
+        t = self.cfg.trainer
         total = torch.zeros((), device=self.device)
-        for _ in range(accum):
-            total += self.engine.forward_backward(self.loader.next_batch(), scale=1.0 / accum)
-        loss = mean_over_ranks(total / accum)  # every rank sees the same value, so all stop alike on NaN
-        loss = loss.item()  # read once: a second read would wait for the update queued below
-        check_finite("loss", loss, self.step, self.ckpt_dir, self.cfg.trainer.precision)
+        for _ in range(t.grad_accum_steps):
+            total += self.engine.forward_backward(self.loader.next_batch(), scale=1.0 / t.grad_accum_steps)
+        # one loss on every rank (all stop alike on NaN), read once (again, it would wait for the update)
+        loss = mean_over_ranks(total / t.grad_accum_steps).item()
+        check_finite("loss", loss, self.step, self.ckpt_dir, t.precision)
         out = self.engine.step(self.cfg.optim.grad_clip, family_stats=family_stats)
         # a global norm, the same on every rank; the torch engine has skipped the update for it
-        check_finite("the gradient norm", out["grad_norm"], self.step, self.ckpt_dir,
-                     self.cfg.trainer.precision)
+        check_finite("the gradient norm", out["grad_norm"], self.step, self.ckpt_dir, t.precision)
         self.step += 1
         return {"loss": loss, **out}
 
@@ -222,8 +223,7 @@ class Trainer:
         if cfg.logging.plot and self.metrics.history:
             if png := self.metrics.plot(self.run_dir / "loss_curve.png"):
                 self.log(f"[kimi] loss curve: {png}")
-        can_decode = self.dims.pp == 1 and not cfg.parallel.sequence_parallel
-        if result["finished"] and (text := final_sample(self.model, self.data, t, can_decode,
+        if result["finished"] and (text := final_sample(self.model, self.data, t, self.task_scores.blocked,
                                                         self.step, self.log)) is not None:
             result["sample"] = text
         return result
@@ -293,7 +293,7 @@ class Trainer:
         self.log(f"[kimi] step {self.step}: validation loss {val:.4f}, perplexity "
                  f"{ppl:.2f}{self.val_batches.note()}")
         record = {**record, "val_loss": val, "val_ppl": ppl, **self.val_batches.by_source,
-                  **eval_tasks.scores(self)}
+                  **self.task_scores(self.model, self.step)}
         if log:
             self.metrics.log(record)
         return record

@@ -7,10 +7,10 @@ tables among them.
   run             the run directory (required)
   json            a file to write the summary to as well, as JSON
 
-key=value arguments (kimi/keyvalue.py); a bad argument is one line and exit code 2.
+key=value arguments (kimi/cli/keyvalue.py); a bad argument is one line and exit code 2.
 
-Besides the logged keys it shows the charts' x axis the run defines (tokens, kimi.metrics.tokens_axis) and
-the run's artifacts, the checkpoints among them (logging.wandb.log_checkpoints).
+Besides the logged keys it shows the charts' x axis the run defines (tokens, kimi.run.wandb_run.tokens_axis)
+and the run's artifacts, the checkpoints among them (logging.wandb.log_checkpoints).
 
 The ``.wandb`` file is a LevelDB-style log (wandb 0.31 has no Python reader of its own; its Go core writes the
 file): a 7-byte header, then 32 KiB blocks of chunks, each [crc32 of type + data (4), length (2), type (1):
@@ -169,7 +169,7 @@ def render(summary: Dict[str, Any]) -> List[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from kimi import keyvalue
+    from kimi.cli import keyvalue
     from kimi.config import ConfigError
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -26,7 +26,7 @@ case "${1:-}" in
         parallel.torchft.replica_groups="${REPLICA_GROUPS:-2}" parallel.torchft.min_replicas="${MIN_REPLICAS:-1}" \
         parallel.torchft.lighthouse="${LIGHTHOUSE:?set LIGHTHOUSE=http://HOST:PORT}" "$@"
     rc=$?
-    # the trainer's code (kimi/cli.py), as launch/torchrun.sh reads it: its ranks exit 0 where a restart
+    # the trainer's code (kimi/errors.py), as launch/torchrun.sh reads it: its ranks exit 0 where a restart
     # would not help (75 stopped; 1 the lighthouse gone), so torchrun does not restart them
     code="$(cat "$RUN_DIR/exit_code" 2>/dev/null || true)"
     if [[ -n "$code" && ( $rc -eq 0 || $code -ne 0 ) ]]; then exit "$code"; fi

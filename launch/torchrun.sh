@@ -2,7 +2,7 @@
 # Local launcher:  NPROC=1 RUN_DIR=runs/exp1 launch/torchrun.sh model=small trainer.max_steps=2000
 # Rerunning the same command resumes from RUN_DIR's newest complete checkpoint. Under torchrun the run
 # directory must be explicit: Hydra's timestamped default could differ between ranks.
-# Exit code: the trainer's (kimi/cli.py): 0 finished, 75 stopped early with a checkpoint (rerun to
+# Exit code: the trainer's (kimi/errors.py): 0 finished, 75 stopped early with a checkpoint (rerun to
 # continue), 2 bad config/data/run dir, 1 failure. torchrun itself only says 0 or 1, so the trainer's code
 # is read from $RUN_DIR/exit_code.
 set -uo pipefail

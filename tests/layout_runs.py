@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from kimi import checkpoint
 from kimi.config import register_configs
-from kimi.metrics import read_metrics
+from kimi.run.metrics import read_metrics
 from kimi.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

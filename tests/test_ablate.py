@@ -17,7 +17,7 @@ import pytest
 from helpers import ROOT, TINY_TRAINER
 
 from kimi import ablate, checkpoint
-from kimi.metrics import read_metrics
+from kimi.run.metrics import read_metrics
 
 # What each arm must set, and which keys an arm may change at all (everything else equal to the baseline).
 ARMS = {

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import filesystem
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from kimi import checkpoint
-from kimi.cli import RunError
+from kimi.errors import RunError
 
 pytestmark = pytest.mark.e2e
 

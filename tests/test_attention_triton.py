@@ -273,7 +273,7 @@ def test_selective_checkpointing_keeps_the_kernels_output(monkeypatch):
     """Under activation_checkpointing=selective the Triton attention forward runs once: its outputs are
     kept like SDPA's and the matmuls', not recomputed in the backward (full recomputes it)."""
     from kimi.ops.attention.triton import op
-    from kimi.parallel.checkpointing import _checkpointed
+    from kimi.parallel.activation_checkpointing import _checkpointed
 
     runs = []
     forward = op.attention_forward

@@ -26,7 +26,7 @@ from kimi.ops.attnres.reference import mix_then_norm  # noqa: E402
 from kimi.ops.attnres.triton import depth_mix_triton  # noqa: E402
 from kimi.ops.attnres.triton import op as triton_op  # noqa: E402
 from kimi.ops.dispatch import TritonKernelError  # noqa: E402
-from kimi.parallel.checkpointing import apply_activation_checkpointing  # noqa: E402
+from kimi.parallel.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
 
 F64 = torch.float64
 EPS, NORM_EPS = 1e-5, 1e-6  # different on purpose: each must reach its own norm

@@ -1,7 +1,7 @@
 """Bad inputs and faults a user can hit with `python train.py` and `python -m kimi.generate`, end to end.
 
 Every case runs the command's entry point and checks what the user gets: (1) one `error: ...` line on
-stderr with the words that say what is wrong, and no traceback; (2) the exit code (kimi/cli.py); (3) that no
+stderr with the words that say what is wrong, and no traceback; (2) the exit code (kimi/errors.py); (3) that no
 checkpoint was lost: the bad command runs against a copy of a trained run, whose complete checkpoints must
 still be there and still pass `checkpoint.verify` afterwards.
 
@@ -39,7 +39,7 @@ from helpers import TINY_TRAINER as TINY
 from hydra import compose, initialize_config_dir
 
 from kimi import checkpoint
-from kimi.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_STOPPED
+from kimi.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_STOPPED
 from kimi.config import register_configs
 from kimi.trainer import Trainer
 

@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from kimi.config import Config, ConfigError, ModelConfig, mla_layer_indices, register_configs
-from kimi.validation import validate
+from kimi.run.validation import validate
 from kimi.model import KimiModel
 
 pytestmark = pytest.mark.unit
@@ -45,7 +45,7 @@ def test_defaults_are_the_documented_ones():
     assert (cfg.model.name, cfg.data.name, cfg.optim.name) == ("tiny", "shakespeare", "muonclip")
     assert cfg.model.residual == "attnres_block" and cfg.model.qk_rope_head_dim == 0  # NoPE MLA
     assert cfg.logging.wandb.mode is None and cfg.logging.wandb.project is None  # wandb's variables, else:
-    from kimi.metrics import wandb_mode
+    from kimi.run.wandb_run import wandb_mode
 
     assert "WANDB_MODE" in os.environ or wandb_mode(cfg.logging.wandb) == "offline"
 

@@ -1,4 +1,4 @@
-"""The training commands' --help (kimi.config_help): every key of the schema, described by its own comment in
+"""The training commands' --help (kimi.cli.config_help): every key of the schema, described by its own comment in
 kimi/config.py, with its choices and the value the overrides give."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import pytest
 
 from kimi.config import Config, _schema_keys, one_of
-from kimi.config_help import _comments, composed, keys_help
+import kimi.optim.registry  # noqa: F401 (fills optim.name's choices, as the commands import it)
+from kimi.cli.config_help import _comments, composed, keys_help
 
 pytestmark = pytest.mark.unit
 

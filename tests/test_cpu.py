@@ -1,5 +1,5 @@
 """Training on a CPU as the machine is: threads fitted to the free cores, a peak measured once per machine and
-cached, and a hint when a busy machine slows the threads down (kimi/cpu.py, kimi/metrics.py). The load, the
+cached, and a hint when a busy machine slows the threads down (kimi/run/cpu.py, kimi/run/peaks.py). The load, the
 cores and the measurement are stand-ins: nothing here benchmarks the CPU."""
 
 import json
@@ -8,8 +8,9 @@ import time
 import pytest
 import torch
 
-from kimi import cpu, metrics
-from kimi.metrics import PeakFlops, ProgressWindow
+from kimi.run import cpu
+from kimi.run.peaks import PeakFlops
+from kimi.run.progress import ProgressWindow
 
 pytestmark = pytest.mark.unit
 
@@ -130,5 +131,5 @@ def test_an_unreliable_cpu_peak_logs_null_and_says_so_once(threads, monkeypatch)
     line, record, note = window.report(1, {"lr": 1e-3, "grad_norm": 1.0})
     assert record["mfu"] is None and "MFU" not in line
     assert note.startswith("[kimi] MFU n/a (peak unreliable: achieved 100.0 MFLOP/s, more than the measured "
-                           "CPU rate 20.0 MFLOP/s)") and metrics.cpu.REMEASURE_ENV in note
+                           "CPU rate 20.0 MFLOP/s)") and cpu.REMEASURE_ENV in note
     assert _notes(window, 2) == [None, None]

@@ -539,7 +539,7 @@ def test_real_shakespeare_download(tmp_path):
     # what README.md's "What the default run does" says of this corpus, and the prompt its sample shows
     from pathlib import Path
 
-    from kimi.data.streams import val_opening
+    from kimi.data.rank_batches import val_opening
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     prose = " ".join(readme.split())

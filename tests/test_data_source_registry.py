@@ -14,7 +14,7 @@ from kimi.data import read_tokens
 from kimi.data.rules import validate_data
 from kimi.data.source_registry import SOURCES, DataSource, source_for
 from kimi.data.sources import source_identity
-from kimi.metrics import read_metrics
+from kimi.run.metrics import read_metrics
 
 pytestmark = pytest.mark.unit
 

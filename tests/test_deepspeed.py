@@ -17,7 +17,7 @@ import pytest
 from layout_runs import ROOT, assert_same_run, metrics, overrides, torchrun
 
 from kimi import checkpoint
-from kimi.metrics import read_metrics
+from kimi.run.metrics import read_metrics
 
 pytestmark = pytest.mark.dist
 

@@ -18,11 +18,11 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from kimi import wandb_offline
 from kimi.config import Config, ConfigError
-from kimi.validation import validate
+from kimi.run.validation import validate
 from kimi.diagnostics import attnres_matrix, head_matrix, moe_matrix
 from kimi.diagnostics.observe import Tally, observe
 from kimi.diagnostics.record import combine
-from kimi.metrics import qk_clip_record, read_metrics
+from kimi.run.metrics import qk_clip_record, read_metrics
 from kimi.model import KimiModel
 from kimi.model.moe import route
 from kimi.optim import QKClip

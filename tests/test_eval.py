@@ -234,8 +234,8 @@ def test_trainer_logs_eval_task_scores_equal_to_the_command(tmp_path, data, caps
 
     from kimi.config import ConfigError, to_config
     from kimi.eval.cli import main
-    from kimi.metrics import read_metrics
-    from kimi.validation import validate
+    from kimi.run.metrics import read_metrics
+    from kimi.run.validation import validate
 
     run = tmp_path / "run"
     train_run(run, data, "trainer.max_steps=2", "trainer.eval_tasks=[kimi_cloze,kimi_lastword]",

@@ -1,4 +1,4 @@
-"""Every command keeps the one exit-code table (docs/runs.md, "Exit codes"; kimi/cli.py): a missing path
+"""Every command keeps the one exit-code table (docs/runs.md, "Exit codes"; kimi/errors.py): a missing path
 and an unknown key are bad input (2), a forged checkpoint a failure (1), each one `error:` line and no
 traceback. Each command runs in-process through its own entry function (sys.argv patched where it reads
 it), so the cases cost no interpreter start; tests/test_bad_inputs.py runs real processes for train.py."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import TINY_TRAINER, corpus_overrides, make_corpus, tiny_model_cfg
 
-from kimi.cli import EXIT_BAD_INPUT, EXIT_FAILED
+from kimi.errors import EXIT_BAD_INPUT, EXIT_FAILED
 
 pytestmark = pytest.mark.unit
 

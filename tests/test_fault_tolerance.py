@@ -27,7 +27,7 @@ os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs every quorum ot
 from torchft.coordination import LighthouseServer  # noqa: E402
 
 from kimi import checkpoint  # noqa: E402
-from kimi.metrics import read_metrics  # noqa: E402
+from kimi.run.metrics import read_metrics  # noqa: E402
 
 pytestmark = pytest.mark.dist
 

@@ -1,5 +1,5 @@
 """`python -m kimi.generate`: arguments are parsed literally, and every bad argument or run directory is one
-line on stderr with exit code 2 (kimi/cli.py), in-process through kimi.generate.main."""
+line on stderr with exit code 2 (kimi/errors.py), in-process through kimi.generate.main."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from helpers import TINY_TRAINER, make_corpus
 from hydra import compose, initialize_config_dir
 
 from kimi import checkpoint
-from kimi.cli import EXIT_BAD_INPUT, EXIT_OK
+from kimi.errors import EXIT_BAD_INPUT, EXIT_OK
 from kimi.config import ConfigError, register_configs
 from kimi.generate import USAGE, GenerateArgs, UsageError, main, parse_args
 

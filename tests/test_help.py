@@ -1,6 +1,6 @@
 """`--help` of every command a user is told about: each console script of pyproject.toml's [project.scripts],
 each `python -m kimi...` that README.md or docs/ names, and train.py. Each must exit 0 without a traceback and
-list its keys in the key=value table every kimi command uses (kimi.keyvalue.table): a few keys with a
+list its keys in the key=value table every kimi command uses (kimi.cli.keyvalue.table): a few keys with a
 description (all of them where it has fewer), and no argparse `--flag` listing. The commands run in this
 process (runpy, and each script's entry point as its generated wrapper calls it): one torch import for all,
 where a subprocess each took 8-10 s on a 2-core CPU."""

@@ -1,7 +1,7 @@
 """Model folders are trust boundaries (docs/huggingface.md, "What a model folder may do"): a folder's Python
 code runs only with trust_remote_code=true (and, when it is not the code to-hf recorded, with
 trust_modified_code=true as well); file names read from a folder's files stay inside it; to-hf's output is
-complete or absent; and each refusal is one line with the exit code kimi/cli.py documents."""
+complete or absent; and each refusal is one line with the exit code kimi/errors.py documents."""
 
 import dataclasses
 import errno
@@ -202,7 +202,7 @@ def test_eval_refuses_weights_outside_the_folder(run, export, tmp_path, capsys):
 
 
 def test_a_prepared_data_manifest_cannot_name_files_elsewhere(tmp_path):
-    from kimi.data.errors import DataError
+    from kimi.errors import DataError
     from kimi.data.pack import MANIFEST, _prepared
 
     data_dir = tmp_path / "data"

@@ -72,7 +72,7 @@ def test_the_wheel_trains_from_any_directory(venv, outside, tmp_path):
     work = tmp_path / "elsewhere"
     work.mkdir()
     python = venv / "bin" / "python"
-    found = "import kimi, kimi.conf_dir as c; print(kimi.__file__); print(c.search_path())"
+    found = "import kimi, kimi.cli.conf_dir as c; print(kimi.__file__); print(c.search_path())"
     where = _run([python, "-c", found], cwd=work, env=outside).split()
     assert Path(where[0]).is_relative_to(venv) and where[1] == "pkg://kimi.conf", where
     for command in COMMANDS:

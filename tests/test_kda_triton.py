@@ -277,7 +277,7 @@ def test_selective_checkpointing_keeps_the_chunk_forward(monkeypatch):
     """Under activation_checkpointing=selective the Triton chunk forward runs once (its output is kept like
     a matmul's); full checkpointing runs it again in the backward."""
     from kimi.ops.kda.triton import op
-    from kimi.parallel.checkpointing import _checkpointed
+    from kimi.parallel.activation_checkpointing import _checkpointed
 
     runs = []
     forward = op.chunk_fwd

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from kimi.model import KimiModel, lm_loss
 from kimi.config import ConfigError
 from kimi.ops.linear_ce import CHUNK_MIB, chunk_tokens, linear_cross_entropy
-from kimi.parallel.checkpointing import apply_activation_checkpointing
+from kimi.parallel.activation_checkpointing import apply_activation_checkpointing
 from kimi.summary import compose_config
-from kimi.validation import validate
+from kimi.run.validation import validate
 
 pytestmark = pytest.mark.unit
 

@@ -10,7 +10,7 @@ import torch
 from helpers import train_run
 
 from kimi.config import ConfigError, OptimConfig
-from kimi.metrics import read_metrics
+from kimi.run.metrics import read_metrics
 from kimi.model.footprint import estimate_params
 from kimi.optim.memory import check_training_fits
 from kimi.optim.registry import OPTIMIZERS, OptimizerKind, StateModel, optimizer_class

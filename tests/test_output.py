@@ -13,9 +13,12 @@ from helpers import copy_run, run_cfg, train_run, tiny_model_cfg
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from kimi import metrics, trainer as trainer_module
+from kimi import trainer as trainer_module
+from kimi.run import cpu
 from kimi.config import ConfigError, register_configs
-from kimi.metrics import PeakFlops, progress_line, read_metrics
+from kimi.run.peaks import PeakFlops
+from kimi.run.progress import cpu_size_note, progress_line
+from kimi.run.metrics import read_metrics
 from kimi.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +53,7 @@ def progress(out: str) -> list[tuple[int, int, float, float]]:
 @pytest.mark.e2e
 def test_mfu_is_null_not_100_percent_when_the_peak_was_measured_too_low(tmp_path, data, capsys, monkeypatch):
     # a CPU "measured" while swamped: every window beats it
-    monkeypatch.setattr(metrics.cpu, "per_core_peak", lambda *a, **k: (1e3, True))
+    monkeypatch.setattr(cpu, "per_core_peak", lambda *a, **k: (1e3, True))
     train(tmp_path / "run", data, "trainer.max_steps=5", "trainer.log_every=1", "trainer.peak_flops=null")
     out = capsys.readouterr().out
     assert ("[kimi] MFU against 1000 FLOP/s: 1 thread x this CPU's fp32 matmul rate per core (1000 FLOP/s, "
@@ -83,7 +86,7 @@ def test_a_peak_below_the_achieved_rate_makes_mfu_null_from_then_on():
     ("NVIDIA H200", 989e12, "NVIDIA H200, datasheet dense bf16 peak"),
     ("NVIDIA H100 PCIe", 756e12, "NVIDIA H100 PCIe, datasheet dense bf16 peak"),
     ("NVIDIA A100-SXM4-80GB", 312e12, "NVIDIA A100-SXM4-80GB, datasheet dense bf16 peak"),
-    ("Tesla T4", 100e12, "Tesla T4, not in kimi/metrics.py's table: assumed; set trainer.peak_flops")])
+    ("Tesla T4", 100e12, "Tesla T4, not in kimi/run/peaks.py's table: assumed; set trainer.peak_flops")])
 def test_cuda_peak_names_the_device_and_its_number(monkeypatch, name, peak, source):
     import torch
 
@@ -95,7 +98,7 @@ def test_cuda_peak_names_the_device_and_its_number(monkeypatch, name, peak, sour
 
 @pytest.mark.unit
 def test_cpu_peak_is_the_best_of_several_runs(monkeypatch):
-    from kimi import cpu
+    from kimi.run import cpu
 
     assert cpu.measure_cpu_peak_flops(size=64, seconds=0.01, repeats=2) > 0
     # A clock for two timed runs of 1.5 s: the first does one matmul in 3 s, the second (the machine busy)
@@ -131,10 +134,10 @@ def test_progress_line_shows_the_labelled_window_mean_of_metrics_jsonl(tmp_path,
 def test_a_gpu_sized_model_on_a_cpu_gets_a_note():
     import torch
 
-    note = metrics.cpu_size_note(torch.device("cpu"), 125_600_000)
+    note = cpu_size_note(torch.device("cpu"), 125_600_000)
     assert note.startswith("[kimi] note: 125.6M parameters on a CPU") and "model=tiny" in note
-    assert metrics.cpu_size_note(torch.device("cpu"), 1_470_000) is None  # model=tiny
-    assert metrics.cpu_size_note(torch.device("cuda"), 125_600_000) is None
+    assert cpu_size_note(torch.device("cpu"), 1_470_000) is None  # model=tiny
+    assert cpu_size_note(torch.device("cuda"), 125_600_000) is None
 
 
 @pytest.mark.unit
@@ -163,7 +166,7 @@ def test_routing_table_goes_to_a_file_and_the_console_gets_one_line(tmp_path, da
 def test_routing_under_a_pipeline_one_file_per_pipeline_rank(tmp_path):
     from kimi.model.transformer import KimiModel
     from kimi.optim.muonclip import MuonClip
-    from kimi.runlog import write_routing
+    from kimi.run.runlog import write_routing
 
     optimizer = MuonClip(KimiModel(tiny_model_cfg()).named_parameters())
 
@@ -286,7 +289,7 @@ def test_raising_max_steps_says_what_happens_to_the_lr_schedule(tmp_path, data, 
     ("x" * 50 + " tail", "x" * 40),  # one word longer than the limit: cut inside it
 ])
 def test_sample_prompt_is_the_opening_words_of_a_document(text, opening):
-    from kimi.data.streams import opening_words
+    from kimi.data.rank_batches import opening_words
 
     assert opening_words(text) == opening
 

@@ -7,7 +7,7 @@ import pytest
 from kimi.config import ConfigError
 from kimi.precision.registry import PRECISIONS, Precision, precision_for
 from kimi.summary import compose_config, report, summarize
-from kimi.validation import validate
+from kimi.run.validation import validate
 
 pytestmark = pytest.mark.unit
 

@@ -41,7 +41,7 @@ def test_trainer_trains_on_a_blend_logs_each_source_and_resumes_exactly(tmp_path
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from helpers import train_run
-    from kimi.metrics import read_metrics
+    from kimi.run.metrics import read_metrics
 
     books = make_corpus(tmp_path / "books", docs=12, sentences=40)
     web = tmp_path / "web"
@@ -78,7 +78,7 @@ def test_a_checkpoint_from_before_global_positions_resumes(tmp_path, data, monke
     where the uninterrupted run goes; a blend's checkpoint resumed on one source is one line."""
     from helpers import train_run
     from kimi.data import DataError, loader
-    from kimi.metrics import read_metrics
+    from kimi.run.metrics import read_metrics
 
     whole = train_run(tmp_path / "whole", data, "trainer.max_steps=3")
     new = loader.TokenLoader.state_dict

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from kimi.config import ConfigError
-from kimi.rundir import LOCK, FoldersMade, RunLock, open_run_dir, remove_unused
+from kimi.run.rundir import LOCK, FoldersMade, RunLock, open_run_dir, remove_unused
 
 pytestmark = pytest.mark.unit
 
@@ -73,7 +73,7 @@ def test_a_refused_train_py_leaves_no_folder(tmp_path, monkeypatch, capsys):
 # ---- stale locks -----------------------------------------------------------------------------------------
 def _killed_holder(run_dir) -> int:
     """The pid of a process that took the run dir's lock and was killed holding it (SIGKILL: no release)."""
-    code = ("from pathlib import Path; from kimi.rundir import RunLock; "
+    code = ("from pathlib import Path; from kimi.run.rundir import RunLock; "
             f"lock = RunLock(Path({str(run_dir)!r})); print('locked', flush=True); "
             "import time; time.sleep(600)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -16,11 +16,12 @@ import pytest
 from helpers import TINY_TRAINER as TINY
 from helpers import copy_run, run_cfg, train_run
 
-import kimi.signals
+import kimi.run.signals
 from kimi import checkpoint
-from kimi.cli import RunError, run_main
+from kimi.errors import RunError
+from kimi.cli import run_main
 from kimi.config import ConfigError, register_configs
-from kimi.metrics import read_metrics
+from kimi.run.metrics import read_metrics
 from kimi.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -279,7 +280,7 @@ def test_metrics_are_appended_and_a_torn_last_line_is_dropped(tmp_path, data, tr
 @pytest.mark.unit
 @pytest.mark.parametrize("torn", ["", '{"step": 3', "x" * 200_000])  # longer than one block read back
 def test_only_a_torn_last_line_is_cut(tmp_path, torn):
-    from kimi.metrics import _drop_torn_line
+    from kimi.run.metrics import _drop_torn_line
 
     whole = '{"step": 1}\n{"step": 2}\n'
     path = tmp_path / "metrics.jsonl"
@@ -390,7 +391,7 @@ def test_wandb_online_without_credentials_is_one_line_at_once(tmp_path, monkeypa
     import wandb
 
     from kimi.config import WandbConfig
-    from kimi.metrics import start_wandb
+    from kimi.run.wandb_run import start_wandb
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings
@@ -413,19 +414,19 @@ def test_wandb_online_without_network_logs_offline_with_a_warning(tmp_path, monk
 
     import wandb
 
-    import kimi.metrics
+    import kimi.run.metrics
     from kimi.config import WandbConfig
-    from kimi.metrics import start_wandb
+    from kimi.run.wandb_run import start_wandb
     from kimi.wandb_offline import run_file
 
-    assert 0 < kimi.metrics.WANDB_ONLINE_TIMEOUT_S <= 30  # a network outage delays a start by no more
+    assert 0 < kimi.run.wandb_run.WANDB_ONLINE_TIMEOUT_S <= 30  # a network outage delays a start by no more
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setattr(kimi.metrics, "WANDB_ONLINE_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(kimi.run.metrics, "WANDB_ONLINE_TIMEOUT_S", 2.0)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     try:
@@ -549,7 +550,7 @@ def test_sigterm_anywhere_in_the_start_is_one_line_and_75(tmp_path, data):
 
 
 def leave_by_raising(code: int) -> None:
-    """kimi.signals._leave for a handler run inside pytest's own process: SystemExit instead of os._exit."""
+    """kimi.run.signals._leave for a handler run inside pytest's own process: SystemExit instead of os._exit."""
     raise SystemExit(code)
 
 
@@ -557,8 +558,8 @@ def leave_by_raising(code: int) -> None:
 def test_a_second_sigterm_during_the_start_exits_75_and_later_interrupts(monkeypatch, capsys):
     """A SIGTERM kept during the start (the run would stop after its first step) and then a second one: the
     start ends at once with code 75 (nothing is trained yet); once training, a second signal interrupts it."""
-    stops = kimi.signals.StopSignals(lambda: (0, 0))
-    monkeypatch.setattr(kimi.signals, "_leave", leave_by_raising)
+    stops = kimi.run.signals.StopSignals(lambda: (0, 0))
+    monkeypatch.setattr(kimi.run.signals, "_leave", leave_by_raising)
     stops.catch(signal.SIGTERM)
     try:
         os.kill(os.getpid(), signal.SIGTERM)
@@ -623,7 +624,7 @@ def test_sigterm_while_preparing_data_exits_75_at_once(tmp_path, data, monkeypat
         raise AssertionError("data preparation went on after SIGTERM")
 
     monkeypatch.setattr(kimi.trainer, "prepare", signal_then_prepare)
-    monkeypatch.setattr(kimi.signals, "_leave", leave_by_raising)  # not this pytest process
+    monkeypatch.setattr(kimi.run.signals, "_leave", leave_by_raising)  # not this pytest process
     with pytest.raises(SystemExit) as stopped:
         Trainer(cfg(tmp_path / "run", data))
     assert stopped.value.code == 75 and STARTING in capsys.readouterr().out
@@ -675,7 +676,7 @@ def test_an_infinite_gradient_stops_the_run_before_the_update_and_any_checkpoint
                      "from {c2}. Try"),
     ([5], "fp32", "the only complete checkpoint, {c5}, holds the weights that gave it: start over. Try")])
 def test_a_non_finite_value_names_a_checkpoint_that_can_help(tmp_path, saved, precision, expected):
-    from kimi.divergence import check_finite
+    from kimi.run.divergence import check_finite
 
     for step in (*saved, 6):  # step 6: newer than the failing step (another run's): never named
         ckpt(tmp_path, step).mkdir(parents=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import ROOT, corpus_overrides, run_cfg, tiny_model_cfg
 
-from kimi.cli import EXIT_BAD_INPUT, EXIT_FAILED
+from kimi.errors import EXIT_BAD_INPUT, EXIT_FAILED
 from kimi.config import SIZE_BOUNDS, ConfigError
 from kimi.model import KimiModel
 from kimi.model.footprint import SKIP_ENV, check_fits, estimate_params

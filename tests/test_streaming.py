@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from kimi.config import ConfigError, DataConfig, DataSourceConfig
-from kimi.data.errors import DataError
+from kimi.errors import DataError
 from kimi.data.loader import TokenLoader
 from kimi.data.rules import validate_data
 from kimi.data.streaming import StreamLoader, _digest, stream_ranks
 from kimi.data.tokenizer import Tokenizer, train_tokenizer
-from kimi.metrics import read_metrics
+from kimi.run.metrics import read_metrics
 from helpers import train_run
 
 WORDS = "the king a fool my lord loves fears follows the crown night sea stars letter".split()

@@ -35,7 +35,7 @@ def make_cfg(run_dir: Path, corpus: Path, cache_dir: Path, *overrides: str):
 
 
 def read_metrics(run_dir: Path):
-    from kimi.metrics import read_metrics
+    from kimi.run.metrics import read_metrics
 
     return read_metrics(run_dir / "metrics.jsonl")
 
@@ -233,7 +233,7 @@ def test_run_logs_qk_clip_per_layer(tmp_path, corpus, cache_dir, optim):
 
 @pytest.mark.unit
 def test_progress_line_shows_what_is_known():
-    from kimi.metrics import progress_line
+    from kimi.run.progress import progress_line
 
     line = progress_line(7, 300, 3.14159, 1e-3, 0.5, 12_345, 0.123, 65, memory_gib=21.04)
     assert line == ("step   7/300 | loss 3.1416 | lr 1.00e-03 | gnorm 0.500 | 12.3k tok/s | MFU 12.3% | "

@@ -11,7 +11,8 @@ import pytest
 from helpers import train_run
 
 from kimi.config import ConfigError, WandbConfig
-from kimi.metrics import wandb_mode, wandb_run_id
+from kimi.run.wandb_run import wandb_mode
+from kimi.run.metrics import wandb_run_id
 from kimi.wandb_offline import contents, history, read_records, run_file
 
 pytestmark = pytest.mark.e2e

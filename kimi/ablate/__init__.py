@@ -116,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def help_text(parser: argparse.ArgumentParser) -> str:
     """--help: the module's usage, then each option as its key (OPTIONS) with the help its --flag has."""
-    from kimi import keyvalue
+    from kimi.cli import keyvalue
 
     key = {flag: k for k, flag in OPTIONS.items()}
     rows = [("NAME", parser._actions[1].help)]  # the positional names, after argparse's own -h
@@ -166,7 +166,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("[ablate] stopped; rerun the same command to continue", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 (a config error from composing the overrides)
-        from kimi.cli import exit_code_for
+        from kimi.errors import exit_code_for
 
         if exit_code_for(e) is None:
             raise

@@ -173,7 +173,7 @@ def summarise(run) -> Optional[dict]:
     config.yaml yet."""
     from omegaconf import OmegaConf
 
-    from kimi.metrics import read_metrics
+    from kimi.run.metrics import read_metrics
 
     cfg_path, metrics = run.dir / "config.yaml", run.dir / "metrics.jsonl"
     if not cfg_path.is_file() or not metrics.is_file():

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from kimi.conf_dir import conf_dir
+from kimi.cli.conf_dir import conf_dir
 
 from . import records
 from .state import exit_code, status
@@ -198,7 +198,7 @@ def _composed(overrides: Tuple[str, ...]) -> Dict[str, Any]:
     from omegaconf import OmegaConf
 
     from kimi.cli import check_overrides
-    from kimi.conf_dir import compose
+    from kimi.cli.conf_dir import compose
     from kimi.config import register_configs
 
     register_configs()
@@ -257,7 +257,7 @@ def check_factor_kept(exp: Experiment, configs: Dict[str, Dict[str, Any]], user:
 
 def final_val_loss(run_dir: Path, max_steps: int) -> Optional[float]:
     """The validation loss logged at max_steps (None if there is none)."""
-    from kimi.metrics import read_metrics
+    from kimi.run.metrics import read_metrics
 
     path = run_dir / "metrics.jsonl"
     if not path.is_file():

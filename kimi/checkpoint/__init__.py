@@ -32,8 +32,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from kimi.cli import RunError
 from kimi.config import ConfigError
+from kimi.errors import RunError
 from kimi.folders import inside
 
 from . import manifest

@@ -18,7 +18,7 @@ class Saver:
         self.root, self.keep, self.background, self.group, self.log = root, keep, background, group, log
         self.saving: Optional[BackgroundSave] = None  # the save being written in the background, if any
         # called with (directory, step) of each save once it is complete (marked and rotated), on this rank:
-        # wandb's checkpoint artifacts (kimi.metrics.MetricsLogger, logging.wandb.log_checkpoints)
+        # wandb's checkpoint artifacts (kimi.run.metrics.MetricsLogger, logging.wandb.log_checkpoints)
         self.on_saved: List[Callable[[Path, int], None]] = []
 
     def save(self, step: int, engine, loader, config: Dict[str, Any], extra: Dict[str, Any], run_id: str,

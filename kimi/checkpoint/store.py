@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from kimi.cli import STORAGE_ERRORS, RunError
+from kimi.errors import STORAGE_ERRORS, RunError
 
 from . import manifest
 

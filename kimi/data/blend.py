@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from kimi.config import DataConfig
-from kimi.data.errors import DataError
 from kimi.data.loader import Batch
 from kimi.data.tokenizer import Tokenizer
+from kimi.errors import DataError
 from kimi.ops.documents import doc_starts_after_eos
 
 # The keys of a blend entry that replace data.*'s value when set (the rest of data.* applies to all sources).
@@ -77,7 +77,7 @@ def blend_tokenizer(cfg: DataConfig) -> Path:
     under the data cache by everything it depends on: data.tokenizer's BPE on up to train_chars characters,
     each source giving its weight's share of them (the whole source when it holds less), drawn across the
     source as a single source's tokenizer draws them (kimi.data.pack.tokenizer_texts)."""
-    from kimi.data.pack import TOKENIZER_RECIPE, exclusive, train_with_progress, tokenizer_texts
+    from kimi.data.pack import TOKENIZER_RECIPE, exclusive, tokenizer_texts, train_with_progress
     from kimi.data.sources import cache_root, load_documents, source_identity
 
     tc, sources = cfg.tokenizer, source_configs(cfg)

@@ -29,9 +29,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from kimi.data.errors import DataError, one_line
 # Files are opened through open_binary, so they are read as datasets reads them.
 from kimi.data.files import open_binary
+from kimi.errors import DataError, one_line
 
 _SNIFF_BYTES = 8192  # how much of each file is looked at for NUL bytes before loading
 # What reading a (possibly compressed) file can raise when the file itself is broken.

@@ -14,7 +14,7 @@ import os
 from typing import BinaryIO, List
 
 from kimi.config import DataConfig
-from kimi.data.errors import DataError
+from kimi.errors import DataError
 
 _EXT_FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
                 ".parquet": "parquet"}

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
-from kimi.data.errors import DataError, one_line
+from kimi.errors import DataError, one_line
 
 FILE_NAME = "tokenizer.json"
 CONFIG_NAME = "tokenizer_config.json"

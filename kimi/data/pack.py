@@ -32,13 +32,13 @@ import pyarrow.compute as pc
 
 from kimi.config import DataConfig
 from kimi.data.encode import Progress, default_num_proc, encode_documents
-from kimi.data.errors import DataError
 from kimi.data.shards import (FORMAT_VERSION, ShardedTokens, ShardWriter, document_index, open_tokens,
                               read_meta,
                               sha256_file, shard_path, token_dtype, write_atomic)
 from kimi.data.source_registry import source_for
 from kimi.data.sources import cache_root, load_documents, source_identity
 from kimi.data.tokenizer import Tokenizer, resolve_model_path, train_tokenizer
+from kimi.errors import DataError
 from kimi.folders import require_inside
 
 # Part of a trained tokenizer's identity: bump when train_tokenizer's settings change.

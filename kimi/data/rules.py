@@ -1,4 +1,4 @@
-"""The data section's rules (kimi.validation runs them before any data work)."""
+"""The data section's rules (kimi.run.validation runs them before any data work)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ def validate_data(d: DataConfig) -> None:
 
 
 def data_warnings(d: DataConfig) -> List[str]:
-    """Settings that work but are likely not what was meant (kimi.validation prints them, one line each)."""
+    """Settings that work but are likely not what was meant (kimi.run.validation prints them, one line
+    each)."""
     if d.num_proc is None:
         return []
     from kimi.data.encode import default_num_proc  # (it imports datasets: only for a num_proc to judge)

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from kimi.data.errors import DataError
+from kimi.errors import DataError
 
 FORMAT_VERSION = 2
 _MAX_CHUNK = 1 << 26  # tokens per pass of the id and checksum check: bounded temporaries on any shard size

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Dict, List, Tuple, Union
 
 from kimi.config import DATA_SOURCES, DataConfig, registered
-from kimi.data.errors import DataError, one_line
+from kimi.errors import DataError, one_line
 
 # The table is kimi.config.DATA_SOURCES itself, the values validate() allows for data.source: config.py is
 # imported first and cannot import this module, so the entries are made here.

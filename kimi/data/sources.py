@@ -28,7 +28,7 @@ import numpy as np
 from kimi.config import DataConfig, check
 from kimi.data import checks
 # Re-exported: kimi.cli, kimi.trainer, kimi.data.loader and tests import DataError from here.
-from kimi.data.errors import DataError, one_line
+from kimi.errors import DataError, one_line
 from kimi.data.files import file_format, resolve_files
 from kimi.data.source_registry import DataSource, names_where, source_for
 

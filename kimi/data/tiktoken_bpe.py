@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Sequence
 
-from kimi.data.errors import DataError
+from kimi.errors import DataError
 
 # Moonshot's pre-tokenisation pattern for Kimi (Kimi K2 / Kimi Linear releases, tokenization_kimi.py):
 # Han runs, then cased letter runs with English contractions, digits in threes, punctuation, whitespace.

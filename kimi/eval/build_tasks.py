@@ -99,8 +99,7 @@ def main(out: Path = TASKS_DIR) -> int:
 
 def cli(argv: list[str]) -> int:
     """The command line: --help, out=DIR, or the older bare DIR."""
-    from kimi import keyvalue
-    from kimi.cli import run_main
+    from kimi.cli import keyvalue, run_main
 
     if "-h" in argv or "--help" in argv:
         print(__doc__)

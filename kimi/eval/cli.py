@@ -5,7 +5,7 @@
     python -m kimi.eval run=runs/exp1 hf=hf_out               # also its to-hf export, lm-eval's hf model
 
 Arguments are key=value as kimi.generate's; a bad one, a run without a checkpoint or an unknown task is one
-line on stderr and exit code 2 (kimi/cli.py).
+line on stderr and exit code 2 (kimi/errors.py).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kimi import keyvalue
-from kimi.cli import EXIT_OK, key_value_main
+from kimi.cli import key_value_main, keyvalue
 from kimi.config import ConfigError
+from kimi.errors import EXIT_OK
 from kimi.eval import harness
 from kimi.generate import UsageError, _device, _int, load_from_checkpoint, split_known
 

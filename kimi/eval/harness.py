@@ -44,6 +44,14 @@ def task_manager(names: list[str]):
     return manager
 
 
+def check_names(names: list[str]) -> None:
+    """trainer.eval_tasks before any work: lm-eval is installed and knows every name (one line otherwise)."""
+    if names:
+        task_manager(list(names))
+    if len(set(names)) != len(names):
+        raise ConfigError(f"trainer.eval_tasks={list(names)} names a task twice: give each once")
+
+
 @functools.lru_cache(maxsize=1)
 def _with_lm_evals():
     from lm_eval.tasks import TaskManager

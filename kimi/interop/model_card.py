@@ -37,23 +37,18 @@ def write_generation_config(directory: Path, *args) -> str:
     return GENERATION_CONFIG
 
 
-def _metrics(run: Path) -> List[Dict[str, Any]]:
-    from kimi.metrics import read_metrics
-
-    return read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
-
-
 def _last(rows: List[Dict[str, Any]], key: str, step: int) -> Optional[Dict[str, Any]]:
     """The last record at or before the exported step that has `key`."""
     return next((r for r in reversed(rows) if key in r and r.get("step", 0) <= step), None)
 
 
-def eval_scores(run: Path, step: int) -> List[tuple]:
+def eval_scores(run: Path, rows: List[Dict[str, Any]], step: int) -> List[tuple]:
     """(task, metric, score, step, where) of the scores the run dir records: trainer.eval_tasks' last
-    ``eval/<task>/<metric>`` values in metrics.jsonl, and the reports `python -m kimi.eval output=...` wrote
-    into the run dir (``{"step", "scores": {task: {metric: value}}}``)."""
+    ``eval/<task>/<metric>`` values in metrics.jsonl (its records: `rows`), and the reports
+    `python -m kimi.eval output=...` wrote into the run dir (``{"step", "scores": {task: {metric:
+    value}}}``)."""
     found: Dict[tuple, tuple] = {}
-    for r in _metrics(run):
+    for r in rows:
         if r.get("step", 0) > step:
             continue
         for key, value in r.items():
@@ -92,16 +87,17 @@ def _data(data: Dict[str, Any]) -> str:
     return one(data)
 
 
-def model_card(model, config: Dict[str, Any], step: int, run: Path, own_code: bool, layout: str) -> str:
+def model_card(model, config: Dict[str, Any], step: int, run: Path, rows: List[Dict[str, Any]],
+               own_code: bool, layout: str) -> str:
     """README.md of an export: `config` is the checkpoint's saved config (the whole training config, or only
-    "model" for weights from-hf wrote), `run` the run dir (its metrics.jsonl and eval reports). It names no
+    "model" for weights from-hf wrote), `run` the run dir (its eval reports) and `rows` its metrics.jsonl's
+    records (kimi.run.metrics.read_metrics). It names no
     folder: the same run exported anywhere gives the same card (the loading example reads a folder or the
     Hub repo it is uploaded to)."""
     from kimi.config import mixer_pattern
     from kimi.model.registry import legend
 
     m = model.cfg
-    rows = _metrics(run)
     moe = (f", {m.moe_num_experts} routed experts (top-{m.moe_top_k}) + {m.moe_shared_experts} shared from "
            f"block {m.moe_first_dense}" if m.moe_num_experts else "")
     facts = [("preset", f"model={m.name}"),
@@ -127,7 +123,7 @@ def model_card(model, config: Dict[str, Any], step: int, run: Path, own_code: bo
              f"A Kimi-style language model trained with kimi, exported by `python -m kimi.convert to-hf` "
              f"({layout} layout).", "", "## Training", "", "| | |", "|---|---|"]
     lines += [f"| {key} | {value.replace('|', '/')} |" for key, value in facts]
-    scores = eval_scores(run, step)
+    scores = eval_scores(run, rows, step)
     if scores:
         lines += ["", "## Evaluation", "", "| task | metric | score | step | from |", "|---|---|---|---|---|"]
         lines += [f"| {t} | {metric} | {v:.4g} | {at} | {where} |" for t, metric, v, at, where in scores]

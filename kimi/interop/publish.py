@@ -18,8 +18,8 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from kimi.cli import STORAGE_ERRORS, RunError, describe
 from kimi.config import ConfigError
+from kimi.errors import STORAGE_ERRORS, RunError, describe
 
 
 def check_target(out: Path, overwrite: bool, source: Path | None = None) -> None:

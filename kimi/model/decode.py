@@ -75,22 +75,31 @@ def sample_text(model: KimiModel, tokenizer, prompt: str, max_new_tokens: int, s
     return tokenizer.decode(list(ids))
 
 
-def final_sample(model: KimiModel, data, trainer, can_decode: bool, step: int, log) -> str | None:
-    """The sample a finished run prints: trainer.sample_tokens (a TrainerConfig) continuing
-    trainer.sample_prompt, or when that is null the first words of `data`'s (the run's prepared data) first
-    validation document, logged with `log`; None when none is asked for or the layout cannot decode
-    (can_decode false: a pipeline would need its own decoding schedule, and one token cannot be split over
-    sequence-parallel ranks), which the log then says."""
-    if trainer.sample_tokens <= 0:
+def decode_blocker(p) -> str | None:
+    """Why the training layout `p` (a ParallelConfig) cannot decode in place (the end-of-run sample,
+    trainer.eval_tasks), or None: a pipeline would need a decoding schedule of its own, and one token cannot
+    be split over sequence-parallel ranks. Context-parallel ranks decode the whole sequence each, as one
+    process does."""
+    if p.pp > 1 or p.sequence_parallel:
+        return "a layout with pipeline or sequence parallelism cannot decode in place"
+    return None
+
+
+def final_sample(model: KimiModel, data, t, blocked: str | None, step: int, log) -> str | None:
+    """The sample a finished run prints: t.sample_tokens (t: the TrainerConfig) continuing t.sample_prompt,
+    or when that is null the first words of `data`'s (the run's prepared data) first validation document,
+    logged with `log`; None when none is asked for or the layout cannot decode (blocked: decode_blocker's
+    reason), which the log then says."""
+    if t.sample_tokens <= 0:
         return None
-    if not can_decode:
-        log("[kimi] no sample under pipeline or sequence parallelism: sample from the run directory "
-            "with python -m kimi.generate run=<run dir>")
+    if blocked:
+        log(f"[kimi] no sample: {blocked}; sample from the run directory with python -m kimi.generate "
+            "run=<run dir>")
         return None
     # imported here: kimi.generate and kimi.eval import this module and never need the data pipeline
-    from kimi.data.streams import val_opening
+    from kimi.data.rank_batches import val_opening
 
-    prompt = trainer.sample_prompt if trainer.sample_prompt is not None else val_opening(data)
-    text = sample_text(model, data.tokenizer, prompt, trainer.sample_tokens, trainer.seed)
+    prompt = t.sample_prompt if t.sample_prompt is not None else val_opening(data)
+    text = sample_text(model, data.tokenizer, prompt, t.sample_tokens, t.seed)
     log(f"[kimi] sample (step {step}):\n{prompt}{text}\n")
     return text

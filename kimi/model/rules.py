@@ -1,6 +1,6 @@
 """The model section's rules: the values a model needs to build, the layer pattern's letters, what tensor
-parallelism splits (each sublayer declares it: TP_DIVIDES) and the KDA kernels' limits. kimi.validation runs
-them in the one validation pass; kimi.summary too."""
+parallelism splits (each sublayer declares it: TP_DIVIDES) and the KDA kernels' limits. kimi.run.validation
+runs them in the one validation pass; kimi.summary too."""
 
 from __future__ import annotations
 

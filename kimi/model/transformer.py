@@ -29,7 +29,8 @@ Runner = Callable[..., torch.Tensor]
 
 
 class Runners:
-    """Mixin: parts of a forward called through a runner when one is set (kimi/parallel/checkpointing.py)."""
+    """Mixin: parts of a forward called through a runner when one is set
+    (kimi/parallel/activation_checkpointing.py)."""
 
     def set_runner(self, name: str, run: Runner) -> None:
         """Call part `name` as run(function, *args) from now on: how activation checkpointing recomputes a

@@ -1,4 +1,4 @@
-"""The optim section's rules (kimi.validation runs them before any data work)."""
+"""The optim section's rules (kimi.run.validation runs them before any data work)."""
 
 from __future__ import annotations
 

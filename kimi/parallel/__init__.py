@@ -6,15 +6,15 @@ parallelism, activation checkpointing, torch.compile and FSDP2 (ZeRO-3 per subla
 dp_replicate > 1); an engine (interface.Engine: ``engine.TorchEngine`` or
 ``deepspeed_engine.DeepSpeedEngine``, chosen by parallel.engine, built by ``build_engine``) owns the step.
 
-The names below are imported on first use: kimi.config reads engine_rules.py (torch-free) while it is being
-imported itself, before the modules here that import it in turn.
+The names below are imported on first use, so that importing one light module of the package (dims,
+engine_rules, rules) does not import the engines and the model.
 """
 
 from importlib import import_module
 from typing import TYPE_CHECKING
 
 _WHERE = {
-    "apply_activation_checkpointing": "checkpointing", "apply_compile": "checkpointing",
+    "apply_activation_checkpointing": "activation_checkpointing", "apply_compile": "activation_checkpointing",
     "ParallelDims": "dims", "checkpoint_group": "dims", "destroy_distributed": "dims",
     "init_distributed": "dims", "mean_over_ranks": "dims", "resolve_device": "dims", "setup_group": "dims",
     "Engine": "interface", "TorchEngine": "engine", "build_engine": "build", "ENGINES": "engine_rules",
@@ -31,7 +31,7 @@ def __getattr__(name: str):
 
 if TYPE_CHECKING:  # for type checkers: the names of __all__, which __getattr__ imports at run time
     from .build import build_engine  # noqa: F401
-    from .checkpointing import apply_activation_checkpointing, apply_compile  # noqa: F401
+    from .activation_checkpointing import apply_activation_checkpointing, apply_compile  # noqa: F401
     from .dims import (ParallelDims, checkpoint_group, destroy_distributed, init_distributed,  # noqa: F401
                        mean_over_ranks, resolve_device, setup_group)
     from .engine import TorchEngine  # noqa: F401

@@ -49,7 +49,7 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world: int | None = None) -> "ParallelDims":
-        """The degrees of an already validated config (kimi.validation.validate checks them against the
+        """The degrees of an already validated config (kimi.run.validation.validate checks them against the
         world)."""
         world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
         groups = (p.torchft.replica_group,

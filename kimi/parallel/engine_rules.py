@@ -1,16 +1,22 @@
-"""The engines parallel.engine names, and the layouts each one takes.
+"""The engines parallel.engine names (a registry: a new engine is its module plus one line here), and the
+layouts each one takes.
 
-Torch-free and importing nothing of kimi: kimi.config reads the names while it is itself being imported,
-and the validation pass (kimi/parallel/rules.py) asks :func:`engine_problem` before any data work.
+Torch-free: the validation pass (kimi/parallel/rules.py) asks :func:`engine_problem` before any data work,
+and build_engine imports an engine's module only when it is chosen.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Optional
+from typing import Any, Dict, Optional, Union
+
+from kimi.config import ENGINES as _TABLE
 
 TORCH, DEEPSPEED = "torch", "deepspeed"
-ENGINES = (TORCH, DEEPSPEED)
+# The table is kimi.config.ENGINES itself, the values validate() allows for parallel.engine: "module:Class"
+# inside kimi.parallel (kimi.config.registered imports it when the engine is built), or the class.
+ENGINES: Dict[str, Union[str, type]] = _TABLE
+ENGINES.update({TORCH: "engine:TorchEngine", DEEPSPEED: "deepspeed_engine:DeepSpeedEngine"})
 
 DEEPSPEED_MISSING = ("parallel.engine=deepspeed needs the deepspeed package, which is not installed: "
                      "pip install deepspeed (or the project's extra: pip install -e '.[deepspeed]'), "

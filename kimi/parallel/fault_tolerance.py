@@ -38,8 +38,8 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
-from kimi.cli import FinalError, RunError
 from kimi.config import ConfigError
+from kimi.errors import FinalError, RunError
 from kimi.optim.owners import like_param, local_tensor
 
 

@@ -47,7 +47,7 @@ class Engine(ABC):
         """Clip the step's gradients to `max_norm` (0: no clipping), update, QK-Clip, advance the lr schedule;
         the gradient norm before clipping and the lr used (with `family_stats`, each optimizer family's
         statistics too, where family_stats_missing() is None). A norm that is not finite should leave the
-        weights as they were: the trainer then stops the run (kimi/divergence.py) without another
+        weights as they were: the trainer then stops the run (kimi/run/divergence.py) without another
         checkpoint."""
 
     @property

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from kimi.config import ParallelConfig, stages_per_rank
 from kimi.model import KimiModel
 
-from .checkpointing import apply_activation_checkpointing, apply_compile
+from .activation_checkpointing import apply_activation_checkpointing, apply_compile
 from .context_parallel import ContextParallel
 from .dims import ParallelDims
 from .expert_parallel import apply_expert_parallel

@@ -1,5 +1,5 @@
 """The parallel section's rules: its degrees and options, the layout against the number of processes, and
-the engine's (kimi/parallel/engine_rules.py). kimi.validation runs them before any data work."""
+the engine's (kimi/parallel/engine_rules.py). kimi.run.validation runs them before any data work."""
 
 from __future__ import annotations
 

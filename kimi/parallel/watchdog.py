@@ -24,7 +24,7 @@ from typing import Callable, Dict, Optional
 
 import torch.distributed as dist
 
-from kimi.cli import EXIT_FAILED
+from kimi.errors import EXIT_FAILED
 
 _KEY = "kimi/heartbeat/{}"
 

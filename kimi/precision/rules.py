@@ -1,4 +1,5 @@
-"""The precision section's rules, with trainer.precision's (kimi.validation runs them before any data work).
+"""The precision section's rules, with trainer.precision's (kimi.run.validation runs them before any data
+work).
 Whether the GPU has the format's matmuls is asked when the engine converts the model
 (kimi.precision.emulated), once there is a device."""
 

@@ -20,13 +20,13 @@ from kimi.data.prepare import prepare
 def main(argv: List[str]) -> int:
     from omegaconf import OmegaConf
 
-    from kimi.conf_dir import compose
+    from kimi.cli.conf_dir import compose
     from kimi.data.rules import validate_data
 
     cfg = OmegaConf.to_object(compose(["trainer.run_dir=unused", *argv])).data
     validate_data(cfg)
     if cfg.streaming:
-        from kimi.data.errors import DataError
+        from kimi.errors import DataError
 
         raise DataError("data.streaming=true reads the source while training, so there are no shards to "
                         "prepare: run train.py with it, or set data.streaming=false to prepare shards")
@@ -46,7 +46,8 @@ def cli() -> None:
 
     register_configs()  # the schema Hydra checks the overrides against
     if any(a in ("-h", "--help") for a in sys.argv[1:]):  # before Hydra, which cannot parse them
-        from kimi.config_help import config_help
+        import kimi.data.source_registry  # noqa: F401 (it fills data.source's choices)
+        from kimi.cli.config_help import config_help
 
         print(config_help(__doc__, sys.argv[1:], only=("data",)))
         sys.exit(0)

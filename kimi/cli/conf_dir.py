@@ -13,16 +13,16 @@ from pathlib import Path
 from typing import Optional
 
 PACKAGE = "kimi.conf"
+KIMI = Path(__file__).resolve().parents[1]  # the kimi package (this file is kimi/cli/conf_dir.py)
 
 
 def checkout_conf() -> Optional[Path]:
     """The checkout's conf/ when this kimi package runs from one (or from a copy of kimi/ and conf/), else
     None. A wheel's own copy inside the package comes first: in site-packages an unrelated top-level `conf`
     directory could lie beside kimi."""
-    package = Path(__file__).resolve().parent
-    if (package / "conf" / "config.yaml").is_file():
+    if (KIMI / "conf" / "config.yaml").is_file():
         return None
-    conf = package.parent / "conf"
+    conf = KIMI.parent / "conf"
     return conf if (conf / "config.yaml").is_file() else None
 
 
@@ -31,9 +31,9 @@ def conf_dir() -> Path:
     found = checkout_conf()
     if found is not None:
         return found
-    installed = Path(__file__).resolve().parent / "conf"
+    installed = KIMI / "conf"
     if not (installed / "config.yaml").is_file():
-        from kimi.config import ConfigError
+        from kimi.errors import ConfigError
 
         raise ConfigError(f"no configs: neither a checkout's conf/ nor {installed} holds config.yaml; "
                           "reinstall kimi (pip install .) or run from a checkout")

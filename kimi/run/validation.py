@@ -17,7 +17,7 @@ from kimi.config import (Config, LoggingConfig, TrainerConfig, check, check_choi
                          check_expert_parallel, check_finite, check_pipeline, check_positive,
                          check_sequence_parallel, check_vocab, require)
 from kimi.data.rules import data_warnings, validate_data
-from kimi.eval_tasks import check_names
+from kimi.eval.harness import check_names
 from kimi.model.rules import check_kernels, check_mtp, check_tensor_parallel, validate_model
 from kimi.optim.rules import validate_optim
 from kimi.parallel.rules import check_engine, check_fault_tolerance, check_layout, validate_parallel
@@ -103,7 +103,7 @@ def validate_trainer(t: TrainerConfig) -> None:
 
 
 def validate_logging(lg: LoggingConfig) -> None:
-    from kimi.metrics import wandb_mode
+    from kimi.run.wandb_run import wandb_mode
 
     check_choices(lg, "logging")
     wandb_mode(lg.wandb)  # $WANDB_MODE, where the config leaves the mode to it

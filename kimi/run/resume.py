@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from kimi import checkpoint
-from kimi.cli import RunError
 from kimi.config import Config, ConfigError, config_dict
+from kimi.errors import RunError
 from kimi.parallel.interface import Engine
-from kimi.runlog import schedule_change
+from kimi.run.runlog import schedule_change
 
 Log = Callable[[str], None]
 

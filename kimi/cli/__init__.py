@@ -1,11 +1,6 @@
-"""How commands end: exit codes a scheduler can read, and one line (no traceback) for every known problem.
-
-  0   EXIT_OK        finished
-  1   EXIT_FAILED    a failure (loss became NaN, no space left, a stalled rank, ...); a bug still prints its
-                     traceback
-  2   EXIT_BAD_INPUT bad config, data, arguments or run directory: the message says what to change
-  75  EXIT_STOPPED   stopped early with a checkpoint (SIGTERM, trainer.stop_at_step): rerun to continue
-                     (75 is EX_TEMPFAIL of sysexits.h: "try again later")
+"""How commands start and end: Hydra overrides checked before Hydra reports them, key=value commands'
+--help, and one line (no traceback) with its exit code for every known problem (the codes and error types
+are kimi.errors').
 
 torchrun turns any non-zero exit of a rank into its own failure (exit 1, after killing the other ranks), so
 under torchrun a stopped run's ranks exit 0 and rank 0 records the code in ``<run_dir>/exit_code``, which
@@ -16,52 +11,14 @@ non-zero, and a restart would only repeat that failure.
 
 from __future__ import annotations
 
-import errno
 import os
 import sys
 from pathlib import Path
 from typing import Callable
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 75
-# errno -> what a user should read
-STORAGE_ERRORS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
-                  errno.EROFS: "not writable (read-only file system)",
-                  errno.EACCES: "not writable (permission denied)",
-                  errno.EPERM: "not writable (not permitted)"}
-
-
-class RunError(RuntimeError):
-    """A failure whose message says everything (printed as one line, exit code 1)."""
-
-
-class FinalError(RunError):
-    """A RunError that a restart would only repeat (the torchft lighthouse gone): under torchrun its ranks
-    exit 0, so that torchrun does not restart them, and <run_dir>/exit_code holds 1 (finish)."""
-
+from kimi.errors import EXIT_OK, EXIT_STOPPED, STORAGE_ERRORS, FinalError, describe, exit_code_for
 
 _final = False  # whether the error run_main last reported is a FinalError (for finish)
-
-
-def exit_code_for(e: BaseException) -> int | None:
-    """The exit code for an error worth one line, or None for a bug (which keeps its traceback)."""
-    from kimi.config import ConfigError
-    from kimi.data.sources import DataError
-
-    if isinstance(e, (ConfigError, DataError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-                      PermissionError)):
-        return EXIT_BAD_INPUT
-    if isinstance(e, (RunError, FloatingPointError)):
-        return EXIT_FAILED
-    if isinstance(e, OSError) and e.errno in STORAGE_ERRORS:
-        return EXIT_FAILED
-    return None
-
-
-def describe(e: BaseException) -> str:
-    """The error as one line; OS errors say in plain words what ran out or was refused."""
-    if isinstance(e, OSError) and e.errno in STORAGE_ERRORS and not isinstance(e, FileNotFoundError):
-        return f"{STORAGE_ERRORS[e.errno]}: {e.filename}" if e.filename else STORAGE_ERRORS[e.errno]
-    return " ".join(str(e).split())
 
 
 def run_main(body: Callable[[], int]) -> int:
@@ -121,7 +78,7 @@ def check_overrides(argv: list[str], config_dir: str | None = None) -> None:
     misspelt key, a value of the wrong type, a preset that does not exist, a syntax error) and a run dir
     Hydra cannot create become one ConfigError line, before Hydra prints its own multi-line report. Runs
     with Hydra's own flags (--multirun, --cfg, ...; --config-path=DIR is understood) are left to Hydra.
-    config_dir: a directory or pkg://module; default kimi.conf_dir.search_path()."""
+    config_dir: a directory or pkg://module; default kimi.cli.conf_dir.search_path()."""
     paths = [a.split("=", 1)[1] for a in argv if a.startswith("--config-path=")]
     argv = [a for a in argv if not a.startswith("--config-path=")]
     if any(a.startswith("-") for a in argv):
@@ -129,7 +86,7 @@ def check_overrides(argv: list[str], config_dir: str | None = None) -> None:
     config_dir = str(Path(paths[-1]).resolve()) if paths else config_dir
     from hydra.errors import MissingConfigException
 
-    from kimi.conf_dir import compose
+    from kimi.cli.conf_dir import compose
     from kimi.config import ConfigError, unknown_key
 
     for a in argv:

@@ -88,10 +88,10 @@ class RunLog:
         sys.stdout = _Tee(stream, self)
         try:
             yield
-        except SystemExit:  # kimi.signals' exit at once, which has printed (and so logged) its own line
+        except SystemExit:  # kimi.run.signals' exit at once, which has printed (and so logged) its own line
             raise
         except BaseException as e:
-            from kimi.cli import describe
+            from kimi.errors import describe
 
             name, message = type(e).__name__, describe(e)
             self.write(f"error: {message} ({name})\n" if message else f"error: {name}\n")

@@ -33,7 +33,8 @@ def exit_while_starting() -> None:
 
 
 def _exit_stopped(signum, frame) -> None:
-    from kimi.cli import EXIT_STOPPED, finish
+    from kimi.cli import finish
+    from kimi.errors import EXIT_STOPPED
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one while leaving would print the line again
     # also after the run's end (its final sample, say): the checkpoint is written, and a rerun says so
@@ -54,14 +55,14 @@ def _say(line: str) -> None:
         os.write(1, (line + "\n").encode())
 
 
-# What _leave releases first (kimi.rundir's run-dir lock: the kernel drops the lock itself, but its record
+# What _leave releases first (kimi.run.rundir's run-dir lock: the kernel drops the lock itself, but its record
 # would stay and the next start would say it took the lock over); weak, so that a lock dropped unreleased
 # still goes by its own __del__
 _release_on_exit: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def release_on_exit(held):
-    """Have a start-up exit call held.release() (held: None, or a kimi.rundir.RunLock) before the process
+    """Have a start-up exit call held.release() (held: None, or a kimi.run.rundir.RunLock) before the process
     ends; returns held."""
     if held is not None:
         _release_on_exit.add(held)
@@ -83,11 +84,11 @@ def _leave(code: int) -> None:
     os._exit(code)
 
 
-def stopped_note(step: int, checkpoint, signal_name: Optional[str], trainer) -> str:
-    """The line a run prints when it stops early with a checkpoint (trainer: the config's trainer section):
-    why, and how to go on. At trainer.stop_at_step the same command again would stop at once, so the limit
-    has to move (or go)."""
-    stop_at_step, max_steps = trainer.stop_at_step, trainer.max_steps
+def stopped_note(step: int, checkpoint, signal_name: Optional[str], t) -> str:
+    """The line a run prints when it stops early with a checkpoint (t: the config's trainer section): why,
+    and how to go on. At trainer.stop_at_step the same command again would stop at once, so the limit has
+    to move (or go)."""
+    stop_at_step, max_steps = t.stop_at_step, t.max_steps
     at_limit = bool(stop_at_step and step >= stop_at_step)
     why = signal_name or (f"trainer.stop_at_step={stop_at_step}" if at_limit else "a signal on another rank")
     how = (f"run the same command with trainer.stop_at_step raised (or dropped: on to trainer.max_steps="

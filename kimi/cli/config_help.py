@@ -13,7 +13,7 @@ import tokenize
 from dataclasses import MISSING, fields, is_dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from kimi import keyvalue
+from kimi.cli import keyvalue
 from kimi.config import Config
 
 
@@ -82,9 +82,9 @@ def _value(values: Optional[Dict[str, Any]], key: str, f) -> Any:
 def keys_help(values: Optional[Dict[str, Any]], only: Sequence[str] = ()) -> str:
     """The keys of the sections named in `only` (all when empty) as a key=value table; values: the composed
     config as nested dicts (what each key is now), None for the schema's defaults."""
-    # the registries fill the choices of optim.name, trainer.precision and data.source (kimi.config's tables)
-    import kimi.data.source_registry, kimi.optim.registry, kimi.precision.registry  # noqa: F401, E401
-
+    # data.source, optim.name, parallel.engine and trainer.precision list the choices of kimi.config's tables,
+    # which their registries fill when imported: the command imports those of its sections (a registry lies
+    # above this package)
     blocks = []
     for section, doc, rows in sections():
         if only and section.split(".")[0] not in only:
@@ -103,7 +103,7 @@ def keys_help(values: Optional[Dict[str, Any]], only: Sequence[str] = ()) -> str
 
 def presets() -> str:
     """The preset groups of conf/ (model=small, ...), each with its choices."""
-    from kimi.conf_dir import conf_dir
+    from kimi.cli.conf_dir import conf_dir
 
     lines = []
     for group in sorted(p for p in conf_dir().iterdir() if p.is_dir() and not p.name.startswith("_")):
@@ -119,7 +119,7 @@ def composed(argv: Sequence[str]) -> Optional[Dict[str, Any]]:
     (the help still prints, with the schema's defaults)."""
     from omegaconf import OmegaConf
 
-    from kimi.conf_dir import compose
+    from kimi.cli.conf_dir import compose
 
     try:
         return OmegaConf.to_container(compose([a for a in argv if not a.startswith(("-", "hydra."))]),

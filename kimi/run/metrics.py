@@ -1,0 +1,192 @@
+"""``metrics.jsonl``: what a run logs per step (MetricsLogger, also to wandb), read back by every tool
+(read_metrics), and the loss-curve PNG."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from kimi.config import LoggingConfig
+from kimi.run.wandb_run import start_wandb, wandb_mode
+
+def qk_clip_record(stats: Dict[str, Dict[str, float]]) -> Dict[str, float]:
+    """QK-Clip's last-step statistics as metrics: the worst head over layers, the mean fraction of heads
+    clipped, and both per layer (qk_max_logit/<layer>, qk_clipped_frac/<layer>); empty without QK-Clip."""
+    if not stats:
+        return {}
+    record = {"qk_max_logit": max(s["max_logit"] for s in stats.values()),
+              "qk_clipped_frac": sum(s["clipped_frac"] for s in stats.values()) / len(stats)}
+    for layer, s in stats.items():
+        record[f"qk_max_logit/{layer}"] = s["max_logit"]
+        record[f"qk_clipped_frac/{layer}"] = s["clipped_frac"]
+    return record
+
+
+def read_metrics(path: Path) -> List[Dict[str, Any]]:
+    """The records of metrics.jsonl that describe the run as it now stands.
+
+    The file is only ever appended to. Each start of the trainer writes {"event": "start", "step": N}: the
+    records logged after step N by an earlier, interrupted session (whose checkpoint was lost) no longer
+    count, and a fresh start (N = 0) replaces everything before it. A line cut short by a crash is skipped."""
+    rows: List[Dict[str, Any]] = []
+    for r in _records(Path(path)):
+        if r.get("event") == "start":
+            rows = [x for x in rows if r["step"] and x.get("step", 0) <= r["step"]]
+        else:
+            rows.append(r)
+    return rows
+
+
+def _records(path: Path) -> Iterator[Dict[str, Any]]:
+    """Every JSON object line of metrics.jsonl, in order (a line cut short by a crash is skipped)."""
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(r, dict):
+            yield r
+
+
+def tokens_per_step(t, data_parallel: int) -> int:
+    """Training tokens one optimizer step takes (trainer section `t`, over `data_parallel` ranks)."""
+    return t.micro_batch_size * t.seq_len * t.grad_accum_steps * data_parallel
+
+
+class MetricsLogger:
+    """Appends one JSON object per logged step to ``metrics.jsonl`` (see :func:`read_metrics`) and mirrors
+    it to wandb, each wandb row with the tokens trained so far (the charts' x axis, see start_wandb) and, with
+    logging.wandb.log_checkpoints, each checkpoint the saver completes as a model artifact."""
+
+    def __init__(self, run_dir: Path, cfg: LoggingConfig, config_dict: Dict[str, Any], resume_step: int = 0,
+                 enabled: bool = True, run_id: str = "", tokens_per_step: int = 0, saver=None):
+        self.enabled, self.tokens_per_step = enabled, tokens_per_step
+        self.path = Path(run_dir) / cfg.metrics_file
+        self.history: List[Dict[str, Any]] = []
+        self._wandb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            _drop_torn_line(self.path)
+        mode = wandb_mode(cfg.wandb)
+        wandb_id, rewound = wandb_run_id(run_id or Path(run_dir).resolve().name, resume_step, self.path)
+        self._append({"event": "start", "step": resume_step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                      **({"wandb_id": wandb_id} if mode != "disabled" else {})})
+        self.history = read_metrics(self.path)
+        if mode != "disabled":
+            self._wandb = start_wandb(cfg.wandb, Path(run_dir), config_dict, wandb_id, rewound)
+            if cfg.wandb.log_checkpoints and saver is not None:
+                saver.on_saved.append(self.log_checkpoint)
+
+    def log(self, record: Dict[str, Any], images: Optional[Dict[str, Path]] = None,
+            tables: Optional[Dict[str, Tuple[List[str], List[list]]]] = None) -> None:
+        """Append `record` (it has a "step"); images (PNG paths) and tables ((columns, rows)) go to wandb
+        only, at the same step, as wandb.Image and wandb.Table under their keys."""
+        if not self.enabled:
+            return
+        record = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in record.items()}
+        self.history.append(record)
+        self._append(record)
+        if self._wandb is not None:
+            import wandb
+
+            media = {k: wandb.Image(str(path)) for k, path in (images or {}).items()}
+            media.update({k: wandb.Table(columns=cols, data=rows)
+                          for k, (cols, rows) in (tables or {}).items()})
+            # every row has the x axis, also an evaluation's or the diagnostics' off the progress lines' steps
+            tokens = {"tokens": record["step"] * self.tokens_per_step} if self.tokens_per_step else {}
+            self._wandb.log({**tokens, **{k: v for k, v in record.items() if k != "step"}, **media},
+                            step=record["step"])
+
+    def log_checkpoint(self, path: Path, step: int) -> None:
+        """A complete checkpoint directory as the next version of the run's model artifact, aliased
+        step_<N> and latest."""
+        if self._wandb is None:
+            return
+        import wandb
+
+        artifact = wandb.Artifact(f"checkpoint-{self._wandb.id}", type="model",
+                                  metadata={"step": step, "tokens": step * self.tokens_per_step})
+        artifact.add_dir(str(path))
+        self._wandb.log_artifact(artifact, aliases=[f"step_{step}", "latest"])
+
+    def _append(self, record: Dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+    def plot(self, out: Path) -> Optional[Path]:
+        """Train and validation loss against step, as a PNG (matplotlib, no display needed)."""
+        train = [(r["step"], r["loss"]) for r in self.history if "loss" in r]
+        val = [(r["step"], r["val_loss"]) for r in self.history if "val_loss" in r]
+        if not train and not val:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+        if train:
+            ax.plot(*zip(*train), label="train loss", lw=1.2)
+        if val:
+            ax.plot(*zip(*val), "o-", label="validation loss", lw=1.5)
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out)
+        plt.close(fig)
+        return Path(out)
+
+
+def _drop_torn_line(path: Path) -> None:
+    """Cut a last line without its newline (a crash mid-write): a record cut short is no record, and the
+    steps after the checkpoint are logged again anyway."""
+    with path.open("rb+") as f:
+        end = f.seek(0, 2)
+        if end == 0 or (f.seek(end - 1), f.read(1))[1] == b"\n":
+            return
+        start = end
+        while start > 0:  # back to the newline before the torn line, a block at a time
+            block = min(start, 1 << 16)
+            f.seek(start - block)
+            cut = f.read(block).rfind(b"\n")
+            if cut >= 0:
+                start = start - block + cut + 1
+                break
+            start -= block
+        f.truncate(start)
+
+
+def wandb_run_id(run_id: str, resume_step: int, metrics: Path) -> Tuple[str, Optional[str]]:
+    """(the wandb run id of this start, the earlier wandb run it rewinds or None).
+
+    The id is the run's own (kept in its checkpoints): a resumed or moved run directory continues its wandb
+    run, an overwritten one (a new run id) starts another. wandb only takes steps forward within a run, so a
+    resume from a checkpoint older than steps already logged would silently lose the re-logged steps; such a
+    start gets a run of its own, `<run id>-r<k>`, which names the earlier one in its notes. The id in use is
+    kept in metrics.jsonl's start records."""
+    used, logged, rewinds, ours = run_id, 0, set(), False
+    for r in _records(metrics):
+        if r.get("event") == "start":
+            wid = str(r.get("wandb_id", ""))
+            ours = wid == run_id or wid.startswith(f"{run_id}-r")  # what an earlier run id logged is not ours
+            if ours:
+                used = wid
+                rewinds.add(wid)
+        elif ours and isinstance(r.get("step"), int):
+            logged = max(logged, r["step"])
+    if logged <= resume_step:
+        return used, None
+    return f"{run_id}-r{len(rewinds - {run_id}) + 1}", used
