@@ -40,6 +40,7 @@ ATTNRES_BACKENDS = ("torch", "compile", "triton", "fla", "auto")
 # data.source's names: the table of kimi/data/source_registry.py, which fills it (it imports this module)
 DATA_SOURCES: Dict[str, Any] = {}
 DATA_FORMATS = ("text", "json", "parquet")
+PREPARE_EXECUTORS = ("local", "slurm")  # datatrove's executors (kimi/data/prepare/executor.py)
 # optim.name's names: the table of kimi/optim/registry.py, which fills it (it imports this module)
 OPTIMIZERS: Dict[str, Any] = {}
 # parallel.engine's names: the table of kimi/parallel/engine_rules.py, which fills it (it imports this module)
@@ -245,6 +246,15 @@ class DataConfig:
     cache_dir: Optional[str] = None  # None: $KIMI_CACHE_DIR or ~/.cache/kimi
     num_proc: Optional[int] = None  # processes that tokenise (kimi.data.encode); None: every core
     shard_mb: float = 256.0  # size of one token shard (kimi.data.shards)
+    # Preparing across machines (kimi/data/prepare/parts.py, docs/data.md): data.data_files split into this
+    # many parts, one per worker; the command without a worker number merges them. null: one process
+    prepare_workers: Optional[int] = None
+    # this process's part, 0 to prepare_workers - 1; null: a SLURM array task's or torchrun rank's, if any
+    prepare_worker: Optional[int] = None
+    # datatrove runs the workers, then the merge (the prep extra): on this machine or as a SLURM array
+    prepare_executor: Optional[str] = one_of(PREPARE_EXECUTORS, None)
+    # datatrove's executor arguments, added with +: local: workers; slurm: partition, time, cpus_per_task, ...
+    prepare_executor_args: Dict[str, Any] = field(default_factory=dict)
     # The trainer tokenises a corpus of up to this many MB of text itself; larger ones are prepared first with
     # `python -m kimi.data.prepare` (resumable, every core).
     inline_max_mb: float = 512.0

@@ -56,6 +56,24 @@ FLOORS = {
                            "(to-hf's tests compare against transformers, which needs a newer safetensors)"),
 }
 
+# The prep extra (data.prepare_executor): its floor and reason, checked as FLOORS'. datatrove brings loguru and
+# humanize beyond what datasets already installs (dill, multiprocess, fsspec, tqdm, huggingface-hub, numpy).
+PREP_FLOORS = {
+    "datatrove": ("0.10", "LocalPipelineExecutor (tasks, workers, start_method, logging_dir with completions/) "
+                          "and SlurmPipelineExecutor (depends, venv_path) as kimi/data/prepare/executor.py calls "
+                          "them; test_prepare_workers passes with datatrove 0.10.0 (checked 2026-12-04)"),
+}
+
+
+def test_the_prep_extra_has_its_floor_and_reason_and_is_met():
+    reqs = {canonicalize_name(r.name): r for r in map(Requirement, PROJECT["optional-dependencies"]["prep"])}
+    assert set(reqs) == set(PREP_FLOORS), "add the new prep dependency's floor and reason to PREP_FLOORS"
+    for name, req in reqs.items():
+        assert [s.version for s in req.specifier if s.operator == ">="] == [PREP_FLOORS[name][0]], str(req)
+        installed = Version(importlib.metadata.version(req.name))  # the dev extra installs it
+        assert req.specifier.contains(Version(installed.public), prereleases=True), f"{req}: {installed}"
+
+
 # Imported by the package but neither a dependency nor an extra's (the dev list does not count: it is the
 # tests'), each with why a plain install may lack it.
 OPTIONAL = {

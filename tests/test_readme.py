@@ -57,6 +57,9 @@ FT_JOBS = ("a lighthouse and two replica groups running at once, each waiting on
            "again)")
 HUB_TASKS = ("downloads the tasks' data from the Hugging Face hub, which tests do not reach; docs/eval.md's "
              "first command runs the same command on the shipped tasks")
+PARTS = ("a corpus on storage shared by several machines; tests/test_prepare_workers.py runs the tokenizer step, "
+         "the workers, the merge and the datatrove executor on a generated corpus and compares the bytes with "
+         "one process's")
 SKIPPED = {
     "make test": "runs the whole suite, this file included (minutes); `make test PYTEST_ARGS=...` is checked "
                  "with make -n",
@@ -92,6 +95,12 @@ SKIPPED = {
     ".venv/bin/python -m kimi.data.prepare data=files 'data.data_files=[corpus/*.jsonl]' data.num_proc=16":
         "needs a corpus of one's own; tests/test_prepare_cli.py runs the command on a generated corpus, then "
         "the trainer's prepare, which must find what it wrote",
+    ".venv/bin/python -m kimi.data.prepare data=files 'data.data_files=[/shared/corpus/*.jsonl]' "
+    "data.cache_dir=/shared/kimi-cache data.prepare_workers=64": PARTS,
+    ".venv/bin/python -m kimi.data.prepare data=files 'data.data_files=[/shared/corpus/*.jsonl]' "
+    "data.cache_dir=/shared/kimi-cache data.prepare_workers=64 data.prepare_worker=7": PARTS,
+    ".venv/bin/python -m kimi.data.prepare data=files 'data.data_files=[/shared/corpus/*.jsonl]' "
+    "data.cache_dir=/shared/kimi-cache data.prepare_workers=64 data.prepare_executor=local": PARTS,
     ".venv/bin/python -m kimi.ablate all": "the whole ablation study (hours); tests/test_ablate.py runs one "
                                            "experiment end to end at 2 steps, reruns it (nothing trained) and "
                                            "reports it",

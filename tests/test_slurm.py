@@ -323,3 +323,43 @@ def test_a_job_that_keeps_stopping_requeues_max_requeues_times(slurm, tmp_path):
     assert state["Restarts"] == "1" and state["JobState"] != "COMPLETED", slurm.report(job)
     assert len((run / "agent.log").read_text().splitlines()) == 2, slurm.report(job)
     assert f"error: not requeueing job {job}: it was requeued 1 times (MAX_REQUEUES=1)" in slurm.output(job)
+
+
+@pytest.mark.slow
+def test_prepare_in_parts_as_a_datatrove_slurm_array_gives_the_single_process_bytes(tmp_path, offline, slurm):
+    """data.prepare_executor=slurm (kimi/data/prepare/executor.py): datatrove submits the workers as an array
+    job and the merge as a job after it; the merged files are the single-process preparation's (30-60 s)."""
+    from test_prepare_workers import _corpus, _data_dir, _main, _overrides
+
+    corpus = _corpus(tmp_path / "corpus")
+    single = _overrides(corpus, tmp_path / "single")
+    assert _main(*single) == 0
+    partition = slurm.run("sinfo", "-h", "-o", "%R").stdout.split()[0]
+    name = "kimi-prepare-test"  # not kimi-test: the fixture cancels those when it starts
+    overrides = [*_overrides(corpus, tmp_path / "parts"), "data.prepare_workers=2", "data.prepare_executor=slurm",
+                 f"+data.prepare_executor_args.partition={partition}", "+data.prepare_executor_args.time=00:10:00",
+                 f"+data.prepare_executor_args.job_name={name}",
+                 f"+data.prepare_executor_args.slurm_logs_folder={tmp_path / 'logs'}"]
+    env = {**os.environ, "SLURM_CONF": slurm.env["SLURM_CONF"], "OMP_NUM_THREADS": "1"}
+    submitted = subprocess.run([sys.executable, "-m", "kimi.data.prepare", *overrides], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=300)
+    assert submitted.returncode == 0, submitted.stderr[-3000:]
+    assert "[data] submitted 2 worker task(s) and a merge job" in submitted.stdout
+    data_dir = _data_dir(overrides)
+    deadline = time.monotonic() + 300
+    try:
+        while (slurm.run("squeue", "-h", f"--name={name},{name}-merge").stdout.strip()
+               or not (data_dir / "manifest.json").exists()):
+            logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("*.out"))
+            assert time.monotonic() < deadline, f"the jobs did not finish in 300 s:\n{logs[-3000:]}"
+            time.sleep(2)
+    finally:
+        slurm.run("scancel", f"--name={name},{name}-merge")
+    logs = "".join(p.read_text() for p in sorted((tmp_path / "logs").glob("*.out")))
+    assert "[data] worker 1/2 done" in logs and "[data] parts: 2/2 workers done" in logs
+    merged = {p.name: p.read_bytes() for p in data_dir.iterdir() if p.name not in (".lock", "parts-2")}
+    # what stays of the parts: the merge job's own datatrove log, written after the merge
+    assert [p.name for p in (data_dir / "parts-2").iterdir()] == ["datatrove-merge"]
+    reference = {p.name: p.read_bytes() for p in _data_dir(single).iterdir() if p.name != ".lock"}
+    assert sorted(merged) == sorted(reference)
+    assert all(merged[f] == reference[f] for f in reference)

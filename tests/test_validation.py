@@ -403,7 +403,8 @@ def test_fixed_choice_keys_stay_plain_strings():
     assert sorted(choice_keys) == sorted([
         "model.residual", "model.kda_backend", "model.moe_impl", "optim.name", "optim.schedule", "optim.ns_dtype",
         "optim.adjust_lr_fn", "trainer.precision", "trainer.device", "logging.wandb.mode", "data.source",
-        "data.format", "parallel.activation_checkpointing", "parallel.pp_schedule", "parallel.engine",
+        "data.format", "data.prepare_executor", "parallel.activation_checkpointing", "parallel.pp_schedule",
+        "parallel.engine",
         "parallel.fault_tolerance", "precision.fp8.recipe", "precision.qat", "model.mlp_activation",
         "model.moe_balance", "model.attention_backend", "model.attnres_backend"])
     import kimi.parallel.engine_rules  # noqa: F401 (the engines' registry fills kimi.config.ENGINES)

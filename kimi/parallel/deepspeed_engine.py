@@ -25,15 +25,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from kimi.config import Config, ConfigError
 from kimi.data import Batch
 from kimi.model import KimiModel
-from kimi.model.moe import set_aux_grad_scale, update_expert_bias
+from kimi.model.moe import set_aux_grad_scale
 from kimi.model.transformer import Block
 from kimi.optim import build_scheduler
 from kimi.precision.registry import precision_for
 
-from .dims import ParallelDims, sum_over
+from .dims import ParallelDims
 from .engine import keep_hyperparameters, materialize
 from .engine_rules import DEEPSPEED_MISSING
-from .interface import Engine
+from .engine_base import EngineBase
 from .zero_client import ZeroClient, inner_factory
 
 
@@ -85,7 +85,7 @@ def deepspeed_config(cfg: Config, dims: ParallelDims) -> dict:
     }
 
 
-class DeepSpeedEngine(Engine):
+class DeepSpeedEngine(EngineBase):
     def __init__(self, cfg: Config, dims: ParallelDims, mesh: DeviceMesh | None, device: torch.device,
                  model: KimiModel):
         deepspeed = _import_deepspeed()
@@ -119,8 +119,7 @@ class DeepSpeedEngine(Engine):
 
     # ---- one step -----------------------------------------------------------------------------------
     def _loss(self, batch: Batch) -> torch.Tensor:
-        doc_starts = batch.doc_starts if self.cfg.data.varlen else None
-        return self.ds(batch.input_ids, doc_starts=doc_starts, labels=batch.labels)
+        return self.ds(batch.input_ids, doc_starts=self.doc_starts(batch), labels=batch.labels)
 
     def forward_backward(self, batch: Batch, scale: float) -> torch.Tensor:
         """As TorchEngine's: DeepSpeed divides the loss by its gradient_accumulation_steps, which is
@@ -150,27 +149,12 @@ class DeepSpeedEngine(Engine):
         lr = self.optimizer.param_groups[0]["lr"]
         self.ds.step()
         grad_norm = self.ds.get_global_grad_norm()
-        self.scheduler.step()
-        return {"grad_norm": float(grad_norm), "lr": lr, **self._balance_experts()}
-
-    def _balance_experts(self) -> dict:
-        if not self.cfg.model.moe_num_experts:
-            return {}
-        return update_expert_bias(self.model, self.cfg.model.moe_bias_rate,
-                                  sum_over(self.dims.stage_group(self.mesh)))
+        return {"grad_norm": float(grad_norm), "lr": lr, **self.after_update()}
 
     @property
     def qk_clip(self):
         """ZeroClient's QK-Clip hook; DeepSpeed's own optimizers have none."""
         return self.optimizer.qk_clip if isinstance(self.optimizer, ZeroClient) else None
-
-    @property
-    def qk_clip_stats(self) -> dict:
-        return self.qk_clip.stats if self.qk_clip is not None else {}
-
-    @property
-    def qk_clip_head_max_logits(self) -> dict:
-        return self.qk_clip.head_max_logits if self.qk_clip is not None else {}
 
     # ---- diagnostics and the run dir ----------------------------------------------------------------
     def family_stats_missing(self) -> str | None:

@@ -20,7 +20,6 @@ import math
 from contextlib import contextmanager, nullcontext
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                      set_model_state_dict,
@@ -33,14 +32,14 @@ from torch.distributed.tensor.parallel import loss_parallel
 from kimi.config import Config, pipeline_microbatches
 from kimi.data import Batch
 from kimi.model import KimiModel
-from kimi.model.moe import set_aux_grad_scale, update_expert_bias
+from kimi.model.moe import set_aux_grad_scale
 from kimi.optim import build_optimizer, build_qk_clip, build_scheduler
 from kimi.precision import apply_low_precision, float8_gather
 from kimi.precision.registry import precision_for
 
-from .dims import ParallelDims, sum_over
+from .dims import ParallelDims
 from .family_stats import FamilyStats
-from .interface import Engine
+from .engine_base import EngineBase
 from .parallelize import parallelize
 from .pipeline import TiedEnds, build_schedule
 from .tensor_parallel import clip_grad_norm_
@@ -71,7 +70,7 @@ def materialize(model: KimiModel, device: torch.device) -> None:
     model.init_buffers()
 
 
-class TorchEngine(Engine):
+class TorchEngine(EngineBase):
     def __init__(self, cfg: Config, dims: ParallelDims, mesh: DeviceMesh | None, device: torch.device,
                  model: KimiModel):
         p, t = cfg.parallel, cfg.trainer
@@ -121,12 +120,9 @@ class TorchEngine(Engine):
         return dataclasses.replace(batch, **{k: getattr(batch, k)[:, cols] for k in ("input_ids", "labels",
                                                                                       "doc_starts")})
 
-    def _doc_starts(self, batch: Batch) -> torch.Tensor | None:
-        return batch.doc_starts if self.cfg.data.varlen else None
-
     def _loss(self, batch: Batch) -> torch.Tensor:
         with self.autocast, self.loss_context():
-            return self.model(batch.input_ids, doc_starts=self._doc_starts(batch), labels=batch.labels)
+            return self.model(batch.input_ids, doc_starts=self.doc_starts(batch), labels=batch.labels)
 
     def _pipeline(self, batch: Batch, train: bool) -> torch.Tensor:
         """One pass of the schedule (forward and backward, or forward only) over the batch's micro-batches;
@@ -135,7 +131,7 @@ class TorchEngine(Engine):
         args = (batch.input_ids,) if first else ()
         losses: list[torch.Tensor] = []
         kwargs = {"target": batch.labels, "losses": losses} if last else {}
-        if self._doc_starts(batch) is not None:  # every stage needs them, split by rows like the tokens
+        if self.doc_starts(batch) is not None:  # every stage needs them, split by rows like the tokens
             kwargs["doc_starts"] = batch.doc_starts
         with self.autocast, self.loss_context():
             (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
@@ -193,33 +189,7 @@ class TorchEngine(Engine):
             self.qk_clip()
         self._weights_changed()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        return {"grad_norm": grad_norm, "lr": lr, **self._balance_experts(), **stats}
-
-    def _balance_experts(self) -> dict:
-        """The aux-loss-free bias update of every MoE layer, from the step's loads summed over the ranks that
-        hold the same layers (tensor-parallel ranks count the same tokens again: that scales all loads alike,
-        which changes neither the update's sign nor max/mean); statistics as their max over the stages."""
-        if not self.cfg.model.moe_num_experts:
-            return {}
-        stats = update_expert_bias(self.model, self.cfg.model.moe_bias_rate,
-                                   sum_over(self.dims.stage_group(self.mesh)))
-        if self.dims.pp > 1:  # every stage joins, one without MoE layers with zeros
-            keys = ["moe_imbalance", "moe_bias_range"]
-            keys += ["moe_aux_loss"] if self.cfg.model.moe_aux_loss_coef else []  # same keys on every stage
-            values = torch.tensor([stats.get(k, 0.0) for k in keys], device=self.device)
-            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.mesh["pp"].get_group())
-            stats = dict(zip(keys, values.tolist()))
-        return stats
-
-    @property
-    def qk_clip_stats(self) -> dict:
-        """{layer: {"max_logit", "clipped_frac"}} of the last step (empty without QK-Clip)."""
-        return self.qk_clip.stats if self.qk_clip is not None else {}
-
-    @property
-    def qk_clip_head_max_logits(self) -> dict:
-        return self.qk_clip.head_max_logits if self.qk_clip is not None else {}
+        return {"grad_norm": grad_norm, "lr": lr, **self.after_update(), **stats}
 
     # ---- diagnostics and the run dir ----------------------------------------------------------------
     def family_stats_missing(self) -> str | None:

@@ -1,6 +1,7 @@
 """Preparing data: :func:`prepare` and its command, ``python -m kimi.data.prepare`` (``__main__.py``).
 ``kimi.data.prepare`` the package attribute is the function: kimi/data/__init__.py binds it after this
-package is imported."""
+package is imported. Across machines: ``parts.py`` (a worker's share of the files), ``merge.py`` (the
+parts into the single-process output), ``executor.py`` (datatrove runs both; optional)."""
 
 from typing import Union
 
