@@ -52,3 +52,17 @@ class CommCounter(TorchDispatchMode):
             self.calls[kind] += 1
             self.bytes[kind] += tensors[0].numel() * tensors[0].element_size() if tensors else 0
         return func(*args, **(kwargs or {}))
+
+
+def write_every_rank(out, record: dict) -> None:
+    """Rank 0 writes the list of every rank's `record` to `out` as JSON (one process: its own, in a list)."""
+    import json
+
+    import torch.distributed as dist
+
+    everyone = [record]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, record)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out.write_text(json.dumps(everyone))

@@ -36,8 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from comm_count import CommCounter
+from comm_count import CommCounter, write_every_rank
 from hydra import compose, initialize_config_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,10 +164,6 @@ def worker(out: Path, model: str, overrides: list[str], steps: int, profile: boo
     torch.nn.modules.module.register_module_forward_hook(recording)
     kda_dtypes = _kda_dtypes()
     losses = [trainer.train_step()["loss"]]  # warm-up: optimizer state, MuonClip's exchange, pipeline shapes
-    sent.clear()  # then one counted step, then the timed ones
-    counter = CommCounter()
-    with counter:
-        losses.append(trainer.train_step()["loss"])
     cuda = trainer.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
@@ -177,6 +172,14 @@ def worker(out: Path, model: str, overrides: list[str], steps: int, profile: boo
         losses.append(trainer.train_step()["loss"])
     sync()
     seconds = (time.perf_counter() - t0) / steps
+    # The counted step comes last: under a dispatch mode the compiled regions are compiled again, and the
+    # steps after it ran 1,037 ms instead of 600 on an H200 (2026-12-04, bench/results/gpu/2026-12-04-h200/
+    # diagnose): timed after it, parallel.compile=true was measured 1.7x slow.
+    profiled = _profile(trainer) if profile and cuda else {}
+    sent.clear()
+    counter = CommCounter()
+    with counter:
+        losses.append(trainer.train_step()["loss"])
     t = cfg.trainer
     tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps * trainer.dims.dp
     peak = peak_flops(trainer.device, t.peak_flops)
@@ -189,15 +192,10 @@ def worker(out: Path, model: str, overrides: list[str], steps: int, profile: boo
               "peak_mem_bytes": (torch.cuda.max_memory_allocated() if cuda
                                  else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
               "device": torch.cuda.get_device_name() if cuda else "cpu"}
-    if profile and cuda:
-        record.update(_profile(trainer))
+    if profiled:
+        record.update(profiled)
         record["host"]["gpu_idle_share"] = max(0.0, 1 - record["host"]["gpu_busy_ms"] / (1e3 * seconds))
-    everyone = [record]
-    if dist.is_initialized():
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, record)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        out.write_text(json.dumps(everyone))
+    write_every_rank(out, record)
     destroy_distributed()
 
 

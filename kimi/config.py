@@ -386,8 +386,13 @@ class WandbConfig:
 class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     metrics_file: str = "metrics.jsonl"
-    # write loss_curve.png in the run dir at the end, and diagnostics/*.png (README: Diagnostics)
+    # write loss_curve.png in the run dir after each validation and at the end, and diagnostics/*.png
     plot: bool = True
+    # also write TensorBoard event files to <run_dir>/tensorboard/ (the tensorboard extra; docs/dashboards.md)
+    tensorboard: bool = False
+    # CUDA: synchronize the device after each timed part of a step, so time/* measures the GPU's work, not
+    # only the host's (costs the overlap between the parts); a CPU's times are exact without it
+    step_time_sync: bool = False
 
 
 @dataclass

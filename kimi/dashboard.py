@@ -10,7 +10,8 @@ key=value arguments (kimi/cli/keyvalue.py); a bad argument is one line and exit 
 
 Panels (each drawn only when some run logged its keys; kimi.run.metrics.read_metrics reads the records):
 
-- loss: train ``loss`` (lines) and validation ``val_loss`` (markers); learning rate ``lr``; ``tokens_per_s``;
+- loss: train ``loss`` (lines) and validation ``val_loss`` (markers), a blend's per-source validation losses
+  ``val_loss/<source>`` (square markers, a line style each); learning rate ``lr``; ``tokens_per_s``;
   ``mfu``; ``grad_norm`` with the per-family ``optim/grad_norm/{muon,adamw}``;
 - ``optim/update_rms/{family}``: the RMS of each optimizer family's update;
 - QK-Clip: ``qk_max_logit`` (the worst head of all MLA layers), per layer ``qk_max_logit/<layer>`` (thin
@@ -58,6 +59,7 @@ class Dashboard:
     attnres: Optional[Matrix] = None
     attnres_step: Optional[int] = None
     skipped: List[str] = field(default_factory=list)  # panels without data
+    lines: Dict[str, List[str]] = field(default_factory=dict)  # each panel's labelled lines
 
 
 # ---- reading -----------------------------------------------------------------------------------------------
@@ -128,6 +130,9 @@ def _per_layer(ax, runs: Sequence[Run], prefix: str, thin_prefix: Optional[str] 
 def _loss(ax, runs):
     drew = _plot_runs(ax, runs, "loss", label_suffix=" train")
     drew |= _plot_runs(ax, runs, "val_loss", style="--", marker="o", label_suffix=" val", lw=1.0)
+    for si, source in enumerate(keys_under(runs, "val_loss/")):  # a run's colour, a line style per source
+        drew |= _plot_runs(ax, runs, f"val_loss/{source}", style=STYLES[(si + 2) % len(STYLES)], marker="s",
+                           lw=1.0, label_suffix=f" val {source}")
     ax.set_ylabel("cross-entropy (nats/token)")
     return drew
 
@@ -203,7 +208,7 @@ def draw(run_dirs: Sequence[Path], out: Path, columns: int = 3) -> Dashboard:
     nrows = math.ceil(n / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5.4 * cols, 3.7 * nrows), dpi=100, squeeze=False)
     flat = list(axes.flat)
-    titles = []
+    titles, lines = [], {}
     for ax, (title, fn, ylabel) in zip(flat, have):
         fn(ax, runs)
         ax.set_title(title, fontsize=10)
@@ -212,6 +217,7 @@ def draw(run_dirs: Sequence[Path], out: Path, columns: int = 3) -> Dashboard:
             ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         handles, labels = ax.get_legend_handles_labels()
+        lines[title] = labels
         if handles and len(handles) <= 16:
             ax.legend(fontsize=7)
         titles.append(title)
@@ -229,7 +235,7 @@ def draw(run_dirs: Sequence[Path], out: Path, columns: int = 3) -> Dashboard:
     fig.savefig(out)
     size = tuple(int(x) for x in fig.get_size_inches() * fig.dpi)
     plt.close(fig)
-    return Dashboard(out, titles, size, matrix, step, [t for t, _, _ in skipped])
+    return Dashboard(out, titles, size, matrix, step, [t for t, _, _ in skipped], lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -44,7 +44,8 @@ from kimi.run.progress import ProgressWindow, banner, cpu_size_note
 from kimi.run.profiling import StepProfiler
 from kimi.run.resume import checkpoint_to_resume, load_weights, resume, weights_to_start_from
 from kimi.run.runlog import RunLog, data_identity, nothing_to_train, save_config, write_routing
-from kimi.run.signals import StopSignals, release_on_exit, stopped_note
+from kimi.run.signals import StopSignals, release_on_exit, stop_requested, stopped_note
+from kimi.run.step_time import StepClock
 from kimi.run.validation import validate
 
 
@@ -56,6 +57,7 @@ class Trainer:
         # A scheduler's SIGTERM while the run starts (data, model, resume) is kept, not fatal: the run stops
         # with a checkpoint after its first step. Ctrl-C still interrupts the start at once.
         self.step, self.rank = 0, int(os.environ.get("RANK", "0"))
+        self.clock = StepClock(cfg.logging.step_time_sync)  # where each step's time goes
         self.signals = StopSignals(lambda: (self.rank, self.step))
         self.signals.catch(signal.SIGTERM)
         try:
@@ -162,11 +164,15 @@ class Trainer:
         t = self.cfg.trainer
         total = torch.zeros((), device=self.device)
         for _ in range(t.grad_accum_steps):
-            total += self.engine.forward_backward(self.loader.next_batch(), scale=1.0 / t.grad_accum_steps)
-        # one loss on every rank (all stop alike on NaN), read once (again, it would wait for the update)
-        loss = mean_over_ranks(total / t.grad_accum_steps).item()
+            with self.clock("data"):
+                batch = self.loader.next_batch()
+            with self.clock("forward_backward"):
+                total += self.engine.forward_backward(batch, scale=1.0 / t.grad_accum_steps)
+        with self.clock("forward_backward"):  # one loss on every rank (all stop alike on NaN), read once
+            loss = mean_over_ranks(total / t.grad_accum_steps).item()  # (again, it would wait for the update)
         check_finite("loss", loss, self.step, self.ckpt_dir, t.precision)
-        out = self.engine.step(self.cfg.optim.grad_clip, family_stats=family_stats)
+        with self.clock("optimizer"):
+            out = self.engine.step(self.cfg.optim.grad_clip, family_stats=family_stats)
         # a global norm, the same on every rank; the torch engine has skipped the update for it
         check_finite("the gradient norm", out["grad_norm"], self.step, self.ckpt_dir, t.precision)
         self.step += 1
@@ -186,19 +192,6 @@ class Trainer:
     def finish_checkpoint(self) -> Optional[Path]:
         """Wait for the checkpoint in flight (if any), then mark it complete and rotate; collective."""
         return self.saver.finish()
-
-    def _stop_requested(self) -> bool:
-        """Whether any rank got a signal: all must stop at the same step, or the checkpoint would hang. The
-        same reduction tells whether every rank has written its part of a background save, which is then
-        completed here (finishing is collective, so all ranks must agree it will not wait)."""
-        flags = torch.tensor([float(self.signals.received is not None), float(self.saver.writing())],
-                             device=self.device)
-        if self.dims.enabled:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stop, writing = flags.tolist()
-        if not writing:
-            self.saver.finish()
-        return bool(stop)
 
     def fit(self) -> Dict[str, Any]:
         with self.runlog.tee():  # rank 0's console output, also in <run_dir>/train.log
@@ -251,7 +244,7 @@ class Trainer:
         if self.step == 0 and t.eval_every:  # the starting point of the validation curve
             self._validate_and_report({"step": 0})
         window = ProgressWindow(peak, self.metrics.tokens_per_step, self.flops_per_token, self.step,
-                                t.max_steps, self.device)
+                                t.max_steps, self.device, self.clock)
         last_saved, self.signals.starting = None, False  # a second signal now interrupts training
         while self.step < t.max_steps:
             diagnose = self.diagnostics.due(self.step + 1)
@@ -266,21 +259,23 @@ class Trainer:
             if record:
                 record.update(qk_clip_record(self.engine.qk_clip_stats))
             if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps:
-                with window.paused():  # throughput is about training only
+                with window.paused("eval"):  # throughput is about training only
                     record = self._validate_and_report({**record, "step": self.step}, log=False)
             images, tables = {}, {}
             if diagnose:
-                with window.paused():
+                with window.paused("diagnostics"):
                     found, images, tables = self.diagnostics.run(self.step, self.val_batches[0], out)
                 # QK-Clip's summary keys, in both, are the diagnostics' there: the same numbers, but gathered
                 # from every pipeline stage (the log step's come from rank 0's stage)
                 record = {"step": self.step, **record, **found}
             if record:
-                self.metrics.log(record, images, tables)
-            stop = self._stop_requested() or bool(t.stop_at_step and self.step >= t.stop_at_step)
+                with window.paused("logging"):  # the PNG, wandb's and TensorBoard's writes are not training
+                    self.metrics.log({**record, **window.pauses()}, images, tables)
+            stop = (stop_requested(self.signals, self.saver, self.device, self.dims.enabled)
+                    or bool(t.stop_at_step and self.step >= t.stop_at_step))
             last = self.step == t.max_steps or stop
             if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last:
-                with window.paused(), self.signals.saving():  # a second signal waits for the write
+                with window.paused("checkpoint"), self.signals.saving():  # a second signal waits for it
                     last_saved = self.save_checkpoint(wait=last)
             if stop:
                 self.log(stopped_note(self.step, last_saved, self.signals.received, t))

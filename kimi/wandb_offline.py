@@ -9,8 +9,14 @@ tables among them.
 
 key=value arguments (kimi/cli/keyvalue.py); a bad argument is one line and exit code 2.
 
-Besides the logged keys it shows the charts' x axis the run defines (tokens, kimi.run.wandb_run.tokens_axis)
-and the run's artifacts, the checkpoints among them (logging.wandb.log_checkpoints).
+Besides the logged keys it shows the charts' x axis the run defines (tokens, kimi.run.wandb_run.tokens_axis),
+the run's artifacts, the checkpoints among them (logging.wandb.log_checkpoints), and how many console lines
+it captured (wandb's Logs tab).
+
+A resumed run continues its wandb run in a new offline-run-* folder with the same run id: every such segment
+of the newest run is read, oldest first, and their records merged (a step logged again by a later segment is
+the later one's). Keys are as wandb got them: train/loss, val/loss, ... (kimi.run.metrics.grouped_name) from
+runs of this version on, the flat metrics.jsonl names (loss, val_loss, ...) in older ones.
 
 The ``.wandb`` file is a LevelDB-style log (wandb 0.31 has no Python reader of its own; its Go core writes the
 file): a 7-byte header, then 32 KiB blocks of chunks, each [crc32 of type + data (4), length (2), type (1):
@@ -60,13 +66,27 @@ def read_records(path: Path) -> list:
     return records
 
 
-def run_file(run_dir: Path) -> Path:
-    """The newest offline wandb file of a run directory."""
-    found = sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"), key=lambda p: p.stat().st_mtime)
+def _offline_files(run_dir: Path) -> List[Path]:
+    """Every offline wandb file of a run directory, oldest first (offline-run-<date>_<time>-<id>: the folder
+    names sort by start time; the file's age breaks a tie)."""
+    found = sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"),
+                   key=lambda p: (p.parent.name.split("-")[2], p.stat().st_mtime))
     if not found:
         raise WandbFileError(f"{run_dir} has no wandb/offline-run-*/run-*.wandb: was it trained with "
                              "logging.wandb.mode=offline?")
-    return found[-1]
+    return found
+
+
+def run_file(run_dir: Path) -> Path:
+    """The newest offline wandb file of a run directory."""
+    return _offline_files(run_dir)[-1]
+
+
+def run_files(run_dir: Path) -> List[Path]:
+    """The segments of the newest offline wandb run of a run directory, oldest first: each start of a resumed
+    run writes a folder of its own under the same run id (run-<id>.wandb)."""
+    found = _offline_files(run_dir)
+    return [p for p in found if p.name == found[-1].name]
 
 
 def history(records: Sequence) -> Dict[int, Dict[str, Any]]:
@@ -89,11 +109,18 @@ def history(records: Sequence) -> Dict[int, Dict[str, Any]]:
 
 
 def contents(run_dir: Path) -> Dict[str, Any]:
-    """A summary of the run's offline wandb record (what the command prints)."""
-    path = run_file(run_dir)
-    records = read_records(path)
+    """A summary of the run's offline wandb record, all its segments merged (what the command prints)."""
+    paths = run_files(run_dir)
+    path = paths[-1]
+    segments = [read_records(p) for p in paths]
+    records = [r for segment in segments for r in segment]
     runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
-    steps = history(records)
+    steps: Dict[int, Dict[str, Any]] = {}
+    folder_of: Dict[int, Path] = {}
+    for p, segment in zip(paths, segments):  # a later segment's step replaces an earlier one's
+        found = history(segment)
+        steps.update(found)
+        folder_of.update(dict.fromkeys(found, p.parent))
     scalars: Dict[str, int] = {}
     media: Dict[str, Dict[str, Any]] = {}
     for step in sorted(steps):
@@ -103,18 +130,19 @@ def contents(run_dir: Path) -> Dict[str, Any]:
                 m["steps"].append(step)
                 if value["_type"] == "table-file":
                     m["nrows"], m["ncols"] = value.get("nrows"), value.get("ncols")
-                m["files_present"] = m.get("files_present", True) and (path.parent / "files" /
+                m["files_present"] = m.get("files_present", True) and (folder_of[step] / "files" /
                                                                        value["path"]).is_file()
             elif not key.startswith("_"):
                 scalars[key] = scalars.get(key, 0) + 1
     run = runs[0] if runs else None
-    return {"file": str(path), "run": None if run is None else {
+    console = "".join(r.output_raw.line for r in records if r.WhichOneof("record_type") == "output_raw")
+    return {"file": str(path), "segments": [str(p) for p in paths], "run": None if run is None else {
                 "name": run.display_name, "project": run.project, "group": run.run_group,
                 "tags": list(run.tags)},
             "steps": len(steps), "first_step": min(steps, default=None),
             "last_step": max(steps, default=None),
             "scalars": dict(sorted(scalars.items())), "media": media, "x_axis": x_axis(records),
-            "artifacts": artifacts(records)}
+            "artifacts": artifacts(records), "console_lines": len(console.splitlines())}
 
 
 def x_axis(records: Sequence) -> Dict[str, str]:
@@ -138,7 +166,9 @@ def artifacts(records: Sequence) -> List[Dict[str, Any]]:
 
 def render(summary: Dict[str, Any]) -> List[str]:
     run = summary["run"] or {}
-    lines = [f"{summary['file']}",
+    segments = len(summary.get("segments", [])) or 1
+    lines = [f"{summary['file']}" + (f" (and {segments - 1} earlier segments of this run: resumed starts)"
+                                     if segments > 1 else ""),
              f"run {run.get('name')!r} project {run.get('project')!r} group {run.get('group')!r} tags "
              f"{run.get('tags')}",
              f"{summary['steps']} logged steps ({summary['first_step']} to {summary['last_step']})"]
@@ -165,6 +195,7 @@ def render(summary: Dict[str, Any]) -> List[str]:
     others = len(summary["artifacts"]) - len(models)
     if others:
         lines.append(f"  {others} other artifacts (the tables' own)")
+    lines.append(f"{summary.get('console_lines', 0)} console lines captured (wandb's Logs tab)")
     return lines
 
 

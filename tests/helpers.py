@@ -1,6 +1,5 @@
 """Helpers shared by test files (pytest puts tests/ on sys.path, so `from helpers import ...` works)."""
 
-import random
 import socket
 from pathlib import Path
 
@@ -33,16 +32,11 @@ TINY_TRAINER = [
 
 
 def make_corpus(path: Path, docs: int = 24, sentences: int = 60) -> Path:
-    """Deterministic English-like documents with enough structure for a model to learn quickly."""
-    rng = random.Random(0)
-    subj = ["the king", "a fool", "my lord", "the queen", "this knave", "sweet juliet", "the ghost"]
-    verb = ["loves", "fears", "follows", "betrays", "speaks to", "remembers", "dreams of"]
-    obj = ["the crown", "his brother", "the night", "a letter", "the sea", "her father", "the stars"]
-    path.mkdir(parents=True, exist_ok=True)
-    for d in range(docs):
-        lines = [f"{rng.choice(subj).capitalize()} {rng.choice(verb)} {rng.choice(obj)}." for _ in range(sentences)]
-        (path / f"doc{d:02d}.txt").write_text("\n".join(lines) + "\n")
-    return path
+    """Deterministic English-like documents with enough structure for a model to learn quickly
+    (kimi.data.synthetic)."""
+    from kimi.data.synthetic import write_corpus
+
+    return write_corpus(path, docs, sentences)
 
 
 def offline_caches(home: Path):

@@ -121,6 +121,17 @@ def test_panels_without_data_are_left_out(tmp_path):
     assert (w, h) == d.size == (3 * 540, 2 * 370)
 
 
+@pytest.mark.unit
+def test_a_blend_per_source_validation_losses_are_lines_of_the_loss_panel(tmp_path):
+    run = tmp_path / "blend"
+    run.mkdir()
+    records = [{"step": s, "loss": 5.0 - s, "val_loss": 5.5 - s, "val_loss/books": 5.0 - s,
+                "val_loss/web": 6.0 - s} for s in (0, 2)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    d = dashboard.draw([run], tmp_path / "d.png")
+    assert d.lines[BASIC[0]] == ["blend train", "blend val", "blend val books", "blend val web"]
+
+
 @pytest.mark.e2e
 def test_command_line(tmp_path, real_run):
     out = tmp_path / "dash.png"

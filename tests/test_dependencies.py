@@ -74,6 +74,27 @@ def test_the_prep_extra_has_its_floor_and_reason_and_is_met():
         assert req.specifier.contains(Version(installed.public), prereleases=True), f"{req}: {installed}"
 
 
+# The tensorboard extra (logging.tensorboard): its floor and reason, checked as FLOORS'.
+TENSORBOARD_FLOORS = {
+    "tensorboard": ("2.18", "torch.utils.tensorboard's SummaryWriter with purge_step, read back by "
+                            "tensorboard's EventAccumulator: test_live_metrics's TensorBoard tests pass with "
+                            "2.18.0; 2.17.0 and 2.14.0 fail beside numpy 2 (np.string_); checked 2026-12-04"),
+}
+
+
+def test_the_tensorboard_extra_has_its_floor_and_reason_and_is_met():
+    extras = PROJECT["optional-dependencies"]
+    reqs = {canonicalize_name(r.name): r for r in map(Requirement, extras["tensorboard"])}
+    assert set(reqs) == set(TENSORBOARD_FLOORS), "add the dependency's floor and reason to TENSORBOARD_FLOORS"
+    dev = {canonicalize_name(r.name): r for r in map(Requirement, extras["dev"])}
+    for name, req in reqs.items():
+        floors = [s.version for s in req.specifier if s.operator == ">="]
+        assert floors == [TENSORBOARD_FLOORS[name][0]], str(req)
+        assert name in dev and str(dev[name].specifier) == str(req.specifier), "the dev extra has it alike"
+        installed = Version(importlib.metadata.version(req.name))
+        assert req.specifier.contains(Version(installed.public), prereleases=True), f"{req}: {installed}"
+
+
 # Imported by the package but neither a dependency nor an extra's (the dev list does not count: it is the
 # tests'), each with why a plain install may lack it.
 OPTIONAL = {

@@ -106,6 +106,24 @@ def test_generate_until_is_greedy_decoding_cut_at_the_stop_string(model, tokeniz
 
 
 @pytest.mark.unit
+def test_scoring_says_how_far_it_has_come(model, tokenizer, capsys):
+    """python -m kimi.eval's progress (KimiLM's progress_every): lines on stderr as batches are scored, one
+    ending each kind of request; none without progress_every (inside training)."""
+    quiet = KimiLM(model, tokenizer, batch_size=2, max_length=64)
+    expected = quiet.loglikelihood(requests("loglikelihood", PAIRS))
+    assert "[eval]" not in capsys.readouterr().err  # (lm-eval's own tokenizing bar may be there)
+    lm = KimiLM(model, tokenizer, batch_size=2, max_length=64, progress_every=0.0)  # a line per batch
+    assert lm.loglikelihood(requests("loglikelihood", PAIRS)) == expected
+    lm.generate_until(requests("generate_until", [("The king", {"until": ["."], "max_gen_toks": 3})]))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[eval]")]
+    done = [re.match(r"\[eval\] (\w+): (\d+)/(\d+) requests \((\d+)%\), \d+ s", line) for line in lines]
+    assert all(done), lines
+    assert [(m[1], int(m[2]), int(m[3])) for m in done] == [
+        ("loglikelihood", 2, 5), ("loglikelihood", 4, 5), ("loglikelihood", 5, 5), ("generate_until", 1, 1)]
+    assert "left" in lines[0] and "left" not in lines[2]
+
+
+@pytest.mark.unit
 def test_shipped_tasks_load_with_their_examples():
     manager = harness.task_manager(["kimi_heldout"])
     tasks = manager.load(["kimi_lastword", "kimi_lastword_gen", "kimi_cloze", "kimi_heldout_ppl"])["tasks"]

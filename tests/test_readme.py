@@ -348,7 +348,7 @@ class Sandbox:
         p = Path(readme_path)
         return p if p.is_absolute() else self.tmp / "root" / p
 
-    def run(self, argv: list[str], timeout: float = 120, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    def run(self, argv: list[str], timeout: float = 600, cwd: Path = ROOT) -> subprocess.CompletedProcess:
         proc = subprocess.run(argv, cwd=cwd, env=self.env, capture_output=True, text=True, timeout=timeout)
         assert proc.returncode == 0, (f"exit code {proc.returncode}: {shlex.join(argv)}\n"
                                       f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -405,7 +405,7 @@ def check(box: Sandbox, command: str) -> None:
     elif how == "torchrun":
         script = words.index("train.py")
         argv, run, steps = box.tiny(words[script + 1:])
-        box.run([*exe, *words[1:script + 1], *argv], timeout=180)
+        box.run([*exe, *words[1:script + 1], *argv], timeout=600)
         box.trained_at(run, steps)
     elif how == "make-train":
         if shutil.which("make") is None:

@@ -414,7 +414,7 @@ def test_wandb_online_without_network_logs_offline_with_a_warning(tmp_path, monk
 
     import wandb
 
-    import kimi.run.metrics
+    import kimi.run.wandb_run
     from kimi.config import WandbConfig
     from kimi.run.wandb_run import start_wandb
     from kimi.wandb_offline import run_file
@@ -426,7 +426,7 @@ def test_wandb_online_without_network_logs_offline_with_a_warning(tmp_path, monk
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setattr(kimi.run.metrics, "WANDB_ONLINE_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(kimi.run.wandb_run, "WANDB_ONLINE_TIMEOUT_S", 2.0)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     try:

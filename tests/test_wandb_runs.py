@@ -28,13 +28,25 @@ def _started(run):
     return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r.get("event") == "start"]
 
 
-def test_overwrite_starts_another_wandb_run_and_resume_continues_it(tmp_path, data, monkeypatch):
+def test_overwrite_starts_another_wandb_run_and_resume_continues_it(tmp_path, data, monkeypatch, capsys):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     run = tmp_path / "run"
     offline = ["logging.wandb.mode=null", "trainer.checkpoint_every=1"]
     first = train_run(run, data, *offline, "trainer.max_steps=2")
     train_run(run, data, *offline, "trainer.max_steps=3")  # resumes at step 2
     assert set(_wandb_ids(run)) == {first.run_id}
+    # the resumed start wrote a second offline folder of the same wandb run: the reader merges both segments
+    folders = sorted((run / "wandb").glob("offline-run-*"))
+    summary = contents(run)
+    assert summary["segments"] == [str(next(f.glob("run-*.wandb"))) for f in folders] and len(folders) == 2
+    assert (summary["first_step"], summary["last_step"], summary["steps"]) == (1, 3, 3)
+    assert summary["scalars"]["train/loss"] == 3 and "loss" not in summary["scalars"]  # the grouped names
+    # each start ends with the exact command that uploads its folder (wandb's own hint is silenced), and
+    # wandb's banner is silent: the console keeps our lines only
+    out = capsys.readouterr().out
+    hints = [line for line in out.splitlines() if line.startswith("[kimi] wandb: logged offline")]
+    assert hints == [f"[kimi] wandb: logged offline to {f}; upload it with: wandb sync {f}" for f in folders]
+    assert "wandb:" not in out.replace("[kimi] wandb:", "")
     again = train_run(run, data, *offline, "trainer.max_steps=2", "trainer.resume=false", "trainer.overwrite=true")
     assert again.run_id != first.run_id and _wandb_ids(run) == [again.run_id]  # the old wandb dir moved aside
     assert [s["wandb_id"] for s in _started(run)] == [again.run_id]

@@ -47,7 +47,13 @@ checkpoint directory on lm-eval-harness tasks, through lm-eval's Python API with
                true: also run such code when it differs from what to-hf recorded in kimi_code.json (edited,
                added or removed files); without it such a directory is refused (default false)
 
+While it scores, a line on stderr every few seconds says how many requests of each kind (loglikelihood,
+rolling windows, generate_until) are done, and one line ends each kind; the scores go to stdout.
+
 Exit codes: 0 done, 2 bad arguments, run directory, task name or a refused hf= directory, 1 failure."""
+
+
+PROGRESS_EVERY_S = 5.0  # a progress line on stderr at most this often while a kind of request is scored
 
 
 def _count(key: str):
@@ -118,7 +124,8 @@ def _evaluate(args: dict) -> int:
         check_folder(args["hf"], **trust)
     manager = harness.task_manager(args["tasks"])
     model, tokenizer, step = load_from_checkpoint(args["run"], args["device"])
-    lm = KimiLM(model, tokenizer, args["batch_size"], args["max_length"], args["seed"])
+    lm = KimiLM(model, tokenizer, args["batch_size"], args["max_length"], args["seed"],
+                progress_every=PROGRESS_EVERY_S)
     common = dict(limit=args["limit"], num_fewshot=args["num_fewshot"], seed=args["seed"], manager=manager)
     ours = harness.scores(harness.evaluate(lm, args["tasks"], **common))
     print(f"[kimi] step {step} checkpoint of {args['run']}:\n{harness.table(ours)}", flush=True)

@@ -9,10 +9,14 @@ first window of a rolling text start from the prefix token (EOS: the token a tra
 and a generation's context keeps its last max_length - max_gen_toks tokens and is cut at its first stop
 string. Requests are scored longest first, in batches right-padded to their longest (the model is causal,
 so padding after a position changes nothing before it); generation runs one request at a time through the
-decoding cache.
+decoding cache. With progress_every (python -m kimi.eval), a line on stderr at most that many seconds apart
+says how far the scoring of each kind of request has come, and one line ends each kind.
 """
 
 from __future__ import annotations
+
+import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -32,10 +36,29 @@ def _whole(logits: torch.Tensor) -> torch.Tensor:
 class KimiLM(TemplateLM):
     """lm-eval's LM on `model` (a KimiModel, or the trainer's parallelised one) and its kimi Tokenizer."""
 
-    def __init__(self, model, tokenizer, batch_size: int = 16, max_length: int = 2048, seed: int = 0):
+    def __init__(self, model, tokenizer, batch_size: int = 16, max_length: int = 2048, seed: int = 0,
+                 progress_every: float | None = None):
         super().__init__()
         self.model, self.kimi_tokenizer = model, tokenizer
         self.batch_size, self.max_length, self.seed = batch_size, max_length, seed
+        self.progress_every = progress_every  # seconds between progress lines; None: none (in training)
+        self._shown = (None, 0.0, 0.0)  # (kind, its start, the last line's time)
+
+    def _progress(self, kind: str, done: int, total: int) -> None:
+        """`done` of `total` requests of `kind` scored: a line when progress_every seconds have passed since
+        the last one, and when the kind is done."""
+        if self.progress_every is None or total == 0:
+            return
+        now = time.perf_counter()
+        if self._shown[0] != kind or done == 0:
+            self._shown = (kind, now, now)
+        _, start, last = self._shown
+        if done and (done == total or now - last >= self.progress_every):
+            took = now - start
+            eta = f", about {took / done * (total - done):.0f} s left" if 0 < done < total else ""
+            print(f"[eval] {kind}: {done}/{total} requests ({100 * done / total:.0f}%), {took:.0f} s{eta}",
+                  file=sys.stderr, flush=True)
+            self._shown = (kind, start, now)
 
     @property
     def device(self) -> torch.device:
@@ -56,12 +79,14 @@ class KimiLM(TemplateLM):
         return self.kimi_tokenizer.decode(tokens)
 
     @torch.no_grad()
-    def _score(self, inputs: list[list[int]], conts: list[list[int]]) -> list[tuple[float, bool]]:
+    def _score(self, inputs: list[list[int]], conts: list[list[int]],
+               kind: str = "loglikelihood") -> list[tuple[float, bool]]:
         """(log p of conts[i], whether greedy decoding gives it) for each inputs[i], what the model reads:
         the context and conts[i] less its last token. Batched; log-softmax in fp32 over the scored positions
         only (a whole row of a large vocabulary's log-probabilities would not fit)."""
         out: list[tuple[float, bool]] = [(0.0, False)] * len(inputs)
         order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
+        self._progress(kind, 0, len(order))
         for start in range(0, len(order), self.batch_size):
             chunk = order[start:start + self.batch_size]
             ids = torch.zeros(len(chunk), len(inputs[chunk[0]]), dtype=torch.long)
@@ -73,12 +98,13 @@ class KimiLM(TemplateLM):
                 logprobs = F.log_softmax(logits[row, end - len(target):end].float(), dim=-1)
                 out[i] = (float(logprobs.gather(1, target[:, None]).sum()),
                           bool((logprobs.argmax(-1) == target).all()))
+            self._progress(kind, start + len(chunk), len(order))
         return out
 
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False,
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, kind: str = "loglikelihood",
                               **kwargs) -> list[tuple[float, bool]]:
         inputs = [(context + cont)[-(self.max_length + 1):][:-1] for _, context, cont in requests]
-        return self._score(inputs, [cont for _, _, cont in requests])
+        return self._score(inputs, [cont for _, _, cont in requests], kind)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         windows, owner = [], []
@@ -90,7 +116,7 @@ class KimiLM(TemplateLM):
                 windows.append((None, context, cont))
                 owner.append(n)
         totals = [0.0] * len(requests)
-        for n, (logprob, _) in zip(owner, self._loglikelihood_tokens(windows)):
+        for n, (logprob, _) in zip(owner, self._loglikelihood_tokens(windows, kind="rolling windows")):
             totals[n] += logprob
         return totals
 
@@ -99,6 +125,7 @@ class KimiLM(TemplateLM):
         eos_text = self.tok_decode([self.eot_token_id])
         generator = torch.Generator(device=self.device).manual_seed(self.seed)
         out = []
+        self._progress("generate_until", 0, len(requests))
         for context, gen_kwargs in (req.args for req in requests):
             kwargs = normalize_gen_kwargs(dict(gen_kwargs), 256)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)
@@ -110,6 +137,7 @@ class KimiLM(TemplateLM):
             ids = self.tok_encode(context)[-(self.max_length - budget):] or [self.prefix_token_id]
             new = self._continue(ids, budget, until, temperature, generator)
             out.append(postprocess_generated_text(self.tok_decode(new), until, None))
+            self._progress("generate_until", len(out), len(requests))
         return out
 
     def _continue(self, ids: list[int], budget: int, until: list[str], temperature: float, generator):

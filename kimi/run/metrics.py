@@ -1,9 +1,10 @@
-"""``metrics.jsonl``: what a run logs per step (MetricsLogger, also to wandb), read back by every tool
-(read_metrics), and the loss-curve PNG."""
+"""``metrics.jsonl``: what a run logs per step (MetricsLogger, also to wandb and TensorBoard under grouped
+names, grouped_name), read back by every tool (read_metrics), and the loss-curve PNG."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -11,7 +12,23 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from kimi.config import LoggingConfig
-from kimi.run.wandb_run import start_wandb, wandb_mode
+from kimi.run.wandb_run import offline_sync_hint, start_wandb, wandb_mode
+
+
+def grouped_name(key: str) -> str:
+    """metrics.jsonl's key as wandb and TensorBoard show it: the training scalars under train/ (loss, lr,
+    grad_norm, tokens_per_s, mfu, moe_*, qk_max_logit, ...), validation under val/ (val_loss -> val/loss,
+    val_ppl -> val/ppl, val_loss/<source> -> val/loss/<source>), peak_memory_gib as memory/peak_gib; a key
+    already in a family (eval/<task>/<metric>, optim/..., time/..., kda/..., qk_max_logit/<layer>) and
+    tokens (the charts' x axis) as they are. metrics.jsonl keeps its flat keys: every tool reads them."""
+    if key == "tokens":
+        return key
+    if key == "peak_memory_gib":
+        return "memory/peak_gib"
+    if key.startswith("val_"):
+        return "val/" + key[len("val_"):]
+    return key if "/" in key else f"train/{key}"
+
 
 def qk_clip_record(stats: Dict[str, Dict[str, float]]) -> Dict[str, float]:
     """QK-Clip's last-step statistics as metrics: the worst head over layers, the mean fraction of heads
@@ -60,14 +77,17 @@ def tokens_per_step(t, data_parallel: int) -> int:
 class MetricsLogger:
     """Appends one JSON object per logged step to ``metrics.jsonl`` (see :func:`read_metrics`) and mirrors
     it to wandb, each wandb row with the tokens trained so far (the charts' x axis, see start_wandb) and, with
-    logging.wandb.log_checkpoints, each checkpoint the saver completes as a model artifact."""
+    logging.wandb.log_checkpoints, each checkpoint the saver completes as a model artifact; with
+    logging.tensorboard, its scalars to TensorBoard as well (kimi.run.tensorboard_log). With logging.plot, a
+    record with a validation loss redraws ``loss_curve.png`` beside metrics.jsonl."""
 
     def __init__(self, run_dir: Path, cfg: LoggingConfig, config_dict: Dict[str, Any], resume_step: int = 0,
                  enabled: bool = True, run_id: str = "", tokens_per_step: int = 0, saver=None):
         self.enabled, self.tokens_per_step = enabled, tokens_per_step
         self.path = Path(run_dir) / cfg.metrics_file
         self.history: List[Dict[str, Any]] = []
-        self._wandb = None
+        self._wandb, self._tensorboard, self._offline = None, None, False
+        self.plot_path = Path(run_dir) / "loss_curve.png" if cfg.plot else None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,8 +98,13 @@ class MetricsLogger:
         self._append({"event": "start", "step": resume_step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                       **({"wandb_id": wandb_id} if mode != "disabled" else {})})
         self.history = read_metrics(self.path)
+        if cfg.tensorboard:
+            from kimi.run.tensorboard_log import TensorBoardLog
+
+            self._tensorboard = TensorBoardLog(Path(run_dir), resume_step, tokens_per_step)
         if mode != "disabled":
             self._wandb = start_wandb(cfg.wandb, Path(run_dir), config_dict, wandb_id, rewound)
+            self._offline = self._wandb.settings.mode == "offline"  # also online's fallback
             if cfg.wandb.log_checkpoints and saver is not None:
                 saver.on_saved.append(self.log_checkpoint)
 
@@ -92,6 +117,11 @@ class MetricsLogger:
         record = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in record.items()}
         self.history.append(record)
         self._append(record)
+        scalars = {grouped_name(k): v for k, v in record.items() if k != "step"}
+        if self._tensorboard is not None:
+            self._tensorboard.log(record["step"], scalars)
+        if self.plot_path is not None and "val_loss" in record:  # a live run's curve, at each evaluation
+            self.plot(self.plot_path)
         if self._wandb is not None:
             import wandb
 
@@ -100,8 +130,7 @@ class MetricsLogger:
                           for k, (cols, rows) in (tables or {}).items()})
             # every row has the x axis, also an evaluation's or the diagnostics' off the progress lines' steps
             tokens = {"tokens": record["step"] * self.tokens_per_step} if self.tokens_per_step else {}
-            self._wandb.log({**tokens, **{k: v for k, v in record.items() if k != "step"}, **media},
-                            step=record["step"])
+            self._wandb.log({**tokens, **scalars, **media}, step=record["step"])
 
     def log_checkpoint(self, path: Path, step: int) -> None:
         """A complete checkpoint directory as the next version of the run's model artifact, aliased
@@ -120,14 +149,24 @@ class MetricsLogger:
             f.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
         if self._wandb is not None:
+            folder = Path(self._wandb.dir).parent  # <run_dir>/wandb/offline-run-<time>-<id>
             self._wandb.finish()
             self._wandb = None
+            if self._offline:  # wandb's own hint is hidden by quiet=True
+                print(offline_sync_hint(folder), flush=True)
 
     def plot(self, out: Path) -> Optional[Path]:
-        """Train and validation loss against step, as a PNG (matplotlib, no display needed)."""
+        """Train and validation loss against step, and a blend's per-source validation losses
+        (val_loss/<name>) as lines of their own, as a PNG (matplotlib, no display needed). Written to a
+        temporary file, then renamed over `out`: a viewer that reloads it during the run never reads half an
+        image. The PNG's Description names its lines."""
         train = [(r["step"], r["loss"]) for r in self.history if "loss" in r]
         val = [(r["step"], r["val_loss"]) for r in self.history if "val_loss" in r]
+        sources = sorted({k for r in self.history for k in r if k.startswith("val_loss/")})
         if not train and not val:
             return None
         import matplotlib
@@ -140,13 +179,19 @@ class MetricsLogger:
             ax.plot(*zip(*train), label="train loss", lw=1.2)
         if val:
             ax.plot(*zip(*val), "o-", label="validation loss", lw=1.5)
+        for key in sources:
+            points = [(r["step"], r[key]) for r in self.history if key in r]
+            ax.plot(*zip(*points), "s--", label=f"validation loss: {key.split('/', 1)[1]}", lw=1.0, ms=3)
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy (nats/token)")
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(out)
+        lines = "; ".join(line.get_label() for line in ax.get_lines())
+        tmp = Path(out).with_name(f".{Path(out).name}.tmp")
+        fig.savefig(tmp, format="png", metadata={"Description": f"lines: {lines}"})
         plt.close(fig)
+        os.replace(tmp, out)
         return Path(out)
 
 

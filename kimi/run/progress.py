@@ -1,9 +1,10 @@
 """What the console shows while training: the start-up banner, the progress line every trainer.log_every
-steps (loss, lr, tokens/s, MFU, ETA) and the first step's own line."""
+steps (loss, lr, tokens/s, MFU, the step's time and its parts, ETA) and the first step's own line."""
 
 from __future__ import annotations
 
 import math
+import resource
 import time
 from contextlib import contextmanager
 from typing import Any, Dict, List, Optional, Tuple
@@ -15,6 +16,7 @@ from kimi.model.registry import legend
 from kimi.run import cpu
 from kimi.run.metrics import tokens_per_step
 from kimi.run.peaks import PeakFlops, busy_cpu_hint
+from kimi.run.step_time import StepClock, breakdown, short_form
 
 def format_duration(seconds: float) -> str:
     seconds = int(max(0, seconds))
@@ -32,10 +34,12 @@ def format_count(x: float) -> str:
 
 def progress_line(step: int, max_steps: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float,
                   mfu: Optional[float], eta_s: float, memory_gib: Optional[float] = None,
-                  loss_steps: int = 1, moe_imbalance: Optional[float] = None) -> str:
+                  loss_steps: int = 1, moe_imbalance: Optional[float] = None,
+                  times: Optional[Dict[str, float]] = None) -> str:
     """One line per logging window. `loss` is the mean over the window's `loss_steps` steps (metrics.jsonl's
     `loss`), labelled `loss(avg N)` when N > 1; lr, gnorm and the experts' load imbalance (max/mean tokens
-    per expert, the worst MoE layer) are the last step's."""
+    per expert, the worst MoE layer) are the last step's; `times`: the window's step-time breakdown
+    (kimi.run.step_time.breakdown), shown short."""
     label = f"loss(avg {loss_steps})" if loss_steps > 1 else "loss"
     parts = [f"step {step:>{len(str(max_steps))}}/{max_steps}", f"{label} {loss:.4f}", f"lr {lr:.2e}",
              f"gnorm {grad_norm:.3f}"]
@@ -44,23 +48,40 @@ def progress_line(step: int, max_steps: int, loss: float, lr: float, grad_norm: 
     parts.append(f"{format_count(tokens_per_s)} tok/s")
     if mfu is not None and math.isfinite(mfu):
         parts.append(f"MFU {100 * mfu:.1f}%")
+    if times is not None:
+        parts.append(short_form(times))
     if memory_gib is not None:
         parts.append(f"mem {memory_gib:.1f} GiB")
     parts.append(f"ETA {format_duration(eta_s)}")
     return " | ".join(parts)
 
 
+def window_peak_memory_gib(device: torch.device) -> float:
+    """The memory peak since the last call: CUDA, what this rank allocated at most (its peak is reset);
+    elsewhere the process's peak resident memory so far (an operating system's peak cannot be reset)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux counts KiB
+
+
 class ProgressWindow:
-    """The steps since the last progress line: their losses, their training time (evaluations and checkpoints
-    excluded with `paused`), and what they give: the progress line and metrics.jsonl's record, which agree."""
+    """The steps since the last progress line: their losses, their training time (evaluations, checkpoints
+    and diagnostics excluded with `paused`, their own time reported by `pauses`), where that time went (the
+    steps' `clock`, kimi.run.step_time), and what they give: the progress line and metrics.jsonl's record,
+    which agree."""
 
     def __init__(self, peak: PeakFlops, tokens_per_step: int, flops_per_token: float, start_step: int,
-                 max_steps: int, device: torch.device):
+                 max_steps: int, device: torch.device, clock: Optional[StepClock] = None):
         self.peak, self.tokens_per_step, self.flops_per_token = peak, tokens_per_step, flops_per_token
         self.start_step, self.max_steps, self.device = start_step, max_steps, device
+        self.clock = clock or StepClock()
+        self.clock.take()  # what train_step timed before the window (a warm-up, a benchmark) is not its
         self.t_start = self.t0 = time.perf_counter()
         self.losses: List[float] = []
-        self.windows, self.hinted = 0, False
+        self.windows, self.hinted, self.memory_peak = 0, False, 0.0
+        self.paused_s: Dict[str, float] = {}
 
     @staticmethod
     def header(log_every: int) -> str:
@@ -95,12 +116,23 @@ class ProgressWindow:
                 f"every {log_every} steps follows")
 
     @contextmanager
-    def paused(self):
+    def paused(self, kind: str = "other"):
+        """Time outside training (evaluation, checkpoint, diagnostics): not the window's; its seconds per kind
+        go to the next record logged (pauses)."""
         t = time.perf_counter()
         try:
             yield
         finally:
-            self.t0 += time.perf_counter() - t
+            took = time.perf_counter() - t
+            self.t0 += took
+            self.paused_s[kind] = self.paused_s.get(kind, 0.0) + took
+
+    def pauses(self) -> Dict[str, float]:
+        """{time/<kind>_s: seconds} of the pauses since the last call (the record logged at an evaluation
+        step has that evaluation's time; a checkpoint's comes with the next record logged)."""
+        out = {f"time/{kind}_s": s for kind, s in self.paused_s.items()}
+        self.paused_s = {}
+        return out
 
     def report(self, step: int, out: Dict[str, float]) -> Tuple[str, Dict[str, Any], Optional[str]]:
         """(progress line, metrics record, a note on the MFU peak or a busy CPU, or None); starts the next
@@ -117,12 +149,16 @@ class ProgressWindow:
             note = "\n".join(x for x in (note, hint) if x) or None
         eta = (now - self.t_start) / max(1, step - self.start_step) * (self.max_steps - step)
         loss = sum(self.losses) / n
+        times = breakdown((now - self.t0) / n, self.clock.take(), n)
+        window_memory = window_peak_memory_gib(self.device)
+        self.memory_peak = max(self.memory_peak, window_memory)
         # this rank's peak allocation on its GPU so far (ranks differ little but for pipeline stages)
-        memory = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+        memory = self.memory_peak if self.device.type == "cuda" else None
         line = progress_line(step, self.max_steps, loss, out["lr"], out["grad_norm"], tps, mfu, eta, memory,
-                             loss_steps=n, moe_imbalance=out.get("moe_imbalance"))
+                             loss_steps=n, moe_imbalance=out.get("moe_imbalance"), times=times)
         record = {"step": step, "loss": loss, "lr": out["lr"], "grad_norm": out["grad_norm"],
-                  "tokens_per_s": tps, "mfu": mfu, "tokens": step * self.tokens_per_step}
+                  "tokens_per_s": tps, "mfu": mfu, "tokens": step * self.tokens_per_step, **times,
+                  "memory/window_peak_gib": window_memory}
         record.update({k: v for k, v in out.items() if k.startswith("moe_")})
         if memory is not None:
             record["peak_memory_gib"] = memory

@@ -96,6 +96,23 @@ def stopped_note(step: int, checkpoint, signal_name: Optional[str], t) -> str:
     return f"[kimi] stopped at step {step} ({why}); checkpoint {checkpoint}. To go on, {how}."
 
 
+def stop_requested(signals: "StopSignals", saver, device, distributed: bool) -> bool:
+    """Whether any rank got a signal: all must stop at the same step, or the checkpoint would hang. The
+    same reduction tells whether every rank has written its part of a background save (the saver's,
+    kimi.checkpoint.saver), which is then completed here (finishing is collective, so all ranks must agree it
+    will not wait). Collective under torch.distributed (`distributed`)."""
+    import torch
+    import torch.distributed as dist
+
+    flags = torch.tensor([float(signals.received is not None), float(saver.writing())], device=device)
+    if distributed:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    stop, writing = flags.tolist()
+    if not writing:
+        saver.finish()
+    return bool(stop)
+
+
 class StopSignals:
     def __init__(self, where: Callable[[], Tuple[int, int]]):
         """where: (this process's rank, the step done so far), for the message a signal prints."""

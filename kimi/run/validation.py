@@ -10,6 +10,7 @@ a warning instead: one stdout line each (rank 0), from ``warnings_of``, and the 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import List, Optional
 
@@ -22,6 +23,10 @@ from kimi.model.rules import check_kernels, check_mtp, check_tensor_parallel, va
 from kimi.optim.rules import validate_optim
 from kimi.parallel.rules import check_engine, check_fault_tolerance, check_layout, validate_parallel
 from kimi.precision.rules import validate_precision
+
+TENSORBOARD_MISSING = ("logging.tensorboard=true needs the tensorboard package, which is not installed: "
+                       "pip install -e '.[tensorboard]' (the project's tensorboard extra), or set "
+                       "logging.tensorboard=false")
 
 
 def validate(cfg: Config, world: Optional[int] = None) -> None:
@@ -107,3 +112,4 @@ def validate_logging(lg: LoggingConfig) -> None:
 
     check_choices(lg, "logging")
     wandb_mode(lg.wandb)  # $WANDB_MODE, where the config leaves the mode to it
+    require(not lg.tensorboard or importlib.util.find_spec("tensorboard") is not None, TENSORBOARD_MISSING)

@@ -45,8 +45,11 @@ def start_wandb(cfg: WandbConfig, run_dir: Path, config: Dict[str, Any], wandb_i
         return wandb.init(project=cfg.project or os.environ.get("WANDB_PROJECT") or "kimi", entity=cfg.entity,
                           name=cfg.name, group=cfg.group, tags=list(cfg.tags) or None, notes=notes, mode=mode,
                           dir=str(run_dir), config=config, resume="allow", id=run_id,
-                          # our own progress line already says everything wandb would print
-                          settings=wandb.Settings(quiet=True, console="off", **settings))
+                          # quiet and silent: our own lines already say everything wandb would print (quiet
+                          # alone still lets its start banner through); wrap: what the console shows also goes
+                          # to the run's Logs tab (offline: in the record, which `wandb sync` uploads), the
+                          # console itself unchanged
+                          settings=wandb.Settings(quiet=True, silent=True, console="wrap", **settings))
 
     mode = wandb_mode(cfg)
     if mode != "online":
@@ -65,6 +68,11 @@ def start_wandb(cfg: WandbConfig, run_dir: Path, config: Dict[str, Any], wandb_i
               f"({_first_line(e)}): logging offline to {run_dir / 'wandb'} as run {offline_id} instead; "
               "upload it with `wandb sync` once the network is back", flush=True)
         return tokens_axis(init("offline", run_id=offline_id))
+
+
+def offline_sync_hint(folder: Path) -> str:
+    """The line that ends a start logged offline: where its record is and the command that uploads it."""
+    return f"[kimi] wandb: logged offline to {folder}; upload it with: wandb sync {folder}"
 
 
 def tokens_axis(run):
