@@ -184,45 +184,61 @@ def pipeline_ranks(cfg: Config) -> List[Tuple[List[int], List[int], bool, bool]]
     return out
 
 
-def _on_rank(name: str, blocks: set, first: bool, last: bool) -> bool:
-    parts = name.split(".")
-    if parts[0] == "blocks":
-        return int(parts[1]) in blocks
-    if parts[0] == "embed":
-        return first
-    return last  # norm, final_query, lm_head
+@dataclass(frozen=True)
+class ParamFact:
+    """What rank_state needs of one parameter, looked up once (kimi/plan sizes thousands of layouts)."""
+
+    name: str
+    key: int  # id of the tensor: a tied LM head is the embedding's
+    shape: Tuple[int, ...]
+    tp_dim: Optional[int]
+    ep_split: bool
+    unit: str  # its FSDP unit without expert parallelism: a token mixer, an MLP, or the root
+
+
+def param_facts(model: KimiModel) -> Dict[object, List[ParamFact]]:
+    """The facts of every parameter (named_parameters(remove_duplicate=False)), by where it lives: a block
+    index, "embed" (the first part) or "end" (the last: final norm, final query, LM head)."""
+    out: Dict[object, List[ParamFact]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        parts = name.split(".")
+        where = int(parts[1]) if parts[0] == "blocks" else "embed" if parts[0] == "embed" else "end"
+        unit = ".".join(parts[:3]) if parts[0] == "blocks" and parts[2] in ("mixer", "mlp") else "root"
+        out.setdefault(where, []).append(ParamFact(name, id(param), tuple(param.shape), tp_dim(model, name),
+                                                   _ep_split(model, name), unit))
+    return out
 
 
 def rank_state(cfg: Config, model: KimiModel, routes: Dict[str, str], pp_rank: int, stages: List[int],
-               blocks: List[int], first: bool, last: bool) -> RankState:
-    """routes: the family of each parameter under optim.name (optimizer_families)."""
+               blocks: List[int], first: bool, last: bool,
+               facts: Optional[Dict[object, List[ParamFact]]] = None) -> RankState:
+    """routes: the family of each parameter under optim.name (optimizer_families); facts: param_facts(model)
+    when the caller keeps it."""
     p, t = cfg.parallel, cfg.trainer
     kind = optimizer_for(cfg.optim)
-    block_set, seen = set(blocks), set()
+    facts = param_facts(model) if facts is None else facts
+    seen = set()
     st = RankState(pp_rank, stages, blocks, first, last, 0, 0, 0, 0, dict.fromkeys(kind.FAMILIES, 0))
     units: Dict[str, int] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
+    held = [*blocks, *(["embed"] if first else []), *(["end"] if last else [])]
+    for f in (f for where in held for f in facts.get(where, [])):
         # a tied LM head is the embedding on one rank; across pipeline stages each end holds its own copy
-        if not _on_rank(name, block_set, first, last) or id(param) in seen:
+        if f.key in seen:
             continue
-        seen.add(id(param))
-        dim = tp_dim(model, name)
-        n = param.numel()
+        seen.add(f.key)
+        dim, n = f.tp_dim, math.prod(f.shape)
         st.params += n
         if dim is None:
             st.tp_replicated += n
         else:
             st.tp_split += n
-        shape, shard, unit = param.shape, p.dp_shard * p.cp, None
-        if p.ep > 1 and _ep_split(model, name):  # an FSDP unit of their own
+        shape, shard, unit = f.shape, p.dp_shard * p.cp, f.unit
+        if p.ep > 1 and f.ep_split:  # an FSDP unit of their own
             shape, shard = (_ceil_div(shape[0], p.ep), *shape[1:]), p.dp_shard // p.ep
-            unit = name.rsplit(".", 1)[0]
+            unit = f.name.rsplit(".", 1)[0]
         local = local_numel(shape, dim, p.tp, shard)
         st.local += local
-        st.local_by_family[routes[name]] += local
-        parts = name.split(".")
-        if unit is None:
-            unit = ".".join(parts[:3]) if parts[0] == "blocks" and parts[2] in ("mixer", "mlp") else "root"
+        st.local_by_family[routes[f.name]] += local
         units[unit] = units.get(unit, 0) + local_numel(shape, dim, p.tp, 1)
     st.units = units
     st.largest_unit = max(units.items(), key=lambda kv: kv[1])
@@ -263,7 +279,9 @@ def summarize(cfg: Config) -> Summary:
     t, p = cfg.trainer, cfg.parallel
     tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps * p.dp_replicate * p.dp_shard
     fpt = model.flops_per_token(t.seq_len)
-    ranks = [rank_state(cfg, model, routes, r, *layout) for r, layout in enumerate(pipeline_ranks(cfg))]
+    facts = param_facts(model)
+    ranks = [rank_state(cfg, model, routes, r, *layout, facts)
+             for r, layout in enumerate(pipeline_ranks(cfg))]
     heaviest = max(ranks, key=lambda r: (r.persistent_bytes, -r.pp_rank))
     return Summary(cfg, model, note, families, total, model.num_active_params(), muon, total - muon, fpt,
                    tokens, fpt * tokens, p.dp_replicate * p.dp_shard * p.cp * p.tp * p.pp, ranks, heaviest)

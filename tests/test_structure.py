@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KIMI = ROOT / "kimi"
 # The command-line applications: modules below them (the libraries) never import them.
 APPS = ("kimi.generate", "kimi.ablate", "kimi.dashboard", "kimi.convert", "kimi.summary", "kimi.train",
-        "kimi.eval.cli", "kimi.eval.__main__")
+        "kimi.eval.cli", "kimi.eval.__main__", "kimi.plan")
 TRAINER_MAX_LINES = 300
 
 

@@ -138,11 +138,20 @@ def build_plans(named: Sequence[Tuple[str, torch.Tensor]], muon: Sequence[bool],
                 "rank of the group must hold blocks of the same model (under pipeline parallelism pass "
                 "process_group = the ranks of one stage)")
 
+    return assign(everyone, muon, rank, [(p.dtype, local_tensor(p).device) for _, p in named])
+
+
+def assign(everyone: Sequence[Sequence[tuple]], muon: Sequence[bool], rank: int,
+           kinds: Sequence[Tuple[torch.dtype, torch.device]]) -> List[ParamPlan]:
+    """The plans from every rank's block layouts (``everyone[r][i]``: (name, full shape, dtype name, offset,
+    block shape, flat) of parameter i on rank r): keepers, owners and senders, as rank ``rank`` sees them.
+    A function of shapes alone, which kimi/plan/owner_plan.py also calls to size MuonClip's traffic."""
+    world = len(everyone)
     flops_load, keep_load = [0] * world, [0] * world
     plans = []
-    for i, (name, p) in enumerate(named):
+    for i, (dtype, device) in enumerate(kinds):
         by_block = {}
-        full_shape = mine[i][1]
+        name, full_shape = everyone[rank][i][:2]
         for r in range(world):
             _, _, _, offset, shape, flat = everyone[r][i]
             if math.prod(shape) > 0:
@@ -155,7 +164,7 @@ def build_plans(named: Sequence[Tuple[str, torch.Tensor]], muon: Sequence[bool],
             keeper = min(pc.holders, key=lambda r: (keep_load[r], r))
             keep_load[keeper] += pc.numel
             keepers.append(keeper)
-        plans.append(ParamPlan(name, full_shape, p.dtype, local_tensor(p).device, pieces, [], keepers,
+        plans.append(ParamPlan(name, full_shape, dtype, device, pieces, [], keepers,
                                -1, next((k for k, pc in enumerate(pieces) if rank in pc.holders), None)))
     # Owners: largest matrices first, each to the least-loaded rank, ties to the rank holding most of it.
     for i in sorted((i for i, m in enumerate(muon) if m), key=lambda i: -ns_flops(plans[i].shape)):

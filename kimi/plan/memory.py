@@ -1,0 +1,190 @@
+"""Memory per rank of a layout, without running it: what the heaviest rank holds at its peak, by part.
+
+Persistent state (weights, gradients, optimizer state, the gathered FSDP units) is kimi.summary's count per
+pipeline rank after pp, tp, ep and FSDP (`rank_state`), and under the DeepSpeed engine ZeRO's partitioning
+of it over dp_shard. Activations come from kimi.plan.activations: what autograd keeps per token of each
+block under parallel.activation_checkpointing, traced from the model's shapes on the meta device, then
+
+  * split by the layout: tokens per rank are rows x seq_len / cp; the tensors inside sublayers divide by tp,
+    the d_model-wide ones between them only under sequence parallelism; the loss's logits divide by tp
+    (vocabulary-parallel) and are a chunk's (model.loss_chunk) unless the loss is the plain one (a pipeline's
+    last stage, or tp > 1);
+  * kept for the micro-batches in flight: 1 without a pipeline; for 1F1B min(pp - rank, micro-batches), for
+    GPipe all of them, for the interleaved schedules the stage-micro-batches of their warm-up
+    (min(v M, (v - 1) pp + 2 (pp - rank) - 1));
+  * plus the largest transient at once: the backward's recompute and activation gradients, or the loss's
+    logits, whichever is larger.
+
+A step peaks at one of two moments, and the parts returned are that moment's, so they add up to the peak:
+the first backward after the forwards in flight (weights, optimizer state, activations, gathered FSDP
+units; the gradients only if an earlier micro-batch's backward made them), or the optimizer step
+(weights, gradients, the state and the step's working memory, kimi.plan.optimizer_step; MuonClip's on
+its busiest owner, kimi.plan.owner_plan). docs/planning.md checks this against measured peaks. Cached per
+model shape: the meta model, its parameter facts, the pipeline split, the traces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List
+
+from kimi.config import Config, pipeline_microbatches, stages_per_rank
+from kimi.parallel.engine_rules import DEEPSPEED, TORCH
+from kimi.plan.activations import Trace, trace
+from kimi.plan.optimizer_step import step_bytes_per_param
+from kimi.plan.owner_plan import owned
+from kimi.plan.shapes import facts, model_shapes, muonclip, pipeline, sources
+
+PARTS = ("weights", "gradients", "optimizer", "activations", "fsdp_gathered", "comm_buffers")
+
+
+def inflight(cfg: Config, rank: int) -> int:
+    """Micro-batches (stage-micro-batches for the interleaved schedules) whose activations pipeline rank
+    `rank` holds at once."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return 1
+    M, v = pipeline_microbatches(cfg), stages_per_rank(p)
+    if p.pp_schedule == "gpipe":
+        return M
+    if v == 1:
+        return min(p.pp - rank, M)
+    return min(v * M, (v - 1) * p.pp + 2 * (p.pp - rank) - 1)
+
+
+def activations(cfg: Config, tr: Trace, rank: int, blocks: List[int], first: bool, last: bool) -> float:
+    """Activation bytes pipeline rank `rank` holds at its peak (its blocks; the embedding if first; the
+    final mix and the loss if last)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.trainer
+    from kimi.precision.registry import precision_for
+
+    cb = precision_for(t.precision).compute_bytes()
+    rows = t.micro_batch_size // pipeline_microbatches(cfg)
+    tokens = rows * (t.seq_len // p.cp)
+    wide = p.tp if p.sequence_parallel else 1  # d_model-wide tensors between sublayers
+    per_token = sum(b[0] / wide + b[1] / p.tp for b in (tr.blocks[i] for i in blocks))
+    per_row = sum(b[0] / wide + b[1] / p.tp for b in (tr.blocks_row[i] for i in blocks))
+    if first:
+        per_token += tr.first[0] / wide + tr.first[1] / p.tp
+    elif blocks:  # the stream's sources received from the stage before (and their gradients at the end)
+        per_token += sources(m, 2 * min(blocks)) * m.d_model * cb
+    plain = p.pp > 1 or p.tp > 1  # the schedule's loss, or a vocabulary-parallel head's: whole logits
+    head = 0.0
+    if last:
+        per_token += tr.last[0] / wide + tr.last[1] / p.tp + tr.head_token / wide
+        head = 0.0 if plain else tr.head_row / p.tp
+    # each micro-batch in flight keeps its share; one transient (the largest) on top
+    kept = inflight(cfg, rank) * (tokens * per_token + rows * per_row) * cb / 4 + head
+    transient = tokens * tr.extra / p.tp + tr.extra_row
+    if last:
+        transient = max(transient, tr.logits_alive(m, tokens, p.tp, plain))
+    return kept + transient * cb / 4
+
+
+def _zero(cfg: Config, local: int, opt: int, full: int) -> Dict[str, int]:
+    """DeepSpeed ZeRO's persistent parts: `full` parameters on the rank before partitioning, `local` and
+    `opt` bytes of optimizer state after it (kimi.summary shards over dp_shard like ZeRO does)."""
+    ds = cfg.parallel.deepspeed
+    dp = cfg.parallel.dp_shard
+    share = -(-full // dp)
+    weights = 4 * (share if ds.zero_stage == 3 else full)
+    grads = 4 * (share if ds.zero_stage >= 2 else full)
+    # the contiguous gradient bucket (contiguous_gradients, kimi/parallel/deepspeed_engine.py), fp32, made
+    # at its configured size whatever the model's: 2 GB at the default 500M elements
+    buckets = 4 * ds.reduce_bucket_size
+    return {"weights": weights, "gradients": grads, "optimizer": opt, "comm_buffers": buckets}
+
+
+def rank_parts(cfg: Config) -> List[Dict[str, int]]:
+    """The parts of every pipeline rank at its peak (memory_per_rank takes the heaviest)."""
+    from kimi.precision.registry import precision_for
+    from kimi.summary import rank_state
+
+    model, routes, named = model_shapes(cfg)
+    table = facts(cfg)
+    p, t = cfg.parallel, cfg.trainer
+    cb = precision_for(t.precision).compute_bytes()
+    tr = trace(cfg.model, p.activation_checkpointing)
+    step = step_bytes_per_param(cfg)
+    out = []
+    for rank, (stages, blocks, first, last) in enumerate(pipeline(cfg)):
+        if p.engine == DEEPSPEED:  # ZeRO partitions over dp_shard itself: the rank's state unsharded first
+            whole = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp_shard=1, cp=1))
+            st = rank_state(whole, model, routes, rank, stages, blocks, first, last, table)
+            parts = _zero(cfg, st.local, -(-_state(st) // p.dp_shard), st.local)
+            gathered, updated = 0, -(-st.local // p.dp_shard)
+        else:
+            st = rank_state(cfg, model, routes, rank, stages, blocks, first, last, table)
+            parts = {"weights": st.bytes["fp32 master weights"], "gradients": st.bytes["fp32 gradients"],
+                     "optimizer": _state(st)}
+            if muonclip(cfg):  # its state is spread over the whole stage group (owners.py)
+                one = dataclasses.replace(p, dp_shard=1, cp=1, tp=1, ep=1)
+                whole = dataclasses.replace(cfg, parallel=one)
+                state = _state(rank_state(whole, model, routes, rank, stages, blocks, first, last, table))
+                parts["optimizer"] = -(-state // (p.dp_replicate * p.dp_shard * p.cp * p.tp))
+            gathered = _gathered(cfg, st.units) * cb if p.dp_shard * p.cp > 1 else 0
+            updated = st.local
+        act = int(activations(cfg, tr, rank, blocks, first, last))
+        # two moments: the activations' peak (the first backward after the forwards in flight; the
+        # gradients exist by then only if an earlier micro-batch's backward made them), and the optimizer
+        # step's
+        earlier = t.grad_accum_steps > 1 or (p.pp > 1 and pipeline_microbatches(cfg) > inflight(cfg, rank))
+        grads_then = parts["gradients"] if earlier else 0
+        forward = {**parts, "gradients": grads_then, "activations": act, "fsdp_gathered": gathered}
+        working = int(_step_transient(cfg, step, st.params, updated, blocks, first, last))
+        stepping = {**parts, "optimizer": parts["optimizer"] + working, "activations": 0, "fsdp_gathered": 0}
+        best = max((forward, stepping), key=lambda d: sum(d.values()))
+        out.append({k: int(best.get(k, 0)) for k in PARTS})
+    return out
+
+
+def _step_transient(cfg: Config, per_param: float, stage_params: int, updated: int, blocks, first: bool,
+                    last: bool) -> float:
+    """The optimizer step's working memory on one rank. MuonClip (kimi/optim/owners.py) gives every matrix
+    one owner among the ranks of a pipeline stage: a rank orthogonalises the matrices it owns whole (their
+    share of the traced working memory) and holds their gathered gradients and the updates it sends back
+    (fp32, 8 bytes an element); the busiest owner counts. AdamW updates the rank's own shards."""
+    p = cfg.parallel
+    if not muonclip(cfg) or p.engine != TORCH:
+        return per_param * updated
+    if p.dp_replicate * p.dp_shard * p.cp * p.tp == 1:
+        return per_param * stage_params
+    per_muon = per_param * _muon_ratio(cfg)  # the traced working memory is Muon's
+    most = max(owned(cfg, blocks, first, last))
+    return per_muon * most + 8 * most
+
+
+_RATIOS: Dict[str, float] = {}
+
+
+def _muon_ratio(cfg: Config) -> float:
+    """The model's parameters over its Muon parameters (cached per model shape and optimizer)."""
+    key = repr((cfg.model, cfg.optim))
+    if key not in _RATIOS:
+        _, routes, named = model_shapes(cfg)
+        params = {n: p.numel() for n, p in named}
+        muon = sum(params[n] for n, fam in routes.items() if fam == "muon" and n in params)
+        _RATIOS[key] = sum(params.values()) / max(1, muon)
+    return _RATIOS[key]
+
+
+def _state(st) -> int:
+    """The optimizer state's bytes of a kimi.summary RankState."""
+    skip = ("fp32 master weights", "fp32 gradients", "transient")
+    return sum(v for k, v in st.bytes.items() if k not in skip)
+
+
+def _gathered(cfg: Config, units: Dict[str, int]) -> int:
+    """Parameters FSDP holds unsharded at once: the root (kept gathered through the step), and of the other
+    units the one computing and the one prefetched (all of them with reshard_after_forward=false)."""
+    others = sorted((n for u, n in units.items() if u != "root"), reverse=True)
+    if not cfg.parallel.reshard_after_forward:
+        return sum(units.values())
+    return units.get("root", 0) + sum(others[:2])
+
+
+def memory_per_rank(cfg: Config) -> Dict[str, int]:
+    """Bytes the heaviest rank holds at its peak, by part: 'weights', 'gradients', 'optimizer',
+    'activations', 'fsdp_gathered', 'comm_buffers' (every key present, 0 where none). cfg: a composed,
+    validated Config whose parallel and trainer sections are the layout. No reserve added."""
+    return max(rank_parts(cfg), key=lambda parts: sum(parts.values()))
