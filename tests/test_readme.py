@@ -57,10 +57,14 @@ FT_JOBS = ("a lighthouse and two replica groups running at once, each waiting on
            "again)")
 HUB_TASKS = ("downloads the tasks' data from the Hugging Face hub, which tests do not reach; docs/eval.md's "
              "first command runs the same command on the shipped tasks")
+PLAN_64 = ("the planner's search of 64 GPUs takes minutes with the real memory and communication models; "
+           "tests/test_plan.py runs the same command against stand-in models and checks every column")
 PARTS = ("a corpus on storage shared by several machines; tests/test_prepare_workers.py runs the tokenizer step, "
          "the workers, the merge and the datatrove executor on a generated corpus and compares the bytes with "
          "one process's")
 SKIPPED = {
+    ".venv/bin/python -m kimi.plan model=kimi_linear_48b_a3b cluster.gpus=64 cluster.gpu=h200 "
+    "trainer.seq_len=4096 trainer.tokens_per_step=4194304 top=5 json=plan.json": PLAN_64,
     "make test": "runs the whole suite, this file included (minutes); `make test PYTEST_ARGS=...` is checked "
                  "with make -n",
     ".venv/bin/python train.py model=small trainer.precision=bf16 hydra.run.dir=runs/small":
