@@ -1,8 +1,8 @@
 """Bad inputs and faults a user can hit with `python train.py` and `python -m kimi.generate`, end to end.
 
 Every case runs the command's entry point and checks what the user gets: (1) one `error: ...` line on
-stderr with the words that say what is wrong, and no traceback; (2) the exit code (kimi/errors.py); (3) that no
-checkpoint was lost: the bad command runs against a copy of a trained run, whose complete checkpoints must
+stderr with the words that say what is wrong, and no traceback; (2) the exit code (kimi/errors.py); (3) that
+no checkpoint was lost: the bad command runs against a copy of a trained run, whose complete checkpoints must
 still be there and still pass `checkpoint.verify` afterwards.
 
 The trainer runs in-process through train.py's own @hydra.main (sys.argv patched), so Hydra's command-line

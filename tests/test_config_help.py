@@ -1,5 +1,5 @@
-"""The training commands' --help (kimi.cli.config_help): every key of the schema, described by its own comment in
-kimi/config.py, with its choices and the value the overrides give."""
+"""The training commands' --help (kimi.cli.config_help): every key of the schema, described by its own comment
+in kimi/config.py, with its choices and the value the overrides give."""
 
 from __future__ import annotations
 

@@ -56,12 +56,14 @@ FLOORS = {
                            "(to-hf's tests compare against transformers, which needs a newer safetensors)"),
 }
 
-# The prep extra (data.prepare_executor): its floor and reason, checked as FLOORS'. datatrove brings loguru and
-# humanize beyond what datasets already installs (dill, multiprocess, fsspec, tqdm, huggingface-hub, numpy).
+# The prep extra (data.prepare_executor): its floor and reason, checked as FLOORS'. datatrove brings loguru
+# and humanize beyond what datasets already installs (dill, multiprocess, fsspec, tqdm, huggingface-hub,
+# numpy).
 PREP_FLOORS = {
-    "datatrove": ("0.10", "LocalPipelineExecutor (tasks, workers, start_method, logging_dir with completions/) "
-                          "and SlurmPipelineExecutor (depends, venv_path) as kimi/data/prepare/executor.py calls "
-                          "them; test_prepare_workers passes with datatrove 0.10.0 (checked 2026-12-04)"),
+    "datatrove": ("0.10", "LocalPipelineExecutor (tasks, workers, start_method, logging_dir with "
+                          "completions/) and SlurmPipelineExecutor (depends, venv_path) as "
+                          "kimi/data/prepare/executor.py calls them; test_prepare_workers passes with "
+                          "datatrove 0.10.0 (checked 2026-12-04)"),
 }
 
 

@@ -550,7 +550,8 @@ def test_sigterm_anywhere_in_the_start_is_one_line_and_75(tmp_path, data):
 
 
 def leave_by_raising(code: int) -> None:
-    """kimi.run.signals._leave for a handler run inside pytest's own process: SystemExit instead of os._exit."""
+    """kimi.run.signals._leave for a handler run inside pytest's own process: SystemExit instead of
+    os._exit."""
     raise SystemExit(code)
 
 

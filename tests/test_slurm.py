@@ -336,8 +336,9 @@ def test_prepare_in_parts_as_a_datatrove_slurm_array_gives_the_single_process_by
     assert _main(*single) == 0
     partition = slurm.run("sinfo", "-h", "-o", "%R").stdout.split()[0]
     name = "kimi-prepare-test"  # not kimi-test: the fixture cancels those when it starts
-    overrides = [*_overrides(corpus, tmp_path / "parts"), "data.prepare_workers=2", "data.prepare_executor=slurm",
-                 f"+data.prepare_executor_args.partition={partition}", "+data.prepare_executor_args.time=00:10:00",
+    overrides = [*_overrides(corpus, tmp_path / "parts"), "data.prepare_workers=2",
+                 "data.prepare_executor=slurm", f"+data.prepare_executor_args.partition={partition}",
+                 "+data.prepare_executor_args.time=00:10:00",
                  f"+data.prepare_executor_args.job_name={name}",
                  f"+data.prepare_executor_args.slurm_logs_folder={tmp_path / 'logs'}"]
     env = {**os.environ, "SLURM_CONF": slurm.env["SLURM_CONF"], "OMP_NUM_THREADS": "1"}

@@ -1,6 +1,6 @@
-"""One validation pass (kimi.run.validation.validate) catches every impossible config before any work: per-key values
-and rules across keys (parallel layout, tensor-parallel divisibility, pipeline stages and micro-batches), each
-as a one-line ConfigError naming the key."""
+"""One validation pass (kimi.run.validation.validate) catches every impossible config before any work: per-key
+values and rules across keys (parallel layout, tensor-parallel divisibility, pipeline stages and
+micro-batches), each as a one-line ConfigError naming the key."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ kimi/optim/optimizers.py, which imports this module for the base class), or the 
 from __future__ import annotations
 
 import weakref
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, Optional, Tuple, Union
 
@@ -38,7 +39,7 @@ class StateModel:
         return 4 * self.tensors
 
 
-class OptimizerKind:
+class OptimizerKind(ABC):
     """One kind of optim.name, built from the optim config. A subclass sets ``FAMILIES`` and defines
     ``build``; ``family`` has a default:
 
@@ -57,8 +58,9 @@ class OptimizerKind:
     def __init__(self, cfg: OptimConfig):
         self.cfg = cfg
 
+    @abstractmethod  # an optimizer kind without it cannot be built
     def build(self, model: Any, named: list, process_group: Any = None, fragments: Any = None) -> Any:
-        raise NotImplementedError
+        """The torch optimizer over `named` (kimi.optim's build_optimizer documents the arguments)."""
 
     def family(self, name: str, param: Any) -> str:
         if len(self.FAMILIES) != 1:
