@@ -59,9 +59,9 @@ HUB_TASKS = ("downloads the tasks' data from the Hugging Face hub, which tests d
              "first command runs the same command on the shipped tasks")
 PLAN_64 = ("the planner's search of 64 GPUs takes minutes with the real memory and communication models; "
            "tests/test_plan.py runs the same command against stand-in models and checks every column")
-PARTS = ("a corpus on storage shared by several machines; tests/test_prepare_workers.py runs the tokenizer step, "
-         "the workers, the merge and the datatrove executor on a generated corpus and compares the bytes with "
-         "one process's")
+PARTS = ("a corpus on storage shared by several machines; tests/test_prepare_workers.py runs the tokenizer "
+         "step, the workers, the merge and the datatrove executor on a generated corpus and compares the "
+         "bytes with one process's")
 SKIPPED = {
     ".venv/bin/python -m kimi.plan model=kimi_linear_48b_a3b cluster.gpus=64 cluster.gpu=h200 "
     "trainer.seq_len=4096 trainer.tokens_per_step=4194304 top=5 json=plan.json": PLAN_64,
@@ -658,7 +658,7 @@ def test_readme_figures_agree_with_the_configs_and_the_pages_that_measured_them(
     assert f"{lr_multiplier(int(extend[3]), optim, 2 * int(extend[3])):.2f}" == extend[2]
     assert f"the last {round(optim.decay_fraction * 100)}% of steps" in text
     # quoted results: each figure is on the page its sentence links
-    results = text.split("## Where the results are", 1)[1]
+    results = " ".join((DOCS / "README.md").read_text().split()).split("## Results", 1)[1]  # the docs' index
     quoted = re.findall(r"\[docs/(\w+\.md)[^\]]*\]\([^)]*\): (.*?)(?= - \[|$)", results)
     adamw = re.search(r"With `optim=adamw` the same run ends at validation loss ([\d.]+) \(see \[[^\]]*\]\("
                       r"docs/(\w+\.md)", text)
@@ -667,7 +667,7 @@ def test_readme_figures_agree_with_the_configs_and_the_pages_that_measured_them(
     for page, sentence in quoted:
         body = (DOCS / page).read_text()
         missing += [f"{x} (docs/{page})" for x in re.findall(r"\d+\.\d+x", sentence) if x not in body]
-    assert not missing, f"README.md quotes figures its pages do not have: {missing}"
+    assert not missing, f"README.md and docs/README.md quote figures their pages do not have: {missing}"
 
 
 def _as_written(value) -> str:
@@ -683,13 +683,14 @@ def _as_written(value) -> str:
 
 @pytest.mark.unit
 def test_readme_key_table_defaults_are_the_configs():
-    """Each default in the Configuration section's key tables is what the default config composes to (rows
-    whose default is a preset's, such as `2 (tiny)`, are checked for that preset)."""
+    """Each default in the key tables (README.md's Configuration, docs/configuration.md) is what the default
+    config composes to (rows whose default is a preset's, such as `2 (tiny)`, are checked for that preset)."""
     from kimi.summary import compose_config
 
     cfg = compose_config([])  # as composed: model.vocab_size still null
     row = r"^\| `([\w.]+)`((?:(?:, | / )`[\w.]+`)*) \| ([^|]*) \|"
-    rows = re.findall(row, README.read_text(), flags=re.M)
+    pages = (README, DOCS / "configuration.md")
+    rows = [r for page in pages for r in re.findall(row, page.read_text(), flags=re.M)]
     checked, wrong = 0, []
     for first, more, defaults in rows:
         prefix = first.rsplit(".", 1)[0]
@@ -712,5 +713,5 @@ def test_readme_key_table_defaults_are_the_configs():
             checked += 1
             if not same:
                 wrong.append(f"{key}: README {said}, config {actual}")
-    assert checked >= 40, f"only {checked} defaults found in README.md's key tables"
-    assert not wrong, "README.md's key tables give defaults the config does not have:\n" + "\n".join(wrong)
+    assert checked >= 40, f"only {checked} defaults found in the key tables"
+    assert not wrong, "the key tables give defaults the config does not have:\n" + "\n".join(wrong)
