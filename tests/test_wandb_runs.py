@@ -19,9 +19,10 @@ pytestmark = pytest.mark.e2e
 
 
 def _wandb_ids(run):
-    """The ids of the offline wandb runs in a run dir (offline-run-<time>-<id>), oldest first."""
+    """The ids of the offline wandb runs in a run dir, oldest first, read from each folder's run-<id>.wandb: the
+    folder's own name (offline-run-<time>-<id>) gets a "-1" from wandb when two starts share a second."""
     dirs = sorted((run / "wandb").glob("offline-run-*"))
-    return [d.name.split("-", 3)[3] for d in dirs]
+    return [next(d.glob("run-*.wandb")).name[len("run-"):-len(".wandb")] for d in dirs]
 
 
 def _started(run):
