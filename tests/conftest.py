@@ -1,5 +1,6 @@
 """Shared test setup: the test tiers (every test has exactly one of the markers unit, dist, e2e; slow combines
-with any of them; pyproject.toml and docs/testing.md say what each holds) and the fixtures several modules use."""
+with any of them; pyproject.toml and docs/testing.md say what each holds) and the fixtures several modules
+use."""
 
 import os
 
@@ -32,14 +33,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         tiers = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
         if len(tiers) != 1:
-            wrong.append(f"{item.nodeid}: {'no test tier' if not tiers else 'several tiers: ' + ', '.join(tiers)}; "
+            wrong.append(f"{item.nodeid}: "
+                         f"{'no test tier' if not tiers else 'several tiers: ' + ', '.join(tiers)}; "
                          "mark it (or its module: pytestmark = pytest.mark.unit) with exactly one of "
                          "unit, dist, e2e (docs/testing.md)")
     if wrong:
         raise pytest.UsageError("\n".join(wrong))
 
 
-# ---- fixtures shared by several modules (one of each per module, as when each module defined its own) --------
+# ---- fixtures shared by several modules (one of each per module, as when each module defined its own) ---
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):

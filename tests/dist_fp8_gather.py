@@ -3,10 +3,10 @@ launch, each probed before it trains.
 
     torchrun --nproc_per_node N tests/dist_fp8_gather.py RUNS.json OUT.json
 
-RUNS.json holds a list of {"run_dir", "overrides", "resume_from"?, "reload"?}. With resume_from (a finished run
-dir and a step), rank 0 first copies that run's dir without its checkpoints after the step, so the run resumes
-there. With reload (a step), the trained run then loads its checkpoint of that step back into the same engine,
-as a rollback does.
+RUNS.json holds a list of {"run_dir", "overrides", "resume_from"?, "reload"?}. With resume_from (a finished
+run dir and a step), rank 0 first copies that run's dir without its checkpoints after the step, so the run
+resumes there. With reload (a step), the trained run then loads its checkpoint of that step back into the same
+engine, as a rollback does.
 OUT.json gets, per run, from rank 0:
 
 * gathered_bytes: what FSDP's all-gathers of one forward (an evaluation batch) return, in bytes;

@@ -46,7 +46,8 @@ def conv_case(rank: int, n: int) -> dict:
     w = torch.randn(x.shape, generator=torch.Generator().manual_seed(9), dtype=x.dtype)
     (y * w[:, rank * n:(rank + 1) * n]).sum().backward()
     dist.all_reduce(conv.weight.grad)  # each rank's copy of the weight saw its own tokens
-    return {"y": gather_time(y.detach()), "x_grad": gather_time(mine.grad), "w_grad": conv.weight.grad, "w": w}
+    return {"y": gather_time(y.detach()), "x_grad": gather_time(mine.grad),
+            "w_grad": conv.weight.grad, "w": w}
 
 
 def attention_case(rank: int, n: int) -> dict:
@@ -75,10 +76,12 @@ def main(out: Path) -> None:
         cu = None if starts is None else torch.tensor([*starts, t], dtype=torch.int32)
         local, continues = local_cu_seqlens(cu, rank * n, n)
         o, state = context_parallel_kda(*mine, dist.group.WORLD, cu_seqlens=local, continues=continues)
-        w = torch.randn(o.shape[0], t, *o.shape[2:], generator=torch.Generator().manual_seed(7), dtype=o.dtype)
+        w = torch.randn(o.shape[0], t, *o.shape[2:], generator=torch.Generator().manual_seed(7),
+                        dtype=o.dtype)
         w_s = torch.randn(state.shape, generator=torch.Generator().manual_seed(8), dtype=o.dtype)
         loss = (o * w[:, rank * n:(rank + 1) * n]).sum()
-        if case == "plain":  # the final state too (every rank holds it); packed: outputs alone, as in training
+        # plain: the final state too (every rank holds it); packed: outputs alone, as in training
+        if case == "plain":
             loss = loss + (state * w_s).sum() / world
         grads = torch.autograd.grad(loss, mine)
         results[case, t] = {"o": gather_time(o.detach()), "state": state.detach(),

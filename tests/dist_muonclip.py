@@ -44,8 +44,9 @@ LAYOUTS = {
     # edp (FSDP2's _StridedShard over the ep shard), everything else FSDP-sharded over all four ranks
     "ep2fsdp2": ((2, 2), {"*": (S0, S0), "experts": (_StridedShard(0, split_factor=2), S0)}),
 }
-# DeepSpeed's ZeRO partitions (kimi/parallel/zero_client.py): flat fragments, not blocks. zero12: an equal share of all
-# weights concatenated, so weights are cut mid-row between ranks; zero3: an equal share of each weight.
+# DeepSpeed's ZeRO partitions (kimi/parallel/zero_client.py): flat fragments, not blocks. zero12: an equal
+# share of all weights concatenated, so weights are cut mid-row between ranks; zero3: an equal share of each
+# weight.
 ZERO = ("zero12", "zero3")  # "_more" cases: the same with more matrices
 
 

@@ -24,4 +24,5 @@ def rank_problem(rank: int) -> tuple[torch.Tensor, ...]:
         scores[:, 4:] = -1
     experts = scores.topk(K, dim=-1).indices
     return (torch.randn(n, D, generator=gen, dtype=torch.float64), experts,
-            torch.rand(n, K, generator=gen, dtype=torch.float64), torch.randn(n, D, generator=gen, dtype=torch.float64))
+            torch.rand(n, K, generator=gen, dtype=torch.float64),
+            torch.randn(n, D, generator=gen, dtype=torch.float64))

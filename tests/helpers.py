@@ -20,9 +20,9 @@ def tiny_model_cfg(**overrides) -> ModelConfig:
 
 # Overrides for a trainer run in seconds: a 2-block model on a generated corpus (see make_corpus).
 TINY_TRAINER = [
-    "model.d_model=32", "model.num_layers=2", "model.mla_every=2", "model.kda_num_heads=2", "model.kda_head_dim=16",
-    "model.mla_num_heads=2", "model.kv_lora_rank=16", "model.qk_nope_head_dim=16", "model.v_head_dim=16",
-    "model.mlp_hidden=64", "model.attnres_block_size=2",
+    "model.d_model=32", "model.num_layers=2", "model.mla_every=2", "model.kda_num_heads=2",
+    "model.kda_head_dim=16", "model.mla_num_heads=2", "model.kv_lora_rank=16", "model.qk_nope_head_dim=16",
+    "model.v_head_dim=16", "model.mlp_hidden=64", "model.attnres_block_size=2",
     "trainer.micro_batch_size=4", "trainer.seq_len=32", "trainer.eval_batches=2", "trainer.log_every=1",
     "trainer.sample_tokens=0", "trainer.threads=1", "optim.warmup_steps=2", "optim.lr=1e-2",
     "logging.wandb.mode=disabled", "data=files", "data.tokenizer.vocab_size=384", "data.val_fraction=0.1",
@@ -72,8 +72,8 @@ def run_cfg(run: Path, data: list, *overrides: str):
 
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=[f"trainer.run_dir={run}", *data, *TINY_TRAINER, "trainer.eval_every=0",
-                                            *overrides])
+        return compose("config", overrides=[f"trainer.run_dir={run}", *data, *TINY_TRAINER,
+                                            "trainer.eval_every=0", *overrides])
 
 
 def preset(name: str, vocab: int) -> ModelConfig:
@@ -90,8 +90,8 @@ def preset(name: str, vocab: int) -> ModelConfig:
 
 
 def fill_randomly(module, std: float, seed: int = 0):
-    """Every parameter of `module` drawn anew (norm weights near 1, the rest normal(0, std)), so that gates and
-    caps act when it is compared with another implementation; returns the module."""
+    """Every parameter of `module` drawn anew (norm weights near 1, the rest normal(0, std)), so that gates
+    and caps act when it is compared with another implementation; returns the module."""
     import torch
 
     torch.manual_seed(seed)
@@ -123,7 +123,8 @@ def copy_run(trained: Path, tmp_path: Path) -> Path:
 MIXED_TEXT = ("The quick brown fox jumps over the lazy dog. It's 2026; we've 12345 tokens! "
               "月之暗面的模型Kimi训练了很长的上下文。中文和English混合mixedText在一起，文abc文abc。"
               "\tcafé naïve Ünïcödé\r\n  indented\n\n")
-GPT_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+GPT_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
+               r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
 def write_kimi_tiktoken(directory: Path, vocab: int = 400) -> Path:

@@ -46,7 +46,8 @@ def single_process(run: Path, data: list[str], optim: str, *extra: str) -> Train
     return trainer
 
 
-def torchrun(nproc: int, run: Path | None, args: list[str], check: bool = True) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, run: Path | None, args: list[str],
+             check: bool = True) -> subprocess.CompletedProcess:
     """train.py (or, with run=None, any script and its arguments) on nproc ranks."""
     script = [str(ROOT / "train.py"), f"hydra.run.dir={run}"] if run is not None else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -63,7 +64,8 @@ def native_crash(proc: subprocess.CompletedProcess) -> str | None:
     """torchrun's line for a rank that died of SIGSEGV or SIGBUS (a crash inside torch's native code, not a
     Python error of ours), or None."""
     return next((line.strip() for line in proc.stderr.splitlines()
-                 if "exitcode" in line and any(f"-{n} " in line for n in (signal.SIGSEGV, signal.SIGBUS))), None)
+                 if "exitcode" in line
+                 and any(f"-{n} " in line for n in (signal.SIGSEGV, signal.SIGBUS))), None)
 
 
 def metrics(run: Path) -> tuple[list[float], list[float]]:

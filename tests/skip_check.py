@@ -21,7 +21,8 @@ ALLOWED = [
     (r"", r"^needs CUDA$|^needs a machine without CUDA$",
      "each check has a CUDA and a CPU variant, and one of them runs"),
     (r"", r"set KIMI_NETWORK_TESTS=1", "downloads from the network, which CI does not reach"),
-    (r"", r"set KIMI_SLOW_TESTS=1", "the full compile sweeps and inductor's sublayers: their quick versions run"),
+    (r"", r"set KIMI_SLOW_TESTS=1",
+     "the full compile sweeps and inductor's sublayers: their quick versions run"),
     (r"^tests\.test_readme::test_readme_command_runs\[", r"^(README|docs/[\w-]+)\.md: ",
      "a documented command in tests/test_readme.py's SKIPPED, each with its reason and where it is tested"),
     (r"", r"^triton is a dependency on Linux only$", "no Triton kernels to test elsewhere"),
@@ -57,9 +58,9 @@ def main(report: Path) -> int:
     for test, reason in bad:
         print(f"[skip_check] NOT ALLOWED: {test}: {reason}", file=sys.stderr)
     if bad:
-        print(f"[skip_check] {len(bad)} test(s) skipped for a reason not in tests/skip_check.py ALLOWED: make "
-              "them run here (install what they need), or add the reason there with why it hides nothing",
-              file=sys.stderr)
+        print(f"[skip_check] {len(bad)} test(s) skipped for a reason not in tests/skip_check.py ALLOWED: "
+              "make them run here (install what they need), or add the reason there with why it hides "
+              "nothing", file=sys.stderr)
     return 1 if bad else 0
 
 

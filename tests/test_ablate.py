@@ -39,12 +39,12 @@ ARMS = {
     "ablate_k3_moe": ({"plain": {"model.moe_latent_dim": 0, "model.mlp_activation": "swiglu"},
                        "latent_situ": {"model.moe_latent_dim": 64, "model.mlp_activation": "situ"}},
                       ("model.moe_latent", "model.mlp_activation")),
-    "ablate_k3_mla_gate": ({"ungated": {"model.mla_output_gate": False}, "gated": {"model.mla_output_gate": True}},
-                           ("model.mla_output_gate",)),
+    "ablate_k3_mla_gate": ({"ungated": {"model.mla_output_gate": False},
+                            "gated": {"model.mla_output_gate": True}}, ("model.mla_output_gate",)),
     "ablate_k3_kda_gate": ({"unbounded": {"model.kda_gate_lower_bound": None},
                             "safe": {"model.kda_gate_lower_bound": -5.0}}, ("model.kda_gate_lower_bound",)),
-    "ablate_k3_muon_heads": ({"per_matrix": {"optim.muon_per_head": False}, "per_head": {"optim.muon_per_head": True}},
-                             ("optim.muon_per_head",)),
+    "ablate_k3_muon_heads": ({"per_matrix": {"optim.muon_per_head": False},
+                              "per_head": {"optim.muon_per_head": True}}, ("optim.muon_per_head",)),
 }
 
 
@@ -67,11 +67,13 @@ def test_each_experiment_varies_one_factor():
     for name, (arms, allowed) in ARMS.items():
         exp = ablate.load_experiment(name)  # also checks hydra.sweep.subdir against the runner's names
         assert exp.arms == list(arms) and exp.seeds == [1, 2, 3], name
-        configs = {a: checkpoint.flatten(OmegaConf.to_container(_compose(f"+experiment={name}", f"+ablate/{name}={a}")))
+        configs = {a: checkpoint.flatten(OmegaConf.to_container(_compose(f"+experiment={name}",
+                                                                         f"+ablate/{name}={a}")))
                    for a in exp.arms}
         base = configs[exp.baseline]
         scale = (base["trainer.max_steps"], base["trainer.eval_every"], base["model.name"])
-        assert scale == (600, 50, "moe_tiny" if name in ("ablate_k3_balance", "ablate_k3_moe") else "tiny"), name
+        assert scale == (600, 50,
+                         "moe_tiny" if name in ("ablate_k3_balance", "ablate_k3_moe") else "tiny"), name
         for arm, expect in arms.items():
             cfg = configs[arm]
             assert {k: cfg[k] for k in expect} == expect, (name, arm)
@@ -97,7 +99,8 @@ def test_overrides_that_erase_the_factor_are_refused(tmp_path):
     """An override after -- applies to every arm: one that sets the swept key or makes two arms equal would
     waste the study, so nothing runs."""
     with pytest.raises(ablate.AblateError, match="sweeps optim.lr"):
-        ablate.run_study(["ablate_optimizer"], tmp_path, tmp_path, [1], ["optim.lr=0.01"], dry_run=True, log=print)
+        ablate.run_study(["ablate_optimizer"], tmp_path, tmp_path, [1], ["optim.lr=0.01"], dry_run=True,
+                         log=print)
     with pytest.raises(ablate.AblateError, match="arms all_mla and hybrid_3to1 are the same config"):
         ablate.run_study(["ablate_mixer"], tmp_path, tmp_path, [1], ["model.mla_every=2"], dry_run=True,
                          log=print)
@@ -166,10 +169,12 @@ def test_runner_end_to_end_then_report_then_resume(tmp_path, data, capsys):
     recs = {r["run"]: r for r in ablate.records.of_experiment(out, "ablate_muon_split")}
     assert set(recs) == {"whole_seed1", "split_seed1"} and recs["whole_seed1"]["status"] == "done"
     assert recs["whole_seed1"]["fingerprint"] != recs["split_seed1"]["fingerprint"]
-    for arm, run in runs.items():  # the machine's rate, recovered from the logged MFU: the one the run printed
+    # the machine's rate, recovered from the logged MFU: the one the run printed
+    for arm, run in runs.items():
         said = re.search(r"MFU against ([\d.]+) ([TGM])FLOP/s", (run / "train.log").read_text())
         unit = {"T": 1e12, "G": 1e9, "M": 1e6}[said.group(2)]
-        assert recs[f"{arm}_seed1"]["peak_flops"] == pytest.approx(float(said.group(1)) * unit, abs=0.051 * unit)
+        assert recs[f"{arm}_seed1"]["peak_flops"] == pytest.approx(float(said.group(1)) * unit,
+                                                                   abs=0.051 * unit)
     assert "Machine: one kind for every run" in section
     import shutil
 
@@ -309,7 +314,8 @@ def test_sweep_then_seeds_and_statistics(tmp_path):
     section = (tmp_path / "out" / "README_section.md").read_text()
     assert "Moonlight" in section and "0.01 (grid edge)" in section and "diverged" not in section
     assert "| `adamw_qkclip` | 4.0100 | 4.0500 | failed |" in section
-    assert "compute multiplier of 1.07x); verdict on the final loss: win; this agrees with the paper." in section
+    assert ("compute multiplier of 1.07x); verdict on the final loss: win; this agrees with the paper."
+            in section)
 
 
 @pytest.mark.slow

@@ -18,7 +18,8 @@ F64 = torch.float64
 
 
 def _by_formula(g, u, b1, b2):
-    """fp64 SiTU-GLU written out: [b1 tanh(g/b1) sigmoid(g)] [b2 tanh(u/b2)] (the up branch raw without b2)."""
+    """fp64 SiTU-GLU written out: [b1 tanh(g/b1) sigmoid(g)] [b2 tanh(u/b2)] (the up branch raw without
+    b2)."""
     g, u = g.double(), u.double()
     up = u if b2 is None else b2 * torch.tanh(u / b2)
     return b1 * torch.tanh(g / b1) * (1 / (1 + torch.exp(-g))) * up
@@ -32,7 +33,8 @@ def test_situ_is_its_formula_and_bounded(b1, b2):
     if b2 is not None:
         assert situ(g, u, b1, b2).abs().max() <= b1 * b2
     small_g, small_u = g / 1e4, u / 1e4  # near 0: SwiGLU
-    torch.testing.assert_close(situ(small_g, small_u, b1, b2), swiglu(small_g, small_u), rtol=1e-3, atol=1e-12)
+    torch.testing.assert_close(situ(small_g, small_u, b1, b2), swiglu(small_g, small_u), rtol=1e-3,
+                               atol=1e-12)
 
 
 def test_situ_gradients_are_the_closed_forms():
@@ -65,8 +67,8 @@ def test_dense_mlp_equals_mlx_lm_kimi_k3():
     with torch.no_grad():
         for p in ours.parameters():
             p.normal_(0, 1.0)  # large enough that both caps act
-    args = TextArgs.from_dict(dict(hidden_size=cfg.d_model, intermediate_size=cfg.mlp_hidden, hidden_act="situ",
-                                   activation_situ_beta=cfg.situ_beta,
+    args = TextArgs.from_dict(dict(hidden_size=cfg.d_model, intermediate_size=cfg.mlp_hidden,
+                                   hidden_act="situ", activation_situ_beta=cfg.situ_beta,
                                    activation_situ_linear_beta=cfg.situ_linear_beta))
     theirs = KimiK3MLP(args)
     theirs.load_weights([(f"{n}_proj.weight", mx.array(getattr(ours, f"w_{n}").weight.detach().numpy()))
@@ -101,5 +103,6 @@ def test_moe_experts_take_situ_grouped_equal_to_loop(dtype):
 
 def test_kimi_linear_export_refuses_situ():
     cfg = tiny_model_cfg(mlp_activation="situ", residual="standard", vocab_size=64, kda_gate_bias=False)
-    with pytest.raises(NotExpressible, match=r"cannot express model.mlp_activation=situ .*its MLPs are SwiGLU"):
+    with pytest.raises(NotExpressible,
+                       match=r"cannot express model.mlp_activation=situ .*its MLPs are SwiGLU"):
         hf_config(cfg)

@@ -91,14 +91,15 @@ def test_background_checkpoints_hold_what_blocking_saves_hold(tmp_path, data, bl
     for c in saved:
         assert checkpoint.verify(c.path) == []
         assert json.loads((c.path / checkpoint.COMPLETE).read_text())["background"] is True
-        assert_same(whole_state(c.path, tmp_path), whole_state(checkpoint.step_dir(blocking / "checkpoints", c.step),
-                                                               tmp_path), f"step {c.step}")
+        assert_same(whole_state(c.path, tmp_path),
+                    whole_state(checkpoint.step_dir(blocking / "checkpoints", c.step), tmp_path),
+                    f"step {c.step}")
 
 
 def test_a_crash_during_a_background_save_keeps_the_older_checkpoints(tmp_path, data, blocking):
     run = tmp_path / "crashed"
-    crash = subprocess.run([sys.executable, "-c", CRASH, str(Path(__file__).parent), str(run), json.dumps(data),
-                            *STEPS, ASYNC], capture_output=True, text=True, timeout=300)
+    crash = subprocess.run([sys.executable, "-c", CRASH, str(Path(__file__).parent), str(run),
+                            json.dumps(data), *STEPS, ASYNC], capture_output=True, text=True, timeout=300)
     assert crash.returncode == -9, crash.stdout[-2000:] + crash.stderr[-3000:]
     found = {c.step: c.complete for c in checkpoint.list_checkpoints(run / "checkpoints")}
     assert found == {2: True, 4: False}, found
@@ -124,7 +125,7 @@ def test_a_failed_background_write_stops_the_run_and_keeps_the_older_checkpoint(
 
     monkeypatch.setattr(filesystem.FileSystemWriter, "write_data", full_disk)
     run = tmp_path / "full"
-    with pytest.raises(RunError, match=r"no space left on device while saving checkpoint .*step_00000004; the "
-                                       r"newest complete checkpoint .*step_00000002 is intact"):
+    with pytest.raises(RunError, match=r"no space left on device while saving checkpoint .*step_00000004; "
+                                       r"the newest complete checkpoint .*step_00000002 is intact"):
         train_run(run, data, *STEPS, ASYNC)
     assert [(c.step, c.complete) for c in checkpoint.list_checkpoints(run / "checkpoints")] == [(2, True)]

@@ -46,7 +46,8 @@ def test_auto_keeps_the_faster_backend_and_times_each_shape_once(timed, faster):
     q, k, v = qkv()
     got = run("auto", q, k, v)
     assert len(timed.lines) == 1 and timed.lines[0].endswith(f"-> {faster}"), timed.lines
-    assert "triton 1.000 ms, sdpa 2.000 ms" in timed.lines[0] or "triton 2.000 ms, sdpa 1.000 ms" in timed.lines[0]
+    assert ("triton 1.000 ms, sdpa 2.000 ms" in timed.lines[0]
+            or "triton 2.000 ms, sdpa 1.000 ms" in timed.lines[0])
     again = run("auto", *qkv(seed=1))
     assert len(timed.lines) == 1  # the same shape: cached, not timed or printed again
     for a, b in zip(got[:2] + again[:2], run(faster, q, k, v)[:2] + run(faster, *qkv(seed=1))[:2]):

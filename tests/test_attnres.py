@@ -49,11 +49,13 @@ def test_hand_computed_mix():
     # Keys RMS-normalised: v0 / sqrt(12.5), v1 / 1, v2 / sqrt(2); scores w . key = 6/sqrt(12.5), 2, 0.
     e = [math.exp(6 / math.sqrt(12.5)), math.exp(2.0), math.exp(0.0)]
     a = [x / sum(e) for x in e]
-    want = torch.tensor([a[0] * 3 + a[1] * 1 + a[2] * 0, a[0] * 4 + a[1] * -1 + a[2] * 2], dtype=torch.float64)
+    want = torch.tensor([a[0] * 3 + a[1] * 1 + a[2] * 0, a[0] * 4 + a[1] * -1 + a[2] * 2],
+                        dtype=torch.float64)
     sources = [s.double().view(1, 1, 2) for s in (v0, v1, v2)]
     got = depth_attention(w.double(), sources, eps=0.0)
     torch.testing.assert_close(got.view(2), want, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(depth_weights(w.double(), sources, 0.0).view(3), torch.tensor(a, dtype=torch.float64))
+    torch.testing.assert_close(depth_weights(w.double(), sources, 0.0).view(3),
+                               torch.tensor(a, dtype=torch.float64))
 
 
 def test_zero_query_gives_uniform_weights():
@@ -88,7 +90,8 @@ def _record_model(model: KimiModel, ids: torch.Tensor):
     return outputs, inputs, final[0]
 
 
-@pytest.mark.parametrize("residual,block_size", [("attnres_full", 1), ("attnres_block", 2), ("attnres_block", 4)])
+@pytest.mark.parametrize("residual,block_size",
+                         [("attnres_full", 1), ("attnres_block", 2), ("attnres_block", 4)])
 def test_model_zero_init_inputs_are_source_means(residual, block_size):
     """With zero queries every sublayer input (and the final one) is the plain mean of the right sources."""
     model = KimiModel(tiny_cfg(residual=residual, attnres_block_size=block_size)).double()
@@ -118,8 +121,8 @@ def test_block_size_one_equals_full():
 @pytest.mark.parametrize("residual", ["attnres_full", "attnres_block"])
 def test_key_weight_is_the_query_folded(residual):
     """model.attnres_key_weight (Kimi K3's key-norm weight gamma per mixing site): logits
-    w . (gamma * RMSNorm(v)) are those of the query gamma * w without gamma, at every site and in fp64 exactly;
-    gamma starts at 1 (and the query at 0), and both train."""
+    w . (gamma * RMSNorm(v)) are those of the query gamma * w without gamma, at every site and in fp64
+    exactly; gamma starts at 1 (and the query at 0), and both train."""
     torch.manual_seed(0)
     keyed = KimiModel(tiny_cfg(residual=residual, attnres_key_weight=True)).double()
     weights = [(n, p) for n, p in keyed.named_parameters() if n.endswith("_key_weight")]

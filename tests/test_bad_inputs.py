@@ -249,7 +249,8 @@ CONFIG = [
     case("unknown key without +", ["trainer.max_stepz=3"], ["trainer.max_stepz", "trainer.max_steps"]),
     case("text for a number", ["trainer.max_steps=ten"], ["trainer.max_steps", "ten"]),
     case("unknown preset", ["optim=sgd"], ["optim", "sgd", "adamw", "muonclip"]),
-    case("precision fp4", ["trainer.precision=fp4"], ["trainer.precision='fp4' is invalid", "fp32|bf16|fp8|mxfp8"]),
+    case("precision fp4", ["trainer.precision=fp4"],
+         ["trainer.precision='fp4' is invalid", "fp32|bf16|fp8|mxfp8"]),
     case("activation checkpointing", ["parallel.activation_checkpointing=some"],
          ["parallel.activation_checkpointing='some' is invalid", "none|full|selective"]),
     case("residual mode", ["model.residual=dense"], ["model.residual='dense' is invalid", "attnres_block"]),
@@ -323,7 +324,8 @@ DATA = [
     case("tokenizer model missing", {}, ["data.tokenizer.model_path='{corpus}/gone.model'"],
          ["data.tokenizer.model_path=", "gone.model' does not exist"]),
     case("tokenizer model not one", {"fake.model": b"not a sentencepiece model\n"},
-         ["data.tokenizer.model_path='{corpus}/fake.model'"], ["fake.model is neither a sentencepiece model"]),
+         ["data.tokenizer.model_path='{corpus}/fake.model'"],
+         ["fake.model is neither a sentencepiece model"]),
 ]
 
 
@@ -399,7 +401,8 @@ KEEP = "trainer.keep_checkpoints=9"  # runs that save: no rotation, so every old
 # (setup, overrides, exit code, words: of the error line, or of stdout for exit 0 and 75)
 RUN_DIR = [
     case("run dir is a file", run_dir_is_a_file, [], EXIT_BAD_INPUT, ["file is a file, not a directory"]),
-    case("run dir under a file", run_dir_under_a_file, [], EXIT_BAD_INPUT, ["file/run", "is a file, not a directory"]),
+    case("run dir under a file", run_dir_under_a_file, [], EXIT_BAD_INPUT,
+         ["file/run", "is a file, not a directory"]),
     case("checkpoints is a file", checkpoints_is_a_file, [], EXIT_BAD_INPUT,
          ["fresh/checkpoints is a file", "move it away"]),
     case("fresh run in a used run dir", as_is, ["trainer.resume=false"], EXIT_BAD_INPUT,

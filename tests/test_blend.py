@@ -158,11 +158,13 @@ def test_prepare_a_blend_with_a_tokenizer_json_killed_and_rerun(tmp_path, offlin
         assert all((part.data_dir / s["file"]).with_suffix(".idx").is_file() for s in shards_listed)
     web = blend.parts[1]
     # the second source as a single-source config: the same documents, the same tokens
-    alone = DataConfig(name="web", source="files", data_files=[str(rows)], text_field="body", val_fraction=0.1,
-                       cache_dir=str(tmp_path / "cache"), tokenizer=TokenizerConfig(model_path=str(tok_dir)))
+    alone = DataConfig(name="web", source="files", data_files=[str(rows)], text_field="body",
+                       val_fraction=0.1, cache_dir=str(tmp_path / "cache"),
+                       tokenizer=TokenizerConfig(model_path=str(tok_dir)))
     train, _ = load_documents(alone)
     tok = blend.tokenizer
-    assert read_tokens(web, "train").tolist() == [i for t in train["text"] for i in tok.encode(t) + [tok.eos_id]]
+    assert read_tokens(web, "train").tolist() == [i for t in train["text"]
+                                                  for i in tok.encode(t) + [tok.eos_id]]
 
 
 def test_a_blend_without_a_tokenizer_trains_one_on_its_sources_by_weight(tmp_path, offline, monkeypatch):

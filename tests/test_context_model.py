@@ -21,7 +21,8 @@ def test_the_memory_model_fits_the_measurements_and_reaches_1m_tokens():
     for name, T, cp, measured, model, ratio in out["model_check"]:
         if name == "tiny":  # where the blocks set the peak at every length (docs/parallelism.md)
             assert 0.97 <= float(ratio) <= 1.05, (name, T, cp)
-    first_cp = {line.split("`")[1] + " " + line.split(" on ")[1].split(" GPUs")[0]: int(line.rsplit("= ", 1)[1])
+    first_cp = {line.split("`")[1] + " " + line.split(" on ")[1].split(" GPUs")[0]:
+                int(line.rsplit("= ", 1)[1])
                 for line in text.splitlines() if line.startswith("- `")}
     assert first_cp["1b 141 GB"] <= 8 and first_cp["1b 80 GB"] <= 8
 
@@ -31,6 +32,7 @@ def test_the_blockwise_prefix_keeps_only_the_latent():
 
     m = compose_config(["model=1b", "model.vocab_size=32768"]).model
     latent = m.kv_lora_rank + m.qk_rope_head_dim
-    assert context.prefix_bytes(m, blockwise=True) == 2 * 3 * latent  # bf16, three copies of the gathered latent
+    # bf16, three copies of the gathered latent
+    assert context.prefix_bytes(m, blockwise=True) == 2 * 3 * latent
     # the whole prefix adds its keys and values and their gradients
     assert context.prefix_bytes(m) - context.prefix_bytes(m, blockwise=True) == context.block_bytes(m)

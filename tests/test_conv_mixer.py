@@ -19,7 +19,8 @@ def test_a_conv_mixer_model_trains_alike_on_one_process_and_under_tp2(tmp_path, 
     log = (one / "train.log").read_text()
     assert "blocks KCKM (K=KDA, C=conv, M=MLA)" in log
     tp2 = tmp_path / "tp2"
-    torchrun(2, tp2, overrides(data, "muonclip", *PATTERN, "parallel.tp=2", "parallel.sequence_parallel=true"))
+    torchrun(2, tp2, overrides(data, "muonclip", *PATTERN, "parallel.tp=2",
+                               "parallel.sequence_parallel=true"))
     assert_same_run(tp2, one, tmp_path)
 
 

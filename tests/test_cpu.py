@@ -1,6 +1,6 @@
 """Training on a CPU as the machine is: threads fitted to the free cores, a peak measured once per machine and
-cached, and a hint when a busy machine slows the threads down (kimi/run/cpu.py, kimi/run/peaks.py). The load, the
-cores and the measurement are stand-ins: nothing here benchmarks the CPU."""
+cached, and a hint when a busy machine slows the threads down (kimi/run/cpu.py, kimi/run/peaks.py). The load,
+the cores and the measurement are stand-ins: nothing here benchmarks the CPU."""
 
 import json
 import time

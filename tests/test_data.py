@@ -115,8 +115,8 @@ def test_tokenizer_errors_are_actionable(corpus, tmp_path):
         train_tokenizer(corpus[1], 50_000, tmp_path / "big.model")
     with pytest.raises(FileNotFoundError, match="missing.model does not exist .*model_path"):
         Tokenizer(tmp_path / "missing.model")
-    with pytest.raises(FileNotFoundError, match=f"tokenizer model {tmp_path} is a directory without a tokenizer.json "
-                                                ".*model_path must name"):
+    with pytest.raises(FileNotFoundError, match=f"tokenizer model {tmp_path} is a directory without a "
+                                                "tokenizer.json .*model_path must name"):
         Tokenizer(tmp_path)
 
 
@@ -167,7 +167,8 @@ def test_shards_index_and_manifest(corpus, prepared, tmp_path, monkeypatch):
     # the same shards from two worker processes fed two documents at a time
     monkeypatch.setattr(encode, "BATCH_DOCS", 2)
     workers = prepare(_cfg(corpus[0], tmp_path / "workers", shard_mb=200 / 2**20, num_proc=2))
-    assert [p.read_bytes() for p in workers.shards["train"]] == [p.read_bytes() for p in small.shards["train"]]
+    assert ([p.read_bytes() for p in workers.shards["train"]]
+            == [p.read_bytes() for p in small.shards["train"]])
     flat = read_tokens(prepared, "train")
     one, many = (TokenLoader(t, 4, 16, seed=3, eos_id=2) for t in (flat, open_split(small, "train")))
     for _ in range(2 * one.batches_per_epoch):
@@ -232,7 +233,8 @@ def test_second_prepare_reuses_files_without_tokenising(corpus, tmp_path, monkey
 
 def test_trainer_leaves_a_large_corpus_to_the_prepare_command(corpus, tmp_path):
     cfg = _cfg(corpus[0], tmp_path, inline_max_mb=0.001)
-    with pytest.raises(DataError, match=r"more than the trainer tokenises itself \(data.inline_max_mb=0.001\); "
+    with pytest.raises(DataError, match=r"more than the trainer tokenises itself "
+                                        r"\(data.inline_max_mb=0.001\); "
                                         r"prepare it first with `python -m kimi.data.prepare`"):
         prepare(cfg)
     assert not list(pack.data_dir_for(cfg).glob("*-00000.*"))  # nothing tokenised
@@ -300,7 +302,8 @@ def test_tokenizer_json_file_and_directory(corpus, tmp_path):
     cfg.tokenizer.model_path = str(path.parent)
     data = prepare(cfg)
     train, _ = load_documents(cfg)
-    expected = [i for t in train["text"] for i in reference.encode(t, add_special_tokens=False).ids + [named.eos_id]]
+    expected = [i for t in train["text"]
+                for i in reference.encode(t, add_special_tokens=False).ids + [named.eos_id]]
     assert read_tokens(data, "train").tolist() == expected
     again = prepare(cfg)  # the copy in the data dir (and its config) read back
     assert again.tokenizer.kind == "tokenizer.json" and again.tokenizer.sha256 == named.sha256
@@ -460,8 +463,8 @@ def _step_windows(layout) -> list:
     return sorted(int(row[0]) for _ in range(accum) for ld in loaders for row in ld.next_batch().input_ids)
 
 
-@pytest.mark.parametrize("saved,resumed", [((2, 2, 1), (2, 1, 2)), ((2, 1, 2), (1, 2, 2)), ((1, 2, 2), (4, 1, 1)),
-                                           ((4, 1, 1), (1, 4, 1))])
+@pytest.mark.parametrize("saved,resumed", [((2, 2, 1), (2, 1, 2)), ((2, 1, 2), (1, 2, 2)),
+                                           ((1, 2, 2), (4, 1, 1)), ((4, 1, 1), (1, 4, 1))])
 def test_loader_resumes_on_another_layout_with_the_same_windows_per_step(saved, resumed):
     """(micro-batch, ranks, accumulation) saved after 5 steps, resumed on another split of the same 4 windows
     per step: every later step reads the windows of the uninterrupted run, across epoch ends (101 windows: 25
@@ -486,8 +489,8 @@ def test_loader_step_is_whole_in_an_epoch_and_old_states_resume():
     loader = TokenLoader(tokens, 2, 8, seed=3, eos_id=2, global_batch=6)  # 3 micro-batches per step
     assert loader.epoch_windows == 96 and loader.batches_per_epoch == 48
     # a state written before positions were global: micro-batches served, 2 x 2 windows each
-    old = {"epoch": 1, "position": 7, "seed": 3, "dp_rank": 0, "dp_world": 2, "num_windows": 101, "seq_len": 8,
-           "batch_size": 2}
+    old = {"epoch": 1, "position": 7, "seed": 3, "dp_rank": 0, "dp_world": 2, "num_windows": 101,
+           "seq_len": 8, "batch_size": 2}
     reference = [TokenLoader(tokens, 2, 8, seed=3, eos_id=2, dp_rank=r, dp_world=2) for r in range(2)]
     for _ in range(25 + 7):
         for ld in reference:

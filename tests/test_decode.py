@@ -82,7 +82,8 @@ def test_generate_is_seeded_and_stops_at_eos():
 
     tokens = run()
     assert len(tokens) == 12 and tokens == run()
-    assert tokens != generate(model, [3, 1, 4], 12, temperature=1.0, generator=torch.Generator().manual_seed(8))
+    assert tokens != generate(model, [3, 1, 4], 12, temperature=1.0,
+                              generator=torch.Generator().manual_seed(8))
     eos = tokens[5]
     stop = tokens.index(eos)  # the first time it was sampled
     assert run(eos_id=eos) == tokens[:stop]

@@ -3,9 +3,9 @@ torch engine.
 
 Two ranks with micro-batch 2 see what one process sees with micro-batch 4, so losses and final weights
 must match the single-process run (to float summation order) under every ZeRO stage, with AdamW and with
-MuonClip (orthogonalising each matrix once across DeepSpeed's flat partitions: kimi/parallel/zero_client.py), with
-gradient accumulation, with QK-Clip firing on the fp32 masters, and with a mixture of experts under ZeRO-3.
-The cases run in one torchrun launch (tests/dist_train.py). Checkpoints hold whole tensors under their
+MuonClip (orthogonalising each matrix once across DeepSpeed's flat partitions: kimi/parallel/zero_client.py),
+with gradient accumulation, with QK-Clip firing on the fp32 masters, and with a mixture of experts under
+ZeRO-3. The cases run in one torchrun launch (tests/dist_train.py). Checkpoints hold whole tensors under their
 names, as the torch engine's: a DeepSpeed run resumes exactly, and moves to the torch engine and back.
 """
 
@@ -63,12 +63,14 @@ def init_from(references):
 def launch(tmp_path_factory, data, init_from):
     """Every case trained by one 2-rank launch of tests/dist_train.py: (run dirs by case, the result)."""
     out = tmp_path_factory.mktemp("deepspeed")
-    cases = {**CASES, **BF16, **{name: (optim, zero(stage, init_from)) for name, (optim, stage) in INIT.items()}}
+    cases = {**CASES, **BF16,
+             **{name: (optim, zero(stage, init_from)) for name, (optim, stage) in INIT.items()}}
     runs = {name: out / name for name in cases}
     spec = [{"run_dir": str(runs[name]), "overrides": overrides(data, optim, *extra)}
             for name, (optim, extra) in cases.items()]
     (out / "runs.json").write_text(json.dumps(spec))
-    return runs, torchrun(2, None, [str(ROOT / "tests" / "dist_train.py"), str(out / "runs.json")], check=False)
+    return runs, torchrun(2, None, [str(ROOT / "tests" / "dist_train.py"), str(out / "runs.json")],
+                          check=False)
 
 
 def finished(launch, case: str):
@@ -91,7 +93,8 @@ def test_zero_equals_one_process(tmp_path, launch, references, case):
     config = json.loads((run / "deepspeed.json").read_text())  # what DeepSpeed was given, for the user
     assert config["zero_optimization"]["stage"] == int(case[4])
     if "qkclip" in case:  # the clip fired, on the masters DeepSpeed then copied into the model
-        clipped = [r["qk_clipped_frac"] for r in read_metrics(run / "metrics.jsonl") if "qk_clipped_frac" in r]
+        clipped = [r["qk_clipped_frac"] for r in read_metrics(run / "metrics.jsonl")
+                   if "qk_clipped_frac" in r]
         assert len(clipped) == 3 and min(clipped) > 0
 
 
@@ -109,7 +112,8 @@ def test_init_from_equals_the_torch_engine(tmp_path, launch, references, init_fr
 def test_bf16_trains_like_fp32(launch):
     """DeepSpeed's bf16: bf16 weights and activations, fp32 master weights and optimizer state. Its losses
     stay within bf16's rounding of the fp32 run's."""
-    (loss, val), (ref_loss, ref_val) = metrics(launch[0]["zero2_bf16_muonclip"]), metrics(launch[0]["zero2_muonclip"])
+    (loss, val), (ref_loss, ref_val) = (metrics(launch[0]["zero2_bf16_muonclip"]),
+                                        metrics(launch[0]["zero2_muonclip"]))
     assert len(loss) == 3 and loss != ref_loss
     for a, b in zip(loss + val, ref_loss + ref_val):
         assert abs(a - b) < 1e-2 * b, (loss + val, ref_loss + ref_val)
@@ -132,7 +136,8 @@ def test_one_process_without_a_launcher(tmp_path, data, references):
 
     run = tmp_path / "alone"
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run}",
-                           *overrides(data, "muonclip", "parallel.engine=deepspeed", "parallel.deepspeed.zero_stage=3")],
+                           *overrides(data, "muonclip", "parallel.engine=deepspeed",
+                                      "parallel.deepspeed.zero_stage=3")],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert_same_run(run, references("muonclip"), tmp_path)
@@ -147,8 +152,8 @@ def test_deepspeeds_launcher_runs_train_py(tmp_path, data, launch):
 
     run = tmp_path / "launched"
     launcher = Path(sys.executable).parent / "deepspeed"
-    cmd = [str(launcher), "--no_local_rank", "--num_gpus", "2", str(ROOT / "train.py"), f"hydra.run.dir={run}",
-           *overrides(data, "muonclip", *zero(2))]
+    cmd = [str(launcher), "--no_local_rank", "--num_gpus", "2", str(ROOT / "train.py"),
+           f"hydra.run.dir={run}", *overrides(data, "muonclip", *zero(2))]
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -159,15 +164,16 @@ def test_a_run_changes_engine_and_back(tmp_path, data, references):
     """Step 1 under DeepSpeed ZeRO-2, step 2 under the torch engine's FSDP, step 3 under ZeRO-3 (2 ranks
     each): the single-process run."""
     run = tmp_path / "moved"
-    for stop, layout in ((1, zero(2)), (2, ["parallel.dp_shard=2", "trainer.micro_batch_size=2"]), (3, zero(3))):
+    for stop, layout in ((1, zero(2)), (2, ["parallel.dp_shard=2", "trainer.micro_batch_size=2"]),
+                         (3, zero(3))):
         torchrun(2, run, overrides(data, "muonclip", *layout, f"trainer.stop_at_step={stop}"))
     assert checkpoint.latest_complete(run / "checkpoints").step == 3
     assert_same_run(run, references("muonclip"), tmp_path)
 
 
 @pytest.mark.parametrize("override,message", [
-    ("parallel.tp=2", "parallel.engine=deepspeed runs ZeRO over data parallelism only (parallel.dp_shard ranks), "
-                      "without parallel.tp=2"),
+    ("parallel.tp=2", "parallel.engine=deepspeed runs ZeRO over data parallelism only "
+                      "(parallel.dp_shard ranks), without parallel.tp=2"),
     ("parallel.deepspeed.zero_stage=4", "parallel.deepspeed.zero_stage=4 is invalid: choose 1, 2 or 3"),
 ])
 def test_what_deepspeed_does_not_take_exits_with_the_message(tmp_path, data, override, message):

@@ -102,10 +102,13 @@ def test_a_head_over_tau_is_clipped_and_its_logit_reported():
     assert record[f"qk_clipped_frac/{layer}"] == 0.5 and record["qk_clipped_frac"] == 0.5
     assert {k: record[k] for k in qk_clip_record(stats)} == pytest.approx(qk_clip_record(stats), rel=1e-6)
     # without QK-Clip the same heads come from the no_grad diagnostic forward, with a per-layer maximum
-    assert [without_clip[f"qk_max_logit/{layer}/h{h}"] for h in range(2)] == pytest.approx(seen.tolist(), rel=1e-6)
-    assert without_clip[f"qk_max_logit/{layer}"] == without_clip["qk_max_logit"] == pytest.approx(seen.max().item())
+    assert ([without_clip[f"qk_max_logit/{layer}/h{h}"] for h in range(2)]
+            == pytest.approx(seen.tolist(), rel=1e-6))
+    assert (without_clip[f"qk_max_logit/{layer}"] == without_clip["qk_max_logit"]
+            == pytest.approx(seen.max().item()))
     assert "qk_clipped_frac" not in without_clip
-    assert head_matrix(record) == ([layer], ["h0", "h1"], [[record[f"qk_max_logit/{layer}/h{h}"] for h in range(2)]])
+    assert head_matrix(record) == ([layer], ["h0", "h1"],
+                                   [[record[f"qk_max_logit/{layer}/h{h}"] for h in range(2)]])
 
 
 @pytest.mark.unit
@@ -149,8 +152,8 @@ def test_moe_load_fractions_sum_to_one_and_match_a_bincount():
     for i, load in zip(blocks, loads):
         moe = model.blocks[i].mlp
         with torch.no_grad():
-            _, chosen, _ = route(inputs[i].reshape(-1, cfg.d_model), moe.router.weight, moe.expert_bias, moe.top_k,
-                                 moe.groups, moe.topk_groups, moe.norm_topk, moe.scale)
+            _, chosen, _ = route(inputs[i].reshape(-1, cfg.d_model), moe.router.weight, moe.expert_bias,
+                                 moe.top_k, moe.groups, moe.topk_groups, moe.norm_topk, moe.scale)
         counts = torch.bincount(chosen.flatten(), minlength=4).double()
         assert sum(load) == pytest.approx(1.0)
         assert load == pytest.approx((counts / counts.sum()).tolist())
@@ -173,11 +176,12 @@ def runs(tmp_path_factory, data):
     """Three 3-step MuonClip runs of one process, with diagnostics at every step (wandb offline, in an
     ablation's group), without, and 2 FSDP ranks with them: {"on", "off", "fsdp"} -> run dir."""
     out = tmp_path_factory.mktemp("diag")
-    extra = [*DIAG, "trainer.checkpoint_every=1", "logging.wandb.mode=offline", "logging.wandb.group=ablation",
-             "logging.wandb.tags=[muonclip,'seed=1']"]
+    extra = [*DIAG, "trainer.checkpoint_every=1", "logging.wandb.mode=offline",
+             "logging.wandb.group=ablation", "logging.wandb.tags=[muonclip,'seed=1']"]
     on = single_process(out / "on", data, "muonclip", *extra)
     single_process(out / "off", data, "muonclip", *MOE, "trainer.diag_every=0")
-    torchrun(2, out / "fsdp", overrides(data, "muonclip", *DIAG, "parallel.dp_shard=2", "trainer.micro_batch_size=2"))
+    torchrun(2, out / "fsdp", overrides(data, "muonclip", *DIAG, "parallel.dp_shard=2",
+                                        "trainer.micro_batch_size=2"))
     return {"on": out / "on", "off": out / "off", "fsdp": out / "fsdp", "trainer": on}
 
 
@@ -207,7 +211,8 @@ def test_every_step_logs_each_building_block(runs, tmp_path):
     grad = {r["step"]: r["grad_norm"] for r in read_metrics(runs["on"] / "metrics.jsonl") if "grad_norm" in r}
     assert sorted(diag) == [1, 2, 3]
     for step, d in diag.items():
-        assert {k.split("/")[0] for k in d} == {"attnres", "qk_max_logit", "qk_clipped_frac", "kda", "moe", "optim"}
+        assert {k.split("/")[0] for k in d} == {"attnres", "qk_max_logit", "qk_clipped_frac", "kda", "moe",
+                                                "optim"}
         assert {f"kda/{s}/{i}" for s in ("decay_mean", "decay_min", "decay_below_half", "beta_mean")
                 for i in (0, 2)} <= d.keys()
         assert {f"qk_max_logit/blocks.{i}.mixer/h{h}" for i in (1, 3) for h in (0, 1)} <= d.keys()
@@ -216,8 +221,10 @@ def test_every_step_logs_each_building_block(runs, tmp_path):
         assert all(sum(v for k, v in d.items() if k.startswith(f"attnres/{s}/")) == pytest.approx(1)
                    for s in ("0.mixer", "2.mlp", "final"))
         # the families split the global gradient norm before clipping
-        assert math.hypot(d["optim/grad_norm/muon"], d["optim/grad_norm/adamw"]) == pytest.approx(grad[step], rel=1e-5)
-    # the last update's RMS per family, from the weights checkpointed at steps 2 and 3 (QK-Clip clipped nothing)
+        assert (math.hypot(d["optim/grad_norm/muon"], d["optim/grad_norm/adamw"])
+                == pytest.approx(grad[step], rel=1e-5))
+    # the last update's RMS per family, from the weights checkpointed at steps 2 and 3
+    # (QK-Clip clipped nothing)
     assert diag[3]["qk_max_logit"] < 100
     before, after = (weights(runs["on"] / "checkpoints" / f"step_0000000{s}", tmp_path) for s in (2, 3))
     names: dict = {}
@@ -225,7 +232,8 @@ def test_every_step_logs_each_building_block(runs, tmp_path):
         names.setdefault(group["family"], []).extend(group["param_names"])
     for family, params in names.items():
         diff = torch.cat([(after[n] - before[n]).flatten() for n in params])
-        assert diag[3][f"optim/update_rms/{family}"] == pytest.approx(diff.pow(2).mean().sqrt().item(), rel=1e-4)
+        assert diag[3][f"optim/update_rms/{family}"] == pytest.approx(diff.pow(2).mean().sqrt().item(),
+                                                                      rel=1e-4)
     pngs = sorted(p.name for p in (runs["on"] / "diagnostics").iterdir())
     assert pngs == [f"{kind}_step_0000000{s}.png" for kind in ("attnres", "qk_heads") for s in (1, 2, 3)]
 
@@ -256,7 +264,8 @@ def test_wandb_offline_holds_the_keys_images_and_tables(runs):
     assert summary["run"]["group"] == "ablation" and summary["scalars"]["kda/decay_mean/0"] == 3
     assert {k: (m["type"], m["steps"], m["files_present"]) for k, m in summary["media"].items()} == {
         **{f"diagnostics/{k}": ("image-file", [1, 2, 3], True) for k in ("attnres", "qk_heads")},
-        **{f"diagnostics/{k}_table": ("table-file", [1, 2, 3], True) for k in ("attnres", "qk_heads", "moe_load")}}
+        **{f"diagnostics/{k}_table": ("table-file", [1, 2, 3], True)
+           for k in ("attnres", "qk_heads", "moe_load")}}
 
 
 @pytest.mark.dist
@@ -273,7 +282,8 @@ def test_adamw_without_qk_clip_reports_the_diagnostic_forwards_logits(tmp_path, 
     single_process(tmp_path / "run", data, "adamw", "trainer.max_steps=2", "trainer.eval_every=0",
                    "logging.plot=false", "trainer.diag_every=null")  # the default: the last step here
     [last] = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "optim/grad_norm/adamw" in r]
-    assert last["step"] == 2 and not any(k.startswith(("optim/grad_norm/muon", "qk_clipped_frac")) for k in last)
+    assert last["step"] == 2 and not any(k.startswith(("optim/grad_norm/muon", "qk_clipped_frac"))
+                                         for k in last)
     assert last["optim/grad_norm/adamw"] == pytest.approx(last["grad_norm"], rel=1e-5)  # one family
     heads = [last[f"qk_max_logit/blocks.{i}.mixer/h{h}"] for i in (1, 3) for h in (0, 1)]
     assert last["qk_max_logit"] == max(heads) > 0

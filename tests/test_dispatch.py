@@ -172,7 +172,8 @@ def test_hopper_tile_rules():
     from kimi.ops.kda.triton import common
 
     assert common.state_blocks(torch.bfloat16, hopper=True) == (64,)
-    assert common.state_blocks(torch.bfloat16, hopper=False) == common.state_blocks(torch.float32, True) == (32, 64)
+    assert (common.state_blocks(torch.bfloat16, hopper=False) == common.state_blocks(torch.float32, True)
+            == (32, 64))
     assert common.key_block_precision(1, 32, hopper=True) == 3 == common.key_block_precision(2, 32, True)
     assert common.key_block_precision(1, 32, hopper=False) == 1
     assert common.key_block_precision(1, 64, hopper=True) == 1

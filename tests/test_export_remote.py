@@ -86,7 +86,8 @@ def test_logits_and_greedy_decoding_equal_ours(exported, spm):
     with torch.no_grad():
         torch.testing.assert_close(model(tokens).logits, ours(tokens), atol=1e-4, rtol=1e-4)
         # labels as transformers takes them: the sequence itself, shifted inside
-        torch.testing.assert_close(model(tokens, labels=tokens).loss, lm_loss(ours(tokens)[:, :-1], tokens[:, 1:]))
+        torch.testing.assert_close(model(tokens, labels=tokens).loss,
+                                   lm_loss(ours(tokens)[:, :-1], tokens[:, 1:]))
     prompts = tokens[:, :6]
     batch = model.generate(prompts, max_new_tokens=8, do_sample=False)[:, 6:].tolist()
     for prompt, continued in zip(prompts, batch):
@@ -99,7 +100,8 @@ def test_logits_and_greedy_decoding_equal_ours(exported, spm):
     half = model.generate(prompts[:1], max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     more = model.generate(half.sequences, cache=half.cache, max_new_tokens=4, do_sample=False)
     assert more[0, 6:].tolist() == batch[0] == generate(ours, prompts[0], 8, temperature=0)
-    stop = generate(ours, prompts[0], 4, temperature=0)[3]  # both stop at its first occurrence, theirs keeping it
+    # both stop at its first occurrence, theirs keeping it
+    stop = generate(ours, prompts[0], 4, temperature=0)[3]
     mine = generate(ours, prompts[0], 8, temperature=0, eos_id=stop)
     assert model.generate(prompts[:1], max_new_tokens=8, do_sample=False, eos_token_id=stop)[0, 6:].tolist() \
         == mine + [stop]
@@ -143,7 +145,8 @@ def test_sharded_weights_load_both_ways(spm, tmp_path):
     from kimi.model import KimiModel
 
     torch.manual_seed(0)
-    ours = fill_randomly(KimiModel(tiny_model_cfg(vocab_size=spm.vocab_size, moe_num_experts=4)), std=0.2).eval()
+    ours = fill_randomly(KimiModel(tiny_model_cfg(vocab_size=spm.vocab_size, moe_num_experts=4)),
+                         std=0.2).eval()
     files = save_remote(ours, tmp_path / "hf", shard_bytes=2**15)
     assert sum(f.endswith(".safetensors") for f in files) > 2
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
@@ -185,7 +188,8 @@ def test_from_hf_reads_the_export_back_bit_for_bit(exported, spm, tmp_path):
 
 
 def _imports(node):
-    """The import statements under `node`, but those inside a try (which transformers' loader, too, lets fail)."""
+    """The import statements under `node`, but those inside a try (which transformers' loader, too, lets
+    fail)."""
     for child in ast.iter_child_nodes(node):
         if isinstance(child, (ast.Import, ast.ImportFrom)):
             yield child
@@ -226,10 +230,11 @@ def test_the_export_runs_where_kimi_omegaconf_hydra_and_triton_are_missing(expor
               "import torch\n"
               "from transformers import AutoModelForCausalLM\n"
               "model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()\n"
-              "ids = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False, eos_token_id=-1)\n"
+              "ids = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False, "
+              "eos_token_id=-1)\n"
               "print(ids[0, 3:].tolist())\n")
-    out = subprocess.run([sys.executable, "-c", script, str(hf_dir)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run([sys.executable, "-c", script, str(hf_dir)], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == str(generate(ours, [5, 6, 7], 4, temperature=0))
 
@@ -277,7 +282,8 @@ def test_other_tokenizer_kinds_load_in_autotokenizer(kind, spm, tmp_path):
         assert tokenizer(text).input_ids == ours.encode(text), text
         assert tokenizer.decode(ours.encode(text)) == text
     assert tokenizer.eos_token_id == ours.eos_id
-    copied = next(f for f in ("tiktoken.model", "tokenizer.model", "tokenizer.json") if f in files)  # from-hf's pick
+    # from-hf's pick
+    copied = next(f for f in ("tiktoken.model", "tokenizer.model", "tokenizer.json") if f in files)
     assert Tokenizer(tmp_path / "out" / copied).sha256 == ours.sha256
 
 
@@ -286,18 +292,22 @@ def test_a_kimi_linear_model_stays_native_with_its_tokenizer(spm, tmp_path, caps
     remote_code=true it is written with our modeling code instead, which runs our forward."""
     from kimi.convert import main
 
-    cfg = tiny_model_cfg(vocab_size=spm.vocab_size, residual="standard", kda_gate_bias=False, mla_rotary=False)
+    cfg = tiny_model_cfg(vocab_size=spm.vocab_size, residual="standard", kda_gate_bias=False,
+                         mla_rotary=False)
     ours = make_run(tmp_path / "run", cfg, spm)
     assert main(["to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "kimi_linear"
     assert not (tmp_path / "hf" / "modeling_kimi.py").exists()
-    assert (tmp_path / "hf" / "tokenizer.json").is_file() and "KimiLinearForCausalLM" in capsys.readouterr().out
+    assert ((tmp_path / "hf" / "tokenizer.json").is_file()
+            and "KimiLinearForCausalLM" in capsys.readouterr().out)
     assert main(["to-hf", f"run={tmp_path / 'run'}", f"out={tmp_path / 'remote'}", "remote_code=true"]) == 0
     tokens = torch.randint(3, spm.vocab_size, (1, 16), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        torch.testing.assert_close(load(tmp_path / "remote")(tokens).logits, ours(tokens), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(load(tmp_path / "remote")(tokens).logits, ours(tokens), atol=1e-4,
+                                   rtol=1e-4)
     capsys.readouterr()
-    assert main(["to-hf", str(tmp_path / "run"), str(tmp_path / "x"), "--remote-code", "--mxfp4-experts"]) == 2
+    assert main(["to-hf", str(tmp_path / "run"), str(tmp_path / "x"), "--remote-code",
+                 "--mxfp4-experts"]) == 2
     assert "remote_code=true" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
@@ -316,7 +326,8 @@ def test_a_missing_converter_package_is_named_before_anything_is_written(exporte
     from kimi.convert import main
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformers" else real(name, *a))
     assert main(["to-hf", str(exported[1]), str(tmp_path / "hf")]) == 2
     assert "pip install transformers" in capsys.readouterr().err and not (tmp_path / "hf").exists()
 

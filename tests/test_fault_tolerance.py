@@ -34,7 +34,8 @@ pytestmark = pytest.mark.dist
 # QK-Clip at a low threshold, so that its max logits must agree across the groups too
 STEPS = 120
 RUN = ["trainer.eval_every=0", "trainer.checkpoint_every=0", "logging.plot=false", "optim.qk_clip_tau=0.2",
-       "parallel.fault_tolerance=torchft", "parallel.torchft.replica_groups=2", "parallel.torchft.timeout_s=20"]
+       "parallel.fault_tolerance=torchft", "parallel.torchft.replica_groups=2",
+       "parallel.torchft.timeout_s=20"]
 # train.py's start, once the go file exists, in a process that has imported the trainer already
 GATED = ("import runpy, sys, time; from pathlib import Path; import kimi.trainer\n"
          "go, sys.argv = Path(sys.argv[1]), sys.argv[2:]\n"
@@ -45,11 +46,13 @@ GATED = ("import runpy, sys, time; from pathlib import Path; import kimi.trainer
 def group(run: Path, data: list[str], g: int, lighthouse: str, go: Path | None = None) -> subprocess.Popen:
     """Replica group g as its own job: under torchrun, as docs/parallelism.md launches it, or (with a `go`
     file) one process that starts train.py with the same arguments when the file appears."""
-    launcher = ["-c", GATED, str(go)] if go else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    launcher = (["-c", GATED, str(go)] if go
+                else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"])
     cmd = [sys.executable, *launcher, str(ROOT / "train.py"), f"hydra.run.dir={run}",
            *overrides(data, "muonclip", f"trainer.max_steps={STEPS}", *RUN,
                       f"parallel.torchft.replica_group={g}", f"parallel.torchft.lighthouse={lighthouse}")]
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     return subprocess.Popen(cmd, env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=ROOT)
 
@@ -86,12 +89,14 @@ def finish(job: subprocess.Popen, what: str) -> str:
 def wait_until(what: str, done, *jobs: subprocess.Popen) -> None:
     deadline = time.monotonic() + 300
     while not done():
-        assert all(j.poll() is None for j in jobs) and time.monotonic() < deadline, f"a group ended before {what}"
+        assert all(j.poll() is None for j in jobs) and time.monotonic() < deadline, (
+            f"a group ended before {what}")
         time.sleep(0.05)
 
 
 def test_a_killed_replica_group_rejoins_from_its_peer_while_the_other_trains_on(data, tmp_path):
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000,
+                                  heartbeat_timeout_ms=1000)
     jobs = []
     try:
         r0, r1, go1, go2 = tmp_path / "group0", tmp_path / "group1", tmp_path / "go1", tmp_path / "go2"
@@ -133,13 +138,15 @@ def test_a_killed_replica_group_rejoins_from_its_peer_while_the_other_trains_on(
     assert max(abs(l0[s + 1] - l0[s]) for s in range(1, STEPS)) < 1.0
     assert l1[rejoined + 1] < first - 1.0 and abs(l1[rejoined + 1] - l0[rejoined + 1]) < 1.0
     assert any(l0[s] != l1[s] for s in range(rejoined + 1, STEPS + 1))
-    clipped = [r.get("qk_clipped_frac", 0) for r in read_metrics(r0 / "metrics.jsonl") if r.get("step", 0) > rejoined]
+    clipped = [r.get("qk_clipped_frac", 0) for r in read_metrics(r0 / "metrics.jsonl")
+               if r.get("step", 0) > rejoined]
     assert max(clipped) > 0, "QK-Clip never clipped after the rejoin: lower optim.qk_clip_tau"
     # the same weights, optimizer state and schedule on both, bit for bit (each process's own random number
     # generators are not part of it: a step draws nothing at random)
     sa, sb = final_state(r0, tmp_path), final_state(r1, tmp_path)
     assert sa["trainer"]["scheduler"] == sb["trainer"]["scheduler"]
-    a, b = tensors("", {k: sa[k] for k in ("model", "optim")}), tensors("", {k: sb[k] for k in ("model", "optim")})
+    a, b = (tensors("", {k: sa[k] for k in ("model", "optim")}),
+            tensors("", {k: sb[k] for k in ("model", "optim")}))
     assert a.keys() == b.keys() and any(k.startswith(".optim.") for k in a)
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")

@@ -65,7 +65,8 @@ def test_float8_all_gather_trains_like_the_bf16_gather_and_resumes(tmp_path, dat
     base = [*TINY_TRAINER, *data, *FP8]
     bf16, ref, fa, resumed = (tmp_path / n for n in ("bf16", "fp8", "fp8_gather", "fp8_gather_resumed"))
     runs = [{"run_dir": str(bf16), "overrides": [*base, "trainer.precision=bf16"]},
-            {"run_dir": str(ref), "overrides": base}, {"run_dir": str(fa), "overrides": [*base, GATHER], "reload": 2},
+            {"run_dir": str(ref), "overrides": base},
+            {"run_dir": str(fa), "overrides": [*base, GATHER], "reload": 2},
             {"run_dir": str(resumed), "overrides": [*base, GATHER], "resume_from": [str(fa), 2]}]
     (tmp_path / "runs.json").write_text(json.dumps(runs))
     torchrun(2, None, [str(ROOT / "tests" / "dist_fp8_gather.py"), str(tmp_path / "runs.json"),

@@ -1,6 +1,6 @@
-"""Kimi K3's gated MLA (model.mla_output_gate): our MLA with the gate equals mlx-lm's kimi_k3 MLA attention (an
-independent definition, NoPE with q-LoRA as K3 has it) with the same weights, the gate is off by default, its
-weight splits by heads under tensor parallelism, and QK-Clip still reads the attention's logits."""
+"""Kimi K3's gated MLA (model.mla_output_gate): our MLA with the gate equals mlx-lm's kimi_k3 MLA attention
+(an independent definition, NoPE with q-LoRA as K3 has it) with the same weights, the gate is off by default,
+its weight splits by heads under tensor parallelism, and QK-Clip still reads the attention's logits."""
 
 import numpy as np
 import pytest
@@ -29,9 +29,9 @@ def _mlx_twin(ours: MLA, cfg):
 
     args = TextArgs.from_dict(dict(hidden_size=cfg.d_model, num_attention_heads=cfg.mla_num_heads,
                                    q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
-                                   qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
-                                   v_head_dim=cfg.v_head_dim, mla_use_nope=True,
-                                   mla_use_output_gate=cfg.mla_output_gate))
+                                   qk_nope_head_dim=cfg.qk_nope_head_dim,
+                                   qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+                                   mla_use_nope=True, mla_use_output_gate=cfg.mla_output_gate))
     theirs = KimiK3MLAAttention(args)
     w = {k: v.detach().numpy() for k, v in ours.state_dict().items()}
     H, nope = cfg.mla_num_heads, cfg.qk_nope_head_dim
@@ -78,8 +78,10 @@ def test_tensor_parallel_splits_the_gate_by_heads_and_qk_clip_is_unchanged():
     plan = gated.tp_plan()
     assert "wg" in plan.colwise and plan.split_dim("wg.weight") == 0
     spec, plain_spec = gated.qk_clip_spec("m"), plain.qk_clip_spec("m")
-    assert (spec.layer, spec.num_heads, spec.rows) == (plain_spec.layer, plain_spec.num_heads, plain_spec.rows)
-    assert "wg.weight" in gated.init_rules(0.02, 0.01) and gated.HF_NAMES["wg.weight"] == "self_attn.g_proj.weight"
+    assert ((spec.layer, spec.num_heads, spec.rows)
+            == (plain_spec.layer, plain_spec.num_heads, plain_spec.rows))
+    assert ("wg.weight" in gated.init_rules(0.02, 0.01)
+            and gated.HF_NAMES["wg.weight"] == "self_attn.g_proj.weight")
 
 
 def test_kimi_linear_export_refuses_the_gate():

@@ -290,7 +290,8 @@ def test_from_hf_makes_a_run_that_samples_and_trains_from_the_weights(torch_kda,
     from kimi.config import ConfigError
     from kimi.trainer import Trainer
 
-    with pytest.raises(ConfigError, match=r"cannot start from the weights in .*step_00000001: the model differs"):
+    with pytest.raises(ConfigError,
+                       match=r"cannot start from the weights in .*step_00000001: the model differs"):
         Trainer(run_cfg(tmp_path / "other", data, f"trainer.init_from={run}"))  # the tiny model, not these
 
 

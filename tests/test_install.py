@@ -94,6 +94,6 @@ def test_the_wheel_trains_from_any_directory(venv, outside, tmp_path):
 
     summary = _run([venv / "bin" / "kimi-summary", "model=small"], cwd=work, env=outside)
     assert summary.startswith("model small:"), summary
-    sample = _run([venv / "bin" / "kimi-generate", "run=run", "prompt=The king", "max_new_tokens=4"], cwd=work,
-                  env=outside)
+    sample = _run([venv / "bin" / "kimi-generate", "run=run", "prompt=The king", "max_new_tokens=4"],
+                  cwd=work, env=outside)
     assert "[kimi] step 2 checkpoint, 4 tokens:\nThe king" in sample, sample

@@ -1,5 +1,5 @@
-"""Kimi K3's checkpoint layout both ways (kimi.interop.k3, `kimi.convert to-hf ... layout=k3` / from-hf), against
-mlx-lm's kimi_k3 model: an independent reader of that layout, written from Moonshot's modeling code.
+"""Kimi K3's checkpoint layout both ways (kimi.interop.k3, `kimi.convert to-hf ... layout=k3` / from-hf),
+against mlx-lm's kimi_k3 model: an independent reader of that layout, written from Moonshot's modeling code.
 
 A random `k3_tiny` (every K3 part: safe-gate full-rank-gate KDA, gated MLA with q-LoRA, SiTU-GLU, latent MoE,
 Block AttnRes of 2 decoder layers with key-norm weights) is written by to-hf in K3's layout; mlx-lm reads it
@@ -135,7 +135,8 @@ def test_from_hf_reads_what_mlx_lm_writes(tmp_path, mlx_lm):
         elif key.endswith(".mlp.e_score_correction_bias"):
             file[key.replace(".mlp.", ".block_sparse_moe.gate.")] = value
         else:
-            file[key.replace(".mlp.", ".block_sparse_moe.") if ".mlp." in key and _sparse(key) else key] = value
+            file[key.replace(".mlp.", ".block_sparse_moe.") if ".mlp." in key and _sparse(key)
+                 else key] = value
     cfg = json.loads((template / "config.json").read_text())["text_config"]
     heads, nope, v_dim = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
     for key in [k for k in weights if k.endswith(".self_attn.embed_q.weight")]:

@@ -204,7 +204,8 @@ def test_fla_backend_passes_our_arguments_to_fla_core(monkeypatch):
 
     calls = []
 
-    def fake(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, **kw):
+    def fake(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+             **kw):
         calls.append(dict(kw, cu=None if cu_seqlens is None else cu_seqlens.dtype, scale=scale,
                           final=output_final_state))
         bounds = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
@@ -221,7 +222,8 @@ def test_fla_backend_passes_our_arguments_to_fla_core(monkeypatch):
     q, k, v, g, beta, h0 = (x.float() for x in make_inputs(1, 40, 2, 16, 8, gate_min=4.0))
     g, h0 = g.clamp(min=-5.0), torch.cat([h0, -h0])  # a state per document
     cu = torch.tensor([0, 15, 40], dtype=torch.int32)
-    want = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend="chunk")
+    want = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                     backend="chunk")
     for op in (chunk_kda, fused_recurrent_kda):
         got = op(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend="fla")
         for a, b in zip(got, want):

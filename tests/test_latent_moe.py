@@ -41,7 +41,8 @@ def _mlx_twin(ours: MoE, cfg):
     theirs = KimiK3SparseMoE(args)
     w = {k: v.detach().numpy() for k, v in ours.state_dict().items()}
     pairs = {"gate.weight": w["router.weight"], "e_score_correction_bias": w["expert_bias"],
-             "switch_mlp.gate_proj.weight": w["experts.w_gate"], "switch_mlp.up_proj.weight": w["experts.w_up"],
+             "switch_mlp.gate_proj.weight": w["experts.w_gate"],
+             "switch_mlp.up_proj.weight": w["experts.w_up"],
              "switch_mlp.down_proj.weight": w["experts.w_down"],
              "routed_expert_down_proj.weight": w["latent_down.weight"],
              "routed_expert_up_proj.weight": w["latent_up.weight"],

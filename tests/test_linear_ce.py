@@ -1,5 +1,5 @@
-"""The fused LM head + cross-entropy (kimi/ops/linear_ce.py) against an fp64 definition and the plain loss, and
-the model's loss path (KimiModel(ids, labels=...)) against lm_loss of its logits."""
+"""The fused LM head + cross-entropy (kimi/ops/linear_ce.py) against an fp64 definition and the plain loss,
+and the model's loss path (KimiModel(ids, labels=...)) against lm_loss of its logits."""
 
 import copy
 from pathlib import Path
@@ -145,7 +145,8 @@ def test_loss_chunk_mib_reaches_the_head_and_is_validated():
 def test_model_loss_path_equals_lm_loss_of_logits(residual, ac):
     """KimiModel(ids, labels=...) (chunked loss, depth mixes inside the checkpointed sublayers) gives the
     loss and every gradient of the cross-entropy of KimiModel(ids)'s logits without checkpointing, in fp64."""
-    cfg = compose_config(["model=tiny", "model.vocab_size=256", f"model.residual={residual}", "model.loss_chunk=16"])
+    cfg = compose_config(["model=tiny", "model.vocab_size=256", f"model.residual={residual}",
+                          "model.loss_chunk=16"])
     torch.manual_seed(0)
     model = KimiModel(cfg.model).double()
     ids, y = torch.randint(0, 256, (2, 40)), torch.randint(0, 256, (2, 40))

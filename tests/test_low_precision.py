@@ -24,7 +24,7 @@ from kimi.model import KimiModel
 from kimi.optim import build_optimizer
 from kimi.parallel.engine import materialize
 from kimi.precision import apply_low_precision, emulated
-from kimi.precision.linear import Fp8Linear, MXFP8Linear, fp8_config, to_fp8, to_mxfp8
+from kimi.precision.linear import Fp8Linear, fp8_config, to_fp8, to_mxfp8
 from kimi.precision.mxfp4 import dequantize, fake_quantize, quantize
 from kimi.precision.rules import validate_precision
 
@@ -258,7 +258,8 @@ def test_precision_rules_refuse_with_one_line(monkeypatch):
     cfg.model.moe_num_experts = 0
     assert "mixture-of-experts" in refused(cfg)
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchao" else real(name, *a))
     assert "pip install -e '.[fp8]'" in refused(_cfg("fp8"))
     validate_precision(_cfg("bf16"))  # the extra is needed only when asked for
 

@@ -29,9 +29,10 @@ def llama_of(model: KimiModel):
     c = model.cfg
     heads, kv_heads, head_dim = attention_heads(c)
     config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.mlp_hidden,
-                         num_hidden_layers=c.num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         head_dim=head_dim, rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta,
-                         tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+                         num_hidden_layers=c.num_layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, head_dim=head_dim, rms_norm_eps=c.norm_eps,
+                         rope_theta=c.rope_theta, tie_word_embeddings=False, attention_bias=False,
+                         mlp_bias=False)
     llama = LlamaForCausalLM(config).eval()
     names = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "lm_head.weight": "lm_head.weight"}
@@ -39,7 +40,8 @@ def llama_of(model: KimiModel):
         theirs = f"model.layers.{i}."
         names.update({f"blocks.{i}.mixer_norm.weight": theirs + "input_layernorm.weight",
                       f"blocks.{i}.mlp_norm.weight": theirs + "post_attention_layernorm.weight",
-                      **{f"blocks.{i}.mixer.w{x}.weight": f"{theirs}self_attn.{x}_proj.weight" for x in "qkvo"},
+                      **{f"blocks.{i}.mixer.w{x}.weight": f"{theirs}self_attn.{x}_proj.weight"
+                         for x in "qkvo"},
                       **{f"blocks.{i}.mlp.w_{x}.weight": f"{theirs}mlp.{x}_proj.weight"
                          for x in ("gate", "up", "down")}})
     state = model.state_dict()

@@ -67,9 +67,9 @@ def test_num_params(tied, residual, q_lora):
 
 
 def _counted_flops(fn) -> int:
-    """FLOPs torch.utils.flop_counter.FlopCounterMode counts while fn() runs: matrix multiplies (mm, addmm, bmm)
-    and triangular solves (kimi/ops/flops.py); elementwise work, reductions, softmax and the embedding gather
-    are not counted."""
+    """FLOPs torch.utils.flop_counter.FlopCounterMode counts while fn() runs: matrix multiplies (mm, addmm,
+    bmm) and triangular solves (kimi/ops/flops.py); elementwise work, reductions, softmax and the embedding
+    gather are not counted."""
     from torch.utils.flop_counter import FlopCounterMode
 
     with FlopCounterMode(display=False) as counter:
@@ -98,7 +98,8 @@ def test_flops_per_token_matches_flop_counter(tied, monkeypatch):
     monkeypatch.setattr(kimi.model.maxlogits, "attention", _dense_attention)
     B, T = 2, 128  # two 64-token KDA chunks per row
     # standard residual: AttnRes' depth mixing (query . keys) is a matmul the formula leaves out on purpose
-    cfg = tiny_cfg(num_layers=4, mla_layers=[1, 3], residual="standard", kda_backend="torch", tie_embeddings=tied)
+    cfg = tiny_cfg(num_layers=4, mla_layers=[1, 3], residual="standard", kda_backend="torch",
+                   tie_embeddings=tied)
     model = KimiModel(cfg)
     ids = torch.randint(0, cfg.vocab_size, (B, T))
     total = _counted_flops(lambda: model(ids).square().mean().backward())
@@ -227,7 +228,8 @@ def test_meta_build_materialised_equals_a_direct_build(tied):
     cfg = tiny_cfg(tie_embeddings=tied)
     torch.manual_seed(3)
     direct = dict(KimiModel(cfg).named_parameters())
-    for blocks, first, last in ((range(3), True, True), (range(1, 3), False, True), (range(0, 1), True, False)):
+    for blocks, first, last in ((range(3), True, True), (range(1, 3), False, True),
+                                (range(0, 1), True, False)):
         torch.manual_seed(3)
         with torch.device("meta"):
             part = KimiModel(cfg).part(blocks, first, last)

@@ -1,5 +1,6 @@
 """Multi-token prediction (model.mtp_layers, kimi/model/mtp.py): the training loss against a by-hand fp64
-computation of DeepSeek-V3's definition, evaluation untouched, the layouts it refuses, and export dropping it."""
+computation of DeepSeek-V3's definition, evaluation untouched, the layouts it refuses, and export dropping
+it."""
 
 import pytest
 import torch
@@ -34,7 +35,8 @@ def by_hand(model: KimiModel, ids: torch.Tensor, labels: torch.Tensor) -> torch.
         def norm(x, w):
             return rms_norm(x, model.cfg.norm_eps) * w
 
-        x = torch.cat([norm(e, layer.embed_norm.weight), norm(h, layer.hidden_norm.weight)], -1) @ layer.proj.weight.T
+        x = (torch.cat([norm(e, layer.embed_norm.weight), norm(h, layer.hidden_norm.weight)], -1)
+             @ layer.proj.weight.T)
         block = layer.block
         x = x + block.mixer(norm(x, block.mixer_norm.weight))
         x = x + block.mlp(norm(x, block.mlp_norm.weight))
@@ -84,7 +86,8 @@ def test_layouts_it_does_not_support_are_refused_in_one_line(layout):
     register_configs()
     moe = ["model.moe_num_experts=4", "model.moe_top_k=2"] if "ep" in layout else []
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = to_config(compose("config", overrides=["trainer.run_dir=unused", "model.mtp_layers=1", layout, *moe]))
+        cfg = to_config(compose("config", overrides=["trainer.run_dir=unused", "model.mtp_layers=1", layout,
+                                                     *moe]))
     with pytest.raises(ConfigError, match=f"model.mtp_layers=1 does not run with {layout}") as e:
         check_mtp(cfg)
     assert "\n" not in str(e.value)
@@ -97,8 +100,8 @@ def test_export_drops_it(tmp_path):
     from kimi.convert import load_hf, save_hf
 
     torch.manual_seed(0)
-    model = KimiModel(tiny_model_cfg(vocab_size=VOCAB, residual="standard", kda_gate_bias=False, mla_norm_eps=1e-6,
-                                     mtp_layers=1)).eval()
+    model = KimiModel(tiny_model_cfg(vocab_size=VOCAB, residual="standard", kda_gate_bias=False,
+                                     mla_norm_eps=1e-6, mtp_layers=1)).eval()
     out = save_hf(model, tmp_path / "hf")
     with safe_open(out / "model.safetensors", framework="pt") as f:
         assert not any("mtp" in k for k in f.keys())

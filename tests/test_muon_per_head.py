@@ -1,7 +1,8 @@
 """Kimi K3's per-head Muon (optim.muon_per_head): each head's block of the query, key and value projections
-(KDA q/k/v; MLA's query, and W_ukv's keys and values of each head apart) is updated exactly as torch.optim.Muon
-updates that block as a parameter of its own; every other Muon matrix as before. The per-block split keeps one
-Newton-Schulz per block on one owner in every layout: the layout tests run it (tests/test_parallel.py)."""
+(KDA q/k/v; MLA's query, and W_ukv's keys and values of each head apart) is updated exactly as
+torch.optim.Muon updates that block as a parameter of its own; every other Muon matrix as before. The
+per-block split keeps one Newton-Schulz per block on one owner in every layout: the layout tests run it
+(tests/test_parallel.py)."""
 
 import pytest
 import torch
@@ -32,7 +33,8 @@ def test_each_head_block_is_updated_as_torch_muon_updates_it_alone(q_lora):
     model = KimiModel(cfg)
     opt = build_optimizer(model, OptimConfig(name="muonclip", lr=0.02, ns_dtype="bf16", muon_per_head=True,
                                              muon_split_fused=False, qk_clip_tau=0))
-    muon = [(n, p) for g in opt.param_groups if g["family"] == "muon" for n, p in zip(g["param_names"], g["params"])]
+    muon = [(n, p) for g in opt.param_groups if g["family"] == "muon"
+            for n, p in zip(g["param_names"], g["params"])]
     gen = torch.Generator().manual_seed(3)
     grads = {n: torch.randn(p.shape, generator=gen) for n, p in muon}
     init = {n: p.detach().clone() for n, p in muon}

@@ -81,8 +81,10 @@ def test_fused_mla_weights_are_orthogonalised_per_logical_matrix_or_whole(split)
     """optim.muon_split_fused=false updates every Muon matrix as torch.optim.Muon does (each weight whole);
     true differs from it exactly on MLA's fused weights."""
     model = KimiModel(tiny_model_cfg())
-    opt = build_optimizer(model, OptimConfig(name="muonclip", lr=0.02, ns_dtype="bf16", muon_split_fused=split))
-    muon = [(n, p) for g in opt.param_groups if g["family"] == "muon" for n, p in zip(g["param_names"], g["params"])]
+    opt = build_optimizer(model, OptimConfig(name="muonclip", lr=0.02, ns_dtype="bf16",
+                                             muon_split_fused=split))
+    muon = [(n, p) for g in opt.param_groups if g["family"] == "muon"
+            for n, p in zip(g["param_names"], g["params"])]
     init = {n: p.detach().clone() for n, p in muon}
     theirs = {n: torch.nn.Parameter(p.detach().clone()) for n, p in muon}
     ref = torch.optim.Muon(list(theirs.values()), lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
@@ -232,8 +234,10 @@ TAU = 5.0
 
 
 def _inflated_mla(rope: int, q_lora: int):
-    """A 4-head MLA whose heads 0 and 2 have 20x query rows, so their max logits exceed TAU and 1, 3's don't."""
-    cfg = tiny_model_cfg(mla_num_heads=4, qk_rope_head_dim=rope, q_lora_rank=q_lora, v_head_dim=8, rope_theta=100.0)
+    """A 4-head MLA whose heads 0 and 2 have 20x query rows, so their max logits exceed TAU and 1, 3's
+    don't."""
+    cfg = tiny_model_cfg(mla_num_heads=4, qk_rope_head_dim=rope, q_lora_rank=q_lora, v_head_dim=8,
+                         rope_theta=100.0)
     layer = MLA(cfg).double()
     layer.init_weights(0.1, 0.1)
     qk = layer.nope + layer.rope
@@ -274,7 +278,8 @@ def test_qk_clip_bounds_clipped_heads_and_leaves_the_rest(rope, q_lora):
     assert stats["clipped_frac"] == 0.5 and stats["max_logit"] == pytest.approx(before.max().item(), rel=1e-3)
 
     qk, kv = layer.nope + layer.rope, layer.nope + layer.v_dim
-    gamma = TAU / before.double()  # the logits of the step's forward (same weights, same x): what QK-Clip used
+    # the logits of the step's forward (same weights, same x): what QK-Clip used
+    gamma = TAU / before.double()
     for h in range(4):
         q, q_ref = (m.q_proj.weight[h * qk : (h + 1) * qk] for m in (layer, plain))
         k, k_ref = (m.wkv_b.weight[h * kv : h * kv + layer.nope] for m in (layer, plain))

@@ -66,7 +66,8 @@ def test_the_problem_depends_on_every_ranks_logits():
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", ["replicated", "fsdp", "tp", "fsdp4", "dp2tp2", "ep2fsdp2", "zero12", "zero3"])
+@pytest.mark.parametrize("case",
+                         ["replicated", "fsdp", "tp", "fsdp4", "dp2tp2", "ep2fsdp2", "zero12", "zero3"])
 def test_layout_equals_one_process(runs, case):
     assert_weights_close(result(runs, case)["weights"], reference(3, WORLD[case]))
 

@@ -92,8 +92,8 @@ def test_cuda_peak_names_the_device_and_its_number(monkeypatch, name, peak, sour
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     p = PeakFlops(torch.device("cuda", 0), configured=None, world=8)
-    assert p.per_device == peak and p.describe() == (f"[kimi] MFU against {peak / 1e12:.1f} TFLOP/s x 8 devices: "
-                                                     f"{source}")
+    assert p.per_device == peak and p.describe() == (f"[kimi] MFU against {peak / 1e12:.1f} TFLOP/s x 8 "
+                                                     f"devices: {source}")
 
 
 @pytest.mark.unit
@@ -157,8 +157,8 @@ def test_routing_table_goes_to_a_file_and_the_console_gets_one_line(tmp_path, da
     assert table[0].split() == ["name", "shape", "family", "wd"] and len(table) > 30
     assert any(line.startswith("blocks.0.mixer.q_proj.weight ") and " muon " in line for line in table)
     mentions = [line for line in out.splitlines() if "optimizer_routing" in line]
-    assert mentions == [f"[kimi] optimizer muonclip: muon: 19 tensors, 22,080 params; adamw: 19 tensors, 25,346 "
-                        f"params; table in {run / 'optimizer_routing.txt'}"]
+    assert mentions == [f"[kimi] optimizer muonclip: muon: 19 tensors, 22,080 params; adamw: 19 tensors, "
+                        f"25,346 params; table in {run / 'optimizer_routing.txt'}"]
     assert "blocks.0.mixer.q_proj.weight" not in out
 
 
@@ -177,10 +177,11 @@ def test_routing_under_a_pipeline_one_file_per_pipeline_rank(tmp_path):
         return SimpleNamespace(get_coordinate=lambda: list(coordinate))
 
     line = write_routing(tmp_path, engine(1), mesh(1, 0, 0, 0), "muonclip")
-    assert line.endswith(f"table in {tmp_path / 'optimizer_routing_pp1.txt'} (pipeline rank 1 of 2: each pipeline "
-                         "rank has its own file)")
+    assert line.endswith(f"table in {tmp_path / 'optimizer_routing_pp1.txt'} (pipeline rank 1 of 2: each "
+                         "pipeline rank has its own file)")
     assert (tmp_path / "optimizer_routing_pp1.txt").read_text() == optimizer.routing_table() + "\n"
-    assert write_routing(tmp_path, engine(0), mesh(0, 0, 1, 0), "muonclip") is None  # not the first of its stage
+    # not the first of its stage
+    assert write_routing(tmp_path, engine(0), mesh(0, 0, 1, 0), "muonclip") is None
     assert not (tmp_path / "optimizer_routing_pp0.txt").exists()
 
 
@@ -230,7 +231,8 @@ def test_config_of_the_training_is_kept_when_a_later_command_fails(tmp_path, dat
         Trainer(cfg(run, data, "trainer.resume=false"))
     assert (run / "config.yaml").read_text() == saved and list((run / "configs").iterdir()) == [first]
 
-    train(run, data, "trainer.max_steps=6")  # a resumed start that trains: its config is the newest, both kept
+    # a resumed start that trains: its config is the newest, both kept
+    train(run, data, "trainer.max_steps=6")
     kept = sorted((run / "configs").iterdir())
     assert len(kept) == 2 and kept[0].read_text() == saved and kept[1].name.endswith("-step4.yaml")
     assert OmegaConf.load(run / "config.yaml").trainer.max_steps == 6
@@ -275,7 +277,8 @@ def test_raising_max_steps_says_what_happens_to_the_lr_schedule(tmp_path, data, 
     new, old = (optim.lr * lr_multiplier(4, optim, n) for n in (8, 4))
     assert new > old
     note = (f"[kimi] trainer.max_steps 4 -> 8: the lr schedule (cosine) is recomputed for 8 steps, so step 5 "
-            f"trains with lr {new:.3e}, not {old:.3e} as on the 4-step schedule (where that schedule had ended)")
+            f"trains with lr {new:.3e}, not {old:.3e} as on the 4-step schedule (where that schedule had "
+            "ended)")
     assert out.count(note) == 1
     step5 = next(r for r in read_metrics(run / "metrics.jsonl") if r.get("step") == 5)
     assert step5["lr"] == pytest.approx(new)

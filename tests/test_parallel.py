@@ -28,12 +28,14 @@ MOE = ["model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_hidden=16", "m
        "model.moe_topk_groups=1", "model.moe_bias_rate=0.01", "model.moe_aux_loss_coef=0.01"]
 QB = ["model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_hidden=16", "model.moe_balance=quantile"]
 # the dense peer (model=dense_1b's kind): softmax attention with grouped key/value heads, standard residuals
-DENSE = ["model.layer_pattern=A", "model.residual=standard", "model.attn_num_heads=4", "model.attn_kv_heads=2"]
+DENSE = ["model.layer_pattern=A", "model.residual=standard", "model.attn_num_heads=4",
+         "model.attn_kv_heads=2"]
 # Kimi K3's parts at this size (model=k3_tiny's switches): safe-gate full-rank-gate KDA, gated MLA with q-LoRA
 # (the last two blocks, as K3 ends), SiTU-GLU, a latent MoE with two shared experts and Quantile Balancing,
 # Block AttnRes of 2 decoder layers with key-norm weights, per-head Muon
 K3 = [*QB, "model.kda_gate_lower_bound=-5", "model.kda_full_rank_gate=true", "model.kda_gate_bias=false",
-      "model.mla_output_gate=true", "model.q_lora_rank=16", "model.layer_pattern=KKMM", "model.mlp_activation=situ",
+      "model.mla_output_gate=true", "model.q_lora_rank=16", "model.layer_pattern=KKMM",
+      "model.mlp_activation=situ",
       "model.moe_shared_experts=2", "model.moe_latent_dim=16", "model.moe_latent_norm=true",
       "model.attnres_block_size=4", "model.attnres_key_weight=true", "optim.muon_per_head=true"]
 # and diagnostics at the last step, which must not change what is trained
@@ -120,16 +122,17 @@ BOTH = ["dp_shard2", "dp_replicate2", "tp2", "tp2_sp", "dp2xtp2", "pp2_1f1b", "p
         "pp2xtp2", "cp2"]
 CASES = [(layout, optim) for layout in BOTH for optim in ("adamw", "muonclip")] + [
     ("hsdp2x2", "muonclip"), ("tp2_tied", "muonclip"), ("pp2_gpipe", "adamw"), ("pp2_zero_bubble", "adamw"),
-    ("pp2xtp2_sp_tied", "muonclip"), ("pp4_tied", "adamw"), ("pp2xdp2_tied", "adamw"), ("pp2_tied", "muonclip"),
-    ("pp2_varlen", "adamw"), ("tp2_sp_varlen", "muonclip"), ("moe_dp_shard2", "muonclip"),
+    ("pp2xtp2_sp_tied", "muonclip"), ("pp4_tied", "adamw"), ("pp2xdp2_tied", "adamw"),
+    ("pp2_tied", "muonclip"), ("pp2_varlen", "adamw"), ("tp2_sp_varlen", "muonclip"),
+    ("moe_dp_shard2", "muonclip"),
     ("moe_tp2_sp", "muonclip"), ("moe_pp2", "muonclip"), ("moe_dp2xtp2", "muonclip"), ("moe_ep2", "muonclip"),
     ("moe_ep2", "adamw"), ("moe_dp4_ep2", "muonclip"), ("moe_ep2xtp2_sp", "muonclip"),
     ("moe_ep2xpp2_varlen", "muonclip"), ("cp4_rope", "muonclip"), ("cp2xdp2", "muonclip"),
-    ("cp2xdp_replicate2", "adamw"), ("cp2xtp2_sp", "muonclip"), ("cp2xpp2", "adamw"), ("cp2_varlen", "muonclip"),
-    ("dp_shard2_muon_per_head", "muonclip"), ("tp2_muon_per_head", "muonclip"),
-    ("moe_cp2", "muonclip"), ("moe_qb_dp2", "muonclip"), ("moe_qb_cp2", "muonclip"), ("moe_qb_ep2xdp2", "adamw"),
-    ("k3_ep2xdp2", "muonclip"), ("k3_cp2", "muonclip"), ("mtp_dp_shard2", "muonclip"),
-    ("dense_tp2_sp", "muonclip"), ("dense_cp2_varlen", "muonclip"),
+    ("cp2xdp_replicate2", "adamw"), ("cp2xtp2_sp", "muonclip"), ("cp2xpp2", "adamw"),
+    ("cp2_varlen", "muonclip"), ("dp_shard2_muon_per_head", "muonclip"), ("tp2_muon_per_head", "muonclip"),
+    ("moe_cp2", "muonclip"), ("moe_qb_dp2", "muonclip"), ("moe_qb_cp2", "muonclip"),
+    ("moe_qb_ep2xdp2", "adamw"), ("k3_ep2xdp2", "muonclip"), ("k3_cp2", "muonclip"),
+    ("mtp_dp_shard2", "muonclip"), ("dense_tp2_sp", "muonclip"), ("dense_cp2_varlen", "muonclip"),
     ("cp2_t256", "adamw"), ("cp2_t192_varlen", "muonclip"), ("cp4_t320_rope", "muonclip")]
 
 
@@ -143,8 +146,9 @@ def launches(tmp_path_factory, data):
         if nproc not in done:
             runs = {(layout, optim): out / f"{layout}_{optim}" for layout, optim in CASES
                     if LAYOUTS[layout][0] == nproc}
-            spec = [{"run_dir": str(run), "overrides": overrides(data, optim, *LAYOUTS[layout][2],
-                                                                 f"trainer.micro_batch_size={4 // LAYOUTS[layout][1]}")}
+            spec = [{"run_dir": str(run),
+                     "overrides": overrides(data, optim, *LAYOUTS[layout][2],
+                                            f"trainer.micro_batch_size={4 // LAYOUTS[layout][1]}")}
                     for (layout, optim), run in runs.items()]
             (out / f"runs{nproc}.json").write_text(json.dumps(spec))
             args = [str(ROOT / "tests" / "dist_train.py"), str(out / f"runs{nproc}.json")]
@@ -153,8 +157,8 @@ def launches(tmp_path_factory, data):
             # once in a full suite, in none of 10 launches alone): launched once more from scratch, said
             # in a warning. A crash of ours, or a crash twice, still fails every case it stopped.
             if proc.returncode != 0 and (crash := native_crash(proc)):
-                warnings.warn(f"the {nproc}-rank launch crashed in native code ({crash}); launching it again:\n"
-                              f"{proc.stderr[-3000:]}")
+                warnings.warn(f"the {nproc}-rank launch crashed in native code ({crash}); launching it "
+                              f"again:\n{proc.stderr[-3000:]}")
                 for run in runs.values():
                     shutil.rmtree(run, ignore_errors=True)
                 proc = torchrun(nproc, None, args, check=False)
@@ -181,8 +185,8 @@ def test_layout_equals_one_process(tmp_path, launches, references, layout, optim
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("chain", [("dp2xtp2", "pp2_1f1b"), ("tp2_tied", "pp2_tied"), ("moe_dp4_ep2", "moe_ep2"),
-                                   ("cp2xtp2_sp", "cp2")])
+@pytest.mark.parametrize("chain", [("dp2xtp2", "pp2_1f1b"), ("tp2_tied", "pp2_tied"),
+                                   ("moe_dp4_ep2", "moe_ep2"), ("cp2xtp2_sp", "cp2")])
 def test_checkpoint_moves_between_layouts_then_to_one_process(tmp_path, data, references, chain):
     """Step 1 on the first layout, step 2 on the second, step 3 in one process: the same run (with tied
     embeddings: one matrix on one process, two copies on two stages)."""
@@ -224,22 +228,25 @@ def test_activation_checkpointing_is_exact_and_keeps_names(mode):
     ids = torch.randint(0, 61, (2, 20), generator=torch.Generator().manual_seed(1))
     calls = {}  # forwards of a linear inside an MLP: recomputation runs it again in the backward
     for m in (plain, wrapped):
-        m.blocks["0"].mlp.w_up.register_forward_hook(lambda *_, m=m: calls.__setitem__(id(m), calls.get(id(m), 0) + 1))
+        m.blocks["0"].mlp.w_up.register_forward_hook(
+            lambda *_, m=m: calls.__setitem__(id(m), calls.get(id(m), 0) + 1))
         m.qk_clip_modules()[0].track_max_logits = True
         torch.nn.functional.cross_entropy(m(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
-    assert calls[id(plain)] == 1 and calls[id(wrapped)] == 2  # selective replays the forward too, matmuls cached
+    # selective replays the forward too, matmuls cached
+    assert calls[id(plain)] == 1 and calls[id(wrapped)] == 2
     for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
     # the recomputed forward records the same max logits again, which the running max ignores
-    assert torch.equal(wrapped.qk_clip_modules()[0].consume_max_logits(), plain.qk_clip_modules()[0].consume_max_logits())
+    assert torch.equal(wrapped.qk_clip_modules()[0].consume_max_logits(),
+                       plain.qk_clip_modules()[0].consume_max_logits())
     with pytest.raises(ValueError, match="none\\|full\\|selective"):
         apply_activation_checkpointing(plain, "some")
 
 
 @pytest.mark.slow
 @pytest.mark.unit
-@pytest.mark.skipif(not os.environ.get("KIMI_SLOW_TESTS"), reason="compiles with inductor (~2 min on 2 CPU cores); "
-                    "set KIMI_SLOW_TESTS=1")
+@pytest.mark.skipif(not os.environ.get("KIMI_SLOW_TESTS"),
+                    reason="compiles with inductor (~2 min on 2 CPU cores); set KIMI_SLOW_TESTS=1")
 @pytest.mark.parametrize("ac", ["none", "selective"])
 def test_compiled_sublayers_match_eager(ac):
     """Also with selective activation checkpointing: the recomputation must replay the compiled forward."""
@@ -276,7 +283,8 @@ def test_a_compiled_training_step_equals_eager():
     from kimi.parallel import apply_compile
 
     torch.manual_seed(0)
-    cfg, optim = tiny_model_cfg(num_layers=2, mla_layers=[1]), OptimConfig(qk_clip_tau=0.02, lr=1e-2, eps=1e-4)
+    cfg, optim = (tiny_model_cfg(num_layers=2, mla_layers=[1]),
+                  OptimConfig(qk_clip_tau=0.02, lr=1e-2, eps=1e-4))
     plain, compiled = KimiModel(cfg), KimiModel(cfg)
     compiled.load_state_dict(plain.state_dict())
     apply_compile(compiled)
@@ -289,7 +297,8 @@ def test_a_compiled_training_step_equals_eager():
         build_optimizer(m, optim).step()
         clipped.append({(layer, k): v for layer, stats in clip().items() for k, v in stats.items()})
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
-    assert clipped[1] == pytest.approx(clipped[0], rel=1e-5), clipped  # the same heads, on the same max logits
+    # the same heads, on the same max logits
+    assert clipped[1] == pytest.approx(clipped[0], rel=1e-5), clipped
     assert min(v for (_, k), v in clipped[0].items() if k == "clipped_frac") > 0, clipped
     for (name, a), b in zip(plain.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} grad: {m}")

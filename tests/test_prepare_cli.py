@@ -1,5 +1,5 @@
-"""`python -m kimi.data.prepare` end to end (the command writes what the trainer's own prepare then reuses), and
-the trainer on a blend: per-source validation losses, exact resume."""
+"""`python -m kimi.data.prepare` end to end (the command writes what the trainer's own prepare then reuses),
+and the trainer on a blend: per-source validation losses, exact resume."""
 
 import json
 import os
@@ -24,7 +24,8 @@ def test_prepare_command_writes_shards_the_trainer_reuses(tmp_path, offline):
 
     corpus = make_corpus(tmp_path / "corpus", docs=12, sentences=30)
     overrides = ["data=files", f"data.data_files=[{corpus}/*.txt]", f"data.cache_dir={tmp_path / 'cache'}",
-                 "data.shard_mb=0.002", "data.num_proc=2", "data.tokenizer.vocab_size=300", "data.val_fraction=0.2"]
+                 "data.shard_mb=0.002", "data.num_proc=2", "data.tokenizer.vocab_size=300",
+                 "data.val_fraction=0.2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = _run(*overrides, env=env)
     assert done.returncode == 0, done.stderr
@@ -47,7 +48,8 @@ def test_trainer_trains_on_a_blend_logs_each_source_and_resumes_exactly(tmp_path
     web = tmp_path / "web"
     web.mkdir()
     for i in range(12):
-        (web / f"page{i}.txt").write_text("\n".join(f"item {i}-{k}: price {k * 7 % 100} in stock" for k in range(80)))
+        (web / f"page{i}.txt").write_text("\n".join(f"item {i}-{k}: price {k * 7 % 100} in stock"
+                                                   for k in range(80)))
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -55,8 +57,8 @@ def test_trainer_trains_on_a_blend_logs_each_source_and_resumes_exactly(tmp_path
     tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(tmp_path / "tokenizer.json"))
-    data = [f"data.cache_dir={tmp_path / 'cache'}", f"data.tokenizer.model_path={tmp_path / 'tokenizer.json'}",
-            "model.vocab_size=320",
+    data = [f"data.cache_dir={tmp_path / 'cache'}",
+            f"data.tokenizer.model_path={tmp_path / 'tokenizer.json'}", "model.vocab_size=320",
             f"data.sources=[{{name:books,weight:3,data_files:[{books}/*.txt],val_fraction:0.2}},"
             f"{{name:web,weight:1,data_files:[{web}/*.txt],val_fraction:0.2}}]"]
     whole = train_run(tmp_path / "whole", data, "trainer.max_steps=4", "trainer.eval_every=2")
@@ -65,7 +67,8 @@ def test_trainer_trains_on_a_blend_logs_each_source_and_resumes_exactly(tmp_path
     for r in rows:
         assert r["val_loss"] == pytest.approx((3 * r["val_loss/books"] + r["val_loss/web"]) / 4)
         assert r["val_loss/books"] != r["val_loss/web"]
-    train_run(tmp_path / "parts", data, "trainer.max_steps=4", "trainer.eval_every=2", "trainer.stop_at_step=2")
+    train_run(tmp_path / "parts", data, "trainer.max_steps=4", "trainer.eval_every=2",
+              "trainer.stop_at_step=2")
     resumed = train_run(tmp_path / "parts", data, "trainer.max_steps=4", "trainer.eval_every=2")
     assert resumed.loader.state_dict() == whole.loader.state_dict()
     losses = [[(r["step"], r.get("loss"), r["val_loss"]) for r in read_metrics(run / "metrics.jsonl")
@@ -85,7 +88,8 @@ def test_a_checkpoint_from_before_global_positions_resumes(tmp_path, data, monke
 
     def old_keys(self):
         sd = new(self)
-        return {k: sd[k] for k in ("epoch", "position", "seed", "dp_world", "num_windows", "seq_len", "batch_size")}
+        return {k: sd[k] for k in ("epoch", "position", "seed", "dp_world", "num_windows", "seq_len",
+                                   "batch_size")}
 
     monkeypatch.setattr(loader.TokenLoader, "state_dict", old_keys)
     train_run(tmp_path / "parts", data, "trainer.max_steps=3", "trainer.stop_at_step=1")
@@ -96,5 +100,5 @@ def test_a_checkpoint_from_before_global_positions_resumes(tmp_path, data, monke
               for run in (tmp_path / "whole", tmp_path / "parts")]
     assert losses[0] == losses[1] and len(losses[0]) == 3
     with pytest.raises(DataError, match="read a blend"):
-        whole.loader.load_state_dict({"samples": 0, "seed": 1, "global_batch": 4, "seq_len": 32, "batch_size": 4,
-                                      "dp_world": 1, "blend": "{}"})
+        whole.loader.load_state_dict({"samples": 0, "seed": 1, "global_batch": 4, "seq_len": 32,
+                                      "batch_size": 4, "dp_world": 1, "blend": "{}"})

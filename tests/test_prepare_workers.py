@@ -41,7 +41,8 @@ def corpus(tmp_path_factory, offline):
 
 def _overrides(corpus, cache):
     return ["data=files", f"data.data_files=[{corpus}/*.jsonl]", f"data.cache_dir={cache}",
-            "data.shard_mb=0.002", "data.num_proc=1", "data.tokenizer.vocab_size=300", "data.val_fraction=0.2"]
+            "data.shard_mb=0.002", "data.num_proc=1", "data.tokenizer.vocab_size=300",
+            "data.val_fraction=0.2"]
 
 
 def _main(*argv):
@@ -152,8 +153,9 @@ def test_the_merge_command_refuses_a_missing_part_in_one_line_with_exit_2(corpus
     overrides = [*_overrides(corpus, tmp_path), f"data.prepare_workers={WORKERS}"]
     make_tokenizer(compose_config(overrides).data)
     _main(*overrides, "data.prepare_worker=0")
-    done = subprocess.run([sys.executable, "-m", "kimi.data.prepare", *overrides], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run([sys.executable, "-m", "kimi.data.prepare", *overrides], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "worker(s) 1-3 of 4 have not finished" in lines[0], done.stderr
@@ -167,8 +169,8 @@ def test_datatrove_local_workers_give_the_single_process_bytes_and_rerun_only_a_
     from kimi.data.prepare.parts import make_tokenizer, parts_dir, worker_dir
     from kimi.summary import compose_config
 
-    overrides = [*_overrides(corpus, tmp_path), f"data.prepare_workers={WORKERS}", "data.prepare_executor=local",
-                 "+data.prepare_executor_args.workers=2"]
+    overrides = [*_overrides(corpus, tmp_path), f"data.prepare_workers={WORKERS}",
+                 "data.prepare_executor=local", "+data.prepare_executor_args.workers=2"]
     cfg = compose_config(overrides).data
     make_tokenizer(cfg)
     local_executor(cfg, "python -m kimi.data.prepare").run()  # the 4 tasks, 2 at a time, not merged
@@ -197,8 +199,8 @@ def test_the_datatrove_executor_without_datatrove_is_one_line_naming_the_extra(c
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datatrove" else
                         find_spec(name, *a))
-    with pytest.raises(ConfigError, match=r"needs datatrove, which is not installed: pip install 'kimi\[prep\]'"
-                       ) as e:
+    with pytest.raises(ConfigError,
+                       match=r"needs datatrove, which is not installed: pip install 'kimi\[prep\]'") as e:
         _main(*_overrides(corpus, tmp_path), "data.prepare_workers=2", "data.prepare_executor=local")
     assert exit_code_for(e.value) == 2 and "\n" not in str(e.value)
 

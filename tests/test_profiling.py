@@ -1,5 +1,5 @@
-"""trainer.profile: a run records exactly the asked training steps into a trace and an ops table, and a run cut
-short before the last of them writes nothing and leaves no profiler running."""
+"""trainer.profile: a run records exactly the asked training steps into a trace and an ops table, and a run
+cut short before the last of them writes nothing and leaves no profiler running."""
 
 import json
 

@@ -1,5 +1,5 @@
-"""Runs that cannot be lost, corrupted or hijacked: untrusted checkpoint files, damaged checkpoints, reused and
-shared run directories, full disks, changed settings on resume, exit codes and a stalled rank."""
+"""Runs that cannot be lost, corrupted or hijacked: untrusted checkpoint files, damaged checkpoints, reused
+and shared run directories, full disks, changed settings on resume, exit codes and a stalled rank."""
 
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ class Evidence:
 
 
 def replant(path: Path, name: str, payload: bytes) -> None:
-    """Replace one file of a checkpoint and fix its manifest, as an attacker who can write the run dir would."""
+    """Replace one file of a checkpoint and fix its manifest, as an attacker who can write the run dir
+    would."""
     (path / name).write_bytes(payload)
     marker = json.loads((path / checkpoint.COMPLETE).read_text())
     marker["files"][name] = [len(payload), checkpoint.manifest.crc32(path / name)]
@@ -124,7 +125,8 @@ def forge(run: Path, source: int, step: int, how: str) -> Path:
         return forged
     with open(real / ".metadata", "rb") as f:
         metadata = checkpoint.load_metadata(f)
-    where = {"relative": lambda name: f"../{real.name}/{name}", "absolute": lambda name: str(real / name)}[how]
+    where = {"relative": lambda name: f"../{real.name}/{name}",
+             "absolute": lambda name: str(real / name)}[how]
     metadata.storage_data = {k: dataclasses.replace(v, relative_path=where(v.relative_path))
                              for k, v in metadata.storage_data.items()}
     forged.mkdir()
@@ -137,7 +139,8 @@ def forge(run: Path, source: int, step: int, how: str) -> Path:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("how", ["relative", "absolute", "step"])
-def test_a_forged_checkpoint_is_refused_before_anything_is_read(tmp_path, data, trained, monkeypatch, capsys, how):
+def test_a_forged_checkpoint_is_refused_before_anything_is_read(tmp_path, data, trained, monkeypatch, capsys,
+                                                                 how):
     from kimi.generate import load_from_checkpoint
 
     run = copy_run(trained, tmp_path)
@@ -239,7 +242,8 @@ def test_generation_refuses_a_damaged_checkpoint_named_directly(tmp_path, traine
 def test_a_fresh_run_in_a_used_run_dir_is_refused_or_moves_the_old_run_aside(tmp_path, data, trained):
     run = copy_run(trained, tmp_path)
     old_metrics = (run / "metrics.jsonl").read_bytes()
-    with pytest.raises(ConfigError, match="trainer.resume=false, but run dir .* holds checkpoints.*overwrite=true"):
+    with pytest.raises(ConfigError,
+                       match="trainer.resume=false, but run dir .* holds checkpoints.*overwrite=true"):
         Trainer(cfg(run, data, "trainer.resume=false"))
     assert checkpoint.latest_complete(run / "checkpoints").step == 4
     # overwrite: the old run moves aside whole; the new one keeps its own checkpoints (step 1 < the old 4)
@@ -340,7 +344,8 @@ def test_an_unusable_run_dir_is_found_at_start_up(tmp_path, data, case):
 def mount_tmpfs(path: Path, size: str, read_only: bool = False) -> None:
     path.mkdir(parents=True, exist_ok=True)
     options = f"size={size}" + (",ro" if read_only else "")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True,
+                          text=True)
     if proc.returncode != 0:
         pytest.skip(f"needs a small tmpfs (root): mount failed: {proc.stderr.strip()}")
 
@@ -356,9 +361,9 @@ def test_a_read_only_run_dir_is_found_at_start_up(tmp_path, data):
         for run_dir in (run / "new",):
             proc = train_py(run_dir, data)
             assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-            assert proc.stderr.strip().splitlines() == [f"error: hydra.run.dir={run_dir}: cannot write in {run}: not "
-                                                        "writable (read-only file system); choose another run dir or "
-                                                        "make it writable"]
+            assert proc.stderr.strip().splitlines() == [f"error: hydra.run.dir={run_dir}: cannot write in "
+                                                        f"{run}: not writable (read-only file system); "
+                                                        "choose another run dir or make it writable"]
     finally:
         subprocess.run(["umount", str(run)], check=True)
 
@@ -384,7 +389,7 @@ def test_a_full_disk_at_a_save_keeps_the_earlier_checkpoint(tmp_path, data, trai
         subprocess.run(["umount", str(run)], check=True)
 
 
-# ---- wandb online, unusable ---------------------------------------------------------------------------------
+# ---- wandb online, unusable --------------------------------------------------------------------------------
 
 @pytest.mark.unit
 def test_wandb_online_without_credentials_is_one_line_at_once(tmp_path, monkeypatch):
@@ -398,8 +403,9 @@ def test_wandb_online_without_credentials_is_one_line_at_once(tmp_path, monkeypa
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
     t0 = time.monotonic()
     try:
-        with pytest.raises(ConfigError, match=r"^logging.wandb.mode=online, but wandb cannot start: No API key "
-                                              r"configured.* Set WANDB_API_KEY .*logging.wandb.mode=offline"):
+        with pytest.raises(ConfigError, match=r"^logging.wandb.mode=online, but wandb cannot start: No API "
+                                              r"key configured.* Set WANDB_API_KEY "
+                                              r".*logging.wandb.mode=offline"):
             start_wandb(WandbConfig(mode="online"), tmp_path, {}, "run-id")
     finally:
         wandb.teardown()
@@ -474,9 +480,10 @@ def test_resume_with_another_optimizer_is_refused(tmp_path, data, trained):
 # ---- exit codes ------------------------------------------------------------------------------------------
 
 def train_py(run: Path, data: list[str], *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run}", *data, *TINY, "trainer.eval_every=0",
-           *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run}", *data, *TINY,
+           "trainer.eval_every=0", *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.e2e
@@ -497,8 +504,8 @@ def test_exit_codes_a_scheduler_can_read(tmp_path, data):
     assert checkpoint.latest_complete(run / "checkpoints").step == 4
 
 
-STARTING = ("[kimi] SIGTERM with no training step under way (starting, or done): nothing to save, exiting with code "
-            "75. Run the same command again to continue")
+STARTING = ("[kimi] SIGTERM with no training step under way (starting, or done): nothing to save, exiting "
+            "with code 75. Run the same command again to continue")
 
 
 def catches_sigterm(pid: int) -> bool:
@@ -660,9 +667,10 @@ def test_an_infinite_gradient_stops_the_run_before_the_update_and_any_checkpoint
     capsys.readouterr()
     assert run_main(trainer.fit) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: the gradient norm is inf at step 3: stopping before the update; the last complete "
-                   f"checkpoint {ckpt(run, 2)} holds the weights that gave it: move it aside to resume from "
-                   f"{ckpt(run, 1)}. Try a lower optim.lr or more optim.warmup_steps"]  # fp32: no advice to use it
+    # fp32: no advice to use it
+    assert err == [f"error: the gradient norm is inf at step 3: stopping before the update; the last "
+                   f"complete checkpoint {ckpt(run, 2)} holds the weights that gave it: move it aside to "
+                   f"resume from {ckpt(run, 1)}. Try a lower optim.lr or more optim.warmup_steps"]
     for name, p in trainer.model.named_parameters():
         assert torch.equal(p, before[name]), name  # the failing step updated nothing
     assert [c.step for c in checkpoint.list_checkpoints(run / "checkpoints")] == [1, 2]
@@ -673,8 +681,8 @@ def test_an_infinite_gradient_stops_the_run_before_the_update_and_any_checkpoint
     ([], "bf16", "stopping before the update. Try a lower optim.lr or more optim.warmup_steps or "
                  "trainer.precision=fp32"),
     ([2, 4], "fp32", "the last complete checkpoint is {c4}. Try"),
-    ([2, 5], "fp32", "the last complete checkpoint {c5} holds the weights that gave it: move it aside to resume "
-                     "from {c2}. Try"),
+    ([2, 5], "fp32", "the last complete checkpoint {c5} holds the weights that gave it: move it aside to "
+                     "resume from {c2}. Try"),
     ([5], "fp32", "the only complete checkpoint, {c5}, holds the weights that gave it: start over. Try")])
 def test_a_non_finite_value_names_a_checkpoint_that_can_help(tmp_path, saved, precision, expected):
     from kimi.run.divergence import check_finite
@@ -718,7 +726,8 @@ def test_a_stopped_rank_ends_the_job_with_a_message(tmp_path, data):
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         deadline = time.time() + 240
-        while (checkpoint.latest_complete(run / "checkpoints") or checkpoint.CheckpointInfo(0, run, False)).step < 3:
+        while (checkpoint.latest_complete(run / "checkpoints")
+               or checkpoint.CheckpointInfo(0, run, False)).step < 3:
             assert job.poll() is None and time.time() < deadline, job.communicate()
             time.sleep(0.2)
         pid = rank_pid(job.pid, 1)

@@ -25,7 +25,8 @@ UNEXPECTED_SKIPS = [
     ("tests.test_deepspeed", "deepspeed (dev extra) not installed"),
     ("tests.test_slurm::test_sbatch", "slurm: apt-get cannot install slurm-wlm"),
     ("tests.test_readme::test_readme_command_runs[01-README-make test]", "no make on this machine"),
-    ("tests.test_trainer::test_x", "README.md: make test: a README line's reason outside tests/test_readme.py"),
+    ("tests.test_trainer::test_x",
+     "README.md: make test: a README line's reason outside tests/test_readme.py"),
     ("tests.test_generate_cli::test_cuda_generation", "needs CUDA 12"),
     ("tests.test_run_safety::test_disk_full", "needs a small tmpfs (root): mount failed"),
 ]
@@ -46,10 +47,12 @@ def test_reads_pytests_junit_report(tmp_path, capsys):
     (tmp_path / "tests" / "test_marks.py").write_text(
         "import pytest\n\n"
         "@pytest.mark.skipif(True, reason='needs CUDA')\ndef test_cuda():\n    pass\n\n"
-        "@pytest.mark.parametrize('x', [1])\ndef test_make(x):\n    pytest.skip('no make on this machine')\n\n"
+        "@pytest.mark.parametrize('x', [1])\n"
+        "def test_make(x):\n    pytest.skip('no make on this machine')\n\n"
         "def test_runs():\n    pass\n")
     (tmp_path / "tests" / "test_module.py").write_text(
-        "import pytest\npytest.importorskip('no_such_module_here', reason='deepspeed (dev extra) not installed')\n"
+        "import pytest\n"
+        "pytest.importorskip('no_such_module_here', reason='deepspeed (dev extra) not installed')\n"
         "def test_x():\n    pass\n")
     report = tmp_path / "report.xml"
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",

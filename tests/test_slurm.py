@@ -238,7 +238,7 @@ def test_scancel_keeps_the_newest_complete_checkpoint_and_a_resubmission_resumes
     assert checkpoint.latest_complete(run / "checkpoints").step == intact.step + 2
 
 
-# ---- the script's own logic ------------------------------------------------------------------------------------
+# ---- the script's own logic ----------------------------------------------------------------------------
 # A torchrun stand-in, reached through a path with a space (the old forward matched a command-line pattern
 # that such a path broke), so that the script's signal forward and requeue decisions take a second: it
 # records its start and each SIGTERM, and a SIGTERM (or FAKE_EXIT at once) ends it as the trainer ends under
@@ -287,7 +287,8 @@ def test_the_script_forwards_its_signal_by_pid_and_caps_its_requeues(tmp_path):
 
     def sbatch(**more: str) -> subprocess.Popen:
         return subprocess.Popen(["bash", str(ROOT / "launch" / "slurm.sbatch"), "trainer.max_steps=9"],
-                                env={**env, **more}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                env={**env, **more}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
 
     def agent_log() -> list[str]:
         return (run / "agent.log").read_text().splitlines() if (run / "agent.log").exists() else []
@@ -304,21 +305,25 @@ def test_the_script_forwards_its_signal_by_pid_and_caps_its_requeues(tmp_path):
     assert log.read_text() == f"requeue {job_id}\n"
     assert not Path(f"/tmp/kimi-agent-{job_id}.pid").exists()
 
-    for restarts, code, requeued in (("1", "75", True), ("2", "75", False), ("0", "0", False), ("0", "2", False)):
+    for restarts, code, requeued in (("1", "75", True), ("2", "75", False), ("0", "0", False),
+                                     ("0", "2", False)):
         log.unlink(missing_ok=True)
         job = sbatch(SLURM_RESTART_COUNT=restarts, FAKE_EXIT=code)
         out, err = job.communicate(timeout=60)
         assert job.returncode == int(code), (restarts, code, out, err)
         assert log.exists() == requeued, (restarts, code)
         capped = restarts == "2"
-        assert (f"error: not requeueing job {job_id}: it was requeued 2 times (MAX_REQUEUES=2); submit it again"
+        assert (f"error: not requeueing job {job_id}: it was requeued 2 times (MAX_REQUEUES=2); "
+                "submit it again"
                 in err) == capped, err
 
 
 def test_a_job_that_keeps_stopping_requeues_max_requeues_times(slurm, tmp_path):
-    """On a real SLURM: SLURM_RESTART_COUNT counts the requeues, and the script stops requeueing at the cap."""
+    """On a real SLURM: SLURM_RESTART_COUNT counts the requeues, and the script stops requeueing at the
+    cap."""
     run = tmp_path / "run"
-    job = slurm.submit(tmp_path, run, [], MAX_REQUEUES="1", FAKE_EXIT="75", **fake_tools(tmp_path, slurm=True))
+    job = slurm.submit(tmp_path, run, [], MAX_REQUEUES="1", FAKE_EXIT="75",
+                       **fake_tools(tmp_path, slurm=True))
     state = slurm.finished(job, timeout=180)
     assert state["Restarts"] == "1" and state["JobState"] != "COMPLETED", slurm.report(job)
     assert len((run / "agent.log").read_text().splitlines()) == 2, slurm.report(job)

@@ -1,6 +1,6 @@
 """bench/step_audit.py, small: one bf16-autocast training step of `tiny` and `moe_tiny` runs no matmul in fp32
-that the audit cannot explain, calls the KDA and attention kernels with bf16 q, k, v, reads nothing to the host
-in the forward and backward and only what its allow-list explains in the update; activation checkpointing
+that the audit cannot explain, calls the KDA and attention kernels with bf16 q, k, v, reads nothing to the
+host in the forward and backward and only what its allow-list explains in the update; activation checkpointing
 keeps a few KiB per token; the roofline prices every op. The audit's detectors are checked on planted
 faults, so a blind audit cannot pass."""
 
@@ -26,7 +26,8 @@ def test_a_bf16_step_has_no_unexplained_fp32_matmul_or_host_read(family):
     assert {r["kernel"] for r in ops["kernels"]} == {"chunk_kda", "attention"}
     assert ops["syncs"]["forward_backward"] == [], ops["syncs"]["forward_backward"]
     assert ops["unexplained_syncs"] == 0, ops["syncs"]["update"]
-    assert any(r["op"] == "_grouped_mm" and r["dtypes"] == "bfloat16" for r in ops["matmuls"]) == (family == "moe")
+    assert (any(r["op"] == "_grouped_mm" and r["dtypes"] == "bfloat16" for r in ops["matmuls"])
+            == (family == "moe"))
 
 
 def test_the_audit_sees_planted_fp32_matmuls_and_host_reads(monkeypatch):
@@ -46,7 +47,8 @@ def test_the_audit_sees_planted_fp32_matmuls_and_host_reads(monkeypatch):
     monkeypatch.setattr(mlp.SwiGLU, "forward", leaky)
     ops = step_audit.audit_ops(step_audit.FAMILIES["tiny"], T=64)
     assert ops["unexplained_fp32"] >= 1
-    assert any(r["op"] == "_local_scalar_dense" and r["allowed"] is None for r in ops["syncs"]["forward_backward"])
+    assert any(r["op"] == "_local_scalar_dense" and r["allowed"] is None
+               for r in ops["syncs"]["forward_backward"])
     assert ops["unexplained_syncs"] >= 1
 
 
@@ -74,7 +76,8 @@ def test_roofline_prices_the_step(family):
     assert roof["gpus"]["H200"]["time_by_class"]["kda"] > 0
     # the forward by module kind: the model's own work between the sublayers (the depth mixes) and the
     # mixers are named, and the forward is a part of the whole step (the fused loss makes its gradients there)
-    forward = {x["module"]: x["compute_s"] + x["memory_s"] for x in roof["gpus"]["H200"]["forward_time_by_module"]}
+    forward = {x["module"]: x["compute_s"] + x["memory_s"]
+               for x in roof["gpus"]["H200"]["forward_time_by_module"]}
     assert forward["model"] > 0 and forward["mixer"] > 0
     assert 0.2 < sum(forward.values()) / roof["gpus"]["H200"]["predicted_step_s"] < 1
 

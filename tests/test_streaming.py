@@ -1,6 +1,6 @@
 """data.streaming (kimi/data/streaming.py): a local dataset laid out like a hub repo, read through
-load_dataset(path, streaming=True): the same windows as the prepared path's packing, an exact resume (loader and
-trainer), disjoint data-parallel parts, and one-line refusals."""
+load_dataset(path, streaming=True): the same windows as the prepared path's packing, an exact resume (loader
+and trainer), disjoint data-parallel parts, and one-line refusals."""
 
 from __future__ import annotations
 
@@ -80,8 +80,8 @@ def test_local_text_files_stream_one_document_each(tmp_path, tok):
         (tmp_path / f"d{i}.txt").write_text(doc + "\nand a second line")
     cfg = DataConfig(source="files", data_files=[str(tmp_path / "*.txt")], streaming=True)
     stream = StreamLoader(cfg, tok, batch_size=1, seq_len=8)
-    packed = TokenLoader(_packed(tok, [d + "\nand a second line" for d in docs]), 1, 8, seed=0, eos_id=tok.eos_id,
-                         shuffle=False)
+    packed = TokenLoader(_packed(tok, [d + "\nand a second line" for d in docs]), 1, 8, seed=0,
+                         eos_id=tok.eos_id, shuffle=False)
     for _ in range(packed.batches_per_epoch):
         assert torch.equal(stream.next_batch().input_ids, packed.next_batch().input_ids)
 
@@ -141,11 +141,13 @@ def test_subset_and_its_validation_split(tmp_path, tok):
     # A hub repo's README names subsets (data.config) and their splits: the validation windows come from the
     # subset's validation split, and training reads every document of its train split, none skipped.
     (tmp_path / "README.md").write_text(
-        "---\nconfigs:\n- config_name: small\n  data_files:\n  - split: train\n    path: small/train-*.parquet\n"
+        "---\nconfigs:\n- config_name: small\n  data_files:\n  - split: train\n"
+        "    path: small/train-*.parquet\n"
         "  - split: validation\n    path: small/validation-*.parquet\n- config_name: other\n"
         "  data_files: other/*.parquet\n---\n")
     docs = _docs()
-    for name, part in (("small/train-0", docs[:8]), ("small/validation-0", docs[8:16]), ("other/x", docs[16:])):
+    for name, part in (("small/train-0", docs[:8]), ("small/validation-0", docs[8:16]),
+                       ("other/x", docs[16:])):
         (tmp_path / name).parent.mkdir(exist_ok=True)
         pq.write_table(pa.table({"content": part}), tmp_path / f"{name}.parquet")
     t = dataclasses.make_dataclass("T", [("micro_batch_size", int, 2), ("seq_len", int, 16),
@@ -211,8 +213,8 @@ def test_trainer_resume_equals_uninterrupted(repo, tmp_path):
     # resume at step 5.
     data = ["data.source=hf", f"data.path={repo}", "data.text_field=content", "data.streaming=true",
             f"data.cache_dir={tmp_path / 'cache'}"]
-    common = ["trainer.max_steps=10", "trainer.seq_len=96", "trainer.checkpoint_every=0", "trainer.eval_every=5",
-              "data.tokenizer.vocab_size=300"]
+    common = ["trainer.max_steps=10", "trainer.seq_len=96", "trainer.checkpoint_every=0",
+              "trainer.eval_every=5", "data.tokenizer.vocab_size=300"]
     full = train_run(tmp_path / "full", data, *common)
     run = tmp_path / "split"
     assert train_run(run, data, *common, "trainer.stop_at_step=5").step == 5
@@ -234,9 +236,10 @@ def test_two_ranks_resume_equals_uninterrupted(repo, tmp_path):
 
     from helpers import TINY_TRAINER
 
-    args = [*TINY_TRAINER, "data.source=hf", f"data.path={repo}", "data.text_field=content", "data.streaming=true",
-            f"data.cache_dir={tmp_path / 'cache'}", "data.tokenizer.vocab_size=300", "trainer.max_steps=6",
-            "trainer.seq_len=64", "trainer.eval_every=3", "trainer.checkpoint_every=0", "parallel.dp_shard=2"]
+    args = [*TINY_TRAINER, "data.source=hf", f"data.path={repo}", "data.text_field=content",
+            "data.streaming=true", f"data.cache_dir={tmp_path / 'cache'}", "data.tokenizer.vocab_size=300",
+            "trainer.max_steps=6", "trainer.seq_len=64", "trainer.eval_every=3", "trainer.checkpoint_every=0",
+            "parallel.dp_shard=2"]
     torchrun(2, tmp_path / "full", args)
     torchrun(2, tmp_path / "split", [*args, "trainer.stop_at_step=3"])
     torchrun(2, tmp_path / "split", args)

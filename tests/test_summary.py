@@ -19,8 +19,8 @@ from kimi.model import KimiModel
 from kimi.summary import compose_config, main, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYOUT_48B = ["model=48b_dense", "parallel.dp_shard=64", "parallel.tp=8", "parallel.pp=4", "trainer.seq_len=4096",
-              "trainer.micro_batch_size=1", "trainer.precision=bf16"]
+LAYOUT_48B = ["model=48b_dense", "parallel.dp_shard=64", "parallel.tp=8", "parallel.pp=4",
+              "trainer.seq_len=4096", "trainer.micro_batch_size=1", "trainer.precision=bf16"]
 
 
 def summary(*overrides: str):
@@ -44,8 +44,8 @@ def counts_by_name(model: KimiModel) -> dict:
             key = "LM head"
         elif m := re.match(r"blocks\.(\d+)\.mixer\.", name):
             key = "MLA mixers" if int(m.group(1)) in mla else "KDA mixers"
-        elif re.match(r"blocks\.\d+\.mlp\.experts\.w_(gate|up|down)$", name):  # a MoE layer's 3-D expert weights
-            key = "routed experts"
+        elif re.match(r"blocks\.\d+\.mlp\.experts\.w_(gate|up|down)$", name):
+            key = "routed experts"  # a MoE layer's 3-D expert weights
         elif re.match(r"blocks\.\d+\.mlp\.", name):
             key = "MLPs"
         else:
@@ -69,7 +69,8 @@ def test_families_add_up_to_the_model(preset):
                and not n.startswith(("embed.", "lm_head.")))
     assert (s.muon, s.adamw) == (muon, model.num_params() - muon)
     if preset == "48b_dense":
-        assert 47.5e9 < s.total < 48.5e9 and s.families["MLA mixers"] > 0 and len(mla_layer_indices(model.cfg)) == 7
+        assert (47.5e9 < s.total < 48.5e9 and s.families["MLA mixers"] > 0
+                and len(mla_layer_indices(model.cfg)) == 7)
 
 
 @pytest.mark.unit
@@ -87,8 +88,8 @@ def test_vocab_follows_the_tokenizer_when_null():
 
 @pytest.mark.unit
 def test_flops_per_step():
-    s = summary("model=tiny", "trainer.seq_len=256", "trainer.micro_batch_size=3", "trainer.grad_accum_steps=2",
-                "parallel.dp_replicate=2", "parallel.dp_shard=5")
+    s = summary("model=tiny", "trainer.seq_len=256", "trainer.micro_batch_size=3",
+                "trainer.grad_accum_steps=2", "parallel.dp_replicate=2", "parallel.dp_shard=5")
     tokens = 3 * 256 * 2 * 2 * 5
     assert s.tokens_per_step == tokens
     assert s.flops_per_step == pytest.approx(meta_model(s).flops_per_token(256) * tokens)
@@ -170,8 +171,6 @@ def test_expert_parallel_divides_what_it_says(fake_world):
     """moe_tiny with dp_shard 4 and ep 2: each rank keeps half the experts, FSDP-sharded over 2 ranks, and the
     rest of the model sharded over 4, as the real expert-parallel and FSDP plans place them (the same count
     per rank as FSDP alone; what ep saves is the gathers and the expert all-gathered copy)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     from kimi.parallel.dims import ParallelDims
     from kimi.parallel.expert_parallel import apply_expert_parallel
     from kimi.parallel.fsdp import apply_data_parallel
@@ -253,7 +252,8 @@ def test_moe_active_parameters_and_flops():
     dense = summary("model=moe_tiny", "model.moe_num_experts=0")
     # the same model with dense MLPs of the same layout: FLOPs differ by exactly the MLP parameters' 6 N
     mlp_dense = moe_blocks * 3 * m.mlp_hidden * m.d_model
-    mlp_moe = moe_blocks * (m.moe_top_k + m.moe_shared_experts) * per_expert + moe_blocks * m.moe_num_experts * m.d_model
+    mlp_moe = (moe_blocks * (m.moe_top_k + m.moe_shared_experts) * per_expert
+               + moe_blocks * m.moe_num_experts * m.d_model)
     assert s.flops_per_token - dense.flops_per_token == pytest.approx(6 * (mlp_moe - mlp_dense))
 
 
@@ -268,7 +268,8 @@ def test_context_parallel_shards_weights_like_data_parallel(fake_world):
     dims = ParallelDims(1, 2, 1, 1, 4, cp=2)
     real = KimiModel(s.cfg.model)
     apply_data_parallel(real, dims.fsdp_mesh(dims.build_mesh("cpu")))
-    assert local_params(real) == s.heaviest.local == summary("model=tiny", "parallel.dp_shard=4").heaviest.local
+    assert (local_params(real) == s.heaviest.local
+            == summary("model=tiny", "parallel.dp_shard=4").heaviest.local)
     assert s.world == 4 and s.tokens_per_step == summary("model=tiny", "parallel.dp_shard=2").tokens_per_step
 
 
@@ -276,8 +277,8 @@ def test_context_parallel_shards_weights_like_data_parallel(fake_world):
 def test_kimi_k3_preset_is_the_released_size():
     """Kimi K3's report: 2.78T parameters, 104.2B activated per token (the LM head counted, the embedding
     lookup not); the preset's shapes are its config.json's. Sized on the meta device by the command."""
-    proc = subprocess.run([sys.executable, "-m", "kimi.summary", "model=kimi_k3"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=180)
+    proc = subprocess.run([sys.executable, "-m", "kimi.summary", "model=kimi_k3"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr
     s = summary("model=kimi_k3")
     assert f"{s.total:,}" in proc.stdout

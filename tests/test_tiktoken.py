@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-import tiktoken
+import tiktoken  # noqa: F401 (a hard dependency: imported so that without it this module fails, never skips)
 
 from helpers import GPT_PATTERN, MIXED_TEXT, write_kimi_tiktoken
 from kimi.config import DataConfig, TokenizerConfig
@@ -43,11 +43,13 @@ def test_han_runs_are_split_from_latin_letters(bpe):
     Latin; GPT's pattern uses them, Kimi's never does."""
     ours = Tokenizer(bpe)
     text = "中文abc文abc"
-    gpt = ours._impl._enc.__class__("gpt", pat_str=GPT_PATTERN, mergeable_ranks=ours._impl._enc._mergeable_ranks,
-                                    special_tokens={})
-    crossing = [i for i in gpt.encode_ordinary(text) if "文a" in gpt.decode_single_token_bytes(i).decode(errors="ignore")]
+    gpt = ours._impl._enc.__class__("gpt", pat_str=GPT_PATTERN,
+                                    mergeable_ranks=ours._impl._enc._mergeable_ranks, special_tokens={})
+    crossing = [i for i in gpt.encode_ordinary(text)
+                if "文a" in gpt.decode_single_token_bytes(i).decode(errors="ignore")]
     assert crossing, "the fixture's BPE should have a token crossing from Han into Latin"
-    assert ours.encode(text) == ours.encode("中文") + ours.encode("abc") + ours.encode("文") + ours.encode("abc")
+    assert ours.encode(text) == (ours.encode("中文") + ours.encode("abc") + ours.encode("文")
+                                 + ours.encode("abc"))
 
 
 def test_special_tokens_follow_the_release_layout(bpe):
@@ -94,11 +96,13 @@ BAD = [
         (d / "tiktoken.model").read_text() + "not base64!! x\n"), "line .* is not '<base64 token> <rank>'"),
     ("a rank twice", lambda d: (d / "tiktoken.model").write_text(
         (d / "tiktoken.model").read_text() + "QUJDREVG 3\n"), "ranks are not 0..400, each once"),
-    ("no config", lambda d: (d / "tokenizer_config.json").unlink(), "tokenizer_config.json, which is missing"),
+    ("no config", lambda d: (d / "tokenizer_config.json").unlink(),
+     "tokenizer_config.json, which is missing"),
     ("eos not special", lambda d: (d / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "</s>", "added_tokens_decoder": {}})), "eos_token '</s>' is not one of its special"),
     ("config of another tokenizer", lambda d: (d / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "[EOS]", "added_tokens_decoder": {"5": {"content": "[EOS]"}}})), "special token id 5, outside"),
+        {"eos_token": "[EOS]", "added_tokens_decoder": {"5": {"content": "[EOS]"}}})),
+     "special token id 5, outside"),
 ]
 
 

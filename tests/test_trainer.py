@@ -91,7 +91,8 @@ def test_resume_equals_uninterrupted(tmp_path, corpus, cache_dir, model):
     biases = [v for k, v in second.model.state_dict().items() if k.endswith("expert_bias")]
     assert len(biases) == (1 if model else 0) and all(b.abs().sum() > 0 for b in biases)
     moe_keys = {"moe_imbalance", "moe_bias_range", "moe_aux_loss"}
-    assert all(moe_keys <= r.keys() if model else not moe_keys & r.keys() for r in read_metrics(run) if "loss" in r)
+    assert all(moe_keys <= r.keys() if model else not moe_keys & r.keys()
+               for r in read_metrics(run) if "loss" in r)
     a_state, b_state = full.optimizer.state_dict()["state"], second.optimizer.state_dict()["state"]
     assert a_state.keys() == b_state.keys()
     for key, entry in a_state.items():  # Muon momentum and Adam moments alike
@@ -147,7 +148,8 @@ def test_sigterm_while_starting_stops_after_the_first_step(tmp_path, corpus, cac
 
 @pytest.mark.e2e
 def test_nan_loss_names_the_step(tmp_path, corpus, cache_dir):
-    trainer = Trainer(make_cfg(tmp_path / "run", corpus, cache_dir, "trainer.max_steps=5", "trainer.eval_every=0"))
+    trainer = Trainer(make_cfg(tmp_path / "run", corpus, cache_dir, "trainer.max_steps=5",
+                               "trainer.eval_every=0"))
     calls = {"n": 0}
 
     def poison(module, args, output):
@@ -199,7 +201,8 @@ def test_generate_cli_samples_from_a_run(tmp_path, corpus, cache_dir, capsys):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("extra", [["data.varlen=true"], ["trainer.precision=bf16"], ["trainer.grad_accum_steps=2"],
+@pytest.mark.parametrize("extra", [["data.varlen=true"], ["trainer.precision=bf16"],
+                                   ["trainer.grad_accum_steps=2"],
                                    ["optim.schedule=wsd", "model.residual=standard"]])
 def test_training_variants_run(tmp_path, corpus, cache_dir, extra):
     # The untrained model already scores ~ln(384) = 5.95, so only a drop from the run's own step-0
@@ -207,7 +210,8 @@ def test_training_variants_run(tmp_path, corpus, cache_dir, extra):
     # 1.02-1.18, grad_accum_steps=2 1.17-1.30, wsd + standard residual 1.35-1.53 (optim.lr=1e-7: 0.000);
     # 0.5 leaves 2x room.
     run = tmp_path / "run"
-    result = Trainer(make_cfg(run, corpus, cache_dir, "trainer.max_steps=5", "trainer.eval_every=5", *extra)).fit()
+    result = Trainer(make_cfg(run, corpus, cache_dir, "trainer.max_steps=5", "trainer.eval_every=5",
+                              *extra)).fit()
     vals = [(r["step"], r["val_loss"]) for r in read_metrics(run) if "val_loss" in r]
     assert result["finished"] and [s for s, _ in vals] == [0, 5] and result["val_loss"] == vals[-1][1]
     assert vals[-1][1] < vals[0][1] - 0.5, vals
@@ -220,12 +224,14 @@ def test_run_logs_qk_clip_per_layer(tmp_path, corpus, cache_dir, optim):
     run = tmp_path / "run"
     result = Trainer(make_cfg(run, corpus, cache_dir, *optim, "trainer.max_steps=5", "trainer.eval_every=5",
                               "trainer.log_every=1")).fit()
-    # a real drop from the step-0 validation loss (~ln(384) untrained); measured 1.02-1.18 over seeds 1234, 1, 2
+    # a real drop from the step-0 validation loss (~ln(384) untrained); measured 1.02-1.18 over
+    # seeds 1234, 1, 2
     vals = [(r["step"], r["val_loss"]) for r in read_metrics(run) if "val_loss" in r]
     assert result["finished"] and [s for s, _ in vals] == [0, 5] and result["val_loss"] == vals[-1][1]
     assert vals[-1][1] < vals[0][1] - 0.5, vals
     last = read_metrics(run)[-1]
-    # qk_max_logit/<layer> (qk_max_logit/<layer>/h<h> are diagnostics' per-head values: tests/test_diagnostics.py)
+    # qk_max_logit/<layer> (qk_max_logit/<layer>/h<h> are diagnostics' per-head values:
+    # tests/test_diagnostics.py)
     layers = [k.split("/", 1)[1] for k in last if k.startswith("qk_max_logit/") and k.count("/") == 1]
     assert layers and all(f"qk_clipped_frac/{layer}" in last for layer in layers)
     assert last["qk_max_logit"] == max(last[f"qk_max_logit/{layer}"] for layer in layers) > 0

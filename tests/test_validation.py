@@ -115,7 +115,8 @@ IMPOSSIBLE = [
     ([*FT, *PP2], 2, "parallel.pp=2"),
     ([*FT, "parallel.dp_replicate=2"], 2, "parallel.dp_replicate=2"),
     ([*FT, "model=moe_tiny"], 1, "model.moe_num_experts"),
-    ([*FT, "data.source=hf", "data.path=/data/d", "data.streaming=true"], 1, "data.streaming=true with parallel"),
+    ([*FT, "data.source=hf", "data.path=/data/d", "data.streaming=true"], 1,
+     "data.streaming=true with parallel"),
     (["data.streaming=true"], 1, "only data.source=hf or files can be streamed"),
     # negative or zero sizes
     (["model.d_model=0"], 1, "model.d_model"),
@@ -277,10 +278,12 @@ def test_layout_hint_makes_the_product_the_number_of_processes(overrides, world,
     ("trainer.seed=-1", "trainer.seed=-1 is invalid: must be an integer in [0, 2**64)"),
     ("trainer.sample_prompt=''", "trainer.sample_prompt='' is invalid: must be non-empty when "
                                  "trainer.sample_tokens > 0 (set trainer.sample_tokens=0 for no sample)"),
-    ("trainer.profile.steps=[3,2]", "trainer.profile.steps=[3, 2] is invalid: must be [first, last] training steps "
-                                    "with 1 <= first <= last <= trainer.max_steps (600), e.g. [5,6]; null: no profile"),
-    ("trainer.profile.steps=[0,1]", "trainer.profile.steps=[0, 1] is invalid: must be [first, last] training steps "
-                                    "with 1 <= first <= last <= trainer.max_steps (600), e.g. [5,6]; null: no profile"),
+    ("trainer.profile.steps=[3,2]", "trainer.profile.steps=[3, 2] is invalid: must be [first, last] training "
+                                    "steps with 1 <= first <= last <= trainer.max_steps (600), e.g. [5,6]; "
+                                    "null: no profile"),
+    ("trainer.profile.steps=[0,1]", "trainer.profile.steps=[0, 1] is invalid: must be [first, last] training "
+                                    "steps with 1 <= first <= last <= trainer.max_steps (600), e.g. [5,6]; "
+                                    "null: no profile"),
     ("optim.lr=inf", "optim.lr=inf is invalid: must be a finite number"),
     ("optim.eps=0", "optim.eps=0.0 is invalid: must be > 0 (1e-8 is usual)"),
     ("optim.weight_decay=400", "optim.lr*optim.weight_decay = 0.003*400.0 = 1.2 is invalid: must be < 1 "
@@ -357,7 +360,8 @@ def test_fault_tolerance_without_torchft_names_the_extra(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchft" else real(name, *a))
     with pytest.raises(ConfigError, match=r"^parallel\.fault_tolerance=torchft needs the torchft package.*"
                                           r"pip install -e '\.\[ft\]'") as err:
         validate(compose_cfg(*FT), world=1)
@@ -401,10 +405,10 @@ def test_fixed_choice_keys_stay_plain_strings():
     for section in dataclasses.fields(cfg):
         walk(getattr(cfg, section.name), section.name)
     assert sorted(choice_keys) == sorted([
-        "model.residual", "model.kda_backend", "model.moe_impl", "optim.name", "optim.schedule", "optim.ns_dtype",
-        "optim.adjust_lr_fn", "trainer.precision", "trainer.device", "logging.wandb.mode", "data.source",
-        "data.format", "data.prepare_executor", "parallel.activation_checkpointing", "parallel.pp_schedule",
-        "parallel.engine",
+        "model.residual", "model.kda_backend", "model.moe_impl", "optim.name", "optim.schedule",
+        "optim.ns_dtype", "optim.adjust_lr_fn", "trainer.precision", "trainer.device", "logging.wandb.mode",
+        "data.source", "data.format", "data.prepare_executor", "parallel.activation_checkpointing",
+        "parallel.pp_schedule", "parallel.engine",
         "parallel.fault_tolerance", "precision.fp8.recipe", "precision.qat", "model.mlp_activation",
         "model.moe_balance", "model.attention_backend", "model.attnres_backend"])
     import kimi.parallel.engine_rules  # noqa: F401 (the engines' registry fills kimi.config.ENGINES)
