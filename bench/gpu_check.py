@@ -6,33 +6,35 @@ The default plan (PLAN; `--plan` prints it with each step's cap and predicted se
 
   1 kda_check        bench/kda.py --check: every KDA Triton op vs the PyTorch path and fp64 in bf16 at 1b's
                      heads (16 x 128) on packed documents (--check-fla adds fla-core's chunk_kda: 85 s more)
-  2 train            bench/parallel.py --layouts single --profile: 1b, 4 x 4096 tokens, compiled bf16 (the
+  2 kda_speed        bench/kda.py: ours vs fla-core's chunk_kda / fused_recurrent_kda and SDPA, bf16,
+                     T = 4k, 16k, 64k at 64k tokens, H = 32, d = 128, decoding, the bounded safe-gate form,
+                     and ours under each launch layout of the two scores kernels (the 2026-12-04 profile's
+                     costliest KDA kernels; kimi.ops.kda.triton.common.SCORES_GRIDS)
+  3 train            bench/parallel.py --layouts single --profile: 1b, 4 x 4096 tokens, compiled bf16 (the
                      settings expected to be fastest): tokens/s, MFU, peak memory, the losses, the dtypes
                      reaching the KDA kernels, any fallback to PyTorch, and one profiled step: its costliest
                      kernels, the GPU's busy time against the step's (the share spent waiting on the host),
                      kernels launched and aten ops dispatched
-  3 peer             bench/peer.py --titan: torchtitan's trainer on a Llama of dense_1b's shape and dense_1b,
+  4 train_fp8        bench/parallel.py --layouts fp8_rowwise: 1b with trainer.precision=fp8, against train's
+                     bf16 row
+  5 peer             bench/peer.py --titan: torchtitan's trainer on a Llama of dense_1b's shape and dense_1b,
                      same tokens, steps and settings, beside train's 1b row (reused, not trained again);
                      torchtitan is skipped, with its reason, where it does not import
-  4 attention_auto   bench/attention.py --auto: what model.attention_backend=auto picks at 1b's MLA shape and
-                     Kimi Linear's, 4k-16k tokens per row, with its timing of both backends
-  5 train_fp8        bench/parallel.py --layouts fp8_rowwise: 1b with trainer.precision=fp8, against train's
-                     bf16 row
-  6 attnres          bench/attnres.py --gpu: the fused AttnRes depth mix and pre-norm at 1b's width vs fp64,
-                     timed against the eager and compiled mixes (--fla adds fla-core's fused AttnRes)
 
 More steps, for a second call (`--steps NAME ...`; `--steps all` for every one):
 
+  attention_auto     bench/attention.py --auto: what model.attention_backend=auto picks at 1b's MLA shape and
+                     Kimi Linear's, 4k-16k tokens per row, with its timing of both backends
+  attnres            bench/attnres.py --gpu: the fused AttnRes depth mix and pre-norm at 1b's width vs fp64,
+                     timed against the eager and compiled mixes (--fla adds fla-core's fused AttnRes)
   attention_check    bench/attention.py --check-only: the flash-attention kernels vs fp32
-  kda_speed          bench/kda.py: ours vs fla-core's chunk_kda / fused_recurrent_kda and SDPA, bf16,
-                     T = 4k..64k at 64k tokens, H = 32, d = 128, decoding, the bounded safe-gate form
   attention_speed    bench/attention.py --skip-check: vs SDPA's flash backend, max logits, atomic dQ
   optim              bench/optim.py --device cuda: optimizer.step() of MuonClip vs torch.optim.Muon + AdamW
 
 Each step is a subprocess that gets its cap (STEPS) or what is left of --total, whichever is less; a step that
 hangs or crashes loses only itself. After each one it writes <out>/<step>.json (status, seconds, commands,
 each command's log tail and its own JSON under runs.<name>.result) and <out>/summary.md (the table so far);
-all output goes to <out>/gpu_check.log: the plan's 8 files, all that the device tool brings back (8). At
+all output goes to <out>/gpu_check.log: the plan's 7 files, within the 8 the device tool brings back. At
 the end it prints one markdown table (summary.md) and exits 1 if a check failed, a step crashed or ran out
 of time. Each step's sizes are in SIZES and TRAIN below; --step-args NAME="..." appends to a step's arguments
 (the scripts take the last value of a repeated option), e.g. --step-args train_fp8="--layouts bf16
@@ -85,22 +87,22 @@ CHECK_STEPS = ("kda_check", "attention_check")  # whose results --plant-failure 
 PLANTED_CRASH = "raise SystemExit('planted failure (--plant-failure)')"
 PLANTED_HANG = "import time; print('planted hang (--plant-hang)', flush=True); time.sleep(3600)"
 
-# name: (what it measures, its cap in seconds on the GPU from cold caches). PLAN's six are the default, in
+# name: (what it measures, its cap in seconds on the GPU from cold caches). PLAN's five are the default, in
 # priority order: one device call of at most 480 s (the device's 15 minutes hold its start-up and one such
 # call with room to rerun part of it); the rest are for a second call (--steps ...).
 STEPS = {
     "kda_check": ("bf16 KDA Triton ops vs fp64 at 1b's heads", 50),
+    "kda_speed": ("KDA vs fla-core and SDPA, each scores-kernel layout", 150),
     "train": ("1b training, compiled bf16: tokens/s, MFU, memory, a profiled step", 150),
+    "train_fp8": ("1b with fp8 (rowwise) against train's bf16", 110),
     "peer": ("torchtitan's Llama and dense_1b beside train's 1b", 120),
     "attention_auto": ("what model.attention_backend=auto picks per shape", 50),
-    "train_fp8": ("1b with fp8 (rowwise) against train's bf16", 110),
     "attnres": ("fused AttnRes depth mix vs fp64, eager and compiled at 1b's width", 40),
     "attention_check": ("flash attention vs fp32", 120),
-    "kda_speed": ("KDA vs fla-core and SDPA", 150),
     "attention_speed": ("flash attention vs SDPA", 120),
     "optim": ("optimizer step", 90),
 }
-PLAN = ("kda_check", "train", "peer", "attention_auto", "train_fp8", "attnres")
+PLAN = ("kda_check", "kda_speed", "train", "train_fp8", "peer")
 TOTAL = 470  # seconds for the default plan's steps; the Makefile's wheel install and start make up the 480
 # a dry run interprets the kernels on a CPU: every step gets DRY_CAP seconds, all of them DRY_TOTAL
 DRY_CAP, DRY_TOTAL = 600, 3600
@@ -118,8 +120,9 @@ PREDICTED = {
     "train_fp8": (100, "train's 119 s (2026-12-04) less 5 of its 13 steps; the first try stopped at the "
                        "config check: the image has no torchao, now among the wheels (estimate)"),
     "attention_check": (47, "2026-11-30: 47 s"),
-    "kda_speed": (120, "2026-11-30: crashed after 21 s; a cold compile of every kernel plus fla-core's "
-                       "autotuning (estimate)"),
+    "kda_speed": (100, "2026-11-30: crashed after 21 s; a cold compile of every kernel (three layouts of the "
+                       "scores kernels) plus fla-core's autotuning, 85 s in kda_check on 2026-12-04, at 3 "
+                       "lengths (estimate)"),
     "attention_speed": (76, "2026-11-30: 76 s"),
     "optim": (16, "2026-11-30: 16 s"),
     "attnres": (25, "2026-12-04: eager, compiled and fused at 2, 5 and 9 sources in about 15 s after a 5 s "
@@ -133,7 +136,7 @@ SIZES = {
                   "--dry-run --check-dtypes bfloat16 --check-fla --check-docs 5 1 70 --check-heads 1 "
                   "--check-dim 16"),
     "attention_check": ("", "--dry-run"),  # cases: bench/attention.py's GPU_CHECKS (DRY_CHECKS in a dry run)
-    "kda_speed": ("--T 4096 8192 16384 32768 65536 --tokens 65536 --heads 32 --dim 128",
+    "kda_speed": ("--T 4096 16384 65536 --tokens 65536 --heads 32 --dim 128",
                   "--dry-run --T 64 --tokens 64 --heads 1 --dim 16"),
     # 1b's MLA (16 heads, 128/128) at 4k to 16k tokens per row, and Kimi Linear's 192/128 heads
     "attention_auto": ("--T 4096 8192 16384 --tokens 16384 --heads 16 --dims 128/128 192/128",

@@ -461,6 +461,9 @@ def run_cuda(args) -> None:
     check = None if args.no_self_check else kda_check(args.check_docs, args.check_heads, args.check_dim)
 
     impls = {"ours": lambda *a, **kw: chunk_kda(*a, **kw, backend="triton")}
+    from kimi.ops.kda.triton import common  # here: --dry-run sets TRITON_INTERPRET before triton's import
+
+    args.scores_grid = args.scores_grid or list(common.SCORES_GRIDS)
     if fla:
         impls["fla"] = lambda q, k, v, g, beta, **kw: fla[0](q, k, v, g, beta, **kw)
     import triton
@@ -500,6 +503,7 @@ def run_cuda(args) -> None:
 
             timed(f"T={T}", row, errors, f"safe_{form}",
                   lambda form=form, step=step: row.update({f"safe_{form}_fwdbwd_ms": cuda_ms(step)}))
+        scores_layouts(row, errors, (q, k, v, g, beta), do, args.scores_grid)
         qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
         row["sdpa_fwd_ms"] = cuda_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True))
         qa, ka, va = (x.detach().requires_grad_() for x in (qt, kt, vt))
@@ -537,6 +541,14 @@ def run_cuda(args) -> None:
             print(f"| {r['T']} | {r['B']} | {cell('ours')} | {cell('fla')} | {fmt(ratio, '.2f')} | "
                   f"{cell('sdpa')} |")
         print()
+    print("our chunk KDA per launch layout of the two scores kernels (common.scores_grid), ms per call\n")
+    print("| T | B | " + " | ".join(f"{g} fwd / fwd+bwd" for g in args.scores_grid) + " |")
+    print("|---|---|" + "---|" * len(args.scores_grid))
+    for r in rows:
+        cells = [f"{fmt(r.get(f'grid_{g}_fwd_ms'), '.2f')} / {fmt(r.get(f'grid_{g}_fwdbwd_ms'), '.2f')}"
+                 for g in args.scores_grid]
+        print(f"| {r['T']} | {r['B']} | " + " | ".join(cells) + " |")
+    print()
     print("one decoding step (B sequences, state or KV cache of T tokens each), microseconds\n")
     print("| T | B | ours (fused recurrent) | fla fused recurrent | attention over the KV cache |")
     print("|---|---|---|---|---|")
@@ -545,6 +557,27 @@ def run_cuda(args) -> None:
               f"{fmt(r.get('decode_fla_us'), '.1f')} | {r['decode_sdpa_us']:.1f} |")
     record["complete"] = True
     write(out, record)
+
+
+def scores_layouts(row: dict, errors: list, inputs, do, specs: list[str]) -> None:
+    """Our chunk KDA forward and forward+backward under each launch layout of the scores kernels (the
+    process's own layout restored after): the side-by-side that picks common.SCORES_GRID's default."""
+    from kimi.ops.kda.triton import common
+
+    kept = dict(common.SCORES_GRID)
+    leaves = [x.detach().requires_grad_() for x in inputs]
+    try:
+        for spec in specs:
+            common.SCORES_GRID.update(common.scores_grid(spec))
+
+            def measure(spec=spec):
+                row[f"grid_{spec}_fwd_ms"] = cuda_ms(lambda: chunk_kda(*inputs, backend="triton"))
+                row[f"grid_{spec}_fwdbwd_ms"] = cuda_ms(
+                    lambda: chunk_kda(*leaves, backend="triton")[0].backward(do))
+
+            timed(f"T={row['T']}", row, errors, f"grid {spec}", measure)
+    finally:
+        common.SCORES_GRID.update(kept)
 
 
 @torch.no_grad()
@@ -601,9 +634,12 @@ NOTES = {
                      "gate) has that form: 168 B / 304 B on sm_90, 40 / 72 B on sm_80, from its tf32x3 "
                      "products (bf16 ones spill less but put the output 1.5x further from fp64); a "
                      "whole-K diagonal product instead of BKD slices spilled 30 KB.",
-    "scores_bwd_kernel": "bf16 K = 128: ~100-250 B of spills remain, for the same [16, 16, BKD] diagonal "
-                         "tiles as scores_kernel, here three of them (dq, dk by row and by column); "
-                         "BOUNDED=1, whose diagonal is matmuls, 44 B / 72 B on sm_90, 8 / 8 B on sm_80.",
+    "scores_bwd_kernel": "bf16 K = 128, layout serial:8 (common.scores_grid; one program walks its chunk's 4 "
+                         "sub-chunks x 4 key slices): ~100-250 B of spills remain at 255 registers, for the "
+                         "same [16, 16, BKD] diagonal tiles as scores_kernel, here three of them (dq, dk by "
+                         "row and by column); BOUNDED=1, whose diagonal is matmuls, 44 B / 72 B on sm_90, "
+                         "8 / 8 B on sm_80. The split layouts (a program per sub-chunk and slice) keep no "
+                         "state across units and spill nothing on sm_90 (175 registers at 8 warps).",
     "chunk_bwd_kernel": "sm_90: ~200 B, since its two products with a [C, BKC] operand multiply as tf32x3 "
                         "on fp32 operands there (a 32-wide bf16 operand faults on Hopper, "
                         "common.HALF_MIN_ROW; 0 B before that change). sm_80: ~84 B, its ptxas keeps a few "
@@ -657,6 +693,9 @@ def kda_kernels() -> dict:
                 # the state passes' value block is chosen per launch (common.state_block): compile each
                 blocks = [{"BVS": b} for b in common.STATE_BLOCKS] if "BVS" in obj.arg_names else [{}]
                 configs = [(b, warps, stages) for b in blocks]
+                if "SPLIT" in obj.arg_names:  # the scores kernels: each launch layout a benchmark may pick
+                    grids = map(common.scores_grid, common.SCORES_GRIDS)
+                    configs = [({"SPLIT": g["split"]}, g["warps"], stages) for g in grids]
             out[name] = (mod, obj, configs)
     missing = set(names) - set(out)
     if missing:
@@ -875,6 +914,9 @@ def main() -> None:
                         help="GPU check: fla-core's chunk_kda on the same cases (reported, not failing)")
     parser.add_argument("--no-self-check", action="store_true", help="GPU timing without the check first")
     parser.add_argument("--no-fla", action="store_true", help="GPU: leave fla-core out")
+    parser.add_argument("--scores-grid", nargs="+", default=None,
+                        help="GPU: launch layouts of the scores kernels timed side by side (layout:warps; "
+                             "default: kimi.ops.kda.triton.common.SCORES_GRIDS)")
     parser.add_argument("--dry-run", action="store_true",
                         help="the GPU path's code on CPU, Triton interpreted: plumbing only (tiny sizes)")
     parser.add_argument("--plant-failure", action="store_true",

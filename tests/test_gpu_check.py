@@ -62,6 +62,9 @@ def test_dry_run_runs_every_step(tmp_path):
     (speed,) = result("kda_speed")["rows"]
     assert {"ours_fwd_ms", "ours_fwdbwd_ms", "sdpa_fwdbwd_ms", "decode_ours_us", "safe_general_fwdbwd_ms",
             "safe_bounded_fwdbwd_ms"} <= set(speed)
+    # ours under each launch layout of the scores kernels, side by side (common.SCORES_GRIDS)
+    layouts = ("serial:8", "split:8", "split:4")
+    assert {f"grid_{g}_{m}_ms" for g in layouts for m in ("fwd", "fwdbwd")} <= set(speed)
     assert result("kda_speed")["config"]["fla"] == "skipped" and result("kda_speed")["errors"] == []
     attn_speed = result("attention_speed")
     assert set(attn_speed["dq_modes"]) == {"separate", "atomic"}
@@ -96,15 +99,16 @@ def test_planted_failures_fail_the_run_and_are_named(tmp_path):
     """A wrong Triton gradient, a crashed step and a hung one: each is reported, the others still run."""
     out = tmp_path / "gpu"
     proc = make_gpu_check("--dry-run", "--out", str(out), "--steps", "kda_check", "optim", "train",
-                          "--plant-failure", "kda_check", "optim", "--plant-hang", "train", "--budget", "train=5",
-                          timeout=200)
+                          "--plant-failure", "kda_check", "optim", "--plant-hang", "train", "--budget",
+                          "train=5", timeout=200)
     assert proc.returncode != 0, proc.stdout[-4000:]
     assert {s: step_json(out, s)["status"] for s in ("kda_check", "optim", "train")} == {
         "kda_check": "failed", "optim": "crashed", "train": "timeout"}
     failed = [line for line in proc.stdout.splitlines() if line.startswith("FAILED ")]
     assert any(line.startswith("FAILED kda_check: chunk_kda forward and backward")
                and "(bfloat16): dq " in line for line in failed), failed
-    assert any(line.startswith("FAILED optim: optim: exit 1") and "planted failure" in line for line in failed)
+    assert any(line.startswith("FAILED optim: optim: exit 1") and "planted failure" in line
+               for line in failed)
     assert any(line.startswith("FAILED train: tiny: out of time") for line in failed), failed
     kda = step_json(out, "kda_check")
     assert [r["op"] for r in kda["runs"]["kda"]["result"]["rows"] if not r["ok"]] == ["chunk"]
@@ -118,7 +122,7 @@ def test_the_plan_fits_one_device_call():
     """make gpu-check's default plan: the priority order, one call of at most 480 s (the wheels' install and
     start inside it), every step predicted to end within its cap and the total, and no more files than the
     device tool brings back (8); --plan prints it and runs nothing."""
-    assert gpu_check.PLAN == ("kda_check", "train", "peer", "attention_auto", "train_fp8", "attnres")
+    assert gpu_check.PLAN == ("kda_check", "kda_speed", "train", "train_fp8", "peer")
     assert list(gpu_check.STEPS)[:len(gpu_check.PLAN)] == list(gpu_check.PLAN)
     assert gpu_check.TOTAL <= 480 - 10 and len(gpu_check.PLAN) + 2 <= 8
     args = gpu_check.parse_args([])
@@ -154,10 +158,12 @@ def test_a_training_row_carries_the_step_audits_roofline_for_its_shape():
     """The measured 1b row on an H200 gets bench/step_audit.py's predictions beside it, unfused and compiled
     (4 sequences: 4x the one-sequence step time); a length or a device the audit did not price gets
     nothing."""
-    roof = json.loads((ROOT / "bench" / "results" / "step_audit.json").read_text())["families"]["1b"]["roofline"]
+    roof = json.loads((ROOT / "bench" / "results" / "step_audit.json").read_text())["families"]["1b"][
+        "roofline"]
     pred = roof["gpus"]["H200"]
     note = gpu_check.roofline_note("1b", str(roof["T"]), 4, "NVIDIA H200")
-    assert f"{1e3 * 4 * pred['predicted_step_s']:.0f} ms" in note and f"{100 * pred['mfu_ceiling']:.0f}%" in note
+    assert (f"{1e3 * 4 * pred['predicted_step_s']:.0f} ms" in note
+            and f"{100 * pred['mfu_ceiling']:.0f}%" in note)
     compiled = json.loads((ROOT / "bench" / "results" / "step_audit.json").read_text())["families"]["1b"][
         "compiled"]["gpus"]["H200"]
     assert f"compiled roofline {1e3 * 4 * compiled['compiled_step_s']:.0f} ms" in note

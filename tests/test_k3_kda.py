@@ -1,7 +1,7 @@
-"""Kimi K3's KDA (model.kda_gate_lower_bound, model.kda_full_rank_gate): the safe gate L sigmoid(exp(A_log) (f +
-dt_bias)) against fla-core's reference and fp64, its fused Triton kernel (interpreted) forward and backward
-against PyTorch's in fp64, and the whole layer against mlx-lm's kimi_k3 KDA (an independent definition) with the
-same weights."""
+"""Kimi K3's KDA (model.kda_gate_lower_bound, model.kda_full_rank_gate): the safe gate L sigmoid(exp(A_log)
+(f + dt_bias)) against fla-core's reference and fp64, its fused Triton kernel (interpreted) forward and
+backward against PyTorch's in fp64, and the whole layer against mlx-lm's kimi_k3 KDA (an independent
+definition) with the same weights."""
 
 import numpy as np
 import pytest
@@ -67,7 +67,8 @@ def _mlx_twin(ours: KDA, cfg):
     args = TextArgs.from_dict(dict(
         hidden_size=cfg.d_model, rms_norm_eps=cfg.norm_eps,
         linear_attn_config=dict(num_heads=cfg.kda_num_heads, head_dim=cfg.kda_head_dim,
-                                short_conv_kernel_size=cfg.conv_size, gate_lower_bound=cfg.kda_gate_lower_bound,
+                                short_conv_kernel_size=cfg.conv_size,
+                                gate_lower_bound=cfg.kda_gate_lower_bound,
                                 use_full_rank_gate=cfg.kda_full_rank_gate)))
     theirs = KimiK3DeltaAttention(args, 0)
     w = {k: v.detach().numpy() for k, v in ours.state_dict().items()}
@@ -167,10 +168,10 @@ def test_bounded_triton_kernels_match_the_reference(dtype, monkeypatch):
     for module, name in ((chunk_fwd, "scores_kernel"), (chunk_bwd, "scores_bwd_kernel")):
         kernel = getattr(module, name)
 
-        class Spy:  # records the BOUNDED constexpr each launch gets (..., BOUNDED, PREC_D)
+        class Spy:  # records the BOUNDED constexpr each launch gets (..., BOUNDED, PREC_D, SPLIT)
             def __getitem__(self, grid, kernel=kernel, name=name):
                 def launch(*args, **kwargs):
-                    seen.append((name, args[-2]))
+                    seen.append((name, args[-3]))
                     return kernel[grid](*args, **kwargs)
                 return launch
         monkeypatch.setattr(module, name, Spy())

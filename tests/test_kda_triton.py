@@ -92,6 +92,32 @@ def test_packed_sequences_one_launch():
     torch.testing.assert_close(s[2], h0[2].float())  # an empty sequence passes its state through
 
 
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_split_scores_grid_equals_serial(monkeypatch, lower_bound):
+    """The two launch layouts of the scores kernels (common.scores_grid: a program per chunk walking its
+    sub-chunks, or one per sub-chunk and key slice) compute the same sums in the same order: outputs, states
+    and every gradient bitwise equal, over packed sequences with a partial chunk, both gate forms."""
+    lengths = [66, 9]
+    q, k, v, g, beta, _ = (x.float() for x in make_inputs(1, sum(lengths), 1, 24, 16, seed=5))
+    cu_seqlens = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    if lower_bound is not None:
+        g = g.clamp(min=lower_bound / 4)  # a bounded gate: the diagonal blocks take the matmul form
+
+    def run(spec):
+        for key, value in common.scores_grid(spec).items():  # the launches read this one dict
+            monkeypatch.setitem(common.SCORES_GRID, key, value)
+        return run_with_grads(chunk, [q, k, v, g, beta, None])
+
+    def chunk(*args, **kwargs):
+        return triton_chunk(*args, **kwargs, cu_seqlens=cu_seqlens, lower_bound=lower_bound)
+
+    serial, split = run("serial:8"), run("split:4")
+    for a, b in zip([serial[0], serial[1], *serial[2]], [split[0], split[1], *split[2]]):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"^KIMI_KDA_SCORES_GRID='split:3' is invalid: write serial\|split"):
+        common.scores_grid("split:3")
+
+
 @pytest.mark.slow
 def test_state_continuation():
     q, k, v, g, beta, h0 = (x.float() for x in make_inputs(1, 100, 2, 16, 16, seed=11))

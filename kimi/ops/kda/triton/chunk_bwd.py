@@ -20,9 +20,9 @@ import triton
 import triton.language as tl
 
 from .chunk_fwd import forward_intermediates, load_square
-from .common import (CHUNK, SUB, chunk_bounds, chunk_cumsum, dot_precision, key_block_precision, load_G,
-                     load_G_row,
-                     load_rows, mm, narrow_operands_fault, scratch, state_block, state_program, tiles)
+from .common import (CHUNK, SCORES_GRID, SUB, chunk_bounds, chunk_cumsum, dot_precision, key_block_precision,
+                     load_G, load_G_row, load_rows, mm, narrow_operands_fault, scratch, state_block,
+                     state_program, tiles)
 
 
 @triton.jit
@@ -134,73 +134,91 @@ def _load_sq_block(A, t0, last, i, j, h, H, C: tl.constexpr, BC: tl.constexpr):
 @triton.jit
 def scores_bwd_kernel(q, k, Gc, dAqk, dL, dqs, dks, dq, dk, dG, cu_seqlens, chunks, scale, H, K: tl.constexpr,
                       BK: tl.constexpr, BKD: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-                      PREC: tl.constexpr, BOUNDED: tl.constexpr, PREC_D: tl.constexpr):
+                      PREC: tl.constexpr, BOUNDED: tl.constexpr, PREC_D: tl.constexpr, SPLIT: tl.constexpr):
     """For P = A_qk (x = q) and P = L (x = k): dx_t = sum_s dP[t, s] k_s exp(G_t - G_s) (row role) and
     dk_s = sum_t dP[t, s] x_t exp(G_t - G_s) (column role). Row role anchors at the first row of t's
     sub-chunk, column role at the last row of s's; diagonal blocks use the masked [t, s, d] decays.
     Every term is separate per key channel, so the work runs on slices of BKD channels. Completes dq, dk
     and dG (partial sums from chunk_bwd_kernel) for the sub-chunk's rows. BOUNDED (gates >= -80 / BC): the
-    diagonal block joins both anchored sums as one more matmul each, at PREC_D as in scores_kernel."""
+    diagonal block joins both anchored sums as one more matmul each, at PREC_D as in scores_kernel.
+    SPLIT: one program per (chunk, head, sub-chunk, channel slice), grid (NT, H, C // BC * ceil(K / BKD));
+    otherwise one per (chunk, head) walking its sub-chunks and slices in turn. The same sums either way
+    (units share no partial results); which is faster is a GPU's question (bench/kda.py --scores-grid)."""
     i_c, h = tl.program_id(0), tl.program_id(1)
     t0, last = chunk_bounds(cu_seqlens, chunks, i_c, C)
+    if SPLIT:
+        unit = tl.program_id(2)
+        slices = (K + BKD - 1) // BKD
+        _scores_bwd_unit(q, k, Gc, dAqk, dL, dqs, dks, dq, dk, dG, t0, last, h, H, unit // slices,
+                         unit % slices * BKD, scale, K, BKD, C, BC, PREC, BOUNDED, PREC_D)
+    else:
+        for i in tl.static_range(C // BC):
+            for d0 in range(0, BK, BKD):
+                _scores_bwd_unit(q, k, Gc, dAqk, dL, dqs, dks, dq, dk, dG, t0, last, h, H, i, d0, scale, K,
+                                 BKD, C, BC, PREC, BOUNDED, PREC_D)
+
+
+@triton.jit
+def _scores_bwd_unit(q, k, Gc, dAqk, dL, dqs, dks, dq, dk, dG, t0, last, h, H, i, d0, scale, K: tl.constexpr,
+                     BKD: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
+                     BOUNDED: tl.constexpr, PREC_D: tl.constexpr):
+    """scores_bwd_kernel's work for sub-chunk i's rows and key channels d0 .. d0 + BKD."""
     o = tl.arange(0, BC)
     causal = (o[:, None] >= o[None, :])[:, :, None]
-    for i in tl.static_range(C // BC):
-        rows = t0 + i * BC + o
-        dPq = _load_sq_block(dAqk, t0, last, i, i, h, H, C, BC)  # zero where s > t
-        dPk = _load_sq_block(dL, t0, last, i, i, h, H, C, BC)
-        for d0 in range(0, BK, BKD):
-            cd = d0 + tl.arange(0, BKD)
-            md = cd < K
-            q_i = load_rows(q, rows, last, h, H, cd, K, md) * scale
-            k_i = load_rows(k, rows, last, h, H, cd, K, md)
-            G_i = load_G(Gc, rows, last, h, H, cd, K, md)
-            # Row role, earlier sub-chunks j < i, through the anchor a = first row of sub-chunk i.
-            G_a = load_G_row(Gc, t0 + i * BC, last, h, H, cd, K, md)
-            dq_i = tl.zeros([BC, BKD], dtype=tl.float32)
-            dk_row = tl.zeros([BC, BKD], dtype=tl.float32)
-            for j in tl.static_range(i):
-                cols = t0 + j * BC + o
-                k_j = load_rows(k, cols, last, h, H, cd, K, md) * tl.exp(
-                    G_a[None, :] - load_G(Gc, cols, last, h, H, cd, K, md))
-                dq_i += mm(_load_sq_block(dAqk, t0, last, i, j, h, H, C, BC), k_j, PREC)
-                dk_row += mm(_load_sq_block(dL, t0, last, i, j, h, H, C, BC), k_j, PREC)
-            if BOUNDED:  # the diagonal block through the same anchor
-                k_a = k_i * tl.exp(G_a[None, :] - G_i)
-                dq_i += mm(dPq, k_a, PREC_D)
-                dk_row += mm(dPk, k_a, PREC_D)
-            from_anchor = tl.exp(G_i - G_a[None, :])
-            dq_i *= from_anchor
-            dk_row *= from_anchor
-            # Column role, later sub-chunks m > i, through the anchor b = last row of sub-chunk i.
-            G_b = load_G_row(Gc, t0 + i * BC + BC - 1, last, h, H, cd, K, md)
-            dk_col = tl.zeros([BC, BKD], dtype=tl.float32)
-            for m in tl.static_range(i + 1, C // BC):
-                rows_m = t0 + m * BC + o
-                to_b = tl.exp(load_G(Gc, rows_m, last, h, H, cd, K, md) - G_b[None, :])
-                q_m = load_rows(q, rows_m, last, h, H, cd, K, md) * scale * to_b
-                k_m = load_rows(k, rows_m, last, h, H, cd, K, md) * to_b
-                dk_col += mm(tl.trans(_load_sq_block(dAqk, t0, last, m, i, h, H, C, BC)), q_m, PREC)
-                dk_col += mm(tl.trans(_load_sq_block(dL, t0, last, m, i, h, H, C, BC)), k_m, PREC)
-            if BOUNDED:
-                to_b = tl.exp(G_i - G_b[None, :])
-                dk_col += mm(tl.trans(dPq), q_i * to_b, PREC_D) + mm(tl.trans(dPk), k_i * to_b, PREC_D)
-            dk_col *= tl.exp(G_b[None, :] - G_i)
-            # diagonal block: [t, s, d] decays, exponent -inf where s > t before exponentiating
-            if not BOUNDED:
-                decay = tl.exp(tl.where(causal, G_i[:, None, :] - G_i[None, :, :], float("-inf")))
-                dq_i += tl.sum(dPq[:, :, None] * decay * k_i[None, :, :], axis=1)
-                dk_row += tl.sum(dPk[:, :, None] * decay * k_i[None, :, :], axis=1)
-                dk_col += tl.sum((dPq[:, :, None] * q_i[:, None, :] + dPk[:, :, None] * k_i[:, None, :])
-                                 * decay, axis=0)
-            out = (rows[:, None] * H + h) * K + cd[None, :]
-            mask = (rows <= last)[:, None] & md[None, :]
-            d_qs = tl.load(dqs + out, mask=mask, other=0) + dq_i
-            tl.store(dq + out, (d_qs * scale).to(dq.dtype.element_ty), mask=mask)
-            d_k = tl.load(dks + out, mask=mask, other=0) + dk_row + dk_col
-            tl.store(dk + out, d_k.to(dk.dtype.element_ty), mask=mask)
-            d_G = tl.load(dG + out, mask=mask, other=0) + q_i * d_qs + k_i * (dk_row - dk_col)
-            tl.store(dG + out, d_G, mask=mask)
+    rows = t0 + i * BC + o
+    dPq = _load_sq_block(dAqk, t0, last, i, i, h, H, C, BC)  # zero where s > t
+    dPk = _load_sq_block(dL, t0, last, i, i, h, H, C, BC)
+    cd = d0 + tl.arange(0, BKD)
+    md = cd < K
+    q_i = load_rows(q, rows, last, h, H, cd, K, md) * scale
+    k_i = load_rows(k, rows, last, h, H, cd, K, md)
+    G_i = load_G(Gc, rows, last, h, H, cd, K, md)
+    # Row role, earlier sub-chunks j < i, through the anchor a = first row of sub-chunk i.
+    G_a = load_G_row(Gc, t0 + i * BC, last, h, H, cd, K, md)
+    dq_i = tl.zeros([BC, BKD], dtype=tl.float32)
+    dk_row = tl.zeros([BC, BKD], dtype=tl.float32)
+    for j in range(0, i):
+        cols = t0 + j * BC + o
+        k_j = load_rows(k, cols, last, h, H, cd, K, md) * tl.exp(
+            G_a[None, :] - load_G(Gc, cols, last, h, H, cd, K, md))
+        dq_i += mm(_load_sq_block(dAqk, t0, last, i, j, h, H, C, BC), k_j, PREC)
+        dk_row += mm(_load_sq_block(dL, t0, last, i, j, h, H, C, BC), k_j, PREC)
+    if BOUNDED:  # the diagonal block through the same anchor
+        k_a = k_i * tl.exp(G_a[None, :] - G_i)
+        dq_i += mm(dPq, k_a, PREC_D)
+        dk_row += mm(dPk, k_a, PREC_D)
+    from_anchor = tl.exp(G_i - G_a[None, :])
+    dq_i *= from_anchor
+    dk_row *= from_anchor
+    # Column role, later sub-chunks m > i, through the anchor b = last row of sub-chunk i.
+    G_b = load_G_row(Gc, t0 + i * BC + BC - 1, last, h, H, cd, K, md)
+    dk_col = tl.zeros([BC, BKD], dtype=tl.float32)
+    for m in range(i + 1, C // BC):
+        rows_m = t0 + m * BC + o
+        to_b = tl.exp(load_G(Gc, rows_m, last, h, H, cd, K, md) - G_b[None, :])
+        q_m = load_rows(q, rows_m, last, h, H, cd, K, md) * scale * to_b
+        k_m = load_rows(k, rows_m, last, h, H, cd, K, md) * to_b
+        dk_col += mm(tl.trans(_load_sq_block(dAqk, t0, last, m, i, h, H, C, BC)), q_m, PREC)
+        dk_col += mm(tl.trans(_load_sq_block(dL, t0, last, m, i, h, H, C, BC)), k_m, PREC)
+    if BOUNDED:
+        to_b = tl.exp(G_i - G_b[None, :])
+        dk_col += mm(tl.trans(dPq), q_i * to_b, PREC_D) + mm(tl.trans(dPk), k_i * to_b, PREC_D)
+    dk_col *= tl.exp(G_b[None, :] - G_i)
+    # diagonal block: [t, s, d] decays, exponent -inf where s > t before exponentiating
+    if not BOUNDED:
+        decay = tl.exp(tl.where(causal, G_i[:, None, :] - G_i[None, :, :], float("-inf")))
+        dq_i += tl.sum(dPq[:, :, None] * decay * k_i[None, :, :], axis=1)
+        dk_row += tl.sum(dPk[:, :, None] * decay * k_i[None, :, :], axis=1)
+        dk_col += tl.sum((dPq[:, :, None] * q_i[:, None, :] + dPk[:, :, None] * k_i[:, None, :])
+                         * decay, axis=0)
+    out = (rows[:, None] * H + h) * K + cd[None, :]
+    mask = (rows <= last)[:, None] & md[None, :]
+    d_qs = tl.load(dqs + out, mask=mask, other=0) + dq_i
+    tl.store(dq + out, (d_qs * scale).to(dq.dtype.element_ty), mask=mask)
+    d_k = tl.load(dks + out, mask=mask, other=0) + dk_row + dk_col
+    tl.store(dk + out, d_k.to(dk.dtype.element_ty), mask=mask)
+    d_G = tl.load(dG + out, mask=mask, other=0) + q_i * d_qs + k_i * (dk_row - dk_col)
+    tl.store(dG + out, d_G, mask=mask)
 
 
 def chunk_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_chunk, NT, prec, do, dht,
@@ -232,8 +250,10 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_
             DVN, dqs, dks, dv, dG, dbeta, dAqk, dL, cu_seqlens, chunks, H, K, V, BKC, BV, CHUNK, prec,
             key_block_precision(prec, BKC, narrow_operands_fault(q.device)),
             num_warps=8, num_stages=1)  # four [C, C] and three [C, BKC] fp32 tiles; no loop pipelining
-        scores_bwd_kernel[(NT, H)](q, k, mid["Gc"], dAqk, dL, dqs, dks, dq, dk, dG, cu_seqlens, chunks, scale,
-                                   H, K, BK, BKD, CHUNK, SUB, prec, bounded, dot_precision(torch.float32),
-                                   num_warps=8)  # 4 warps spill at K = 128
+        split = SCORES_GRID["split"]
+        grid = (NT, H, CHUNK // SUB * triton.cdiv(K, BKD)) if split else (NT, H)
+        scores_bwd_kernel[grid](q, k, mid["Gc"], dAqk, dL, dqs, dks, dq, dk, dG, cu_seqlens, chunks, scale,
+                                H, K, BK, BKD, CHUNK, SUB, prec, bounded, dot_precision(torch.float32), split,
+                                num_warps=SCORES_GRID["warps"])
     dg = chunk_cumsum(dG, cu_seqlens, chunks, NT, reverse=True)
     return dq, dk, dv, dg.to(g.dtype), dbeta, dh0

@@ -22,69 +22,82 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (CHUNK, SUB, check_head_dims, chunk_bounds, chunk_cumsum, dot_precision, load_G,
-                     load_G_row,
-                     load_rows, mm, scratch, state_block, state_program, tiles)
+from .common import (CHUNK, SCORES_GRID, SUB, check_head_dims, chunk_bounds, chunk_cumsum, dot_precision,
+                     load_G, load_G_row, load_rows, mm, scratch, state_block, state_program, tiles)
 
 
 @triton.jit
 def scores_kernel(q, k, Gc, L, Aqk, cu_seqlens, chunks, scale, H, K: tl.constexpr, BK: tl.constexpr,
                   BKD: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
-                  BOUNDED: tl.constexpr, PREC_D: tl.constexpr):
+                  BOUNDED: tl.constexpr, PREC_D: tl.constexpr, SPLIT: tl.constexpr):
     """BOUNDED: every gate is >= -80 / BC (kimi.ops.kda.chunk.bounded), so G falls by at most 80 inside a
     sub-chunk and the diagonal blocks are anchored matmuls too, exp(G_a - G_s) <= e^80 being finite in fp32.
     Their products take PREC_D, fp32's precision: the diagonal's q_t k_t terms enter dq and dk and cancel in
-    dg only if they are not rounded to half precision (bf16 operands there made dg 40x less accurate)."""
+    dg only if they are not rounded to half precision (bf16 operands there made dg 40x less accurate).
+    SPLIT: one program per (chunk, head, sub-chunk), grid (NT, H, C // BC); otherwise one per (chunk, head)
+    walking its sub-chunks in turn (common.scores_grid)."""
     i_c, h = tl.program_id(0), tl.program_id(1)
     t0, last = chunk_bounds(cu_seqlens, chunks, i_c, C)
+    if SPLIT:
+        _scores_rows(q, k, Gc, L, Aqk, t0, last, h, H, tl.program_id(2), scale, K, BK, BKD, C, BC, PREC,
+                     BOUNDED, PREC_D)
+    else:
+        for i in tl.static_range(C // BC):
+            _scores_rows(q, k, Gc, L, Aqk, t0, last, h, H, i, scale, K, BK, BKD, C, BC, PREC, BOUNDED, PREC_D)
+
+
+@triton.jit
+def _scores_rows(q, k, Gc, L, Aqk, t0, last, h, H, i, scale, K: tl.constexpr, BK: tl.constexpr,
+                 BKD: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
+                 BOUNDED: tl.constexpr, PREC_D: tl.constexpr):
+    """scores_kernel's work for sub-chunk i: its rows of L and A_qk, all C columns."""
     ck = tl.arange(0, BK)
     mk = ck < K
     o = tl.arange(0, BC)
-    for i in tl.static_range(C // BC):
-        rows = t0 + i * BC + o
-        q_i = load_rows(q, rows, last, h, H, ck, K, mk) * scale
-        k_i = load_rows(k, rows, last, h, H, ck, K, mk)
-        G_i = load_G(Gc, rows, last, h, H, ck, K, mk)
-        G_a = load_G_row(Gc, t0 + i * BC, last, h, H, ck, K, mk)
-        to_anchor = tl.exp(G_i - G_a[None, :])
-        qa, ka = q_i * to_anchor, k_i * to_anchor
-        out_mask = (rows <= last)[:, None] & (o < BC)[None, :]
-        out_ptr = (rows[:, None] * H + h) * C + o[None, :]
-        for j in tl.static_range(i):
-            cols = t0 + j * BC + o
-            from_anchor = tl.exp(G_a[None, :] - load_G(Gc, cols, last, h, H, ck, K, mk))
-            k_j = load_rows(k, cols, last, h, H, ck, K, mk) * from_anchor
-            k_jT = tl.trans(k_j)
-            tl.store(L + out_ptr + j * BC, mm(ka, k_jT, PREC), mask=out_mask)
-            tl.store(Aqk + out_ptr + j * BC, mm(qa, k_jT, PREC), mask=out_mask)
-        # Diagonal block, a slice of BKD key channels at a time (bounding the tiles live beside the rows).
-        causal = (o[:, None] >= o[None, :])[:, :, None]
-        b_kk = tl.zeros([BC, BC], dtype=tl.float32)
-        b_qk = tl.zeros([BC, BC], dtype=tl.float32)
-        for d0 in range(0, BK, BKD):
-            cd = d0 + tl.arange(0, BKD)
-            md = cd < K
-            q_d = load_rows(q, rows, last, h, H, cd, K, md) * scale
-            k_d = load_rows(k, rows, last, h, H, cd, K, md)
-            G_d = load_G(Gc, rows, last, h, H, cd, K, md)
-            if BOUNDED:  # one more anchored matmul; the pairs s > t are masked after it
-                G_ad = load_G_row(Gc, t0 + i * BC, last, h, H, cd, K, md)
-                to_a = tl.exp(G_d - G_ad[None, :])
-                k_aT = tl.trans(k_d * tl.exp(G_ad[None, :] - G_d))
-                b_kk += mm(k_d * to_a, k_aT, PREC_D)
-                b_qk += mm(q_d * to_a, k_aT, PREC_D)
-            else:  # the [t, s, d] decays, exponent set to -inf where s > t before exponentiating
-                decay = tl.exp(tl.where(causal, G_d[:, None, :] - G_d[None, :, :], float("-inf")))
-                k_decayed = decay * k_d[None, :, :]
-                b_kk += tl.sum(k_d[:, None, :] * k_decayed, axis=2)
-                b_qk += tl.sum(q_d[:, None, :] * k_decayed, axis=2)
-        b_qk = tl.where(o[:, None] >= o[None, :], b_qk, 0.0)
-        b_kk = tl.where(o[:, None] > o[None, :], b_kk, 0.0)
-        tl.store(L + out_ptr + i * BC, b_kk, mask=out_mask)
-        tl.store(Aqk + out_ptr + i * BC, b_qk, mask=out_mask)
-        for j in tl.static_range(i + 1, C // BC):  # s > t: zero, written so the buffers need no memset
-            tl.store(L + out_ptr + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=out_mask)
-            tl.store(Aqk + out_ptr + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=out_mask)
+    rows = t0 + i * BC + o
+    q_i = load_rows(q, rows, last, h, H, ck, K, mk) * scale
+    k_i = load_rows(k, rows, last, h, H, ck, K, mk)
+    G_i = load_G(Gc, rows, last, h, H, ck, K, mk)
+    G_a = load_G_row(Gc, t0 + i * BC, last, h, H, ck, K, mk)
+    to_anchor = tl.exp(G_i - G_a[None, :])
+    qa, ka = q_i * to_anchor, k_i * to_anchor
+    out_mask = (rows <= last)[:, None] & (o < BC)[None, :]
+    out_ptr = (rows[:, None] * H + h) * C + o[None, :]
+    for j in range(0, i):
+        cols = t0 + j * BC + o
+        from_anchor = tl.exp(G_a[None, :] - load_G(Gc, cols, last, h, H, ck, K, mk))
+        k_j = load_rows(k, cols, last, h, H, ck, K, mk) * from_anchor
+        k_jT = tl.trans(k_j)
+        tl.store(L + out_ptr + j * BC, mm(ka, k_jT, PREC), mask=out_mask)
+        tl.store(Aqk + out_ptr + j * BC, mm(qa, k_jT, PREC), mask=out_mask)
+    # Diagonal block, a slice of BKD key channels at a time (bounding the tiles live beside the rows).
+    causal = (o[:, None] >= o[None, :])[:, :, None]
+    b_kk = tl.zeros([BC, BC], dtype=tl.float32)
+    b_qk = tl.zeros([BC, BC], dtype=tl.float32)
+    for d0 in range(0, BK, BKD):
+        cd = d0 + tl.arange(0, BKD)
+        md = cd < K
+        q_d = load_rows(q, rows, last, h, H, cd, K, md) * scale
+        k_d = load_rows(k, rows, last, h, H, cd, K, md)
+        G_d = load_G(Gc, rows, last, h, H, cd, K, md)
+        if BOUNDED:  # one more anchored matmul; the pairs s > t are masked after it
+            G_ad = load_G_row(Gc, t0 + i * BC, last, h, H, cd, K, md)
+            to_a = tl.exp(G_d - G_ad[None, :])
+            k_aT = tl.trans(k_d * tl.exp(G_ad[None, :] - G_d))
+            b_kk += mm(k_d * to_a, k_aT, PREC_D)
+            b_qk += mm(q_d * to_a, k_aT, PREC_D)
+        else:  # the [t, s, d] decays, exponent set to -inf where s > t before exponentiating
+            decay = tl.exp(tl.where(causal, G_d[:, None, :] - G_d[None, :, :], float("-inf")))
+            k_decayed = decay * k_d[None, :, :]
+            b_kk += tl.sum(k_d[:, None, :] * k_decayed, axis=2)
+            b_qk += tl.sum(q_d[:, None, :] * k_decayed, axis=2)
+    b_qk = tl.where(o[:, None] >= o[None, :], b_qk, 0.0)
+    b_kk = tl.where(o[:, None] > o[None, :], b_kk, 0.0)
+    tl.store(L + out_ptr + i * BC, b_kk, mask=out_mask)
+    tl.store(Aqk + out_ptr + i * BC, b_qk, mask=out_mask)
+    for j in range(i + 1, C // BC):  # s > t: zero, written so the buffers need no memset
+        tl.store(L + out_ptr + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=out_mask)
+        tl.store(Aqk + out_ptr + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=out_mask)
 
 
 @triton.jit
@@ -269,9 +282,12 @@ def forward_intermediates(q, k, v, g, beta, scale, initial_state, cu_seqlens, ch
     VN = scratch(T, H, V, like=q, dtype=dt)
     ht = scratch(N, H, K, V, like=q)
     if NT:
-        # 8 warps: with 4, the [t, s, d] decay tiles and the [C, K] rows spill registers at K = 128
-        scores_kernel[(NT, H)](q, k, Gc, L, Aqk, cu_seqlens, chunks, scale, H, K, BK, BKD, CHUNK, SUB,
-                               prec, bounded, dot_precision(torch.float32), num_warps=8)
+        # serial:8 (the default): with 4 warps, the [t, s, d] decay tiles and the [C, K] rows spill
+        # registers at K = 128
+        split = SCORES_GRID["split"]
+        scores_kernel[(NT, H, CHUNK // SUB) if split else (NT, H)](
+            q, k, Gc, L, Aqk, cu_seqlens, chunks, scale, H, K, BK, BKD, CHUNK, SUB, prec, bounded,
+            dot_precision(torch.float32), split, num_warps=SCORES_GRID["warps"])
         solve_kernel[(NT, H)](L, beta, Ainv, cu_seqlens, chunks, H, CHUNK, SUB)
         wu_kernel[(NT, H)](q, k, v, beta, Gc, Ainv, W, U, KG, QG, cu_seqlens, chunks, scale, H, K, V, BK, BV,
                            CHUNK, backward, prec, num_warps=8)

@@ -60,6 +60,26 @@ def block(n: int, cap: int) -> int:
     return min(max(16, triton.next_power_of_2(n)), cap)
 
 
+def scores_grid(spec: str) -> dict:
+    """How the two scores kernels (chunk_fwd.scores_kernel, chunk_bwd.scores_bwd_kernel) are launched, from
+    "serial:8" / "split:4" (layout:warps). serial: one program per (chunk, head) walks the chunk's sub-chunks
+    (and, backward, its key-channel slices) in turn; split: one program per sub-chunk (and slice), 4x (16x
+    backward) more programs of the same work. An H200 spent 60 and 91 ms of a `1b` step in these two under
+    serial:8 (docs/gpu.md, third call); bench/kda.py --scores-grid times the layouts side by side."""
+    form, _, warps = spec.partition(":")
+    if form not in ("serial", "split") or not warps.isdigit() or int(warps) not in (1, 2, 4, 8, 16):
+        raise ValueError(f"KIMI_KDA_SCORES_GRID={spec!r} is invalid: write serial|split:<warps 1-16>, "
+                         "e.g. split:4")
+    return {"split": form == "split", "warps": int(warps)}
+
+
+# The layouts bench/kda.py --compile-check compiles and --scores-grid times by default.
+SCORES_GRIDS = ("serial:8", "split:8", "split:4")
+# Read at each launch, so a benchmark can switch it between calls (update it in place: the kernel modules
+# hold this dict); $KIMI_KDA_SCORES_GRID sets it per process.
+SCORES_GRID = scores_grid(os.environ.get("KIMI_KDA_SCORES_GRID", "serial:8"))
+
+
 class Tiles(NamedTuple):
     BK: int  # all K key channels in one tile
     BKD: int  # key channels per slice of the [t, s, d] decay tiles
