@@ -1,5 +1,7 @@
 """The training command: `kimi-train [overrides]` once the package is installed, `python train.py [overrides]`
 in a checkout (the same function), e.g. `kimi-train model=tiny trainer.max_steps=300` (see README).
+A config with stages (`kimi-train recipe=k2_like`, docs/stages.md) trains them in order, one Trainer each
+(kimi/run/stages.py).
 
 Hydra's multirun runs several jobs one after another in this process, e.g. an ablation's arms x seeds:
 `kimi-train -m +experiment=ablate_residual` (conf/experiment/, docs/ablations.md); a failed job does not stop
@@ -29,10 +31,13 @@ FOLDERS_MADE = None
 
 def train(cfg) -> int:
     from kimi.errors import EXIT_OK, EXIT_STOPPED
+    from kimi.config import to_config
     from kimi.parallel import destroy_distributed
+    from kimi.run.stages import run_stages
     from kimi.trainer import Trainer
 
-    result = Trainer(cfg).fit()
+    cfg = to_config(cfg)
+    result = run_stages(cfg, Trainer) if cfg.stages else Trainer(cfg).fit()  # stages: one Trainer each
     destroy_distributed()  # after success only: a barrier after one rank's failure would hang the rest
     return EXIT_OK if result["finished"] else EXIT_STOPPED
 

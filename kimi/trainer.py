@@ -278,7 +278,7 @@ class Trainer:
                 with window.paused("checkpoint"), self.signals.saving():  # a second signal waits for it
                     last_saved = self.save_checkpoint(wait=last)
             if stop:
-                self.log(stopped_note(self.step, last_saved, self.signals.received, t))
+                self.log(stopped_note(self.step, last_saved, self.signals.received, t, self.cfg.stages))
                 return {"finished": False, "step": self.step, "val_loss": self._last_val}
         return {"finished": True, "step": self.step, "val_loss": self._last_val}
 

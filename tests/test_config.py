@@ -24,8 +24,8 @@ def compose_cfg(*overrides: str) -> Config:
     return OmegaConf.to_object(cfg)
 
 
-@pytest.mark.parametrize("preset,low,high", [("tiny", 1e6, 3e6), ("small", 110e6, 140e6), ("1b", 0.9e9, 1.3e9),
-                                             ("48b_dense", 45e9, 51e9)])
+@pytest.mark.parametrize("preset,low,high", [("tiny", 1e6, 3e6), ("small", 110e6, 140e6),
+                                             ("1b", 0.9e9, 1.3e9), ("48b_dense", 45e9, 51e9)])
 def test_presets_have_their_advertised_size(preset, low, high):
     cfg = compose_cfg(f"model={preset}")
     validate(cfg)
@@ -94,7 +94,8 @@ def test_expert_parallel_layouts_that_cannot_work_say_why(overrides, message):
 
 @pytest.mark.parametrize("overrides,message", [
     (["parallel.dp_shard=2", "parallel.compile=true"], "without parallel.compile=true: reset those"),
-    (["parallel.dp_shard=2", "parallel.activation_checkpointing=full"], "parallel.activation_checkpointing=full"),
+    (["parallel.dp_shard=2", "parallel.activation_checkpointing=full"],
+     "parallel.activation_checkpointing=full"),
     (["parallel.dp_replicate=2"], "without parallel.dp_replicate=2"),
     (["parallel.deepspeed.reduce_bucket_size=0"], "parallel.deepspeed.reduce_bucket_size=0 is invalid"),
 ])
@@ -108,6 +109,8 @@ def test_deepspeed_engine_without_deepspeed_installed_says_how(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"needs the deepspeed package, which is not installed: pip install"):
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    with pytest.raises(ConfigError,
+                       match=r"needs the deepspeed package, which is not installed: pip install"):
         validate(compose_cfg("parallel.engine=deepspeed"), world=1)

@@ -1,5 +1,6 @@
 """The training commands' --help (kimi.cli.config_help): every key of the schema, described by its own comment
-in kimi/config.py, with its choices and the value the overrides give."""
+in the section's config beside its owner (kimi/<package>/config.py, kimi/schema/run.py), with its choices and
+the value the overrides give."""
 
 from __future__ import annotations
 
@@ -44,3 +45,25 @@ def test_every_key_is_listed_with_the_value_the_overrides_give():
     small = composed(["model=small"])["model"]["d_model"]
     assert any(r.split()[:1] == ["model.d_model"] and r.endswith(f"(now {small})") for r in rows)
     assert any(r.split()[:1] == ["optim.name"] and "one of adamw|muonclip;" in r for r in rows)
+
+
+# a key of each section and words of the comment above or beside its field, in the module that declares it
+OWNED = [("model.kda_head_dim", "kimi/model/config.py", "dk = dv"),
+         ("data.shard_mb", "kimi/data/config.py", "size of one token shard"),
+         ("optim.ns_steps", "kimi/optim/config.py", "Newton-Schulz iterations"),
+         ("parallel.ep", "kimi/parallel/config.py", "expert parallelism: the routed experts"),
+         ("precision.keep_end_blocks", "kimi/precision/config.py", "blocks at each end of the model"),
+         ("trainer.eval_every", "kimi/schema/run.py", "0 disables periodic validation")]
+
+
+@pytest.mark.parametrize("key, where, words", OWNED)
+def test_a_key_is_described_by_its_comment_beside_the_owner(key, where, words):
+    import inspect
+    from pathlib import Path
+
+    section = getattr(Config(), key.split(".")[0])
+    assert Path(inspect.getsourcefile(type(section))).as_posix().endswith(where)
+    rows = keys_help(None, only=[key.split(".")[0]]).replace("\n" + " " * 30, " ").splitlines()
+    row = next(r for r in rows if r.split()[:1] == [key])
+    assert words in row, row
+

@@ -53,8 +53,8 @@ VENV = BIN.parent
 # quotes (test_every_readme_command_is_classified prints a new line in this form).
 GPUS_8 = "8 processes (8 GPUs)"
 FT_JOBS = ("a lighthouse and two replica groups running at once, each waiting on the others; "
-           "tests/test_fault_tolerance.py runs them (a lighthouse, two one-process groups, one killed and started "
-           "again)")
+           "tests/test_fault_tolerance.py runs them (a lighthouse, two one-process groups, one killed and "
+           "started again)")
 HUB_TASKS = ("downloads the tasks' data from the Hugging Face hub, which tests do not reach; docs/eval.md's "
              "first command runs the same command on the shipped tasks")
 PLAN_64 = ("the planner's search of 64 GPUs takes minutes with the real memory and communication models; "
@@ -87,10 +87,10 @@ SKIPPED = {
     "parallel.pp_microbatches=8 trainer.micro_batch_size=8 hydra.run.dir=runs/exp4": GPUS_8,
     ".venv/bin/python bench/parallel.py --layouts single --model 1b --batch 4 --set trainer.seq_len=4096 "
     "trainer.precision=bf16": "a GPU benchmark: the 1b model at 4096 tokens in bf16",
-    ".venv/bin/python bench/peer.py --titan --batch 4 --steps 10 --set trainer.seq_len=4096 trainer.precision=bf16 "
-    "parallel.compile=true": "a GPU benchmark: 1b, dense_1b and torchtitan at 4096 tokens compiled in bf16 "
-                             "(tests/test_peer.py "
-                             "runs its CPU dry run at tiny shape)",
+    ".venv/bin/python bench/peer.py --titan --batch 4 --steps 10 --set trainer.seq_len=4096 "
+    "trainer.precision=bf16 parallel.compile=true":
+        "a GPU benchmark: 1b, dense_1b and torchtitan at 4096 tokens compiled in bf16 (tests/test_peer.py "
+        "runs its CPU dry run at tiny shape)",
     "make gpu-check": "needs a CUDA GPU (its dry run is the next line)",
     "make gpu-check GPU_CHECK_ARGS=--dry-run": "tests/test_gpu_check.py runs it (about a minute)",
     "make gpu-check GPU_CHECK_ARGS=--plan": "tests/test_gpu_check.py runs bench/gpu_check.py --plan and "
@@ -105,58 +105,64 @@ SKIPPED = {
     "data.cache_dir=/shared/kimi-cache data.prepare_workers=64 data.prepare_worker=7": PARTS,
     ".venv/bin/python -m kimi.data.prepare data=files 'data.data_files=[/shared/corpus/*.jsonl]' "
     "data.cache_dir=/shared/kimi-cache data.prepare_workers=64 data.prepare_executor=local": PARTS,
-    ".venv/bin/python -m kimi.ablate all": "the whole ablation study (hours); tests/test_ablate.py runs one "
-                                           "experiment end to end at 2 steps, reruns it (nothing trained) and "
-                                           "reports it",
-    ".venv/bin/python train.py -m +experiment=ablate_residual": "Hydra's multirun of a whole experiment (9 runs of "
-                                                                "600 steps); tests/test_ablate.py runs it at 2 "
-                                                                "steps with trainer.seed=1",
+    ".venv/bin/python -m kimi.ablate all":
+        "the whole ablation study (hours); tests/test_ablate.py runs one experiment end to end at 2 steps, "
+        "reruns it (nothing trained) and reports it",
+    ".venv/bin/python train.py -m +experiment=ablate_residual":
+        "Hydra's multirun of a whole experiment (9 runs of 600 steps); tests/test_ablate.py runs it at 2 "
+        "steps with trainer.seed=1",
     ".venv/bin/python -m kimi.ablate ablate_mixer 'arms=[all_mla,hybrid_3to1]' root=runs/ablate_rope16 "
     "out=bench/results/ablations/rope16 -- model.qk_rope_head_dim=16":
         "6 runs of 600 steps (20 minutes); tests/test_ablate.py runs the runner end to end at 2 steps with "
         "--root, --out and overrides, and a study limited to some arms",
     ".venv/bin/python -m kimi.dashboard 'runs=[runs/ablate/ablate_residual/standard_seed1,"
     "runs/ablate/ablate_residual/attnres_block_seed1]' out=dashboard.png":
-        "needs the study's runs; tests/test_dashboard.py draws a trained run and one with every diagnostic key "
-        "with the same command",
+        "needs the study's runs; tests/test_dashboard.py draws a trained run and one with every diagnostic "
+        "key with the same command",
     ".venv/bin/python -m kimi.convert to-hf 'run=outputs/<date>/<time>' out=hf_out":
         "a placeholder run dir; tests/test_hf_interop.py converts a trained run with the same command and "
         "loads it in transformers",
     ".venv/bin/python -c 'from kimi.convert import load_hf; model = load_hf('\"'\"'hf_dir'\"'\"')'":
         "a placeholder directory; tests/test_hf_interop.py loads save_pretrained's output with load_hf",
     ".venv/bin/python -m kimi.eval run=runs/first hf=hf_first limit=50 trust_remote_code=true":
-        "needs the run exported with kimi.convert to-hf; tests/test_eval.py runs the same command on a trained "
-        "tiny run and a Kimi-Linear-like one and their exports, and compares the two sets of scores",
-    ".venv/bin/python -m kimi.eval run=runs/first tasks=hellaswag,arc_easy,arc_challenge limit=500": HUB_TASKS,
+        "needs the run exported with kimi.convert to-hf; tests/test_eval.py runs the same command on a "
+        "trained tiny run and a Kimi-Linear-like one and their exports, and compares the two sets of scores",
+    ".venv/bin/python -m kimi.eval run=runs/first tasks=hellaswag,arc_easy,arc_challenge limit=500":
+        HUB_TASKS,
     ".venv/bin/python -m kimi.eval run=runs/first tasks=mmlu num_fewshot=5": HUB_TASKS,
     ".venv/bin/python -m kimi.convert to-hf run=runs/qat out=hf_qat mxfp4_experts=true":
-        "tests/test_low_precision_train.py exports a QAT run with the same command and loads it back, its forward "
-        "equal to the trained one's",
+        "tests/test_low_precision_train.py exports a QAT run with the same command and loads it back, its "
+        "forward equal to the trained one's",
     ".venv/bin/python -m kimi.convert to-hf run=runs/k3 out=k3_out layout=k3":
-        "a placeholder run; tests/test_k3_checkpoint.py runs the same command on a trained run with K3's parts "
-        "and reads the output back bit for bit (and mlx-lm reads that layout)",
+        "a placeholder run; tests/test_k3_checkpoint.py runs the same command on a trained run with K3's "
+        "parts and reads the output back bit for bit (and mlx-lm reads that layout)",
     ".venv/bin/python -m kimi.convert from-hf hf=hf_dir run=runs/from_hf":
         "a placeholder directory; tests/test_hf_interop.py runs from-hf on save_pretrained's output, samples "
         "from the run and trains from it with the printed command",
     ".venv/bin/torchrun --standalone --nproc_per_node 8 train.py model=moe_tiny parallel.dp_shard=8 "
-    "parallel.ep=4 hydra.run.dir=runs/exp5": GPUS_8 + "; tests/test_parallel.py checks ep 2 and ep 2 over dp_shard 4",
+    "parallel.ep=4 hydra.run.dir=runs/exp5":
+        GPUS_8 + "; tests/test_parallel.py checks ep 2 and ep 2 over dp_shard 4",
     ".venv/bin/torchrun --standalone --nproc_per_node 8 train.py parallel.engine=deepspeed "
     "parallel.deepspeed.zero_stage=2 parallel.dp_shard=8 hydra.run.dir=runs/ds8":
         GPUS_8 + "; tests/test_deepspeed.py runs ZeRO 1, 2 and 3 on 2 ranks against one process",
     ".venv/bin/torchrun --standalone --nproc_per_node 8 train.py model=1b parallel.cp=4 parallel.dp_shard=2 "
     "trainer.seq_len=65536 trainer.micro_batch_size=1 parallel.activation_checkpointing=full "
-    "trainer.precision=bf16 hydra.run.dir=runs/cp4": GPUS_8 + "; tests/test_parallel.py checks cp 4 and cp 2 x "
-                                                      "dp_shard 2 against one process",
-    "docker build -f docker/Dockerfile -t kimi .": "no container engine here; tests/test_docker.py checks the "
-                                                   "Dockerfile's copied paths and entrypoint against this line",
+    "trainer.precision=bf16 hydra.run.dir=runs/cp4":
+        GPUS_8 + "; tests/test_parallel.py checks cp 4 and cp 2 x dp_shard 2 against one process",
+    "docker build -f docker/Dockerfile -t kimi .":
+        "no container engine here; tests/test_docker.py checks the Dockerfile's copied paths and entrypoint "
+        "against this line",
     "docker run --gpus all --rm -v '$PWD/runs:/kimi/runs' kimi model=small trainer.precision=bf16 "
     "hydra.run.dir=runs/small": "a CUDA host with a container engine; tests/test_docker.py checks that its "
                                 "overrides compose and its run directory is in the mounted volume",
     ".venv/bin/deepspeed --no_local_rank --num_gpus 8 train.py parallel.engine=deepspeed parallel.dp_shard=8 "
-    "hydra.run.dir=runs/ds8": GPUS_8 + "; tests/test_deepspeed.py runs the same launcher with --num_gpus 2 on CPU",
+    "hydra.run.dir=runs/ds8":
+        GPUS_8 + "; tests/test_deepspeed.py runs the same launcher with --num_gpus 2 on CPU",
     ".venv/bin/torchft_lighthouse --min_replicas 1 --bind '[::]:29510'": FT_JOBS,
-    "REPLICA_GROUP=0 NPROC=2 LIGHTHOUSE=http://localhost:29510 launch/torchft.sh group parallel.dp_shard=2": FT_JOBS,
-    "REPLICA_GROUP=1 NPROC=2 LIGHTHOUSE=http://localhost:29510 launch/torchft.sh group parallel.dp_shard=2": FT_JOBS,
+    "REPLICA_GROUP=0 NPROC=2 LIGHTHOUSE=http://localhost:29510 launch/torchft.sh group parallel.dp_shard=2":
+        FT_JOBS,
+    "REPLICA_GROUP=1 NPROC=2 LIGHTHOUSE=http://localhost:29510 launch/torchft.sh group parallel.dp_shard=2":
+        FT_JOBS,
 }
 MAX_MULTIPROCESS = 2  # 2-process torchrun launches run here (each 10-20 s on 2 CPU cores)
 
@@ -425,7 +431,8 @@ def check(box: Sandbox, command: str) -> None:
         stamps = ["-o", f"{VENV}/.installed", "-o", f"{VENV}/.installed-dev"]  # never (re)install here
         out = box.run(["make", "-n", *stamps, f"VENV={VENV}", *words[1:]]).stdout
         if "test" in words:
-            expected = f"{VENV}/bin/python -m pytest -q -n 2 --dist loadfile {_arg(words, 'PYTEST_ARGS') or ''}".strip()
+            expected = (f"{VENV}/bin/python -m pytest -q -n 2 --dist loadfile "
+                        f"{_arg(words, 'PYTEST_ARGS') or ''}").strip()
         else:
             expected = f"{VENV}/bin/python train.py {_arg(words, 'ARGS') or ''}".strip()
         assert out.strip() == expected, f"make -n printed {out!r}, expected {expected!r}"
@@ -480,7 +487,8 @@ def report_from_records(box: Sandbox, exe: list[str], words: list[str]) -> None:
         written.append(Path("docs/ablations.md"))
         page = clone / written[-1]
         text = page.read_text()
-        page.write_text(text[:text.index(SECTION_BEGIN) + len(SECTION_BEGIN)] + "\n" + text[text.index(SECTION_END):])
+        page.write_text(text[:text.index(SECTION_BEGIN) + len(SECTION_BEGIN)] + "\n"
+                        + text[text.index(SECTION_END):])
     box.run([*exe, *words[1:]], cwd=clone)
     differ = [str(rel) for rel in written if not (clone / rel).is_file()
               or (clone / rel).read_bytes() != (ROOT / rel).read_bytes()]

@@ -1,4 +1,5 @@
-"""The package's shape: no import cycles, libraries below applications, the engine seam a type, a short trainer.
+"""The package's shape: no import cycles, libraries below applications, the engine seam a type, a short
+trainer, the root config above the sections it assembles.
 
 Imports are read with ast from every module of kimi/, those inside functions (lazy ones) and under
 TYPE_CHECKING too, relative ones resolved; ``from pkg import name`` counts as an import of the submodule
@@ -103,10 +104,19 @@ def _room(module: str) -> str:
     return ".".join(module.split(".")[:2])
 
 
+def _is_command(name: str) -> bool:
+    """A command's entry point (`python -m kimi.data.prepare`): it stands on top of the house, whichever
+    room its file is in, as it composes the whole config (kimi.config, kimi.cli) to run its package's work."""
+    return name.rpartition(".")[2] == "__main__"
+
+
 def _room_cycle() -> list[str] | None:
-    """Rooms that import each other around a loop (a cycle of the graph with each package as one node)."""
+    """Rooms that import each other around a loop (a cycle of the graph with each package as one node); a
+    command's entry point is no part of its room."""
     rooms: dict[str, set[str]] = {}
     for name, deps in GRAPH.items():
+        if _is_command(name):
+            continue
         rooms.setdefault(_room(name), set()).update(_room(d) for d in deps if _room(d) != _room(name))
     done: set[str] = set()
 
@@ -138,6 +148,58 @@ def test_the_package_root_holds_few_modules():
     """The root holds the commands and the ground floor; a helper lives in the package of its concern."""
     root = sorted(p.name for p in KIMI.glob("*.py") if p.name != "__init__.py")
     assert len(root) <= ROOT_MODULES_MAX, f"{len(root)} modules at kimi/'s root: {', '.join(root)}"
+
+
+# The root config assembles the sections, each defined beside its owner; the floors below it are the packages
+# of those owner modules and whatever they import, reached through the room graph. Also these libraries, which
+# kimi.config does not reach, take their sections from the owners rather than from the assembled root.
+CONFIG_MAX_LINES = 300
+SECTION_OWNERS = {"kimi.model.config", "kimi.data.config", "kimi.optim.config", "kimi.parallel.config",
+                  "kimi.precision.config", "kimi.schema.run", "kimi.schema.vocabulary"}
+LIBRARIES_OFF_THE_ROOT = ("kimi.ops", "kimi.checkpoint", "kimi.diagnostics", "kimi.interop")
+
+
+def _rooms_below(start: str) -> set[str]:
+    """The rooms `start` imports, directly or through others (commands' entry points left out)."""
+    found, todo = set(), [start]
+    while todo:
+        room = todo.pop()
+        for name, deps in GRAPH.items():
+            if _room(name) == room and not _is_command(name):
+                for dep in deps:
+                    if _room(dep) not in found and _room(dep) != start:
+                        found.add(_room(dep))
+                        todo.append(_room(dep))
+    return found
+
+
+def test_the_config_is_imported_by_nothing_below_it():
+    assert SECTION_OWNERS <= GRAPH["kimi.config"], "kimi.config assembles the sections from their owners"
+    below = _rooms_below("kimi.config")
+    assert {"kimi.model", "kimi.data", "kimi.optim", "kimi.parallel", "kimi.precision", "kimi.schema",
+            "kimi.ops", "kimi.errors"} <= below, sorted(below)
+    wrong = [name for name, deps in GRAPH.items() if "kimi.config" in deps and not _is_command(name)
+             and (_room(name) in below or _room(name) in LIBRARIES_OFF_THE_ROOT)]
+    assert not wrong, ("import the section's config from its owner (kimi/<package>/config.py, kimi/schema/), "
+                       "not from kimi.config, which lies above their floor: " + ", ".join(sorted(wrong)))
+
+
+def test_the_config_root_stays_short():
+    lines = len((KIMI / "config.py").read_text().splitlines())
+    assert lines < CONFIG_MAX_LINES, (f"kimi/config.py has {lines} lines: a section's schema and rules "
+                                      "belong beside the code that owns it")
+
+
+@pytest.mark.parametrize("module", ["kimi.config", *sorted(SECTION_OWNERS)])
+def test_the_config_imports_no_torch(module):
+    """train.py refuses a misspelt key before the seconds of importing torch: the root config and each
+    section's config import none (the packages holding them import their heavy modules on first use)."""
+    import subprocess
+    import sys
+
+    code = f"import sys, {module}; assert 'torch' not in sys.modules, [m for m in sys.modules if 'kimi' in m]"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
 
 
 # A function that takes the trainer reaches into all of it; library code takes explicit arguments. The one
@@ -186,7 +248,8 @@ def _outside_parallel(pattern: str) -> list[str]:
 
 def test_engines_are_named_only_in_kimi_parallel():
     hits = _outside_parallel(r'"deepspeed"')
-    assert not hits, "compare engines through kimi.parallel (engine_rules, interface.Engine):\n" + "\n".join(hits)
+    assert not hits, ("compare engines through kimi.parallel (engine_rules, interface.Engine):\n"
+                      + "\n".join(hits))
 
 
 def test_no_engine_probing_outside_kimi_parallel():

@@ -1,9 +1,9 @@
-"""Which wandb run a training run logs to, and in which mode: the run's own id (a resumed run continues its wandb
-run, an overwritten one starts another), a resume from an older checkpoint than the steps already logged gets a
-run of its own (wandb drops steps that go backwards), and wandb's environment variables fill in what the config
-leaves null while an explicit override wins over them. What an offline run holds, read back from its .wandb file
-(kimi.wandb_offline): tokens as every chart's x axis, and with logging.wandb.log_checkpoints each checkpoint as a
-model artifact."""
+"""Which wandb run a training run logs to, and in which mode: the run's own id (a resumed run continues its
+wandb run, an overwritten one starts another), a resume from an older checkpoint than the steps already logged
+gets a run of its own (wandb drops steps that go backwards), and wandb's environment variables fill in what
+the config leaves null while an explicit override wins over them. What an offline run holds, read back from
+its .wandb file (kimi.wandb_offline): tokens as every chart's x axis, and with logging.wandb.log_checkpoints
+each checkpoint as a model artifact."""
 
 import json
 
@@ -19,14 +19,15 @@ pytestmark = pytest.mark.e2e
 
 
 def _wandb_ids(run):
-    """The ids of the offline wandb runs in a run dir, oldest first, read from each folder's run-<id>.wandb: the
-    folder's own name (offline-run-<time>-<id>) gets a "-1" from wandb when two starts share a second."""
+    """The ids of the offline wandb runs in a run dir, oldest first, read from each folder's run-<id>.wandb:
+    the folder's own name (offline-run-<time>-<id>) gets a "-1" from wandb when two starts share a second."""
     dirs = sorted((run / "wandb").glob("offline-run-*"))
     return [next(d.glob("run-*.wandb")).name[len("run-"):-len(".wandb")] for d in dirs]
 
 
 def _started(run):
-    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r.get("event") == "start"]
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if r.get("event") == "start"]
 
 
 def test_overwrite_starts_another_wandb_run_and_resume_continues_it(tmp_path, data, monkeypatch, capsys):
@@ -48,7 +49,8 @@ def test_overwrite_starts_another_wandb_run_and_resume_continues_it(tmp_path, da
     hints = [line for line in out.splitlines() if line.startswith("[kimi] wandb: logged offline")]
     assert hints == [f"[kimi] wandb: logged offline to {f}; upload it with: wandb sync {f}" for f in folders]
     assert "wandb:" not in out.replace("[kimi] wandb:", "")
-    again = train_run(run, data, *offline, "trainer.max_steps=2", "trainer.resume=false", "trainer.overwrite=true")
+    again = train_run(run, data, *offline, "trainer.max_steps=2", "trainer.resume=false",
+                      "trainer.overwrite=true")
     assert again.run_id != first.run_id and _wandb_ids(run) == [again.run_id]  # the old wandb dir moved aside
     assert [s["wandb_id"] for s in _started(run)] == [again.run_id]
 
@@ -62,8 +64,9 @@ def test_environment_fills_what_the_config_leaves_null(tmp_path, data, monkeypat
     train_run(explicit, data, "logging.wandb.mode=offline", "trainer.max_steps=1")  # the override wins
     assert len(_wandb_ids(explicit)) == 1
     monkeypatch.setenv("WANDB_MODE", "offlne")
-    with pytest.raises(ConfigError, match=r"^WANDB_MODE='offlne' in the environment is invalid: choose one of "
-                                          r"offline\|online\|disabled, or set logging.wandb.mode"):
+    with pytest.raises(ConfigError,
+                       match=r"^WANDB_MODE='offlne' in the environment is invalid: choose one of "
+                             r"offline\|online\|disabled, or set logging.wandb.mode"):
         wandb_mode(WandbConfig())
     monkeypatch.setenv("WANDB_MODE", "dryrun")  # wandb's older name for offline
     assert wandb_mode(WandbConfig()) == "offline" and wandb_mode(WandbConfig(mode="online")) == "online"
@@ -72,7 +75,8 @@ def test_environment_fills_what_the_config_leaves_null(tmp_path, data, monkeypat
 def test_a_resume_behind_the_logged_steps_gets_a_run_of_its_own(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     assert wandb_run_id("abc", 0, metrics) == ("abc", None)
-    lines = [{"event": "start", "step": 0, "wandb_id": "abc"}, *({"step": s, "loss": 1.0} for s in range(1, 9))]
+    lines = [{"event": "start", "step": 0, "wandb_id": "abc"},
+             *({"step": s, "loss": 1.0} for s in range(1, 9))]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in lines))
     assert wandb_run_id("abc", 8, metrics) == ("abc", None)  # resumed where the logging stopped
     assert wandb_run_id("abc", 4, metrics) == ("abc-r1", "abc")  # steps 5-8 again: wandb would drop them

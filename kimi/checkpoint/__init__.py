@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from kimi.config import ConfigError
+from kimi.errors import ConfigError
 from kimi.errors import RunError
 from kimi.folders import inside
 

@@ -1,7 +1,8 @@
-"""The training keys' --help (kimi-train, kimi-summary, kimi-prepare), written from kimi/config.py itself:
-each key's description is the comment of its field there (the lines right above it and the one beside it), its
-choices the field's metadata (config.one_of), its value the composed config's. So the help cannot drift from
-the schema, and a key documented in config.py is documented here."""
+"""The training keys' --help (kimi-train, kimi-summary, kimi-prepare), written from the schema's source
+itself: each key's description is the comment of its field in the dataclass that declares it (the section's
+config beside its owner, kimi/<package>/config.py, or kimi/schema/run.py; the lines right above the field and
+the one beside it), its choices the field's metadata (kimi.schema.vocabulary.one_of), its value the composed
+config's. So the help cannot drift from the schema, and a key documented there is documented here."""
 
 from __future__ import annotations
 
@@ -82,9 +83,9 @@ def _value(values: Optional[Dict[str, Any]], key: str, f) -> Any:
 def keys_help(values: Optional[Dict[str, Any]], only: Sequence[str] = ()) -> str:
     """The keys of the sections named in `only` (all when empty) as a key=value table; values: the composed
     config as nested dicts (what each key is now), None for the schema's defaults."""
-    # data.source, optim.name, parallel.engine and trainer.precision list the choices of kimi.config's tables,
-    # which their registries fill when imported: the command imports those of its sections (a registry lies
-    # above this package)
+    # data.source, optim.name, parallel.engine and trainer.precision list the choices of their sections'
+    # tables, which their registries fill when imported: the command imports those of its sections (a
+    # registry lies above this package)
     blocks = []
     for section, doc, rows in sections():
         if only and section.split(".")[0] not in only:
@@ -131,5 +132,6 @@ def composed(argv: Sequence[str]) -> Optional[Dict[str, Any]]:
 def config_help(usage: str, argv: Sequence[str] = (), only: Sequence[str] = ()) -> str:
     """The --help of a command that takes the training config's overrides: usage, the presets, the keys."""
     return (f"{usage.strip()}\n\nPresets (a YAML file of conf/<group>/ each):\n{presets()}\n\n"
-            "Keys (key=value, e.g. trainer.max_steps=300; described by their comments in kimi/config.py), "
+            "Keys (key=value, e.g. trainer.max_steps=300; described by their comments in the schema, "
+            "kimi/<package>/config.py), "
             f"with the values\nthese overrides give:\n\n{keys_help(composed(argv), only)}")

@@ -1,12 +1,46 @@
 """Data pipeline: documents (sources) -> tokens (tokenizer, encode) -> token shards with a document index
 (shards, pack; `python -m kimi.data.prepare`) ->
-resumable batches of windows with document boundaries (loader)."""
+resumable batches of windows with document boundaries (loader).
 
-from kimi.data.loader import Batch, TokenLoader
-from kimi.data.pack import PreparedData, open_split, open_tokens, read_tokens
-from kimi.data.prepare import prepare  # the function: bound after the submodule of the same name
-from kimi.data.sources import DataError, load_documents
-from kimi.data.tokenizer import Tokenizer, train_tokenizer
+The names below are imported on first use, so that importing the data's torch-free config
+(kimi/data/config.py, which kimi.config assembles) does not import torch and the pipeline.
+"""
 
+import sys
+from importlib import import_module
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+_WHERE = {
+    "Batch": "loader", "TokenLoader": "loader", "PreparedData": "pack", "open_split": "pack",
+    "open_tokens": "pack", "read_tokens": "pack", "prepare": "prepare", "DataError": "sources",
+    "load_documents": "sources", "Tokenizer": "tokenizer", "train_tokenizer": "tokenizer",
+}
 __all__ = ["Batch", "DataError", "PreparedData", "TokenLoader", "Tokenizer", "load_documents", "open_split",
            "open_tokens", "prepare", "read_tokens", "train_tokenizer"]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
+
+
+class _Package(ModuleType):
+    """kimi.data.prepare is the function prepare, as it always was, though the package of the same name
+    (kimi/data/prepare/) is bound here, over it, when it is first imported: the function is kept."""
+
+    def __setattr__(self, name, value):
+        if name == "prepare" and isinstance(value, ModuleType):
+            value = value.prepare
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+if TYPE_CHECKING:  # for type checkers: the names of __all__, which __getattr__ imports at run time
+    from .loader import Batch, TokenLoader  # noqa: F401
+    from .pack import PreparedData, open_split, open_tokens, read_tokens  # noqa: F401
+    from .prepare import prepare  # noqa: F401
+    from .sources import DataError, load_documents  # noqa: F401
+    from .tokenizer import Tokenizer, train_tokenizer  # noqa: F401

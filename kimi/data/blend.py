@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from kimi.config import DataConfig
+from kimi.data.config import DataConfig
 from kimi.data.loader import Batch
 from kimi.data.tokenizer import Tokenizer
 from kimi.errors import DataError

@@ -13,7 +13,7 @@ import lzma
 import os
 from typing import BinaryIO, List
 
-from kimi.config import DataConfig
+from kimi.data.config import DataConfig
 from kimi.errors import DataError
 
 _EXT_FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",

@@ -30,7 +30,7 @@ import datasets
 import numpy as np
 import pyarrow.compute as pc
 
-from kimi.config import DataConfig
+from kimi.data.config import DataConfig
 from kimi.data.encode import Progress, default_num_proc, encode_documents
 from kimi.data.shards import (FORMAT_VERSION, ShardedTokens, ShardWriter, document_index, open_tokens,
                               read_meta, sha256_file, shard_path, token_dtype, write_atomic)

@@ -8,11 +8,11 @@ from typing import Tuple, Union
 
 import numpy as np
 
-from kimi.config import TrainerConfig
 from kimi.data.blend import BlendLoader, PreparedBlend, ValBatches
 from kimi.data.loader import TokenLoader
 from kimi.data.pack import PreparedData, open_split
 from kimi.data.streaming import StreamingData, held_out, stream_ranks
+from kimi.schema.run import TrainerConfig
 
 OPENING_CHARS = 40  # the default sample prompt: at most this many characters of the first validation document
 

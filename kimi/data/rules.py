@@ -6,8 +6,9 @@ import math
 import re
 from typing import List
 
-from kimi.config import DataConfig, check, check_choices, check_finite
+from kimi.data.config import DataConfig
 from kimi.data.source_registry import names_where, source_for
+from kimi.schema.vocabulary import check, check_choices, check_finite
 
 
 def _check_source(d: DataConfig, key: str) -> None:

@@ -1,5 +1,5 @@
 """Data sources by their data.source name: adding one is a class following :class:`DataSource` and one line
-in ``SOURCES``, whose names are data.source's allowed values (kimi.config.DATA_SOURCES).
+in ``SOURCES``, whose names are data.source's allowed values (kimi.data.config.DATA_SOURCES).
 
 An entry is ``module:Class`` inside kimi.data, imported when first asked for (the built-in sources live in
 kimi/data/sources.py, which imports this module for the base class), or the class itself. Callers ask
@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Dict, List, Tuple, Union
 
-from kimi.config import DATA_SOURCES, DataConfig, registered
+from kimi.data.config import DATA_SOURCES, DataConfig
 from kimi.errors import DataError, one_line
+from kimi.schema.vocabulary import registered
 
-# The table is kimi.config.DATA_SOURCES itself, the values validate() allows for data.source: config.py is
-# imported first and cannot import this module, so the entries are made here.
+# The table is kimi.data.config.DATA_SOURCES itself, the values validate() allows for data.source: the config
+# is imported first and cannot import this module, so the entries are made here.
 SOURCES: Dict[str, Union[str, type]] = DATA_SOURCES
 SOURCES.update({
     "shakespeare": "sources:ShakespeareSource",

@@ -25,10 +25,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import datasets
 import numpy as np
 
-from kimi.config import DataConfig, check
 from kimi.data import checks
+from kimi.data.config import DataConfig
 from kimi.data.files import file_format, resolve_files
 from kimi.data.source_registry import DataSource, names_where, source_for
+from kimi.schema.vocabulary import check
 
 # Re-exported: kimi.cli, kimi.trainer, kimi.data.loader and tests import DataError from here.
 from kimi.errors import DataError, one_line

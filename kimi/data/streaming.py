@@ -26,14 +26,15 @@ from typing import Any, Dict, Iterator, List, Optional, Set
 import numpy as np
 import torch
 
-from kimi.config import DataConfig, TrainerConfig
 from kimi.data import sources
+from kimi.data.config import DataConfig
 from kimi.data.loader import Batch, TokenLoader
 from kimi.data.shards import sha256_file
 from kimi.data.source_registry import source_for
 from kimi.data.tokenizer import Tokenizer, resolve_model_path, train_tokenizer
 from kimi.errors import DataError, one_line
 from kimi.ops.documents import doc_starts_after_eos
+from kimi.schema.run import TrainerConfig
 
 
 @dataclass

@@ -22,8 +22,8 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 import torch
 from torch import nn
 
-from kimi.config import ModelConfig
 from kimi.model.attnres import depth_weights
+from kimi.model.config import ModelConfig
 from kimi.model.probe import PROBE
 
 from .record import attnres_sources, sublayers

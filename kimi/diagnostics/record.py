@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from kimi.config import ModelConfig
+from kimi.model.config import ModelConfig
 from kimi.run.metrics import qk_clip_record
 
 Matrix = Tuple[List[str], List[str], List[List[float]]]  # (row labels, column labels, rows of values)

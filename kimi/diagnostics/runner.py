@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from kimi.config import Config
+from kimi.schema.vocabulary import RootConfig as Config
 
 from .observe import observe
 from .record import combine

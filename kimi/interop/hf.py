@@ -20,8 +20,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from kimi.config import ModelConfig, mixer_pattern
 from kimi.model import KimiModel
+from kimi.model.config import ModelConfig, mixer_pattern
 from kimi.model.sublayer import hf_entries
 
 

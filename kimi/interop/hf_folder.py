@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from kimi.config import ModelConfig, check_sizes
 from kimi.interop import layouts
 from kimi.interop.hf import RENAMES, NotExpressible, in_layout
 from kimi.interop.k3 import Constant
 from kimi.interop.remote import empty_model, load_remote, shard_files, write_shards
 from kimi.model import KimiModel
+from kimi.model.config import ModelConfig, check_sizes
 
 
 class _LazyTensors:

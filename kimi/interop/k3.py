@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Tuple
 
-from kimi.config import ModelConfig, mixer_pattern
 from kimi.interop.hf import FileEntry, NotExpressible, file_map, model_fields, release_config
+from kimi.model.config import ModelConfig, mixer_pattern
 
 PREFIX = "language_model."
 

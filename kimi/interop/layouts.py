@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from kimi.config import ModelConfig
 from kimi.interop import hf, k3, remote
+from kimi.model.config import ModelConfig
 
 DEFAULT = "release"
 

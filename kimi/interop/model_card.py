@@ -94,7 +94,7 @@ def model_card(model, config: Dict[str, Any], step: int, run: Path, rows: List[D
     records (kimi.run.metrics.read_metrics). It names no
     folder: the same run exported anywhere gives the same card (the loading example reads a folder or the
     Hub repo it is uploaded to)."""
-    from kimi.config import mixer_pattern
+    from kimi.model.config import mixer_pattern
     from kimi.model.registry import legend
 
     m = model.cfg

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from kimi.config import ModelConfig
 from kimi.interop.configuration_kimi import KimiConfig
 from kimi.model.cache import InferenceCache
+from kimi.model.config import ModelConfig
 from kimi.model.transformer import KimiModel
 
 # transformers 5 names the cache `cache`, earlier versions `past_key_values`

@@ -18,7 +18,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from kimi.config import ConfigError
+from kimi.errors import ConfigError
 from kimi.errors import STORAGE_ERRORS, RunError, describe
 
 

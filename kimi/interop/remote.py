@@ -22,11 +22,11 @@ from typing import Iterable, Tuple
 
 import torch
 
-from kimi.config import ModelConfig, check_sizes
 from kimi.folders import require_inside
 from kimi.interop.remote_code import write_sources
 from kimi.interop.trust import write_record
 from kimi.model import KimiModel
+from kimi.model.config import ModelConfig, check_sizes
 from kimi.model.footprint import check_fits
 
 MODEL_TYPE = "kimi_hybrid"

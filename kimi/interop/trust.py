@@ -15,7 +15,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from kimi.config import ConfigError
+from kimi.errors import ConfigError
 
 RECORD = "kimi_code.json"
 

@@ -1,11 +1,31 @@
-"""Single-device model code: KDA and MLA token mixers, SwiGLU MLPs, residual streams, the full model."""
+"""Single-device model code: KDA and MLA token mixers, SwiGLU MLPs, residual streams, the full model.
 
-from .cache import InferenceCache, KDACache, MLACache
-from .kda import KDA
-from .mla import MLA
-from .mlp import SwiGLU
-from .norm import RMSNorm
-from .transformer import Block, KimiModel, lm_loss, training_flops
+The names below are imported on first use, so that importing the model's torch-free config
+(kimi/model/config.py, which kimi.config assembles) does not import torch and the model.
+"""
 
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+_WHERE = {
+    "InferenceCache": "cache", "KDACache": "cache", "MLACache": "cache", "KDA": "kda", "MLA": "mla",
+    "SwiGLU": "mlp", "RMSNorm": "norm", "Block": "transformer", "KimiModel": "transformer",
+    "lm_loss": "transformer", "training_flops": "transformer",
+}
 __all__ = ["KimiModel", "Block", "lm_loss", "training_flops", "KDA", "MLA", "SwiGLU", "RMSNorm",
            "InferenceCache", "KDACache", "MLACache"]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
+
+
+if TYPE_CHECKING:  # for type checkers: the names of __all__, which __getattr__ imports at run time
+    from .cache import InferenceCache, KDACache, MLACache  # noqa: F401
+    from .kda import KDA  # noqa: F401
+    from .mla import MLA  # noqa: F401
+    from .mlp import SwiGLU  # noqa: F401
+    from .norm import RMSNorm  # noqa: F401
+    from .transformer import Block, KimiModel, lm_loss, training_flops  # noqa: F401

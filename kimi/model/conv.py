@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kimi.config import ModelConfig
+from kimi.model.config import ModelConfig
 
 from .init import Rules, normal, prefixed
 from .kda import ShortConv

@@ -16,7 +16,8 @@ from collections import Counter
 
 import torch
 
-from kimi.config import ConfigError, ModelConfig, check_sizes
+from kimi.errors import ConfigError
+from kimi.model.config import ModelConfig, check_sizes
 
 
 GIB = 1024**3

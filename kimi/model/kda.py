@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kimi.config import ModelConfig
+from kimi.model.config import ModelConfig
 from kimi.ops.documents import segment_ids
 from kimi.ops.kda import CHUNK_SIZE, chunk_kda, fused_recurrent_kda
 from kimi.ops.kda.chunk import chunk_flops_per_token

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kimi.config import ModelConfig
+from kimi.model.config import ModelConfig
 
 from .cache import KVCache
 from .init import Rules, normal

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kimi.config import ModelConfig
+from kimi.model.config import ModelConfig
 
 from kimi.ops.attention import runs_triton
 from kimi.ops.attention.latent import latent_attention

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kimi.config import ModelConfig
+from kimi.model.config import ModelConfig
 from kimi.ops import autocast_dtype
 
 from .activations import GLU, glu_of, swiglu

@@ -11,7 +11,8 @@ import importlib
 from functools import lru_cache
 from typing import Dict, List
 
-from kimi.config import ConfigError, ModelConfig, mixer_pattern, moe_layer_indices
+from kimi.errors import ConfigError
+from kimi.model.config import ModelConfig, mixer_pattern, moe_layer_indices
 
 MIXERS: Dict[str, str] = {
     "K": "kda:KDA",

@@ -9,9 +9,10 @@ import os
 
 import torch
 
-from kimi.config import (Config, ModelConfig, check, check_choices, check_finite, check_positive,
-                         check_sizes, mixer_pattern, require)
+from kimi.model.config import ModelConfig, check_sizes, mixer_pattern
 from kimi.ops.kda.chunk import TRITON_MAX_HEAD_DIM
+from kimi.schema.vocabulary import RootConfig as Config
+from kimi.schema.vocabulary import check, check_choices, check_finite, check_positive, require
 
 from .registry import mixer_classes, mlp_class, mlp_kinds
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kimi.config import ModelConfig
+from kimi.model.config import ModelConfig
 from kimi.ops.documents import cu_seqlens_from_starts
 from kimi.ops.linear_ce import CHUNK_MIB, linear_cross_entropy
 

@@ -1,23 +1,37 @@
 """Optimizer factory: the optimizer optim.name names (registry.py; built in: AdamW, or MuonClip, Muon on
 hidden matrices and AdamW on the rest, see muonclip.py), and QK-Clip, a hook run after any optimizer's step
-(qk_clip.py)."""
+(qk_clip.py).
+
+The names of the package's modules are imported on first use, and torch with them, so that importing the
+optimizer's torch-free config (kimi/optim/config.py, which kimi.config assembles) does not import them.
+"""
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, runtime_checkable
+from importlib import import_module
+from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from kimi.config import OptimConfig
-from kimi.optim.groups import weight_decay_groups
-from kimi.optim.muonclip import MuonClip
-from kimi.optim.optimizers import muon_splits, ns_dtype
-from kimi.optim.qk_clip import QKClip
-from kimi.optim.registry import built, optimizer_for
-from kimi.optim.schedules import build_scheduler, lr_multiplier
+    from kimi.optim.config import OptimConfig
+    from kimi.optim.groups import weight_decay_groups  # noqa: F401
+    from kimi.optim.muonclip import MuonClip  # noqa: F401
+    from kimi.optim.optimizers import muon_splits, ns_dtype  # noqa: F401
+    from kimi.optim.qk_clip import QKClip
+    from kimi.optim.schedules import build_scheduler, lr_multiplier  # noqa: F401
 
 __all__ = ["MuonClip", "QKClip", "RoutedOptimizer", "build_optimizer", "build_qk_clip", "build_scheduler",
            "lr_multiplier", "muon_splits", "ns_dtype", "weight_decay_groups"]
+_WHERE = {"weight_decay_groups": "groups", "MuonClip": "muonclip", "muon_splits": "optimizers",
+          "ns_dtype": "optimizers", "QKClip": "qk_clip", "build_scheduler": "schedules",
+          "lr_multiplier": "schedules"}
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
 
 
 @runtime_checkable
@@ -34,6 +48,8 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, process_group=None
     part (MuonClip coordinates over them; default: all). named, fragments: the tensors to update by name when
     they are not the model's parameters but flat pieces of them (DeepSpeed's fp32 masters,
     kimi/parallel/zero_client.py), and where each piece lies."""
+    from kimi.optim.registry import built, optimizer_for
+
     named = list(model.named_parameters()) if named is None else named
     kind = optimizer_for(cfg)
     return built(kind.build(model, named, process_group, fragments), kind)
@@ -51,6 +67,8 @@ def build_qk_clip(model: torch.nn.Module, cfg: OptimConfig, group=None, head_gro
     specs = specs if cfg.qk_clip_tau > 0 else []
     if not specs:
         return None
+    from kimi.optim.qk_clip import QKClip
+
     model.record_max_logits(True)
     return QKClip(model.named_parameters() if named is None else named, specs, cfg.qk_clip_tau, group=group,
                   head_group=head_group, fragments=fragments)

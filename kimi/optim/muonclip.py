@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from kimi.config import ADJUST_LR_FNS
+from kimi.model.layouts import QKClipSpec, RowSplit
 from kimi.ops.newton_schulz import DEFAULT_COEFFICIENTS, newton_schulz, scratch
+from kimi.optim.config import ADJUST_LR_FNS
 from kimi.optim.groups import weight_decay_groups
 from kimi.optim.owners import Fragment, ParamPlan, Router, build_plans, like_param, local_tensor, ns_flops
-from kimi.model.layouts import QKClipSpec, RowSplit
 from kimi.optim.qk_clip import QKClip
 
 DEFAULT_ADAMW_PATTERNS = ("*embed*", "*lm_head*")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kimi.config import OptimConfig
+from kimi.optim.config import OptimConfig
 from kimi.optim.groups import weight_decay_groups
 from kimi.optim.muonclip import DEFAULT_ADAMW_PATTERNS, MuonClip, route
 from kimi.optim.registry import OptimizerKind, StateModel

@@ -1,5 +1,5 @@
 """Optimizers by their optim.name: adding one is a class following :class:`OptimizerKind` and one line in
-``OPTIMIZERS``, whose names are optim.name's allowed values (kimi.config.OPTIMIZERS).
+``OPTIMIZERS``, whose names are optim.name's allowed values (kimi.optim.config.OPTIMIZERS).
 
 An entry is ``module:Class`` inside kimi.optim, imported when first asked for (the built-in optimizers live in
 kimi/optim/optimizers.py, which imports this module for the base class), or the class itself. Callers ask
@@ -13,11 +13,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, Optional, Tuple, Union
 
-from kimi.config import OPTIMIZERS as _TABLE
-from kimi.config import OptimConfig, check, registered
+from kimi.optim.config import OPTIMIZERS as _TABLE
+from kimi.optim.config import OptimConfig
+from kimi.schema.vocabulary import check, registered
 
-# The table is kimi.config.OPTIMIZERS itself, the values validate() allows for optim.name: config.py is
-# imported first and cannot import this module, so the entries are made here.
+# The table is kimi.optim.config.OPTIMIZERS itself, the values validate() allows for optim.name: the config
+# is imported first and cannot import this module, so the entries are made here.
 OPTIMIZERS: Dict[str, Union[str, type]] = _TABLE
 OPTIMIZERS.update({
     "adamw": "optimizers:AdamWKind",

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kimi.config import OptimConfig, check, check_choices, check_finite, require
+from kimi.optim.config import OptimConfig
+from kimi.schema.vocabulary import check, check_choices, check_finite, require
 # fills kimi.config.OPTIMIZERS, optim.name's choices, before check_choices reads them
 import kimi.optim.registry  # noqa: F401
 

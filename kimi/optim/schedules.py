@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from kimi.config import OptimConfig
+from kimi.optim.config import OptimConfig
 
 
 def lr_multiplier(step: int, cfg: OptimConfig, max_steps: int) -> float:

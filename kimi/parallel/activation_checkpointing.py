@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from kimi.config import AC_MODES as MODES
+from kimi.parallel.config import AC_MODES as MODES
 
 _SAVED_OPS = {getattr(torch.ops.aten, name).default for name in (
     "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",

@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from kimi.config import Config, registered
 from kimi.model import KimiModel
+from kimi.schema.vocabulary import RootConfig as Config
+from kimi.schema.vocabulary import registered
 
 from .dims import ParallelDims
 from .engine_rules import ENGINES

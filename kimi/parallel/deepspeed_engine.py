@@ -22,13 +22,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from kimi.config import Config, ConfigError
 from kimi.data import Batch
+from kimi.errors import ConfigError
 from kimi.model import KimiModel
 from kimi.model.moe import set_aux_grad_scale
 from kimi.model.transformer import Block
 from kimi.optim import build_scheduler
 from kimi.precision.registry import precision_for
+from kimi.schema.vocabulary import RootConfig as Config
 
 from .dims import ParallelDims
 from .engine import keep_hyperparameters, materialize

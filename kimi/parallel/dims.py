@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from kimi.config import ConfigError, ParallelConfig
+from kimi.errors import ConfigError
+from kimi.parallel.config import ParallelConfig
 
 # fsdp_mesh slices the flattened "dp_shard_cp" dim from the root mesh, which torch's DeviceMesh says it will
 # deprecate: a note for us, not for the user, and every rank printed it. Rank 0 alone still shows it.

@@ -29,13 +29,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import loss_parallel
 
-from kimi.config import Config, pipeline_microbatches
 from kimi.data import Batch
 from kimi.model import KimiModel
 from kimi.model.moe import set_aux_grad_scale
 from kimi.optim import build_optimizer, build_qk_clip, build_scheduler
 from kimi.precision import apply_low_precision, float8_gather
 from kimi.precision.registry import precision_for
+from kimi.schema.pipeline import pipeline_microbatches
+from kimi.schema.vocabulary import RootConfig as Config
 
 from .dims import ParallelDims
 from .family_stats import FamilyStats

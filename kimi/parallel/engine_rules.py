@@ -10,11 +10,12 @@ from __future__ import annotations
 import importlib.util
 from typing import Any, Dict, Optional, Union
 
-from kimi.config import ENGINES as _TABLE
+from kimi.parallel.config import ENGINES as _TABLE
 
 TORCH, DEEPSPEED = "torch", "deepspeed"
-# The table is kimi.config.ENGINES itself, the values validate() allows for parallel.engine: "module:Class"
-# inside kimi.parallel (kimi.config.registered imports it when the engine is built), or the class.
+# The table is kimi.parallel.config.ENGINES itself, the values validate() allows for parallel.engine:
+# "module:Class" inside kimi.parallel (kimi.schema.vocabulary.registered imports it when the engine is built),
+# or the class.
 ENGINES: Dict[str, Union[str, type]] = _TABLE
 ENGINES.update({TORCH: "engine:TorchEngine", DEEPSPEED: "deepspeed_engine:DeepSpeedEngine"})
 

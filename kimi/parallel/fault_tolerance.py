@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
-from kimi.config import ConfigError
+from kimi.errors import ConfigError
 from kimi.errors import FinalError, RunError
 from kimi.optim.owners import like_param, local_tensor
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from kimi.config import ParallelConfig, stages_per_rank
 from kimi.model import KimiModel
+from kimi.parallel.config import ParallelConfig
+from kimi.schema.pipeline import stages_per_rank
 
 from .activation_checkpointing import apply_activation_checkpointing, apply_compile
 from .context_parallel import ContextParallel

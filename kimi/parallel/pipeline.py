@@ -31,9 +31,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                            ScheduleInterleavedZeroBubble)
 
-from kimi.config import SINGLE_STAGE_SCHEDULES as SINGLE_STAGE
-from kimi.config import ModelConfig
 from kimi.model import lm_loss, training_flops
+from kimi.model.config import ModelConfig
+from kimi.schema.pipeline import SINGLE_STAGE_SCHEDULES as SINGLE_STAGE
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
              "zero_bubble": ScheduleInterleavedZeroBubble}

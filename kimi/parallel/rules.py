@@ -1,12 +1,21 @@
-"""The parallel section's rules: its degrees and options, the layout against the number of processes, and
-the engine's (kimi/parallel/engine_rules.py). kimi.run.validation runs them before any data work."""
+"""The parallel section's rules: its degrees and options, the layout against the number of processes, the
+engine's (kimi/parallel/engine_rules.py), and the rules across sections that parallelism sets (sequence,
+context, expert and pipeline parallelism against the model and the batch). kimi.run.validation runs them
+before any data work; the planner (kimi/plan/search.py) asks the cross-section ones of each layout it tries.
+
+Torch-free: kimi.config re-exports the cross-section rules, as it held them before."""
 
 from __future__ import annotations
 
 import importlib.util
+from typing import List, Optional
 
-from kimi.config import Config, ConfigError, ParallelConfig, check, check_choices, require
+from kimi.errors import ConfigError
+from kimi.schema.pipeline import SINGLE_STAGE_SCHEDULES, pipeline_microbatches, pipeline_stages
+from kimi.schema.vocabulary import RootConfig as Config
+from kimi.schema.vocabulary import check, check_choices, require
 
+from .config import ParallelConfig
 from .engine_rules import engine_problem
 
 
@@ -90,3 +99,99 @@ def check_fault_tolerance(cfg: Config) -> None:
             f"model.moe_num_experts={cfg.model.moe_num_experts} with parallel.fault_tolerance=torchft: the "
             "expert biases follow each group's own token counts, so replica groups would drift apart; use a "
             "dense model (model.moe_num_experts=0) or parallel.fault_tolerance=none")
+
+
+# ---- across sections -------------------------------------------------------------------------------------
+def check_sequence_parallel(cfg: Config) -> None:
+    """Sequence parallelism splits every sequence over the tp (and cp) ranks."""
+    p, t = cfg.parallel, cfg.trainer
+    if p.tp > 1 and p.sequence_parallel:
+        ranks = f"parallel.tp={p.tp} ranks" if p.cp == 1 else f"parallel.cp*tp={p.cp}*{p.tp} ranks"
+        require(t.seq_len % (p.tp * p.cp) == 0,
+                f"trainer.seq_len={t.seq_len} does not split over {ranks} for sequence parallelism: make it "
+                f"a multiple of {p.tp * p.cp}")
+
+
+def check_context_parallel(cfg: Config) -> None:
+    """parallel.cp splits every row into equal shards; what does not work across them yet is named."""
+    m, p, t = cfg.model, cfg.parallel, cfg.trainer
+    if p.cp == 1:
+        return
+    require(t.seq_len % p.cp == 0,
+            f"trainer.seq_len={t.seq_len} does not split into parallel.cp={p.cp} equal shards: make it a "
+            f"multiple of {p.cp}")
+    require(t.seq_len // p.cp >= m.conv_size - 1,
+            f"trainer.seq_len={t.seq_len} over parallel.cp={p.cp} gives shards of {t.seq_len // p.cp} "
+            f"tokens, shorter than the short convolutions' halo (model.conv_size - 1 = {m.conv_size - 1}): "
+            "use a longer sequence or a smaller cp")
+    unsupported = [f"parallel.{k}={getattr(p, k)}" for k in ("ep",) if getattr(p, k) > 1]
+    unsupported += ["parallel.compile=true"] if p.compile else []
+    unsupported += [f"model.moe_aux_loss_coef={m.moe_aux_loss_coef} (its balance statistics are per whole "
+                    "sequence; the aux-loss-free bias update works)"] if m.moe_aux_loss_coef else []
+    require(not unsupported,
+            f"parallel.cp={p.cp} does not work with {', '.join(unsupported)} yet: reset those, or use "
+            "parallel.cp=1")
+
+
+def check_expert_parallel(cfg: Config) -> None:
+    """parallel.ep takes its ranks from dp_shard and splits every MoE layer's experts evenly."""
+    m, p = cfg.model, cfg.parallel
+    if p.ep == 1:
+        return
+    require(m.moe_num_experts > 0, f"parallel.ep={p.ep} needs a mixture-of-experts model "
+                                    "(model.moe_num_experts > 0, e.g. model=moe_tiny): expert parallelism "
+                                    "splits the routed experts; set parallel.ep=1")
+    require(p.dp_shard % p.ep == 0,
+            f"parallel.ep={p.ep} does not divide parallel.dp_shard={p.dp_shard}: the expert-parallel ranks "
+            "are taken from the dp_shard ranks; make dp_shard a multiple of ep")
+    require(m.moe_num_experts % p.ep == 0,
+            f"model.moe_num_experts={m.moe_num_experts} is not divisible by parallel.ep={p.ep}: each "
+            "expert-parallel rank holds the same number of experts; choose an ep that divides it")
+
+
+def check_stage_split(p: ParallelConfig, layers: int, split: Optional[List[int]]) -> None:
+    """Every pipeline stage needs a block; parallel.pp_split names where stages 1.. start."""
+    stages = pipeline_stages(p)
+    if stages == p.pp:
+        require(stages <= layers, f"parallel.pp={stages} is more stages than model.num_layers={layers}; "
+                                  "every stage needs a block: lower parallel.pp")
+    else:
+        require(stages <= layers,
+                f"parallel.pp={p.pp} x parallel.pp_virtual_stages={p.pp_virtual_stages} = {stages} stages "
+                f"({p.pp_schedule}) is more than model.num_layers={layers}; every stage needs a block: "
+                "lower parallel.pp_virtual_stages or parallel.pp")
+    if split:
+        split = [int(i) for i in split]
+        bounds = [0, *split, layers]
+        require(len(split) == stages - 1 and all(a < b for a, b in zip(bounds, bounds[1:])),
+                f"parallel.pp_split={split} is invalid: give {stages - 1} rising block indices in "
+                f"(0, {layers}) where stages 1..{stages - 1} start")
+
+
+def check_pipeline(cfg: Config) -> None:
+    """Stages against blocks, pp_split, and the micro-batches a step sends through the pipeline."""
+    m, p, t = cfg.model, cfg.parallel, cfg.trainer
+    if p.pp == 1:
+        require(not p.pp_split,
+                f"parallel.pp_split={list(p.pp_split or [])} is invalid: it sets pipeline stage boundaries "
+                "and parallel.pp=1 has one stage; set parallel.pp_split=null")
+        return
+    check_stage_split(p, m.num_layers, p.pp_split)
+    n = pipeline_microbatches(cfg)
+    require(n >= p.pp or p.pp_schedule == "gpipe",
+            f"parallel.pp_microbatches={p.pp_microbatches} is too few for the {p.pp_schedule} schedule over "
+            f"{p.pp} ranks: use at least {p.pp} (or 0 for that many)")
+    if p.pp_schedule not in SINGLE_STAGE_SCHEDULES:
+        # torch's interleaved schedules run max(1, n // pp) rounds of equally many micro-batches
+        rounds = max(1, n // p.pp)
+        require(n % rounds == 0,
+                f"parallel.pp_microbatches={n} is invalid for parallel.pp_schedule={p.pp_schedule} over "
+                f"parallel.pp={p.pp} ranks: torch runs it in {rounds} rounds of equally many micro-batches; "
+                f"use a multiple of {p.pp}")
+    require(t.micro_batch_size % n == 0,
+            f"trainer.micro_batch_size={t.micro_batch_size} does not split into "
+            f"parallel.pp_microbatches={n} micro-batches: make it a multiple of {n}")
+    require(t.grad_accum_steps == 1,
+            "trainer.grad_accum_steps > 1 with parallel.pp > 1: raise parallel.pp_microbatches and "
+            "trainer.micro_batch_size instead (the pipeline accumulates over micro-batches)")
+

@@ -27,8 +27,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from kimi.config import OptimConfig
 from kimi.optim import RoutedOptimizer, build_optimizer, build_qk_clip
+from kimi.optim.config import OptimConfig
 from kimi.optim.owners import Fragment
 
 # (fragment, offset of its elements in this rank's flat partition) per parameter name

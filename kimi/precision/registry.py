@@ -1,14 +1,15 @@
 """Precisions by their trainer.precision name: adding one is a class following :class:`Precision` and one line
-in ``PRECISIONS``, whose names are trainer.precision's allowed values (kimi.config.PRECISIONS). Callers ask
-:func:`precision_for` and never compare trainer.precision with a name.
+in ``PRECISIONS``, whose names are trainer.precision's allowed values (kimi.schema.run.PRECISIONS). Callers
+ask :func:`precision_for` and never compare trainer.precision with a name.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, ClassVar, Dict, Optional, Tuple
 
-from kimi.config import PRECISIONS as _TABLE
-from kimi.config import PrecisionConfig, check
+from kimi.precision.config import PrecisionConfig
+from kimi.schema.run import PRECISIONS as _TABLE
+from kimi.schema.vocabulary import check
 
 
 class Precision:
@@ -78,8 +79,8 @@ class Mxfp8(Precision):
         return lambda m: linear.to_mxfp8(m, emulate)
 
 
-# The table is kimi.config.PRECISIONS itself, the values validate() allows for trainer.precision: config.py
-# is imported first and cannot import this module, so the entries are made here.
+# The table is kimi.schema.run.PRECISIONS itself, the values validate() allows for trainer.precision: the
+# config is imported first and cannot import this module, so the entries are made here.
 PRECISIONS: Dict[str, type] = _TABLE
 PRECISIONS.update({"fp32": Fp32, "bf16": Bf16, "fp8": Fp8, "mxfp8": Mxfp8})
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 
-from kimi.config import Config, check, check_choices, pipeline_microbatches, require
+from kimi.schema.pipeline import pipeline_microbatches
+from kimi.schema.vocabulary import RootConfig as Config
+from kimi.schema.vocabulary import check, check_choices, require
 # fills kimi.config.PRECISIONS, trainer.precision's choices, before check_choices reads them
 from kimi.precision.registry import names_where, precision_for
 

@@ -12,6 +12,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from kimi.config import LoggingConfig
+from kimi.schema.stages import stage_index, tokens_at
 from kimi.run.wandb_run import offline_sync_hint, start_wandb, wandb_mode
 
 
@@ -88,6 +89,8 @@ class MetricsLogger:
         self.history: List[Dict[str, Any]] = []
         self._wandb, self._tensorboard, self._offline = None, None, False
         self.plot_path = Path(run_dir) / "loss_curve.png" if cfg.plot else None
+        # a run of stages (kimi/run/stages.py): each record names the stage of its step
+        self.stages = config_dict.get("stages") or []
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -96,7 +99,8 @@ class MetricsLogger:
         mode = wandb_mode(cfg.wandb)
         wandb_id, rewound = wandb_run_id(run_id or Path(run_dir).resolve().name, resume_step, self.path)
         self._append({"event": "start", "step": resume_step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                      **({"wandb_id": wandb_id} if mode != "disabled" else {})})
+                      **({"wandb_id": wandb_id} if mode != "disabled" else {}),
+                      **self._stage(resume_step + 1)})
         self.history = read_metrics(self.path)
         if cfg.tensorboard:
             from kimi.run.tensorboard_log import TensorBoardLog
@@ -115,9 +119,15 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in record.items()}
+        record.update(self._stage(record["step"]))
+        if self.stages and "tokens" in record:  # the earlier stages' tokens, at their own tokens per step
+            record["tokens"] = tokens_at(self.stages, record["step"], self.tokens_per_step)
         self.history.append(record)
         self._append(record)
-        scalars = {grouped_name(k): v for k, v in record.items() if k != "step"}
+        # wandb and TensorBoard chart numbers: the stage as its 1-based index (its name is in their config)
+        scalars = {grouped_name(k): v for k, v in record.items() if k not in ("step", "stage")}
+        if self.stages:
+            scalars["stage"] = stage_index(self.stages, record["step"]) + 1
         if self._tensorboard is not None:
             self._tensorboard.log(record["step"], scalars)
         if self.plot_path is not None and "val_loss" in record:  # a live run's curve, at each evaluation
@@ -129,8 +139,18 @@ class MetricsLogger:
             media.update({k: wandb.Table(columns=cols, data=rows)
                           for k, (cols, rows) in (tables or {}).items()})
             # every row has the x axis, also an evaluation's or the diagnostics' off the progress lines' steps
-            tokens = {"tokens": record["step"] * self.tokens_per_step} if self.tokens_per_step else {}
+            tokens = {"tokens": self._tokens(record["step"])} if self.tokens_per_step else {}
             self._wandb.log({**tokens, **scalars, **media}, step=record["step"])
+
+    def _tokens(self, step: int) -> int:
+        """Training tokens after step `step` (over the stages, each at its own tokens per step)."""
+        if self.stages:
+            return tokens_at(self.stages, step, self.tokens_per_step)
+        return step * self.tokens_per_step
+
+    def _stage(self, step: int) -> Dict[str, str]:
+        """{"stage": the name of the stage that trains step `step`}, or {} for a run without stages."""
+        return {"stage": self.stages[stage_index(self.stages, step)]["name"]} if self.stages else {}
 
     def log_checkpoint(self, path: Path, step: int) -> None:
         """A complete checkpoint directory as the next version of the run's model artifact, aliased
@@ -140,7 +160,7 @@ class MetricsLogger:
         import wandb
 
         artifact = wandb.Artifact(f"checkpoint-{self._wandb.id}", type="model",
-                                  metadata={"step": step, "tokens": step * self.tokens_per_step})
+                                  metadata={"step": step, "tokens": self._tokens(step)})
         artifact.add_dir(str(path))
         self._wandb.log_artifact(artifact, aliases=[f"step_{step}", "latest"])
 

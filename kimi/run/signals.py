@@ -84,12 +84,18 @@ def _leave(code: int) -> None:
     os._exit(code)
 
 
-def stopped_note(step: int, checkpoint, signal_name: Optional[str], t) -> str:
+def stopped_note(step: int, checkpoint, signal_name: Optional[str], t, stages=()) -> str:
     """The line a run prints when it stops early with a checkpoint (t: the config's trainer section): why,
     and how to go on. At trainer.stop_at_step the same command again would stop at once, so the limit has
-    to move (or go)."""
+    to move (or go). At the end of one of `stages` (the config's, kimi/run/stages.py) the next one follows."""
+    from kimi.schema.stages import boundary_at, stage_label
+
     stop_at_step, max_steps = t.stop_at_step, t.max_steps
     at_limit = bool(stop_at_step and step >= stop_at_step)
+    entered = boundary_at(stages, step) if at_limit and not signal_name else None
+    if entered is not None:
+        return (f"[kimi] {stage_label(stages, entered - 1)} complete at step {step}; checkpoint "
+                f"{checkpoint}")
     why = signal_name or (f"trainer.stop_at_step={stop_at_step}" if at_limit else "a signal on another rank")
     how = (f"run the same command with trainer.stop_at_step raised (or dropped: on to trainer.max_steps="
            f"{max_steps}) to resume" if at_limit else "run the same command again to resume")

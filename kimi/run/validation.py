@@ -2,8 +2,10 @@
 
 ``validate(cfg)`` is what ``Trainer.__init__`` calls first (before any data is downloaded or tokenised) and
 kimi.summary before it sizes a layout. Each section's rules live with the code that owns the section
-(kimi/model/rules.py, kimi/data/rules.py, kimi/optim/rules.py, kimi/parallel/rules.py); the trainer and
-logging sections, the run's own, are here; the rules across sections are kimi.config's. Each failure is a
+(kimi/model/rules.py, kimi/data/rules.py, kimi/optim/rules.py, kimi/parallel/rules.py,
+kimi/precision/rules.py); the trainer and logging sections, the run's own, are here; the rules across
+sections are kimi/parallel/rules.py's (parallelism against the model and the batch) and
+kimi/model/config.py's (the vocabulary against the tokenizer). Each failure is a
 one-line ConfigError naming its key(s) and the fix. A setting that works but is likely not what was meant is
 a warning instead: one stdout line each (rank 0), from ``warnings_of``, and the run goes on.
 """
@@ -14,15 +16,18 @@ import importlib.util
 import os
 from typing import List, Optional
 
-from kimi.config import (Config, LoggingConfig, TrainerConfig, check, check_choices, check_context_parallel,
-                         check_expert_parallel, check_finite, check_pipeline, check_positive,
-                         check_sequence_parallel, check_vocab, require)
+from kimi.config import Config
 from kimi.data.rules import data_warnings, validate_data
 from kimi.eval.harness import check_names
+from kimi.model.config import check_vocab
 from kimi.model.rules import check_kernels, check_mtp, check_tensor_parallel, validate_model
 from kimi.optim.rules import validate_optim
+from kimi.parallel.rules import (check_context_parallel, check_expert_parallel, check_pipeline,
+                                 check_sequence_parallel)
 from kimi.parallel.rules import check_engine, check_fault_tolerance, check_layout, validate_parallel
 from kimi.precision.rules import validate_precision
+from kimi.schema.run import LoggingConfig, TrainerConfig
+from kimi.schema.vocabulary import check, check_choices, check_finite, check_positive, require
 
 TENSORBOARD_MISSING = ("logging.tensorboard=true needs the tensorboard package, which is not installed: "
                        "pip install -e '.[tensorboard]' (the project's tensorboard extra), or set "

@@ -5,9 +5,9 @@ parts into the single-process output), ``executor.py`` (datatrove runs both; opt
 
 from typing import Union
 
-from kimi.config import DataConfig
 from kimi.data import pack
 from kimi.data.blend import PreparedBlend, prepare_blend
+from kimi.data.config import DataConfig
 from kimi.data.pack import PreparedData
 
 __all__ = ["PreparedBlend", "PreparedData", "prepare"]

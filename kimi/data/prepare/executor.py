@@ -16,8 +16,8 @@ from typing import Any, Dict, Optional
 from datatrove.executor import LocalPipelineExecutor, SlurmPipelineExecutor
 from datatrove.pipeline.base import PipelineStep
 
-from kimi.config import DataConfig
 from kimi.data import pack
+from kimi.data.config import DataConfig
 from kimi.data.encode import default_num_proc
 from kimi.data.pack import MANIFEST, PreparedData, data_dir_for
 from kimi.data.prepare.merge import merge_parts

@@ -13,8 +13,8 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from kimi.config import DataConfig
 from kimi.data import pack
+from kimi.data.config import DataConfig
 from kimi.data.pack import (MANIFEST, SPLITS, PreparedData, data_dir_for, exclusive, finished_shards,
                             fingerprint, shard_base, shard_tokens, split_entry, write_manifest)
 from kimi.data.prepare.parts import DONE, EXECUTOR_LOGS, PROGRESS, parts_dir, plan, run_stem, worker_dir

@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 import pyarrow.compute as pc
 
-from kimi.config import DataConfig
+from kimi.data.config import DataConfig
 from kimi.data.encode import default_num_proc, encode_documents
 from kimi.data.files import file_format, resolve_files
 from kimi.data.pack import MANIFEST, data_dir_for, ensure_tokenizer, exclusive, fingerprint
