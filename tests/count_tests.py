@@ -58,12 +58,13 @@ def table(counts: Counter) -> str:
     return "\n".join(rows)
 
 
-def write(page: Path, block: str) -> None:
+def write(page: Path, block: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the page's text from the marker `begin` to `end` (both kept, as the block holds them)."""
     text = page.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"error: {page} has no test-count markers; put {BEGIN!r} and {END!r} where the "
-                         "table goes")
-    page.write_text(text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):])
+    if begin not in text or end not in text:
+        raise SystemExit(f"error: {page} has no markers for this table; put {begin!r} and {end!r} where it "
+                         "goes")
+    page.write_text(text[:text.index(begin)] + block + text[text.index(end) + len(end):])
 
 
 if __name__ == "__main__":
