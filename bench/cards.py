@@ -8,7 +8,7 @@ losses are those of any machine with the same torch: tests/test_cards.py trains 
 fails naming the preset and step whose loss moved beyond the card's tolerance. Tokens per second and memory
 are this machine's, for reading only.
 
-    python bench/cards.py [--presets tiny,moe_tiny,k3_tiny,small]
+    python bench/cards.py [--presets tiny,moe_tiny,k3_tiny,small,k3_like]
 
 Writes bench/results/cards/<preset>.json and prints a markdown table; about 2 minutes on 2 CPU cores,
 `small` most of it. A preset's card is written again only when its run ends; --check trains the cards again
@@ -32,8 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 CARDS = ROOT / "bench" / "results" / "cards"
 # Steps per preset, and whether the test replays it: the short ones run in seconds; small's forward alone is
 # 100M parameters, so it is trained for few steps and only here.
-STEPS = {"tiny": 12, "moe_tiny": 12, "k3_tiny": 12, "small": 4}
-REPLAYED = ("tiny", "moe_tiny", "k3_tiny")
+STEPS = {"tiny": 12, "moe_tiny": 12, "k3_tiny": 12, "small": 4, "k3_like": 48}
+REPLAYED = ("tiny", "moe_tiny", "k3_tiny", "k3_like")
+# Recipes (conf/recipe, docs/stages.md) carded on a model of their own at their own settings: k3_like's first
+# two stages (40 steps at 64 tokens per row, 8 at 256: its third needs 2 ranks), one command, a stage
+# boundary between them (a checkpoint, a new stream, the decay's start)
+RECIPES = {"k3_like": "k3_tiny"}
 # Relative change of a step's loss that fails the replay: the same torch on one thread gives the same bits,
 # so this only absorbs another build's reordered float sums; a change of the model, the optimizer or the data
 # moves the loss by far more within 12 steps.
@@ -44,12 +48,16 @@ def overrides(preset: str, corpus: Path, cache: Path, run: Path) -> list[str]:
     """train.py's overrides of `preset`'s card: its data in `corpus` (kimi.data.synthetic.write_corpus),
     the token cache in `cache`, the run in `run`."""
     files = ",".join(str(p) for p in sorted(corpus.glob("*.txt")))
-    return [f"model={preset}", "data=files", f"data.data_files=[{files}]", f"data.cache_dir={cache}",
-            "data.tokenizer.vocab_size=384", "data.val_fraction=0.1", f"trainer.max_steps={STEPS[preset]}",
-            "trainer.seq_len=64", "trainer.micro_batch_size=4", "trainer.eval_every=0",
-            "trainer.eval_batches=2", "trainer.log_every=1", "trainer.sample_tokens=0", "trainer.threads=1",
-            "optim.warmup_steps=2", "logging.wandb.mode=disabled", "logging.plot=false",
-            f"trainer.run_dir={run}"]
+    data = ["data=files", f"data.data_files=[{files}]", f"data.cache_dir={cache}",
+            "data.tokenizer.vocab_size=384", "data.val_fraction=0.1"]
+    quiet = ["trainer.eval_every=0", "trainer.eval_batches=2", "trainer.log_every=1",
+             "trainer.sample_tokens=0", "trainer.threads=1", "logging.wandb.mode=disabled",
+             "logging.plot=false", f"trainer.run_dir={run}"]
+    if preset in RECIPES:  # the recipe's own lengths, batches and schedule; stopped after the carded steps
+        return [f"recipe={preset}", f"model={RECIPES[preset]}", *data,
+                f"trainer.stop_at_step={STEPS[preset]}", *quiet]
+    return [f"model={preset}", *data, f"trainer.max_steps={STEPS[preset]}", "trainer.seq_len=64",
+            "trainer.micro_batch_size=4", "optim.warmup_steps=2", *quiet]
 
 
 def card_of(records: list[dict], preset: str) -> dict:
@@ -90,11 +98,11 @@ def train(preset: str, work: Path) -> dict:
                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak, not the largest child's so far
     seconds = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
+    if os.waitstatus_to_exitcode(status) not in (0, 75):  # 75: stopped at trainer.stop_at_step (a recipe)
         sys.exit(f"the {preset} card's run failed:\n{log.read_text()[-4000:]}")
     card = card_of(read_metrics(run / "metrics.jsonl"), preset)
     vocab = json.loads(next((work / "cache").rglob("manifest.json")).read_text())["tokenizer"]["vocab_size"]
-    s = summarize(compose_config([*args[:1], f"model.vocab_size={vocab}", *args[1:]]))
+    s = summarize(compose_config([*args, f"model.vocab_size={vocab}"]))
     import torch
 
     card.update(rtol=RTOL, params=s.total, flops_per_token=s.flops_per_token,
@@ -127,8 +135,9 @@ def main() -> None:
         else:
             CARDS.mkdir(parents=True, exist_ok=True)
             (CARDS / f"{preset}.json").write_text(json.dumps(card, indent=1) + "\n")
+        val = "-" if card["val_loss"] is None else f"{card['val_loss']:.4f}"  # a recipe stopped mid-run
         rows.append(f"| {preset} | {card['params'] / 1e6:.2f}M | {card['steps']} | {card['losses'][0]:.4f} | "
-                    f"{card['losses'][-1]:.4f} | {card['val_loss']:.4f} | {card['tokens_per_s']:.0f} | "
+                    f"{card['losses'][-1]:.4f} | {val} | {card['tokens_per_s']:.0f} | "
                     f"{card['flops_per_token'] / 1e6:.1f}M | {card['peak_rss_mb']:.0f} |")
         print(rows[-1], flush=True)  # a row as soon as its card is done
     print("\n| preset | parameters | steps | first loss | last loss | val loss | tokens/s | FLOPs/token | "
