@@ -34,6 +34,8 @@ import torch  # noqa: E402
 
 from comm_count import CommCounter, write_every_rank  # noqa: E402
 
+from kimi.plan.measure import tracked_peak  # noqa: E402  (the peak as measure=K takes it)
+
 # every run: short rows, a generated corpus (see corpus()), no evaluation, checkpoints or sampling
 BASE = ["trainer.seq_len=64", "trainer.micro_batch_size=2", "trainer.max_steps=3", "trainer.eval_every=0",
         "trainer.checkpoint_every=0", "trainer.sample_tokens=0", "trainer.threads=1", "trainer.log_every=1",
@@ -59,6 +61,9 @@ LAYOUTS = {
     "k3_tiny/single/selective": ("k3_tiny", 1, ["parallel.activation_checkpointing=selective"]),
     "k3_tiny/pp2_gpipe/none": ("k3_tiny", 2, ["parallel.pp=2", "parallel.pp_schedule=gpipe",
                                               "parallel.pp_microbatches=2"]),
+    "k3_tiny/pp2_gpipe/full": ("k3_tiny", 2, ["parallel.pp=2", "parallel.pp_schedule=gpipe",
+                                              "parallel.pp_microbatches=2",
+                                              "parallel.activation_checkpointing=full"]),
     "tiny/zero1/none": ("tiny", 2, ["parallel.engine=deepspeed", "parallel.dp_shard=2",
                                     "parallel.deepspeed.zero_stage=1"]),
     "tiny/zero2/none": ("tiny", 2, ["parallel.engine=deepspeed", "parallel.dp_shard=2",
@@ -95,34 +100,12 @@ def compose_cfg(model: str, overrides: list[str], run: Path):
 
 
 # ---- one layout, under torchrun ---------------------------------------------------------------------------
-def tracker():
-    """torch's MemTracker, which also tolerates a module called twice in one step (a pipeline stage's
-    micro-batches): it refuses that for its per-module statistics, and only the totals are read here."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class Tracker(MemTracker):
-        def _pre_fw_hook(self, module, inputs):
-            try:
-                super()._pre_fw_hook(module, inputs)
-            except NotImplementedError:
-                pass
-
-    return Tracker()
-
-
 def worker(out: Path, model: str, overrides: list[str]) -> None:
     from kimi.trainer import Trainer
 
     run = Path(tempfile.mkdtemp(prefix="kimi_plan_check_"))
     trainer = Trainer(compose_cfg(model, overrides, run))
-    trainer.train_step()  # the optimizer state exists from here on
-    engine = trainer.engine
-    mem = tracker()
-    mem.track_external(engine.model, engine.optimizer)
-    with mem:
-        trainer.train_step()
-    peak = mem.get_tracker_snapshot("peak")[torch.device("cpu")]
-    snap = {str(k).rsplit(".", 1)[-1]: v for k, v in peak.items()}
+    snap = tracked_peak(trainer.train_step, trainer.engine.model, trainer.engine.optimizer, trainer.device)
     counter = CommCounter()
     with counter:
         trainer.train_step()

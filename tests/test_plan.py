@@ -195,7 +195,9 @@ def test_a_memory_rejection_says_by_how_much(small):
 def models(monkeypatch):
     """The fakes above as kimi.plan.memory and kimi.plan.comm: this checks the command, not their numbers
     (which tests/test_plan_models.py checks; sizing a 48B model takes minutes on 2 cores)."""
-    monkeypatch.setitem(sys.modules, "kimi.plan.comm", types.SimpleNamespace(collectives_per_step=fake_comm))
+    comm = types.SimpleNamespace(collectives_per_step=fake_comm,
+                                 per_rank=lambda cfg, muonclip=True: [fake_comm(cfg)])
+    monkeypatch.setitem(sys.modules, "kimi.plan.comm", comm)
     monkeypatch.setitem(sys.modules, "kimi.plan.memory", types.SimpleNamespace(memory_per_rank=fake_memory))
 
 

@@ -133,3 +133,95 @@ def test_the_models_match_a_measured_step(layout, work):
     assert 0.9 <= row["ratio"] <= 1.1, row
     for kind in row["comm"]:
         assert (kind["predicted_calls"], kind["predicted_bytes"]) == (kind["calls"], kind["bytes"]), kind
+
+
+@pytest.mark.unit
+def test_the_owner_plan_computed_once_is_every_ranks_own():
+    """kimi.plan.owner_plan runs kimi.optim.owners.assign once for a stage group (its plans differ between
+    ranks only in `local`) and caches what it counts: the same as each rank's own call."""
+    import math
+
+    import torch
+
+    from kimi.optim.owners import assign
+    from kimi.plan import owner_plan
+    from kimi.plan.shapes import pipeline
+
+    cfg = config("model=moe_tiny", "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.tp=2")
+    _, blocks, first, last = pipeline(cfg)[0]
+    params = owner_plan.rank_params(cfg, blocks, first, last)
+    muon, plans, local = owner_plan.muon_plans(cfg, params)
+    everyone = owner_plan._blocks_of(cfg, params)
+    _, routes, _ = owner_plan.model_shapes(cfg)
+    order = [i for i, x in enumerate(params) if routes[x[0]] == "muon"]
+    order += [i for i, x in enumerate(params) if routes[x[0]] != "muon" and len(x[1]) >= 2]
+    order += [i for i, x in enumerate(params) if routes[x[0]] != "muon" and len(x[1]) < 2]
+    everyone = [[mine[i] for i in order] for mine in everyone]
+    kinds = [(torch.float32, torch.device("meta"))] * len(order)
+    traffic = owner_plan.muon_traffic(cfg, blocks, first, last)
+    for rank in range(8):
+        own = assign(everyone, muon, rank, kinds)
+        assert [p.local for p in own] == local[rank]
+        who = [(p.owner, p.senders, p.keepers) for p in plans]
+        assert [(p.owner, p.senders, p.keepers) for p in own] == who
+        mine = sum(math.prod(p.shape) for p, m in zip(own, muon) if m and p.owner == rank)
+        assert traffic.owned[rank] == mine
+    assert owner_plan.muon_traffic(cfg, blocks, first, last) is traffic  # cached
+
+
+@pytest.mark.unit
+def test_the_searchs_bound_without_muonclip_is_below_the_whole_communication():
+    """The search skips a layout when its collectives without MuonClip's already make it too slow: for
+    that the rest must be a subset of every pipeline rank's collectives."""
+    from kimi.plan.comm import per_rank
+
+    cfg = config("model=moe_tiny", "parallel.dp_shard=2", "parallel.pp=2", "parallel.pp_microbatches=2")
+    whole, rest = per_rank(cfg), per_rank(cfg, muonclip=False)
+    for mine, fewer in zip(whole, rest):
+        counted = {(c.kind, c.dim): c for c in mine}
+        for c in fewer:
+            assert c.calls <= counted[(c.kind, c.dim)].calls and c.bytes <= counted[(c.kind, c.dim)].bytes
+    assert any(c.kind == "all_to_all" for rank in whole for c in rank)
+    assert not any(c.kind == "all_to_all" for rank in rest for c in rank)
+
+
+@pytest.mark.unit
+def test_the_per_shape_communication_floor_is_below_every_layout_of_the_shape():
+    """The search queues a layout behind the communication its whole shape exposes at least (comm_floor):
+    that must be at most what each of the shape's layouts exposes, recomputation and forwards included."""
+    from kimi.plan.cluster import split_args
+    from kimi.plan.layout import apply
+    from kimi.plan.model_facts import ModelFacts
+    from kimi.plan.search import make_search
+
+    cfg = config("model=moe_tiny")
+    cluster = split_args(["cluster.gpus=8", "cluster.gpus_per_node=4"]).cluster  # groups across 2 "nodes"
+    s = make_search(cfg, cluster, 8 * 4 * 64, ModelFacts.of(cfg))
+    s.run(top=1)  # enumerates every layout (and each shape's floor)
+    checked = 0
+    for shape in list(s.shapes())[::3]:
+        for layout in s.layouts(shape):
+            lines, exposed = s.comm_lines(apply(cfg, layout), s.lower_bound(layout)[0])
+            assert s.comm_floor(layout) <= exposed, (layout.label(), s.comm_floor(layout), exposed)
+            checked += s.comm_floor(layout) > 0
+    assert checked > 10  # shapes with tp, ep or MuonClip traffic were among them
+
+
+@pytest.mark.unit
+def test_a_nan_score_counts_in_no_quantile_balancing_bin():
+    """Found measuring k3_tiny with a GPipe pipeline (bench/plan_check.py): the second stage infers its
+    shapes on uninitialised activations, whose NaN scores became bin index -2**63 and crashed the step."""
+    from kimi.model.moe import required_bias_histogram
+
+    torch.manual_seed(0)
+    scores, bias = torch.rand(5, 4), torch.tensor([0.1, -0.2, 0.0, 0.3])
+    want = torch.zeros(4, 10)
+    required_bias_histogram(scores, bias, 2, want)
+    got = torch.zeros(4, 10)
+    required_bias_histogram(torch.cat([scores, torch.full((2, 4), float("nan"))]), bias, 2, got)
+    assert torch.equal(got, want) and want.sum() == 5 * 4  # the NaN tokens count in no bin
+    partial = scores.clone()
+    partial[0, 1] = float("nan")
+    some = torch.zeros(4, 10)
+    required_bias_histogram(partial, bias, 2, some)  # no out-of-range bin
+    assert want.sum() - 4 <= some.sum() < want.sum()

@@ -57,8 +57,9 @@ FT_JOBS = ("a lighthouse and two replica groups running at once, each waiting on
            "started again)")
 HUB_TASKS = ("downloads the tasks' data from the Hugging Face hub, which tests do not reach; docs/eval.md's "
              "first command runs the same command on the shipped tasks")
-PLAN_64 = ("the planner's search of 64 GPUs takes minutes with the real memory and communication models; "
-           "tests/test_plan.py runs the same command against stand-in models and checks every column")
+PLAN_64 = ("the planner's search of 64 GPUs takes about a minute on 2 cores with the real memory and "
+           "communication models (docs/planning.md, Speed); tests/test_plan.py runs the same command against "
+           "stand-in models and checks every column")
 PARTS = ("a corpus on storage shared by several machines; tests/test_prepare_workers.py runs the tokenizer "
          "step, the workers, the merge and the datatrove executor on a generated corpus and compares the "
          "bytes with one process's")

@@ -314,11 +314,15 @@ class MoE(Sublayer, nn.Module):
 @torch.no_grad()
 def required_bias_histogram(scores: torch.Tensor, bias: torch.Tensor, k: int, hist: torch.Tensor) -> None:
     """Add to hist [E, bins] the binned required biases r_ij = a_i - s_ij of scores [N, E] (a_i: token i's
-    (k+1)-th best biased score), bins uniform over [min bias - 1, max bias + 1]."""
+    (k+1)-th best biased score), bins uniform over [min bias - 1, max bias + 1]. A NaN score counts in no
+    bin: a pipeline stage infers its shapes with a forward on uninitialised activations (kimi/parallel/
+    pipeline.py undoes what it records), whose NaNs would otherwise become an out-of-range bin index."""
     cutoff = (scores + bias).topk(k + 1, dim=-1).values[:, -1:]
     lo, width = qb_range(bias, hist.shape[1])
-    bins = ((cutoff - scores - lo) / width).floor().clamp_(0, hist.shape[1] - 1).long()
-    hist.scatter_add_(1, bins.T, torch.ones_like(bins.T, dtype=hist.dtype))
+    at = (cutoff - scores - lo) / width
+    counted = ~at.isnan()
+    bins = at.nan_to_num_(0.0).floor_().clamp_(0, hist.shape[1] - 1).long()
+    hist.scatter_add_(1, bins.T, counted.T.to(hist.dtype))
 
 
 def qb_range(bias: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor]:

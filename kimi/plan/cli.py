@@ -13,6 +13,7 @@ then the families of layouts it rejected, and why. Its assumptions: docs/plannin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -40,7 +41,7 @@ def plan(argv: Sequence[str], progress: bool = True):
 
     from .model_facts import ModelFacts
     from .report import as_json, text
-    from .search import make_search, print_progress
+    from .search import make_search, progress_printer
 
     args = split_args(argv)
     cfg = compose_config(args.overrides)
@@ -51,13 +52,29 @@ def plan(argv: Sequence[str], progress: bool = True):
         raise ConfigError(f"trainer.tokens_per_step={tokens} is not a multiple of trainer.seq_len="
                           f"{t.seq_len}: give a whole number of rows")
     search = make_search(cfg, args.cluster, tokens, ModelFacts.of(cfg))
-    show = print_progress if progress and sys.stderr.isatty() else None
-    result = search.run(args.top, show)
-    if show:
+    show = progress_printer() if progress else None
+    # measure=K tries the next layout when one fails: the plan keeps a few spare
+    result = search.run(max(args.top, 2 * args.measure), show)
+    if show and sys.stderr.isatty():
         print(file=sys.stderr)
     shown = [a for a in args.overrides if not a.partition("=")[0].lstrip("+~").startswith(
         ("parallel.", "trainer.micro_batch_size", "trainer.grad_accum_steps", "trainer.precision"))]
-    return text(result, args.cluster, cfg, shown), as_json(result, args.cluster, cfg, shown), args.json
+    measured = []
+    if args.measure:
+        from . import measure
+
+        measured = measure.measure(result, cfg, shown, args.cluster.gpus, args.measure, args.measure_layers,
+                                   log=lambda line: print(line, file=sys.stderr, flush=True))
+    spare = result.best
+    result = dataclasses.replace(result, best=result.best[:args.top])
+    out, data = text(result, args.cluster, cfg, shown), as_json(result, args.cluster, cfg, shown)
+    if args.measure:
+        out += "\n\n" + measure.text(measured, args.cluster.gpus, cfg.trainer.device, cfg.model.name,
+                                     args.measure_layers, cfg.model.num_layers)
+        data["measured"] = measure.as_json(measured)
+        data["measured_overrides"] = {m.index: [*shown, *spare[m.index - 1].layout.overrides()]
+                                      for m in measured}
+    return out, data, args.json
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -67,6 +67,11 @@ KEYS: Dict[str, Tuple[Any, str]] = {
                                                        "layout leaves"),
     "top": (keyvalue.positive_int, "layouts shown (default 5)"),
     "json": (str, "write the plan (every layout shown, rejections, assumptions) to this JSON file"),
+    "measure": (keyvalue.positive_int, "train the best K layouts for 3 steps here under torchrun "
+                                       "(cluster.gpus processes on this machine) and rank them by measured "
+                                       "tokens/s and peak memory per rank, beside the prediction"),
+    "measure_layers": (keyvalue.positive_int, "with measure: run a depth-reduced model of this many blocks "
+                                              "(model.num_layers; memory predicted again for it)"),
 }
 
 
@@ -77,6 +82,8 @@ class PlanArgs:
     top: int
     json: Optional[str]
     overrides: List[str]  # the rest: Hydra overrides of the training config
+    measure: int = 0  # layouts to launch here (kimi.plan.measure)
+    measure_layers: Optional[int] = None
 
 
 def split_args(argv: Sequence[str]) -> PlanArgs:
@@ -85,7 +92,7 @@ def split_args(argv: Sequence[str]) -> PlanArgs:
     rest = [a for a in argv if a.partition("=")[0] not in KEYS]
     for a in rest:
         key = a.partition("=")[0].lstrip("+~")
-        if key.startswith("cluster.") or key in ("top", "json"):
+        if key.startswith(("cluster.", "measure")) or key in ("top", "json"):
             keyvalue.parse([a], {k: v[0] for k, v in KEYS.items()}, "kimi.plan")  # its one-line error
     values = keyvalue.parse(mine, {k: v[0] for k, v in KEYS.items()}, "kimi.plan")
     if "cluster.gpus" not in values:
@@ -105,8 +112,13 @@ def split_args(argv: Sequence[str]) -> PlanArgs:
         raise ConfigError(f"cluster.gpus={gpus} is not a whole number of nodes of cluster.gpus_per_node="
                           f"{gpn}: give a multiple of it")
     cluster = Cluster(gpus, min(gpn, gpus), f"{kind} (custom)" if custom else kind, **spec)
+    if values.get("measure") and gpus > gpn:
+        raise ConfigError(f"measure runs cluster.gpus={gpus} processes on this machine, one node: plan for "
+                          f"at most cluster.gpus_per_node={gpn} GPUs to measure, or leave measure out")
+    if "measure_layers" in values and "measure" not in values:
+        raise ConfigError("measure_layers is the depth of the measured runs: give measure=K with it")
     return PlanArgs(cluster, values.get("trainer.tokens_per_step"), values.get("top", 5), values.get("json"),
-                    rest)
+                    rest, values.get("measure", 0), values.get("measure_layers"))
 
 
 def as_dict(c: Cluster) -> Dict[str, Any]:

@@ -41,7 +41,7 @@ from typing import Dict, List, Tuple
 
 from kimi.config import Config, pipeline_microbatches
 from kimi.parallel.engine_rules import DEEPSPEED
-from kimi.plan.owner_plan import (EXACT_GROUP, muon_numel, muon_plans, rank_params, stage_group, tp_local,
+from kimi.plan.owner_plan import (EXACT_GROUP, muon_numel, muon_traffic, rank_params, stage_group, tp_local,
                                   zero_padded)
 from kimi.plan.shapes import model_shapes, muonclip, pipeline, sources
 
@@ -83,8 +83,29 @@ def _world_dim(p, stage: bool = False) -> str:
     return next((dim for dim, n in dims if n > 1), "dp_shard")
 
 
-# ---- the model's parameters on a rank -----------------------------------------------------------------
 # ---- FSDP2 ------------------------------------------------------------------------------------------------
+_UNITS: Dict[tuple, Dict[str, List[int]]] = {}
+_LASTING: set = set()  # ids of the cached unit tables
+
+
+def _units(params, tp: int, ep_n: int, dp_shard: int, cp: int) -> Dict[str, List[int]]:
+    """FSDP unit -> [padded elements, world] of a rank's parameters, cached for rank_params' (cached, so
+    lasting) tuples."""
+    key = (id(params), tp, ep_n, dp_shard, cp)
+    if key in _UNITS:
+        return _UNITS[key]
+    units: Dict[str, List[int]] = defaultdict(lambda: [0, 0])  # unit -> [padded numel, world]
+    for _, shape, dim, ep, unit in params:
+        world = dp_shard // ep_n if ep else dp_shard * cp
+        s = tp_local(shape, dim, tp, ep, ep_n)
+        units[unit][0] += _ceil(s[0], world) * world * math.prod(s[1:])
+        units[unit][1] = world
+    if isinstance(params, tuple):
+        _UNITS[key] = units
+        _LASTING.add(id(units))
+    return units
+
+
 def _fsdp(cfg: Config, params, micro: int, tally: _Tally) -> None:
     from kimi.precision.registry import precision_for
 
@@ -92,86 +113,132 @@ def _fsdp(cfg: Config, params, micro: int, tally: _Tally) -> None:
     if p.dp_replicate * p.dp_shard * p.cp == 1 or p.engine == DEEPSPEED:
         return
     gather_bytes = precision_for(cfg.trainer.precision).compute_bytes()
-    units: Dict[str, List[int]] = defaultdict(lambda: [0, 0])  # unit -> [padded numel, world]
-    for _, shape, dim, ep, unit in params:
-        world = p.dp_shard // p.ep if ep else p.dp_shard * p.cp
-        s = tp_local(shape, dim, p.tp, ep, p.ep)
-        units[unit][0] += _ceil(s[0], world) * world * math.prod(s[1:])
-        units[unit][1] = world
+    units = _units(params, p.tp, p.ep, p.dp_shard, p.cp)
     # a pipeline schedule syncs gradients at a stage's last micro-batch only (not measured here: no layout
     # of the check combines pp with FSDP); accumulation outside a pipeline reduces every micro-batch
     reduces = 1 if p.pp > 1 else micro
+    for kind, dim, calls, elements in _fsdp_sums(units, p.reshard_after_forward):
+        if kind == "all_gather":  # per forward (and backward), the gathered units in the compute dtype
+            tally.add(kind, dim, micro * calls, micro * elements * gather_bytes)
+        else:  # per gradient reduction, the fp32 shards
+            tally.add(kind, dim, reduces * calls, reduces * elements * 4)
+
+
+_FSDP_SUMS: Dict[tuple, list] = {}
+
+
+def _fsdp_sums(units: Dict[str, List[int]], reshard: bool) -> list:
+    """FSDP's collectives per forward or per reduction, summed over the units per kind in the order they
+    first occur: (kind, dim, calls, elements) with every unit (the routed experts when ep = dp_shard are
+    not sharded and gather nothing) an all-gather in the forward, again in the backward (not the root:
+    reshard_after_forward), a reduce-scatter of its gradient to the shard, and an all-reduce of that shard
+    over dp_replicate (HSDP's, also on a dp_replicate of 1: the mesh is 2-D). Cached per units table."""
+    key = (id(units), reshard)
+    if key in _FSDP_SUMS:
+        return _FSDP_SUMS[key]
+    sums: Dict[str, List] = {}
     for unit, (numel, world) in units.items():
-        if world > 1:  # a unit not sharded (the routed experts when ep = dp_shard) gathers nothing
-            again = unit != "root" and p.reshard_after_forward
-            calls = micro * (1 + again)
-            tally.add("all_gather", "dp_shard", calls, calls * numel * gather_bytes)
-            tally.add("reduce_scatter", "dp_shard", reduces, reduces * numel // world * 4)
-        tally.add("all_reduce", "dp_replicate", reduces, reduces * numel // world * 4)
+        if world > 1:
+            again = unit != "root" and reshard
+            row = sums.setdefault("all_gather", ["dp_shard", 0, 0])
+            row[1] += 1 + again
+            row[2] += (1 + again) * numel
+            row = sums.setdefault("reduce_scatter", ["dp_shard", 0, 0])
+            row[1] += 1
+            row[2] += numel // world  # numel is padded to a multiple of world
+        row = sums.setdefault("all_reduce", ["dp_replicate", 0, 0])
+        row[1] += 1
+        row[2] += numel // world
+    found = [(kind, dim, calls, elements) for kind, (dim, calls, elements) in sums.items()]
+    if id(units) in _LASTING:  # a cached table: its id stays its own
+        _FSDP_SUMS[key] = found
+    return found
 
 
 # ---- tensor parallelism -----------------------------------------------------------------------------------
 def _tp(cfg: Config, blocks, first: bool, last: bool, tokens: int, micro: int, tally: _Tally) -> None:
     from kimi.precision.registry import precision_for
 
-    p, m = cfg.parallel, cfg.model
+    p = cfg.parallel
     if p.tp == 1:
         return
     act = precision_for(cfg.trainer.precision).compute_bytes()
-    model, _, _ = model_shapes(cfg)
-    sp = p.sequence_parallel
+    model_shapes(cfg)  # resolves model.vocab_size
     # a full recompute repeats what its backward needs (the sublayer input's gather under sequence
     # parallelism), not the output's reduction: torch's checkpoint stops once the saved tensors are back
     again = 2 if p.activation_checkpointing == "full" else 1
     shard = tokens // p.tp
+    for kind, (calls, tok, sh, const, tok4, const4) in _tp_sums(cfg, blocks, first, last, p.sequence_parallel,
+                                                                 again).items():
+        tally.add(kind, "tp", micro * calls,
+                  micro * (act * (tok * tokens + sh * shard + const) + 4 * (tok4 * tokens + const4)))
 
-    def add(kind, calls, elements, size=act):
-        tally.add(kind, "tp", micro * calls, micro * calls * elements * size)
+
+_TP_SUMS: Dict[tuple, Dict[str, List[int]]] = {}
+
+
+def _tp_sums(cfg: Config, blocks, first: bool, last: bool, sp: bool, again: int) -> Dict[str, List[int]]:
+    """Tensor parallelism's collectives of a pipeline rank per micro-batch, summed per kind in the order
+    they first occur: [calls, then the bytes' coefficients: of tokens x the compute dtype's size, of the
+    rank's shard of them x that size, of that size alone, of tokens x 4, of 4]. Cached per model shape and
+    blocks: each layout then costs a few multiplications, not a pass over the blocks."""
+    key = (repr(cfg.model), tuple(blocks), first, last, sp, again)
+    if key in _TP_SUMS:
+        return _TP_SUMS[key]
+    d = cfg.model.d_model
+    table = _tp_table(cfg)
+    sums: Dict[str, List[int]] = {}
+
+    def add(kind, calls, tok=0, sh=0, const=0, fp32=False):
+        row = sums.setdefault(kind, [0, 0, 0, 0, 0, 0])
+        row[0] += calls
+        if fp32:
+            row[4] += calls * tok
+            row[5] += calls * const
+        else:
+            row[1] += calls * tok
+            row[2] += calls * sh
+            row[3] += calls * const
 
     for i in blocks:
-        block = model.blocks[str(i)]
-        for sub in (block.mixer, block.mlp):
-            plan = sub.tp_plan()
+        subs, norms = table[str(i)]
+        for replicate, outs, ins, grads in subs:
             if sp:  # its input gathered from the ranks' tokens
-                add("all_gather", again, shard * m.d_model)
-            if plan.replicate:
+                add("all_gather", again, sh=d)
+            if replicate:
                 if sp:  # its output's gradient gathered back from the ranks' tokens
-                    add("all_gather", 1, shard * m.d_model)
+                    add("all_gather", 1, sh=d)
                 continue
-            for name in plan.rowwise:
-                out = sub.get_submodule(name).out_features
+            for out in outs:  # the row-parallel projections' outputs
                 if sp:  # reduce-scattered forward, its gradient gathered backward
-                    add("reduce_scatter", 1, tokens * out)
-                    add("all_gather", 1, shard * out)
+                    add("reduce_scatter", 1, tok=out)
+                    add("all_gather", 1, sh=out)
                 else:
-                    add("all_reduce", 1, tokens * out)
-            for name in plan.colwise:  # each one's input gradient, summed over the ranks
-                add("all_reduce", 1, tokens * sub.get_submodule(name).in_features)
-            for name in plan.sum_grads:
-                add("all_reduce", 1, sub.get_parameter(name).numel(), 4)
+                    add("all_reduce", 1, tok=out)
+            for features in ins:  # each column-parallel projection's input gradient, summed over the ranks
+                add("all_reduce", 1, tok=features)
+            for numel in grads:
+                add("all_reduce", 1, const=numel, fp32=True)
         if sp:  # the norms and queries applied to the rank's tokens sum their gradients
-            for name in ("mixer_norm.weight", "mlp_norm.weight", "mixer_query", "mlp_query",
-                         "mixer_key_weight", "mlp_key_weight"):
-                param = _param(block, name)
-                if param is not None:
-                    add("all_reduce", 1, param.numel(), 4)
+            for numel in norms:
+                add("all_reduce", 1, const=numel, fp32=True)
     if first:  # the vocabulary-parallel embedding's output: reduced (and its gradient gathered under sp)
         if sp:
-            add("reduce_scatter", 1, tokens * m.d_model)
-            add("all_gather", 1, shard * m.d_model)
+            add("reduce_scatter", 1, tok=d)
+            add("all_gather", 1, sh=d)
         else:
-            add("all_reduce", 1, tokens * m.d_model)
+            add("all_reduce", 1, tok=d)
     if last:
         if sp:  # the LM head's input gathered, its gradient reduce-scattered; the final norm and query
-            add("all_gather", 1, shard * m.d_model)
-            add("reduce_scatter", 1, tokens * m.d_model)
-            for name in ("norm.weight", "final_query", "final_key_weight"):
-                param = _param(model, name)
-                if param is not None:
-                    add("all_reduce", 1, param.numel(), 4)
+            add("all_gather", 1, sh=d)
+            add("reduce_scatter", 1, tok=d)
+            for numel in table["end"]:
+                add("all_reduce", 1, const=numel, fp32=True)
         else:
-            add("all_reduce", 1, tokens * m.d_model)  # the head's input gradient
-        add("all_reduce", 3, tokens, 4)  # the loss-parallel cross-entropy's max, sum and target logit
+            add("all_reduce", 1, tok=d)  # the head's input gradient
+        add("all_reduce", 3, tok=1, fp32=True)  # the loss-parallel cross-entropy's max, sum and target logit
+    _TP_SUMS[key] = sums
+    return sums
 
 
 def _param(module, name: str):
@@ -179,6 +246,37 @@ def _param(module, name: str):
         return module.get_parameter(name)
     except AttributeError:
         return None
+
+
+_TP_TABLES: Dict[str, dict] = {}
+_NORMS = ("mixer_norm.weight", "mlp_norm.weight", "mixer_query", "mlp_query", "mixer_key_weight",
+          "mlp_key_weight")
+
+
+def _tp_table(cfg: Config) -> dict:
+    """What tensor parallelism splits, per block (its mixer's and MLP's (replicated, row-parallel output
+    features, column-parallel input features, elements of the parameters whose gradients are summed), and
+    the elements of its norms and queries), and the final norm's and query's elements ("end"): read from
+    the meta model once per model shape rather than once per layout."""
+    key = repr(cfg.model)
+    if key not in _TP_TABLES:
+        model, _, _ = model_shapes(cfg)
+        table = {}
+        for i, block in model.blocks.items():
+            subs = []
+            for sub in (block.mixer, block.mlp):
+                plan = sub.tp_plan()
+                if plan.replicate:
+                    subs.append((True, [], [], []))
+                    continue
+                subs.append((False, [sub.get_submodule(n).out_features for n in plan.rowwise],
+                             [sub.get_submodule(n).in_features for n in plan.colwise],
+                             [sub.get_parameter(n).numel() for n in plan.sum_grads]))
+            table[i] = (subs, [x.numel() for x in (_param(block, n) for n in _NORMS) if x is not None])
+        final = (_param(model, n) for n in ("norm.weight", "final_query", "final_key_weight"))
+        table["end"] = [x.numel() for x in final if x is not None]
+        _TP_TABLES[key] = table
+    return _TP_TABLES[key]
 
 
 # ---- pipeline ---------------------------------------------------------------------------------------------
@@ -243,7 +341,7 @@ def _cp(cfg: Config, blocks, rows: int, micro: int, tally: _Tally) -> None:
 
 
 # ---- the optimizer step -----------------------------------------------------------------------------------
-def _muonclip(cfg: Config, params, tally: _Tally) -> None:
+def _muonclip(cfg: Config, params, blocks, first: bool, last: bool, tally: _Tally) -> None:
     """MuonClip's two all-to-alls (gradients to the owners; updates back, with AdamW's replicas), bytes the
     most any rank of the stage receives."""
     world = stage_group(cfg.parallel)
@@ -255,25 +353,9 @@ def _muonclip(cfg: Config, params, tally: _Tally) -> None:
         tally.add("all_to_all", _world_dim(cfg.parallel, stage=True), 2,
                   4 * (share - share * local // whole + local))
         return
-    muon, plans = muon_plans(cfg, params)
-    to_owner, back, runs = [0] * world, [0] * world, [False, False]
-    for rank in range(world):
-        for plan, is_muon in zip(plans[rank], muon):
-            piece = plan.local_piece()
-            if is_muon:
-                runs[0] |= any(s != plan.owner for s in plan.senders)
-                runs[1] |= any(h != plan.owner for pc in plan.pieces for h in pc.holders)
-                if plan.owner == rank and not (len(plan.pieces) == 1 and plan.senders[0] == rank):
-                    to_owner[rank] += sum(pc.numel for k, pc in enumerate(plan.pieces)
-                                          if plan.senders[k] != rank)
-                elif plan.owner != rank and piece is not None:
-                    back[rank] += piece.numel
-            else:
-                runs[1] |= any(len(pc.holders) > 1 for pc in plan.pieces)
-                if piece is not None and plan.keepers[plan.local] != rank:
-                    back[rank] += piece.numel
-    totals = [4 * (to_owner[r] * runs[0] + back[r] * runs[1]) for r in range(world)]
-    tally.add("all_to_all", _world_dim(cfg.parallel, stage=True), sum(runs), max(totals))
+    t = muon_traffic(cfg, blocks, first, last)
+    totals = [4 * (t.to_owner[r] * t.runs[0] + t.back[r] * t.runs[1]) for r in range(world)]
+    tally.add("all_to_all", _world_dim(cfg.parallel, stage=True), sum(t.runs), max(totals))
 
 
 def _zero(cfg: Config, params, tally: _Tally) -> None:
@@ -295,7 +377,57 @@ def _zero(cfg: Config, params, tally: _Tally) -> None:
     tally.add("all_reduce", "dp_shard", 2, 8)  # the gradient norm, and whether every rank's is finite
 
 
-def _step(cfg: Config, params, blocks, last: bool, tally: _Tally) -> None:
+_MESHES: Dict[tuple, list] = {}
+
+
+def _clip_meshes(params, fsdp: bool, tp: bool) -> list:
+    """The gradient clip's (expert-split, sharded dims) groups of a rank's parameters, sorted; cached for
+    rank_params' (cached, so lasting) tuples."""
+    key = (id(params), fsdp, tp)
+    if key in _MESHES:
+        return _MESHES[key]
+    meshes = set()
+    for _, shape, dim_tp, ep, _ in params:
+        split = []
+        if fsdp:
+            split.append("dp_shard")
+        if ep:
+            split.append("ep")
+        if dim_tp is not None and tp:
+            split.append("tp")
+        if split:
+            meshes.add((ep, tuple(split)))
+    found = sorted(meshes)
+    if isinstance(params, tuple):
+        _MESHES[key] = found
+    return found
+
+
+_STEP_TABLES: Dict[str, tuple] = {}
+
+
+def _step_table(cfg: Config) -> tuple:
+    """Per block, once per model shape: QK-Clip's heads (its specs'), the MoE load counter's bytes and the
+    Quantile Balancing histogram's bytes, as the step sums them over the stage."""
+    key = repr(cfg.model)
+    if key not in _STEP_TABLES:
+        model, _, _ = model_shapes(cfg)
+        heads: Dict[int, List[int]] = defaultdict(list)
+        for spec in model.qk_clip_specs() or []:
+            heads[int(spec.layer.split(".")[1])].append(spec.num_heads)
+        loads, hists = {}, {}
+        for i, block in model.blocks.items():
+            if hasattr(block.mlp, "load"):
+                loads[int(i)] = block.mlp.load.numel() * block.mlp.load.element_size()
+                h = getattr(block.mlp, "qb_hist", None)
+                if h is not None:
+                    hists[int(i)] = h.numel() * h.element_size()
+        _STEP_TABLES[key] = (dict(heads), loads, hists)
+    return _STEP_TABLES[key]
+
+
+def _step(cfg: Config, params, blocks, first: bool, last: bool, tally: _Tally,
+          owners: bool = True) -> None:
 
     p, o = cfg.parallel, cfg.optim
     world = p.dp_replicate * p.dp_shard * p.cp * p.tp * p.pp
@@ -307,19 +439,8 @@ def _step(cfg: Config, params, blocks, last: bool, tally: _Tally) -> None:
     if p.engine == DEEPSPEED:
         _zero(cfg, params, tally)
     elif p.tp > 1 or p.pp > 1 or p.ep > 1:  # kimi's clip: one reduction per (mesh, sharded dims) group
-        meshes = set()
-        fsdp = p.dp_replicate * p.dp_shard * p.cp > 1
-        for _, shape, dim_tp, ep, _ in params:
-            split = []
-            if fsdp:
-                split.append("dp_shard")
-            if ep:
-                split.append("ep")
-            if dim_tp is not None and p.tp > 1:
-                split.append("tp")
-            if split:
-                meshes.add((ep, tuple(split)))
-        for _, split in sorted(meshes):
+        meshes = _clip_meshes(params, p.dp_replicate * p.dp_shard * p.cp > 1, p.tp > 1)
+        for _, split in meshes:
             for d in split:
                 tally.add("all_reduce", d, 1, 4)
         if p.pp > 1:
@@ -328,26 +449,28 @@ def _step(cfg: Config, params, blocks, last: bool, tally: _Tally) -> None:
         tally.add("all_reduce", "dp_shard", 1, 4 * len(params))
     stage = world // p.pp
     dim = _world_dim(p, stage=True)
-    if muonclip(cfg):
-        _muonclip(cfg, params, tally)
+    if owners and muonclip(cfg):
+        _muonclip(cfg, params, blocks, first, last, tally)
+    heads, loads, hists = _step_table(cfg)
     if o.qk_clip_tau > 0 and stage > 1:
-        specs = model.qk_clip_specs()
-        mine = [s for s in specs if int(s.layer.split(".")[1]) in set(blocks)] if specs else []
+        mine = [h for i in blocks for h in heads.get(i, ())]
         if mine:
-            tally.add("all_reduce", dim, 1, 4 * sum(s.num_heads for s in mine))
+            tally.add("all_reduce", dim, 1, 4 * sum(mine))
     if cfg.model.moe_num_experts and stage > 1:
-        moe = [model.blocks[str(i)].mlp for i in blocks if hasattr(model.blocks[str(i)].mlp, "load")]
+        moe = [i for i in blocks if i in loads]
         if moe:
-            tally.add("all_reduce", dim, 1, sum(x.load.numel() * x.load.element_size() for x in moe))
-            hists = [x.qb_hist for x in moe if getattr(x, "qb_hist", None) is not None]
-            if hists:
-                tally.add("all_reduce", dim, 1, sum(h.numel() * h.element_size() for h in hists))
+            tally.add("all_reduce", dim, 1, sum(loads[i] for i in moe))
+            kept = [hists[i] for i in moe if i in hists]
+            if kept:
+                tally.add("all_reduce", dim, 1, sum(kept))
     if p.pp > 1 and cfg.model.moe_num_experts:
         tally.add("all_reduce", "pp", 1, 4 * (2 + bool(cfg.model.moe_aux_loss_coef)))
 
 
-def per_rank(cfg: Config) -> List[List[Collective]]:
-    """The collectives of each pipeline rank (any of its dp, cp, tp ranks)."""
+def per_rank(cfg: Config, muonclip: bool = True) -> List[List[Collective]]:
+    """The collectives of each pipeline rank (any of its dp, cp, tp ranks); without MuonClip's all-to-alls
+    when `muonclip` is false (their owner plan is the expensive part: the planner's search bounds a layout
+    by the rest first)."""
     model_shapes(cfg)  # resolves model.vocab_size
     p, t = cfg.parallel, cfg.trainer
     M = pipeline_microbatches(cfg)
@@ -363,7 +486,7 @@ def per_rank(cfg: Config) -> List[List[Collective]]:
         _pp(cfg, rank, blocks, rows, tally)
         _ep(cfg, blocks, tokens, micro, tally)
         _cp(cfg, blocks, rows, micro, tally)
-        _step(cfg, params, blocks, last, tally)
+        _step(cfg, params, blocks, first, last, tally, muonclip)
         out.append(tally.rows())
     return out
 

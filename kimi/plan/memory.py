@@ -142,16 +142,16 @@ def _step_transient(cfg: Config, per_param: float, stage_params: int, updated: i
                     last: bool) -> float:
     """The optimizer step's working memory on one rank. MuonClip (kimi/optim/owners.py) gives every matrix
     one owner among the ranks of a pipeline stage: a rank orthogonalises the matrices it owns whole (their
-    share of the traced working memory) and holds their gathered gradients and the updates it sends back
-    (fp32, 8 bytes an element); the busiest owner counts. AdamW updates the rank's own shards."""
+    share of the traced working memory), holds their gathered gradients (fp32, 4 bytes an element) and,
+    during each of its two all-to-alls, the flat send and receive buffers the router concatenates (fp32;
+    the larger exchange counts); the busiest rank counts. AdamW updates the rank's own shards."""
     p = cfg.parallel
     if not muonclip(cfg) or p.engine != TORCH:
         return per_param * updated
     if p.dp_replicate * p.dp_shard * p.cp * p.tp == 1:
         return per_param * stage_params
     per_muon = per_param * _muon_ratio(cfg)  # the traced working memory is Muon's
-    most = max(owned(cfg, blocks, first, last))
-    return per_muon * most + 8 * most
+    return max(per_muon * mine + 4 * mine + 4 * buffers for mine, buffers in owned(cfg, blocks, first, last))
 
 
 _RATIOS: Dict[str, float] = {}

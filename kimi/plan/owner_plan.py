@@ -5,7 +5,8 @@ sizes the busiest owner's working memory by."""
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from kimi.config import Config
 from kimi.parallel.engine_rules import DEEPSPEED
@@ -16,11 +17,26 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def rank_params(cfg: Config, blocks: Sequence[int], first: bool, last: bool):
-    """[(name, full shape, tp split dim, ep split, unit)] of the parameters a pipeline rank holds (a tied
-    head once), in the order of the model's named_parameters (the optimizer's)."""
+_RANK_PARAMS: Dict[tuple, tuple] = {}
+_ORDER: Dict[str, Dict[str, int]] = {}
+
+
+def rank_params(cfg: Config, blocks: Sequence[int], first: bool, last: bool) -> tuple:
+    """((name, full shape, tp split dim, ep split, unit), ...) of the parameters a pipeline rank holds (a
+    tied head once), in the order of the model's named_parameters (the optimizer's). Cached (the search
+    asks for the same ranks' many times): read-only."""
+    model_key = repr((cfg.model, cfg.optim))
+    key = (model_key, tuple(blocks), first, last, cfg.parallel.ep > 1)
+    if key not in _RANK_PARAMS:
+        _RANK_PARAMS[key] = tuple(_rank_params(cfg, model_key, blocks, first, last))
+    return _RANK_PARAMS[key]
+
+
+def _rank_params(cfg: Config, model_key: str, blocks: Sequence[int], first: bool, last: bool) -> list:
     table, ep_on, seen, out = facts(cfg), cfg.parallel.ep > 1, set(), []
-    order = {name: i for i, (name, _) in enumerate(model_shapes(cfg)[2])}
+    if model_key not in _ORDER:
+        _ORDER[model_key] = {name: i for i, (name, _) in enumerate(model_shapes(cfg)[2])}
+    order = _ORDER[model_key]
     held = [*(["embed"] if first else []), *blocks, *(["end"] if last else [])]
     for f in sorted((f for where in held for f in table.get(where, [])), key=lambda f: order[f.name]):
         if f.key in seen:
@@ -83,38 +99,39 @@ def _blocks_of(cfg: Config, params) -> List[list]:
     if p.engine == DEEPSPEED:
         return _flat_blocks(cfg, params)
     fsdp = p.dp_replicate * p.dp_shard * p.cp > 1
-    everyone = []
-    for rep in range(p.dp_replicate):
-        for s in range(p.dp_shard):
-            for c in range(p.cp):
-                for t in range(p.tp):
-                    mine = []
-                    for name, shape, dim, ep, _ in params:
-                        lo, size = [0] * len(shape), list(shape)
+    once = []  # the (dp_shard, cp, tp) ranks' layouts: every replica of dp_replicate holds the same blocks
+    for s in range(p.dp_shard):
+        for c in range(p.cp):
+            for t in range(p.tp):
+                mine = []
+                for name, shape, dim, ep, _ in params:
+                    lo, size = [0] * len(shape), list(shape)
 
-                        def cut(d, index, parts):
-                            chunk = _ceil(size[d], parts)
-                            start = min(index * chunk, size[d])
-                            lo[d] += start
-                            size[d] = min(chunk, size[d] - start)
+                    def cut(d, index, parts):
+                        chunk = _ceil(size[d], parts)
+                        start = min(index * chunk, size[d])
+                        lo[d] += start
+                        size[d] = min(chunk, size[d] - start)
 
+                    if ep:
+                        cut(0, s % p.ep, p.ep)
+                    if dim is not None and p.tp > 1:
+                        cut(dim, t, p.tp)
+                    if fsdp and shape:
                         if ep:
-                            cut(0, s % p.ep, p.ep)
-                        if dim is not None and p.tp > 1:
-                            cut(dim, t, p.tp)
-                        if fsdp and shape:
-                            if ep:
-                                cut(0, s // p.ep, p.dp_shard // p.ep)
-                            else:
-                                cut(0, s * p.cp + c, p.dp_shard * p.cp)
-                        mine.append((name, shape, "float32", tuple(lo), tuple(size), False))
-                    everyone.append(mine)
-    return everyone
+                            cut(0, s // p.ep, p.dp_shard // p.ep)
+                        else:
+                            cut(0, s * p.cp + c, p.dp_shard * p.cp)
+                    mine.append((name, shape, "float32", tuple(lo), tuple(size), False))
+                once.append(mine)
+    return once * p.dp_replicate
 
 
-def muon_plans(cfg: Config, params) -> Tuple[List[bool], List[list]]:
-    """MuonClip's plans (kimi.optim.owners.assign) as each rank of a pipeline stage's group sees them, from
-    the ranks' block layouts, in the optimizer's order; and which of them are Muon matrices."""
+def muon_plans(cfg: Config, params) -> Tuple[List[bool], list, List[List[Optional[int]]]]:
+    """MuonClip's plans (kimi.optim.owners.assign) over a pipeline stage's group, from the ranks' block
+    layouts, in the optimizer's order; which of them are Muon matrices; and per rank, the index of its piece
+    of each plan (the plans' `local` as that rank sees them). assign's plans are the same on every rank but
+    for `local`, so it runs once, not once per rank (its cost grows with the ranks)."""
     import torch
 
     from kimi.optim.owners import assign
@@ -128,7 +145,83 @@ def muon_plans(cfg: Config, params) -> Tuple[List[bool], List[list]]:
     everyone = [[mine[i] for i in order] for mine in everyone]
     muon = [routes[params[i][0]] == "muon" for i in order]
     kinds = [(torch.float32, torch.device("meta"))] * len(order)
-    return muon, [assign(everyone, muon, rank, kinds) for rank in range(len(everyone))]
+    plans = assign(everyone, muon, 0, kinds)
+    world = len(everyone)
+    local: List[List[Optional[int]]] = [[None] * len(plans) for _ in range(world)]
+    for i, plan in enumerate(plans):
+        for k in reversed(range(len(plan.pieces))):  # a rank's first piece holding it, as assign picks it
+            for r in plan.pieces[k].holders:
+                local[r][i] = k
+    return muon, plans, local
+
+
+@dataclass(frozen=True)
+class MuonTraffic:
+    """MuonClip's transfers over a pipeline stage's group, per rank: elements received as an owner (the
+    gradient blocks it lacks), elements received back (its blocks of the others' updates, and of AdamW's
+    replicated tensors from their keepers), elements of the matrices it orthogonalises whole; and whether
+    each of the two all-to-alls runs at all."""
+
+    to_owner: Tuple[int, ...]
+    back: Tuple[int, ...]
+    owned: Tuple[int, ...]
+    runs: Tuple[bool, bool]
+    sends: Tuple[int, ...] = ()  # elements sent to the owners (first all-to-all)
+    sends_back: Tuple[int, ...] = ()  # elements an owner (or an AdamW keeper) sends to the holders
+
+    def buffers(self, rank: int) -> int:
+        """Elements of the larger of the two all-to-alls' flat send and receive buffers on `rank`
+        (kimi.optim.owners.Router concatenates what it sends and receives into one tensor each)."""
+        return max(self.sends[rank] + self.to_owner[rank], self.sends_back[rank] + self.back[rank])
+
+
+_TRAFFIC: Dict[tuple, MuonTraffic] = {}
+
+
+def muon_traffic(cfg: Config, blocks: Sequence[int], first: bool, last: bool) -> MuonTraffic:
+    """MuonTraffic of a pipeline rank's stage group (up to EXACT_GROUP ranks), cached per what the plan
+    depends on: the rank's parameters' shapes, split dims and optimizer families in order (not their names,
+    so pipeline ranks holding alike blocks share it) and the degrees their blocks' layout depends on; the
+    micro-batch, checkpointing and precision variants of a layout share it too."""
+    p = cfg.parallel
+    params = rank_params(cfg, blocks, first, last)
+    _, routes, _ = model_shapes(cfg)
+    zero = p.deepspeed.zero_stage if p.engine == DEEPSPEED else None
+    key = (tuple((tuple(shape), dim, ep, routes[name]) for name, shape, dim, ep, _ in params),
+           p.dp_replicate, p.dp_shard, p.cp, p.tp, p.ep, p.engine, zero)
+    if key in _TRAFFIC:
+        return _TRAFFIC[key]
+    muon, plans, local = muon_plans(cfg, params)
+    world = len(local)
+    to_owner, back, owns, runs = [0] * world, [0] * world, [0] * world, [False, False]
+    sends, sends_back = [0] * world, [0] * world
+    for i, (plan, is_muon) in enumerate(zip(plans, muon)):
+        if is_muon:
+            runs[0] |= any(s != plan.owner for s in plan.senders)
+            runs[1] |= any(h != plan.owner for pc in plan.pieces for h in pc.holders)
+            owns[plan.owner] += math.prod(plan.shape)
+            if not (len(plan.pieces) == 1 and plan.senders[0] == plan.owner):
+                to_owner[plan.owner] += sum(pc.numel for k, pc in enumerate(plan.pieces)
+                                            if plan.senders[k] != plan.owner)
+            sends_back[plan.owner] += sum(pc.numel for pc in plan.pieces for h in pc.holders
+                                          if h != plan.owner)
+            for r in range(world):
+                k = local[r][i]
+                if r != plan.owner and k is not None:
+                    back[r] += plan.pieces[k].numel
+                    if plan.senders[k] == r:
+                        sends[r] += plan.pieces[k].numel
+        else:
+            runs[1] |= any(len(pc.holders) > 1 for pc in plan.pieces)
+            for r in range(world):
+                k = local[r][i]
+                if k is not None and plan.keepers[k] != r:
+                    back[r] += plan.pieces[k].numel
+                if k is not None and plan.keepers[k] == r:
+                    sends_back[r] += plan.pieces[k].numel * (len(plan.pieces[k].holders) - 1)
+    _TRAFFIC[key] = MuonTraffic(tuple(to_owner), tuple(back), tuple(owns), (runs[0], runs[1]), tuple(sends),
+                                tuple(sends_back))
+    return _TRAFFIC[key]
 
 
 EXACT_GROUP = 64  # stage groups up to this many ranks get MuonClip's exact plan; larger ones an estimate
@@ -138,8 +231,23 @@ def stage_group(p) -> int:
     return p.dp_replicate * p.dp_shard * p.cp * p.tp
 
 
+_NUMEL: Dict[tuple, Tuple[int, int]] = {}
+
+
 def muon_numel(cfg: Config, params) -> Tuple[int, int]:
-    """(elements of the stage's Muon matrices, of them on one rank after tp, ep and FSDP)."""
+    """(elements of the stage's Muon matrices, of them on one rank after tp, ep and FSDP); cached for
+    rank_params' (cached, so lasting) tuples."""
+    p = cfg.parallel
+    key = (id(params), p.tp, p.ep, p.dp_shard, p.cp) if isinstance(params, tuple) else None
+    if key is None or key not in _NUMEL:
+        found = _muon_numel(cfg, params)
+        if key is None:
+            return found
+        _NUMEL[key] = found
+    return _NUMEL[key]
+
+
+def _muon_numel(cfg: Config, params) -> Tuple[int, int]:
     p = cfg.parallel
     _, routes, _ = model_shapes(cfg)
     whole = local = 0
@@ -152,13 +260,15 @@ def muon_numel(cfg: Config, params) -> Tuple[int, int]:
     return whole, local
 
 
-def owned(cfg: Config, blocks, first: bool, last: bool) -> List[int]:
-    """Per rank of the stage's group: the elements of the Muon matrices it orthogonalises whole (beyond
-    EXACT_GROUP ranks, the balanced share every rank gets)."""
-    params = rank_params(cfg, blocks, first, last)
+def owned(cfg: Config, blocks, first: bool, last: bool) -> List[Tuple[int, int]]:
+    """Per rank of the stage's group: (elements of the Muon matrices it orthogonalises whole, elements of
+    the larger of its two all-to-alls' flat buffers). Beyond EXACT_GROUP ranks, the balanced estimate every
+    rank gets: a 1/W share owned, its buffers what comm.py's estimate moves (the share's rest gathered, the
+    rank's own blocks sent)."""
     group = stage_group(cfg.parallel)
     if group > EXACT_GROUP:
-        return [_ceil(muon_numel(cfg, params)[0], group)]
-    muon, plans = muon_plans(cfg, params)
-    return [sum(math.prod(pl.shape) for pl, m in zip(mine, muon) if m and pl.owner == rank)
-            for rank, mine in enumerate(plans)]
+        whole, local = muon_numel(cfg, rank_params(cfg, blocks, first, last))
+        share = _ceil(whole, group)
+        return [(share, share - share * local // max(1, whole) + local)]
+    t = muon_traffic(cfg, blocks, first, last)
+    return [(t.owned[r], t.buffers(r)) for r in range(group)]

@@ -77,7 +77,7 @@ def text(plan: Plan, cluster: Cluster, cfg, overrides: Sequence[str]) -> str:
     out = [f"Plan: model {cfg.model.name} on {c.gpus} x {c.gpu} ({c.gpus_per_node} per node), "
            f"{plan.tokens_per_step:,} tokens per step in rows of trainer.seq_len={t.seq_len}, "
            f"optim={cfg.optim.name}",
-           f"  per GPU: {c.peak_flops / 1e12:.0f} TFLOP/s dense bf16, {_gib(c.hbm_bytes)} GiB HBM "
+           f"  per GPU: {c.peak_flops / 1e12:.3g} TFLOP/s dense bf16, {_gib(c.hbm_bytes)} GiB HBM "
            f"({_gib(c.hbm_bytes * (1 - RESERVE))} usable), NVLink {c.intra_node_bandwidth / 1e9:.0f} GB/s, "
            f"inter-node {c.inter_node_bandwidth / 1e9:.0f} GB/s",
            f"  searched {plan.shapes:,} shapes, {plan.candidates:,} layouts; {plan.walked:,} evaluated "

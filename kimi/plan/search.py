@@ -13,7 +13,9 @@ and, when that time would place it among the K best so far, sized (kimi.plan.mem
 the walk stops once the next lower bound cannot beat the K best. A memory failure also skips every
 candidate of the same shape and precision that needs at least as much (more rows per forward, less
 recomputation), and kimi/plan/bounds.py rejects, unsized, those that the layouts sized so far show cannot
-fit.
+fit. Before its evaluation a candidate is queued again behind the communication its whole shape exposes
+at least (comm_floor), and once K layouts are known, its collectives without MuonClip's (whose owner plan
+is the costly part) may already show it too slow.
 """
 
 from __future__ import annotations
@@ -107,9 +109,19 @@ class Search:
 
     def __init__(self, cfg: Config, cluster: Cluster, tokens_per_step: int, facts: ModelFacts,
                  memory: Callable[[Config], Dict[str, int]], comm: Callable[[Config], list],
-                 validate: Callable[[Config, int], None]):
+                 validate: Callable[[Config, int], None],
+                 comm_bound: Optional[Callable[[Config], List[list]]] = None,
+                 comm_ranks: Optional[Callable[[Config], List[list]]] = None):
+        """comm_bound: per pipeline rank, collectives that are a subset of what `comm` returns for that rank
+        (a cheaper lower bound of the exposed time), or None. comm_ranks: per pipeline rank, all of them
+        (`comm` returns the busiest's), for the per-shape bound of comm_floor, or None."""
         self.cfg, self.cluster, self.tokens, self.facts = cfg, cluster, tokens_per_step, facts
         self.memory_fn, self.comm_fn, self.validate_fn = memory, comm, validate
+        self.comm_bound_fn = comm_bound
+        self.comm_ranks_fn = comm_ranks
+        # (shape, precision) -> (forwards per step, its layout without recomputation and fewest forwards)
+        self.floors: Dict[Tuple[Shape, str], Tuple[int, Layout]] = {}
+        self._floor_s: Dict[Tuple[Shape, str], float] = {}
         self.rejected = Rejections()
         kind = cluster.gpu.split()[0]
         self.ceiling = timing.MFU_CEILING.get(kind, timing.MFU_CEILING["h200"])
@@ -118,6 +130,7 @@ class Search:
         self.fitted: set = set()  # families (shape, precision) with a layout that fits
         self.bound = MemoryBound()
         self.sized = 0  # calls of the memory model
+        self.cpu = cfg.trainer.device == "cpu"  # ranks that are CPU processes (a measure=K run here)
 
     # ---- shapes ----------------------------------------------------------------------------------------
     def shapes(self) -> Iterator[Shape]:
@@ -167,10 +180,11 @@ class Search:
             return False
         return True
 
-    @staticmethod
-    def _layout(shape: Shape, ac: str, mbs: int, accum: int, microbatches: int, precision: str) -> Layout:
-        # compile: the compiled roofline's ceiling; the engine and cp do not take it (their rules say so)
-        compile_ = shape.engine == TORCH and shape.cp == 1
+    def _layout(self, shape: Shape, ac: str, mbs: int, accum: int, microbatches: int,
+                precision: str) -> Layout:
+        # compile: the compiled roofline's ceiling; the engine and cp do not take it (their rules say so),
+        # nor a CPU run (inductor's C++ compile would cost minutes of a few-step measurement)
+        compile_ = shape.engine == TORCH and shape.cp == 1 and not self.cpu
         return Layout(shape, ac, mbs, accum, microbatches, precision, compile_)
 
     # ---- candidates ------------------------------------------------------------------------------------
@@ -185,6 +199,8 @@ class Search:
             mbs, accum, micro = (rows, 1, n) if shape.pp > 1 else (per_forward, n, 1)
             acs = AC_MODES if shape.engine == TORCH else AC_MODES[:1]
             precisions = ("bf16", "fp8") if shape.engine == TORCH and shape.tp == 1 else ("bf16",)
+            if self.cpu:  # fp32, as the CPU trains (the memory model was checked in it: docs/planning.md)
+                precisions = ("fp32",)
             for ac in acs:
                 for precision in precisions:
                     yield self._layout(shape, ac, mbs, accum, micro, precision)
@@ -202,15 +218,32 @@ class Search:
 
     # ---- evaluation ------------------------------------------------------------------------------------
     def comm_lines(self, cfg: Config, compute_s: float) -> Tuple[List[timing.CommLine], float]:
+        return self._timed(cfg, self.comm_fn(cfg), compute_s)
+
+    def _timed(self, cfg: Config, collectives, compute_s: float) -> Tuple[List[timing.CommLine], float]:
         p = cfg.parallel
         lines = []
-        for c in self.comm_fn(cfg):
+        for c in collectives:
             group, span = group_span(c.dim, p)
             link, bandwidth = self.cluster.link(span)
             seconds = timing.collective_seconds(c.kind, c.bytes, group, bandwidth, c.dim)
             overlapped = c.dim in timing.OVERLAPPED_DIMS and c.kind != "all_to_all"
             lines.append(timing.CommLine(c.kind, c.dim, c.calls, c.bytes, group, link, seconds, overlapped))
         return lines, timing.exposed(lines, compute_s)
+
+    def comm_floor(self, layout: Layout) -> float:
+        """Seconds of communication every layout of this shape and precision exposes at least: the
+        collectives that are never overlapped (tp, cp, ep, every all-to-all, MuonClip's) of its layout
+        without recomputation and with the fewest forwards (their bytes only grow with recomputation and
+        with more forwards: tokens per step are fixed, per-forward terms add up), on the pipeline rank with
+        the least; 1% below it, for the integer rounding of per-forward shards."""
+        key = (layout.shape, layout.precision)
+        if key not in self._floor_s:
+            cfg = apply(self.cfg, self.floors[key][1])
+            least = min(sum(c.seconds for c in self._timed(cfg, rows, 0.0)[0] if not c.overlapped)
+                        for rows in self.comm_ranks_fn(cfg))
+            self._floor_s[key] = 0.99 * least
+        return self._floor_s[key]
 
     def evaluate(self, layout: Layout, bound: Tuple[float, float, float],
                  cutoff: float = math.inf) -> Evaluated | str:
@@ -235,6 +268,13 @@ class Search:
                                   f"layouts like it) > {self.usable / GIB:.1f} GiB", layout)
             return "memory"
         compute, bubble, muon = bound
+        if cutoff < math.inf and self.comm_bound_fn is not None:
+            # MuonClip's owner plan is the communication model's expensive part: without it, each pipeline
+            # rank's exposed time is a lower bound of the busiest's with it (exposure only grows with more
+            # collectives), which often shows the layout cannot beat the `top` best
+            least = min(self._timed(cfg, rows, compute)[1] for rows in self.comm_bound_fn(cfg))
+            if compute + bubble + muon + least >= cutoff:
+                return "slow"
         lines, exposed = self.comm_lines(cfg, compute)
         step = timing.StepTime(compute, bubble, muon, lines, exposed)
         if step.step_s >= cutoff:
@@ -264,21 +304,37 @@ class Search:
 
     def run(self, top: int, progress: Optional[Callable[[str], None]] = None) -> Plan:
         start = time.perf_counter()
-        heap: List[Tuple[float, int, Layout, Tuple[float, float, float]]] = []
+        heap: List[Tuple[float, int, Layout, Tuple[float, float, float], bool]] = []
         shapes = 0
+        last = start
         for shape in self.shapes():
             shapes += 1
             for layout in self.layouts(shape):
                 bound = self.lower_bound(layout)
-                heap.append((sum(bound), len(heap), layout, bound))
+                heap.append((sum(bound), len(heap), layout, bound, False))
+                key = (shape, layout.precision)
+                forwards = layout.grad_accum * layout.microbatches
+                if layout.ac == "none" and (key not in self.floors or forwards < self.floors[key][0]):
+                    self.floors[key] = (forwards, layout)
+            now = time.perf_counter()
+            if progress is not None and now - last > 1.0:
+                last = now
+                progress(f"planning: {shapes:,} shapes, {len(heap):,} layouts enumerated, "
+                         f"{now - start:.0f} s")
         candidates = len(heap)
         heapq.heapify(heap)
         best: List[Evaluated] = []  # sorted by step time
         too_big: Dict[Tuple[Shape, str], List[Tuple[int, int]]] = {}  # failed (ac index, rows per forward)
         walked = 0
-        last = start
         while heap and (len(best) < top or heap[0][0] < best[-1].time.step_s):
-            _, _, layout, bound = heapq.heappop(heap)
+            first, order, layout, bound, refined = heapq.heappop(heap)
+            if not refined and self.comm_ranks_fn is not None:
+                # the shape's exposed communication, known once per shape: back in the queue with it
+                # unless it adds nothing (then its place is unchanged)
+                extra = self.comm_floor(layout)
+                if extra > 0:
+                    heapq.heappush(heap, (first + extra, order, layout, bound, True))
+                    continue
             key, need = (layout.shape, layout.precision), (AC_MODES.index(layout.ac), layout.rows_per_forward)
             if any(a >= need[0] and r <= need[1] for a, r in too_big.get(key, [])):
                 continue  # a layout needing no more memory did not fit
@@ -311,8 +367,19 @@ def group_span(dim: str, p) -> Tuple[int, int]:
     return group, group * stride
 
 
-def print_progress(line: str) -> None:
-    print(f"\r{line}", end="", file=sys.stderr, flush=True)
+def progress_printer() -> Callable[[str], None]:
+    """Progress lines on stderr: rewritten in place on a terminal (every second), else a line every 10 s
+    (a log file or a pipe keeps them all)."""
+    if sys.stderr.isatty():
+        return lambda line: print(f"\r{line}", end="", file=sys.stderr, flush=True)
+    last = [time.perf_counter()]
+
+    def show(line: str) -> None:
+        now = time.perf_counter()
+        if now - last[0] >= 10.0:
+            last[0] = now
+            print(line, file=sys.stderr, flush=True)
+    return show
 
 
 def validate_layout(cfg: Config, world: int) -> None:
@@ -324,8 +391,8 @@ def validate_layout(cfg: Config, world: int) -> None:
 
 def make_search(cfg: Config, cluster: Cluster, tokens_per_step: int, facts: ModelFacts) -> Search:
     """A Search over the project's validation and the memory and communication models."""
-    from .comm import collectives_per_step
+    from .comm import collectives_per_step, per_rank
     from .memory import memory_per_rank
 
     return Search(cfg, cluster, tokens_per_step, facts, memory_per_rank, collectives_per_step,
-                  validate_layout)
+                  validate_layout, lambda cfg: per_rank(cfg, muonclip=False), per_rank)

@@ -1,0 +1,222 @@
+"""measure=K: the plan's best layouts launched for a few steps on this machine, ranked by what they did.
+
+    python -m kimi.plan model=small cluster.gpus=4 ... trainer.device=cpu measure=2
+
+Each layout's printed overrides train under torchrun, one process per GPU of the plan (cluster.gpus of them,
+all on this machine: one node; SLURM is not driven from here), through the trainer itself: step 1 makes the
+optimizer state, step 2 runs under torch's MemTracker (each rank's peak, as bench/plan_check.py measures
+it), step 3 is timed (tokens/s). A layout that fails (out of memory, a rule the planner's checks missed, a
+crash) is reported with its error line and the next one in the plan's order is tried, until K have run.
+With measure_layers=N the runs take model.num_layers=N (depth-reduced, said so in the output) and their
+memory is predicted again for that depth; the real model otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from kimi.parallel.engine_rules import DEEPSPEED
+
+STEPS = 3  # the state's step, the measured peak's step, the timed step
+TIMEOUT_S = 3600  # one layout's launch: a hang guard, not a budget
+
+
+# ---- the peak, as bench/plan_check.py measures it ----------------------------------------------------------
+def tracker():
+    """torch's MemTracker, which also tolerates a module called twice in one step (a pipeline stage's
+    micro-batches): it refuses that for its per-module statistics, and only the totals are read here."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class Tracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs):
+            try:
+                super()._pre_fw_hook(module, inputs)
+            except NotImplementedError:
+                pass
+
+    return Tracker()
+
+
+def peak_split(mem, device) -> Dict[str, int]:
+    """MemTracker's split at the peak on `device`, by category name (PARAM, GRAD, OPT, ACT, TEMP, ...)."""
+    peak = mem.get_tracker_snapshot("peak")
+    snap = peak.get(device) or next(iter(peak.values()), {})
+    return {str(k).rsplit(".", 1)[-1]: v for k, v in snap.items()}
+
+
+def tracked_peak(step, model, optimizer, device) -> Dict[str, int]:
+    """Two training steps (`step()`): one that makes the optimizer state, then one under the tracker,
+    which follows `model` and `optimizer`; the second's split at its peak on `device` (what this module and
+    bench/plan_check.py compare with the memory model)."""
+    step()  # the optimizer state exists from here on
+    mem = tracker()
+    mem.track_external(model, optimizer)
+    with mem:
+        step()
+    return peak_split(mem, device)
+
+
+def peak_bytes(split: Dict[str, int]) -> int:
+    return sum(v for k, v in split.items() if k != "Total")
+
+
+# ---- one rank, under torchrun ------------------------------------------------------------------------------
+def worker(out: Path, overrides: Sequence[str]) -> None:
+    import torch
+
+    from kimi.parallel import destroy_distributed
+    from kimi.summary import compose_config
+    from kimi.trainer import Trainer
+
+    run = Path(tempfile.mkdtemp(prefix="kimi_plan_measure_"))
+    trainer = Trainer(compose_config([*overrides, f"trainer.run_dir={run}"]))
+    split = tracked_peak(trainer.train_step, trainer.engine.model, trainer.engine.optimizer, trainer.device)
+    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    trainer.train_step()
+    sync()
+    seconds = time.perf_counter() - start
+    rank = int(os.environ.get("RANK", "0"))
+    (out / f"rank{rank}.json").write_text(json.dumps({"peak": split, "step_s": seconds}))
+    trainer.close()  # its watchdog thread stopped before the process group goes
+    destroy_distributed()
+    shutil.rmtree(run, ignore_errors=True)  # the run's own files (its log, metrics): not what is measured
+
+
+# ---- the launches ------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Measured:
+    index: int  # the layout's place in the plan (1-based)
+    label: str
+    predicted_tokens_per_s: float
+    predicted_peak: int  # bytes, the heaviest rank (re-sized for a depth-reduced run)
+    tokens_per_s: float = 0.0
+    peak: int = 0  # bytes, the heaviest rank's measured peak
+    split: Dict[str, int] = dataclasses.field(default_factory=dict)
+    error: Optional[str] = None  # why it did not run
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted_peak / self.peak if self.peak else 0.0
+
+
+def error_line(text: str, code: int) -> str:
+    """The first line that says what went wrong on a rank (torchrun's own summary lines skipped)."""
+    keys = ("OutOfMemoryError", "out of memory", "ConfigError", "Error:", "error:")
+    for line in text.splitlines():
+        if any(k in line for k in keys) and "ChildFailedError" not in line:
+            return line.strip()[:300]
+    return f"torchrun exited {code}"
+
+
+def launch(overrides: Sequence[str], ranks: int, work: Path, timeout: float = TIMEOUT_S) -> Dict[str, Any]:
+    """Train `overrides` on `ranks` processes: {"ranks": [each rank's peak split and step_s]} or
+    {"error": its line}."""
+    work.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+           "-m", "kimi.plan.measure", "--worker", str(work), "--", *overrides]
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default for several processes per machine
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within {timeout:.0f} s"}
+    (work / "log.txt").write_text(proc.stdout + proc.stderr)
+    files = [work / f"rank{r}.json" for r in range(ranks)]
+    if not all(f.exists() for f in files):  # a rank stopped before its measurement
+        return {"error": error_line(proc.stderr + proc.stdout, proc.returncode)}
+    # every rank measured: a failure after that (at the process group's teardown) does not undo it
+    return {"ranks": [json.loads(f.read_text()) for f in files]}
+
+
+def measure(plan, cfg, overrides: Sequence[str], ranks: int, k: int, layers: Optional[int] = None,
+            log=print) -> List[Measured]:
+    """Launch the plan's layouts in its order until `k` have run (or none are left); each result, those that
+    failed too, in launch order. `overrides`: the user's training overrides (the layouts' are added)."""
+    from kimi.summary import compose_config
+
+    from .layout import apply
+    from .memory import memory_per_rank
+
+    reduced = [f"model.num_layers={layers}"] if layers else []
+    root = Path(tempfile.mkdtemp(prefix="kimi_plan_measure_"))
+    done, out = 0, []
+    for i, e in enumerate(plan.best, 1):
+        if done == k:
+            break
+        args = [*overrides, *e.layout.overrides(), *reduced]
+        predicted = e.peak
+        if layers:  # the memory model again, for the depth that runs
+            predicted = sum(memory_per_rank(apply(compose_config([*overrides, *reduced]), e.layout)).values())
+        if e.layout.shape.engine == DEEPSPEED:
+            # DeepSpeed makes its fp32 partitions and the optimizer's state at initialisation, out of the
+            # tracked module's and optimizer's reach: MemTracker sees neither (bench/plan_check.py)
+            predicted -= e.memory["optimizer"]
+        m = Measured(i, e.layout.label(), e.tokens_per_s, predicted)
+        log(f"[measure] #{i} {m.label}: training {STEPS} steps on {ranks} ranks ...")
+        result = launch(args, ranks, root / f"layout{i}")
+        if "error" in result:
+            m.error = result["error"]
+            log(f"[measure] #{i} failed: {m.error}; trying the next layout")
+        else:
+            heaviest = max(result["ranks"], key=lambda r: peak_bytes(r["peak"]))
+            m.peak, m.split = peak_bytes(heaviest["peak"]), heaviest["peak"]
+            m.tokens_per_s = plan.tokens_per_step / max(r["step_s"] for r in result["ranks"])
+            done += 1
+        out.append(m)
+    return out
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def text(results: List[Measured], ranks: int, device: str, model: str, layers: Optional[int],
+         full_layers: int) -> str:
+    from kimi.summary import table
+
+    what = (f"depth-reduced: model.num_layers={layers} of {model}'s {full_layers} blocks (memory predicted "
+            f"again for that depth; the predicted tokens/s are the full model's)" if layers
+            else f"the real model ({model}, {full_layers} blocks)")
+    out = [f"Measured on this machine: {ranks} ranks under torchrun, trainer.device={device}, {what}; "
+           f"step 2's peak per rank (MemTracker), step 3 timed"]
+    ran = sorted((m for m in results if m.error is None), key=lambda m: (-m.tokens_per_s, m.peak))
+    rows = [[str(r), f"#{m.index} {m.label}", f"{m.predicted_tokens_per_s:,.0f}", f"{m.tokens_per_s:,.0f}",
+             _mib(m.predicted_peak), _mib(m.peak), f"{m.ratio:.3f}"] for r, m in enumerate(ran, 1)]
+    if rows:
+        out.append(table(rows, ["rank", "layout (plan's #)", "predicted tokens/s", "measured tokens/s",
+                                "predicted MiB/rank", "measured MiB/rank", "predicted / measured"],
+                         "llrrrrr"))
+    for m in results:
+        if m.error is not None:
+            out.append(f"  #{m.index} {m.label} failed: {m.error}")
+    if not ran:
+        out.append("  no layout ran")
+    return "\n".join(out)
+
+
+def as_json(results: List[Measured]) -> List[Dict[str, Any]]:
+    return [{**dataclasses.asdict(m), "ratio": m.ratio} for m in results]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="one rank of a measure=K run (started by torchrun)")
+    ap.add_argument("--worker", type=Path, required=True)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    worker(args.worker, args.overrides)
+
+
+if __name__ == "__main__":
+    main()
