@@ -14,6 +14,7 @@ from helpers import corpus_overrides, run_cfg
 
 from kimi import checkpoint
 from kimi.config import ConfigError, to_config
+from kimi.errors import DataError
 from kimi.optim.schedules import lr_multiplier
 from kimi.run.metrics import read_metrics
 from kimi.run.stages import run_stages, stage_configs, validate_stages
@@ -137,6 +138,18 @@ def test_k3_like_on_one_process_names_the_cp_stage_and_the_fix(tmp_path, data):
     assert fix in str(e.value)
     fix = "; or stop the run before this stage with trainer.stop_at_step=48"
     assert fix in str(e.value)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_later_stages_missing_data_files_are_refused_before_any_step(tmp_path, data):
+    """recipe=k2_like where its anneal stage's quality files do not exist: one line naming the stage and the
+    pattern before the first stage trains (not 560 steps later, when the anneal stage would read them)."""
+    cfg = to_config(run_cfg(tmp_path / "run", data, "recipe=k2_like"))
+    cfg.stages[2].overrides["data"]["sources"][1]["data_files"] = [str(tmp_path / "nowhere" / "*.txt")]
+    with pytest.raises(DataError) as e:
+        run_stages(cfg, Trainer)
+    message = str(e.value)
+    assert message.startswith("stage 3/4 (anneal): data.data_files: nothing matches ") and "\n" not in message
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

@@ -11,7 +11,7 @@ import glob
 import gzip
 import lzma
 import os
-from typing import BinaryIO, List
+from typing import Any, BinaryIO, List
 
 from kimi.data.config import DataConfig
 from kimi.errors import DataError
@@ -53,6 +53,14 @@ def resolve_files(cfg: DataConfig) -> List[str]:
         raise FileNotFoundError(f"data.data_files={list(cfg.data_files or [])} names no files, only "
                                 "directories; name the files with a pattern such as dir/*.txt")
     return files
+
+
+def check_files_named(cfg: Any) -> None:
+    """Before any data is read: every data.data_files entry of the run's data section and of each blend
+    source (data.sources) names or matches a file, as resolve_files will need; the same errors."""
+    for part in [cfg, *(cfg.sources or [])]:
+        if part.data_files:
+            resolve_files(part)
 
 
 def _compression(path: str) -> str:

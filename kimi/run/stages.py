@@ -29,6 +29,8 @@ from omegaconf import OmegaConf
 
 from kimi import checkpoint
 from kimi.config import Config, ConfigError, _schema_keys, unknown_key
+from kimi.data.files import check_files_named
+from kimi.errors import DataError
 from kimi.schema.stages import flat_overrides, stage_ends, stage_label
 
 Log = Callable[[str], None]
@@ -138,6 +140,9 @@ def validate_stages(configs: List[Config], world: int, first: int = 0, stop: int
         try:
             with contextlib.redirect_stdout(io.StringIO()):
                 validate(configs[i], world)
+            check_files_named(configs[i].data)  # a later stage's data: missing is found now, not at its start
+        except (FileNotFoundError, DataError) as e:
+            raise DataError(f"{stage_label(stages, i)}: {e}") from None
         except ConfigError as e:
             fix = (f"; or stop the run before this stage with trainer.stop_at_step="
                    f"{stage_ends(stages)[i] - stages[i].steps}" if "process(es) were launched" in str(e)
