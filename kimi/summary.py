@@ -44,6 +44,7 @@ from kimi.optim.registry import OptimizerKind, optimizer_for
 from kimi.optim.rules import validate_optim
 from kimi.parallel.rules import validate_parallel
 from kimi.precision.registry import precision_for
+from kimi.schema.run import tokens_per_step
 
 GIB = 1024**3
 
@@ -277,7 +278,7 @@ def summarize(cfg: Config) -> Summary:
     routes = optimizer_families(optimizer_for(cfg.optim), model)
     total = model.num_params()
     t, p = cfg.trainer, cfg.parallel
-    tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps * p.dp_replicate * p.dp_shard
+    tokens = tokens_per_step(t, p.dp_replicate * p.dp_shard)
     fpt = model.flops_per_token(t.seq_len)
     facts = param_facts(model)
     ranks = [rank_state(cfg, model, routes, r, *layout, facts)

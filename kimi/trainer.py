@@ -38,7 +38,7 @@ from kimi.parallel import (ParallelDims, build_engine, checkpoint_group, fault_t
 from kimi.parallel.watchdog import Watchdog
 from kimi.run import cpu, rundir
 from kimi.run.divergence import check_finite
-from kimi.run.metrics import MetricsLogger, qk_clip_record, tokens_per_step
+from kimi.run.metrics import MetricsLogger, qk_clip_record
 from kimi.run.peaks import PeakFlops
 from kimi.run.progress import ProgressWindow, banner, cpu_size_note
 from kimi.run.profiling import StepProfiler
@@ -47,6 +47,7 @@ from kimi.run.runlog import RunLog, data_identity, nothing_to_train, save_config
 from kimi.run.signals import StopSignals, release_on_exit, stop_requested, stopped_note
 from kimi.run.step_time import StepClock
 from kimi.run.validation import validate
+from kimi.schema.run import tokens_per_step
 
 
 class Trainer:

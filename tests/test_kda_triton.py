@@ -103,13 +103,13 @@ def test_split_scores_grid_equals_serial(monkeypatch, lower_bound):
     if lower_bound is not None:
         g = g.clamp(min=lower_bound / 4)  # a bounded gate: the diagonal blocks take the matmul form
 
+    def chunk(*args, **kwargs):
+        return triton_chunk(*args, **kwargs, cu_seqlens=cu_seqlens, lower_bound=lower_bound)
+
     def run(spec):
         for key, value in common.scores_grid(spec).items():  # the launches read this one dict
             monkeypatch.setitem(common.SCORES_GRID, key, value)
         return run_with_grads(chunk, [q, k, v, g, beta, None])
-
-    def chunk(*args, **kwargs):
-        return triton_chunk(*args, **kwargs, cu_seqlens=cu_seqlens, lower_bound=lower_bound)
 
     serial, split = run("serial:8"), run("split:4")
     for a, b in zip([serial[0], serial[1], *serial[2]], [split[0], split[1], *split[2]]):

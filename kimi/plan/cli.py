@@ -21,6 +21,7 @@ from typing import List, Optional, Sequence
 
 from kimi.cli import keyvalue
 from kimi.errors import ConfigError
+from kimi.schema.run import tokens_per_step
 
 from .cluster import KEYS, split_args
 
@@ -47,7 +48,7 @@ def plan(argv: Sequence[str], progress: bool = True):
     cfg = compose_config(args.overrides)
     vocab_note(cfg)  # model.vocab_size=null: the tokenizer's, as the trainer sets it
     t = cfg.trainer
-    tokens = args.tokens_per_step or t.micro_batch_size * t.seq_len * t.grad_accum_steps * args.cluster.gpus
+    tokens = args.tokens_per_step or tokens_per_step(t, args.cluster.gpus)
     if tokens % t.seq_len:
         raise ConfigError(f"trainer.tokens_per_step={tokens} is not a multiple of trainer.seq_len="
                           f"{t.seq_len}: give a whole number of rows")

@@ -70,11 +70,6 @@ def _records(path: Path) -> Iterator[Dict[str, Any]]:
             yield r
 
 
-def tokens_per_step(t, data_parallel: int) -> int:
-    """Training tokens one optimizer step takes (trainer section `t`, over `data_parallel` ranks)."""
-    return t.micro_batch_size * t.seq_len * t.grad_accum_steps * data_parallel
-
-
 class MetricsLogger:
     """Appends one JSON object per logged step to ``metrics.jsonl`` (see :func:`read_metrics`) and mirrors
     it to wandb, each wandb row with the tokens trained so far (the charts' x axis, see start_wandb) and, with

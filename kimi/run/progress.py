@@ -14,7 +14,7 @@ import torch
 from kimi.config import mixer_pattern
 from kimi.model.registry import legend
 from kimi.run import cpu
-from kimi.run.metrics import tokens_per_step
+from kimi.schema.run import tokens_per_step
 from kimi.run.peaks import PeakFlops, busy_cpu_hint
 from kimi.run.step_time import StepClock, breakdown, short_form
 

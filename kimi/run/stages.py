@@ -31,6 +31,7 @@ from kimi import checkpoint
 from kimi.config import Config, ConfigError, _schema_keys, unknown_key
 from kimi.data.files import check_files_named
 from kimi.errors import DataError
+from kimi.schema.run import tokens_per_step
 from kimi.schema.stages import flat_overrides, stage_ends, stage_label
 
 Log = Callable[[str], None]
@@ -123,8 +124,7 @@ def _with_overrides(cfg: Config, stage, label: str, world: int) -> Config:
 
 
 def _tokens_per_step(c: Config) -> int:
-    t, p = c.trainer, c.parallel
-    return t.micro_batch_size * t.seq_len * t.grad_accum_steps * p.dp_replicate * p.dp_shard
+    return tokens_per_step(c.trainer, c.parallel.dp_replicate * c.parallel.dp_shard)
 
 
 def validate_stages(configs: List[Config], world: int, first: int = 0, stop: int = 0) -> None:

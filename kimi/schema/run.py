@@ -114,3 +114,8 @@ class LoggingConfig:
     # CUDA: synchronize the device after each timed part of a step, so time/* measures the GPU's work, not
     # only the host's (costs the overlap between the parts); a CPU's times are exact without it
     step_time_sync: bool = False
+
+
+def tokens_per_step(t: TrainerConfig, data_parallel: int) -> int:
+    """Training tokens one optimizer step takes (trainer section `t`, over `data_parallel` ranks)."""
+    return t.micro_batch_size * t.seq_len * t.grad_accum_steps * data_parallel
