@@ -111,6 +111,7 @@ def worker(out: Path, model: str, overrides: list[str]) -> None:
         trainer.train_step()
     record = {"peak": snap, "calls": dict(counter.calls), "bytes": dict(counter.bytes)}
     write_every_rank(out, record)
+    trainer.close()
     from kimi.parallel import destroy_distributed
 
     destroy_distributed()

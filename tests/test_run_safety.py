@@ -745,3 +745,21 @@ def test_a_stopped_rank_ends_the_job_with_a_message(tmp_path, data):
     assert "Last finished step per rank: 0: " in err
     latest = checkpoint.latest_complete(run / "checkpoints")
     assert latest.step >= 3 and checkpoint.verify(latest.path) == []
+
+
+@pytest.mark.dist
+def test_leaving_the_process_group_stops_a_watchdog_nobody_closed(tmp_path):
+    """A script that never closes its Trainer (bench/plan_check.py did not) left the watchdog's thread reading
+    the store while the process exited; under load it aborted the rank ("terminate called without an active
+    exception"). destroy_distributed stops every running watchdog first."""
+    import torch.distributed as dist
+
+    from kimi.parallel import destroy_distributed
+    from kimi.parallel.watchdog import Watchdog
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    dog = Watchdog(2.0).start()
+    thread = dog._thread
+    assert thread.is_alive()
+    destroy_distributed()
+    assert not thread.is_alive() and not dist.is_initialized()

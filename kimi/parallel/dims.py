@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from kimi.errors import ConfigError
 from kimi.parallel.config import ParallelConfig
+from kimi.parallel.watchdog import stop_all
 
 # fsdp_mesh slices the flattened "dp_shard_cp" dim from the root mesh, which torch's DeviceMesh says it will
 # deprecate: a note for us, not for the user, and every rank printed it. Rank 0 alone still shows it.
@@ -178,7 +179,9 @@ def checkpoint_group(timeout_s: float) -> dist.ProcessGroup:
 
 
 def destroy_distributed() -> None:
-    """Leave cleanly: gloo can abort at exit if its threads outlive the group (docs/environment.md)."""
+    """Leave cleanly: gloo can abort at exit if its threads outlive the group (docs/environment.md), and so
+    can a watchdog still reading the group's store."""
+    stop_all()
     if dist.is_initialized():
         dist.barrier()
         gc.collect()

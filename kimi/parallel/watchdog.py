@@ -13,6 +13,7 @@ even when rank 0 is the one stopped.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -27,6 +28,18 @@ import torch.distributed as dist
 from kimi.errors import EXIT_FAILED
 
 _KEY = "kimi/heartbeat/{}"
+_RUNNING: "set[Watchdog]" = set()  # started and not stopped: stop_all() ends them before the store goes
+
+
+def stop_all() -> None:
+    """Stop every running watchdog. Its thread waits in the process group's store; a store torn down under
+    it (destroy_process_group, interpreter exit) aborts the process ("terminate called without an active
+    exception"), so destroy_distributed and exit call this even where a script never closed its Trainer."""
+    for dog in list(_RUNNING):
+        dog.stop()
+
+
+atexit.register(stop_all)
 
 
 class Watchdog:
@@ -51,10 +64,12 @@ class Watchdog:
         dist.barrier()  # every rank has published once: reading a heartbeat never waits for a missing key
         self._thread = threading.Thread(target=self._run, name="kimi-watchdog", daemon=True)
         self._thread.start()
+        _RUNNING.add(self)
         return self
 
     def stop(self) -> None:
         self._stop.set()
+        _RUNNING.discard(self)
         if self._thread is not None:
             self._thread.join()
             self._thread = None
