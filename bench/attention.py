@@ -10,7 +10,7 @@ lengths, with fixed tiles; --check-only stops there (about a minute, mostly comp
 On CPU timing means nothing: it runs a correctness spot-check under the Triton interpreter instead.
 --dry-run runs the GPU code (check and timing) on CPU, interpreted, on tiny check cases and whatever sizes
 are given: plumbing, not measurements (bench/gpu_check.py --dry-run). --skip-check times without checking.
---auto reports what model.attention_backend=auto picks at each shape, with the two backends' times as
+--auto reports what model.attention.backend=auto picks at each shape, with the two backends' times as
 its own timing measured them (bench/gpu_check.py's attention_auto step).
 --compile-check (no GPU needed) compiles every kernel and tile candidate for sm_90 (--arch 90, default),
 sm_80 (--arch 80) or both (--arch all) with triton's ptxas and reports registers, spills and shared memory
@@ -207,7 +207,7 @@ def gpu_bench(args, device="cuda", done=lambda rows: None) -> dict:
               f"{r['sdpa_path_fwdbwd_max_ms'] / r['sdpa_fwdbwd_ms']:.2f}x |")
     # the backward's one switch (kimi/ops/attention/triton/common.py), both timed above
     dq_modes = {"separate": "a second kernel recomputes P and dP, deterministic "
-                            "(model.attention_deterministic=true): triton_fwdbwd_ms",
+                            "(model.attention.deterministic=true): triton_fwdbwd_ms",
                 "atomic": "default: fp32 atomic adds in the dK/dV kernel, not bitwise deterministic: "
                           "triton_fwdbwd_atomic_dq_ms"}
     return dict(heads=args.heads, tokens=args.tokens, dtype="bfloat16", causal=True, dq_modes=dq_modes,
@@ -215,7 +215,7 @@ def gpu_bench(args, device="cuda", done=lambda rows: None) -> dict:
 
 
 def auto_picks(args, device: str, done=lambda rows: None) -> list[dict]:
-    """What model.attention_backend=auto picks at each shape (causal, with QK-Clip's max logits, bf16, B =
+    """What model.attention.backend=auto picks at each shape (causal, with QK-Clip's max logits, bf16, B =
     tokens // T): kimi.ops.attention.auto's own timing of both backends, forward and backward, as a training
     run's first call of that shape makes it."""
     from kimi.ops.attention import auto
@@ -349,7 +349,7 @@ def main() -> None:
     parser.add_argument("--check-only", action="store_true", help="GPU: correctness check, no timing")
     parser.add_argument("--skip-check", action="store_true", help="GPU: timing only")
     parser.add_argument("--auto", action="store_true",
-                        help="GPU: what model.attention_backend=auto picks at each --T and --dims, no check")
+                        help="GPU: what model.attention.backend=auto picks at each --T and --dims, no check")
     parser.add_argument("--dry-run", action="store_true",
                         help="the GPU code on CPU, interpreted, tiny check cases: plumbing only")
     parser.add_argument("--plant-failure", action="store_true", help="tests: the GPU check must fail")

@@ -1,13 +1,13 @@
-"""The fused AttnRes depth mix (kimi/ops/attnres, model.attnres_backend=triton) against the unfused one, by
+"""The fused AttnRes depth mix (kimi/ops/attnres, model.attnres.backend=triton) against the unfused one, by
 bytes, on a CPU: no GPU needed.
 
 Default (the bytes report), for a model preset's shape (`1b`: d_model 2048, Block AttnRes over 8 blocks, so
 1 to 9 sources per mix), each depth mix together with the pre-norm that follows it, three ways:
 
-  eager     depth_attention, then RMSNorm (model.attnres_backend=torch without parallel.compile)
+  eager     depth_attention, then RMSNorm (model.attnres.backend=torch without parallel.compile)
   compiled  compiled_depth_attention (torch.compile, Inductor), then the eager RMSNorm: what
             parallel.compile=true runs (the norm sits outside the compiled sublayer)
-  fused     the Triton op, the norm folded in (model.attnres_backend=triton)
+  fused     the Triton op, the norm folded in (model.attnres.backend=triton)
 
 and for each, per token of a mix with N sources (bf16 sources, fp32 query and norm weight, as in training):
 
@@ -71,7 +71,7 @@ def mixes_per_step(model: str) -> Counter:
     from kimi.model.attnres import make_stream
 
     m = OmegaConf.load(ROOT / "conf/model" / f"{model}.yaml")
-    block_size = int(m.get("attnres_block_size", 4))
+    block_size = int(m.get("attnres", {}).get("block_size", 4))
     stream = make_stream(m.get("residual", "attnres_block"), torch.zeros(1), block_size, EPS)
     counts = Counter()
     for _ in range(2 * int(m.num_layers)):

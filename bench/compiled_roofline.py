@@ -39,7 +39,7 @@ import torch
 
 # the depth mix through Inductor (the fused Triton kernel would be one extern op); KDA and attention are our
 # Triton ops in the trace (step_audit.trace_step) and null kernels on the CPU run: extern either way
-OVERRIDES = ["model.attnres_backend=compile"]
+OVERRIDES = ["model.attnres.backend=compile"]
 KEEP_IN_REGION = "kimi"  # our custom ops' namespace: extern kernels inside a region, priced as unfused
 
 

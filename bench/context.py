@@ -53,7 +53,7 @@ CUTS = {"A": (4, [3]), "B": (8, [3, 7]), "C": (6, [3])}
 PRESETS = {"1b": ["model=1b", "model.vocab_size=32768"],
            # 16 routed experts instead of 256: a token's activations depend on top_k and moe_hidden, not on
            # how many experts there are (the router's scores are 4 bytes per expert: added back below)
-           "kimi_linear_48b_a3b": ["model=kimi_linear_48b_a3b", "model.moe_num_experts=16"]}
+           "kimi_linear_48b_a3b": ["model=kimi_linear_48b_a3b", "model.moe.num_experts=16"]}
 DEVICES = {"80 GB": 80e9, "141 GB": 141e9}
 GIB = 1024**3
 
@@ -178,14 +178,14 @@ def features(m) -> list[float]:
     elif m.residual == "attnres_full":
         sources = sum(1 + done for done in range(sublayers + 1))
     else:
-        bs = m.attnres_block_size
+        bs = m.attnres.block_size
         sources = sum(1 + done // bs + (done % bs > 0) for done in range(sublayers + 1))
     return [1.0, float(sublayers), float(sources)]
 
 
 def _keys_values(m) -> int:
     """Elements per token of one MLA layer's up-projected keys and values and their gradients."""
-    return 2 * m.mla_num_heads * (2 * m.qk_nope_head_dim + m.qk_rope_head_dim + 2 * m.v_head_dim)
+    return 2 * m.mla.num_heads * (2 * m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim + 2 * m.mla.v_head_dim)
 
 
 def prefix_bytes(m, blockwise: bool = False) -> float:
@@ -195,7 +195,7 @@ def prefix_bytes(m, blockwise: bool = False) -> float:
     (CPU's SDPA, packed documents), the keys and values up-projected from it with their gradients. The
     blockwise path (kimi/ops/attention/latent.py: Triton, no packed documents) up-projects one shard-long
     block at a time instead: `block_bytes` per token of the rank's shard."""
-    latent = m.kv_lora_rank + m.qk_rope_head_dim
+    latent = m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
     return 2 * (3 * latent + (0 if blockwise else _keys_values(m)))
 
 
@@ -274,11 +274,11 @@ def exchange_bytes(m, mixer: str, T: int, cp: int, rows: int = 1) -> int:
     all-reduce of all cp ranks' messages (its gradient; gloo has no reduce-scatter). KDA's message: the three
     convs' halos (bf16) and the shard summary P, S_zero (fp32); MLA's: the shard's latent and shared key."""
     if mixer == "KDA":
-        width = m.kda_num_heads * m.kda_head_dim
-        message = rows * (3 * (m.conv_size - 1) * width * 2 + m.kda_num_heads * m.kda_head_dim * 2
-                          * m.kda_head_dim * 4)
+        width = m.kda.num_heads * m.kda.head_dim
+        message = rows * (3 * (m.conv_size - 1) * width * 2 + m.kda.num_heads * m.kda.head_dim * 2
+                          * m.kda.head_dim * 4)
     else:
-        message = rows * T // cp * (m.kv_lora_rank + m.qk_rope_head_dim) * 2
+        message = rows * T // cp * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * 2
     return (2 + cp) * message
 
 
@@ -333,10 +333,10 @@ def report(out: dict, reserve: float) -> str:
     presets = [p for p in PRESETS if any(r.get("fit") == p for r in rows)]
     table, answers, cps = [], {}, (1, 2, 4, 8, 16, 32, 64)
     for preset in presets:
-        full = [o for o in PRESETS[preset] if not o.startswith("model.moe_num_experts")]
+        full = [o for o in PRESETS[preset] if not o.startswith("model.moe.num_experts")]
         m = compose_config(full).model
         coef = {**fit(rows, preset), "b": prefix_bytes(m, blockwise=True)}
-        extra = 4 * (m.moe_num_experts - 16) * (m.num_layers - m.moe_first_dense) if m.moe_num_experts else 0
+        extra = 4 * (m.moe.num_experts - 16) * (m.num_layers - m.moe.first_dense) if m.moe.num_experts else 0
         extra += block_bytes(m)
         out.setdefault("fits", {})[preset] = coef
         for dev, cap in DEVICES.items():

@@ -23,7 +23,7 @@ The default plan (PLAN; `--plan` prints it with each step's cap and predicted se
 
 More steps, for a second call (`--steps NAME ...`; `--steps all` for every one):
 
-  attention_auto     bench/attention.py --auto: what model.attention_backend=auto picks at 1b's MLA shape and
+  attention_auto     bench/attention.py --auto: what model.attention.backend=auto picks at 1b's MLA shape and
                      Kimi Linear's, 4k-16k tokens per row, with its timing of both backends
   attnres            bench/attnres.py --gpu: the fused AttnRes depth mix and pre-norm at 1b's width vs fp64,
                      timed against the eager and compiled mixes (--fla adds fla-core's fused AttnRes)
@@ -96,7 +96,7 @@ STEPS = {
     "train": ("1b training, compiled bf16: tokens/s, MFU, memory, a profiled step", 150),
     "train_fp8": ("1b with fp8 (rowwise) against train's bf16", 110),
     "peer": ("torchtitan's Llama and dense_1b beside train's 1b", 120),
-    "attention_auto": ("what model.attention_backend=auto picks per shape", 50),
+    "attention_auto": ("what model.attention.backend=auto picks per shape", 50),
     "attnres": ("fused AttnRes depth mix vs fp64, eager and compiled at 1b's width", 40),
     "attention_check": ("flash attention vs fp32", 120),
     "attention_speed": ("flash attention vs SDPA", 120),
@@ -155,7 +155,7 @@ TRAIN_DRY = {"tiny": (4, 2, 64)}
 TRAIN_FP8 = {"1b": (4, 5, 4096)}
 # peer: (sequences per step, timed steps, seq_len), and the dry run's dense stand-in: tiny made dense
 PEER, PEER_DRY = TRAIN["1b"], TRAIN_DRY["tiny"]
-DENSE_TINY = ["--dense-set", "model.layer_pattern=A", "model.residual=standard", "model.attn_num_heads=2"]
+DENSE_TINY = ["--dense-set", "model.layer_pattern=A", "model.residual=standard", "model.mha.num_heads=2"]
 
 
 def training_set(ctx: "Context", seq: int, *extra: str) -> list[str]:

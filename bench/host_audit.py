@@ -151,15 +151,15 @@ def proxy_overrides(cfg) -> list[str]:
     """Overrides that keep a preset's depth, pattern, heads and sublayer kinds and cut every width to a few
     elements per head (the proxy)."""
     m = cfg.model
-    heads = max(m.kda_num_heads, m.mla_num_heads, m.attn_num_heads)
+    heads = max(m.kda.num_heads, m.mla.num_heads, m.mha.num_heads)
     d = 16 * heads  # every projection keeps its shape's structure; heads of 16 elements
-    out = [f"model.d_model={d}", f"model.mlp_hidden={2 * d}", "model.vocab_size=256",
-           "model.kda_head_dim=16", "model.qk_nope_head_dim=16", "model.v_head_dim=16",
-           f"model.kv_lora_rank={min(m.kv_lora_rank, 32)}", "model.attn_head_dim=16"]
-    out += [f"model.qk_rope_head_dim={min(m.qk_rope_head_dim, 8)}"] if m.qk_rope_head_dim else []
-    out += [f"model.q_lora_rank={min(m.q_lora_rank, 32)}"] if m.q_lora_rank else []
-    if getattr(m, "moe_num_experts", 0):
-        out += [f"model.moe_hidden={d}"] + ([f"model.moe_latent_dim={d // 2}"] if m.moe_latent_dim else [])
+    out = [f"model.d_model={d}", f"model.mlp.hidden={2 * d}", "model.vocab_size=256",
+           "model.kda.head_dim=16", "model.mla.qk_nope_head_dim=16", "model.mla.v_head_dim=16",
+           f"model.mla.kv_lora_rank={min(m.mla.kv_lora_rank, 32)}", "model.mha.head_dim=16"]
+    out += [f"model.mla.qk_rope_head_dim={min(m.mla.qk_rope_head_dim, 8)}"] if m.mla.qk_rope_head_dim else []
+    out += [f"model.mla.q_lora_rank={min(m.mla.q_lora_rank, 32)}"] if m.mla.q_lora_rank else []
+    if m.moe.num_experts:
+        out += [f"model.moe.hidden={d}"] + ([f"model.moe.latent_dim={d // 2}"] if m.moe.latent_dim else [])
     return out
 
 
@@ -260,7 +260,7 @@ def audit_host(name: str, overrides: list[str], T: int, compose, build, batch, l
     """The host table's row of one family: eager at its real shape on meta, the proxy eager and compiled,
     and the predicted host time on a GPU against the roofline's GPU time (predicted_gpu_s: {gpu: s})."""
     # the Triton attention kernel: auto times it against SDPA on a real GPU (each issues about as many ops)
-    overrides = [*overrides, "model.attention_backend=triton"]
+    overrides = [*overrides, "model.attention.backend=triton"]
     cfg = compose(overrides)
     eager = eager_on_meta(cfg, T, build, batch, loss_of)
     proxy_cfg = compose([*overrides, *proxy_overrides(cfg)])

@@ -4,7 +4,7 @@ aux-loss-free bias update balances the experts' load in training.
 1. One MoE layer, forward + backward, grouped GEMM (kimi.model.moe.experts_grouped: tokens sorted by expert,
    torch._grouped_mm) vs the masked per-expert loop (experts_loop), side by side in one process (interleaved,
    median of --repeats), at a few token counts, fp32 and bf16.
-2. `model=moe_tiny` trained --steps steps with the bias update (model.moe_bias_rate=1e-3) and without it
+2. `model=moe_tiny` trained --steps steps with the bias update (model.moe.bias_rate=1e-3) and without it
    (0): the worst layer's max/mean tokens per expert at every step (metrics.jsonl's moe_imbalance), and the
    validation loss; a plot of the two curves.
 
@@ -67,7 +67,7 @@ def train(rate: float, steps: int, run_dir: Path) -> dict:
 
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    cmd = [sys.executable, str(ROOT / "train.py"), "model=moe_tiny", f"model.moe_bias_rate={rate}",
+    cmd = [sys.executable, str(ROOT / "train.py"), "model=moe_tiny", f"model.moe.bias_rate={rate}",
            f"trainer.max_steps={steps}", "trainer.log_every=1", f"trainer.eval_every={steps}",
            f"trainer.checkpoint_every={steps}", "trainer.sample_tokens=0", "logging.wandb.mode=disabled",
            f"hydra.run.dir={run_dir}"]

@@ -63,7 +63,7 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides)
     "fp8_rowwise": (1, 1, ["trainer.precision=fp8", "precision.fp8.recipe=rowwise"]),
     # one process with fla-core's KDA kernels (CUDA only): gpu-check's train step beside single, with
     # --step-args train="--layouts single kda_fla"
-    "kda_fla": (1, 1, ["model.kda_backend=fla"]),
+    "kda_fla": (1, 1, ["model.kda.backend=fla"]),
 }
 PRECISION_LAYOUTS = ("bf16", "fp8_tensorwise", "fp8_rowwise")
 DEFAULT_LAYOUTS = [name for name in LAYOUTS
@@ -229,7 +229,7 @@ def attnres_payloads(model: str, pp: int, seq_len: int) -> list[dict]:
     for stage, blocks in enumerate(split_blocks(mcfg, pp, seq_len)[:-1]):
         done = 2 * blocks.stop  # sublayers before the boundary
         if mcfg.residual == "attnres_block":
-            ours = 1 + done // mcfg.attnres_block_size + (done % mcfg.attnres_block_size > 0)
+            ours = 1 + done // mcfg.attnres.block_size + (done % mcfg.attnres.block_size > 0)
         else:
             ours = 1 if mcfg.residual == "standard" else 1 + done
         rows.append({"model": model, "pp": pp, "boundary": f"{stage}->{stage + 1}",

@@ -246,8 +246,8 @@ def audit_ops(overrides: list[str], T: int) -> dict:
         optimizer.step()
         if qk_clip is not None:
             qk_clip()
-        if cfg.model.moe_num_experts:
-            update_expert_bias(model, cfg.model.moe_bias_rate)
+        if cfg.model.moe.num_experts:
+            update_expert_bias(model, cfg.model.moe.bias_rate)
     rows = [{"module": m, "op": op, "dtypes": d, "calls": n}
             for (m, op, d), n in sorted(fwd_bwd.matmuls.items())]
     fp32 = []
@@ -451,7 +451,7 @@ def trace_step(overrides: list[str], T: int, regions=None):
 
     # attention as our Triton op (bf16, its FLOPs registered): on meta, SDPA would trace its math fallback,
     # fp32 batched matmuls a GPU never runs (24.6 of 1b's 152.9 ms before this)
-    cfg = compose([*overrides, "model.kda_backend=triton", "model.attention_backend=triton"])
+    cfg = compose([*overrides, "model.kda.backend=triton", "model.attention.backend=triton"])
     model = build(cfg, device="meta", dtype=torch.bfloat16)
     if regions is not None:
         regions.apply(model)
@@ -511,7 +511,7 @@ def audit_compiled(overrides: list[str], T: int, lengths: tuple[int, int]) -> di
     overrides = [*overrides, *cr.OVERRIDES]
     regions = cr.Regions()
     cost, model_flops = trace_step(overrides, T, regions)
-    cfg = compose([*overrides, "model.attention_backend=triton"])  # our op, a null kernel on the CPU run
+    cfg = compose([*overrides, "model.attention.backend=triton"])  # our op, a null kernel on the CPU run
     counts = [cr.inductor_kernels(cfg, t, build, batch, loss_of) for t in lengths]
     fused, sums = cr.at(T, *counts), cr.at(T, *counts, key="accumulation_bytes")
     gpus = cr.price({gpu: priced(cost.ops, peak) for gpu, peak in GPUS.items()}, fused, model_flops, GPUS,

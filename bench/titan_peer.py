@@ -38,12 +38,12 @@ def like(preset: str, overrides: list[str], seq_len: int | None) -> dict:
     cfg = compose_config([f"model={preset}", *overrides])
     vocab_note(cfg)
     m, seq_len = cfg.model, seq_len or cfg.trainer.seq_len
-    heads, pattern = m.attn_num_heads, mixer_pattern(m)
-    head_dim = m.attn_head_dim or m.d_model // heads
+    heads, pattern = m.mha.num_heads, mixer_pattern(m)
+    head_dim = m.mha.head_dim or m.d_model // heads
     if {*pattern, m.residual} != {"A", "standard"} or head_dim * heads != m.d_model:
         sys.exit(f"model={preset} is not Llama-shaped: blocks {pattern}, {m.residual} residual")
-    return dict(layers=m.num_layers, dim=m.d_model, heads=heads, kv_heads=m.attn_kv_heads or heads,
-                ffn_dim=m.mlp_hidden, vocab=m.vocab_size, rope_theta=m.rope_theta, tied=m.tie_embeddings,
+    return dict(layers=m.num_layers, dim=m.d_model, heads=heads, kv_heads=m.mha.kv_heads or heads,
+                ffn_dim=m.mlp.hidden, vocab=m.vocab_size, rope_theta=m.rope_theta, tied=m.tie_embeddings,
                 seq_len=seq_len)
 
 

@@ -40,8 +40,9 @@ from kimi.data.config import (DATA_FORMATS, DATA_SOURCES, PREPARE_EXECUTORS, Dat
 from kimi.errors import ConfigError  # noqa: F401 (kimi.config.ConfigError, as ever)
 from kimi.model.config import (ATTENTION_BACKENDS, ATTNRES_BACKENDS, KDA_BACKENDS, MLP_ACTIVATIONS,  # noqa: F401
                                MOE_BALANCE, MOE_IMPLS, RESIDUAL_MODES, SIZE_BOUNDS, ModelConfig,
-                               check_sizes, check_vocab, mixer_pattern, mla_layer_indices, moe_layer_indices,
-                               resolve_vocab)
+                               announce_aliases, check_sizes, check_vocab, mixer_pattern, mla_layer_indices,
+                               moe_layer_indices, resolve_aliases, resolve_vocab)
+from kimi.model.sections import ALIASES
 from kimi.optim.config import ADJUST_LR_FNS, NS_DTYPES, OPTIMIZERS, SCHEDULES, OptimConfig  # noqa: F401
 from kimi.parallel.config import (AC_MODES, ENGINES, FAULT_TOLERANCE, DeepSpeedConfig,  # noqa: F401
                                   ParallelConfig, TorchftConfig)
@@ -78,10 +79,15 @@ def register_configs() -> None:
 
 
 # ---- keys the schema lacks ---------------------------------------------------------------------------------
+def _fields(schema: type) -> list:
+    """The fields of dataclass `schema` but its alias fields (the model section's old flat keys)."""
+    return [f for f in fields(schema) if "alias_of" not in f.metadata]
+
+
 def _schema_keys(schema: type, prefix: str = "") -> List[str]:
     """Every dotted key of the dataclass `schema`, its sections included (model, data.tokenizer, ...)."""
     keys = []
-    for f in fields(schema):
+    for f in _fields(schema):
         key = f"{prefix}{f.name}"
         keys.append(key)
         default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
@@ -94,7 +100,7 @@ def _closest_key(key: str, schema: type) -> str:
     """`: did you mean <key>?` for the known key whose last part is closest (in the same section first, then
     in any), else where the keys are listed. Whole dotted keys would match on their shared section alone."""
     section, _, leaf = key.rpartition(".")
-    siblings = difflib.get_close_matches(leaf, [f.name for f in fields(schema)], n=1)
+    siblings = difflib.get_close_matches(leaf, [f.name for f in _fields(schema)], n=1)
     if siblings:
         return f": did you mean {section + '.' if section else ''}{siblings[0]}?"
     by_leaf: Dict[str, str] = {}
@@ -149,9 +155,14 @@ def to_config(cfg: Union[Config, DictConfig, Dict[str, Any]]) -> Config:
     given = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg
     _check_known_keys(given, Config)
     merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    announce_aliases(resolve_aliases(merged.model))  # the old flat keys, moved to their sections
     return OmegaConf.to_object(merged)
 
 
 def config_dict(cfg: Config) -> Dict[str, Any]:
-    """The resolved config as plain containers (for checkpoints, wandb and comparisons)."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    """The resolved config as plain containers (for checkpoints, wandb and comparisons), without the model
+    section's old flat keys (null once resolved)."""
+    out = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    for old in ALIASES:
+        out["model"].pop(old, None)
+    return out

@@ -24,8 +24,8 @@ transformers' save_pretrained writes, the dense first block's MLP under block_sp
 settings transformers' class cannot express (Attention Residuals, rotated MLA keys, a bias on KDA's output
 gate: every preset but kimi_linear_48b_a3b) is written with its own modeling code instead (below); the other
 layouts refuse it with the setting named. transformers fixes the eps of MLA's latent norm at 1e-6: a model
-trained with another `model.mla_norm_eps` (default: `model.norm_eps`, 1e-5) converts, and its logits there
-differ by that eps's effect (~4e-5 relative on a tiny model); train with `model.mla_norm_eps=1e-6` to match
+trained with another `model.mla.norm_eps` (default: `model.norm_eps`, 1e-5) converts, and its logits there
+differ by that eps's effect (~4e-5 relative on a tiny model); train with `model.mla.norm_eps=1e-6` to match
 exactly. from-hf (and in Python `load_hf(HF_DIR)`, our model in eval mode) reads either layout, one tensor at
 a time; a missing directory, damaged safetensors, a tensor of another shape or a config.json lacking a key
 is a one-line error naming it. The name and layout mapping is kimi.interop.hf.
@@ -72,12 +72,11 @@ __all__ = ["from_hf", "load_hf", "main", "save_hf", "to_hf"]  # load_hf and save
 def from_hf(hf_dir: str | Path, run_dir: str | Path) -> list[str]:
     """Write a new run directory from a transformers directory (module docstring); returns the lines to
     print (what was written and the command that trains from it)."""
-    import dataclasses
-
     from omegaconf import OmegaConf
 
     from kimi import checkpoint
     from kimi.config import ConfigError
+    from kimi.model.config import model_dict
     from kimi.data import Tokenizer
     from kimi.errors import DataError
     from kimi.folders import require_inside
@@ -87,7 +86,7 @@ def from_hf(hf_dir: str | Path, run_dir: str | Path) -> list[str]:
         raise ConfigError(f"{run_dir} already holds a run or converted weights; from-hf writes a new run "
                           "dir: choose another, or move that one aside")
     model = load_hf(hf_dir)
-    fields = dataclasses.asdict(model.cfg)
+    fields = model_dict(model.cfg)
     extra, lines = {"source": str(hf_dir.resolve())}, []
     tokenizer = None
     # the first of these the directory holds, whatever it is: a directory or a damaged file is reported

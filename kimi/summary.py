@@ -332,7 +332,7 @@ def flops(x: float) -> str:
 def report(s: Summary) -> str:
     m, t, p, o = s.cfg.model, s.cfg.trainer, s.cfg.parallel, s.cfg.optim
     out = [f"model {m.name}: {m.num_layers} blocks {mixer_pattern(m)} ({legend(m)}), d_model "
-           f"{m.d_model}, MLP width {m.mlp_hidden}, vocab {m.vocab_size}, residual {m.residual}"]
+           f"{m.d_model}, MLP width {m.mlp.hidden}, vocab {m.vocab_size}, residual {m.residual}"]
     if s.vocab_note:
         out.append(s.vocab_note)
 

@@ -20,9 +20,10 @@ def tiny_model_cfg(**overrides) -> ModelConfig:
 
 # Overrides for a trainer run in seconds: a 2-block model on a generated corpus (see make_corpus).
 TINY_TRAINER = [
-    "model.d_model=32", "model.num_layers=2", "model.mla_every=2", "model.kda_num_heads=2",
-    "model.kda_head_dim=16", "model.mla_num_heads=2", "model.kv_lora_rank=16", "model.qk_nope_head_dim=16",
-    "model.v_head_dim=16", "model.mlp_hidden=64", "model.attnres_block_size=2",
+    "model.d_model=32", "model.num_layers=2", "model.mla_every=2", "model.kda.num_heads=2",
+    "model.kda.head_dim=16", "model.mla.num_heads=2", "model.mla.kv_lora_rank=16",
+    "model.mla.qk_nope_head_dim=16", "model.mla.v_head_dim=16", "model.mlp.hidden=64",
+    "model.attnres.block_size=2",
     "trainer.micro_batch_size=4", "trainer.seq_len=32", "trainer.eval_batches=2", "trainer.log_every=1",
     "trainer.sample_tokens=0", "trainer.threads=1", "optim.warmup_steps=2", "optim.lr=1e-2",
     "logging.wandb.mode=disabled", "data=files", "data.tokenizer.vocab_size=384", "data.val_fraction=0.1",

@@ -67,9 +67,9 @@ def test_dense_mlp_equals_mlx_lm_kimi_k3():
     with torch.no_grad():
         for p in ours.parameters():
             p.normal_(0, 1.0)  # large enough that both caps act
-    args = TextArgs.from_dict(dict(hidden_size=cfg.d_model, intermediate_size=cfg.mlp_hidden,
-                                   hidden_act="situ", activation_situ_beta=cfg.situ_beta,
-                                   activation_situ_linear_beta=cfg.situ_linear_beta))
+    args = TextArgs.from_dict(dict(hidden_size=cfg.d_model, intermediate_size=cfg.mlp.hidden,
+                                   hidden_act="situ", activation_situ_beta=cfg.mlp.situ_beta,
+                                   activation_situ_linear_beta=cfg.mlp.situ_linear_beta))
     theirs = KimiK3MLP(args)
     theirs.load_weights([(f"{n}_proj.weight", mx.array(getattr(ours, f"w_{n}").weight.detach().numpy()))
                          for n in ("gate", "up", "down")])
@@ -104,5 +104,5 @@ def test_moe_experts_take_situ_grouped_equal_to_loop(dtype):
 def test_kimi_linear_export_refuses_situ():
     cfg = tiny_model_cfg(mlp_activation="situ", residual="standard", vocab_size=64, kda_gate_bias=False)
     with pytest.raises(NotExpressible,
-                       match=r"cannot express model.mlp_activation=situ .*its MLPs are SwiGLU"):
+                       match=r"cannot express model.mlp.activation=situ .*its MLPs are SwiGLU"):
         hf_config(cfg)

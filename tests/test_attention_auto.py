@@ -1,4 +1,4 @@
-"""attention(backend="auto") (model.attention_backend=auto): each shape's first call times the Triton kernel
+"""attention(backend="auto") (model.attention.backend=auto): each shape's first call times the Triton kernel
 (interpreted here) against the SDPA path, keeps the faster one that agrees with SDPA, prints one line, and
 every later call of that shape, compiled or not, runs the kept backend."""
 
@@ -90,7 +90,7 @@ def test_auto_decides_while_compiling_without_a_graph_break(timed):
 
 
 def test_auto_on_cpu_times_nothing(monkeypatch):
-    """model.attention_backend=auto (the default) reaches attention() as "auto"; on CPU tensors only SDPA
+    """model.attention.backend=auto (the default) reaches attention() as "auto"; on CPU tensors only SDPA
     runs natively, so nothing is timed and the layer equals its SDPA twin."""
     auto.reset()
     lines = []

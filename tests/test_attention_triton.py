@@ -174,7 +174,7 @@ def test_mla_layer_on_triton_backend(packed):
         return out.detach(), layer.consume_max_logits(), [p.grad.clone() for p in layer.parameters()]
 
     want = run()
-    layer.attention_options["backend"] = "triton"  # model.attention_backend=triton
+    layer.attention_options["backend"] = "triton"  # model.attention.backend=triton
     got = run()
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
@@ -244,7 +244,7 @@ def test_sdpa_path_measures_max_logits_with_the_kernel(monkeypatch):
 
 
 def test_deterministic_switch_chooses_the_dq_kernel(monkeypatch):
-    """model.attention_deterministic reaches the Triton backward: true builds dQ in its own kernel, false (the
+    """model.attention.deterministic reaches the Triton backward: true builds dQ in its own kernel, false (the
     default) with atomics; attention(deterministic=None) follows common.DQ_ATOMIC. The gradients agree."""
     from kimi.ops.attention.triton import op
 

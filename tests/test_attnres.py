@@ -120,7 +120,7 @@ def test_block_size_one_equals_full():
 
 @pytest.mark.parametrize("residual", ["attnres_full", "attnres_block"])
 def test_key_weight_is_the_query_folded(residual):
-    """model.attnres_key_weight (Kimi K3's key-norm weight gamma per mixing site): logits
+    """model.attnres.key_weight (Kimi K3's key-norm weight gamma per mixing site): logits
     w . (gamma * RMSNorm(v)) are those of the query gamma * w without gamma, at every site and in fp64
     exactly; gamma starts at 1 (and the query at 0), and both train."""
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The fused AttnRes depth mix (kimi.ops.attnres, model.attnres_backend), its Triton kernels run on CPU
+"""The fused AttnRes depth mix (kimi.ops.attnres, model.attnres.backend), its Triton kernels run on CPU
 tensors under the Triton interpreter (conftest sets TRITON_INTERPRET=1), against the unfused reference:
 depth_attention followed by the sublayer's RMSNorm. Shapes stay small: the interpreter is slow."""
 
@@ -124,7 +124,7 @@ def test_single_source_without_query_is_the_norm_of_it():
 
 
 def test_backend_selection():
-    """model.attnres_backend: torch stays today's mix (eager, compiled under parallel.compile), compile is
+    """model.attnres.backend: torch stays today's mix (eager, compiled under parallel.compile), compile is
     always compiled, auto is the fused mix whose fallback is the torch choice (what runs on CPU tensors)."""
     assert depth_mix("torch", compiled=False) is depth_attention
     assert depth_mix("torch", compiled=True) is compiled_depth_attention()
@@ -166,7 +166,7 @@ def test_kernel_failure_falls_back_under_auto_and_raises_when_forced(monkeypatch
         assert sum(str(w.message).startswith("attnres depth mix:") for w in record) == 1
         assert all(torch.equal(a, b) for a, b in zip(got, run(mix_then_norm, *args)))
         dispatch.reset()
-        with pytest.raises(TritonKernelError, match="model.attnres_backend=triton"):
+        with pytest.raises(TritonKernelError, match="model.attnres.backend=triton"):
             run(FusedDepthMix("triton").normed, *args)
     finally:
         dispatch.reset()
@@ -177,7 +177,7 @@ def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
 
     monkeypatch.setattr(common, "INTERPRET", False)
     sources, query, weight, _ = make(2, (3, 16), torch.float32)
-    with pytest.raises(RuntimeError, match=r"^model.attnres_backend=triton needs CUDA tensors[^\n]*$"):
+    with pytest.raises(RuntimeError, match=r"^model.attnres.backend=triton needs CUDA tensors[^\n]*$"):
         depth_mix_triton(query, sources, EPS, weight, NORM_EPS)
 
 
@@ -187,11 +187,11 @@ def test_fla_backend_is_refused_in_one_line(monkeypatch):
 
     sources, query, weight, _ = make(2, (3, 16), torch.float32)
     if fla.missing() is None:
-        with pytest.raises(RuntimeError, match=r"^model.attnres_backend=fla runs on CUDA tensors only"):
+        with pytest.raises(RuntimeError, match=r"^model.attnres.backend=fla runs on CUDA tensors only"):
             FusedDepthMix("fla").normed(query, sources, EPS, weight, NORM_EPS)
     monkeypatch.setattr(fla.importlib.util, "find_spec", lambda name: None)
     assert fla.missing() == "the fla-core package is not installed"
-    with pytest.raises(ImportError, match=r"^model.attnres_backend=fla: the fla-core package is not "):
+    with pytest.raises(ImportError, match=r"^model.attnres.backend=fla: the fla-core package is not "):
         FusedDepthMix("fla").normed(query, sources, EPS, weight, NORM_EPS)
 
 
@@ -236,7 +236,7 @@ def _model_step(backend: str, ac: str, ids: torch.Tensor):
 @pytest.mark.slow
 def test_model_step_matches_pytorch_path_with_and_without_checkpointing():
     """The tiny model (Block AttnRes: 1 to 3 sources per mix, every pre-norm folded) in fp64: loss and every
-    parameter gradient with model.attnres_backend=triton equal the PyTorch path's within 1e-10, without
+    parameter gradient with model.attnres.backend=triton equal the PyTorch path's within 1e-10, without
     activation checkpointing and under the model's own (parallel.activation_checkpointing full, selective)."""
     ids = torch.randint(0, 61, (1, 12), generator=torch.Generator().manual_seed(1))
     loss_ref, grads_ref = _model_step("torch", "none", ids)

@@ -43,11 +43,39 @@ def test_presets_have_their_advertised_size(preset, low, high):
 def test_defaults_are_the_documented_ones():
     cfg = compose_cfg()
     assert (cfg.model.name, cfg.data.name, cfg.optim.name) == ("tiny", "shakespeare", "muonclip")
-    assert cfg.model.residual == "attnres_block" and cfg.model.qk_rope_head_dim == 0  # NoPE MLA
+    assert cfg.model.residual == "attnres_block" and cfg.model.mla.qk_rope_head_dim == 0  # NoPE MLA
     assert cfg.logging.wandb.mode is None and cfg.logging.wandb.project is None  # wandb's variables, else:
     from kimi.run.wandb_run import wandb_mode
 
     assert "WANDB_MODE" in os.environ or wandb_mode(cfg.logging.wandb) == "offline"
+
+
+def test_the_old_flat_model_keys_still_read_with_one_line(capsys):
+    """model.kda_num_heads and the other keys that moved into sections (kimi/model/sections.py) still
+    compose, on the command line and in a stored config.yaml, to the config the new keys give; one line names
+    them; what is stored and what --help lists are the new keys alone."""
+    from kimi.cli.conf_dir import compose as compose_overrides
+    from kimi.cli.config_help import keys_help
+    from kimi.config import config_dict, to_config
+    from kimi.model.config import _ANNOUNCED
+    from kimi.model.sections import ALIASES
+
+    _ANNOUNCED.clear()
+    run = ["trainer.run_dir=unused", "model=moe_tiny"]
+    new = to_config(compose_overrides([*run, "model.kda.num_heads=2", "model.moe.num_experts=8"]))
+    capsys.readouterr()
+    old = to_config(compose_overrides([*run, "model.kda_num_heads=2", "model.moe_num_experts=8"]))
+    err = capsys.readouterr().err
+    assert old == new and new.model.kda.num_heads == 2 and new.model.moe.num_experts == 8
+    assert err.count("\n") == 1 and "model.kda_num_heads -> model.kda.num_heads" in err, err
+    stored = config_dict(new)
+    assert not set(ALIASES) & set(stored["model"]) and stored["model"]["kda"]["num_heads"] == 2
+    flat = {**{k: v for k, v in stored["model"].items() if not isinstance(v, dict)},
+            **{old: stored["model"][new.split(".")[0]][new.split(".")[1]] for old, new in ALIASES.items()}}
+    assert to_config({**stored, "model": flat}) == new  # a config.yaml written before the sections
+    assert ModelConfig(kda_num_heads=3).kda.num_heads == 3 == ModelConfig(kda={"num_heads": 3}).kda.num_heads
+    shown = keys_help(None, only=("model",))
+    assert "model.kda.num_heads" in shown and "kda_num_heads" not in shown
 
 
 def test_unknown_key_is_rejected_by_the_schema():
@@ -57,14 +85,18 @@ def test_unknown_key_is_rejected_by_the_schema():
 
 @pytest.mark.parametrize("field,value,key", [
     ("residual", "attnres_half", "model.residual"),
-    ("qk_rope_head_dim", 3, "model.qk_rope_head_dim"),
-    ("attnres_block_size", 0, "model.attnres_block_size"),
+    ("mla.qk_rope_head_dim", 3, "model.mla.qk_rope_head_dim"),
+    ("attnres.block_size", 0, "model.attnres.block_size"),
     ("mla_layers", [0, 9], "model.mla_layers"),
-    ("kda_num_heads", 0, "model.kda_num_heads"),
+    ("kda.num_heads", 0, "model.kda.num_heads"),
 ])
 def test_impossible_model_values_name_their_key(field, value, key):
     cfg = Config()
-    setattr(cfg.model, field, value)
+    *sections, leaf = field.split(".")
+    node = cfg.model
+    for section in sections:
+        node = getattr(node, section)
+    setattr(node, leaf, value)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as err:
         validate(cfg)
     assert "invalid" in str(err.value)
@@ -82,7 +114,7 @@ def test_mla_pattern_helpers():
     (["model=moe_tiny", "parallel.dp_shard=3", "parallel.ep=2"],
      "parallel.ep=2 does not divide parallel.dp_shard=3"),
     (["model=moe_tiny", "parallel.dp_shard=6", "parallel.ep=3"],
-     "model.moe_num_experts=8 is not divisible by parallel.ep=3"),
+     "model.moe.num_experts=8 is not divisible by parallel.ep=3"),
     (["model=moe_tiny", "parallel.ep=0"], "parallel.ep"),
 ])
 def test_expert_parallel_layouts_that_cannot_work_say_why(overrides, message):

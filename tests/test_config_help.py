@@ -48,7 +48,7 @@ def test_every_key_is_listed_with_the_value_the_overrides_give():
 
 
 # a key of each section and words of the comment above or beside its field, in the module that declares it
-OWNED = [("model.kda_head_dim", "kimi/model/config.py", "dk = dv"),
+OWNED = [("model.kda.head_dim", "kimi/model/config.py", "dk = dv"),
          ("data.shard_mb", "kimi/data/config.py", "size of one token shard"),
          ("optim.ns_steps", "kimi/optim/config.py", "Newton-Schulz iterations"),
          ("parallel.ep", "kimi/parallel/config.py", "expert parallelism: the routed experts"),

@@ -31,7 +31,7 @@ def test_the_blockwise_prefix_keeps_only_the_latent():
     from kimi.summary import compose_config
 
     m = compose_config(["model=1b", "model.vocab_size=32768"]).model
-    latent = m.kv_lora_rank + m.qk_rope_head_dim
+    latent = m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
     # bf16, three copies of the gathered latent
     assert context.prefix_bytes(m, blockwise=True) == 2 * 3 * latent
     # the whole prefix adds its keys and values and their gradients

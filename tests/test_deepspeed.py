@@ -23,8 +23,8 @@ pytestmark = pytest.mark.dist
 
 pytest.importorskip("deepspeed", reason="deepspeed (dev extra) not installed")
 
-MOE = ["model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_hidden=16", "model.moe_groups=2",
-       "model.moe_topk_groups=1", "model.moe_bias_rate=0.01"]
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.hidden=16", "model.moe.groups=2",
+       "model.moe.topk_groups=1", "model.moe.bias_rate=0.01"]
 TAU = ["optim.qk_clip_tau=0.02"]  # the tiny model's max logits are ~0.03: heads clip every step
 ACCUM = ["trainer.grad_accum_steps=2"]
 

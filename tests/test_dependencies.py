@@ -109,7 +109,7 @@ OPTIONAL = {
                     "under transformers; it comes with the eval extra (lm-eval[hf]), not with a plain "
                     "install",
     "zstandard": "only for a .zst data file (kimi.data.files), which datasets itself reads only with it",
-    "fla-core": "only for model.kda_backend=fla (kimi/ops/kda/fla.py, CUDA): fla-core's KDA kernels, refused "
+    "fla-core": "only for model.kda.backend=fla (kimi/ops/kda/fla.py, CUDA): fla-core's KDA kernels, refused "
                 "in one line without the package; the dev extra has it for the comparisons",
 }
 

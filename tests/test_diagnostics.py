@@ -27,8 +27,8 @@ from kimi.model import KimiModel
 from kimi.model.moe import route
 from kimi.optim import QKClip
 
-MOE = ["model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_hidden=16", "model.moe_groups=2",
-       "model.moe_topk_groups=1", "model.moe_bias_rate=0.01"]
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.hidden=16", "model.moe.groups=2",
+       "model.moe.topk_groups=1", "model.moe.bias_rate=0.01"]
 # 4 blocks (KDA, MLA, KDA, MLA), MoE MLPs in blocks 1-3, diagnostics after every one of the 3 steps
 DIAG = [*MOE, "trainer.diag_every=1"]
 FAMILIES = ("attnres/", "qk_max_logit", "qk_clipped_frac", "kda/", "moe/", "optim/")

@@ -129,7 +129,7 @@ def test_chunk_kda_forced_triton_raises_with_an_explanation(monkeypatch):
     monkeypatch.setattr(kda_op, "chunk_fwd", compile_error)
     inputs = kda_inputs(grad=False)
     expected = (r"chunk_kda: Triton kernel kda_chunk_fwd failed \(CompilationError"
-                r".*forced.*kda_backend=triton.*with auto this op would fall back")
+                r".*forced.*kda\.backend=triton.*with auto this op would fall back")
     with pytest.raises(TritonKernelError, match=expected):
         kda_run(chunk_kda, "triton", inputs, None)
 
@@ -269,7 +269,7 @@ def test_gate_and_l2norm_auto_fall_back_and_forced_raises(monkeypatch, kernel):
     (warning,) = fallback_warnings(record, "kda_gate/l2norm")
     assert "OutOfResources" in str(warning.message) and "falling back" in str(warning.message)
     dispatch.reset()
-    with pytest.raises(TritonKernelError, match=r"kda_gate/l2norm.*forced.*kda_backend=triton"):
+    with pytest.raises(TritonKernelError, match=r"kda_gate/l2norm.*forced.*kda\.backend=triton"):
         gate_run("triton", inputs)
 
 

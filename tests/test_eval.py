@@ -18,10 +18,10 @@ from kimi.eval.lm import KimiLM
 from kimi.model import KimiModel
 
 # The settings transformers' Kimi Linear expresses (docs/huggingface.md): a run with them exports natively.
-KIMI_LINEAR_LIKE = ["model.residual=standard", "model.kda_gate_bias=false", "model.qk_rope_head_dim=8",
-                    "model.mla_rotary=false", "model.moe_num_experts=4", "model.moe_top_k=2",
-                    "model.moe_hidden=16", "model.moe_groups=2", "model.moe_topk_groups=1",
-                    "model.mla_norm_eps=1e-6"]
+KIMI_LINEAR_LIKE = ["model.residual=standard", "model.kda.gate_bias=false", "model.mla.qk_rope_head_dim=8",
+                    "model.mla.rotary=false", "model.moe.num_experts=4", "model.moe.top_k=2",
+                    "model.moe.hidden=16", "model.moe.groups=2", "model.moe.topk_groups=1",
+                    "model.mla.norm_eps=1e-6"]
 PAIRS = [("The king loves", " the crown."), ("My lord fears the night ", "and the sea"),
          ("", "Sweet juliet dreams."), ("A fool", " betrays his brother.\nThe ghost"),
          ("The queen remembers a letter. " * 6, "The ghost follows her father.")]

@@ -1,4 +1,4 @@
-"""Kimi K3's gated MLA (model.mla_output_gate): our MLA with the gate equals mlx-lm's kimi_k3 MLA attention
+"""Kimi K3's gated MLA (model.mla.output_gate): our MLA with the gate equals mlx-lm's kimi_k3 MLA attention
 (an independent definition, NoPE with q-LoRA as K3 has it) with the same weights, the gate is off by default,
 its weight splits by heads under tensor parallelism, and QK-Clip still reads the attention's logits."""
 
@@ -27,21 +27,21 @@ def _mlx_twin(ours: MLA, cfg):
 
     from mlx_lm.models.kimi_k3 import KimiK3MLAAttention, TextArgs
 
-    args = TextArgs.from_dict(dict(hidden_size=cfg.d_model, num_attention_heads=cfg.mla_num_heads,
-                                   q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
-                                   qk_nope_head_dim=cfg.qk_nope_head_dim,
-                                   qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
-                                   mla_use_nope=True, mla_use_output_gate=cfg.mla_output_gate))
+    args = TextArgs.from_dict(dict(hidden_size=cfg.d_model, num_attention_heads=cfg.mla.num_heads,
+                                   q_lora_rank=cfg.mla.q_lora_rank, kv_lora_rank=cfg.mla.kv_lora_rank,
+                                   qk_nope_head_dim=cfg.mla.qk_nope_head_dim,
+                                   qk_rope_head_dim=cfg.mla.qk_rope_head_dim, v_head_dim=cfg.mla.v_head_dim,
+                                   mla_use_nope=True, mla_use_output_gate=cfg.mla.output_gate))
     theirs = KimiK3MLAAttention(args)
     w = {k: v.detach().numpy() for k, v in ours.state_dict().items()}
-    H, nope = cfg.mla_num_heads, cfg.qk_nope_head_dim
-    kv_b = w["wkv_b.weight"].reshape(H, nope + cfg.v_head_dim, -1)  # mlx-lm's sanitize splits it per head
+    H, nope = cfg.mla.num_heads, cfg.mla.qk_nope_head_dim
+    kv_b = w["wkv_b.weight"].reshape(H, nope + cfg.mla.v_head_dim, -1)  # mlx-lm's sanitize splits it per head
     pairs = [("q_a_proj.weight", w["wq_a.weight"]), ("q_a_layernorm.weight", w["q_norm.weight"]),
              ("q_b_proj.weight", w["wq_b.weight"]), ("kv_a_proj_with_mqa.weight", w["wkv_a.weight"]),
              ("kv_a_layernorm.weight", w["kv_norm.weight"]), ("o_proj.weight", w["wo.weight"]),
              ("embed_q.weight", np.ascontiguousarray(kv_b[:, :nope].swapaxes(-1, -2))),
              ("unembed_out.weight", np.ascontiguousarray(kv_b[:, nope:]))]
-    if cfg.mla_output_gate:
+    if cfg.mla.output_gate:
         pairs.append(("g_proj.weight", w["wg.weight"]))
     theirs.load_weights([(k, mx.array(v)) for k, v in pairs])
     return theirs

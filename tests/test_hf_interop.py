@@ -10,6 +10,7 @@ import torch
 from helpers import ROOT, tiny_model_cfg
 from kimi.config import ModelConfig
 from kimi.interop.hf import NotExpressible, hf_config, model_fields, release_config
+from kimi.schema.vocabulary import value_at
 from kimi.summary import compose_config, summarize
 
 hf_model = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear",
@@ -25,32 +26,41 @@ def test_48b_a3b_counts_equal_transformers():
     total = sum(p.numel() for p in theirs.parameters())
     experts = [e for e in theirs.modules() if isinstance(e, hf_model.KimiLinearExperts)]
     per_expert = [e.gate_up_proj[0].numel() + e.down_proj[0].numel() for e in experts]
-    inactive = sum((e.gate_up_proj.shape[0] - s.cfg.model.moe_top_k) * n for e, n in zip(experts, per_expert))
+    inactive = sum((e.gate_up_proj.shape[0] - s.cfg.model.moe.top_k) * n for e, n in zip(experts, per_expert))
     assert (s.total, s.active) == (total, total - inactive)
     assert 49.0e9 < s.total < 49.2e9 and 3.4e9 < s.active < 3.5e9
+
+
+def dotted(fields: dict, prefix: str = ""):
+    """(dotted key, value) of ModelConfig fields whose sections are dicts (model_fields' form)."""
+    for key, value in fields.items():
+        if isinstance(value, dict):
+            yield from dotted(value, f"{prefix}{key}.")
+        else:
+            yield prefix + key, value
 
 
 @pytest.mark.unit
 def test_configs_map_both_ways():
     m = ModelConfig(**{**dataclasses.asdict(compose_config(["model=kimi_linear_48b_a3b"]).model)})
     back = model_fields(KimiLinearConfig(**hf_config(m)).to_dict())
-    for key, value in back.items():
-        assert getattr(m, key) == value, key
+    for key, value in dotted(back):
+        assert value_at(m, key) == value, key
     release = release_config(m)  # the released config.json's layout, read by us and by transformers alike
     assert release["linear_attn_config"]["full_attn_layers"] == [4, 8, 12, 16, 20, 24, 27]  # as released
     for layout in (release, KimiLinearConfig(**release).to_dict()):
-        assert all(getattr(m, key) == value for key, value in model_fields(layout).items())
+        assert all(value_at(m, key) == value for key, value in dotted(model_fields(layout)))
     small = tiny_model_cfg(residual="standard", kda_gate_bias=False, q_lora_rank=8, qk_rope_head_dim=8,
                            mla_rotary=False, moe_num_experts=4, moe_top_k=2, moe_groups=2, moe_topk_groups=1)
     again = model_fields(KimiLinearConfig(**hf_config(small)).to_dict())
-    assert all(getattr(small, k) == v for k, v in again.items() if k not in ("mla_layers", "mla_norm_eps"))
+    assert all(value_at(small, k) == v for k, v in dotted(again) if k not in ("mla_layers", "mla.norm_eps"))
     assert again["mla_layers"] == [1]
 
 
 REFUSED = [(dict(residual="attnres_block"), "model.residual"),
-           (dict(residual="standard", kda_gate_bias=True), "model.kda_gate_bias"),
+           (dict(residual="standard", kda_gate_bias=True), "model.kda.gate_bias"),
            (dict(residual="standard", kda_gate_bias=False, qk_rope_head_dim=8, mla_rotary=True),
-            "model.mla_rotary")]
+            "model.mla.rotary")]
 
 
 @pytest.mark.unit
@@ -156,10 +166,10 @@ def test_save_hf_loads_in_transformers(torch_kda, tmp_path):
         assert rel(again(TOKENS).logits, ours(TOKENS)) < 1e-5
 
 
-KIMI_LINEAR_LIKE = ["model.residual=standard", "model.kda_gate_bias=false", "model.qk_rope_head_dim=8",
-                    "model.mla_rotary=false", "model.moe_num_experts=4", "model.moe_top_k=2",
-                    "model.moe_hidden=16", "model.moe_groups=2", "model.moe_topk_groups=1",
-                    "model.mla_norm_eps=1e-6"]
+KIMI_LINEAR_LIKE = ["model.residual=standard", "model.kda.gate_bias=false", "model.mla.qk_rope_head_dim=8",
+                    "model.mla.rotary=false", "model.moe.num_experts=4", "model.moe.top_k=2",
+                    "model.moe.hidden=16", "model.moe.groups=2", "model.moe.topk_groups=1",
+                    "model.mla.norm_eps=1e-6"]
 
 
 @pytest.mark.e2e

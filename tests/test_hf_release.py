@@ -97,7 +97,7 @@ def test_from_hf_reads_the_release_and_save_pretrained_layouts(ckpt, capsys):
     with torch.no_grad():
         assert max_diff(theirs(TOKENS).logits, ckpt["logits"]) == 0
         release, saved = load_hf(ckpt["release"]), load_hf(ckpt["saved"])
-        assert release.cfg.mla_layers == [1, 3] and release.cfg.moe_first_dense == 1
+        assert release.cfg.mla_layers == [1, 3] and release.cfg.moe.first_dense == 1
         assert max_diff(release(TOKENS), ckpt["logits"]) < 1e-4  # measured 2.2e-6 (logits ~1)
     vectors = write_release(ckpt["saved"], ckpt["root"] / "vectors", A_log=(2,), dt_bias=(2, 16))
     for other in (saved, load_hf(vectors)):

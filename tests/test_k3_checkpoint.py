@@ -93,7 +93,7 @@ def test_a_model_without_key_weights_exports_as_weights_of_one(tmp_path, mlx_lm)
     out = save_hf(ours, tmp_path / "plain", layout="k3")
     assert np.abs(mlx_logits(mlx_lm(out), TOKENS) - logits.numpy()).max() < 1e-4
     back = load_hf(out)
-    assert back.cfg.attnres_key_weight and torch.all(back.final_key_weight == 1)
+    assert back.cfg.attnres.key_weight and torch.all(back.final_key_weight == 1)
     with torch.no_grad():
         torch.testing.assert_close(back(TOKENS), logits, rtol=0, atol=1e-5)
 
@@ -160,8 +160,8 @@ def _sparse(key: str) -> bool:
 
 @pytest.mark.unit
 @pytest.mark.parametrize("override,named", [
-    (dict(mlp_activation="swiglu"), "mlp_activation=swiglu"),
-    (dict(attnres_block_size=3), "attnres_block_size=3"),
+    (dict(mlp_activation="swiglu"), "mlp.activation=swiglu"),
+    (dict(attnres_block_size=3), "attnres.block_size=3"),
     (dict(residual="attnres_full"), "attnres_full"),
 ])
 def test_k3_layout_refuses_what_it_cannot_hold(override, named):
@@ -182,7 +182,7 @@ def test_mxfp4_experts_in_k3_layout(tmp_path):
     with safe_open(out / "model.safetensors", framework="pt") as f:
         packed = f.get_tensor("language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed")
         scale = f.get_tensor("language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_scale")
-    hidden, latent = ours.cfg.moe_hidden, ours.cfg.moe_latent_dim
+    hidden, latent = ours.cfg.moe.hidden, ours.cfg.moe.latent_dim
     assert packed.dtype == scale.dtype == torch.uint8
     assert list(packed.shape) == [hidden, latent // 2] and list(scale.shape) == [hidden, latent // 32]
     back = load_hf(out).state_dict()
@@ -202,9 +202,9 @@ def test_to_hf_command_writes_a_trained_run_in_k3_layout(tmp_path, data, capsys)
     from kimi.generate import load_from_checkpoint
 
     run, out = tmp_path / "run", tmp_path / "k3_out"
-    train_run(run, data, "trainer.max_steps=2", "model.mlp_activation=situ", "model.kda_gate_bias=false",
-              "model.kda_gate_lower_bound=-5", "model.kda_full_rank_gate=true", "model.mla_output_gate=true",
-              "model.attnres_key_weight=true")
+    train_run(run, data, "trainer.max_steps=2", "model.mlp.activation=situ", "model.kda.gate_bias=false",
+              "model.kda.gate_lower_bound=-5", "model.kda.full_rank_gate=true", "model.mla.output_gate=true",
+              "model.attnres.key_weight=true")
     assert main(["to-hf", f"out={out}", "layout=k3"]) == 2
     assert "give run=..." in capsys.readouterr().err
     assert main(["to-hf", f"run={run}", f"out={out}", "layout=k4"]) == 2

@@ -1,4 +1,4 @@
-"""Kimi K3's KDA (model.kda_gate_lower_bound, model.kda_full_rank_gate): the safe gate L sigmoid(exp(A_log)
+"""Kimi K3's KDA (model.kda.gate_lower_bound, model.kda.full_rank_gate): the safe gate L sigmoid(exp(A_log)
 (f + dt_bias)) against fla-core's reference and fp64, its fused Triton kernel (interpreted) forward and
 backward against PyTorch's in fp64, and the whole layer against mlx-lm's kimi_k3 KDA (an independent
 definition) with the same weights."""
@@ -66,10 +66,10 @@ def _mlx_twin(ours: KDA, cfg):
 
     args = TextArgs.from_dict(dict(
         hidden_size=cfg.d_model, rms_norm_eps=cfg.norm_eps,
-        linear_attn_config=dict(num_heads=cfg.kda_num_heads, head_dim=cfg.kda_head_dim,
+        linear_attn_config=dict(num_heads=cfg.kda.num_heads, head_dim=cfg.kda.head_dim,
                                 short_conv_kernel_size=cfg.conv_size,
-                                gate_lower_bound=cfg.kda_gate_lower_bound,
-                                use_full_rank_gate=cfg.kda_full_rank_gate)))
+                                gate_lower_bound=cfg.kda.gate_lower_bound,
+                                use_full_rank_gate=cfg.kda.full_rank_gate)))
     theirs = KimiK3DeltaAttention(args, 0)
     w = {k: v.detach().numpy() for k, v in ours.state_dict().items()}
     conv = [np.moveaxis(w[f"{p}_conv.weight"], 2, 1) for p in "qkv"]  # mlx's Conv1d: [C, kernel, 1]
@@ -78,7 +78,7 @@ def _mlx_twin(ours: KDA, cfg):
              "f_b_proj.weight": w["f_proj_up.weight"], "b_proj.weight": w["b_proj.weight"],
              "A_log": w["A_log"], "dt_bias": w["dt_bias"], "o_norm.weight": w["o_norm.weight"],
              "o_proj.weight": w["o_proj.weight"]}
-    if cfg.kda_full_rank_gate:
+    if cfg.kda.full_rank_gate:
         pairs["g_proj.weight"] = w["g_proj.weight"]
     else:
         pairs.update({"g_a_proj.weight": w["g_proj_down.weight"], "g_b_proj.weight": w["g_proj_up.weight"]})
@@ -102,7 +102,7 @@ def test_layer_equals_mlx_lm_kimi_k3_kda(lower_bound, full_rank):
 
 
 def test_config_rules_and_kimi_linear_export():
-    with pytest.raises(ConfigError, match=r"^model.kda_gate_lower_bound=5.0 is invalid: must be negative"):
+    with pytest.raises(ConfigError, match=r"^model.kda.gate_lower_bound=5.0 is invalid: must be negative"):
         validate_model(tiny_model_cfg(kda_gate_lower_bound=5.0))
     cfg = tiny_model_cfg(kda_gate_lower_bound=-5.0, residual="standard", vocab_size=64, kda_gate_bias=False)
     with pytest.raises(NotExpressible, match=r"cannot express Kimi K3's KDA"):

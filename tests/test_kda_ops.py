@@ -196,7 +196,7 @@ def test_bad_arguments_raise(op, message):
 
 
 def test_fla_backend_passes_our_arguments_to_fla_core(monkeypatch):
-    """backend="fla" (model.kda_backend=fla) hands fla-core's kernels our layout, scale, state, int64 document
+    """backend="fla" (model.kda.backend=fla) hands fla-core's kernels our layout, scale, state, int64 document
     offsets and, under a safe gate, safe_gate=True with the bound. fla's kernels need a GPU, so its own
     token-by-token reference stands in for them here (make gpu-check compares the real ones)."""
     fla_naive = pytest.importorskip("fla.ops.kda.naive")
@@ -235,7 +235,7 @@ def test_fla_backend_passes_our_arguments_to_fla_core(monkeypatch):
     chunk_kda(q, k, v, g, beta, backend="fla", lower_bound=-6.0)  # beyond the bounded form's reach
     assert "safe_gate" not in calls[-1]
 
-    # the layer: model.kda_backend=fla sends its KDA there (its safe gate too), the same output as torch
+    # the layer: model.kda.backend=fla sends its KDA there (its safe gate too), the same output as torch
     from kimi.config import ModelConfig
     from kimi.model.kda import KDA
 

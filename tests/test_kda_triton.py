@@ -253,7 +253,7 @@ MODEL_GRAD_RTOL = 3e-5
 @pytest.mark.slow
 @pytest.mark.parametrize("packed", [False, True])
 def test_model_training_step_matches_pytorch_path(packed):
-    """The tiny model's loss and every parameter gradient with model.kda_backend=triton (interpreted: chunk
+    """The tiny model's loss and every parameter gradient with model.kda.backend=triton (interpreted: chunk
     kernels, fused L2 norm and gate, fp32) equal the PyTorch path's in fp64, for a plain batch and for packed
     documents (cu_seqlens from document boundaries)."""
     from helpers import tiny_model_cfg

@@ -1,4 +1,4 @@
-"""Kimi K3's Stable LatentMoE (model.moe_latent_dim): the router and shared experts at full width, the routed
+"""Kimi K3's Stable LatentMoE (model.moe.latent_dim): the router and shared experts at full width, the routed
 experts on down-projected tokens, the weighted sum RMSNorm-ed and projected up. The layer equals mlx-lm's
 kimi_k3 sparse MoE (an independent definition) with the same weights, with SiTU-GLU experts; the grouped
 experts equal the loop; a width-0 latent is the plain layer."""
@@ -22,7 +22,7 @@ def _cfg(**kw):
 
 def _filled(cfg):
     moe = fill_randomly(MoE(cfg), 0.4)
-    moe.expert_bias.copy_(torch.linspace(-0.2, 0.3, cfg.moe_num_experts))
+    moe.expert_bias.copy_(torch.linspace(-0.2, 0.3, cfg.moe.num_experts))
     return moe
 
 
@@ -32,12 +32,12 @@ def _mlx_twin(ours: MoE, cfg):
     from mlx_lm.models.kimi_k3 import KimiK3SparseMoE, TextArgs
 
     args = TextArgs.from_dict(dict(
-        hidden_size=cfg.d_model, num_experts=cfg.moe_num_experts, num_experts_per_token=cfg.moe_top_k,
-        moe_intermediate_size=cfg.moe_hidden, num_shared_experts=cfg.moe_shared_experts,
-        routed_expert_hidden_size=cfg.moe_latent_dim, latent_moe_use_norm=cfg.moe_latent_norm,
-        num_expert_group=1, topk_group=1, routed_scaling_factor=cfg.moe_routed_scale, moe_renormalize=True,
-        rms_norm_eps=cfg.norm_eps, hidden_act="situ", activation_situ_beta=cfg.situ_beta,
-        activation_situ_linear_beta=cfg.situ_linear_beta))
+        hidden_size=cfg.d_model, num_experts=cfg.moe.num_experts, num_experts_per_token=cfg.moe.top_k,
+        moe_intermediate_size=cfg.moe.hidden, num_shared_experts=cfg.moe.shared_experts,
+        routed_expert_hidden_size=cfg.moe.latent_dim, latent_moe_use_norm=cfg.moe.latent_norm,
+        num_expert_group=1, topk_group=1, routed_scaling_factor=cfg.moe.routed_scale, moe_renormalize=True,
+        rms_norm_eps=cfg.norm_eps, hidden_act="situ", activation_situ_beta=cfg.mlp.situ_beta,
+        activation_situ_linear_beta=cfg.mlp.situ_linear_beta))
     theirs = KimiK3SparseMoE(args)
     w = {k: v.detach().numpy() for k, v in ours.state_dict().items()}
     pairs = {"gate.weight": w["router.weight"], "e_score_correction_bias": w["expert_bias"],
@@ -47,7 +47,7 @@ def _mlx_twin(ours: MoE, cfg):
              "routed_expert_down_proj.weight": w["latent_down.weight"],
              "routed_expert_up_proj.weight": w["latent_up.weight"],
              **{f"shared_experts.{n}_proj.weight": w[f"shared.w_{n}.weight"] for n in ("gate", "up", "down")}}
-    if cfg.moe_latent_norm:
+    if cfg.moe.latent_norm:
         pairs["routed_expert_norm.weight"] = w["latent_norm.weight"]
     theirs.load_weights([(k, mx.array(v)) for k, v in pairs.items()])
     return theirs
@@ -63,7 +63,7 @@ def test_layer_equals_mlx_lm_kimi_k3_sparse_moe(norm):
     expected = torch.from_numpy(np.array(_mlx_twin(ours, cfg)(mx.array(x.numpy()))))
     with torch.no_grad():
         torch.testing.assert_close(ours(x), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-    assert ours.experts.w_gate.shape[-1] == cfg.moe_latent_dim  # the experts see latent-width tokens
+    assert ours.experts.w_gate.shape[-1] == cfg.moe.latent_dim  # the experts see latent-width tokens
 
 
 @pytest.mark.parametrize("impl", ["grouped", "loop"])

@@ -214,7 +214,7 @@ def test_mxfp4_qat_model_exports_experts_whose_dequantised_forward_is_the_traine
 
     cfg = _cfg("fp32", qat="mxfp4_experts")
     # what transformers' layout expresses (its MLA latent norm has eps 1e-6)
-    cfg.model.kda_gate_bias, cfg.model.residual, cfg.model.mla_norm_eps = False, "standard", 1e-6
+    cfg.model.kda.gate_bias, cfg.model.residual, cfg.model.mla.norm_eps = False, "standard", 1e-6
     model, _ = _model(cfg)
     with torch.no_grad():  # trained-like weights: not the layout of a fresh init
         for name, p in model.named_parameters():
@@ -255,7 +255,7 @@ def test_precision_rules_refuse_with_one_line(monkeypatch):
     cfg.trainer.micro_batch_size, cfg.trainer.seq_len = 1, 48
     assert "multiple of 32" in refused(cfg)
     cfg = _cfg("bf16", qat="mxfp4_experts")
-    cfg.model.moe_num_experts = 0
+    cfg.model.moe.num_experts = 0
     assert "mixture-of-experts" in refused(cfg)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

@@ -55,8 +55,8 @@ def test_emulated_low_precision_trains_like_bf16(tmp_path, data, bf16_losses, pr
 def test_mxfp4_qat_run_exports_the_forward_it_trained(tmp_path, data):
     run = tmp_path / "run"
     # what transformers' layout expresses (its MLA latent norm has eps 1e-6); d_model 32, expert width 32
-    model = ["model.residual=standard", "model.kda_gate_bias=false", "model.mla_norm_eps=1e-6",
-             "model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_hidden=32", "model.moe_first_dense=1"]
+    model = ["model.residual=standard", "model.kda.gate_bias=false", "model.mla.norm_eps=1e-6",
+             "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.hidden=32", "model.moe.first_dense=1"]
     cfg = run_cfg(run, data, "precision.qat=mxfp4_experts", "trainer.max_steps=3", *model)
     assert Trainer(cfg).fit()["finished"]
     assert convert(["to-hf", str(run), str(tmp_path / "hf"), "--mxfp4-experts"]) == 0

@@ -28,7 +28,7 @@ def llama_of(model: KimiModel):
 
     c = model.cfg
     heads, kv_heads, head_dim = attention_heads(c)
-    config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.mlp_hidden,
+    config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.mlp.hidden,
                          num_hidden_layers=c.num_layers, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, head_dim=head_dim, rms_norm_eps=c.norm_eps,
                          rope_theta=c.rope_theta, tie_word_embeddings=False, attention_bias=False,

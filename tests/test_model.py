@@ -36,17 +36,18 @@ def test_forward_shapes(residual, pattern):
 
 def expected_params(c: ModelConfig, n_mla: int, tied: bool) -> tuple[int, int]:
     """(total, non-embedding) parameter counts from the architecture in the spec."""
-    d, H, K = c.d_model, c.kda_num_heads, c.kda_head_dim
+    d, H, K = c.d_model, c.kda.num_heads, c.kda.head_dim
     kda = (3 * d * H * K + 3 * H * K * c.conv_size  # q, k, v projections and short convs
            + d * K + K * H * K + H + H * K  # gate f (low rank), A_log, dt_bias
            + d * H  # beta
            + d * K + K * H * K + H * K  # output gate (low rank, bias on the up-projection)
            + K + H * K * d)  # per-head output norm (shared weight), W_o
-    Hm, qk = c.mla_num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
-    q = d * Hm * qk if c.q_lora_rank == 0 else d * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * Hm * qk
-    mla = (q + d * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank
-           + c.kv_lora_rank * Hm * (c.qk_nope_head_dim + c.v_head_dim) + Hm * c.v_head_dim * d)
-    per_block = 3 * d * c.mlp_hidden + 2 * d  # MLP and the two pre-norms
+    a = c.mla
+    Hm, qk = a.num_heads, a.qk_nope_head_dim + a.qk_rope_head_dim
+    q = d * Hm * qk if a.q_lora_rank == 0 else d * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * Hm * qk
+    mla = (q + d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
+           + a.kv_lora_rank * Hm * (a.qk_nope_head_dim + a.v_head_dim) + Hm * a.v_head_dim * d)
+    per_block = 3 * d * c.mlp.hidden + 2 * d  # MLP and the two pre-norms
     queries = 2 * c.num_layers * d if c.residual != "standard" else 0  # 2L - 1 sublayers + final
     body = n_mla * mla + (c.num_layers - n_mla) * kda + c.num_layers * per_block + queries + d  # + final norm
     emb = c.vocab_size * d
@@ -107,12 +108,12 @@ def test_flops_per_token_matches_flop_counter(tied, monkeypatch):
 
     # Counted alone, with every input requiring a gradient as in the model: one KDA layer's chunkwise kernel
     # and one MLA layer's attention (Dqk = 16 + 8 rope, Dv = 8: the formula must not confuse the two).
-    H, K = cfg.kda_num_heads, cfg.kda_head_dim
+    H, K = cfg.kda.num_heads, cfg.kda.head_dim
     q, k, v, g = (torch.randn(B, T, H, K, requires_grad=True) for _ in range(4))
     beta = torch.rand(B, T, H, requires_grad=True)
     kda = _counted_flops(lambda: chunk_kda(q, k, v, -F.softplus(g), beta.sigmoid(), backend="chunk")[0].sum()
                          .backward())
-    Hm, Dqk, Dv = cfg.mla_num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    Hm, Dqk, Dv = cfg.mla.num_heads, cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim, cfg.mla.v_head_dim
     qa, ka, va = (torch.randn(B, T, Hm, D, requires_grad=True) for D in (Dqk, Dqk, Dv))
     attn = _counted_flops(lambda: _dense_attention(qa, ka, va).sum().backward())
     # Every linear: 2 FLOPs per weight and token forward, 4 backward (input and weight gradients). A tied LM

@@ -28,7 +28,7 @@ def filled_moe(cfg, dtype=torch.float32, seed=0):
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.3)
-        moe.expert_bias.copy_(torch.linspace(-0.2, 0.3, cfg.moe_num_experts).to(dtype))
+        moe.expert_bias.copy_(torch.linspace(-0.2, 0.3, cfg.moe.num_experts).to(dtype))
     return moe
 
 
@@ -38,11 +38,11 @@ def hf_moe(cfg, ours: MoE):
                              reason="transformers (dev extra) not installed")
     from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
 
-    config = KimiLinearConfig(hidden_size=cfg.d_model, moe_intermediate_size=cfg.moe_hidden,
-                              num_local_experts=cfg.moe_num_experts, num_experts_per_tok=cfg.moe_top_k,
-                              n_group=cfg.moe_groups, topk_group=cfg.moe_topk_groups,
-                              routed_scaling_factor=cfg.moe_routed_scale,
-                              n_shared_experts=cfg.moe_shared_experts, norm_topk_prob=cfg.moe_norm_topk,
+    config = KimiLinearConfig(hidden_size=cfg.d_model, moe_intermediate_size=cfg.moe.hidden,
+                              num_local_experts=cfg.moe.num_experts, num_experts_per_tok=cfg.moe.top_k,
+                              n_group=cfg.moe.groups, topk_group=cfg.moe.topk_groups,
+                              routed_scaling_factor=cfg.moe.routed_scale,
+                              n_shared_experts=cfg.moe.shared_experts, norm_topk_prob=cfg.moe.norm_topk,
                               num_hidden_layers=2, vocab_size=64)
     theirs = hf.KimiLinearMoE(config).to(ours.router.weight.dtype)
     with torch.no_grad():
@@ -63,8 +63,8 @@ def test_layer_equals_transformers_kimi_linear_moe(groups, topk_groups, norm):
     theirs = hf_moe(cfg, ours)
     x = torch.randn(3, 11, cfg.d_model, generator=torch.Generator().manual_seed(1))
     _, w_ref, e_ref = theirs.gate(x)
-    w, e, _ = route(x.view(-1, cfg.d_model), ours.router.weight, ours.expert_bias, cfg.moe_top_k, groups,
-                    topk_groups, norm, cfg.moe_routed_scale)
+    w, e, _ = route(x.view(-1, cfg.d_model), ours.router.weight, ours.expert_bias, cfg.moe.top_k, groups,
+                    topk_groups, norm, cfg.moe.routed_scale)
     # the same experts (topk's order may differ) with the same weights
     order, order_ref = e.argsort(dim=1), e_ref.argsort(dim=1)
     assert torch.equal(e.gather(1, order), e_ref.gather(1, order_ref))
@@ -78,7 +78,7 @@ def test_bias_steers_the_choice_not_the_weights():
     cfg = moe_cfg(moe_groups=1, moe_topk_groups=1, moe_norm_topk=False, moe_routed_scale=1.0)
     moe = filled_moe(cfg)
     x = torch.randn(20, cfg.d_model)
-    bias = torch.zeros(cfg.moe_num_experts)
+    bias = torch.zeros(cfg.moe.num_experts)
     bias[5] = 10.0
     w, e, scores = route(x, moe.router.weight, bias, 2, 1, 1, False, 1.0)
     assert (e == 5).any(dim=1).all()
@@ -115,7 +115,7 @@ def test_bias_update_balances_and_resets():
     tokens = torch.randint(0, 61, (2, 16))
     model(tokens).sum().backward()
     loads = [m.load.clone() for m in layers]
-    assert all(load.sum() == 2 * 16 * cfg.moe_top_k for load in loads)
+    assert all(load.sum() == 2 * 16 * cfg.moe.top_k for load in loads)
     with torch.no_grad():
         model(tokens)  # evaluation does not count
     assert all(torch.equal(m.load, load) for m, load in zip(layers, loads))
@@ -149,10 +149,10 @@ def test_bias_update_makes_an_overloaded_expert_lose_tokens():
 
 
 def test_validation_names_the_key():
-    cases = [(dict(moe_groups=3), "model.moe_groups"), (dict(moe_top_k=9), "model.moe_top_k"),
-             (dict(moe_topk_groups=5), "model.moe_topk_groups"),
-             (dict(moe_aux_loss_coef=-1.0), "model.moe_aux_loss_coef"),
-             (dict(moe_num_experts=1, moe_groups=1, moe_topk_groups=1), "model.moe_num_experts")]
+    cases = [(dict(moe_groups=3), "model.moe.groups"), (dict(moe_top_k=9), "model.moe.top_k"),
+             (dict(moe_topk_groups=5), "model.moe.topk_groups"),
+             (dict(moe_aux_loss_coef=-1.0), "model.moe.aux_loss_coef"),
+             (dict(moe_num_experts=1, moe_groups=1, moe_topk_groups=1), "model.moe.num_experts")]
     for overrides, key in cases:
         with pytest.raises(ConfigError, match=key):
             validate_model(moe_cfg(**overrides))
@@ -192,9 +192,9 @@ def test_aux_loss_enters_the_gradient_not_the_output():
     y_ref = plain(x)
     torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
     _, experts, scores = route(x.view(-1, cfg.d_model), plain.router.weight, plain.expert_bias,
-                               cfg.moe_top_k, cfg.moe_groups, cfg.moe_topk_groups, cfg.moe_norm_topk,
-                               cfg.moe_routed_scale)
-    aux = sequence_balance_loss(scores.view(2, 9, -1), experts.view(2, 9, -1), cfg.moe_top_k)
+                               cfg.moe.top_k, cfg.moe.groups, cfg.moe.topk_groups, cfg.moe.norm_topk,
+                               cfg.moe.routed_scale)
+    aux = sequence_balance_loss(scores.view(2, 9, -1), experts.view(2, 9, -1), cfg.moe.top_k)
     grads_ref = torch.autograd.grad((y_ref * cot).sum() + c * scale * aux, list(plain.parameters()))
     for a, b in zip(grads, grads_ref):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

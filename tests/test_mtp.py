@@ -1,4 +1,4 @@
-"""Multi-token prediction (model.mtp_layers, kimi/model/mtp.py): the training loss against a by-hand fp64
+"""Multi-token prediction (model.mtp.layers, kimi/model/mtp.py): the training loss against a by-hand fp64
 computation of DeepSeek-V3's definition, evaluation untouched, the layouts it refuses, and export dropping
 it."""
 
@@ -43,7 +43,7 @@ def by_hand(model: KimiModel, ids: torch.Tensor, labels: torch.Tensor) -> torch.
         out = norm(x, layer.norm.weight) @ model.lm_head.weight.T
         losses.append(F.cross_entropy(out.flatten(0, 1), labels[:, k:k + n].flatten()))
         hidden = x
-    return main + model.cfg.mtp_loss_weight * sum(losses) / len(losses)
+    return main + model.cfg.mtp.loss_weight * sum(losses) / len(losses)
 
 
 @pytest.mark.parametrize("depths,residual", [(1, "attnres_block"), (2, "standard"), (1, "attnres_full")])
@@ -84,11 +84,11 @@ def test_layouts_it_does_not_support_are_refused_in_one_line(layout):
     from kimi.model.rules import check_mtp
 
     register_configs()
-    moe = ["model.moe_num_experts=4", "model.moe_top_k=2"] if "ep" in layout else []
+    moe = ["model.moe.num_experts=4", "model.moe.top_k=2"] if "ep" in layout else []
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = to_config(compose("config", overrides=["trainer.run_dir=unused", "model.mtp_layers=1", layout,
+        cfg = to_config(compose("config", overrides=["trainer.run_dir=unused", "model.mtp.layers=1", layout,
                                                      *moe]))
-    with pytest.raises(ConfigError, match=f"model.mtp_layers=1 does not run with {layout}") as e:
+    with pytest.raises(ConfigError, match=f"model.mtp.layers=1 does not run with {layout}") as e:
         check_mtp(cfg)
     assert "\n" not in str(e.value)
 

@@ -18,12 +18,12 @@ pytestmark = pytest.mark.unit
 def _blocks(name: str, w: torch.Tensor, cfg) -> list:
     """The per-head blocks of weight `name` (views of w), or [w] for a matrix updated whole."""
     if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
-        return list(w.view(-1, cfg.kda_head_dim, w.shape[-1]))
+        return list(w.view(-1, cfg.kda.head_dim, w.shape[-1]))
     if name.endswith((".wq.weight", ".wq_b.weight")):
-        return list(w.view(-1, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, w.shape[-1]))
+        return list(w.view(-1, cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim, w.shape[-1]))
     if name.endswith(".wkv_b.weight"):
-        heads = w.view(-1, cfg.qk_nope_head_dim + cfg.v_head_dim, w.shape[-1])
-        return [h[:cfg.qk_nope_head_dim] for h in heads] + [h[cfg.qk_nope_head_dim:] for h in heads]
+        heads = w.view(-1, cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim, w.shape[-1])
+        return [h[:cfg.mla.qk_nope_head_dim] for h in heads] + [h[cfg.mla.qk_nope_head_dim:] for h in heads]
     return [w]
 
 

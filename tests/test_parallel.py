@@ -24,20 +24,20 @@ from layout_runs import ROOT, assert_same_run, native_crash, overrides, single_p
 
 from kimi import checkpoint
 # 4 blocks (KDA, MLA, KDA, MLA): enough for 2 ranks x 2 virtual pipeline stages
-MOE = ["model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_hidden=16", "model.moe_groups=2",
-       "model.moe_topk_groups=1", "model.moe_bias_rate=0.01", "model.moe_aux_loss_coef=0.01"]
-QB = ["model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_hidden=16", "model.moe_balance=quantile"]
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.hidden=16", "model.moe.groups=2",
+       "model.moe.topk_groups=1", "model.moe.bias_rate=0.01", "model.moe.aux_loss_coef=0.01"]
+QB = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.hidden=16", "model.moe.balance=quantile"]
 # the dense peer (model=dense_1b's kind): softmax attention with grouped key/value heads, standard residuals
-DENSE = ["model.layer_pattern=A", "model.residual=standard", "model.attn_num_heads=4",
-         "model.attn_kv_heads=2"]
+DENSE = ["model.layer_pattern=A", "model.residual=standard", "model.mha.num_heads=4",
+         "model.mha.kv_heads=2"]
 # Kimi K3's parts at this size (model=k3_tiny's switches): safe-gate full-rank-gate KDA, gated MLA with q-LoRA
 # (the last two blocks, as K3 ends), SiTU-GLU, a latent MoE with two shared experts and Quantile Balancing,
 # Block AttnRes of 2 decoder layers with key-norm weights, per-head Muon
-K3 = [*QB, "model.kda_gate_lower_bound=-5", "model.kda_full_rank_gate=true", "model.kda_gate_bias=false",
-      "model.mla_output_gate=true", "model.q_lora_rank=16", "model.layer_pattern=KKMM",
-      "model.mlp_activation=situ",
-      "model.moe_shared_experts=2", "model.moe_latent_dim=16", "model.moe_latent_norm=true",
-      "model.attnres_block_size=4", "model.attnres_key_weight=true", "optim.muon_per_head=true"]
+K3 = [*QB, "model.kda.gate_lower_bound=-5", "model.kda.full_rank_gate=true", "model.kda.gate_bias=false",
+      "model.mla.output_gate=true", "model.mla.q_lora_rank=16", "model.layer_pattern=KKMM",
+      "model.mlp.activation=situ",
+      "model.moe.shared_experts=2", "model.moe.latent_dim=16", "model.moe.latent_norm=true",
+      "model.attnres.block_size=4", "model.attnres.key_weight=true", "optim.muon_per_head=true"]
 # and diagnostics at the last step, which must not change what is trained
 DIAGNOSE = ["trainer.diag_every=null"]
 ASYNC_CHECKPOINTS = ["trainer.async_checkpoint=true", "trainer.checkpoint_every=1"]
@@ -88,13 +88,13 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
     # context parallelism: each row split into cp shards; KDA's state and conv halo pass between ranks, MLA
     # reads the latents of the shards before its own (rotary keys included: positions offset per shard)
     "cp2": (2, 1, ["parallel.cp=2", *DIAGNOSE]),
-    "cp4_rope": (4, 1, ["parallel.cp=4", "model.qk_rope_head_dim=8"]),
+    "cp4_rope": (4, 1, ["parallel.cp=4", "model.mla.qk_rope_head_dim=8"]),
     "cp2xdp2": (4, 2, ["parallel.cp=2", "parallel.dp_shard=2", "trainer.sample_tokens=24"]),  # sample: whole
     "cp2xdp_replicate2": (4, 2, ["parallel.cp=2", "parallel.dp_replicate=2"]),
     "cp2xtp2_sp": (4, 1, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     "cp2xpp2": (4, 1, ["parallel.cp=2", "parallel.pp=2"]),
     # documents crossing shard edges; the recomputed forward repeats the exchanges
-    "cp2_varlen": (2, 1, ["parallel.cp=2", "data.varlen=true", "model.qk_rope_head_dim=8",
+    "cp2_varlen": (2, 1, ["parallel.cp=2", "data.varlen=true", "model.mla.qk_rope_head_dim=8",
                           "parallel.activation_checkpointing=selective"]),
     "moe_cp2": (2, 1, [*MOE[:-1], "parallel.cp=2"]),  # the aux-loss-free bias alone (no sequence-wise loss)
     # per-head Muon: each head's block of the q/k/v projections orthogonalised alone, on sharded and on
@@ -107,7 +107,7 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
     "moe_qb_ep2xdp2": (4, 4, [*QB, "parallel.dp_shard=4", "parallel.ep=2"]),
     "k3_ep2xdp2": (4, 4, [*K3, "parallel.dp_shard=4", "parallel.ep=2"]),  # FSDP2 x expert parallelism
     "k3_cp2": (2, 1, [*K3, "parallel.cp=2"]),
-    "mtp_dp_shard2": (2, 2, ["parallel.dp_shard=2", "model.mtp_layers=1"]),  # multi-token prediction
+    "mtp_dp_shard2": (2, 2, ["parallel.dp_shard=2", "model.mtp.layers=1"]),  # multi-token prediction
     "dense_tp2_sp": (2, 1, [*DENSE, "parallel.tp=2", "parallel.sequence_parallel=true"]),
     "dense_cp2_varlen": (2, 1, [*DENSE, "parallel.cp=2", "data.varlen=true"]),
     # shards longer than one 64-token KDA chunk: two whole chunks, one and a half (documents crossing shard
@@ -115,7 +115,7 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides); every case rea
     "cp2_t256": (2, 1, ["parallel.cp=2", "trainer.seq_len=256"]),
     "cp2_t192_varlen": (2, 1, ["parallel.cp=2", "trainer.seq_len=192", "data.varlen=true"]),
     "cp4_t320_rope": (4, 1, ["parallel.cp=4", "trainer.seq_len=320", "data.val_fraction=0.3",
-                             "model.qk_rope_head_dim=8"]),
+                             "model.mla.qk_rope_head_dim=8"]),
 }
 # every layout the issue names, with both optimizers; the rest (options riding along) with one
 BOTH = ["dp_shard2", "dp_replicate2", "tp2", "tp2_sp", "dp2xtp2", "pp2_1f1b", "pp2_interleaved", "pp2xdp2",

@@ -19,7 +19,7 @@ def test_peer_dry_run_measures_the_three_alike(tmp_path, data):
     shared = [o for o in TINY_TRAINER if not o.startswith(("trainer.micro_batch_size", "trainer.log_every"))]
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "peer.py"), "--kimi", "tiny",
                            "--dense", "tiny", "--dense-set", "model.layer_pattern=A",
-                           "model.residual=standard", "model.attn_num_heads=2", "--batch", "2",
+                           "model.residual=standard", "model.mha.num_heads=2", "--batch", "2",
                            "--steps", "2", "--titan", "--out", str(out), "--set", *shared, *data],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

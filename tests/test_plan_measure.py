@@ -65,10 +65,10 @@ def test_a_failing_layout_is_reported_and_the_next_one_tried(monkeypatch):
 @pytest.mark.unit
 def test_the_error_line_is_the_ranks_not_torchruns():
     log = ("[rank0]: Traceback (most recent call last):\n"
-           "[rank0]: kimi.errors.ConfigError: parallel.tp=4 must divide model.mla_num_heads=6: use 1, 2, 3\n"
+           "[rank0]: kimi.errors.ConfigError: parallel.tp=4 must divide model.mla.num_heads=6: use 1, 2, 3\n"
            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n")
     assert measure.error_line(log, 1) == ("[rank0]: kimi.errors.ConfigError: parallel.tp=4 must divide "
-                                          "model.mla_num_heads=6: use 1, 2, 3")
+                                          "model.mla.num_heads=6: use 1, 2, 3")
     assert measure.error_line("killed\n", -9) == "torchrun exited -9"
 
 

@@ -1,4 +1,4 @@
-"""Kimi K3's Quantile Balancing (model.moe_balance=quantile): the histogram's quantile is the exact quantile
+"""Kimi K3's Quantile Balancing (model.moe.balance=quantile): the histogram's quantile is the exact quantile
 of the required biases within one bin, a few updates balance a skewed router's loads (where the sign step
 moves by its rate only), the biases are mean-centred, only training forwards count, and the config's
 rules. The distributed sums are tested with the parallel layouts (tests/test_parallel.py, moe_qb_*)."""
@@ -81,7 +81,7 @@ def test_updates_balance_a_skewed_router_far_faster_than_the_sign_step():
 
 def test_rules():
     with pytest.raises(ConfigError,
-                       match=r"^model.moe_groups=2 is invalid: must be 1 with model.moe_balance="):
+                       match=r"^model.moe.groups=2 is invalid: must be 1 with model.moe.balance="):
         validate_model(tiny_model_cfg(moe_num_experts=8, moe_top_k=2, moe_groups=2, moe_balance="quantile"))
-    with pytest.raises(ConfigError, match=r"^model.moe_top_k=8 is invalid: must be < model.moe_num_experts"):
+    with pytest.raises(ConfigError, match=r"^model.moe.top_k=8 is invalid: must be < model.moe.num_experts"):
         validate_model(tiny_model_cfg(moe_num_experts=8, moe_top_k=8, moe_balance="quantile"))

@@ -113,7 +113,7 @@ SKIPPED = {
         "Hydra's multirun of a whole experiment (9 runs of 600 steps); tests/test_ablate.py runs it at 2 "
         "steps with trainer.seed=1",
     ".venv/bin/python -m kimi.ablate ablate_mixer 'arms=[all_mla,hybrid_3to1]' root=runs/ablate_rope16 "
-    "out=bench/results/ablations/rope16 -- model.qk_rope_head_dim=16":
+    "out=bench/results/ablations/rope16 -- model.mla.qk_rope_head_dim=16":
         "6 runs of 600 steps (20 minutes); tests/test_ablate.py runs the runner end to end at 2 steps with "
         "--root, --out and overrides, and a study limited to some arms",
     ".venv/bin/python -m kimi.dashboard 'runs=[runs/ablate/ablate_residual/standard_seed1,"

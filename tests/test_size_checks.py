@@ -14,6 +14,7 @@ from helpers import ROOT, corpus_overrides, run_cfg, tiny_model_cfg
 
 from kimi.errors import EXIT_BAD_INPUT, EXIT_FAILED
 from kimi.config import SIZE_BOUNDS, ConfigError
+from kimi.model.sections import ALIASES
 from kimi.model import KimiModel
 from kimi.model.footprint import SKIP_ENV, check_fits, estimate_params
 
@@ -36,15 +37,18 @@ def test_every_preset_is_within_the_bounds_and_its_estimate_is_its_count():
                 assert estimate_params(m) == KimiModel(m).num_params(), (name, m)
 
 
-@pytest.mark.parametrize("key", ["d_model", "num_layers", "vocab_size", "mla_num_heads", "moe_num_experts",
-                                 "mlp_hidden", "kda_head_dim"])
+OLD = {new: old for old, new in ALIASES.items()}  # tiny_model_cfg takes a section's key by its flat name
+
+
+@pytest.mark.parametrize("key", ["d_model", "num_layers", "vocab_size", "mla.num_heads", "moe.num_experts",
+                                 "mlp.hidden", "kda.head_dim"])
 def test_a_size_past_its_bound_is_one_line_naming_the_key_and_the_released_model(key):
     from kimi.model.rules import validate_model
 
     bound = SIZE_BOUNDS[key][0]
     validate_model(tiny_model_cfg(vocab_size=400))  # the rest of the config is fine
     with pytest.raises(ConfigError) as e:
-        validate_model(tiny_model_cfg(**{"vocab_size": 400, key: bound + 1}))
+        validate_model(tiny_model_cfg(**{"vocab_size": 400, OLD.get(key, key): bound + 1}))
     message = str(e.value)
     assert "\n" not in message and f"model.{key}={bound + 1}" in message and "Kimi" in message
 
@@ -70,7 +74,7 @@ def test_the_trainer_refuses_before_it_touches_the_run_dir(tmp_path_factory, tmp
     from kimi.trainer import Trainer
 
     data = corpus_overrides(tmp_path_factory)
-    wide = ["model.d_model=65536", "model.num_layers=512", "model.mlp_hidden=1048576"]
+    wide = ["model.d_model=65536", "model.num_layers=512", "model.mlp.hidden=1048576"]
     with pytest.raises(ConfigError, match="trainer.skip_size_check=true") as e:
         Trainer(run_cfg(tmp_path / "run", data, *wide))
     assert "fp32 weights, gradients and optimizer state" in str(e.value)

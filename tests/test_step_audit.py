@@ -89,7 +89,7 @@ def test_the_host_audit_counts_the_ops_a_cuda_step_dispatches():
     import host_audit
 
     def count(*extra):
-        cfg = step_audit.compose([*step_audit.FAMILIES["tiny"], "model.attention_backend=triton", *extra])
+        cfg = step_audit.compose([*step_audit.FAMILIES["tiny"], "model.attention.backend=triton", *extra])
         return host_audit.eager_on_meta(cfg, 64, step_audit.build, step_audit.batch, step_audit.loss_of,
                                         repeats=1)
 
@@ -98,8 +98,8 @@ def test_the_host_audit_counts_the_ops_a_cuda_step_dispatches():
     assert 0 < two["launches"] < two["ops"] and 1.6 < four["ops"] / two["ops"] < 2.4, (two, four)
     cfg = step_audit.compose(step_audit.FAMILIES["1b"])
     proxy = step_audit.compose([*step_audit.FAMILIES["1b"], *host_audit.proxy_overrides(cfg)])
-    assert (proxy.model.num_layers, proxy.model.kda_num_heads, proxy.model.mla_num_heads) == (
-        cfg.model.num_layers, cfg.model.kda_num_heads, cfg.model.mla_num_heads)
+    assert (proxy.model.num_layers, proxy.model.kda.num_heads, proxy.model.mla.num_heads) == (
+        cfg.model.num_layers, cfg.model.kda.num_heads, cfg.model.mla.num_heads)
     assert proxy.model.d_model * 8 <= cfg.model.d_model
 
 

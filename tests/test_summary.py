@@ -182,7 +182,7 @@ def test_expert_parallel_divides_what_it_says(fake_world):
     apply_expert_parallel(real, expert_mesh["ep"])
     apply_data_parallel(real, mesh["dp_replicate", "dp_shard"], expert_mesh=expert_mesh)
     assert local_params(real) == s.heaviest.local
-    E = s.cfg.model.moe_num_experts
+    E = s.cfg.model.moe.num_experts
     assert real.blocks["1"].mlp.experts.w_gate.to_local().shape[0] == E // 4  # E / ep, then / (dp_shard / ep)
 
 
@@ -245,15 +245,15 @@ def test_moe_active_parameters_and_flops():
     block; the FLOPs count exactly those (6 per active parameter besides attention and KDA terms)."""
     s = summary("model=moe_tiny")
     m = s.cfg.model
-    per_expert = 3 * m.moe_hidden * m.d_model
-    moe_blocks = m.num_layers - m.moe_first_dense
-    assert s.families["routed experts"] == moe_blocks * m.moe_num_experts * per_expert
-    assert s.total - s.active == moe_blocks * (m.moe_num_experts - m.moe_top_k) * per_expert
-    dense = summary("model=moe_tiny", "model.moe_num_experts=0")
+    per_expert = 3 * m.moe.hidden * m.d_model
+    moe_blocks = m.num_layers - m.moe.first_dense
+    assert s.families["routed experts"] == moe_blocks * m.moe.num_experts * per_expert
+    assert s.total - s.active == moe_blocks * (m.moe.num_experts - m.moe.top_k) * per_expert
+    dense = summary("model=moe_tiny", "model.moe.num_experts=0")
     # the same model with dense MLPs of the same layout: FLOPs differ by exactly the MLP parameters' 6 N
-    mlp_dense = moe_blocks * 3 * m.mlp_hidden * m.d_model
-    mlp_moe = (moe_blocks * (m.moe_top_k + m.moe_shared_experts) * per_expert
-               + moe_blocks * m.moe_num_experts * m.d_model)
+    mlp_dense = moe_blocks * 3 * m.mlp.hidden * m.d_model
+    mlp_moe = (moe_blocks * (m.moe.top_k + m.moe.shared_experts) * per_expert
+               + moe_blocks * m.moe.num_experts * m.d_model)
     assert s.flops_per_token - dense.flops_per_token == pytest.approx(6 * (mlp_moe - mlp_dense))
 
 

@@ -59,8 +59,8 @@ def test_loss_falls_over_30_steps(tmp_path, corpus, cache_dir):
 
 # A mixture of experts in block 1 whose bias update moves every step (the biases, buffers, resume too), with
 # the auxiliary balance loss on.
-MOE = ["model.moe_num_experts=4", "model.moe_top_k=2", "model.moe_hidden=16", "model.moe_groups=2",
-       "model.moe_topk_groups=2", "model.moe_bias_rate=0.01", "model.moe_aux_loss_coef=0.01"]
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.hidden=16", "model.moe.groups=2",
+       "model.moe.topk_groups=2", "model.moe.bias_rate=0.01", "model.moe.aux_loss_coef=0.01"]
 
 
 @pytest.mark.e2e

@@ -43,12 +43,12 @@ FT = ["parallel.fault_tolerance=torchft"]
 # mlp_hidden 384, vocab_size null (padded to a multiple of 64); micro_batch_size 16, seq_len 128.
 IMPOSSIBLE = [
     # tensor parallelism: every split dimension divides by tp
-    (["model.kda_num_heads=3", "parallel.tp=2"], 2, "model.kda_num_heads"),
-    (["model.mla_num_heads=3", "parallel.tp=2"], 2, "model.mla_num_heads"),
-    (["model.mlp_hidden=383", "parallel.tp=2"], 2, "model.mlp_hidden"),
+    (["model.kda.num_heads=3", "parallel.tp=2"], 2, "model.kda.num_heads"),
+    (["model.mla.num_heads=3", "parallel.tp=2"], 2, "model.mla.num_heads"),
+    (["model.mlp.hidden=383", "parallel.tp=2"], 2, "model.mlp.hidden"),
     (["model.vocab_size=2049", "parallel.tp=2"], 2, "model.vocab_size"),
     (["model.pad_vocab_multiple=3", "parallel.tp=2"], 2, "model.pad_vocab_multiple"),
-    (["model.kda_num_heads=4", "model.mla_num_heads=4", "model.pad_vocab_multiple=2", "parallel.tp=4"], 4,
+    (["model.kda.num_heads=4", "model.mla.num_heads=4", "model.pad_vocab_multiple=2", "parallel.tp=4"], 4,
      "model.pad_vocab_multiple"),
     # sequence parallelism
     (["parallel.tp=2", "parallel.sequence_parallel=true", "trainer.seq_len=127"], 2, "trainer.seq_len"),
@@ -58,7 +58,7 @@ IMPOSSIBLE = [
     (["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "trainer.seq_len=130"], 4,
      "parallel.cp*tp"),
     (["parallel.cp=64", "trainer.seq_len=128"], 64, "model.conv_size"),
-    (["parallel.cp=2", "model=moe_tiny", "model.moe_aux_loss_coef=0.01"], 2, "model.moe_aux_loss_coef"),
+    (["parallel.cp=2", "model=moe_tiny", "model.moe.aux_loss_coef=0.01"], 2, "model.moe.aux_loss_coef"),
     (["parallel.cp=2", "parallel.compile=true"], 2, "parallel.compile"),
     (["parallel.cp=2", "parallel.engine=deepspeed"], 2, "parallel.cp=2"),
     (["parallel.cp=0"], 1, "parallel.cp"),
@@ -88,11 +88,11 @@ IMPOSSIBLE = [
     ([*PP2, "trainer.grad_accum_steps=2"], 2, "trainer.grad_accum_steps"),
     # a value outside its fixed set, for every such key
     (["model.residual=attnres_half"], 1, "model.residual"),
-    (["model.kda_backend=cuda"], 1, "model.kda_backend"),
-    (["model.attention_backend=flash"], 1, "model.attention_backend"),
-    (["model.kda_backend=fla", "trainer.device=cpu"], 1, "model.kda_backend=fla"),
-    (["model.attnres_backend=fused"], 1, "model.attnres_backend"),
-    (["model.attnres_backend=fla", "trainer.device=cpu"], 1, "model.attnres_backend=fla"),
+    (["model.kda.backend=cuda"], 1, "model.kda.backend"),
+    (["model.attention.backend=flash"], 1, "model.attention.backend"),
+    (["model.kda.backend=fla", "trainer.device=cpu"], 1, "model.kda.backend=fla"),
+    (["model.attnres.backend=fused"], 1, "model.attnres.backend"),
+    (["model.attnres.backend=fla", "trainer.device=cpu"], 1, "model.attnres.backend=fla"),
     (["optim.name=sgd"], 1, "optim.name"),
     (["optim.schedule=linear"], 1, "optim.schedule"),
     (["optim.ns_dtype=fp16"], 1, "optim.ns_dtype"),
@@ -114,7 +114,7 @@ IMPOSSIBLE = [
     ([*FT, "parallel.engine=deepspeed"], 1, "parallel.engine=deepspeed"),
     ([*FT, *PP2], 2, "parallel.pp=2"),
     ([*FT, "parallel.dp_replicate=2"], 2, "parallel.dp_replicate=2"),
-    ([*FT, "model=moe_tiny"], 1, "model.moe_num_experts"),
+    ([*FT, "model=moe_tiny"], 1, "model.moe.num_experts"),
     ([*FT, "data.source=hf", "data.path=/data/d", "data.streaming=true"], 1,
      "data.streaming=true with parallel"),
     (["data.streaming=true"], 1, "only data.source=hf or files can be streamed"),
@@ -132,7 +132,7 @@ IMPOSSIBLE = [
     # model layout
     (["model.mla_layers=[4]"], 1, "model.mla_layers"),
     (["model.mla_layers=[1,1]"], 1, "model.mla_layers"),
-    (["model.kda_backend=triton", "model.kda_head_dim=512"], 1, "model.kda_head_dim"),
+    (["model.kda.backend=triton", "model.kda.head_dim=512"], 1, "model.kda.head_dim"),
     # data
     (["data.val_fraction=1.0"], 1, "data.val_fraction"),
     (["data.val_fraction=-0.1"], 1, "data.val_fraction"),
@@ -151,7 +151,7 @@ IMPOSSIBLE = [
     (["model.rope_theta=inf"], 1, "model.rope_theta"),
     (["model.conv_size=0"], 1, "model.conv_size"),
     (["model.conv_size=33", "trainer.seq_len=32"], 1, "model.conv_size=33 is longer than trainer.seq_len=32"),
-    (["model.q_lora_rank=-1"], 1, "model.q_lora_rank"),
+    (["model.mla.q_lora_rank=-1"], 1, "model.mla.q_lora_rank"),
     (["model.mla_every=-1"], 1, "model.mla_every"),
     (["model.pad_vocab_multiple=0"], 1, "model.pad_vocab_multiple"),
     # trainer numbers
@@ -223,8 +223,8 @@ def test_the_messages_other_tests_match_are_unchanged():
 
     assert message(2, "parallel.dp_shard=3").startswith(
         "parallel.dp_replicate*dp_shard*cp*tp*pp = 1*3*1*1*1 = 3 but 2 process(es)")
-    assert message(2, "parallel.tp=2", "model.mla_num_heads=3").startswith(
-        "model.mla_num_heads=3 is not divisible by parallel.tp=2")
+    assert message(2, "parallel.tp=2", "model.mla.num_heads=3").startswith(
+        "model.mla.num_heads=3 is not divisible by parallel.tp=2")
     assert message(2, "parallel.pp=2", "parallel.pp_microbatches=3").startswith(
         "trainer.micro_batch_size=4 does not split into")
     assert message(2, "parallel.dp_shard=2", "parallel.sequence_parallel=true").startswith(
@@ -348,7 +348,7 @@ def test_known_keys_still_merge():
     (["data=files", "data.data_files=[a.txt]", "data.format=text"], 1),
     (["model.residual=standard", "model.mla_layers=[0,3]", "trainer.precision=bf16",
       "trainer.device=cpu"], 1),
-    (["model.kda_backend=triton", "model.kda_head_dim=256"], 1),
+    (["model.kda.backend=triton", "model.kda.head_dim=256"], 1),
     (["logging.wandb.mode=disabled", "parallel.engine=torch"], 1),
     ([*FT, "parallel.dp_shard=2", "parallel.tp=2", "parallel.torchft.replica_group=2",
       "parallel.torchft.replica_groups=3", "parallel.torchft.min_replicas=2"], 4),
@@ -370,14 +370,14 @@ def test_fault_tolerance_without_torchft_names_the_extra(monkeypatch):
 
 
 def test_attnres_triton_needs_cuda_or_the_interpreter(monkeypatch):
-    """model.attnres_backend=triton on a CPU run is refused in one line, unless Triton runs interpreted
+    """model.attnres.backend=triton on a CPU run is refused in one line, unless Triton runs interpreted
     (tests)."""
-    cfg = compose_cfg("model.attnres_backend=triton", "trainer.device=cpu")
+    cfg = compose_cfg("model.attnres.backend=triton", "trainer.device=cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     validate(cfg, world=1)
     monkeypatch.delenv("TRITON_INTERPRET")
-    with pytest.raises(ConfigError, match=r"^model.attnres_backend=triton is invalid with "
-                                          r"trainer.device=cpu.*set model.attnres_backend=auto$"):
+    with pytest.raises(ConfigError, match=r"^model.attnres.backend=triton is invalid with "
+                                          r"trainer.device=cpu.*set model.attnres.backend=auto$"):
         validate(cfg, world=1)
 
 
@@ -407,12 +407,12 @@ def test_fixed_choice_keys_stay_plain_strings():
         if dataclasses.is_dataclass(getattr(cfg, section.name)):  # not stages, a list
             walk(getattr(cfg, section.name), section.name)
     assert sorted(choice_keys) == sorted([
-        "model.residual", "model.kda_backend", "model.moe_impl", "optim.name", "optim.schedule",
+        "model.residual", "model.kda.backend", "model.moe.impl", "optim.name", "optim.schedule",
         "optim.ns_dtype", "optim.adjust_lr_fn", "trainer.precision", "trainer.device", "logging.wandb.mode",
         "data.source", "data.format", "data.prepare_executor", "parallel.activation_checkpointing",
         "parallel.pp_schedule", "parallel.engine",
-        "parallel.fault_tolerance", "precision.fp8.recipe", "precision.qat", "model.mlp_activation",
-        "model.moe_balance", "model.attention_backend", "model.attnres_backend"])
+        "parallel.fault_tolerance", "precision.fp8.recipe", "precision.qat", "model.mlp.activation",
+        "model.moe.balance", "model.attention.backend", "model.attnres.backend"])
     import kimi.parallel.engine_rules  # noqa: F401 (the engines' registry fills kimi.config.ENGINES)
 
     assert tuple(ENGINES) == ("torch", "deepspeed") and AC_MODES == ("none", "full", "selective")
@@ -432,7 +432,7 @@ def test_pipeline_helpers():
 
 @pytest.mark.parametrize("world,overrides,key", [
     ("1", ["parallel.tp=2"], "parallel.dp_replicate*dp_shard*cp*tp*pp"),
-    ("2", ["model.kda_num_heads=3", "parallel.tp=2"], "model.kda_num_heads"),
+    ("2", ["model.kda.num_heads=3", "parallel.tp=2"], "model.kda.num_heads"),
     ("1", ["+trainer.max_stepz=3"], "trainer.max_stepz"),
 ])
 def test_trainer_fails_before_tokenisation(tmp_path, monkeypatch, world, overrides, key):

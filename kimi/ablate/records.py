@@ -25,7 +25,7 @@ from .state import status
 # fingerprint leaves it out), which kernels compute the same attention, and the prompt of the sample printed
 # after the last step.
 _NOT_TRAINING = ("logging", "trainer.run_dir", "trainer.threads", "data.num_proc", "data.cache_dir",
-                 "model.attention_backend", "model.attention_deterministic", "model.attnres_backend",
+                 "model.attention.backend", "model.attention.deterministic", "model.attnres.backend",
                  "trainer.sample_prompt")
 # What the records of studies run before records kept their config hashed (kept to read those records)
 _LEGACY_NOT_TRAINING = ("logging", "trainer.run_dir", "model.attention_backend",
@@ -45,8 +45,24 @@ def _flat(node: Any, prefix: str = "") -> Dict[str, Any]:
     return {k.rstrip("."): v for k, v in out.items()}
 
 
+def _renamed(flat: Dict[str, Any]) -> Dict[str, Any]:
+    """The model section's old flat keys (a record written before its sections) under their new names; an
+    old key left null (a config composed today) is dropped."""
+    from kimi.model.sections import ALIASES
+
+    out = {}
+    for k, v in flat.items():
+        old = k.removeprefix("model.")
+        if k.startswith("model.") and old in ALIASES:
+            if v is None:
+                continue
+            k = f"model.{ALIASES[old]}"
+        out[k] = v
+    return out
+
+
 def _training(flat: Dict[str, Any]) -> Dict[str, Any]:
-    return {k: _on_cpu(k, v) for k, v in flat.items()
+    return {k: _on_cpu(k, v) for k, v in _renamed(flat).items()
             if not any(k == n or k.startswith(n + ".") for n in _NOT_TRAINING)}
 
 
@@ -67,7 +83,7 @@ def schema_defaults() -> Dict[str, Any]:
 
     from kimi.config import Config
 
-    flat = _flat(OmegaConf.to_container(OmegaConf.structured(Config), resolve=False))
+    flat = _renamed(_flat(OmegaConf.to_container(OmegaConf.structured(Config), resolve=False)))
     return {k: _on_cpu(k, v) for k, v in flat.items()}
 
 

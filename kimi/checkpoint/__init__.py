@@ -214,7 +214,7 @@ def load(path: Path, engine, loader) -> Dict[str, Any]:
     engine.load_state_dict({"model": state["model"], "optim": state["optim"], "scheduler": tr["scheduler"]})
     loader.load_state_dict(tr["loader"])
     set_rng_state(tr["rng"])
-    return {"step": tr["step"], "config": json.loads(tr["config"]), "extra": json.loads(tr["extra"])}
+    return {"step": tr["step"], "config": _config(tr["config"]), "extra": json.loads(tr["extra"])}
 
 
 _UNTRUSTED = ("refusing to load checkpoint {}: {}. It was not written by kimi; remove it if you do not know "
@@ -268,12 +268,23 @@ def load_model(path: Path, model_state: Dict[str, Any]) -> None:
     _read(state, path)
 
 
+def _config(text: str) -> Dict[str, Any]:
+    """A checkpoint's stored config, its model section's old flat keys (a checkpoint written before the
+    sections, kimi/model/sections.py) moved to their sections as today's config has them."""
+    from kimi.model.config import resolve_aliases
+
+    config = json.loads(text)
+    if isinstance(config.get("model"), dict):
+        resolve_aliases(config["model"])
+    return config
+
+
 def read_trainer_state(path: Path) -> Dict[str, Any]:
     """The non-tensor trainer entries of a checkpoint (step, config, extra) without building a model."""
     state = {"trainer": {"step": 0, "config": "", "extra": ""}}
     _read(state, path)
     tr = state["trainer"]
-    return {"step": tr["step"], "config": json.loads(tr["config"]), "extra": json.loads(tr["extra"])}
+    return {"step": tr["step"], "config": _config(tr["config"]), "extra": json.loads(tr["extra"])}
 
 
 def check_compatible(saved: Dict[str, Any], path: Path, config: Dict[str, Any],
@@ -297,8 +308,8 @@ def check_compatible(saved: Dict[str, Any], path: Path, config: Dict[str, Any],
 
 def _model_diff(saved: Dict[str, Any], config: Dict[str, Any], theirs: str) -> str:
     """'model.key: <theirs> old vs now new, ...' for every model setting (but the name) that differs."""
-    old = saved["config"].get("model", {})
-    return ", ".join(f"model.{k}: {theirs} {old.get(k)!r} vs now {v!r}" for k, v in config["model"].items()
+    old, new = flatten(saved["config"].get("model", {})), flatten(config["model"])
+    return ", ".join(f"model.{k}: {theirs} {old.get(k)!r} vs now {v!r}" for k, v in new.items()
                      if old.get(k) != v and k != "name")
 
 

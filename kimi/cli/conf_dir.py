@@ -62,4 +62,9 @@ def compose(overrides, where: Optional[str] = None, config_name: str = "config")
     init = (initialize_config_module(config_module=where[len("pkg://"):], version_base="1.3")
             if where.startswith("pkg://") else initialize_config_dir(config_dir=where, version_base="1.3"))
     with init:
-        return hydra_compose(config_name, overrides=list(overrides))
+        cfg = hydra_compose(config_name, overrides=list(overrides))
+    if "model" in cfg:  # the model section's old flat keys moved to their sections, with one line
+        from kimi.model.config import announce_aliases, resolve_aliases
+
+        announce_aliases(resolve_aliases(cfg.model))
+    return cfg

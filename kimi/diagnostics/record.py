@@ -38,7 +38,7 @@ def attnres_sources(cfg: ModelConfig, sublayer: str) -> List[str]:
     s = names.index(sublayer)  # sublayers before it
     if cfg.residual == "attnres_full":
         return ["embed"] + names[:s]
-    size = cfg.attnres_block_size
+    size = cfg.attnres.block_size
     return ["embed"] + [f"block{n}" for n in range(1, s // size + 1)] + (["partial"] if s % size else [])
 
 
@@ -87,7 +87,7 @@ def _qk_heads(tallies: Sequence, cfg: ModelConfig, tau: Optional[float]) -> Dict
         reports = ([(layer, 0, v) for layer, v in t.qk_clip.items()] if clip else
                    [(layer, first, v) for layer, (first, v) in t.mla.items()])
         for layer, first, values in reports:
-            acc = heads.setdefault(layer, [-math.inf] * cfg.mla_num_heads)
+            acc = heads.setdefault(layer, [-math.inf] * cfg.mla.num_heads)
             for h, v in enumerate(values, start=first):
                 acc[h] = max(acc[h], v)
     heads = {layer: heads[layer] for layer in sorted(heads, key=natural_key)}

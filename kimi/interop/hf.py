@@ -11,7 +11,7 @@ missing key instead of defaulting it.
 save_pretrained writes) with the tensor of ours (or the expert of it) it comes from; kimi.convert reads
 and writes such files one tensor at a time. Equal logits are tested against transformers and mlx-lm
 (tests/test_hf_interop.py, tests/test_hf_release.py: ~1e-6 in fp32). transformers keeps the MLA latent
-norm's eps at 1e-6 whatever rms_norm_eps says: `model_fields` sets `mla_norm_eps` to match.
+norm's eps at 1e-6 whatever rms_norm_eps says: `model_fields` sets `mla.norm_eps` to match.
 """
 
 from __future__ import annotations
@@ -37,41 +37,42 @@ def hf_config(m: ModelConfig) -> Dict[str, Any]:
     """KimiLinearConfig(**hf_config(m)) describes the same model as `m` (vocab_size must be resolved)."""
     if m.residual != "standard":
         _refuse(f"model.residual={m.residual} (Attention Residuals)", "only model.residual=standard converts")
-    if m.qk_rope_head_dim and m.mla_rotary:
-        _refuse("RoPE on MLA's shared key dims (model.mla_rotary=true)",
-                "its MLA keeps them unrotated: set model.mla_rotary=false or model.qk_rope_head_dim=0")
-    if m.kda_gate_bias:
-        _refuse("a bias on KDA's output gate (model.kda_gate_bias=true)", "set model.kda_gate_bias=false")
-    if m.kda_gate_lower_bound is not None or m.kda_full_rank_gate:
-        _refuse("Kimi K3's KDA (model.kda_gate_lower_bound, model.kda_full_rank_gate)",
+    if m.mla.qk_rope_head_dim and m.mla.rotary:
+        _refuse("RoPE on MLA's shared key dims (model.mla.rotary=true)",
+                "its MLA keeps them unrotated: set model.mla.rotary=false or model.mla.qk_rope_head_dim=0")
+    if m.kda.gate_bias:
+        _refuse("a bias on KDA's output gate (model.kda.gate_bias=true)", "set model.kda.gate_bias=false")
+    if m.kda.gate_lower_bound is not None or m.kda.full_rank_gate:
+        _refuse("Kimi K3's KDA (model.kda.gate_lower_bound, model.kda.full_rank_gate)",
                 "its KDA has the unbounded gate and a low-rank output gate")
-    if m.moe_num_experts and m.moe_latent_dim:
-        _refuse("a latent MoE (model.moe_latent_dim, Kimi K3)", "its experts work at the full width")
-    if m.mla_output_gate:
-        _refuse("MLA's output gate (model.mla_output_gate=true, Kimi K3's gated MLA)", "its MLA has none")
-    if m.mlp_activation != "swiglu":
-        _refuse(f"model.mlp_activation={m.mlp_activation} (Kimi K3's SiTU-GLU)", "its MLPs are SwiGLU")
+    if m.moe.num_experts and m.moe.latent_dim:
+        _refuse("a latent MoE (model.moe.latent_dim, Kimi K3)", "its experts work at the full width")
+    if m.mla.output_gate:
+        _refuse("MLA's output gate (model.mla.output_gate=true, Kimi K3's gated MLA)", "its MLA has none")
+    if m.mlp.activation != "swiglu":
+        _refuse(f"model.mlp.activation={m.mlp.activation} (Kimi K3's SiTU-GLU)", "its MLPs are SwiGLU")
     if m.vocab_size is None:
         raise ValueError("model.vocab_size must be resolved before converting (it follows the tokenizer)")
     types = {"K": "linear_attention", "M": "full_attention"}
     other = sorted(set(mixer_pattern(m)) - set(types))
     if other:
         _refuse(f"token mixers {', '.join(other)} of model.layer_pattern", "only K (KDA) and M (MLA) convert")
-    moe = bool(m.moe_num_experts)
+    moe = bool(m.moe.num_experts)
     return dict(
         vocab_size=m.vocab_size, hidden_size=m.d_model, num_hidden_layers=m.num_layers,
         layer_types=[types[letter] for letter in mixer_pattern(m)],
-        linear_num_heads=m.kda_num_heads, linear_head_dim=m.kda_head_dim, linear_conv_kernel_dim=m.conv_size,
-        num_attention_heads=m.mla_num_heads, num_key_value_heads=m.mla_num_heads,
-        q_lora_rank=m.q_lora_rank or None, kv_lora_rank=m.kv_lora_rank,
-        qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
-        intermediate_size=m.mlp_hidden,
-        mlp_layer_types=["sparse" if moe and i >= m.moe_first_dense else "dense"
+        linear_num_heads=m.kda.num_heads, linear_head_dim=m.kda.head_dim, linear_conv_kernel_dim=m.conv_size,
+        num_attention_heads=m.mla.num_heads, num_key_value_heads=m.mla.num_heads,
+        q_lora_rank=m.mla.q_lora_rank or None, kv_lora_rank=m.mla.kv_lora_rank,
+        qk_nope_head_dim=m.mla.qk_nope_head_dim, qk_rope_head_dim=m.mla.qk_rope_head_dim,
+        v_head_dim=m.mla.v_head_dim,
+        intermediate_size=m.mlp.hidden,
+        mlp_layer_types=["sparse" if moe and i >= m.moe.first_dense else "dense"
                          for i in range(m.num_layers)],
-        num_local_experts=m.moe_num_experts if moe else 1, num_experts_per_tok=m.moe_top_k,
-        moe_intermediate_size=m.moe_hidden, n_shared_experts=m.moe_shared_experts,
-        n_group=m.moe_groups, topk_group=m.moe_topk_groups, routed_scaling_factor=m.moe_routed_scale,
-        norm_topk_prob=m.moe_norm_topk, rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings,
+        num_local_experts=m.moe.num_experts if moe else 1, num_experts_per_tok=m.moe.top_k,
+        moe_intermediate_size=m.moe.hidden, n_shared_experts=m.moe.shared_experts,
+        n_group=m.moe.groups, topk_group=m.moe.topk_groups, routed_scaling_factor=m.moe.routed_scale,
+        norm_topk_prob=m.moe.norm_topk, rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings,
         hidden_act="silu", initializer_range=m.init_std,
         # the release's special token ids belong to its tokenizer; a converter sets the ones it knows
         pad_token_id=None, bos_token_id=None, eos_token_id=None)
@@ -136,7 +137,7 @@ def model_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
         raise ValueError(f"layer_types and mlp_layer_types must have num_hidden_layers={n} entries")
     if sparse and sparse != list(range(sparse[0], n)):
         _refuse(f"MoE blocks {sparse} that are not all the blocks from the first sparse one on",
-                "this framework's MoE blocks are the ones from model.moe_first_dense on")
+                "this framework's MoE blocks are the ones from model.moe.first_dense on")
     if hf.get("mla_use_nope") is False:
         _refuse("mla_use_nope=false (RoPE on MLA's shared key dims)", "only unrotated MLA converts")
     if hf.get("moe_router_activation_func", "sigmoid") != "sigmoid":
@@ -146,23 +147,23 @@ def model_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
     fields = dict(
         vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], num_layers=n,
         mla_layers=[i for i, t in enumerate(types) if t == "full_attention"],
-        kda_num_heads=hf["linear_num_heads"], kda_head_dim=hf["linear_head_dim"],
-        conv_size=hf["linear_conv_kernel_dim"], kda_gate_bias=False,
-        mla_num_heads=hf["num_attention_heads"], q_lora_rank=hf.get("q_lora_rank") or 0,
-        kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
-        qk_rope_head_dim=hf["qk_rope_head_dim"], mla_rotary=False, v_head_dim=hf["v_head_dim"],
-        mlp_hidden=hf["intermediate_size"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        conv_size=hf["linear_conv_kernel_dim"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         residual="standard", norm_eps=hf["rms_norm_eps"], init_std=hf.get("initializer_range", 0.02),
-        mla_norm_eps=1e-6,  # transformers' MLA latent (and q-LoRA) norms keep their default eps
-        moe_num_experts=hf["num_local_experts"] if sparse else 0)
+        kda=dict(num_heads=hf["linear_num_heads"], head_dim=hf["linear_head_dim"], gate_bias=False),
+        mla=dict(num_heads=hf["num_attention_heads"], q_lora_rank=hf.get("q_lora_rank") or 0,
+                 kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
+                 qk_rope_head_dim=hf["qk_rope_head_dim"], rotary=False, v_head_dim=hf["v_head_dim"],
+                 norm_eps=1e-6),  # transformers' MLA latent (and q-LoRA) norms keep their default eps
+        mlp=dict(hidden=hf["intermediate_size"]),
+        moe=dict(num_experts=hf["num_local_experts"] if sparse else 0))
     if hf.get("num_key_value_heads") not in (None, hf["num_attention_heads"]):
         _refuse("grouped key/value heads in MLA", "MLA here has one key/value head per query head")
     if sparse:
-        fields.update(moe_top_k=hf["num_experts_per_tok"], moe_hidden=hf["moe_intermediate_size"],
-                      moe_shared_experts=hf.get("n_shared_experts") or 0, moe_first_dense=sparse[0],
-                      moe_groups=hf.get("n_group") or 1, moe_topk_groups=hf.get("topk_group") or 1,
-                      moe_routed_scale=hf.get("routed_scaling_factor", 1.0),
-                      moe_norm_topk=bool(hf.get("norm_topk_prob", True)))
+        fields["moe"].update(top_k=hf["num_experts_per_tok"], hidden=hf["moe_intermediate_size"],
+                             shared_experts=hf.get("n_shared_experts") or 0, first_dense=sparse[0],
+                             groups=hf.get("n_group") or 1, topk_groups=hf.get("topk_group") or 1,
+                             routed_scale=hf.get("routed_scaling_factor", 1.0),
+                             norm_topk=bool(hf.get("norm_topk_prob", True)))
     return fields
 
 
@@ -181,7 +182,7 @@ def release_config(m: ModelConfig) -> Dict[str, Any]:
                first_k_dense_replace=dense, moe_layer_freq=1, moe_router_activation_func="sigmoid",
                num_experts=kw["num_local_experts"] if dense < m.num_layers else 0, use_grouped_topk=True,
                # mlx-lm requires these keys (head_dim: the fallback of MLA's dims, which are all given)
-               mla_use_nope=True, head_dim=m.qk_nope_head_dim, rope_theta=m.rope_theta,
+               mla_use_nope=True, head_dim=m.mla.qk_nope_head_dim, rope_theta=m.rope_theta,
                model_max_length=1048576, model_type="kimi_linear", architectures=["KimiLinearForCausalLM"])
     return out
 

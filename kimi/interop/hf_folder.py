@@ -185,8 +185,8 @@ def save_hf(model: KimiModel, directory: str | Path, shard_bytes: int = 5 * 2**3
     config = dict(layouts.get(layout).config(cfg),  # refuses before writing
                   dtype=str(next(model.parameters()).dtype).removeprefix("torch."))
     if mxfp4_experts:
-        if not cfg.moe_num_experts:
-            raise ValueError("mxfp4_experts=true: this model has no routed experts (model.moe_num_experts=0)")
+        if not cfg.moe.num_experts:
+            raise ValueError("mxfp4_experts=true: this model has no routed experts (model.moe.num_experts=0)")
         config["mxfp4_experts"] = {"block_size": 32, "elements": "E2M1, two per uint8, even element in the "
                                    "low nibble", "scale": "E8M0 (uint8, 2^(s-127)) per block of the last dim"}
     directory.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ caps, `linear_attn_config.gate_lower_bound` and `.use_full_rank_gate` (KDA), `ml
 `routed_expert_hidden_size` and `latent_moe_use_norm` (the latent MoE) and `attn_res_block_size` in decoder
 layers. The text tensors are Kimi Linear's names under `language_model.` plus two depth-mixing sites per layer
 (`self_attention_res_{proj,norm}`, `mlp_res_{proj,norm}`) and one before the final norm (`output_attn_res_*`):
-`proj` [1, d] is the pseudo-query, `norm` [d] the key-norm weight (model.attnres_key_weight). A_log is
+`proj` [1, d] is the pseudo-query, `norm` [d] the key-norm weight (model.attnres.key_weight). A_log is
 stored zero-padded to the head dim ([128] for K3's 96 heads; the release does not say why).
 
 What ours lacks the file still needs, so mlx-lm (which loads strictly) reads it: layer 0's attention site
@@ -46,35 +46,37 @@ def k3_config(m: ModelConfig) -> Dict[str, Any]:
     """config.json in K3's layout for model config `m`, or NotExpressible naming the setting."""
     if m.residual == "attnres_full":
         _refuse("model.residual=attnres_full", "K3 has Block AttnRes (attnres_block) or none (standard)")
-    if m.residual == "attnres_block" and m.attnres_block_size % 2:
-        _refuse(f"model.attnres_block_size={m.attnres_block_size} (odd)",
+    if m.residual == "attnres_block" and m.attnres.block_size % 2:
+        _refuse(f"model.attnres.block_size={m.attnres.block_size} (odd)",
                 "its blocks are whole decoder layers: an even number of sublayers")
-    if m.mlp_activation != "situ":
-        _refuse(f"model.mlp_activation={m.mlp_activation}", "its FFNs are SiTU-GLU "
-                "(model.mlp_activation=situ); a SwiGLU model exports in Kimi Linear's layout "
+    if m.mlp.activation != "situ":
+        _refuse(f"model.mlp.activation={m.mlp.activation}", "its FFNs are SiTU-GLU "
+                "(model.mlp.activation=situ); a SwiGLU model exports in Kimi Linear's layout "
                 "(layout=release)")
-    if m.kda_gate_bias:
-        _refuse("a bias on KDA's output gate (model.kda_gate_bias=true)", "set model.kda_gate_bias=false")
-    if m.qk_rope_head_dim and m.mla_rotary:
-        _refuse("RoPE on MLA's shared key dims (model.mla_rotary=true)",
-                "K3's MLA is NoPE: model.mla_rotary=false")
+    if m.kda.gate_bias:
+        _refuse("a bias on KDA's output gate (model.kda.gate_bias=true)", "set model.kda.gate_bias=false")
+    if m.mla.qk_rope_head_dim and m.mla.rotary:
+        _refuse("RoPE on MLA's shared key dims (model.mla.rotary=true)",
+                "K3's MLA is NoPE: model.mla.rotary=false")
     other = sorted(set(mixer_pattern(m)) - {"K", "M"})
     if other:
         _refuse(f"token mixers {', '.join(other)} of model.layer_pattern", "only K (KDA) and M (MLA) convert")
     # Kimi Linear's keys come from the same model without K3's parts (which its config cannot hold)
-    plain = dataclasses.replace(m, residual="standard", kda_gate_lower_bound=None, kda_full_rank_gate=False,
-                                moe_latent_dim=0, mla_output_gate=False, mlp_activation="swiglu",
-                                attnres_key_weight=False)
+    plain = dataclasses.replace(
+        m, residual="standard", kda=dataclasses.replace(m.kda, gate_lower_bound=None, full_rank_gate=False),
+        moe=dataclasses.replace(m.moe, latent_dim=0), mla=dataclasses.replace(m.mla, output_gate=False),
+        mlp=dataclasses.replace(m.mlp, activation="swiglu"),
+        attnres=dataclasses.replace(m.attnres, key_weight=False))
     text = release_config(plain)
-    text["linear_attn_config"].update(use_full_rank_gate=m.kda_full_rank_gate,
-                                      **({"gate_lower_bound": m.kda_gate_lower_bound}
-                                         if m.kda_gate_lower_bound is not None else {}))
-    text.update(hidden_act="situ", activation_situ_beta=m.situ_beta,
-                activation_situ_linear_beta=m.situ_linear_beta,
-                mla_use_output_gate=m.mla_output_gate, num_nextn_predict_layers=0,
-                routed_expert_hidden_size=m.moe_latent_dim or None, latent_moe_use_norm=m.moe_latent_norm)
+    text["linear_attn_config"].update(use_full_rank_gate=m.kda.full_rank_gate,
+                                      **({"gate_lower_bound": m.kda.gate_lower_bound}
+                                         if m.kda.gate_lower_bound is not None else {}))
+    text.update(hidden_act="situ", activation_situ_beta=m.mlp.situ_beta,
+                activation_situ_linear_beta=m.mlp.situ_linear_beta,
+                mla_use_output_gate=m.mla.output_gate, num_nextn_predict_layers=0,
+                routed_expert_hidden_size=m.moe.latent_dim or None, latent_moe_use_norm=m.moe.latent_norm)
     if m.residual == "attnres_block":
-        text["attn_res_block_size"] = m.attnres_block_size // 2
+        text["attn_res_block_size"] = m.attnres.block_size // 2
     return {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"], "text_config": text,
             "tie_word_embeddings": m.tie_embeddings}
 
@@ -88,24 +90,24 @@ def k3_model_fields(config: Dict[str, Any]) -> Dict[str, Any]:
     fields = model_fields(text)
     linear = text.get("linear_attn_config") or {}
     blocks = text.get("attn_res_block_size")
-    fields.update(kda_gate_lower_bound=linear.get("gate_lower_bound"),
-                  kda_full_rank_gate=bool(linear.get("use_full_rank_gate", False)),
-                  mla_output_gate=bool(text.get("mla_use_output_gate", False)),
-                  mlp_activation="situ" if act == "situ" else "swiglu",
-                  tie_embeddings=bool(config.get("tie_word_embeddings",
-                                                 text.get("tie_word_embeddings", False))),
-                  residual="attnres_block" if blocks else "standard", attnres_block_size=2 * (blocks or 2),
-                  attnres_key_weight=bool(blocks))
+    fields["kda"].update(gate_lower_bound=linear.get("gate_lower_bound"),
+                         full_rank_gate=bool(linear.get("use_full_rank_gate", False)))
+    fields["mla"]["output_gate"] = bool(text.get("mla_use_output_gate", False))
+    fields["mlp"]["activation"] = "situ" if act == "situ" else "swiglu"
+    tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    fields.update(tie_embeddings=bool(tied),
+                  residual="attnres_block" if blocks else "standard",
+                  attnres=dict(block_size=2 * (blocks or 2), key_weight=bool(blocks)))
     if act == "situ":
         # mlx-lm's K3 reads a missing gate cap as 1 and a missing up cap as none
-        fields.update(situ_beta=text.get("activation_situ_beta") or 1.0,
-                      situ_linear_beta=text.get("activation_situ_linear_beta"))
-    if fields["moe_num_experts"]:
+        fields["mlp"].update(situ_beta=text.get("activation_situ_beta") or 1.0,
+                             situ_linear_beta=text.get("activation_situ_linear_beta"))
+    moe = fields["moe"]
+    if moe["num_experts"]:
         latent = text.get("routed_expert_hidden_size") or 0
-        fields.update(moe_latent_dim=latent, moe_latent_norm=bool(latent and text.get("latent_moe_use_norm")),
-                      # K3 sets its router bias by Quantile Balancing, which needs ungrouped routing
-                      moe_balance="quantile" if fields["moe_topk_groups"] == fields["moe_groups"] == 1
-                      else "sign")
+        moe.update(latent_dim=latent, latent_norm=bool(latent and text.get("latent_moe_use_norm")),
+                   # K3 sets its router bias by Quantile Balancing, which needs ungrouped routing
+                   balance="quantile" if moe.get("topk_groups", 1) == moe.get("groups", 1) == 1 else "sign")
     return fields
 
 
@@ -114,11 +116,11 @@ def k3_file_map(m: ModelConfig) -> List[FileEntry]:
     entries: List[Any] = []
     for name, mine, index, shape in file_map(m, "release"):
         if name.endswith(".self_attn.A_log"):
-            shape = (max(m.kda_num_heads, m.kda_head_dim),)  # zero-padded, as released
+            shape = (max(m.kda.num_heads, m.kda.head_dim),)  # zero-padded, as released
         entries.append((PREFIX + name, mine, index, shape))
     if m.residual == "standard":
         return entries
-    d, keyed = (1, m.d_model), m.attnres_key_weight
+    d, keyed = (1, m.d_model), m.attnres.key_weight
 
     def site(hf: str, ours: str | None) -> list:
         query = f"{ours}_query" if ours else Constant(0.0, d)

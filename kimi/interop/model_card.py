@@ -98,8 +98,8 @@ def model_card(model, config: Dict[str, Any], step: int, run: Path, rows: List[D
     from kimi.model.registry import legend
 
     m = model.cfg
-    moe = (f", {m.moe_num_experts} routed experts (top-{m.moe_top_k}) + {m.moe_shared_experts} shared from "
-           f"block {m.moe_first_dense}" if m.moe_num_experts else "")
+    moe = (f", {m.moe.num_experts} routed experts (top-{m.moe.top_k}) + {m.moe.shared_experts} shared from "
+           f"block {m.moe.first_dense}" if m.moe.num_experts else "")
     facts = [("preset", f"model={m.name}"),
              ("architecture", f"{m.num_layers} blocks {mixer_pattern(m)} ({legend(m)}), d_model {m.d_model}, "
                               f"residual={m.residual}{moe}, vocabulary {m.vocab_size}"),

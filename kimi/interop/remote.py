@@ -26,7 +26,7 @@ from kimi.folders import require_inside
 from kimi.interop.remote_code import write_sources
 from kimi.interop.trust import write_record
 from kimi.model import KimiModel
-from kimi.model.config import ModelConfig, check_sizes
+from kimi.model.config import ModelConfig, check_sizes, model_dict
 from kimi.model.footprint import check_fits
 
 MODEL_TYPE = "kimi_hybrid"
@@ -83,7 +83,7 @@ def save_remote(model: KimiModel, directory: str | Path, shard_bytes: int = 5 * 
     directory.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
     config = {"architectures": ["KimiForCausalLM"], "model_type": MODEL_TYPE, "auto_map": AUTO_MAP,
-              "kimi_model": dataclasses.asdict(cfg), "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+              "kimi_model": model_dict(cfg), "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
               "num_hidden_layers": cfg.num_layers, "tie_word_embeddings": cfg.tie_embeddings,
               "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), **(special_ids or {})}
     files = write_sources(directory)

@@ -1,4 +1,4 @@
-"""The gated activation of every feed-forward network (model.mlp_activation): the product act(g) * u that a
+"""The gated activation of every feed-forward network (model.mlp.activation): the product act(g) * u that a
 dense MLP, the shared experts and each routed expert take before their down-projection, from the gate
 projection g = W_gate x and the up projection u = W_up x.
 
@@ -6,7 +6,7 @@ projection g = W_gate x and the up projection u = W_up x.
   situ    [b1 tanh(g / b1) sigmoid(g)] * [b2 tanh(u / b2)]         Kimi K3's SiTU-GLU, computed in fp32
 
 SiTU replaces SiLU's linear factor g by its soft cap b1 tanh(g / b1) and caps the up branch at b2 (none when
-model.situ_linear_beta is null), so every element is bounded by b1 * b2 (100 with K3's b1 = 4, b2 = 25):
+model.mlp.situ_linear_beta is null), so every element is bounded by b1 * b2 (100 with K3's b1 = 4, b2 = 25):
 near 0 it is SwiGLU, far from it the activations along the routed experts' chain of matmuls cannot explode.
 """
 
@@ -36,6 +36,6 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0,
 
 def glu_of(cfg) -> GLU:
     """The model config's activation as a (gate, up) function."""
-    if cfg.mlp_activation == "situ":
-        return partial(situ, beta=cfg.situ_beta, linear_beta=cfg.situ_linear_beta)
+    if cfg.mlp.activation == "situ":
+        return partial(situ, beta=cfg.mlp.situ_beta, linear_beta=cfg.mlp.situ_linear_beta)
     return swiglu

@@ -14,7 +14,7 @@ with one of three streams:
 `mix(query, sources)` mixes the given sources (a copy of `sources()` taken earlier) rather than the
 stream's current ones: a pure function of its arguments, which activation checkpointing can recompute
 after the stream has moved on. `mix(query, sources, norm)` is norm(mix): the sublayer's pre-norm, which a
-fused mix (kimi.ops.attnres, model.attnres_backend) computes in the same kernel.
+fused mix (kimi.ops.attnres, model.attnres.backend) computes in the same kernel.
 
 A stream object is exactly "the set of sources still needed" downstream: under pipeline parallelism the
 completed blocks and the partial sum are what crosses a stage boundary (`sources()` lists them in order).
@@ -61,7 +61,7 @@ def compiled_depth_attention() -> Callable:
 
 
 def depth_mix(backend: str, compiled: bool) -> Callable:
-    """The AttnRes streams' mix function for model.attnres_backend (kimi.config.ATTNRES_BACKENDS); compiled:
+    """The AttnRes streams' mix function for model.attnres.backend (kimi.config.ATTNRES_BACKENDS); compiled:
     whether the sublayers are compiled (parallel.compile=true).
 
     torch     depth_attention, compiled with the sublayers under parallel.compile (as before the switch)

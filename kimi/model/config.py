@@ -9,22 +9,31 @@ rules are kimi/model/rules.py's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from typing import Any, List, Optional
 
 from kimi.errors import ConfigError
-from kimi.schema.vocabulary import RootConfig, check, one_of, require
+from kimi.model.sections import (ALIASES, ATTENTION_BACKENDS, ATTNRES_BACKENDS, KDA_BACKENDS,  # noqa: F401
+                                 MLP_ACTIVATIONS, MOE_BALANCE, MOE_IMPLS, AttentionConfig,
+                                 AttnResConfig, KdaConfig, MhaConfig, MlaConfig, MlpConfig, MoeConfig,
+                                 MtpConfig)
+from kimi.schema.vocabulary import RootConfig, check, one_of, require, value_at
 
 RESIDUAL_MODES = ("standard", "attnres_full", "attnres_block")
-KDA_BACKENDS = ("auto", "torch", "triton", "fla")
-ATTENTION_BACKENDS = ("auto", "triton", "sdpa")
-ATTNRES_BACKENDS = ("torch", "compile", "triton", "fla", "auto")
-MOE_IMPLS = ("grouped", "loop")
-MOE_BALANCE = ("sign", "quantile")
-MLP_ACTIVATIONS = ("swiglu", "situ")
+
+
+def _with_aliases(cls: type) -> type:
+    """The old flat keys (sections.ALIASES) as fields of the dataclass about to be made from `cls`: null
+    unless an old config, preset or override sets one, which resolve_aliases then moves to its section. Their
+    metadata names the new key; the help, the key suggestions and the stored config leave them out."""
+    for old, new in ALIASES.items():
+        cls.__annotations__[old] = "Optional[Any]"
+        setattr(cls, old, field(default=None, repr=False, compare=False, metadata={"alias_of": new}))
+    return cls
 
 
 @dataclass
+@_with_aliases
 class ModelConfig:
     name: str = "tiny"
     # None: take the tokenizer's vocabulary size (rounded up to `pad_vocab_multiple`).
@@ -39,98 +48,11 @@ class ModelConfig:
     # 0 means no MLA at all, 1 means MLA everywhere. `mla_layers` (0-based) overrides it.
     mla_every: int = 4
     mla_layers: Optional[List[int]] = None
-    # KDA
-    kda_num_heads: int = 4
-    kda_head_dim: int = 64  # dk = dv; also the rank of the low-rank gate projections
-    conv_size: int = 4
-    kda_gate_bias: bool = True  # a bias on the output gate's up-projection (Kimi Linear's has none)
-    # Kimi K3's KDA: the decay gate bounded below, g = L * sigmoid(exp(A_log) (f + dt_bias)) in (L, 0)
-    # (null: Kimi Linear's -exp(A_log) softplus(f + dt_bias); K3: -5), and a full-rank output gate W_g x
-    # [heads * head_dim, d_model] instead of the low-rank one
-    kda_gate_lower_bound: Optional[float] = None
-    kda_full_rank_gate: bool = False
-    # KDA kernels: auto = Triton on CUDA, PyTorch on CPU; torch / triton force one (triton on CPU needs
-    # TRITON_INTERPRET=1 and is slow: for tests); fla = fla-core's chunk_kda and fused_recurrent_kda (CUDA,
-    # the optional fla-core package; a graph break under compile: fla marks them compiler-disabled).
-    kda_backend: str = one_of(KDA_BACKENDS, "auto")
-    # MLA
-    mla_num_heads: int = 4
-    q_lora_rank: int = 0  # 0: full-rank query projection (Kimi Linear)
-    kv_lora_rank: int = 128
-    qk_nope_head_dim: int = 64
-    qk_rope_head_dim: int = 0  # dims of the key part shared by all heads (with its query part); 0: none
-    # Rotate that shared part by position (RoPE, DeepSeek's MLA), or not: Kimi Linear keeps 64 shared key dims
-    # unrotated (NoPE everywhere)
-    mla_rotary: bool = True
-    mla_norm_eps: Optional[float] = None  # MLA latent / q-LoRA norms' eps; null: norm_eps (Kimi Linear: 1e-6)
-    # Kimi K3's gated MLA: the heads' outputs times sigmoid(W_g x), per element, before the output projection
-    # (x: the layer's normed input, W_g: [heads * v_head_dim, d_model])
-    mla_output_gate: bool = False
-    v_head_dim: int = 64
+    conv_size: int = 4  # the short convolutions' width (KDA's q/k/v, the C mixer)
     rope_theta: float = 10000.0  # RoPE's base (MLA's rotated key dims, softmax attention)
-    # Softmax attention kernels (MLA and A): auto = for CUDA fp16/bf16 tensors the faster of Triton flash
-    # attention and SDPA, timed once per shape; SDPA otherwise; triton / sdpa force one (kimi/ops/attention).
-    # SDPA measures QK-Clip's max logits in a second pass (a Triton Q K^T row-max kernel on CUDA), the Triton
-    # kernel in the same pass.
-    attention_backend: str = one_of(ATTENTION_BACKENDS, "auto")
-    # The Triton backward's dQ: false = fp32 atomic adds in the dK/dV kernel (the last bits of dQ vary run to
-    # run; about 2x faster forward+backward on an H200), true = its own kernel, bitwise reproducible
-    attention_deterministic: bool = False
-    # Softmax attention (letter A in model.layer_pattern: the dense peer's mixer, Llama's): query heads,
-    # key/value heads (0: as many, plain multi-head; fewer: grouped-query) and head dim (0: d_model / heads)
-    attn_num_heads: int = 4
-    attn_kv_heads: int = 0
-    attn_head_dim: int = 0
-    # MLP
-    mlp_hidden: int = 768  # SwiGLU inner width (of the dense blocks when moe_num_experts > 0)
-    # The gated activation of every FFN (dense, shared and routed experts; kimi/model/activations.py): swiglu,
-    # or situ (Kimi K3's SiTU-GLU: b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2) in fp32, b1 = situ_beta, b2 =
-    # situ_linear_beta, null: the up branch uncapped)
-    mlp_activation: str = one_of(MLP_ACTIVATIONS, "swiglu")
-    situ_beta: float = 4.0
-    situ_linear_beta: Optional[float] = 25.0
-    # Mixture of experts (kimi/model/moe.py): 0 experts keeps every block dense. Otherwise blocks from
-    # moe_first_dense on route each token to moe_top_k of moe_num_experts SwiGLU experts of width moe_hidden,
-    # plus moe_shared_experts shared ones (one SwiGLU of moe_shared_experts * moe_hidden).
-    moe_num_experts: int = 0
-    moe_top_k: int = 2
-    moe_hidden: int = 256
-    moe_shared_experts: int = 1
-    # Kimi K3's latent MoE: the router and shared experts see the full width, the routed experts work on
-    # tokens down-projected to this width (what expert parallelism moves), their weighted sum RMSNorm-ed
-    # (moe_latent_norm) and projected back up. 0: routed experts at d_model.
-    moe_latent_dim: int = 0
-    moe_latent_norm: bool = True
-    moe_first_dense: int = 1  # leading blocks that keep the dense MLP (Kimi Linear: 1)
-    moe_groups: int = 1  # expert groups; tokens choose among the experts of moe_topk_groups of them
-    moe_topk_groups: int = 1
-    moe_routed_scale: float = 1.0  # routed_scaling_factor, multiplies the routed output (Kimi Linear: 2.446)
-    moe_norm_topk: bool = True  # renormalise the chosen experts' scores to sum to 1 (before the scale)
-    moe_bias_rate: float = 1e-3  # aux-loss-free balancing: bias step per optimizer step (0 = no update)
-    # How the router bias balances the experts after each step: sign (DeepSeek-V3: +-moe_bias_rate towards
-    # the mean load) or quantile (Kimi K3's Quantile Balancing: each expert's bias set to the k/E quantile of
-    # the step's required biases, from a histogram of moe_qb_bins bins summed over the ranks)
-    moe_balance: str = one_of(MOE_BALANCE, "sign")
-    moe_qb_bins: int = 1000
-    moe_aux_loss_coef: float = 0.0  # weight of the sequence-wise balance loss (DeepSeek-V3: 1e-4; 0 = none)
-    moe_impl: str = one_of(MOE_IMPLS, "grouped")  # grouped GEMM, or the per-expert loop (the reference)
     tie_embeddings: bool = False
     # Residuals: standard pre-norm, or Attention Residuals over every layer / over blocks of layers.
     residual: str = one_of(RESIDUAL_MODES, "attnres_block")
-    attnres_block_size: int = 4  # sublayers per AttnRes block (attnres_block only)
-    # A learnable weight on each depth mix's key norm (Kimi K3's AttnRes): logits w . (gamma * RMSNorm(v)).
-    # The same functions as gamma * w folded into the query, but the product trains differently; off: none.
-    attnres_key_weight: bool = False
-    # The depth mixes' kernels (kimi.model.attnres.depth_mix): torch = PyTorch, eager, compiled under
-    # parallel.compile=true; compile = compiled always; triton = one fused Triton kernel per mix and way,
-    # the pre-norm folded in (CUDA; on CPU only interpreted, TRITON_INTERPRET=1: tests); fla = fla-core's
-    # fused AttnRes (CUDA); auto = triton on CUDA, torch elsewhere. The same numbers up to fp32 rounding.
-    attnres_backend: str = one_of(ATTNRES_BACKENDS, "torch")
-    # Multi-token prediction (DeepSeek-V3; Kimi K3 pretrains with 1): this many extra depths, depth k
-    # predicting token t+k+1 (kimi/model/mtp.py), their mean loss added with this weight (DeepSeek-V3's 0.3)
-    # in training
-    mtp_layers: int = 0
-    mtp_loss_weight: float = 0.3
     norm_eps: float = 1e-5
     init_std: float = 0.02
     # The training loss from the final hidden states, this many tokens at a time (kimi/ops/linear_ce.py), so
@@ -143,6 +65,77 @@ class ModelConfig:
     # about 1.5 times this, does not grow with the sequence; a smaller budget makes more passes over the
     # head's fp32 weight gradient (one per chunk).
     loss_chunk_mib: int = 64
+    # Each component's own keys (kimi/model/sections.py)
+    kda: KdaConfig = field(default_factory=KdaConfig)
+    mla: MlaConfig = field(default_factory=MlaConfig)
+    mha: MhaConfig = field(default_factory=MhaConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    mlp: MlpConfig = field(default_factory=MlpConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    attnres: AttnResConfig = field(default_factory=AttnResConfig)
+    mtp: MtpConfig = field(default_factory=MtpConfig)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # ModelConfig(**stored): a section as its dict
+            if isinstance(getattr(self, f.name), dict):
+                setattr(self, f.name, f.default_factory(**getattr(self, f.name)))
+        resolve_aliases(self)  # ModelConfig(kda_num_heads=8), dataclasses.replace, OmegaConf.to_object
+
+
+# ---- the old flat keys -------------------------------------------------------------------------------------
+def _get(node: Any, key: str) -> Any:
+    return node.get(key) if isinstance(node, dict) else getattr(node, key, None)
+
+
+def resolve_aliases(m: Any) -> List[str]:
+    """Move every old flat key that is set (not null) in model section `m` (a ModelConfig, its DictConfig or
+    a plain dict) to its section's key, and clear it; the old keys found, in order. The old key wins over the
+    new one: an old command's override (model=kimi_linear_48b_a3b model.moe_num_experts=16) changes a
+    preset written with the new keys, as it did before."""
+    found = []
+    for old, new in ALIASES.items():
+        value = _get(m, old)
+        if value is None:
+            continue
+        section, name = new.split(".")
+        if isinstance(m, dict):
+            m.setdefault(section, {})[name] = value
+            del m[old]
+        elif is_dataclass(m):  # a copy: dataclasses.replace hands the new config the old one's sections
+            setattr(m, section, replace(getattr(m, section), **{name: value}))
+            setattr(m, old, None)
+        else:  # a DictConfig
+            m[section][name] = value
+            m[old] = None
+        found.append(old)
+    return found
+
+
+_ANNOUNCED: set = set()
+
+
+def announce_aliases(found: List[str]) -> None:
+    """One line on stderr naming the old keys a config used and their new names: once per process for a
+    given set (a run composes its config more than once), by rank 0 alone."""
+    import os
+    import sys
+
+    if not found or tuple(found) in _ANNOUNCED or os.environ.get("RANK", "0") != "0":
+        return
+    _ANNOUNCED.add(tuple(found))
+    pairs = ", ".join(f"model.{old} -> model.{ALIASES[old]}" for old in found)
+    print(f"[config] renamed keys, the old names still read for now: {pairs}", file=sys.stderr, flush=True)
+
+
+def alias_fields(cls: type) -> List[str]:
+    """The names of dataclass `cls`'s alias fields (the old flat keys)."""
+    return [f.name for f in fields(cls) if "alias_of" in f.metadata]
+
+
+def model_dict(m: ModelConfig) -> dict:
+    """The model section as plain containers, its sections nested, without the old keys (what an export
+    stores; ModelConfig(**it) gives `m` back)."""
+    return {k: v for k, v in asdict(m).items() if k not in ALIASES}
 
 
 # ---- sizes -------------------------------------------------------------------------------------------------
@@ -155,23 +148,23 @@ SIZE_BOUNDS = {
     "d_model": (65536, "Kimi K3 has 7168"),
     "num_layers": (1024, "Kimi K3 has 93"),
     "vocab_size": (2**21, "Kimi K3 has 163840"),
-    "kda_num_heads": (1024, "Kimi K3 has 96"),
-    "mla_num_heads": (1024, "Kimi K3 has 96"),
-    "attn_num_heads": (1024, "Kimi K3's attention has 96"),
-    "attn_kv_heads": (1024, "Kimi K3's attention has 96"),
-    "kda_head_dim": (1024, "Kimi K3 has 128"),
-    "qk_nope_head_dim": (1024, "Kimi K3 has 128"),
-    "qk_rope_head_dim": (1024, "Kimi K3 has 64"),
-    "v_head_dim": (1024, "Kimi K3 has 128"),
-    "attn_head_dim": (1024, "Kimi K3's attention has 128"),
-    "q_lora_rank": (65536, "Kimi K3 has 1536"),
-    "kv_lora_rank": (65536, "Kimi K3 has 512"),
-    "moe_latent_dim": (65536, "Kimi K3 has 3584"),
-    "mlp_hidden": (2**21, "Kimi K3 has 33792, the dense 48b_dense preset 247808"),
-    "moe_hidden": (2**21, "Kimi K3 has 3072"),
-    "moe_num_experts": (8192, "Kimi K3 has 896"),
-    "moe_shared_experts": (8192, "Kimi K3 has 2"),
-    "mtp_layers": (64, "Kimi K3 has 1"),
+    "kda.num_heads": (1024, "Kimi K3 has 96"),
+    "mla.num_heads": (1024, "Kimi K3 has 96"),
+    "mha.num_heads": (1024, "Kimi K3's attention has 96"),
+    "mha.kv_heads": (1024, "Kimi K3's attention has 96"),
+    "kda.head_dim": (1024, "Kimi K3 has 128"),
+    "mla.qk_nope_head_dim": (1024, "Kimi K3 has 128"),
+    "mla.qk_rope_head_dim": (1024, "Kimi K3 has 64"),
+    "mla.v_head_dim": (1024, "Kimi K3 has 128"),
+    "mha.head_dim": (1024, "Kimi K3's attention has 128"),
+    "mla.q_lora_rank": (65536, "Kimi K3 has 1536"),
+    "mla.kv_lora_rank": (65536, "Kimi K3 has 512"),
+    "moe.latent_dim": (65536, "Kimi K3 has 3584"),
+    "mlp.hidden": (2**21, "Kimi K3 has 33792, the dense 48b_dense preset 247808"),
+    "moe.hidden": (2**21, "Kimi K3 has 3072"),
+    "moe.num_experts": (8192, "Kimi K3 has 896"),
+    "moe.shared_experts": (8192, "Kimi K3 has 2"),
+    "mtp.layers": (64, "Kimi K3 has 1"),
     "pad_vocab_multiple": (2**21, "64 is usual; Kimi K3's whole vocabulary is 163840"),
 }
 
@@ -179,14 +172,14 @@ SIZE_BOUNDS = {
 def check_sizes(m: Any) -> None:
     """Every size of model section `m` (a ModelConfig, or its DictConfig) at most its bound (SIZE_BOUNDS)."""
     for key, (bound, largest) in SIZE_BOUNDS.items():
-        value = getattr(m, key)
+        value = value_at(m, key)
         check(value is None or value <= bound, f"model.{key}", value,
               f"must be <= {bound}, far past any real model ({largest}): is it a typo?")
 
 
 def moe_layer_indices(m: ModelConfig) -> List[int]:
     """0-based indices of the blocks whose MLP is a mixture of experts."""
-    return list(range(m.moe_first_dense, m.num_layers)) if m.moe_num_experts else []
+    return list(range(m.moe.first_dense, m.num_layers)) if m.moe.num_experts else []
 
 
 def mixer_pattern(m: ModelConfig) -> str:

@@ -38,11 +38,11 @@ def estimate_params(m: ModelConfig, vocab_size: int | None = None) -> int:
     with torch.device("meta"):
         total = _numel(Block(m, *kinds[0], first=True))  # the first block has no pseudo-query of its mixer
         total += sum(n * _numel(Block(m, *kind, first=False)) for kind, n in counts.items())
-        if m.mtp_layers:
-            total += m.mtp_layers * _numel(MTPLayer(d, m.norm_eps, mtp_block(m)))
+        if m.mtp.layers:
+            total += m.mtp.layers * _numel(MTPLayer(d, m.norm_eps, mtp_block(m)))
     attnres = m.residual != "standard"
     ends = d * vocab * (1 if m.tie_embeddings else 2) + d  # embedding, LM head, final norm
-    ends += d * attnres * (1 + m.attnres_key_weight)  # final pseudo-query and its key weight
+    ends += d * attnres * (1 + m.attnres.key_weight)  # final pseudo-query and its key weight
     return total + ends
 
 

@@ -38,7 +38,7 @@ from .views import ParamViews
 
 # Below one chunk the chunked form has nothing to parallelise: step the recurrence instead.
 _RECURRENT_MAX_T = CHUNK_SIZE
-# model.kda_backend -> the `backend=` of chunk_kda, of fused_recurrent_kda and of the fused l2norm + gate
+# model.kda.backend -> the `backend=` of chunk_kda, of fused_recurrent_kda and of the fused l2norm + gate
 # (None: chosen by device). fla-core has no separate gate op here: ours, chosen by device, feeds its kernels.
 _BACKENDS = {"auto": (None, None, None), "torch": ("chunk", "recurrent", "torch"),
              "triton": ("triton", "triton", "triton"), "fla": ("fla", "fla", None)}
@@ -110,7 +110,7 @@ class ShortConv(ParamViews, nn.Module):
 
 class KDA(Sublayer, ParamViews, nn.Module):
     LABEL, FAMILY = "KDA", "KDA mixers"
-    TP_DIVIDES = ("kda_num_heads",)
+    TP_DIVIDES = ("kda.num_heads",)
     PROBES = ("g", "beta")  # the per-channel log decay and the delta rule's beta
     # transformers' Kimi Linear (its files keep these names; A_log as [1, 1, H, 1])
     HF_NAMES = {**{f"{ours}.weight": f"self_attn.{theirs}.weight" for ours, theirs in (
@@ -122,9 +122,9 @@ class KDA(Sublayer, ParamViews, nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        d, H, K = cfg.d_model, cfg.kda_num_heads, cfg.kda_head_dim
+        d, H, K = cfg.d_model, cfg.kda.num_heads, cfg.kda.head_dim
         self.head_dim = K
-        self.chunk_backend, self.recurrent_backend, self.gate_backend = _BACKENDS[cfg.kda_backend]
+        self.chunk_backend, self.recurrent_backend, self.gate_backend = _BACKENDS[cfg.kda.backend]
         self.q_proj = nn.Linear(d, H * K, bias=False)
         self.k_proj = nn.Linear(d, H * K, bias=False)
         self.v_proj = nn.Linear(d, H * K, bias=False)
@@ -136,12 +136,12 @@ class KDA(Sublayer, ParamViews, nn.Module):
         self.A_log = nn.Parameter(torch.empty(H))
         self.dt_bias = nn.Parameter(torch.empty(H * K))
         self.b_proj = nn.Linear(d, H, bias=False)
-        self.lower_bound = cfg.kda_gate_lower_bound
-        if cfg.kda_full_rank_gate:
-            self.g_proj = nn.Linear(d, H * K, bias=cfg.kda_gate_bias)
+        self.lower_bound = cfg.kda.gate_lower_bound
+        if cfg.kda.full_rank_gate:
+            self.g_proj = nn.Linear(d, H * K, bias=cfg.kda.gate_bias)
         else:  # low rank, its bias on the up-projection
             self.g_proj_down = nn.Linear(d, K, bias=False)
-            self.g_proj_up = nn.Linear(K, H * K, bias=cfg.kda_gate_bias)
+            self.g_proj_up = nn.Linear(K, H * K, bias=cfg.kda.gate_bias)
         # one weight over each head's V channels, shared by the heads; its eps is rms_norm_eps in Kimi Linear
         self.o_norm = RMSNorm(K, eps=cfg.norm_eps)
         self.o_proj = nn.Linear(H * K, d, bias=False)

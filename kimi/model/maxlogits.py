@@ -27,9 +27,9 @@ class RecordsMaxLogits:
     def _init_max_logits(self, cfg) -> None:
         self.track_max_logits = False
         self._seen_max_logits: list[torch.Tensor] = []
-        # model.attention_backend / attention_deterministic, as attention()'s backend= and deterministic=
-        self.attention_options = dict(backend=cfg.attention_backend,
-                                      deterministic=cfg.attention_deterministic)
+        # model.attention.backend / attention_deterministic, as attention()'s backend= and deterministic=
+        self.attention_options = dict(backend=cfg.attention.backend,
+                                      deterministic=cfg.attention.deterministic)
 
     @property
     def max_logits(self) -> torch.Tensor | None:

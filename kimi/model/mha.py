@@ -32,13 +32,13 @@ from .sublayer import Sublayer, TPPlan
 def attention_heads(cfg: ModelConfig) -> tuple[int, int, int]:
     """(query heads, key/value heads, head dim) of model.attn_*: 0 kv heads is one per query head, head
     dim 0 is d_model / heads."""
-    heads = cfg.attn_num_heads
-    return heads, cfg.attn_kv_heads or heads, cfg.attn_head_dim or cfg.d_model // heads
+    heads = cfg.mha.num_heads
+    return heads, cfg.mha.kv_heads or heads, cfg.mha.head_dim or cfg.d_model // heads
 
 
 class MHA(RecordsMaxLogits, Sublayer, nn.Module):
     LABEL, FAMILY = "attention", "attention mixers"
-    TP_DIVIDES = ("attn_num_heads", "attn_kv_heads")
+    TP_DIVIDES = ("mha.num_heads", "mha.kv_heads")
     HF_NAMES = {f"{ours}.weight": f"self_attn.{theirs}.weight"
                 for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj"))}
 

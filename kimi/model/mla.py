@@ -54,7 +54,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
 
 class MLA(RecordsMaxLogits, Sublayer, nn.Module):
     LABEL, FAMILY = "MLA", "MLA mixers"
-    TP_DIVIDES = ("mla_num_heads",)
+    TP_DIVIDES = ("mla.num_heads",)
     HF_NAMES = {f"{ours}.weight": f"self_attn.{theirs}.weight" for ours, theirs in (
         ("wq", "q_proj"), ("wq_a", "q_a_proj"), ("q_norm", "q_a_layernorm"), ("wq_b", "q_b_proj"),
         ("wkv_a", "kv_a_proj_with_mqa"), ("kv_norm", "kv_a_layernorm"), ("wkv_b", "kv_b_proj"),
@@ -63,24 +63,24 @@ class MLA(RecordsMaxLogits, Sublayer, nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        d, H = cfg.d_model, cfg.mla_num_heads
-        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        self.kv_lora_rank, self.rope_theta = cfg.kv_lora_rank, cfg.rope_theta
-        self.rotary = cfg.mla_rotary
-        eps = cfg.norm_eps if cfg.mla_norm_eps is None else cfg.mla_norm_eps
+        d, H, mla = cfg.d_model, cfg.mla.num_heads, cfg.mla
+        self.nope, self.rope, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+        self.kv_lora_rank, self.rope_theta = cfg.mla.kv_lora_rank, cfg.rope_theta
+        self.rotary = cfg.mla.rotary
+        eps = cfg.norm_eps if cfg.mla.norm_eps is None else cfg.mla.norm_eps
         qk = self.nope + self.rope
-        self.q_lora = cfg.q_lora_rank > 0  # compressed queries: W_uq RMSNorm(W_dq x)
+        self.q_lora = cfg.mla.q_lora_rank > 0  # compressed queries: W_uq RMSNorm(W_dq x)
         if self.q_lora:
-            self.wq_a = nn.Linear(d, cfg.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(cfg.q_lora_rank, eps)
-            self.wq_b = nn.Linear(cfg.q_lora_rank, H * qk, bias=False)
+            self.wq_a = nn.Linear(d, cfg.mla.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(cfg.mla.q_lora_rank, eps)
+            self.wq_b = nn.Linear(cfg.mla.q_lora_rank, H * qk, bias=False)
         else:
             self.wq = nn.Linear(d, H * qk, bias=False)
         self.wkv_a = nn.Linear(d, self.kv_lora_rank + self.rope, bias=False)
         self.kv_norm = RMSNorm(self.kv_lora_rank, eps)
         self.wkv_b = nn.Linear(self.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(H * self.v_dim, d, bias=False)
-        self.wg = nn.Linear(d, H * self.v_dim, bias=False) if cfg.mla_output_gate else None
+        self.wg = nn.Linear(d, H * self.v_dim, bias=False) if cfg.mla.output_gate else None
         self._init_max_logits(cfg)
 
     @property

@@ -1,5 +1,5 @@
 """Gated feed-forward: W_down(act(W_gate x) * W_up x), no biases; act is SiLU (SwiGLU) or Kimi K3's SiTU
-(kimi/model/activations.py, model.mlp_activation)."""
+(kimi/model/activations.py, model.mlp.activation)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from .sublayer import Sublayer, TPPlan
 
 class SwiGLU(Sublayer, nn.Module):
     LABEL, FAMILY = "SwiGLU", "MLPs"
-    TP_DIVIDES = ("mlp_hidden",)
+    TP_DIVIDES = ("mlp.hidden",)
     HF_NAMES = {f"w_{x}.weight": f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
 
     @classmethod
     def build(cls, cfg) -> "SwiGLU":
-        return cls(cfg.d_model, cfg.mlp_hidden, glu_of(cfg))
+        return cls(cfg.d_model, cfg.mlp.hidden, glu_of(cfg))
 
     def __init__(self, d_model: int, hidden: int, act: GLU = swiglu):
         super().__init__()

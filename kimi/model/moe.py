@@ -8,12 +8,12 @@ auxiliary loss (docs/algorithms.md section 5).
     w_e    = routed_scale * s_e / sum_{chosen} s             (renormalised unless norm_topk=False)
     y      = sum_{e in chosen} w_e SwiGLU_e(x) + SharedSwiGLU(x)
 
-(with model.mlp_activation=situ every one of those FFNs takes SiTU-GLU instead: kimi/model/activations.py)
+(with model.mlp.activation=situ every one of those FFNs takes SiTU-GLU instead: kimi/model/activations.py)
 
-Latent MoE (model.moe_latent_dim = L > 0, Kimi K3's Stable LatentMoE): the routed experts work at width L,
+Latent MoE (model.moe.latent_dim = L > 0, Kimi K3's Stable LatentMoE): the routed experts work at width L,
     y = W_up RMSNorm(sum_{e in chosen} w_e GLU_e(W_down x)) + Shared(x)
 with the router and the shared experts on x at full width; dispatch moves L-wide tokens (no norm with
-moe_latent_norm=false).
+model.moe.latent_norm=false).
 
 Routed experts keep their weights as 3-D tensors [E, out, in] (w_gate, w_up: [E, hidden, d]; w_down:
 [E, d, hidden]); every token goes to all of its chosen experts (dropless). Two implementations of the
@@ -21,15 +21,16 @@ expert computation give the same result: "grouped" sorts the tokens by expert an
 projection (torch._grouped_mm where the dtype and device support it, else one matmul per expert on its
 contiguous rows), "loop" gathers each expert's tokens by mask (the reference).
 
-Optionally (moe_aux_loss_coef > 0) DeepSeek-V3's sequence-wise balance loss joins the training loss with that
-weight, through the backward of the layer's output (`_AddGrad`), so no loss function needs to know about it.
+Optionally (model.moe.aux_loss_coef > 0) DeepSeek-V3's sequence-wise balance loss joins the training loss with
+that weight, through the backward of the layer's output (`_AddGrad`), so no loss function needs to know about
+it.
 
 Load balancing: each forward with gradients adds the number of tokens routed to each expert to `load`; after
 an optimizer step `update_expert_bias` moves every bias by `rate` towards balance (up for an expert below the
 mean load, down above it: the sign of the difference), from the loads summed over all micro-batches and,
 through the engine, all data-parallel ranks, so every replica makes the same update.
 
-Quantile Balancing (model.moe_balance=quantile, Kimi K3) sets the bias instead of stepping it. A token i with
+Quantile Balancing (model.moe.balance=quantile, Kimi K3) sets the bias instead of stepping it. A token i with
 scores s_i goes to expert j iff s_ij + b_j beats its cutoff a_i, the (k+1)-th best biased score, i.e. iff b_j
 exceeds its required bias r_ij = a_i - s_ij; so the bias that gives expert j a k/E share of the step's tokens
 is the k/E quantile of r_.j. Each training forward bins every r_ij into `qb_hist` [E, bins] over
@@ -229,24 +230,24 @@ class MoE(Sublayer, nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        d, E, hidden = cfg.d_model, cfg.moe_num_experts, cfg.moe_hidden
-        self.top_k, self.groups, self.topk_groups = cfg.moe_top_k, cfg.moe_groups, cfg.moe_topk_groups
-        self.norm_topk, self.scale = cfg.moe_norm_topk, cfg.moe_routed_scale
+        d, E, hidden = cfg.d_model, cfg.moe.num_experts, cfg.moe.hidden
+        self.top_k, self.groups, self.topk_groups = cfg.moe.top_k, cfg.moe.groups, cfg.moe.topk_groups
+        self.norm_topk, self.scale = cfg.moe.norm_topk, cfg.moe.routed_scale
         self.router = nn.Linear(d, E, bias=False)
-        width = cfg.moe_latent_dim or d
-        self.latent_down = nn.Linear(d, width, bias=False) if cfg.moe_latent_dim else None
-        self.experts = RoutedExperts(E, hidden, width, cfg.moe_impl, glu_of(cfg))
+        width = cfg.moe.latent_dim or d
+        self.latent_down = nn.Linear(d, width, bias=False) if cfg.moe.latent_dim else None
+        self.experts = RoutedExperts(E, hidden, width, cfg.moe.impl, glu_of(cfg))
         self.latent_norm = RMSNorm(width,
-                                   cfg.norm_eps) if cfg.moe_latent_dim and cfg.moe_latent_norm else None
-        self.latent_up = nn.Linear(width, d, bias=False) if cfg.moe_latent_dim else None
-        self.shared = SwiGLU(d, hidden * cfg.moe_shared_experts,
-                             glu_of(cfg)) if cfg.moe_shared_experts else None
+                                   cfg.norm_eps) if cfg.moe.latent_dim and cfg.moe.latent_norm else None
+        self.latent_up = nn.Linear(width, d, bias=False) if cfg.moe.latent_dim else None
+        self.shared = SwiGLU(d, hidden * cfg.moe.shared_experts,
+                             glu_of(cfg)) if cfg.moe.shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(E))
         self.register_buffer("load", torch.zeros(E), persistent=False)
-        self.quantile = cfg.moe_balance == "quantile"
+        self.quantile = cfg.moe.balance == "quantile"
         if self.quantile:
-            self.register_buffer("qb_hist", torch.zeros(E, cfg.moe_qb_bins), persistent=False)
-        self.aux_coef = cfg.moe_aux_loss_coef
+            self.register_buffer("qb_hist", torch.zeros(E, cfg.moe.qb_bins), persistent=False)
+        self.aux_coef = cfg.moe.aux_loss_coef
         # The multiplier of the auxiliary loss's gradient besides aux_coef: the engine sets it to the scale of
         # the step's loss (1 / gradient-accumulation steps) before each forward.
         self.aux_grad_scale = 1.0

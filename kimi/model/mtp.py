@@ -7,7 +7,7 @@ Depth k (1-based) predicts token t+k+1 at every position t from two inputs: the 
 
 with the model's own embedding and LM head (shared, as in DeepSeek-V3), and one decoder block of its own: the
 last trunk block's token mixer with a dense MLP (routed experts stay in the trunk, where balancing and expert
-parallelism act), joined by a plain residual. The training loss is L + model.mtp_loss_weight * mean_k loss_k;
+parallelism act), joined by a plain residual. The training loss is L + model.mtp.loss_weight * mean_k loss_k;
 evaluation and decoding never run it, and checkpoint export drops it (K3's release has none).
 """
 

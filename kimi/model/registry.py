@@ -54,7 +54,7 @@ def mixer_classes(cfg: ModelConfig) -> List[type]:
 
 
 def mlp_kinds(cfg: ModelConfig) -> List[str]:
-    """Each block's MLP kind: "moe" from model.moe_first_dense on in a mixture-of-experts model."""
+    """Each block's MLP kind: "moe" from model.moe.first_dense on in a mixture-of-experts model."""
     moe = set(moe_layer_indices(cfg))
     return ["moe" if i in moe else "dense" for i in range(cfg.num_layers)]
 

@@ -12,7 +12,7 @@ import torch
 from kimi.model.config import ModelConfig, check_sizes, mixer_pattern
 from kimi.ops.kda.chunk import TRITON_MAX_HEAD_DIM
 from kimi.schema.vocabulary import RootConfig as Config
-from kimi.schema.vocabulary import check, check_choices, check_finite, check_positive, require
+from kimi.schema.vocabulary import check, check_choices, check_finite, check_positive, require, value_at
 
 from .registry import mixer_classes, mlp_class, mlp_kinds
 
@@ -22,33 +22,34 @@ def validate_model(m: ModelConfig) -> None:
     check_sizes(m)
     check_choices(m, "model")
     check_finite(m, "model")
-    check_positive(m, "model", ("d_model", "num_layers", "kda_num_heads", "kda_head_dim", "mla_num_heads",
-                                 "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "mlp_hidden",
-                                 "attnres_block_size", "pad_vocab_multiple"))
+    check_positive(m, "model", ("d_model", "num_layers", "kda.num_heads", "kda.head_dim", "mla.num_heads",
+                                 "mla.kv_lora_rank", "mla.qk_nope_head_dim", "mla.v_head_dim", "mlp.hidden",
+                                 "attnres.block_size", "pad_vocab_multiple"))
     check(m.conv_size >= 1, "model.conv_size", m.conv_size, "must be >= 1 (4 in Kimi Linear)")
-    check(m.moe_latent_dim >= 0, "model.moe_latent_dim", m.moe_latent_dim,
+    check(m.moe.latent_dim >= 0, "model.moe.latent_dim", m.moe.latent_dim,
           "must be >= 0 (0: routed experts at d_model; Kimi K3: half of it)")
     if "A" in mixer_pattern(m):
-        check(m.attn_num_heads >= 1, "model.attn_num_heads", m.attn_num_heads, "must be >= 1")
-        kv = m.attn_kv_heads or m.attn_num_heads
-        check(m.attn_num_heads % kv == 0, "model.attn_kv_heads", m.attn_kv_heads,
-              f"must divide model.attn_num_heads={m.attn_num_heads} (each key/value head serves a group)")
-        check(m.attn_head_dim > 0 or m.d_model % m.attn_num_heads == 0, "model.attn_head_dim",
-              m.attn_head_dim, f"0 takes d_model / attn_num_heads, but {m.d_model} does not divide by "
-              f"{m.attn_num_heads}: set it")
-    check(m.mtp_layers >= 0, "model.mtp_layers", m.mtp_layers,
+        check(m.mha.num_heads >= 1, "model.mha.num_heads", m.mha.num_heads, "must be >= 1")
+        kv = m.mha.kv_heads or m.mha.num_heads
+        check(m.mha.num_heads % kv == 0, "model.mha.kv_heads", m.mha.kv_heads,
+              f"must divide model.mha.num_heads={m.mha.num_heads} (each key/value head serves a group)")
+        check(m.mha.head_dim > 0 or m.d_model % m.mha.num_heads == 0, "model.mha.head_dim",
+              m.mha.head_dim, f"0 takes d_model / model.mha.num_heads, but {m.d_model} does not divide by "
+              f"{m.mha.num_heads}: set it")
+    check(m.mtp.layers >= 0, "model.mtp.layers", m.mtp.layers,
           "must be >= 0 (0: no multi-token prediction; K3: 1)")
-    check(m.mtp_loss_weight >= 0, "model.mtp_loss_weight", m.mtp_loss_weight,
+    check(m.mtp.loss_weight >= 0, "model.mtp.loss_weight", m.mtp.loss_weight,
           "must be >= 0 (DeepSeek-V3: 0.3)")
-    check(m.kda_gate_lower_bound is None or m.kda_gate_lower_bound < 0, "model.kda_gate_lower_bound",
-          m.kda_gate_lower_bound, "must be negative (Kimi K3: -5), or null for Kimi Linear's unbounded gate")
+    check(m.kda.gate_lower_bound is None or m.kda.gate_lower_bound < 0, "model.kda.gate_lower_bound",
+          m.kda.gate_lower_bound, "must be negative (Kimi K3: -5), or null for Kimi Linear's unbounded gate")
     check(m.loss_chunk >= -1, "model.loss_chunk", m.loss_chunk,
           "must be -1 (plain loss), 0 (chunk sized by model.loss_chunk_mib) or a number of tokens per chunk")
     check(m.loss_chunk_mib >= 1, "model.loss_chunk_mib", m.loss_chunk_mib,
           "must be >= 1 (MiB of fp32 logits per loss chunk; 64 holds 512 tokens at a 32k vocabulary)")
-    check(m.q_lora_rank >= 0, "model.q_lora_rank", m.q_lora_rank, "must be >= 0 (0 = no query compression)")
-    check(m.qk_rope_head_dim >= 0 and m.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim",
-          m.qk_rope_head_dim, "must be an even number >= 0 (0 = NoPE)")
+    check(m.mla.q_lora_rank >= 0, "model.mla.q_lora_rank", m.mla.q_lora_rank,
+          "must be >= 0 (0 = no query compression)")
+    check(m.mla.qk_rope_head_dim >= 0 and m.mla.qk_rope_head_dim % 2 == 0, "model.mla.qk_rope_head_dim",
+          m.mla.qk_rope_head_dim, "must be an even number >= 0 (0 = NoPE)")
     check(m.mla_every >= 0, "model.mla_every", m.mla_every, "must be >= 0 (0 = no MLA, 4 = 3:1 KDA:MLA)")
     if m.layer_pattern is not None:
         pattern = m.layer_pattern
@@ -73,46 +74,46 @@ def validate_model(m: ModelConfig) -> None:
     # a large std saturates the gates and softmaxes at step 0 and leaves (almost) no gradient to train on
     check(0 < m.init_std <= 1, "model.init_std", m.init_std, "must be in (0, 1] (0.02 is usual)")
     check(0 < m.norm_eps < 1, "model.norm_eps", m.norm_eps, "must be in (0, 1) (1e-5 or 1e-6 is usual)")
-    if m.mla_norm_eps is not None:
-        check(0 < m.mla_norm_eps < 1, "model.mla_norm_eps", m.mla_norm_eps,
+    if m.mla.norm_eps is not None:
+        check(0 < m.mla.norm_eps < 1, "model.mla.norm_eps", m.mla.norm_eps,
                "must be in (0, 1), or null to use model.norm_eps")
     # RoPE turns pair i by theta**(-2i/d) radians a token: with theta <= 1 no pair turns slower than one
     # radian a token, so distant positions look alike
     check(m.rope_theta > 1, "model.rope_theta", m.rope_theta, "must be > 1 (10000 is usual)")
-    if m.moe_num_experts:
+    if m.moe.num_experts:
         _validate_moe(m)
     mixer_classes(m)  # every letter of the pattern names a registered token mixer
 
 
 def _validate_moe(m: ModelConfig) -> None:
-    E = m.moe_num_experts
-    check(E >= 2, "model.moe_num_experts", E, "must be 0 (dense) or >= 2")
-    check_positive(m, "model", ("moe_top_k", "moe_hidden", "moe_groups", "moe_topk_groups"))
-    check(m.moe_shared_experts >= 0, "model.moe_shared_experts", m.moe_shared_experts, "must be >= 0")
-    check(0 <= m.moe_first_dense <= m.num_layers, "model.moe_first_dense", m.moe_first_dense,
+    E = m.moe.num_experts
+    check(E >= 2, "model.moe.num_experts", E, "must be 0 (dense) or >= 2")
+    check_positive(m, "model", ("moe.top_k", "moe.hidden", "moe.groups", "moe.topk_groups"))
+    check(m.moe.shared_experts >= 0, "model.moe.shared_experts", m.moe.shared_experts, "must be >= 0")
+    check(0 <= m.moe.first_dense <= m.num_layers, "model.moe.first_dense", m.moe.first_dense,
           f"must be in [0, model.num_layers = {m.num_layers}]")
-    check(E % m.moe_groups == 0 and E // m.moe_groups >= 2, "model.moe_groups", m.moe_groups,
-          f"must divide model.moe_num_experts = {E} into groups of at least 2 experts (a group's score is "
+    check(E % m.moe.groups == 0 and E // m.moe.groups >= 2, "model.moe.groups", m.moe.groups,
+          f"must divide model.moe.num_experts = {E} into groups of at least 2 experts (a group's score is "
           "the sum of its two best experts')")
-    check(m.moe_topk_groups <= m.moe_groups, "model.moe_topk_groups", m.moe_topk_groups,
-          f"must be <= model.moe_groups = {m.moe_groups}")
-    reachable = m.moe_topk_groups * (E // m.moe_groups)
-    check(m.moe_top_k <= reachable, "model.moe_top_k", m.moe_top_k,
-          f"must be <= the experts of the chosen groups ({m.moe_topk_groups} x {E // m.moe_groups} = "
+    check(m.moe.topk_groups <= m.moe.groups, "model.moe.topk_groups", m.moe.topk_groups,
+          f"must be <= model.moe.groups = {m.moe.groups}")
+    reachable = m.moe.topk_groups * (E // m.moe.groups)
+    check(m.moe.top_k <= reachable, "model.moe.top_k", m.moe.top_k,
+          f"must be <= the experts of the chosen groups ({m.moe.topk_groups} x {E // m.moe.groups} = "
           f"{reachable})")
-    check(m.moe_routed_scale > 0, "model.moe_routed_scale", m.moe_routed_scale, "must be > 0 (1 = none)")
-    check(m.moe_bias_rate >= 0, "model.moe_bias_rate", m.moe_bias_rate,
+    check(m.moe.routed_scale > 0, "model.moe.routed_scale", m.moe.routed_scale, "must be > 0 (1 = none)")
+    check(m.moe.bias_rate >= 0, "model.moe.bias_rate", m.moe.bias_rate,
           "must be >= 0 (0 = no bias update; DeepSeek-V3 used 1e-3)")
-    check(m.moe_aux_loss_coef >= 0, "model.moe_aux_loss_coef", m.moe_aux_loss_coef,
+    check(m.moe.aux_loss_coef >= 0, "model.moe.aux_loss_coef", m.moe.aux_loss_coef,
           "must be >= 0 (0 = no auxiliary loss; DeepSeek-V3 used 1e-4)")
-    if m.moe_balance == "quantile":
-        check(m.moe_groups == 1, "model.moe_groups", m.moe_groups,
-              "must be 1 with model.moe_balance=quantile: its cutoff is each token's (k+1)-th best expert "
+    if m.moe.balance == "quantile":
+        check(m.moe.groups == 1, "model.moe.groups", m.moe.groups,
+              "must be 1 with model.moe.balance=quantile: its cutoff is each token's (k+1)-th best expert "
               "of all")
-        check(m.moe_top_k < E, "model.moe_top_k", m.moe_top_k,
-              f"must be < model.moe_num_experts = {E} with model.moe_balance=quantile (it reads the "
+        check(m.moe.top_k < E, "model.moe.top_k", m.moe.top_k,
+              f"must be < model.moe.num_experts = {E} with model.moe.balance=quantile (it reads the "
               "(k+1)-th)")
-        check(m.moe_qb_bins >= 2, "model.moe_qb_bins", m.moe_qb_bins, "must be >= 2 (Kimi K3: 1000)")
+        check(m.moe.qb_bins >= 2, "model.moe.qb_bins", m.moe.qb_bins, "must be >= 2 (Kimi K3: 1000)")
 
 
 def check_tensor_parallel(m: ModelConfig, tp: int) -> None:
@@ -123,7 +124,7 @@ def check_tensor_parallel(m: ModelConfig, tp: int) -> None:
     classes = [*mixer_classes(m), *(mlp_class(kind) for kind in mlp_kinds(m))]
     keys = list(dict.fromkeys(key for cls in classes for key in cls.TP_DIVIDES))
     for key in keys + (["vocab_size"] if m.vocab_size is not None else []):
-        value = getattr(m, key)
+        value = value_at(m, key)
         require(value % tp == 0,
                 f"model.{key}={value} is not divisible by parallel.tp={tp}: tensor parallelism splits it "
                 "over the tp ranks; choose a parallel.tp that divides it")
@@ -136,52 +137,52 @@ def check_tensor_parallel(m: ModelConfig, tp: int) -> None:
 
 
 def check_kernels(cfg: Config) -> None:
-    """The Triton KDA kernels (model.kda_backend=triton, or auto on CUDA) take key head dims up to a limit;
-    fla-core's (model.kda_backend=fla) need CUDA and the package. So do the fused depth mixes
-    (model.attnres_backend triton, fla; the Triton one also runs interpreted, for tests)."""
+    """The Triton KDA kernels (model.kda.backend=triton, or auto on CUDA) take key head dims up to a limit;
+    fla-core's (model.kda.backend=fla) need CUDA and the package. So do the fused depth mixes
+    (model.attnres.backend triton, fla; the Triton one also runs interpreted, for tests)."""
     m, limit = cfg.model, TRITON_MAX_HEAD_DIM
     check_attnres_kernels(cfg)
-    if m.kda_backend == "fla":
+    if m.kda.backend == "fla":
         cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
-        require(cuda, f"model.kda_backend=fla is invalid with trainer.device={cfg.trainer.device} on this "
-                      "machine: fla-core's KDA kernels run on CUDA only; set model.kda_backend=auto")
+        require(cuda, f"model.kda.backend=fla is invalid with trainer.device={cfg.trainer.device} on this "
+                      "machine: fla-core's KDA kernels run on CUDA only; set model.kda.backend=auto")
         require(importlib.util.find_spec("fla") is not None,
-                "model.kda_backend=fla needs the fla-core package, which is not installed: pip install "
-                "fla-core, or set model.kda_backend=auto")
-    on = {"triton": "model.kda_backend=triton", "auto": "model.kda_backend=auto and trainer.device=cuda"}
-    if m.kda_backend == "triton" or (m.kda_backend == "auto" and cfg.trainer.device == "cuda"):
-        require(m.kda_head_dim <= limit,
-                f"model.kda_head_dim={m.kda_head_dim} is invalid with {on[m.kda_backend]}: the Triton KDA "
-                f"kernels take head dims up to {limit}; lower model.kda_head_dim or set "
-                "model.kda_backend=torch")
+                "model.kda.backend=fla needs the fla-core package, which is not installed: pip install "
+                "fla-core, or set model.kda.backend=auto")
+    on = {"triton": "model.kda.backend=triton", "auto": "model.kda.backend=auto and trainer.device=cuda"}
+    if m.kda.backend == "triton" or (m.kda.backend == "auto" and cfg.trainer.device == "cuda"):
+        require(m.kda.head_dim <= limit,
+                f"model.kda.head_dim={m.kda.head_dim} is invalid with {on[m.kda.backend]}: the Triton KDA "
+                f"kernels take head dims up to {limit}; lower model.kda.head_dim or set "
+                "model.kda.backend=torch")
 
 
 def check_attnres_kernels(cfg: Config) -> None:
-    backend, device = cfg.model.attnres_backend, cfg.trainer.device
+    backend, device = cfg.model.attnres.backend, cfg.trainer.device
     if backend not in ("triton", "fla"):
         return
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     interpreted = backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
     tests = " (on CPU interpreted, with TRITON_INTERPRET=1, for tests)" if backend == "triton" else ""
     require(cuda or interpreted,
-            f"model.attnres_backend={backend} is invalid with trainer.device={device} on this machine: the "
-            f"fused depth-mix kernel runs on CUDA only{tests}; set model.attnres_backend=auto")
+            f"model.attnres.backend={backend} is invalid with trainer.device={device} on this machine: the "
+            f"fused depth-mix kernel runs on CUDA only{tests}; set model.attnres.backend=auto")
     if backend == "fla":
         from kimi.ops.attnres.fla import missing
 
         reason = missing()
-        require(reason is None, f"model.attnres_backend=fla needs fla-core's fused AttnRes, but {reason}: "
-                "install a fla-core that has it, or set model.attnres_backend=auto")
+        require(reason is None, f"model.attnres.backend=fla needs fla-core's fused AttnRes, but {reason}: "
+                "install a fla-core that has it, or set model.attnres.backend=auto")
 
 
 def check_mtp(cfg: Config) -> None:
     """Multi-token prediction runs on one process and under FSDP/HSDP data parallelism; what it does not
     support yet is named (each would need the shifted labels or its block handled across ranks)."""
-    if not cfg.model.mtp_layers:
+    if not cfg.model.mtp.layers:
         return
     p = cfg.parallel
     unsupported = [f"parallel.{k}={getattr(p, k)}" for k in ("tp", "pp", "cp", "ep") if getattr(p, k) > 1]
     unsupported += [f"parallel.engine={p.engine}"] if p.engine != "torch" else []
-    require(not unsupported, f"model.mtp_layers={cfg.model.mtp_layers} does not run with "
+    require(not unsupported, f"model.mtp.layers={cfg.model.mtp.layers} does not run with "
             f"{', '.join(unsupported)} yet: train multi-token prediction with data parallelism "
-            "(parallel.dp_shard / dp_replicate) alone, or set model.mtp_layers=0")
+            "(parallel.dp_shard / dp_replicate) alone, or set model.mtp.layers=0")

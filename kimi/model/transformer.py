@@ -64,7 +64,7 @@ class Block(Runners, ParamViews, nn.Module):
         # its query: a query there would be a parameter with an identically zero gradient, so it has none.
         self.mixer_query = nn.Parameter(torch.zeros(d)) if attnres and not first else None
         self.mlp_query = nn.Parameter(torch.zeros(d)) if attnres else None
-        keyed = attnres and cfg.attnres_key_weight
+        keyed = attnres and cfg.attnres.key_weight
         self.mixer_key_weight = nn.Parameter(torch.ones(d)) if keyed and not first else None
         self.mlp_key_weight = nn.Parameter(torch.ones(d)) if keyed else None
 
@@ -128,8 +128,8 @@ class KimiModel(Runners, ParamViews, nn.Module):
         if cfg.vocab_size is None:
             raise ValueError("ModelConfig.vocab_size must be set (resolve it from the tokenizer first)")
         self.cfg = cfg
-        # the AttnRes streams' mix (model.attnres_backend); kimi.parallel's apply_compile may compile it
-        self.depth_mix = depth_mix(cfg.attnres_backend, compiled=False)
+        # the AttnRes streams' mix (model.attnres.backend); kimi.parallel's apply_compile may compile it
+        self.depth_mix = depth_mix(cfg.attnres.backend, compiled=False)
         # One draw from torch's generator, before any module's constructor draws (on the meta device they do
         # not), seeds every parameter's own generator (init_parameter): the weights follow torch.manual_seed
         # but not the device, order or place in which parameters are initialised.
@@ -138,10 +138,10 @@ class KimiModel(Runners, ParamViews, nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(cfg, mixer, mlp, first=i == 0)
                                      for i, (mixer, mlp) in enumerate(block_classes(cfg))})
         self.final_query = nn.Parameter(torch.zeros(cfg.d_model)) if cfg.residual != "standard" else None
-        keyed = cfg.residual != "standard" and cfg.attnres_key_weight
+        keyed = cfg.residual != "standard" and cfg.attnres.key_weight
         self.final_key_weight = nn.Parameter(torch.ones(cfg.d_model)) if keyed else None
         self.mtp = nn.ModuleList([MTPLayer(cfg.d_model, cfg.norm_eps, mtp_block(cfg))
-                                  for _ in range(cfg.mtp_layers)]) if cfg.mtp_layers else None
+                                  for _ in range(cfg.mtp.layers)]) if cfg.mtp.layers else None
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, cfg.loss_chunk, cfg.loss_chunk_mib)
         if cfg.tie_embeddings:
@@ -188,7 +188,7 @@ class KimiModel(Runners, ParamViews, nn.Module):
           sqrt(2 * num_layers)), GPT-2's rule: 2 * num_layers branches add into the residual sum, so this
           keeps its variance at init independent of depth (under AttnRes, a mix of the same outputs);
         * norms 1; AttnRes pseudo-queries 0 (every layer starts as a uniform average of its sources, which
-          the paper reports matters for stability), their key-norm weights (model.attnres_key_weight) 1;
+          the paper reports matters for stability), their key-norm weights (model.attnres.key_weight) 1;
         * KDA: A_log = log U(1, 16), dt_bias = inverse-softplus of logU(1e-3, 1e-1), short convs as
           nn.Conv1d's default (see KDA.init_rules).
         """
@@ -318,11 +318,11 @@ class KimiModel(Runners, ParamViews, nn.Module):
             inputs = tuple(x.reshape(1, B * T, *x.shape[2:]) for x in inputs)
         c = self.cfg
         if self.embed is not None:
-            stream = make_stream(c.residual, self.embed(inputs[0]), c.attnres_block_size, c.norm_eps,
+            stream = make_stream(c.residual, self.embed(inputs[0]), c.attnres.block_size, c.norm_eps,
                                  self.depth_mix)
         else:  # resume after the sublayers of the blocks before this part
             done = 2 * int(next(iter(self.blocks.keys())))
-            stream = resume_stream(c.residual, list(inputs), done, c.attnres_block_size, c.norm_eps,
+            stream = resume_stream(c.residual, list(inputs), done, c.attnres.block_size, c.norm_eps,
                                    self.depth_mix)
         rows = B if doc_starts is not None else None
         for i, block in self.blocks.items():
@@ -343,7 +343,7 @@ class KimiModel(Runners, ParamViews, nn.Module):
         loss = self.lm_head(hidden, labels)
         if self.mtp is not None and self.training:  # multi-token prediction trains; it never evaluates
             trunk = stream.mix(self.final_site_query())
-            loss = loss + c.mtp_loss_weight * mtp_loss(self.mtp, self.embed, self.lm_head, trunk, labels,
+            loss = loss + c.mtp.loss_weight * mtp_loss(self.mtp, self.embed, self.lm_head, trunk, labels,
                                                        cu_seqlens=cu_seqlens, rows=rows)
         return loss
 
@@ -390,7 +390,7 @@ def training_flops(cfg: ModelConfig, seq_len: int) -> tuple[list[float], float]:
       convolutions' taps are exactly such parameters (one multiply-add per token each). Norm weights,
       biases, A_log etc. are counted too, a negligible overcount. Parameters a token does not use (the
       routed experts it is not sent to: a sublayer's inactive_params) do not count.
-    * Multi-token prediction's depths (model.mtp_layers) count with the end: their blocks the same way, and
+    * Multi-token prediction's depths (model.mtp.layers) count with the end: their blocks the same way, and
       each its own pass through the LM head.
     * What the parameters do not show, each sublayer declares (kimi/model/sublayer.py): softmax attention's
       scores over the sequence, KDA's chunkwise state (docs/algorithms.md section 1).
@@ -409,12 +409,12 @@ def training_flops(cfg: ModelConfig, seq_len: int) -> tuple[list[float], float]:
                           + sum(m.flops_per_token(seq_len) for m in subs))
     # LM head, final norm, query
     end = 6.0 * cfg.d_model * (cfg.vocab_size + 1 + (cfg.residual != "standard"))
-    if cfg.mtp_layers:  # each depth: its block, projection and norms, and one more pass through the LM head
+    if cfg.mtp.layers:  # each depth: its block, projection and norms, and one more pass through the LM head
         with torch.device("meta"):
             layer = MTPLayer(cfg.d_model, cfg.norm_eps, mtp_block(cfg))
         subs = (layer.block.mixer, layer.block.mlp)
         depth = 6.0 * (sum(p.numel() for p in layer.parameters()) + cfg.d_model * cfg.vocab_size)
-        end += cfg.mtp_layers * (depth + sum(m.flops_per_token(seq_len) for m in subs))
+        end += cfg.mtp.layers * (depth + sum(m.flops_per_token(seq_len) for m in subs))
     return blocks, end
 
 

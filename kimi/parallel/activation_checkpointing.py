@@ -83,10 +83,10 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
 
 def apply_compile(model: nn.Module) -> None:
     """torch.compile each sublayer (Module.compile: names and state dicts are unchanged) and the Attention
-    Residuals' depth mix, which runs between them (model.attnres_backend torch, and auto on CPU: a fused
+    Residuals' depth mix, which runs between them (model.attnres.backend torch, and auto on CPU: a fused
     kernel is one op already)."""
     from kimi.model.attnres import depth_mix
 
     for module in sublayers(model):
         module.compile()
-    model.depth_mix = depth_mix(model.cfg.attnres_backend, compiled=True)
+    model.depth_mix = depth_mix(model.cfg.attnres.backend, compiled=True)

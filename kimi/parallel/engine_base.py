@@ -36,13 +36,13 @@ class EngineBase(Engine):
         """The aux-loss-free bias update of every MoE layer, from the step's loads summed over the ranks that
         hold the same layers (tensor-parallel ranks count the same tokens again: that scales all loads alike,
         which changes neither the update's sign nor max/mean); statistics as their max over the stages."""
-        if not self.cfg.model.moe_num_experts:
+        if not self.cfg.model.moe.num_experts:
             return {}
-        stats = update_expert_bias(self.model, self.cfg.model.moe_bias_rate,
+        stats = update_expert_bias(self.model, self.cfg.model.moe.bias_rate,
                                    sum_over(self.dims.stage_group(self.mesh)))
         if self.dims.pp > 1:  # every stage joins, one without MoE layers with zeros
             keys = ["moe_imbalance", "moe_bias_range"]
-            keys += ["moe_aux_loss"] if self.cfg.model.moe_aux_loss_coef else []  # same keys on every stage
+            keys += ["moe_aux_loss"] if self.cfg.model.moe.aux_loss_coef else []  # same keys on every stage
             values = torch.tensor([stats.get(k, 0.0) for k in keys], device=self.device)
             dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.mesh["pp"].get_group())
             stats = dict(zip(keys, values.tolist()))

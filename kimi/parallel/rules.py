@@ -95,10 +95,10 @@ def check_fault_tolerance(cfg: Config) -> None:
             f"parallel.dp_replicate={p.dp_replicate} with parallel.fault_tolerance=torchft: the replica "
             "groups are the replicate dimension (one torchrun job each); set parallel.dp_replicate=1 and "
             "launch parallel.torchft.replica_groups jobs")
-    require(not cfg.model.moe_num_experts,
-            f"model.moe_num_experts={cfg.model.moe_num_experts} with parallel.fault_tolerance=torchft: the "
+    require(not cfg.model.moe.num_experts,
+            f"model.moe.num_experts={cfg.model.moe.num_experts} with parallel.fault_tolerance=torchft: the "
             "expert biases follow each group's own token counts, so replica groups would drift apart; use a "
-            "dense model (model.moe_num_experts=0) or parallel.fault_tolerance=none")
+            "dense model (model.moe.num_experts=0) or parallel.fault_tolerance=none")
 
 
 # ---- across sections -------------------------------------------------------------------------------------
@@ -126,8 +126,8 @@ def check_context_parallel(cfg: Config) -> None:
             "use a longer sequence or a smaller cp")
     unsupported = [f"parallel.{k}={getattr(p, k)}" for k in ("ep",) if getattr(p, k) > 1]
     unsupported += ["parallel.compile=true"] if p.compile else []
-    unsupported += [f"model.moe_aux_loss_coef={m.moe_aux_loss_coef} (its balance statistics are per whole "
-                    "sequence; the aux-loss-free bias update works)"] if m.moe_aux_loss_coef else []
+    unsupported += [f"model.moe.aux_loss_coef={m.moe.aux_loss_coef} (its balance statistics are per whole "
+                    "sequence; the aux-loss-free bias update works)"] if m.moe.aux_loss_coef else []
     require(not unsupported,
             f"parallel.cp={p.cp} does not work with {', '.join(unsupported)} yet: reset those, or use "
             "parallel.cp=1")
@@ -138,14 +138,14 @@ def check_expert_parallel(cfg: Config) -> None:
     m, p = cfg.model, cfg.parallel
     if p.ep == 1:
         return
-    require(m.moe_num_experts > 0, f"parallel.ep={p.ep} needs a mixture-of-experts model "
-                                    "(model.moe_num_experts > 0, e.g. model=moe_tiny): expert parallelism "
+    require(m.moe.num_experts > 0, f"parallel.ep={p.ep} needs a mixture-of-experts model "
+                                    "(model.moe.num_experts > 0, e.g. model=moe_tiny): expert parallelism "
                                     "splits the routed experts; set parallel.ep=1")
     require(p.dp_shard % p.ep == 0,
             f"parallel.ep={p.ep} does not divide parallel.dp_shard={p.dp_shard}: the expert-parallel ranks "
             "are taken from the dp_shard ranks; make dp_shard a multiple of ep")
-    require(m.moe_num_experts % p.ep == 0,
-            f"model.moe_num_experts={m.moe_num_experts} is not divisible by parallel.ep={p.ep}: each "
+    require(m.moe.num_experts % p.ep == 0,
+            f"model.moe.num_experts={m.moe.num_experts} is not divisible by parallel.ep={p.ep}: each "
             "expert-parallel rank holds the same number of experts; choose an ep that divides it")
 
 

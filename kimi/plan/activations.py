@@ -209,7 +209,7 @@ def _cut(m: ModelConfig) -> ModelConfig:
     if m.num_layers <= CUT:
         return m
     return dataclasses.replace(m, num_layers=CUT, layer_pattern=mixer_pattern(m)[:CUT], mla_layers=None,
-                               mtp_layers=0)
+                               mtp=dataclasses.replace(m.mtp, layers=0))
 
 
 def _trace(m: ModelConfig, ac: str) -> Trace:

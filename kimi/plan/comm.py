@@ -306,13 +306,13 @@ def _ep(cfg: Config, blocks, tokens: int, micro: int, tally: _Tally) -> None:
         return
     act = precision_for(cfg.trainer.precision).compute_bytes()
     layers = sum(1 for i in blocks if mlp_kinds(m)[i] == "moe")
-    width = m.moe_latent_dim or m.d_model
+    width = m.moe.latent_dim or m.d_model
     # every exchange's input is this rank's (token, choice) rows or what it received of the others':
     # tokens x top_k rows either way when routing is balanced (exact for the first, an expectation else)
-    rows = tokens * m.moe_top_k
+    rows = tokens * m.moe.top_k
     recompute = p.activation_checkpointing == "full"
     calls = layers * micro * (3 + 2 + 3 * recompute)
-    nbytes = layers * micro * ((1 + recompute) * 8 * m.moe_num_experts
+    nbytes = layers * micro * ((1 + recompute) * 8 * m.moe.num_experts
                                + (4 + 2 * recompute) * rows * width * act)
     tally.add("all_to_all", "ep", calls, nbytes)
 
@@ -329,11 +329,11 @@ def _cp(cfg: Config, blocks, rows: int, micro: int, tally: _Tally) -> None:
     gathers = 2 if p.activation_checkpointing == "full" else 1  # the recompute gathers again
     for i in blocks:
         if pattern[i] == "K":  # the three convs' halos, then the shard summary (fp32): two messages
-            width = m.kda_num_heads * m.kda_head_dim
+            width = m.kda.num_heads * m.kda.head_dim
             messages = [rows * 3 * (m.conv_size - 1) * width * act,
-                        rows * m.kda_num_heads * m.kda_head_dim ** 2 * 2 * 4]
+                        rows * m.kda.num_heads * m.kda.head_dim ** 2 * 2 * 4]
         else:  # the shard's latent and shared key
-            messages = [rows * t.seq_len // p.cp * (m.kv_lora_rank + m.qk_rope_head_dim) * act]
+            messages = [rows * t.seq_len // p.cp * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * act]
         for message in messages:
             tally.add("all_gather", "cp", micro * gathers, micro * gathers * message)
             # the gradient of every rank's message, all-reduced (gloo has no reduce-scatter)
@@ -456,15 +456,15 @@ def _step(cfg: Config, params, blocks, first: bool, last: bool, tally: _Tally,
         mine = [h for i in blocks for h in heads.get(i, ())]
         if mine:
             tally.add("all_reduce", dim, 1, 4 * sum(mine))
-    if cfg.model.moe_num_experts and stage > 1:
+    if cfg.model.moe.num_experts and stage > 1:
         moe = [i for i in blocks if i in loads]
         if moe:
             tally.add("all_reduce", dim, 1, sum(loads[i] for i in moe))
             kept = [hists[i] for i in moe if i in hists]
             if kept:
                 tally.add("all_reduce", dim, 1, sum(kept))
-    if p.pp > 1 and cfg.model.moe_num_experts:
-        tally.add("all_reduce", "pp", 1, 4 * (2 + bool(cfg.model.moe_aux_loss_coef)))
+    if p.pp > 1 and cfg.model.moe.num_experts:
+        tally.add("all_reduce", "pp", 1, 4 * (2 + bool(cfg.model.moe.aux_loss_coef)))
 
 
 def per_rank(cfg: Config, muonclip: bool = True) -> List[List[Collective]]:

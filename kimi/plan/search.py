@@ -157,7 +157,7 @@ class Search:
                             continue
                         for dp_replicate in divisors(dp):
                             dp_shard = dp // dp_replicate
-                            experts = math.gcd(dp_shard, m.moe_num_experts) if m.moe_num_experts else 1
+                            experts = math.gcd(dp_shard, m.moe.num_experts) if m.moe.num_experts else 1
                             for ep in divisors(experts):
                                 pure = tp == pp == cp == ep == dp_replicate == 1
                                 for engine, zero in ENGINES if pure else ENGINES[:1]:

@@ -56,7 +56,7 @@ def sources(m, done: int) -> int:
         return 1
     if m.residual == "attnres_full":
         return 1 + done
-    bs = m.attnres_block_size
+    bs = m.attnres.block_size
     return 1 + done // bs + (done % bs > 0)
 
 

@@ -51,12 +51,12 @@ def validate_precision(cfg: Config) -> None:
                 f"micro-batches * seq_len/cp = {tokens}) to be a multiple of {multiple}: change "
                 "trainer.micro_batch_size or trainer.seq_len")
     if p.qat == "mxfp4_experts":
-        require(m.moe_num_experts > 0, "precision.qat=mxfp4_experts needs a mixture-of-experts model "
-                                       "(model.moe_num_experts > 0, e.g. model=moe_tiny): set "
+        require(m.moe.num_experts > 0, "precision.qat=mxfp4_experts needs a mixture-of-experts model "
+                                       "(model.moe.num_experts > 0, e.g. model=moe_tiny): set "
                                        "precision.qat=null")
-        require(m.d_model % 32 == 0 and m.moe_hidden % 32 == 0,
+        require(m.d_model % 32 == 0 and m.moe.hidden % 32 == 0,
                 "precision.qat=mxfp4_experts quantises the experts' weights in blocks of 32 along their "
-                f"inputs: model.d_model={m.d_model} and model.moe_hidden={m.moe_hidden} must be multiples "
+                f"inputs: model.d_model={m.d_model} and model.moe.hidden={m.moe.hidden} must be multiples "
                 "of 32")
 
 

@@ -194,8 +194,8 @@ def banner(cfg, dims, num_params, flops_per_token: float, data, device, routing:
     n, n_emb = num_params[0], num_params[0] - num_params[1]
     tokens = tokens_per_step(t, dims.dp)
     ranks = f" x {dims.dp} data-parallel ranks" if dims.enabled else ""
-    moe = (f", MLPs from block {m.moe_first_dense} on: {m.moe_num_experts} experts, top-{m.moe_top_k} + "
-           f"{m.moe_shared_experts} shared" if m.moe_num_experts else "")
+    moe = (f", MLPs from block {m.moe.first_dense} on: {m.moe.num_experts} experts, top-{m.moe.top_k} + "
+           f"{m.moe.shared_experts} shared" if m.moe.num_experts else "")
     lines = [f"[kimi] model {m.name}: {n / 1e6:.2f}M parameters ({n_emb / 1e6:.2f}M embedding), blocks "
              f"{mixer_pattern(m)} ({legend(m)}){moe}, residual={m.residual}, vocab {m.vocab_size}, "
              f"{flops_per_token / 1e6:.1f} MFLOP/token (train)",

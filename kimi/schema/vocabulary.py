@@ -39,6 +39,13 @@ def one_of(choices: Tuple[str, ...], default: Optional[str]) -> Any:
     return field(default=default, metadata={"choices": choices, "nullable": default is None})
 
 
+def value_at(node: Any, key: str) -> Any:
+    """The value of dotted `key` ("kda.num_heads") under section `node`."""
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
 def check(ok: bool, key: str, value: Any, allowed: str) -> None:
     """A value of one key: `key=value is invalid: allowed`."""
     if not ok:
@@ -78,4 +85,4 @@ def check_finite(node: Any, prefix: str) -> None:
 
 def check_positive(node: Any, prefix: str, keys: Tuple[str, ...]) -> None:
     for key in keys:
-        check(getattr(node, key) > 0, f"{prefix}.{key}", getattr(node, key), "must be a positive integer")
+        check(value_at(node, key) > 0, f"{prefix}.{key}", value_at(node, key), "must be a positive integer")

@@ -18,7 +18,7 @@ whose online softmax already tracks every row's max, so the max logits cost one 
 default). Choose one with `backend=`; "triton" on CPU tensors needs TRITON_INTERPRET=1 set before triton is
 imported. "auto": what backend=None picks, except that where that is Triton each shape is first timed against
 SDPA, forward and backward, and the faster of the two that agree is kept (kimi/ops/attention/auto.py;
-model.attention_backend=auto). deterministic (Triton backward only): True builds dQ in its own kernel,
+model.attention.backend=auto). deterministic (Triton backward only): True builds dQ in its own kernel,
 bitwise reproducible; False adds it up with fp32 atomics, about twice as fast on an H200; None: the process
 default (kimi/ops/attention/triton/common.py DQ_ATOMIC, atomic unless KIMI_ATTENTION_DQ=separate).
 

@@ -5,7 +5,7 @@ the mix (the sublayer's pre-norm, with its weight) in one kernel each way (kimi/
     FusedDepthMix(backend, fallback).normed(query, sources, eps, weight, norm_eps) -> its pre-norm's output
 
 A FusedDepthMix is what the residual streams call as their mix function (kimi.model.attnres.depth_mix picks it
-for model.attnres_backend triton, fla and auto); `normed` is the form they use when a norm follows. Equal to
+for model.attnres.backend triton, fla and auto); `normed` is the form they use when a norm follows. Equal to
 the unfused composition (reference.py: kimi.model.attnres.depth_attention, then RMSNorm on the mix rounded
 to the sources' dtype) up to the order of fp32 sums; the softmax and scores are fp32 (fp64 for fp64 inputs).
 
@@ -28,7 +28,7 @@ from kimi.ops.dispatch import Guard, auto_picks_triton, needs_grad
 from .reference import depth_attention, mix_then_norm
 
 BACKENDS = ("triton", "fla", "auto")
-_GUARD = Guard("attnres depth mix", "model.attnres_backend=triton")
+_GUARD = Guard("attnres depth mix", "model.attnres.backend=triton")
 
 
 def _probe(query, sources, norm_weight) -> None:

@@ -1,5 +1,5 @@
 """fla-core's fused AttnRes (fla.ops.attnres.fused_attnres, in the optional fla-core package) behind the
-depth mix's calling convention: model.attnres_backend=fla. CUDA only (its kernels autotune on a GPU).
+depth mix's calling convention: model.attnres.backend=fla. CUDA only (its kernels autotune on a GPU).
 
 Its key norm carries a weight, which ours does not have (the model folds any key weight into the query): it
 gets ones. Its output norm shares the key norm's eps, so the pre-norm is fused only when the two eps agree
@@ -20,7 +20,7 @@ from .reference import mix_then_norm, pre_norm
 
 
 def missing() -> str | None:
-    """Why model.attnres_backend=fla cannot run on this installation (None: it can), without importing fla."""
+    """Why model.attnres.backend=fla cannot run on this installation (None: it can), without importing fla."""
     spec = importlib.util.find_spec("fla")
     if spec is None:
         return "the fla-core package is not installed"
@@ -38,16 +38,16 @@ def fla_depth_mix(query: torch.Tensor | None, sources: Sequence[torch.Tensor], e
                   norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0) -> torch.Tensor:
     reason = missing()
     if reason is not None:
-        raise ImportError(f"model.attnres_backend=fla: {reason}; install a fla-core that has it or set "
-                          "model.attnres_backend=auto")
+        raise ImportError(f"model.attnres.backend=fla: {reason}; install a fla-core that has it or set "
+                          "model.attnres.backend=auto")
     if not sources[0].is_cuda:
-        raise RuntimeError("model.attnres_backend=fla runs on CUDA tensors only: set "
-                           "model.attnres_backend=auto")
+        raise RuntimeError("model.attnres.backend=fla runs on CUDA tensors only: set "
+                           "model.attnres.backend=auto")
     try:  # missing() said it is there; a broken install still ends in one line
         from fla.ops.attnres import fused_attnres
     except ImportError as exc:
-        raise ImportError(f"model.attnres_backend=fla: fla-core's fused AttnRes does not import ({exc}); set "
-                          "model.attnres_backend=auto") from exc
+        raise ImportError(f"model.attnres.backend=fla: fla-core's fused AttnRes does not import ({exc}); set "
+                          "model.attnres.backend=auto") from exc
 
     if query is None:  # one source, weight 1 (see depth_attention)
         return mix_then_norm(None, sources, eps, norm_weight, norm_eps)

@@ -15,7 +15,7 @@ backend=None picks by device: the Triton kernels (kimi.ops.kda.triton) for CUDA 
 backend="triton" on CPU tensors runs the kernels under the Triton interpreter (TRITON_INTERPRET=1).
 backend="fla" calls fla-core's kernels (kimi/ops/kda/fla.py; CUDA and the optional fla-core package).
 
-Failures (kimi.ops.dispatch): with backend=None (model.kda_backend=auto) a Triton kernel that fails to compile
+Failures (kimi.ops.dispatch): with backend=None (model.kda.backend=auto) a Triton kernel that fails to compile
 or launch sends that op (chunk_kda or fused_recurrent_kda) to its PyTorch path ("chunk", "recurrent") for the
 rest of the process, with one warning; with backend="triton" it raises TritonKernelError. For chunk_kda with
 gradients the choice is made at forward time: the forward and backward kernels are first probed on a tiny
@@ -111,7 +111,7 @@ def _call(fn, q, k, v, g, beta, scale, initial_state, cu_seqlens):
     return torch.cat(outputs, dim=1), torch.cat(states, dim=0)
 
 
-_FORCED_HINT = "backend='triton', i.e. model.kda_backend=triton"
+_FORCED_HINT = "backend='triton', i.e. model.kda.backend=triton"
 _CHUNK_GUARD = Guard("chunk_kda", _FORCED_HINT)
 _RECURRENT_GUARD = Guard("fused_recurrent_kda", _FORCED_HINT)
 _PROBE_T = 16  # tokens of the probe input: a short chunk, same kernels and tiles as any length

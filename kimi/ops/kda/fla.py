@@ -1,5 +1,5 @@
 """fla-core's KDA kernels (the optional `fla-core` package, flash-linear-attention) behind this package's
-calling convention: backend="fla" of chunk_kda and fused_recurrent_kda, i.e. model.kda_backend=fla.
+calling convention: backend="fla" of chunk_kda and fused_recurrent_kda, i.e. model.kda.backend=fla.
 
 They run on CUDA only (fla's Triton kernels autotune and use GPU-only features, so not even the Triton
 interpreter runs them). fla marks its entry points torch.compiler.disable: under parallel.compile each call is
@@ -17,7 +17,7 @@ def _kernels():
         from fla.ops.kda import chunk_kda, fused_recurrent_kda
     except ImportError as exc:
         raise ImportError(f"KDA backend 'fla' needs the fla-core package ({exc}); install it (pip install "
-                          "fla-core) or set model.kda_backend=auto") from exc
+                          "fla-core) or set model.kda.backend=auto") from exc
     return chunk_kda, fused_recurrent_kda
 
 

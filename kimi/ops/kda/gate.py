@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from kimi.ops.dispatch import Guard, auto_picks_triton, needs_grad
 
-_GUARD = Guard("kda_gate/l2norm", "backend='triton', i.e. model.kda_backend=triton")
+_GUARD = Guard("kda_gate/l2norm", "backend='triton', i.e. model.kda.backend=triton")
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -36,7 +36,7 @@ AUTOTUNE: bool = os.environ.get("KIMI_ATTENTION_AUTOTUNE", "1") != "0"
 # the fp32 sums, hence the last bits of dQ, varies run to run. On an H200 (bench/results/gpu/2026-11-30-h200)
 # its forward+backward took 0.73-0.98x SDPA's time against 1.54-2.35x for False (or
 # KIMI_ATTENTION_DQ=separate): a second kernel recomputes P and dP per query block, 7 matmuls, deterministic
-# (the model's switch is model.attention_deterministic). Read at every call.
+# (the model's switch is model.attention.deterministic). Read at every call.
 DQ_ATOMIC: bool = os.environ.get("KIMI_ATTENTION_DQ", "atomic") != "separate"
 
 

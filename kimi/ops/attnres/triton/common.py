@@ -23,9 +23,9 @@ def check_inputs(query: torch.Tensor, sources, norm_weight: torch.Tensor | None)
     first = sources[0]
     tensors = [query, *sources] + ([] if norm_weight is None else [norm_weight])
     if any(not t.is_cuda for t in tensors) and not INTERPRET:
-        raise RuntimeError("model.attnres_backend=triton needs CUDA tensors (on CPU the Triton kernel runs "
+        raise RuntimeError("model.attnres.backend=triton needs CUDA tensors (on CPU the Triton kernel runs "
                            "only interpreted, with TRITON_INTERPRET=1 set before triton is imported): use "
-                           "model.attnres_backend=auto or torch")
+                           "model.attnres.backend=auto or torch")
     if first.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"attnres depth mix (Triton) takes fp16/bf16/fp32/fp64 sources, got {first.dtype}")
     if any(s.shape != first.shape or s.dtype != first.dtype or s.device != first.device for s in sources):
