@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from kimi.config import ModelConfig
+from kimi.plan.shapes import section_key
 
 T1, T2 = 64, 128  # the two lengths traced: a KDA chunk and two, short enough to trace a 93-block model fast
 SMALL_CHUNK = 8  # tokens per loss chunk in the traces that separate the loss's logits from the rest
@@ -248,7 +249,7 @@ _CACHE: Dict[Tuple[str, str], Trace] = {}
 
 def trace(m: ModelConfig, ac: str) -> Trace:
     """The activation trace of model shape `m` under activation checkpointing `ac` (cached per shape)."""
-    key = (repr(m), ac)
+    key = (section_key(m), ac)
     if key not in _CACHE:
         _CACHE[key] = _trace(m, ac)
     return _CACHE[key]

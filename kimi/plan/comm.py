@@ -43,7 +43,7 @@ from kimi.config import Config, pipeline_microbatches
 from kimi.parallel.engine_rules import DEEPSPEED
 from kimi.plan.owner_plan import (EXACT_GROUP, muon_numel, muon_traffic, rank_params, stage_group, tp_local,
                                   zero_padded)
-from kimi.plan.shapes import model_shapes, muonclip, pipeline, sources
+from kimi.plan.shapes import model_shapes, muonclip, pipeline, section_key, sources
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv", "broadcast")
 DIMS = ("tp", "pp", "ep", "cp", "dp_shard", "dp_replicate")
@@ -182,7 +182,7 @@ def _tp_sums(cfg: Config, blocks, first: bool, last: bool, sp: bool, again: int)
     they first occur: [calls, then the bytes' coefficients: of tokens x the compute dtype's size, of the
     rank's shard of them x that size, of that size alone, of tokens x 4, of 4]. Cached per model shape and
     blocks: each layout then costs a few multiplications, not a pass over the blocks."""
-    key = (repr(cfg.model), tuple(blocks), first, last, sp, again)
+    key = (section_key(cfg.model), tuple(blocks), first, last, sp, again)
     if key in _TP_SUMS:
         return _TP_SUMS[key]
     d = cfg.model.d_model
@@ -258,7 +258,7 @@ def _tp_table(cfg: Config) -> dict:
     features, column-parallel input features, elements of the parameters whose gradients are summed), and
     the elements of its norms and queries), and the final norm's and query's elements ("end"): read from
     the meta model once per model shape rather than once per layout."""
-    key = repr(cfg.model)
+    key = section_key(cfg.model)
     if key not in _TP_TABLES:
         model, _, _ = model_shapes(cfg)
         table = {}
@@ -409,7 +409,7 @@ _STEP_TABLES: Dict[str, tuple] = {}
 def _step_table(cfg: Config) -> tuple:
     """Per block, once per model shape: QK-Clip's heads (its specs'), the MoE load counter's bytes and the
     Quantile Balancing histogram's bytes, as the step sums them over the stage."""
-    key = repr(cfg.model)
+    key = section_key(cfg.model)
     if key not in _STEP_TABLES:
         model, _, _ = model_shapes(cfg)
         heads: Dict[int, List[int]] = defaultdict(list)

@@ -33,7 +33,7 @@ from kimi.parallel.engine_rules import DEEPSPEED, TORCH
 from kimi.plan.activations import Trace, trace
 from kimi.plan.optimizer_step import step_bytes_per_param
 from kimi.plan.owner_plan import owned
-from kimi.plan.shapes import facts, model_shapes, muonclip, pipeline, sources
+from kimi.plan.shapes import facts, model_shapes, muonclip, pipeline, section_key, sources
 
 PARTS = ("weights", "gradients", "optimizer", "activations", "fsdp_gathered", "comm_buffers")
 
@@ -159,7 +159,7 @@ _RATIOS: Dict[str, float] = {}
 
 def _muon_ratio(cfg: Config) -> float:
     """The model's parameters over its Muon parameters (cached per model shape and optimizer)."""
-    key = repr((cfg.model, cfg.optim))
+    key = section_key(cfg.model, cfg.optim)
     if key not in _RATIOS:
         _, routes, named = model_shapes(cfg)
         params = {n: p.numel() for n, p in named}

@@ -18,7 +18,7 @@ import torch
 
 from kimi.config import Config
 from kimi.plan.activations import _Live, _track
-from kimi.plan.shapes import muonclip
+from kimi.plan.shapes import muonclip, section_key
 
 _CACHE: Dict[Tuple[str, bool], float] = {}
 
@@ -69,7 +69,7 @@ def step_bytes_per_param(cfg: Config) -> float:
     """Bytes the optimizer step holds at once beyond weights, gradients and state, per parameter of the model
     (cached per model shape and optimizer); a rank's share is this times the parameters it updates."""
     keep = cfg.trainer.device == "cpu" and muonclip(cfg)
-    key = (repr((cfg.model, cfg.optim)), keep)
+    key = (section_key(cfg.model, cfg.optim), keep)
     if key not in _CACHE:
         _CACHE[key] = _trace(cfg, keep)
     return _CACHE[key]

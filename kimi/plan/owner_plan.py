@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from kimi.config import Config
 from kimi.parallel.engine_rules import DEEPSPEED
-from kimi.plan.shapes import facts, model_shapes
+from kimi.plan.shapes import facts, model_shapes, section_key
 
 
 def _ceil(a: int, b: int) -> int:
@@ -25,7 +25,7 @@ def rank_params(cfg: Config, blocks: Sequence[int], first: bool, last: bool) -> 
     """((name, full shape, tp split dim, ep split, unit), ...) of the parameters a pipeline rank holds (a
     tied head once), in the order of the model's named_parameters (the optimizer's). Cached (the search
     asks for the same ranks' many times): read-only."""
-    model_key = repr((cfg.model, cfg.optim))
+    model_key = section_key(cfg.model, cfg.optim)
     key = (model_key, tuple(blocks), first, last, cfg.parallel.ep > 1)
     if key not in _RANK_PARAMS:
         _RANK_PARAMS[key] = tuple(_rank_params(cfg, model_key, blocks, first, last))

@@ -42,7 +42,9 @@ from .bounds import AC_MODES, MemoryBound
 from .cluster import GIB, Cluster
 from .layout import Layout, Shape, apply
 from .model_facts import ModelFacts
+from .shapes import section_key, stable_keys
 
+_MODELS_CHECKED: set = set()  # section_key of each model section whose own rules passed
 RESERVE = 0.10  # of HBM kept free: the CUDA context, NCCL, the allocator's fragmentation
 MAX_TOKENS_PER_FORWARD = 65536  # rows per forward are tried up to this many tokens
 ENGINES = ((TORCH, 0), (DEEPSPEED, 1), (DEEPSPEED, 2), (DEEPSPEED, 3))
@@ -303,6 +305,10 @@ class Search:
                                       f"{layout.ac}, {layout.rows_per_forward} row(s) per forward")
 
     def run(self, top: int, progress: Optional[Callable[[str], None]] = None) -> Plan:
+        with stable_keys():  # every layout's config shares the run's model and optimizer sections
+            return self._run(top, progress)
+
+    def _run(self, top: int, progress: Optional[Callable[[str], None]]) -> Plan:
         start = time.perf_counter()
         heap: List[Tuple[float, int, Layout, Tuple[float, float, float], bool]] = []
         shapes = 0
@@ -383,10 +389,16 @@ def progress_printer() -> Callable[[str], None]:
 
 
 def validate_layout(cfg: Config, world: int) -> None:
-    """The project's one validation pass (what the trainer runs first), with `world` processes."""
+    """The project's one validation pass (what the trainer runs first), with `world` processes; the model
+    section's own rules once per model section (every layout of a search shares it)."""
+    from kimi.model.rules import validate_model
     from kimi.run.validation import validate
 
-    validate(cfg, world=world)
+    key = section_key(cfg.model)
+    if key not in _MODELS_CHECKED:
+        validate_model(cfg.model)
+        _MODELS_CHECKED.add(key)
+    validate(cfg, world=world, model_checked=True)
 
 
 def make_search(cfg: Config, cluster: Cluster, tokens_per_step: int, facts: ModelFacts) -> Search:

@@ -34,12 +34,14 @@ TENSORBOARD_MISSING = ("logging.tensorboard=true needs the tensorboard package, 
                        "logging.tensorboard=false")
 
 
-def validate(cfg: Config, world: Optional[int] = None) -> None:
+def validate(cfg: Config, world: Optional[int] = None, model_checked: bool = False) -> None:
     """Fail before any work on a config that cannot work; every message is one line naming its key(s).
 
-    world: the number of processes (default: torchrun's WORLD_SIZE, 1 without torchrun)."""
+    world: the number of processes (default: torchrun's WORLD_SIZE, 1 without torchrun). model_checked: the
+    model section's own rules passed already (the planner validates thousands of layouts of one model)."""
     world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
-    validate_model(cfg.model)
+    if not model_checked:
+        validate_model(cfg.model)
     validate_data(cfg.data)
     validate_optim(cfg.optim)
     validate_trainer(cfg.trainer)
