@@ -55,6 +55,7 @@ def worker(out: Path, overrides: list[str], warmup: int, steps: int, ready: Path
     from hydra import compose, initialize_config_dir
 
     from kimi.config import register_configs
+    from kimi.parallel.fault_tolerance import FaultTolerantEngine
     from kimi.trainer import Trainer
 
     register_configs()
@@ -67,8 +68,8 @@ def worker(out: Path, overrides: list[str], warmup: int, steps: int, ready: Path
     t0 = time.perf_counter()
     trainer = Trainer(cfg)
     start_s = time.perf_counter() - t0
-    ft = trainer.ft
-    stepper = ft or trainer
+    ft = trainer.engine if isinstance(trainer.engine, FaultTolerantEngine) else None
+    stepper = trainer
     timers = {}
     if ft is not None:
         timers = {"quorum": Timed(ft.manager, "start_quorum"), "allreduce": Timed(ft.manager, "allreduce"),

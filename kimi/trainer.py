@@ -33,8 +33,9 @@ from kimi.eval.in_training import TaskScores
 from kimi.model import KimiModel
 from kimi.model.decode import decode_blocker, final_sample
 from kimi.optim.memory import check_training_fits
-from kimi.parallel import (ParallelDims, build_engine, checkpoint_group, fault_tolerance, init_distributed,
-                           mean_over_ranks, resolve_device, setup_group)
+from kimi.parallel import (ParallelDims, build_engine, checkpoint_group, init_distributed, mean_over_ranks,
+                           resolve_device, setup_group)
+from kimi.parallel.interface import RunState
 from kimi.parallel.watchdog import Watchdog
 from kimi.run import cpu, rundir
 from kimi.run.divergence import check_finite
@@ -81,7 +82,7 @@ class Trainer:
         self.dp_rank = dims.dp_rank(self.mesh)  # ranks of one tensor-parallel group read the same data
         self.is_main = self.rank == 0
         self.watchdog = Watchdog(t.collective_timeout_s, self._intact_note).start() if dims.enabled else None
-        self.lock, self.metrics, self.ft = None, None, None
+        self.lock, self.metrics, self.engine = None, None, None
         self.runlog = RunLog(enabled=self.is_main)  # rank 0's stdout, also in <run_dir>/train.log
         try:
             with self.runlog.tee():
@@ -136,7 +137,9 @@ class Trainer:
             self.run_id = run_id or self.run_id
         elif weights:
             load_weights(self.engine, weights, self.log)
-        self.ft = fault_tolerance.attach(self)  # torchft: a late replica group takes its peers' state here
+        # torchft: a late replica group takes its peers' state here
+        self.engine.join(RunState(lambda: {"step": self.step, "loader": self.loader.state_dict()},
+                                  self._take_state, self.log))
 
     def log(self, message: str) -> None:
         """Console output, from rank 0 only."""
@@ -146,8 +149,8 @@ class Trainer:
     def close(self) -> None:
         """Restore the signal handlers, stop the watchdog and unlock the run dir."""
         self.signals.restore()
-        if self.ft is not None:
-            self.ft.close()
+        if self.engine is not None:
+            self.engine.close()
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.lock is not None:
@@ -158,10 +161,28 @@ class Trainer:
         return (f"Rerun the same command to resume from {last.path}." if last
                 else "No checkpoint was written yet.")
 
+    def _take_state(self, state: Dict[str, Any]) -> None:
+        """A peer's step and data position (Engine.join); this rank keeps its own data rank."""
+        self.loader.load_state_dict(state["loader"])
+        self.step = state["step"]
+
     # ---- the loop ------------------------------------------------------------------------------------
     def train_step(self, family_stats: bool = False) -> Dict[str, float]:
-        """One optimizer step; family_stats: also each optimizer family's gradient norm and update RMS (a
-        diagnostics step)."""
+        """One optimizer step, run again with the same batches while the engine says it did not count (a
+        torchft replica group failed during it); family_stats: also each optimizer family's gradient norm
+        and update RMS (a diagnostics step)."""
+        while True:
+            self.engine.begin_step()
+            position = self.loader.state_dict()
+            out = self._step(family_stats)
+            why = self.engine.uncommitted()
+            if why is None:
+                return out
+            self.loader.load_state_dict(position)
+            self.step -= 1
+            self.log(f"[kimi] step {self.step + 1} {why}: running it again with the same batches")
+
+    def _step(self, family_stats: bool) -> Dict[str, float]:
         t = self.cfg.trainer
         total = torch.zeros((), device=self.device)
         for _ in range(t.grad_accum_steps):
@@ -250,7 +271,7 @@ class Trainer:
         while self.step < t.max_steps:
             diagnose = self.diagnostics.due(self.step + 1)
             with self.profiler.around(self.step + 1):
-                out = (self.ft or self).train_step(family_stats=diagnose)
+                out = self.train_step(family_stats=diagnose)
             if self.watchdog is not None:
                 self.watchdog.progress(self.step)
             window.add(out["loss"])

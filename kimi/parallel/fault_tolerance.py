@@ -29,30 +29,35 @@ import contextlib
 import logging
 import os
 import socket
+from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any, Dict, Optional
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, TypeVar
 from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from kimi.errors import ConfigError
-from kimi.errors import FinalError, RunError
+from kimi.data import Batch
+from kimi.errors import ConfigError, FinalError, RunError
+from kimi.model import KimiModel
 from kimi.optim.owners import like_param, local_tensor
+from kimi.schema.vocabulary import RootConfig as Config
+
+from .interface import Engine, RunState
+
+T = TypeVar("T")
 
 
-def attach(trainer) -> Optional["FaultTolerance"]:
-    """With parallel.fault_tolerance=torchft, the trainer's engine steps across replica groups from here on,
-    and a group joining behind its peers has taken their state (the first quorum); None otherwise."""
-    if trainer.cfg.parallel.fault_tolerance != "torchft":
-        return None
-    return FaultTolerance(trainer)
+class FaultTolerantEngine(Engine):
+    """The engine parallel.engine names (`inner`), stepping across torchft's replica groups (module
+    docstring): build_engine wraps it when parallel.fault_tolerance=torchft. Everything but the step is the
+    inner engine's."""
 
-
-class FaultTolerance:
-    def __init__(self, trainer):
+    def __init__(self, inner: Engine, cfg: Config, mesh: Optional[DeviceMesh], device: torch.device):
         # torchft logs every quorum and commit (its Rust side by RUST_LOG, read when it is first imported, and
         # its Python loggers); this module says what matters on rank 0's console, errors still show
         os.environ.setdefault("RUST_LOG", "warn")
@@ -60,15 +65,19 @@ class FaultTolerance:
             logging.getLogger(name).setLevel(logging.ERROR)
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
-        self.trainer, self.cfg = trainer, trainer.cfg.parallel.torchft
-        ft, dims = self.cfg, trainer.dims
+        self.inner, self.cfg, self.batch = inner, cfg.parallel.torchft, cfg.trainer
+        self.model, self.parts, self.optimizer = inner.model, inner.parts, inner.optimizer
+        self.dims, self.pp_rank = inner.dims, inner.pp_rank
+        self.dp_rank = inner.dims.dp_rank(mesh)
+        self.run: Optional[RunState] = None
+        ft = self.cfg
         lighthouse = ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
         if not lighthouse:
             raise ConfigError("parallel.fault_tolerance=torchft needs the lighthouse's address: set "
                               "parallel.torchft.lighthouse=http://HOST:29510 or TORCHFT_LIGHTHOUSE (start "
                               "one with torchft_lighthouse --min_replicas 1)")
         timeout = timedelta(seconds=ft.timeout_s)
-        group = ProcessGroupNCCL if trainer.device.type == "cuda" else ProcessGroupGloo
+        group = ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo
         pg = group(timeout=timeout)
         self._store = None
         # torchrun's store: the group's ranks find their rank 0's manager there
@@ -78,20 +87,25 @@ class FaultTolerance:
             self._store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
             addr, port = "localhost", self._store.port
         self.lighthouse = lighthouse
+        rank = dist.get_rank() if dist.is_initialized() else 0
         with self._lighthouse_wait(f"connecting to it (parallel.torchft.timeout_s={ft.timeout_s:g})"):
             self.manager = Manager(
                 pg=pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=ft.min_replicas,
                 use_async_quorum=False, timeout=timeout,
                 quorum_timeout=timedelta(seconds=ft.quorum_timeout_s), connect_timeout=timeout,
-                rank=trainer.rank, world_size=dims.world, store_addr=addr, store_port=port,
+                rank=rank, world_size=self.dims.world, store_addr=addr, store_port=port,
                 lighthouse_addr=lighthouse, replica_id=f"kimi_{ft.replica_group}",
                 # every group initialises the same weights from the seed: nothing to copy at step 0
                 init_sync=False)
-        # a group resuming from its own checkpoint counts its steps from there
-        self.manager.load_state_dict({"step": trainer.step, "batches_committed": trainer.step})
         self.committed, self.participants, self._quorum_ready = True, None, False
-        trainer.engine = _GroupEngine(trainer.engine, self)
-        self._quorum()  # a group behind its peers takes their state now, before the run's start is logged
+
+    def join(self, run: RunState) -> None:
+        """A group resuming from its own checkpoint counts its steps from there; one behind its peers takes
+        their state now (the first quorum), before the run's start is logged."""
+        self.run = run
+        step = run.get()["step"]
+        self.manager.load_state_dict({"step": step, "batches_committed": step})
+        self._quorum()
         self._quorum_ready = True
 
     @contextlib.contextmanager
@@ -119,21 +133,14 @@ class FaultTolerance:
             raise FinalError(f"{what}. {fix}") from None
 
     # ---- the step ---------------------------------------------------------------------------------------
-    def train_step(self, family_stats: bool = False) -> Dict[str, float]:
-        """The trainer's step, run again with the same batches until the groups in the quorum commit it."""
-        t = self.trainer
-        while True:
-            if not self._quorum_ready:
-                self._quorum()
-            self._quorum_ready = False
-            position = t.loader.state_dict()
-            out = t.train_step(family_stats)
-            if self.committed:
-                return out
-            t.loader.load_state_dict(position)
-            t.step = self.manager.current_step()
-            t.log(f"[kimi] torchft: step {t.step + 1} was not committed (a replica group failed during it): "
-                  "running it again with the same batches")
+    def begin_step(self) -> None:
+        """The quorum of this step (the first one's was taken by join)."""
+        if not self._quorum_ready:
+            self._quorum()
+        self._quorum_ready = False
+
+    def uncommitted(self) -> Optional[str]:
+        return None if self.committed else "was not committed (a replica group failed during it)"
 
     def _quorum(self) -> None:
         with self._lighthouse_wait(f"waiting for a quorum (parallel.torchft.quorum_timeout_s="
@@ -141,16 +148,18 @@ class FaultTolerance:
             self.manager.start_quorum()  # healing, if any, has loaded a peer's state when this returns
         n = self.manager.num_participants()
         if n != self.participants:
-            t, groups = self.trainer, self.cfg.replica_groups
-            full = t.cfg.trainer.micro_batch_size * t.cfg.trainer.grad_accum_steps * t.dims.dp * groups
-            t.log(f"[kimi] torchft: step {t.step + 1}: {n} of {groups} replica group(s) in the quorum; the "
-                  f"step's global batch is {n * full // groups} of {full} sequences"
-                  + ("" if n == groups else " (a missing group's batches are skipped)"))
+            groups, t = self.cfg.replica_groups, self.batch
+            full = t.micro_batch_size * t.grad_accum_steps * self.dims.dp * groups
+            step = self.run.get()["step"] + 1
+            self.run.log(f"[kimi] torchft: step {step}: {n} of {groups} replica group(s) in the quorum; the "
+                         f"step's global batch is {n * full // groups} of {full} sequences"
+                         + ("" if n == groups else " (a missing group's batches are skipped)"))
         self.participants = n
 
-    def step(self, engine, max_norm: float, family_stats: bool) -> Dict[str, float]:
-        """Engine.step across the groups: gradients averaged over them (and QK-Clip's logits maxed), then the
-        engine's own step if every group commits, else nothing changes."""
+    def step(self, max_norm: float, family_stats: bool = False) -> Dict[str, float]:
+        """The inner engine's step across the groups: gradients averaged over them (and QK-Clip's logits
+        maxed), then the inner step if every group commits, else nothing changes."""
+        engine = self.inner
         grads = []
         for p in engine.model.parameters():
             if p.requires_grad:
@@ -164,36 +173,80 @@ class FaultTolerance:
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
-        if engine.qk_clip is not None:
-            engine.qk_clip.gather(replica_max=lambda x: self.manager.allreduce(x,
-                                                                               reduce_op=ReduceOp.MAX).wait())
+        qk_clip = getattr(engine, "qk_clip", None)  # EngineBase's (None without QK-Clip)
+        if qk_clip is not None:
+            qk_clip.gather(replica_max=lambda x: self.manager.allreduce(x, reduce_op=ReduceOp.MAX).wait())
         self.committed = self.manager.should_commit()
         if self.committed:
             return engine.step(max_norm, family_stats=family_stats)
         engine.optimizer.zero_grad(set_to_none=True)
-        if engine.qk_clip is not None:
-            engine.qk_clip.gathered = None
+        if qk_clip is not None:
+            qk_clip.gathered = None
         return {"grad_norm": 0.0, "lr": engine.optimizer.param_groups[0]["lr"]}
 
     # ---- the live state a joining group takes --------------------------------------------------------------
     def _state(self) -> Dict[str, Any]:
         """Runs on torchft's quorum thread while the main thread waits for the quorum (nothing changes)."""
-        t = self.trainer
-        return {"engine": _local(t.engine.state_dict()), "step": t.step, "loader": t.loader.state_dict()}
+        return {"engine": _local(self.inner.state_dict()), **self.run.get()}
 
     def _load(self, state: Dict[str, Any]) -> None:
-        t = self.trainer
-        t.engine.load_state_dict(_like(state["engine"], t.engine.state_dict()))
-        t.loader.load_state_dict(state["loader"])  # the position; this group keeps its own data rank
-        t.step = int(state["step"])
-        t.log(f"[kimi] torchft: replica group {self.cfg.replica_group} took the live state of step {t.step} "
-              "from a peer (weights, optimizer, lr schedule, data position); no checkpoint read")
+        self.inner.load_state_dict(_like(state["engine"], self.inner.state_dict()))
+        # the step and data position; this group keeps its own data rank
+        self.run.set({"step": int(state["step"]), "loader": state["loader"]})
+        self.run.log(f"[kimi] torchft: replica group {self.cfg.replica_group} took the live state of step "
+                     f"{int(state['step'])} from a peer (weights, optimizer, lr schedule, data position); no "
+                     "checkpoint read")
 
     def close(self) -> None:
         """Stop this rank's torchft servers (the lighthouse then sees the group leave); once is enough."""
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None
+        self.inner.close()
+
+    # ---- the rest is the inner engine's -----------------------------------------------------------------
+    def layout(self) -> Optional[str]:
+        ft, own = self.cfg, self.inner.layout()
+        line = (f"[kimi] fault tolerance: torchft, replica group {ft.replica_group} of {ft.replica_groups} "
+                f"(a step commits with >= {ft.min_replicas}); data rank {self.dp_rank} of "
+                f"{self.dims.data_world}")
+        return line if own is None else f"{own}\n{line}"
+
+    def forward_backward(self, batch: Batch, scale: float) -> torch.Tensor:
+        return self.inner.forward_backward(batch, scale)
+
+    def eval_loss(self, batch: Batch) -> torch.Tensor:
+        return self.inner.eval_loss(batch)
+
+    @property
+    def qk_clip_stats(self) -> Dict[str, Dict[str, float]]:
+        return self.inner.qk_clip_stats
+
+    @property
+    def qk_clip_head_max_logits(self) -> Dict[str, torch.Tensor]:
+        return self.inner.qk_clip_head_max_logits
+
+    def family_stats_missing(self) -> Optional[str]:
+        return self.inner.family_stats_missing()
+
+    def eval_observed(self, batch: Batch,
+                      observe: Callable[[List[KimiModel]], AbstractContextManager[T]]) -> T:
+        return self.inner.eval_observed(batch, observe)
+
+    def write_run_files(self, run_dir: Path) -> None:
+        self.inner.write_run_files(run_dir)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def model_state_dict(self) -> Dict[str, Any]:
+        return self.inner.model_state_dict()
+
+    def load_model_state_dict(self, state: Dict[str, Any]) -> None:
+        self.inner.load_model_state_dict(state)
 
 
 def reachable(url: str, timeout_s: float = 5.0) -> bool:
@@ -204,27 +257,6 @@ def reachable(url: str, timeout_s: float = 5.0) -> bool:
             return True
     except OSError:
         return False
-
-
-class _GroupEngine:
-    """The trainer's engine, but for a step across the replica groups (FaultTolerance.step): everything else
-    is the engine's own."""
-
-    def __init__(self, engine, ft: FaultTolerance):
-        self._engine, self._ft = engine, ft
-
-    def __getattr__(self, name: str):
-        return getattr(self._engine, name)
-
-    def step(self, max_norm: float, family_stats: bool = False) -> Dict[str, float]:
-        return self._ft.step(self._engine, max_norm, family_stats)
-
-    def layout(self) -> Optional[str]:
-        ft, own = self._ft.cfg, self._engine.layout()
-        line = (f"[kimi] fault tolerance: torchft, replica group {ft.replica_group} of {ft.replica_groups} "
-                f"(a step commits with >= {ft.min_replicas}); data rank {self._ft.trainer.dp_rank} of "
-                f"{self._ft.trainer.dims.data_world}")
-        return line if own is None else f"{own}\n{line}"
 
 
 def _local(tree: Any) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, TypeVar
 
@@ -21,6 +22,16 @@ if TYPE_CHECKING:
     from .dims import ParallelDims
 
 T = TypeVar("T")
+
+
+@dataclass
+class RunState:
+    """What of the run an engine may read and replace (Engine.join): the trainer's step and data position,
+    as {"step": int, "loader": the loader's state_dict}, and the run's console."""
+
+    get: Callable[[], Dict[str, Any]]
+    set: Callable[[Dict[str, Any]], None]
+    log: Callable[[str], None]
 
 
 class Engine(ABC):
@@ -96,3 +107,19 @@ class Engine(ABC):
     @abstractmethod
     def load_model_state_dict(self, state: Dict[str, Any]) -> None:
         """The weights from `state`; the optimizer and schedule stay as they are."""
+
+    # ---- a step that other jobs must agree on (torchft's replica groups; the others do nothing) ---------
+    def join(self, run: RunState) -> None:
+        """The run's state is loaded (resumed or fresh): an engine that shares the live state with peers
+        takes theirs here when it is behind."""
+
+    def begin_step(self) -> None:
+        """Before the step's first batch is read."""
+
+    def uncommitted(self) -> Optional[str]:
+        """Why the last step() made no update, so that the trainer runs it again with the same batches; None
+        when it counted."""
+        return None
+
+    def close(self) -> None:
+        """Release what the engine holds beyond the process group (servers, threads); once is enough."""
