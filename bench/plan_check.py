@@ -43,7 +43,8 @@ BASE = ["trainer.seq_len=64", "trainer.micro_batch_size=2", "trainer.max_steps=3
         "logging.wandb.mode=disabled", "data=files", "data.tokenizer.vocab_size=384", "data.val_fraction=0.1",
         "optim.warmup_steps=1"]
 # name: (model, ranks, overrides); together they cover FSDP, HSDP, tp (with and without sequence parallelism),
-# pp (1F1B, GPipe), ep, cp, ZeRO-1/2/3 and the three activation checkpointing modes
+# pp (1F1B, GPipe, interleaved 1F1B, pp x FSDP), ep, cp, ZeRO-1/2/3 and the three activation checkpointing
+# modes
 LAYOUTS = {
     "tiny/single/none": ("tiny", 1, []),
     "tiny/single/full": ("tiny", 1, ["parallel.activation_checkpointing=full"]),
@@ -53,6 +54,11 @@ LAYOUTS = {
     "tiny/tp2_sp/full": ("tiny", 2, ["parallel.tp=2", "parallel.sequence_parallel=true",
                                      "parallel.activation_checkpointing=full"]),
     "tiny/pp2_1f1b/none": ("tiny", 2, ["parallel.pp=2", "parallel.pp_microbatches=2"]),
+    "tiny/pp2_interleaved/none": ("tiny", 2, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+                                              "parallel.pp_virtual_stages=2", "parallel.pp_microbatches=4",
+                                              "trainer.micro_batch_size=4"]),
+    "tiny/pp2_fsdp2/none": ("tiny", 4, ["parallel.pp=2", "parallel.dp_shard=2",
+                                        "parallel.pp_microbatches=2"]),
     "tiny/cp2/full": ("tiny", 2, ["parallel.cp=2", "parallel.activation_checkpointing=full"]),
     "tiny/hsdp2x2/none": ("tiny", 4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"]),
     "moe_tiny/ep2/none": ("moe_tiny", 2, ["parallel.dp_shard=2", "parallel.ep=2"]),

@@ -124,7 +124,7 @@ def work(tmp_path_factory):
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tiny/fsdp2/selective", "tiny/tp2_sp/full"])
+@pytest.mark.parametrize("layout", ["tiny/fsdp2/selective", "tiny/tp2_sp/full", "tiny/pp2_interleaved/none"])
 def test_the_models_match_a_measured_step(layout, work):
     path, data = work
     measured = plan_check.measure(layout, data, path)

@@ -43,7 +43,7 @@ from kimi.config import Config, pipeline_microbatches
 from kimi.parallel.engine_rules import DEEPSPEED
 from kimi.plan.owner_plan import (EXACT_GROUP, muon_numel, muon_traffic, rank_params, stage_group, tp_local,
                                   zero_padded)
-from kimi.plan.shapes import model_shapes, muonclip, pipeline, section_key, sources
+from kimi.plan.shapes import model_shapes, muonclip, pipeline, section_key, sources, stage_ranges
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv", "broadcast")
 DIMS = ("tp", "pp", "ep", "cp", "dp_shard", "dp_replicate")
@@ -114,12 +114,18 @@ def _fsdp(cfg: Config, params, micro: int, tally: _Tally) -> None:
         return
     gather_bytes = precision_for(cfg.trainer.precision).compute_bytes()
     units = _units(params, p.tp, p.ep, p.dp_shard, p.cp)
-    # a pipeline schedule syncs gradients at a stage's last micro-batch only (not measured here: no layout
-    # of the check combines pp with FSDP); accumulation outside a pipeline reduces every micro-batch
+    # A pipeline schedule syncs gradients at a stage's last micro-batch only, and keeps the units its
+    # backwards gathered until that one (reshard_after_backward off before it): a stage gathers every unit
+    # once, then each non-root unit again once per micro-batch (tiny over pp 2 x dp_shard 2, bench/
+    # plan_check.py: 13 gathers where once per forward and backward would be 18). Accumulation outside a
+    # pipeline gathers and reduces every micro-batch.
     reduces = 1 if p.pp > 1 else micro
     for kind, dim, calls, elements in _fsdp_sums(units, p.reshard_after_forward):
-        if kind == "all_gather":  # per forward (and backward), the gathered units in the compute dtype
-            tally.add(kind, dim, micro * calls, micro * elements * gather_bytes)
+        if kind == "all_gather":  # the gathered units in the compute dtype: the forward's
+            n = 1 if p.pp > 1 else micro
+            tally.add(kind, dim, n * calls, n * elements * gather_bytes)
+        elif kind == "regather":  # the non-root units again (reshard_after_forward)
+            tally.add("all_gather", dim, micro * calls, micro * elements * gather_bytes)
         else:  # per gradient reduction, the fp32 shards
             tally.add(kind, dim, reduces * calls, reduces * elements * 4)
 
@@ -130,19 +136,23 @@ _FSDP_SUMS: Dict[tuple, list] = {}
 def _fsdp_sums(units: Dict[str, List[int]], reshard: bool) -> list:
     """FSDP's collectives per forward or per reduction, summed over the units per kind in the order they
     first occur: (kind, dim, calls, elements) with every unit (the routed experts when ep = dp_shard are
-    not sharded and gather nothing) an all-gather in the forward, again in the backward (not the root:
-    reshard_after_forward), a reduce-scatter of its gradient to the shard, and an all-reduce of that shard
-    over dp_replicate (HSDP's, also on a dp_replicate of 1: the mesh is 2-D). Cached per units table."""
+    not sharded and gather nothing) an all-gather in the forward ("all_gather"), again in the backward
+    ("regather": not the root, and only with reshard_after_forward), a reduce-scatter of its gradient to the
+    shard, and an all-reduce of that shard over dp_replicate (HSDP's, also on a dp_replicate of 1: the mesh
+    is 2-D). Cached per units table."""
     key = (id(units), reshard)
     if key in _FSDP_SUMS:
         return _FSDP_SUMS[key]
     sums: Dict[str, List] = {}
     for unit, (numel, world) in units.items():
         if world > 1:
-            again = unit != "root" and reshard
             row = sums.setdefault("all_gather", ["dp_shard", 0, 0])
-            row[1] += 1 + again
-            row[2] += (1 + again) * numel
+            row[1] += 1
+            row[2] += numel
+            if unit != "root" and reshard:
+                row = sums.setdefault("regather", ["dp_shard", 0, 0])
+                row[1] += 1
+                row[2] += numel
             row = sums.setdefault("reduce_scatter", ["dp_shard", 0, 0])
             row[1] += 1
             row[2] += numel // world  # numel is padded to a multiple of world
@@ -289,10 +299,16 @@ def _pp(cfg: Config, rank: int, blocks, rows: int, tally: _Tally) -> None:
     M = pipeline_microbatches(cfg)
     act = precision_for(t.precision).compute_bytes()
     per_source = rows * (t.seq_len // p.cp) * m.d_model * act
-    outgoing = sources(m, 2 * (max(blocks) + 1)) if rank < p.pp - 1 else 0
-    incoming = sources(m, 2 * min(blocks)) if rank > 0 else 0
-    tally.add("send", "pp", M * (outgoing + incoming), M * (outgoing + incoming) * per_source)
-    tally.add("recv", "pp", M * (outgoing + incoming), M * (outgoing + incoming) * per_source)
+    # every stage of the rank (an interleaved schedule's v of them) receives the stream's sources at its
+    # first block and sends them on after its last one; their gradients go back the same ways
+    ranges = stage_ranges(cfg)
+    tensors = 0
+    for stage in range(rank, len(ranges), p.pp):
+        first, last = ranges[stage].start, ranges[stage].stop
+        tensors += sources(m, 2 * last) if stage < len(ranges) - 1 else 0
+        tensors += sources(m, 2 * first) if stage > 0 else 0
+    tally.add("send", "pp", M * tensors, M * tensors * per_source)
+    tally.add("recv", "pp", M * tensors, M * tensors * per_source)
     tally.add("all_reduce", "pp", 1, 4)  # the loss, summed over the stages
 
 

@@ -11,7 +11,8 @@ block under parallel.activation_checkpointing, traced from the model's shapes on
     last stage, or tp > 1);
   * kept for the micro-batches in flight: 1 without a pipeline; for 1F1B min(pp - rank, micro-batches), for
     GPipe all of them, for the interleaved schedules the stage-micro-batches of their warm-up
-    (min(v M, (v - 1) pp + 2 (pp - rank) - 1));
+    (min(v M, (v - 1) pp + 2 (pp - rank) - 1)), each holding one of the rank's v stages (a v-th of its
+    blocks' activations, on average);
   * plus the largest transient at once: the backward's recompute and activation gradients, or the loss's
     logits, whichever is larger.
 
@@ -33,7 +34,7 @@ from kimi.parallel.engine_rules import DEEPSPEED, TORCH
 from kimi.plan.activations import Trace, trace
 from kimi.plan.optimizer_step import step_bytes_per_param
 from kimi.plan.owner_plan import owned
-from kimi.plan.shapes import facts, model_shapes, muonclip, pipeline, section_key, sources
+from kimi.plan.shapes import facts, model_shapes, muonclip, pipeline, section_key, sources, stage_ranges
 
 PARTS = ("weights", "gradients", "optimizer", "activations", "fsdp_gathered", "comm_buffers")
 
@@ -61,24 +62,51 @@ def activations(cfg: Config, tr: Trace, rank: int, blocks: List[int], first: boo
     cb = precision_for(t.precision).compute_bytes()
     rows = t.micro_batch_size // pipeline_microbatches(cfg)
     tokens = rows * (t.seq_len // p.cp)
+    plain = p.pp > 1 or p.tp > 1  # the schedule's loss, or a vocabulary-parallel head's: whole logits
+    v = stages_per_rank(p)
+    if v == 1:
+        kept = inflight(cfg, rank) * _held(cfg, tr, blocks, first, last, rows, tokens)
+    else:  # an interleaved schedule's in-flight unit is a stage-micro-batch: one of the rank's stages
+        ranges, total = stage_ranges(cfg), p.pp * v
+        kept = 0.0
+        for c, count in enumerate(_inflight_per_stage(cfg, rank)):
+            stage = rank + c * p.pp
+            kept += count * _held(cfg, tr, list(ranges[stage]), stage == 0, stage == total - 1, rows, tokens)
+    head = tr.head_row / p.tp if last and not plain else 0.0
+    transient = tokens * tr.extra / p.tp + tr.extra_row
+    if last:
+        transient = max(transient, tr.logits_alive(m, tokens, p.tp, plain))
+    return kept * cb / 4 + head + transient * cb / 4
+
+
+def _held(cfg: Config, tr: Trace, blocks: List[int], first: bool, last: bool, rows: int,
+          tokens: int) -> float:
+    """What one micro-batch in flight keeps of `blocks` (as traced, in fp32; the embedding's if first, the
+    final mix's and the loss's if last)."""
+    m, p = cfg.model, cfg.parallel
     wide = p.tp if p.sequence_parallel else 1  # d_model-wide tensors between sublayers
     per_token = sum(b[0] / wide + b[1] / p.tp for b in (tr.blocks[i] for i in blocks))
     per_row = sum(b[0] / wide + b[1] / p.tp for b in (tr.blocks_row[i] for i in blocks))
     if first:
         per_token += tr.first[0] / wide + tr.first[1] / p.tp
     elif blocks:  # the stream's sources received from the stage before (and their gradients at the end)
+        from kimi.precision.registry import precision_for
+
+        cb = precision_for(cfg.trainer.precision).compute_bytes()
         per_token += sources(m, 2 * min(blocks)) * m.d_model * cb
-    plain = p.pp > 1 or p.tp > 1  # the schedule's loss, or a vocabulary-parallel head's: whole logits
-    head = 0.0
     if last:
         per_token += tr.last[0] / wide + tr.last[1] / p.tp + tr.head_token / wide
-        head = 0.0 if plain else tr.head_row / p.tp
-    # each micro-batch in flight keeps its share; one transient (the largest) on top
-    kept = inflight(cfg, rank) * (tokens * per_token + rows * per_row) * cb / 4 + head
-    transient = tokens * tr.extra / p.tp + tr.extra_row
-    if last:
-        transient = max(transient, tr.logits_alive(m, tokens, p.tp, plain))
-    return kept + transient * cb / 4
+    return tokens * per_token + rows * per_row
+
+
+def _inflight_per_stage(cfg: Config, rank: int) -> List[int]:
+    """The stage-micro-batches in flight on `rank` (inflight) by its local stage: the interleaved schedules
+    run a rank's forwards in groups of pp micro-batches per stage, its stages in turn."""
+    p = cfg.parallel
+    v, counts = stages_per_rank(p), [0] * stages_per_rank(p)
+    for k in range(inflight(cfg, rank)):
+        counts[(k // p.pp) % v] += 1
+    return counts
 
 
 def _zero(cfg: Config, local: int, opt: int, full: int) -> Dict[str, int]:
@@ -128,7 +156,9 @@ def rank_parts(cfg: Config) -> List[Dict[str, int]]:
         # two moments: the activations' peak (the first backward after the forwards in flight; the
         # gradients exist by then only if an earlier micro-batch's backward made them), and the optimizer
         # step's
-        earlier = t.grad_accum_steps > 1 or (p.pp > 1 and pipeline_microbatches(cfg) > inflight(cfg, rank))
+        # (interleaved: inflight counts stage-micro-batches, of which a step runs v x micro-batches)
+        units = pipeline_microbatches(cfg) * stages_per_rank(p)
+        earlier = t.grad_accum_steps > 1 or (p.pp > 1 and units > inflight(cfg, rank))
         grads_then = parts["gradients"] if earlier else 0
         forward = {**parts, "gradients": grads_then, "activations": act, "fsdp_gathered": gathered}
         working = int(_step_transient(cfg, step, st.params, updated, blocks, first, last))

@@ -220,14 +220,27 @@ class Search:
 
     # ---- evaluation ------------------------------------------------------------------------------------
     def comm_lines(self, cfg: Config, compute_s: float) -> Tuple[List[timing.CommLine], float]:
-        return self._timed(cfg, self.comm_fn(cfg), compute_s)
+        """The busiest pipeline rank's collectives, timed, and its exposed seconds: the rank that exposes the
+        most (the step waits for it; the most bytes, the former choice, missed a later stage's expert
+        all-to-alls behind the first stage's FSDP gathers), the most bytes among equals."""
+        if self.comm_ranks_fn is None:
+            return self._timed(cfg, self.comm_fn(cfg), compute_s)
+        links: Dict[str, Tuple[int, str, float]] = {}
+        timed = [(self._timed(cfg, rows, compute_s, links), sum(c.bytes for c in rows))
+                 for rows in self.comm_ranks_fn(cfg)]
+        return max(timed, key=lambda t: (t[0][1], t[1]))[0]
 
-    def _timed(self, cfg: Config, collectives, compute_s: float) -> Tuple[List[timing.CommLine], float]:
-        p = cfg.parallel
+    def _timed(self, cfg: Config, collectives, compute_s: float,
+               links: Optional[Dict[str, Tuple[int, str, float]]] = None
+               ) -> Tuple[List[timing.CommLine], float]:
+        """links: each mesh dim's (group, link, bandwidth), filled as met (one layout's ranks share it)."""
+        p, links = cfg.parallel, {} if links is None else links
         lines = []
         for c in collectives:
-            group, span = group_span(c.dim, p)
-            link, bandwidth = self.cluster.link(span)
+            if c.dim not in links:
+                group, span = group_span(c.dim, p)
+                links[c.dim] = (group, *self.cluster.link(span))
+            group, link, bandwidth = links[c.dim]
             seconds = timing.collective_seconds(c.kind, c.bytes, group, bandwidth, c.dim)
             overlapped = c.dim in timing.OVERLAPPED_DIMS and c.kind != "all_to_all"
             lines.append(timing.CommLine(c.kind, c.dim, c.calls, c.bytes, group, link, seconds, overlapped))

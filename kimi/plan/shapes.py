@@ -75,6 +75,22 @@ def pipeline(cfg: Config) -> list:
     return _PIPELINES[key]
 
 
+_RANGES: Dict[tuple, list] = {}
+
+
+def stage_ranges(cfg: Config) -> list:
+    """Each pipeline stage's blocks (a range; pp x virtual stages in stage order), cached as pipeline()."""
+    from kimi.config import stages_per_rank
+    from kimi.parallel.pipeline import split_blocks
+
+    p = cfg.parallel
+    key = (section_key(cfg.model), p.pp, p.pp_schedule, p.pp_virtual_stages, cfg.trainer.seq_len,
+           tuple(p.pp_split or ()))
+    if key not in _RANGES:
+        _RANGES[key] = split_blocks(cfg.model, p.pp * stages_per_rank(p), cfg.trainer.seq_len, p.pp_split)
+    return _RANGES[key]
+
+
 def facts(cfg: Config):
     model_shapes(cfg)
     return _SHAPES[section_key(cfg.model, cfg.optim)][3]
