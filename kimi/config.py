@@ -41,7 +41,7 @@ from kimi.errors import ConfigError  # noqa: F401 (kimi.config.ConfigError, as e
 from kimi.model.config import (ATTENTION_BACKENDS, ATTNRES_BACKENDS, KDA_BACKENDS, MLP_ACTIVATIONS,  # noqa: F401
                                MOE_BALANCE, MOE_IMPLS, RESIDUAL_MODES, SIZE_BOUNDS, ModelConfig,
                                announce_aliases, check_sizes, check_vocab, mixer_pattern, mla_layer_indices,
-                               moe_layer_indices, resolve_aliases, resolve_vocab)
+                               moe_layer_indices, resolve_aliases, resolve_vocab, schema_fields)
 from kimi.model.sections import ALIASES
 from kimi.optim.config import ADJUST_LR_FNS, NS_DTYPES, OPTIMIZERS, SCHEDULES, OptimConfig  # noqa: F401
 from kimi.parallel.config import (AC_MODES, ENGINES, FAULT_TOLERANCE, DeepSpeedConfig,  # noqa: F401
@@ -79,15 +79,10 @@ def register_configs() -> None:
 
 
 # ---- keys the schema lacks ---------------------------------------------------------------------------------
-def _fields(schema: type) -> list:
-    """The fields of dataclass `schema` but its alias fields (the model section's old flat keys)."""
-    return [f for f in fields(schema) if "alias_of" not in f.metadata]
-
-
 def _schema_keys(schema: type, prefix: str = "") -> List[str]:
     """Every dotted key of the dataclass `schema`, its sections included (model, data.tokenizer, ...)."""
     keys = []
-    for f in _fields(schema):
+    for f in schema_fields(schema):
         key = f"{prefix}{f.name}"
         keys.append(key)
         default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
@@ -100,7 +95,7 @@ def _closest_key(key: str, schema: type) -> str:
     """`: did you mean <key>?` for the known key whose last part is closest (in the same section first, then
     in any), else where the keys are listed. Whole dotted keys would match on their shared section alone."""
     section, _, leaf = key.rpartition(".")
-    siblings = difflib.get_close_matches(leaf, [f.name for f in _fields(schema)], n=1)
+    siblings = difflib.get_close_matches(leaf, [f.name for f in schema_fields(schema)], n=1)
     if siblings:
         return f": did you mean {section + '.' if section else ''}{siblings[0]}?"
     by_leaf: Dict[str, str] = {}

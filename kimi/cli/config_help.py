@@ -11,11 +11,11 @@ import inspect
 import io
 import textwrap
 import tokenize
-from dataclasses import MISSING, fields, is_dataclass
+from dataclasses import MISSING, is_dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from kimi.cli import keyvalue
-from kimi.config import Config
+from kimi.config import Config, schema_fields
 
 
 def _comments(cls: type) -> Tuple[Dict[str, str], str]:
@@ -51,10 +51,8 @@ def sections(schema: type = Config, prefix: str = "") -> List[Tuple[str, str, Li
     docs, doc = _comments(schema)
     own, nested = [], []
     instance = schema()
-    for f in fields(schema):
+    for f in schema_fields(schema):  # not the model section's old flat keys, read for now
         key = prefix + f.name
-        if "alias_of" in f.metadata:  # an old flat key of the model section, read for now, not shown
-            continue
         if is_dataclass(getattr(instance, f.name)):
             nested += sections(type(getattr(instance, f.name)), key + ".")
         else:

@@ -127,9 +127,9 @@ def announce_aliases(found: List[str]) -> None:
     print(f"[config] renamed keys, the old names still read for now: {pairs}", file=sys.stderr, flush=True)
 
 
-def alias_fields(cls: type) -> List[str]:
-    """The names of dataclass `cls`'s alias fields (the old flat keys)."""
-    return [f.name for f in fields(cls) if "alias_of" in f.metadata]
+def schema_fields(cls: type) -> list:
+    """The fields of dataclass `cls` a user is shown (help, key suggestions): not the old flat keys."""
+    return [f for f in fields(cls) if "alias_of" not in f.metadata]
 
 
 def model_dict(m: ModelConfig) -> dict:
