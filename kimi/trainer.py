@@ -168,19 +168,9 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------------------
     def train_step(self, family_stats: bool = False) -> Dict[str, float]:
-        """One optimizer step, run again with the same batches while the engine says it did not count (a
-        torchft replica group failed during it); family_stats: also each optimizer family's gradient norm
-        and update RMS (a diagnostics step)."""
-        while True:
-            self.engine.begin_step()
-            position = self.loader.state_dict()
-            out = self._step(family_stats)
-            why = self.engine.uncommitted()
-            if why is None:
-                return out
-            self.loader.load_state_dict(position)
-            self.step -= 1
-            self.log(f"[kimi] step {self.step + 1} {why}: running it again with the same batches")
+        """One optimizer step, as the engine runs it (Engine.run_step: torchft's again until it commits);
+        family_stats: also each optimizer family's gradient norm and update RMS (a diagnostics step)."""
+        return self.engine.run_step(lambda: self._step(family_stats))
 
     def _step(self, family_stats: bool) -> Dict[str, float]:
         t = self.cfg.trainer

@@ -133,14 +133,20 @@ class FaultTolerantEngine(Engine):
             raise FinalError(f"{what}. {fix}") from None
 
     # ---- the step ---------------------------------------------------------------------------------------
-    def begin_step(self) -> None:
-        """The quorum of this step (the first one's was taken by join)."""
-        if not self._quorum_ready:
-            self._quorum()
-        self._quorum_ready = False
-
-    def uncommitted(self) -> Optional[str]:
-        return None if self.committed else "was not committed (a replica group failed during it)"
+    def run_step(self, step: Callable[[], T]) -> T:
+        """The trainer's step, run again with the same batches until the groups in the quorum commit it; each
+        try starts with its quorum (the first one's was taken by join)."""
+        while True:
+            if not self._quorum_ready:
+                self._quorum()
+            self._quorum_ready = False
+            before = self.run.get()
+            out = step()
+            if self.committed:
+                return out
+            self.run.set(before)
+            self.run.log(f"[kimi] torchft: step {before['step'] + 1} was not committed (a replica group "
+                         "failed during it): running it again with the same batches")
 
     def _quorum(self) -> None:
         with self._lighthouse_wait(f"waiting for a quorum (parallel.torchft.quorum_timeout_s="

@@ -113,13 +113,10 @@ class Engine(ABC):
         """The run's state is loaded (resumed or fresh): an engine that shares the live state with peers
         takes theirs here when it is behind."""
 
-    def begin_step(self) -> None:
-        """Before the step's first batch is read."""
-
-    def uncommitted(self) -> Optional[str]:
-        """Why the last step() made no update, so that the trainer runs it again with the same batches; None
-        when it counted."""
-        return None
+    def run_step(self, step: Callable[[], T]) -> T:
+        """One optimizer step, `step()` (the trainer's: batches, forward_backward, step); an engine whose
+        step other jobs must agree on runs it again with the same batches until they do."""
+        return step()
 
     def close(self) -> None:
         """Release what the engine holds beyond the process group (servers, threads); once is enough."""
