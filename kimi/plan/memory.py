@@ -65,13 +65,14 @@ def activations(cfg: Config, tr: Trace, rank: int, blocks: List[int], first: boo
     plain = p.pp > 1 or p.tp > 1  # the schedule's loss, or a vocabulary-parallel head's: whole logits
     v = stages_per_rank(p)
     if v == 1:
-        kept = inflight(cfg, rank) * _held(cfg, tr, blocks, first, last, rows, tokens)
+        kept = inflight(cfg, rank) * _held(cfg, tr, blocks, first, last, rows, tokens, cb)
     else:  # an interleaved schedule's in-flight unit is a stage-micro-batch: one of the rank's stages
         ranges, total = stage_ranges(cfg), p.pp * v
         kept = 0.0
         for c, count in enumerate(_inflight_per_stage(cfg, rank)):
             stage = rank + c * p.pp
-            kept += count * _held(cfg, tr, list(ranges[stage]), stage == 0, stage == total - 1, rows, tokens)
+            kept += count * _held(cfg, tr, list(ranges[stage]), stage == 0, stage == total - 1, rows, tokens,
+                                  cb)
     head = tr.head_row / p.tp if last and not plain else 0.0
     transient = tokens * tr.extra / p.tp + tr.extra_row
     if last:
@@ -79,10 +80,10 @@ def activations(cfg: Config, tr: Trace, rank: int, blocks: List[int], first: boo
     return kept * cb / 4 + head + transient * cb / 4
 
 
-def _held(cfg: Config, tr: Trace, blocks: List[int], first: bool, last: bool, rows: int,
-          tokens: int) -> float:
+def _held(cfg: Config, tr: Trace, blocks: List[int], first: bool, last: bool, rows: int, tokens: int,
+          cb: int) -> float:
     """What one micro-batch in flight keeps of `blocks` (as traced, in fp32; the embedding's if first, the
-    final mix's and the loss's if last)."""
+    final mix's and the loss's if last); cb: the compute dtype's bytes."""
     m, p = cfg.model, cfg.parallel
     wide = p.tp if p.sequence_parallel else 1  # d_model-wide tensors between sublayers
     per_token = sum(b[0] / wide + b[1] / p.tp for b in (tr.blocks[i] for i in blocks))
@@ -90,9 +91,6 @@ def _held(cfg: Config, tr: Trace, blocks: List[int], first: bool, last: bool, ro
     if first:
         per_token += tr.first[0] / wide + tr.first[1] / p.tp
     elif blocks:  # the stream's sources received from the stage before (and their gradients at the end)
-        from kimi.precision.registry import precision_for
-
-        cb = precision_for(cfg.trainer.precision).compute_bytes()
         per_token += sources(m, 2 * min(blocks)) * m.d_model * cb
     if last:
         per_token += tr.last[0] / wide + tr.last[1] / p.tp + tr.head_token / wide

@@ -62,14 +62,19 @@ def model_shapes(cfg: Config):
 _PIPELINES: Dict[tuple, list] = {}
 
 
+def _pipeline_key(cfg: Config) -> tuple:
+    """What a pipeline split depends on: the model's shape, the schedule and the split's inputs."""
+    p = cfg.parallel
+    return (section_key(cfg.model), p.pp, p.pp_schedule, p.pp_virtual_stages, cfg.trainer.seq_len,
+            tuple(p.pp_split or ()))
+
+
 def pipeline(cfg: Config) -> list:
     """kimi.summary.pipeline_ranks(cfg), cached per model shape and pipeline layout (its FLOP balance
     builds blocks)."""
     from kimi.summary import pipeline_ranks
 
-    p = cfg.parallel
-    key = (section_key(cfg.model), p.pp, p.pp_schedule, p.pp_virtual_stages, cfg.trainer.seq_len,
-           tuple(p.pp_split or ()))
+    key = _pipeline_key(cfg)
     if key not in _PIPELINES:
         _PIPELINES[key] = pipeline_ranks(cfg)
     return _PIPELINES[key]
@@ -79,15 +84,21 @@ _RANGES: Dict[tuple, list] = {}
 
 
 def stage_ranges(cfg: Config) -> list:
-    """Each pipeline stage's blocks (a range; pp x virtual stages in stage order), cached as pipeline()."""
-    from kimi.config import stages_per_rank
-    from kimi.parallel.pipeline import split_blocks
-
-    p = cfg.parallel
-    key = (section_key(cfg.model), p.pp, p.pp_schedule, p.pp_virtual_stages, cfg.trainer.seq_len,
-           tuple(p.pp_split or ()))
+    """Each pipeline stage's blocks (a range; pp x virtual stages in stage order), read from pipeline()
+    rather than split again: a rank's stages are the contiguous runs of its blocks (every stage between two
+    of them holds a block)."""
+    key = _pipeline_key(cfg)
     if key not in _RANGES:
-        _RANGES[key] = split_blocks(cfg.model, p.pp * stages_per_rank(p), cfg.trainer.seq_len, p.pp_split)
+        found = {}
+        for stages, blocks, _, _ in pipeline(cfg):
+            runs: list = []
+            for b in blocks:
+                if runs and b == runs[-1][-1] + 1:
+                    runs[-1].append(b)
+                else:
+                    runs.append([b])
+            found.update({s: range(run[0], run[-1] + 1) for s, run in zip(stages, runs)})
+        _RANGES[key] = [found[s] for s in sorted(found)]
     return _RANGES[key]
 
 
