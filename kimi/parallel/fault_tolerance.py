@@ -47,6 +47,7 @@ from kimi.model import KimiModel
 from kimi.optim.owners import like_param, local_tensor
 from kimi.schema.vocabulary import RootConfig as Config
 
+from .engine_base import EngineBase
 from .interface import Engine, RunState
 
 T = TypeVar("T")
@@ -57,7 +58,7 @@ class FaultTolerantEngine(Engine):
     docstring): build_engine wraps it when parallel.fault_tolerance=torchft. Everything but the step is the
     inner engine's."""
 
-    def __init__(self, inner: Engine, cfg: Config, mesh: Optional[DeviceMesh], device: torch.device):
+    def __init__(self, inner: EngineBase, cfg: Config, mesh: Optional[DeviceMesh], device: torch.device):
         # torchft logs every quorum and commit (its Rust side by RUST_LOG, read when it is first imported, and
         # its Python loggers); this module says what matters on rank 0's console, errors still show
         os.environ.setdefault("RUST_LOG", "warn")
@@ -179,7 +180,7 @@ class FaultTolerantEngine(Engine):
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
-        qk_clip = getattr(engine, "qk_clip", None)  # EngineBase's (None without QK-Clip)
+        qk_clip = engine.qk_clip  # None without QK-Clip
         if qk_clip is not None:
             qk_clip.gather(replica_max=lambda x: self.manager.allreduce(x, reduce_op=ReduceOp.MAX).wait())
         self.committed = self.manager.should_commit()
