@@ -4,9 +4,9 @@ what a silent change would move recorded beside it (after Megatron-Bridge's per-
 A card holds the training loss of every step, the final validation loss, tokens per second, the model's
 declared FLOPs per token and the run's peak memory (the process's maximum resident set). The corpus is
 kimi.data.synthetic's (no network), the tokenizer is trained on it, and the run uses one thread, so the
-losses are those of any machine with the same torch: tests/test_cards.py trains the short cards again and
-fails naming the preset and step whose loss moved beyond the card's tolerance. Tokens per second and memory
-are this machine's, for reading only.
+losses are those of any machine with the same torch: tests/project/test_cards.py trains the short cards again
+and fails naming the preset and step whose loss moved beyond the card's tolerance. Tokens per second and
+memory are this machine's, for reading only.
 
     python bench/cards.py [--presets tiny,moe_tiny,k3_tiny,small,k3_like]
 

@@ -57,8 +57,8 @@ make, the same is
 
 --dry-run runs the steps' code on CPU at tiny sizes (Triton interpreted, fla-core left out, the tiny model
 without torch.compile instead of 1b, two steps), each step with DRY_CAP seconds, so a plumbing bug shows
-without a GPU; it writes to a new temporary directory unless --out is given (tests/test_gpu_check.py). For
-those tests, --plant-failure NAME perturbs a check step's result (and crashes any other step) and
+without a GPU; it writes to a new temporary directory unless --out is given (tests/project/test_gpu_check.py).
+For those tests, --plant-failure NAME perturbs a check step's result (and crashes any other step) and
 --plant-hang NAME makes a step hang until its cap ends.
 """
 

@@ -92,7 +92,7 @@ def plot(runs: dict, path: Path) -> None:
 
 def numerics() -> str:
     """Relative error (Frobenius) against fp64 of one 128 -> 96 projection on 64 tokens under bf16 autocast,
-    forward and both gradients, per format (the problem tests/test_low_precision.py bounds)."""
+    forward and both gradients, per format (the problem tests/precision/test_low_precision.py bounds)."""
     import copy
 
     import torch

@@ -1,5 +1,5 @@
-"""torchrun worker for tests/test_expert_parallel.py: kimi.parallel.expert_parallel.experts_parallel on
-each rank's tokens with that rank's slice of the experts; writes OUT_DIR/rank<r>.pt with the output and the
+"""torchrun worker for tests/parallel/test_expert_parallel.py: kimi.parallel.expert_parallel.experts_parallel
+on each rank's tokens with that rank's slice of the experts; writes OUT_DIR/rank<r>.pt with the output and the
 gradients of a fixed loss (tokens, routing weights, local experts).
 
     torchrun --nproc_per_node N tests/dist_experts.py OUT_DIR

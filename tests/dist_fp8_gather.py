@@ -1,5 +1,5 @@
-"""torchrun worker for tests/test_fp8_gather.py: fp8 training runs under FSDP2, one after another in one
-launch, each probed before it trains.
+"""torchrun worker for tests/precision/test_fp8_gather.py: fp8 training runs under FSDP2, one after another in
+one launch, each probed before it trains.
 
     torchrun --nproc_per_node N tests/dist_fp8_gather.py RUNS.json OUT.json
 

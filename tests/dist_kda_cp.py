@@ -1,4 +1,4 @@
-"""torchrun worker for tests/test_kda_context.py: KDA over a sequence split across the ranks
+"""torchrun worker for tests/ops/test_kda_context.py: KDA over a sequence split across the ranks
 (kimi/parallel/context_parallel.py); rank 0 writes the whole outputs, final state and input gradients,
 gathered from every rank's shard.
 
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_kda_context import T, attention_inputs, conv_inputs, inputs  # noqa: E402
+from kda_cp_problem import T, attention_inputs, conv_inputs, inputs  # noqa: E402
 
 from kimi.ops.kda.context import local_cu_seqlens  # noqa: E402
 from kimi.parallel.context_parallel import (context_parallel_kda, gather_prefix, keep_in_graph,  # noqa: E402

@@ -1,5 +1,5 @@
-"""torchrun worker for tests/test_muonclip_dist.py: MuonClip on the problem of tests/muonclip_problem.py with
-its weights laid out in several ways; rank 0 writes the full weights and per-step counters of each case.
+"""torchrun worker for tests/optim/test_muonclip_dist.py: MuonClip on the problem of tests/muonclip_problem.py
+with its weights laid out in several ways; rank 0 writes the full weights and per-step counters of each case.
 
     torchrun --nproc_per_node N tests/dist_muonclip.py OUT_DIR CASE [CASE ...]
 """

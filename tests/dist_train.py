@@ -1,5 +1,5 @@
-"""torchrun worker for tests/test_parallel.py: several training runs, one after another, in one launch (the
-start-up of torch on every rank is most of a tiny run's time).
+"""torchrun worker for tests/parallel/test_parallel.py: several training runs, one after another, in one
+launch (the start-up of torch on every rank is most of a tiny run's time).
 
     torchrun --nproc_per_node N tests/dist_train.py RUNS.json
 

@@ -1,5 +1,5 @@
-"""The problem of tests/test_expert_parallel.py: 8 experts, top-2 routing, fp64, a different number of
-tokens on each rank. Rank 1 sends nothing to experts 4-7 (so nothing at all to the upper half of the
+"""The problem of tests/parallel/test_expert_parallel.py: 8 experts, top-2 routing, fp64, a different number
+of tokens on each rank. Rank 1 sends nothing to experts 4-7 (so nothing at all to the upper half of the
 ranks at ep = 2), and no rank chooses expert 6 (an expert that receives no rows)."""
 
 import torch

@@ -1,6 +1,6 @@
-"""Training runs compared across layouts and engines (tests/test_parallel.py, tests/test_deepspeed.py): the
-overrides of a 3-step tiny run, one process in-line, several ranks under torchrun, and the comparison of
-two runs' losses and final weights."""
+"""Training runs compared across layouts and engines (tests/parallel/test_parallel.py,
+tests/parallel/test_deepspeed.py): the overrides of a 3-step tiny run, one process in-line, several ranks
+under torchrun, and the comparison of two runs' losses and final weights."""
 
 from __future__ import annotations
 

@@ -15,23 +15,24 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-# (test id pattern, reason pattern, why such a skip hides nothing); tests/test_skip_check.py holds each to
-# the skips it is for
+# (test id pattern, reason pattern, why such a skip hides nothing); tests/project/test_skip_check.py holds
+# each to the skips it is for
 ALLOWED = [
     (r"", r"^needs CUDA$|^needs a machine without CUDA$",
      "each check has a CUDA and a CPU variant, and one of them runs"),
     (r"", r"set KIMI_NETWORK_TESTS=1", "downloads from the network, which CI does not reach"),
     (r"", r"set KIMI_SLOW_TESTS=1",
      "the full compile sweeps and inductor's sublayers: their quick versions run"),
-    (r"^tests\.test_readme::test_readme_command_runs\[", r"^(README|docs/[\w-]+)\.md: ",
-     "a documented command in tests/test_readme.py's SKIPPED, each with its reason and where it is tested"),
+    (r"^tests\.project\.test_readme::test_readme_command_runs\[", r"^(README|docs/[\w-]+)\.md: ",
+     "a documented command in tests/project/test_readme.py's SKIPPED, each with its reason and where it is "
+     "tested"),
     (r"", r"^triton is a dependency on Linux only$", "no Triton kernels to test elsewhere"),
 ]
 
 
 def skips(report: Path) -> list[tuple[str, str]]:
-    """(test id, reason) of every skip in a JUnit XML report: the id as `tests.test_x::test_y[param]`, or
-    `tests.test_x` for a module skipped whole."""
+    """(test id, reason) of every skip in a JUnit XML report: the id as `tests.area.test_x::test_y[param]`,
+    or `tests.area.test_x` for a module skipped whole."""
     out = []
     for case in ET.parse(report).getroot().iter("testcase"):
         skipped = case.find("skipped")

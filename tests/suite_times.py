@@ -50,7 +50,8 @@ def tiers() -> dict[str, tuple[str, bool]]:
 
 
 def node_id(case: ET.Element) -> str:
-    """A JUnit testcase's pytest node id: classname tests.test_x[.Class] and name -> tests/test_x.py::..."""
+    """A JUnit testcase's pytest node id: classname tests.area.test_x[.Class] and name ->
+    tests/area/test_x.py::..."""
     parts = case.get("classname", "").split(".")
     # the longest prefix that is a file; a module deleted since the run: the whole classname
     module = next((i for i in range(len(parts), 0, -1)

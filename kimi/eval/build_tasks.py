@@ -9,7 +9,7 @@ The default job (conf/data/shakespeare.yaml: data.source=shakespeare, data.val_f
 of the complete works, Hamlet and the Sonnets (kimi.data.sources.hold_out, a fixed seed): a model trained
 by `python train.py` never saw these passages. Each passage is up to four consecutive lines of one speech or
 stanza ending in a word of three letters or more; the output depends only on the corpus (fixed seeds), so a
-rerun writes the committed files byte for byte (tests/test_eval.py, with the network).
+rerun writes the committed files byte for byte (tests/interop/test_eval.py, with the network).
 
 - lastword.jsonl: the passage (`text`), everything before its last word (`context`) and that word (`word`):
   LAMBADA's last-word prediction, scored by log-likelihood (kimi_lastword), greedy generation

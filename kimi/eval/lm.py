@@ -2,8 +2,8 @@
 texts, and greedy generation, on a KimiModel in eval mode (kimi.eval's command line, trainer.eval_tasks).
 
 It follows lm-eval's own `hf` model wherever a choice changes a score, so that a checkpoint and its
-transformers export score alike (tests/test_eval.py): contexts and continuations are split as TemplateLM
-splits them (context + continuation encoded whole, trailing spaces of the context moved to the
+transformers export score alike (tests/interop/test_eval.py): contexts and continuations are split as
+TemplateLM splits them (context + continuation encoded whole, trailing spaces of the context moved to the
 continuation), an input longer than max_length + 1 tokens loses its first tokens, an empty context and the
 first window of a rolling text start from the prefix token (EOS: the token a training document follows),
 and a generation's context keeps its last max_length - max_gen_toks tokens and is cut at its first stop

@@ -10,8 +10,8 @@ missing key instead of defaulting it.
 `file_map(cfg, layout)` lists every tensor of a checkpoint file (the release's names, or the ones
 save_pretrained writes) with the tensor of ours (or the expert of it) it comes from; kimi.convert reads
 and writes such files one tensor at a time. Equal logits are tested against transformers and mlx-lm
-(tests/test_hf_interop.py, tests/test_hf_release.py: ~1e-6 in fp32). transformers keeps the MLA latent
-norm's eps at 1e-6 whatever rms_norm_eps says: `model_fields` sets `mla.norm_eps` to match.
+(tests/interop/test_hf_interop.py, tests/interop/test_hf_release.py: ~1e-6 in fp32). transformers keeps the
+MLA latent norm's eps at 1e-6 whatever rms_norm_eps says: `model_fields` sets `mla.norm_eps` to match.
 """
 
 from __future__ import annotations

@@ -396,8 +396,8 @@ def training_flops(cfg: ModelConfig, seq_len: int) -> tuple[list[float], float]:
       scores over the sequence, KDA's chunkwise state (docs/algorithms.md section 1).
     Not counted: the AttnRes depth mixing (12 d FLOPs per source and token at each mixing site: under 1% of
     every preset's step), gates' elementwise work, softmax exponentials. Convention and the check of every
-    preset against torch's FlopCounterMode: kimi/ops/flops.py, tests/test_flop_count.py, docs/benchmarks.md.
-    Counted on the meta device: no memory.
+    preset against torch's FlopCounterMode: kimi/ops/flops.py, tests/ops/test_flop_count.py,
+    docs/benchmarks.md. Counted on the meta device: no memory.
     """
     blocks = []
     with torch.device("meta"):

@@ -16,7 +16,7 @@ Registered by the modules that define them (register_attention_ops, register_kda
 kimi.ops.attention.triton.op and kimi.ops.kda.triton.op does it): the Triton attention and KDA ops. The
 fused gates and L2 norms (kimi::kda_gate_*, kimi::l2norm_*) are elementwise and have none. The AttnRes
 depth mix (aten.mv on the PyTorch path, the fused kimi::attnres_mix) stays at 0, as the declared count
-leaves it out (under 1% of every preset's step: tests/test_flop_count.py).
+leaves it out (under 1% of every preset's step: tests/ops/test_flop_count.py).
 """
 
 from __future__ import annotations

@@ -15,6 +15,6 @@ here, importing nothing of kimi but its error types (kimi/errors.py) and no torc
   stages.py      the run's stages (the root config's ``stages``), which kimi/run/stages.py runs
 
 A package rather than a module at kimi/'s root, which holds the commands, the error types and the root
-config (at most 10 modules, tests/test_structure.py); and not inside kimi/errors.py, which stays the one
-concern of errors and exit codes.
+config (at most 10 modules, tests/project/test_structure.py); and not inside kimi/errors.py, which stays the
+one concern of errors and exit codes.
 """

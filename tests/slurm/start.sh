@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A one-node SLURM cluster on this machine, for tests/test_slurm.py (and by hand):
+# A one-node SLURM cluster on this machine, for tests/parallel/test_slurm.py (and by hand):
 #     tests/slurm/start.sh [DIR]          DIR: its config, state and logs (default /tmp/kimi-slurm)
 #     export SLURM_CONF=DIR/slurm.conf    then sbatch, squeue, scontrol, scancel and sinfo use it
 #     tests/slurm/start.sh --stop [DIR]   stops its slurmctld and slurmd, and munged if this script started it

@@ -1,0 +1,171 @@
+"""`make gpu-check` without a GPU: its dry run runs every step's code on CPU at tiny sizes (Triton kernels
+interpreted, the tiny model for two steps), through the Makefile as a device session runs it, so a plumbing
+bug in bench/gpu_check.py or the bench scripts it drives shows here (every step: the default plan and the
+second call's). Planted failures (a wrong KDA result, a
+crashed step, a hung one) must make it exit non-zero and name the failing check. About 1.5 minutes on 2
+cores; results go to temporary directories."""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.append(str(ROOT / "bench"))  # appended: a bench script must not shadow an installed package
+import gpu_check  # noqa: E402
+
+STEPS = list(gpu_check.STEPS)
+FILES = sorted([*(f"{s}.json" for s in STEPS), "summary.md", gpu_check.LOG])  # all the device tool returns
+
+
+def make_gpu_check(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the driver sets it per step
+    cmd = ["make", "-s", "gpu-check", f"GPU_PYTHON={sys.executable}", f"GPU_CHECK_ARGS={shlex.join(args)}"]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def step_json(out: Path, step: str) -> dict:
+    return json.loads((out / f"{step}.json").read_text())
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_dry_run_runs_every_step(tmp_path):
+    out = tmp_path / "gpu"
+    proc = make_gpu_check("--dry-run", "--out", str(out), "--steps", "all")
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == FILES
+    for i, step in enumerate(STEPS, 1):
+        assert f"[gpu-check {i}/{len(STEPS)}] {step}: ok" in proc.stdout
+        record = step_json(out, step)
+        assert record["step"] == step and record["status"] == "ok" and record["dry_run"]
+        assert record["failures"] == [] and record["summary"] and record["seconds"] > 0
+        assert all(run["returncode"] == 0 and "result" in run for run in record["runs"].values())
+
+    def result(step: str) -> dict:
+        (run,) = step_json(out, step)["runs"].values()
+        return run["result"]
+
+    kda = result("kda_check")  # bf16, as the model trains (fla-core is left out of a dry run)
+    assert {(r["op"], r["dtype"]) for r in kda["rows"]} == {
+        (op, "bfloat16") for op in ("chunk", "chunk_safe", "recurrent", "decode", "gate")}
+    chunk = next(r for r in kda["rows"] if r["op"] == "chunk")
+    assert set(chunk["triton_vs_fp64"]) == {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"}
+    assert kda["ok"] and 1 in kda["docs"] and all(r["max_vs_fp64"] < r["tol"] for r in kda["rows"])
+    assert kda["fla"] == "skipped"
+    attention = result("attention_check")
+    assert attention["ok"] and {r["dq_mode"] for r in attention["checks"]} == {"separate", "atomic"}
+    (speed,) = result("kda_speed")["rows"]
+    assert {"ours_fwd_ms", "ours_fwdbwd_ms", "sdpa_fwdbwd_ms", "decode_ours_us", "safe_general_fwdbwd_ms",
+            "safe_bounded_fwdbwd_ms"} <= set(speed)
+    # ours under each launch layout of the scores kernels, side by side (common.SCORES_GRIDS)
+    layouts = ("serial:8", "split:8", "split:4")
+    assert {f"grid_{g}_{m}_ms" for g in layouts for m in ("fwd", "fwdbwd")} <= set(speed)
+    assert result("kda_speed")["config"]["fla"] == "skipped" and result("kda_speed")["errors"] == []
+    attn_speed = result("attention_speed")
+    assert set(attn_speed["dq_modes"]) == {"separate", "atomic"}
+    assert {"triton_fwd_max_ms", "triton_fwdbwd_atomic_dq_ms", "triton_fwdbwd_atomic_dq_max_ms",
+            "sdpa_path_fwdbwd_max_ms"} <= set(attn_speed["rows"][0])
+    (auto,) = result("attention_auto")["rows"]  # auto's own timing of both backends, interpreted
+    assert auto["choice"] in ("triton", "sdpa") and auto["triton_fwdbwd_ms"] > 0
+    assert auto["sdpa_fwdbwd_ms"] > 0
+    (optim,) = result("optim")["single"]
+    assert set(optim["step_s"]) == {"adamw", "muonclip", "muonclip_bf16", "torch_muon"}
+    train = step_json(out, "train")["runs"]["tiny"]["result"]["layouts"]["single"][0]
+    assert train["tokens_per_s"] > 0 and 0 < train["mfu"] <= 1 and train["peak_mem_bytes"] > 0
+    fp8 = step_json(out, "train_fp8")["runs"]["tiny"]["result"]["layouts"]  # emulated on CPU
+    assert set(fp8) == {"fp8_rowwise"} and fp8["fp8_rowwise"][0]["tokens_per_s"] > 0
+    assert "x bf16" in step_json(out, "train_fp8")["summary"][0][1]  # against train's row
+    peer = result("peer")
+    assert all(peer[name]["tokens_per_s"] > 0 for name in ("titan", "dense", "kimi"))
+    assert peer["kimi"]["reused"] and peer["kimi"]["tokens_per_s"] == train["tokens_per_s"]  # train's row
+
+    summary = (out / "summary.md").read_text()
+    assert summary in proc.stdout  # the table printed at the end is the file
+    assert summary.count("| step | what | result | status |") == 1 and "DRY RUN" in summary
+    rows = [line for line in summary.splitlines() if line.startswith("| ")][2:]
+    assert all(line.count(" | ") == 3 for line in rows)
+    for step in STEPS:
+        assert f"| {step} (" in summary
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_planted_failures_fail_the_run_and_are_named(tmp_path):
+    """A wrong Triton gradient, a crashed step and a hung one: each is reported, the others still run."""
+    out = tmp_path / "gpu"
+    proc = make_gpu_check("--dry-run", "--out", str(out), "--steps", "kda_check", "optim", "train",
+                          "--plant-failure", "kda_check", "optim", "--plant-hang", "train", "--budget",
+                          "train=5", timeout=200)
+    assert proc.returncode != 0, proc.stdout[-4000:]
+    assert {s: step_json(out, s)["status"] for s in ("kda_check", "optim", "train")} == {
+        "kda_check": "failed", "optim": "crashed", "train": "timeout"}
+    failed = [line for line in proc.stdout.splitlines() if line.startswith("FAILED ")]
+    assert any(line.startswith("FAILED kda_check: chunk_kda forward and backward")
+               and "(bfloat16): dq " in line for line in failed), failed
+    assert any(line.startswith("FAILED optim: optim: exit 1") and "planted failure" in line
+               for line in failed)
+    assert any(line.startswith("FAILED train: tiny: out of time") for line in failed), failed
+    kda = step_json(out, "kda_check")
+    assert [r["op"] for r in kda["runs"]["kda"]["result"]["rows"] if not r["ok"]] == ["chunk"]
+    summary = (out / "summary.md").read_text()
+    assert "| FAILED |" in summary and "| CRASHED |" in summary and "| OUT OF TIME |" in summary
+    assert "not run yet" not in summary and "attention_check" not in summary
+
+
+@pytest.mark.unit
+def test_the_plan_fits_one_device_call():
+    """make gpu-check's default plan: the priority order, one call of at most 480 s (the wheels' install and
+    start inside it), every step predicted to end within its cap and the total, and no more files than the
+    device tool brings back (8); --plan prints it and runs nothing."""
+    assert gpu_check.PLAN == ("kda_check", "kda_speed", "train", "train_fp8", "peer")
+    assert list(gpu_check.STEPS)[:len(gpu_check.PLAN)] == list(gpu_check.PLAN)
+    assert gpu_check.TOTAL <= 480 - 10 and len(gpu_check.PLAN) + 2 <= 8
+    args = gpu_check.parse_args([])
+    assert args.steps == list(gpu_check.PLAN) and args.total == gpu_check.TOTAL
+    text = gpu_check.plan(args)
+    assert "CUT" not in text, text
+    predicted = int(text.splitlines()[-1].split()[1])
+    assert predicted == sum(gpu_check.PREDICTED[s][0] for s in gpu_check.PLAN) <= gpu_check.TOTAL
+    numbered = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [line.split(" | ")[1] for line in numbered] == list(gpu_check.PLAN)
+    squeezed = gpu_check.plan(gpu_check.parse_args(["--total", "200"]))  # what a shorter call would lose
+    assert "CUT" in squeezed and squeezed.splitlines()[-1] == "predicted: 200 s of the 200 s"
+    docs = (ROOT / "docs" / "gpu.md").read_text()  # its table of the plan is this one's, without the reasons
+    for line in numbered:
+        i, step, _, cap, predicted, ends, _ = line.split(" | ")
+        assert f"| {i[2:]} | {step} | {cap} | {predicted} | {ends} |" in docs, line
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--plan"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == text, proc.stderr
+
+
+@pytest.mark.unit
+def test_bad_arguments_are_refused():
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--budget", "nope=3"])
+    args = gpu_check.parse_args(["--steps", "train", "kda_check", "--step-args", "kda_speed=--T 64 128"])
+    assert args.steps == ["kda_check", "train"] and args.step_args == {"kda_speed": "--T 64 128"}
+    assert gpu_check.parse_args(["--steps", "all"]).steps == list(gpu_check.STEPS)
+
+
+@pytest.mark.unit
+def test_a_training_row_carries_the_step_audits_roofline_for_its_shape():
+    """The measured 1b row on an H200 gets bench/step_audit.py's predictions beside it, unfused and compiled
+    (4 sequences: 4x the one-sequence step time); a length or a device the audit did not price gets
+    nothing."""
+    roof = json.loads((ROOT / "bench" / "results" / "step_audit.json").read_text())["families"]["1b"][
+        "roofline"]
+    pred = roof["gpus"]["H200"]
+    note = gpu_check.roofline_note("1b", str(roof["T"]), 4, "NVIDIA H200")
+    assert (f"{1e3 * 4 * pred['predicted_step_s']:.0f} ms" in note
+            and f"{100 * pred['mfu_ceiling']:.0f}%" in note)
+    compiled = json.loads((ROOT / "bench" / "results" / "step_audit.json").read_text())["families"]["1b"][
+        "compiled"]["gpus"]["H200"]
+    assert f"compiled roofline {1e3 * 4 * compiled['compiled_step_s']:.0f} ms" in note
+    assert gpu_check.roofline_note("1b", "123", 4, "NVIDIA H200") == ""
+    assert gpu_check.roofline_note("1b", str(roof["T"]), 4, "cpu") == ""
