@@ -10,12 +10,16 @@ import pytest
 from kimi.config import ModelConfig
 
 # A model small enough for fp64 checks in milliseconds: KDA, MLA, KDA (3 blocks, 6 sublayers).
-TINY_MODEL = dict(vocab_size=61, d_model=32, num_layers=3, mla_layers=[1], kda_num_heads=2, kda_head_dim=16,
-                  mla_num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, v_head_dim=16, mlp_hidden=48)
+TINY_MODEL = dict(vocab_size=61, d_model=32, num_layers=3, mla_layers=[1], kda=dict(num_heads=2, head_dim=16),
+                  mla=dict(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, v_head_dim=16),
+                  mlp=dict(hidden=48))
 
 
 def tiny_model_cfg(**overrides) -> ModelConfig:
-    return ModelConfig(**{**TINY_MODEL, **overrides})
+    # A section given as a dict adds to TINY_MODEL's: kda=dict(num_heads=4) keeps its head_dim of 16
+    merged = {k: {**TINY_MODEL[k], **v} if isinstance(v, dict) and k in TINY_MODEL else v
+              for k, v in overrides.items()}
+    return ModelConfig(**{**TINY_MODEL, **merged})
 
 
 # Overrides for a trainer run in seconds: a 2-block model on a generated corpus (see make_corpus).
@@ -30,6 +34,14 @@ TINY_TRAINER = [
     "trainer.peak_flops=1e11",  # MFU's denominator given: measuring the CPU costs half a second per run
     "trainer.diag_every=0",  # diagnostics (a third of a second per run) where a test asks for them
 ]
+
+# What every run of kimi.plan's measure=K needs besides the layout (tests/plan/test_plan_measure.py,
+# tests/parallel/test_slurm.py): the CPU, short rows, no evaluation, checkpoint or sample
+MEASURE_CPU = ["trainer.device=cpu", "trainer.seq_len=64", "data=files", "data.tokenizer.vocab_size=384",
+               "data.val_fraction=0.1", "trainer.threads=1", "logging.wandb.mode=disabled",
+               "trainer.eval_every=0", "trainer.checkpoint_every=0", "trainer.sample_tokens=0",
+               "trainer.diag_every=0", "trainer.peak_flops=1e11", "trainer.resume=false",
+               "optim.warmup_steps=1"]
 
 
 def make_corpus(path: Path, docs: int = 24, sentences: int = 60) -> Path:

@@ -19,8 +19,8 @@ Row layout of the head-sized weights (QK-Clip scales these rows per head; nn.Lin
     k_nope, then `v` rows of values.
   * W_dkv (`wkv_a`): rows [0, kv_lora_rank) the latent, the last `rope` rows the shared rotary key, which
     QK-Clip never touches.
-qk_rope_head_dim = 0 is NoPE; RoPE uses the half-split rotation (NeoX style). mla_rotary=false keeps the
-shared key part and its query part unrotated: Kimi Linear's MLA (64 such dims, NoPE throughout).
+qk_rope_head_dim = 0 is NoPE; RoPE uses the half-split rotation (NeoX style). model.mla.rotary=false keeps
+the shared key part and its query part unrotated: Kimi Linear's MLA (64 such dims, NoPE throughout).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def compose_cfg(*overrides: str) -> Config:
 PP2 = ["parallel.pp=2"]
 FT = ["parallel.fault_tolerance=torchft"]
 # (overrides, world, key the message must name); the default model is `tiny`: 4 blocks, 2 KDA and 2 MLA heads,
-# mlp_hidden 384, vocab_size null (padded to a multiple of 64); micro_batch_size 16, seq_len 128.
+# mlp.hidden 384, vocab_size null (padded to a multiple of 64); micro_batch_size 16, seq_len 128.
 IMPOSSIBLE = [
     # tensor parallelism: every split dimension divides by tp
     (["model.kda.num_heads=3", "parallel.tp=2"], 2, "model.kda.num_heads"),

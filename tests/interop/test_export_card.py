@@ -103,8 +103,8 @@ def test_a_native_export_needs_no_remote_code_to_load(tmp_path):
 
     tokenizer = train_tokenizer(["The king loves the crown. " * 40, "My lord fears the night. " * 40], 300,
                                 tmp_path / "spm" / "tokenizer.model")
-    cfg = tiny_model_cfg(vocab_size=tokenizer.vocab_size, residual="standard", kda_gate_bias=False,
-                         mla_rotary=False)
+    cfg = tiny_model_cfg(vocab_size=tokenizer.vocab_size, residual="standard", kda=dict(gate_bias=False),
+                         mla=dict(rotary=False))
     torch.manual_seed(0)
     checkpoint.save_weights(tmp_path / "run" / "init", KimiModel(cfg).state_dict(),
                             {"model": dataclasses.asdict(cfg)}, {})

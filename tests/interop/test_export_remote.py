@@ -145,7 +145,7 @@ def test_sharded_weights_load_both_ways(spm, tmp_path):
     from kimi.model import KimiModel
 
     torch.manual_seed(0)
-    ours = fill_randomly(KimiModel(tiny_model_cfg(vocab_size=spm.vocab_size, moe_num_experts=4)),
+    ours = fill_randomly(KimiModel(tiny_model_cfg(vocab_size=spm.vocab_size, moe=dict(num_experts=4))),
                          std=0.2).eval()
     files = save_remote(ours, tmp_path / "hf", shard_bytes=2**15)
     assert sum(f.endswith(".safetensors") for f in files) > 2
@@ -292,8 +292,8 @@ def test_a_kimi_linear_model_stays_native_with_its_tokenizer(spm, tmp_path, caps
     remote_code=true it is written with our modeling code instead, which runs our forward."""
     from kimi.convert import main
 
-    cfg = tiny_model_cfg(vocab_size=spm.vocab_size, residual="standard", kda_gate_bias=False,
-                         mla_rotary=False)
+    cfg = tiny_model_cfg(vocab_size=spm.vocab_size, residual="standard", kda=dict(gate_bias=False),
+                         mla=dict(rotary=False))
     ours = make_run(tmp_path / "run", cfg, spm)
     assert main(["to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "kimi_linear"

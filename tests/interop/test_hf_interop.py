@@ -50,16 +50,17 @@ def test_configs_map_both_ways():
     assert release["linear_attn_config"]["full_attn_layers"] == [4, 8, 12, 16, 20, 24, 27]  # as released
     for layout in (release, KimiLinearConfig(**release).to_dict()):
         assert all(value_at(m, key) == value for key, value in dotted(model_fields(layout)))
-    small = tiny_model_cfg(residual="standard", kda_gate_bias=False, q_lora_rank=8, qk_rope_head_dim=8,
-                           mla_rotary=False, moe_num_experts=4, moe_top_k=2, moe_groups=2, moe_topk_groups=1)
+    small = tiny_model_cfg(residual="standard", kda=dict(gate_bias=False),
+                           mla=dict(q_lora_rank=8, qk_rope_head_dim=8, rotary=False),
+                           moe=dict(num_experts=4, top_k=2, groups=2, topk_groups=1))
     again = model_fields(KimiLinearConfig(**hf_config(small)).to_dict())
     assert all(value_at(small, k) == v for k, v in dotted(again) if k not in ("mla_layers", "mla.norm_eps"))
     assert again["mla_layers"] == [1]
 
 
 REFUSED = [(dict(residual="attnres_block"), "model.residual"),
-           (dict(residual="standard", kda_gate_bias=True), "model.kda.gate_bias"),
-           (dict(residual="standard", kda_gate_bias=False, qk_rope_head_dim=8, mla_rotary=True),
+           (dict(residual="standard", kda=dict(gate_bias=True)), "model.kda.gate_bias"),
+           (dict(residual="standard", kda=dict(gate_bias=False), mla=dict(qk_rope_head_dim=8, rotary=True)),
             "model.mla.rotary")]
 
 

@@ -74,8 +74,8 @@ def tied_dense(directory):
     from kimi.model import KimiModel
 
     torch.manual_seed(0)
-    model = KimiModel(tiny_model_cfg(vocab_size=96, residual="standard", kda_gate_bias=False, norm_eps=EPS,
-                                     mla_norm_eps=EPS, tie_embeddings=True)).eval()
+    model = KimiModel(tiny_model_cfg(vocab_size=96, residual="standard", kda=dict(gate_bias=False),
+                                     norm_eps=EPS, mla=dict(norm_eps=EPS), tie_embeddings=True)).eval()
     with torch.no_grad():
         return save_hf(model, directory), model, model(TOKENS)
 

@@ -29,7 +29,9 @@ TOKENS = torch.randint(0, VOCAB, (2, 21), generator=torch.Generator().manual_see
 def k3_tiny(**overrides) -> ModelConfig:
     fields = OmegaConf.to_container(OmegaConf.load(ROOT / "conf/model/k3_tiny.yaml"))
     fields.pop("name")
-    return ModelConfig(**{**fields, "vocab_size": VOCAB, **overrides})
+    # A section given as a dict adds to the preset's: attnres=dict(key_weight=False) keeps its block_size
+    merged = {k: {**fields.get(k, {}), **v} if isinstance(v, dict) else v for k, v in overrides.items()}
+    return ModelConfig(**{**fields, "vocab_size": VOCAB, **merged})
 
 
 def random_k3(**overrides) -> KimiModel:
@@ -87,7 +89,7 @@ def test_to_hf_in_k3_layout_reads_in_mlx_lm_and_back(tmp_path, mlx_lm):
 def test_a_model_without_key_weights_exports_as_weights_of_one(tmp_path, mlx_lm):
     """Block AttnRes without key weights (our default) writes K3's norms as ones: the same function; from-hf
     reads it as a model with key weights of 1."""
-    ours = random_k3(attnres_key_weight=False)
+    ours = random_k3(attnres=dict(key_weight=False))
     with torch.no_grad():
         logits = ours(TOKENS)
     out = save_hf(ours, tmp_path / "plain", layout="k3")
@@ -160,8 +162,8 @@ def _sparse(key: str) -> bool:
 
 @pytest.mark.unit
 @pytest.mark.parametrize("override,named", [
-    (dict(mlp_activation="swiglu"), "mlp.activation=swiglu"),
-    (dict(attnres_block_size=3), "attnres.block_size=3"),
+    (dict(mlp=dict(activation="swiglu")), "mlp.activation=swiglu"),
+    (dict(attnres=dict(block_size=3)), "attnres.block_size=3"),
     (dict(residual="attnres_full"), "attnres_full"),
 ])
 def test_k3_layout_refuses_what_it_cannot_hold(override, named):

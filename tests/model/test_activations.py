@@ -61,7 +61,7 @@ def test_dense_mlp_equals_mlx_lm_kimi_k3():
 
     from mlx_lm.models.kimi_k3 import KimiK3MLP, TextArgs
 
-    cfg = tiny_model_cfg(mlp_activation="situ")
+    cfg = tiny_model_cfg(mlp=dict(activation="situ"))
     torch.manual_seed(0)
     ours = SwiGLU.build(cfg)
     with torch.no_grad():
@@ -82,8 +82,8 @@ def test_dense_mlp_equals_mlx_lm_kimi_k3():
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 def test_moe_experts_take_situ_grouped_equal_to_loop(dtype):
-    cfg = tiny_model_cfg(d_model=32, moe_num_experts=8, moe_top_k=2, moe_hidden=16, moe_shared_experts=1,
-                         moe_first_dense=1, mlp_activation="situ")
+    cfg = tiny_model_cfg(d_model=32, moe=dict(num_experts=8, top_k=2, hidden=16, shared_experts=1,
+                                              first_dense=1), mlp=dict(activation="situ"))
     torch.manual_seed(0)
     moe = MoE(cfg).to(dtype)
     with torch.no_grad():
@@ -102,7 +102,8 @@ def test_moe_experts_take_situ_grouped_equal_to_loop(dtype):
 
 
 def test_kimi_linear_export_refuses_situ():
-    cfg = tiny_model_cfg(mlp_activation="situ", residual="standard", vocab_size=64, kda_gate_bias=False)
+    cfg = tiny_model_cfg(mlp=dict(activation="situ"), residual="standard", vocab_size=64,
+                         kda=dict(gate_bias=False))
     with pytest.raises(NotExpressible,
                        match=r"cannot express model.mlp.activation=situ .*its MLPs are SwiGLU"):
         hf_config(cfg)

@@ -94,7 +94,7 @@ def _record_model(model: KimiModel, ids: torch.Tensor):
                          [("attnres_full", 1), ("attnres_block", 2), ("attnres_block", 4)])
 def test_model_zero_init_inputs_are_source_means(residual, block_size):
     """With zero queries every sublayer input (and the final one) is the plain mean of the right sources."""
-    model = KimiModel(tiny_cfg(residual=residual, attnres_block_size=block_size)).double()
+    model = KimiModel(tiny_cfg(residual=residual, attnres=dict(block_size=block_size))).double()
     v, inputs, final = _record_model(model, torch.randint(0, 61, (2, 9)))
     for layer, h in enumerate(inputs + [final], start=1):
         want = torch.stack(expected_sources(v, layer, block_size)).mean(0)
@@ -104,7 +104,7 @@ def test_model_zero_init_inputs_are_source_means(residual, block_size):
 def test_block_size_one_equals_full():
     torch.manual_seed(0)
     full = KimiModel(tiny_cfg(residual="attnres_full"))
-    block = KimiModel(tiny_cfg(residual="attnres_block", attnres_block_size=1))
+    block = KimiModel(tiny_cfg(residual="attnres_block", attnres=dict(block_size=1)))
     for q in full.attnres_queries():
         q.data.normal_()  # non-uniform depth weights, or any source ordering would pass
     block.load_state_dict(full.state_dict())
@@ -112,7 +112,7 @@ def test_block_size_one_equals_full():
     with torch.no_grad():
         assert torch.equal(full(ids), block(ids))
     # ...and the mode matters: a larger block gives different logits with the same parameters.
-    other = KimiModel(tiny_cfg(residual="attnres_block", attnres_block_size=2))
+    other = KimiModel(tiny_cfg(residual="attnres_block", attnres=dict(block_size=2)))
     other.load_state_dict(full.state_dict())
     with torch.no_grad():
         assert not torch.allclose(full(ids), other(ids))
@@ -124,7 +124,7 @@ def test_key_weight_is_the_query_folded(residual):
     w . (gamma * RMSNorm(v)) are those of the query gamma * w without gamma, at every site and in fp64
     exactly; gamma starts at 1 (and the query at 0), and both train."""
     torch.manual_seed(0)
-    keyed = KimiModel(tiny_cfg(residual=residual, attnres_key_weight=True)).double()
+    keyed = KimiModel(tiny_cfg(residual=residual, attnres=dict(key_weight=True))).double()
     weights = [(n, p) for n, p in keyed.named_parameters() if n.endswith("_key_weight")]
     assert len(weights) == len(keyed.attnres_queries()) and all(torch.all(p == 1) for _, p in weights)
     with torch.no_grad():

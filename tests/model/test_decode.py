@@ -16,8 +16,8 @@ MODES = ["standard", "attnres_full", "attnres_block"]
 
 def tiny_cfg(**kw) -> ModelConfig:
     # KDA, MLA (with RoPE and a compressed query), KDA, MLA: both caches, both positions of MLA.
-    base = dict(num_layers=4, mla_layers=None, mla_every=2, q_lora_rank=12, qk_rope_head_dim=8, v_head_dim=8,
-                conv_size=4, attnres_block_size=3)
+    base = dict(num_layers=4, mla_layers=None, mla_every=2, mla=dict(q_lora_rank=12, qk_rope_head_dim=8,
+                v_head_dim=8), conv_size=4, attnres=dict(block_size=3))
     return tiny_model_cfg(**{**base, **kw})
 
 

@@ -13,9 +13,11 @@ from kimi.model.mla import MLA
 pytestmark = pytest.mark.unit
 
 
-def _cfg(**kw):
-    return tiny_model_cfg(d_model=32, mla_num_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=16,
-                          qk_rope_head_dim=8, v_head_dim=16, mla_rotary=False, mla_norm_eps=1e-6, **kw)
+def _cfg(gate: bool = False, **kw):
+    """A K3-like MLA: q-LoRA, 8 unrotated shared key dims; `gate`: model.mla.output_gate."""
+    mla = dict(num_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+               v_head_dim=16, rotary=False, norm_eps=1e-6, output_gate=gate)
+    return tiny_model_cfg(d_model=32, mla=mla, **kw)
 
 
 def _filled(cfg):
@@ -51,7 +53,7 @@ def _mlx_twin(ours: MLA, cfg):
 def test_equals_mlx_lm_kimi_k3_mla(gate):
     import mlx.core as mx
 
-    cfg = _cfg(mla_output_gate=gate)
+    cfg = _cfg(gate=gate)
     ours = _filled(cfg)
     assert (ours.wg is not None) == gate
     x = torch.randn(2, 12, cfg.d_model, generator=torch.Generator().manual_seed(1))
@@ -61,7 +63,7 @@ def test_equals_mlx_lm_kimi_k3_mla(gate):
 
 
 def test_the_gate_acts_per_element_from_the_layer_input():
-    cfg = _cfg(mla_output_gate=True)
+    cfg = _cfg(gate=True)
     ours = _filled(cfg)
     x = torch.randn(1, 6, cfg.d_model, generator=torch.Generator().manual_seed(2))
     gated = ours(x)
@@ -74,7 +76,7 @@ def test_the_gate_acts_per_element_from_the_layer_input():
 
 
 def test_tensor_parallel_splits_the_gate_by_heads_and_qk_clip_is_unchanged():
-    gated, plain = MLA(_cfg(mla_output_gate=True)), MLA(_cfg())
+    gated, plain = MLA(_cfg(gate=True)), MLA(_cfg())
     plan = gated.tp_plan()
     assert "wg" in plan.colwise and plan.split_dim("wg.weight") == 0
     spec, plain_spec = gated.qk_clip_spec("m"), plain.qk_clip_spec("m")
@@ -85,6 +87,6 @@ def test_tensor_parallel_splits_the_gate_by_heads_and_qk_clip_is_unchanged():
 
 
 def test_kimi_linear_export_refuses_the_gate():
-    cfg = _cfg(mla_output_gate=True, residual="standard", vocab_size=64, kda_gate_bias=False)
+    cfg = _cfg(gate=True, residual="standard", vocab_size=64, kda=dict(gate_bias=False))
     with pytest.raises(NotExpressible, match=r"cannot express MLA's output gate .*its MLA has none"):
         hf_config(cfg)

@@ -14,10 +14,11 @@ from kimi.model.moe import MoE
 pytestmark = pytest.mark.unit
 
 
-def _cfg(**kw):
-    base = dict(d_model=32, moe_num_experts=8, moe_top_k=2, moe_hidden=24, moe_shared_experts=1,
-                moe_first_dense=1, moe_latent_dim=16, mlp_activation="situ", moe_routed_scale=2.5)
-    return tiny_model_cfg(**{**base, **kw})
+def _cfg(moe=None, activation="situ", **kw):
+    """tiny_model_cfg with a latent MoE of 8 SiTU-GLU experts; `moe` adds to (or changes) its MoE keys."""
+    base = dict(num_experts=8, top_k=2, hidden=24, shared_experts=1, first_dense=1, latent_dim=16,
+                routed_scale=2.5)
+    return tiny_model_cfg(d_model=32, moe={**base, **(moe or {})}, mlp=dict(activation=activation), **kw)
 
 
 def _filled(cfg):
@@ -57,7 +58,7 @@ def _mlx_twin(ours: MoE, cfg):
 def test_layer_equals_mlx_lm_kimi_k3_sparse_moe(norm):
     import mlx.core as mx
 
-    cfg = _cfg(moe_latent_norm=norm)
+    cfg = _cfg(moe=dict(latent_norm=norm))
     ours = _filled(cfg)
     x = torch.randn(3, 10, cfg.d_model, generator=torch.Generator().manual_seed(1))
     expected = torch.from_numpy(np.array(_mlx_twin(ours, cfg)(mx.array(x.numpy()))))
@@ -68,7 +69,7 @@ def test_layer_equals_mlx_lm_kimi_k3_sparse_moe(norm):
 
 @pytest.mark.parametrize("impl", ["grouped", "loop"])
 def test_grouped_and_loop_agree_and_gradients_reach_the_projections(impl):
-    cfg = _cfg(moe_impl=impl)
+    cfg = _cfg(moe=dict(impl=impl))
     ours = _filled(cfg)
     x = torch.randn(40, cfg.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     ours = ours.double()
@@ -76,14 +77,14 @@ def test_grouped_and_loop_agree_and_gradients_reach_the_projections(impl):
     y.square().sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in ours.named_parameters()
                if n.startswith("latent_"))
-    other = _filled(_cfg(moe_impl="loop" if impl == "grouped" else "grouped")).double()
+    other = _filled(_cfg(moe=dict(impl="loop" if impl == "grouped" else "grouped"))).double()
     torch.testing.assert_close(y, other(x), rtol=1e-12, atol=1e-12)
 
 
 def test_width_zero_is_the_plain_layer_and_kimi_linear_export_refuses_the_latent():
-    plain = MoE(_cfg(moe_latent_dim=0))
+    plain = MoE(_cfg(moe=dict(latent_dim=0)))
     assert plain.latent_down is None and plain.experts.w_gate.shape[-1] == 32
     assert not any(n.startswith("latent_") for n, _ in plain.named_parameters())
-    cfg = _cfg(mlp_activation="swiglu", residual="standard", vocab_size=64, kda_gate_bias=False)
+    cfg = _cfg(activation="swiglu", residual="standard", vocab_size=64, kda=dict(gate_bias=False))
     with pytest.raises(NotExpressible, match=r"cannot express a latent MoE"):
         hf_config(cfg)

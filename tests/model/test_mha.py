@@ -13,10 +13,11 @@ pytestmark = pytest.mark.unit
 VOCAB = 61
 
 
-def dense(**overrides) -> KimiModel:
+def dense(kv_heads: int) -> KimiModel:
+    """Llama's layout: softmax attention of 4 query heads and `kv_heads` key/value heads in every block."""
     torch.manual_seed(0)
-    cfg = tiny_model_cfg(vocab_size=VOCAB, layer_pattern="A", residual="standard", attn_num_heads=4,
-                         rope_theta=500.0, **overrides)
+    cfg = tiny_model_cfg(vocab_size=VOCAB, layer_pattern="A", residual="standard",
+                         mha=dict(num_heads=4, kv_heads=kv_heads), rope_theta=500.0)
     return KimiModel(cfg).eval()
 
 
@@ -53,7 +54,7 @@ def llama_of(model: KimiModel):
 @pytest.mark.parametrize("kv_heads", [0, 2, 1])
 def test_dense_model_equals_transformers_llama(kv_heads):
     pytest.importorskip("transformers", reason="transformers (dev extra) not installed")
-    model = dense(attn_kv_heads=kv_heads)
+    model = dense(kv_heads)
     ids = torch.randint(0, VOCAB, (2, 23))
     with torch.no_grad():
         ours, theirs = model(ids), llama_of(model)(ids).logits
@@ -61,7 +62,7 @@ def test_dense_model_equals_transformers_llama(kv_heads):
 
 
 def test_decoding_through_the_cache_equals_the_full_forward():
-    model = dense(attn_kv_heads=2)
+    model = dense(2)
     ids = torch.randint(0, VOCAB, (2, 15))
     cache = model.new_cache()
     with torch.no_grad():
@@ -76,7 +77,7 @@ def test_qk_clip_rows_bring_each_heads_max_logit_to_tau(kv_heads):
     sides by sqrt(gamma) for plain heads, the queries by gamma when key heads are shared."""
     from kimi.optim.qk_clip import apply_qk_clip
 
-    model = dense(attn_kv_heads=kv_heads).double().train()
+    model = dense(kv_heads).double().train()
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(4)  # large logits

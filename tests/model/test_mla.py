@@ -16,14 +16,14 @@ pytestmark = pytest.mark.unit
 F64 = torch.float64
 
 
-def mla_cfg(**kw) -> ModelConfig:
-    base = dict(d_model=32, mla_num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=0,
-                v_head_dim=8, rope_theta=100.0)
-    return ModelConfig(**{**base, **kw})
+def mla_cfg(**mla) -> ModelConfig:
+    """A 2-head NoPE MLA with a full-rank query; `mla`: model.mla.* keys to change."""
+    base = dict(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=0, v_head_dim=8)
+    return ModelConfig(d_model=32, rope_theta=100.0, mla={**base, **mla})
 
 
-def make_mla(**kw) -> MLA:
-    layer = MLA(mla_cfg(**kw)).double()
+def make_mla(**mla) -> MLA:
+    layer = MLA(mla_cfg(**mla)).double()
     layer.init_weights(0.2, 0.2)
     with torch.no_grad():  # norms away from 1, so a missing weight multiply would show
         for p in layer.parameters():
@@ -79,7 +79,7 @@ def naive_mla(layer: MLA, x: torch.Tensor):
                                                 (8, 0, False), (8, 12, False)])
 def test_mla_matches_naive(rope, q_lora, rotary):
     torch.manual_seed(rope + q_lora)
-    layer = make_mla(qk_rope_head_dim=rope, q_lora_rank=q_lora, mla_rotary=rotary)
+    layer = make_mla(qk_rope_head_dim=rope, q_lora_rank=q_lora, rotary=rotary)
     layer.track_max_logits = True
     x = torch.randn(2, 11, 32, dtype=F64)
     want, want_max = naive_mla(layer, x)

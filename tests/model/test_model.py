@@ -18,8 +18,10 @@ PATTERNS = {"all_kda": dict(mla_layers=None, mla_every=0), "all_mla": dict(mla_l
             "mixed": dict(mla_layers=[1])}
 
 
-def tiny_cfg(**kw) -> ModelConfig:
-    return tiny_model_cfg(**{**dict(qk_rope_head_dim=8, v_head_dim=8, attnres_block_size=2), **kw})
+def tiny_cfg(mla=None, **kw) -> ModelConfig:
+    """tiny_model_cfg with 8 rotated key dims and AttnRes blocks of 2; `mla` adds to its MLA keys."""
+    return tiny_model_cfg(**{"attnres": dict(block_size=2), **kw,
+                             "mla": {"qk_rope_head_dim": 8, "v_head_dim": 8, **(mla or {})}})
 
 
 @pytest.mark.parametrize("residual", MODES)
@@ -58,7 +60,7 @@ def expected_params(c: ModelConfig, n_mla: int, tied: bool) -> tuple[int, int]:
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("residual,q_lora", [("standard", 0), ("attnres_block", 12)])
 def test_num_params(tied, residual, q_lora):
-    cfg = tiny_cfg(tie_embeddings=tied, residual=residual, q_lora_rank=q_lora)
+    cfg = tiny_cfg(tie_embeddings=tied, residual=residual, mla=dict(q_lora_rank=q_lora))
     model = KimiModel(cfg)
     unique = {id(p): p.numel() for p in model.parameters()}
     assert model.num_params() == sum(unique.values())
@@ -99,7 +101,7 @@ def test_flops_per_token_matches_flop_counter(tied, monkeypatch):
     monkeypatch.setattr(kimi.model.maxlogits, "attention", _dense_attention)
     B, T = 2, 128  # two 64-token KDA chunks per row
     # standard residual: AttnRes' depth mixing (query . keys) is a matmul the formula leaves out on purpose
-    cfg = tiny_cfg(num_layers=4, mla_layers=[1, 3], residual="standard", kda_backend="torch",
+    cfg = tiny_cfg(num_layers=4, mla_layers=[1, 3], residual="standard", kda=dict(backend="torch"),
                    tie_embeddings=tied)
     model = KimiModel(cfg)
     ids = torch.randint(0, cfg.vocab_size, (B, T))
@@ -144,7 +146,7 @@ def test_flops_per_token_matches_flop_counter(tied, monkeypatch):
     # its ~25% share, less the dense overcount); 6% bounds it.
     assert total - n_mla * attn / 2 == pytest.approx(per_token * tokens, rel=0.06)
     # Tying the embeddings changes the parameter count, not the matmuls: same count, same formula.
-    twin = KimiModel(tiny_cfg(num_layers=4, mla_layers=[1, 3], residual="standard", kda_backend="torch",
+    twin = KimiModel(tiny_cfg(num_layers=4, mla_layers=[1, 3], residual="standard", kda=dict(backend="torch"),
                               tie_embeddings=not tied))
     assert _counted_flops(lambda: twin(ids).square().mean().backward()) == total
     assert twin.flops_per_token(T) == per_token
@@ -212,7 +214,7 @@ def test_model_packed_equals_separate(residual):
 @pytest.mark.parametrize("tied", [False, True])
 def test_every_parameter_gets_a_gradient(residual, tied):
     torch.manual_seed(2)
-    model = KimiModel(tiny_cfg(residual=residual, tie_embeddings=tied, q_lora_rank=12))
+    model = KimiModel(tiny_cfg(residual=residual, tie_embeddings=tied, mla=dict(q_lora_rank=12)))
     ids = torch.randint(0, 61, (2, 12))
     F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
     for name, p in model.named_parameters():

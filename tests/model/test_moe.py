@@ -16,10 +16,11 @@ pytestmark = pytest.mark.unit
 F64 = torch.float64
 
 
-def moe_cfg(**overrides):
-    base = dict(d_model=32, moe_num_experts=8, moe_top_k=2, moe_hidden=16, moe_shared_experts=1, moe_groups=4,
-                moe_topk_groups=2, moe_routed_scale=2.5, moe_first_dense=1)
-    return tiny_model_cfg(**{**base, **overrides})
+def moe_cfg(moe=None, **overrides):
+    """tiny_model_cfg with 8 experts; `moe` adds to (or changes) these MoE keys."""
+    base = dict(num_experts=8, top_k=2, hidden=16, shared_experts=1, groups=4, topk_groups=2,
+                routed_scale=2.5, first_dense=1)
+    return tiny_model_cfg(**{"d_model": 32, **overrides, "moe": {**base, **(moe or {})}})
 
 
 def filled_moe(cfg, dtype=torch.float32, seed=0):
@@ -58,7 +59,7 @@ def hf_moe(cfg, ours: MoE):
 
 @pytest.mark.parametrize("groups,topk_groups,norm", [(4, 2, True), (1, 1, True), (2, 1, False)])
 def test_layer_equals_transformers_kimi_linear_moe(groups, topk_groups, norm):
-    cfg = moe_cfg(moe_groups=groups, moe_topk_groups=topk_groups, moe_norm_topk=norm)
+    cfg = moe_cfg(moe=dict(groups=groups, topk_groups=topk_groups, norm_topk=norm))
     ours = filled_moe(cfg)
     theirs = hf_moe(cfg, ours)
     x = torch.randn(3, 11, cfg.d_model, generator=torch.Generator().manual_seed(1))
@@ -75,7 +76,7 @@ def test_layer_equals_transformers_kimi_linear_moe(groups, topk_groups, norm):
 
 def test_bias_steers_the_choice_not_the_weights():
     """A large bias on one expert makes every token choose it, with its unbiased score as weight."""
-    cfg = moe_cfg(moe_groups=1, moe_topk_groups=1, moe_norm_topk=False, moe_routed_scale=1.0)
+    cfg = moe_cfg(moe=dict(groups=1, topk_groups=1, norm_topk=False, routed_scale=1.0))
     moe = filled_moe(cfg)
     x = torch.randn(20, cfg.d_model)
     bias = torch.zeros(cfg.moe.num_experts)
@@ -108,8 +109,8 @@ def test_grouped_equals_loop_forward_and_backward(dtype):
 
 
 def test_bias_update_balances_and_resets():
-    cfg = moe_cfg(moe_groups=1, moe_topk_groups=1)
-    model = KimiModel(moe_cfg(moe_groups=1, moe_topk_groups=1, num_layers=3, vocab_size=61))
+    cfg = moe_cfg(moe=dict(groups=1, topk_groups=1))
+    model = KimiModel(moe_cfg(moe=dict(groups=1, topk_groups=1), num_layers=3, vocab_size=61))
     layers = [b.mlp for b in model.blocks.values() if isinstance(b.mlp, MoE)]
     assert len(layers) == 2  # block 0 stays dense
     tokens = torch.randint(0, 61, (2, 16))
@@ -131,7 +132,7 @@ def test_bias_update_balances_and_resets():
 
 def test_bias_update_makes_an_overloaded_expert_lose_tokens():
     """Tokens all prefer expert 0; repeated updates lower its bias until other experts take tokens."""
-    cfg = moe_cfg(moe_groups=1, moe_topk_groups=1, moe_top_k=1, moe_shared_experts=0)
+    cfg = moe_cfg(moe=dict(groups=1, topk_groups=1, top_k=1, shared_experts=0))
     moe = filled_moe(cfg)
     with torch.no_grad():
         moe.expert_bias.zero_()
@@ -149,13 +150,13 @@ def test_bias_update_makes_an_overloaded_expert_lose_tokens():
 
 
 def test_validation_names_the_key():
-    cases = [(dict(moe_groups=3), "model.moe.groups"), (dict(moe_top_k=9), "model.moe.top_k"),
-             (dict(moe_topk_groups=5), "model.moe.topk_groups"),
-             (dict(moe_aux_loss_coef=-1.0), "model.moe.aux_loss_coef"),
-             (dict(moe_num_experts=1, moe_groups=1, moe_topk_groups=1), "model.moe.num_experts")]
+    cases = [(dict(groups=3), "model.moe.groups"), (dict(top_k=9), "model.moe.top_k"),
+             (dict(topk_groups=5), "model.moe.topk_groups"),
+             (dict(aux_loss_coef=-1.0), "model.moe.aux_loss_coef"),
+             (dict(num_experts=1, groups=1, topk_groups=1), "model.moe.num_experts")]
     for overrides, key in cases:
         with pytest.raises(ConfigError, match=key):
-            validate_model(moe_cfg(**overrides))
+            validate_model(moe_cfg(moe=overrides))
 
 
 def test_sequence_balance_loss_matches_its_definition():
@@ -176,15 +177,15 @@ def test_sequence_balance_loss_matches_its_definition():
 
 
 def test_aux_loss_enters_the_gradient_not_the_output():
-    """With moe_aux_loss_coef = c the layer's output is unchanged, and every gradient equals that of
+    """With model.moe.aux_loss_coef = c the layer's output is unchanged, and every gradient equals that of
     loss + c * scale * aux computed explicitly."""
     from kimi.model.moe import sequence_balance_loss
 
     c, scale = 0.3, 0.5
-    cfg = moe_cfg(moe_aux_loss_coef=c)
+    cfg = moe_cfg(moe=dict(aux_loss_coef=c))
     with_aux = filled_moe(cfg, F64)
     with_aux.aux_grad_scale = scale
-    plain = filled_moe(moe_cfg(moe_aux_loss_coef=0.0), F64)
+    plain = filled_moe(moe_cfg(moe=dict(aux_loss_coef=0.0)), F64)
     x = torch.randn(2, 9, cfg.d_model, dtype=F64, generator=torch.Generator().manual_seed(5))
     cot = torch.randn(2, 9, cfg.d_model, dtype=F64, generator=torch.Generator().manual_seed(6))
     y = with_aux(x)
@@ -210,7 +211,7 @@ def test_packed_rows_keep_a_per_row_sequence_loss():
     so with the parallel layout): packed and unpacked runs of the same rows record the same loss."""
     from kimi.model.moe import moe_layers
 
-    cfg = moe_cfg(moe_aux_loss_coef=0.1, num_layers=2, vocab_size=61)
+    cfg = moe_cfg(moe=dict(aux_loss_coef=0.1), num_layers=2, vocab_size=61)
     torch.manual_seed(0)
     model = KimiModel(cfg)
     model.init_weights()

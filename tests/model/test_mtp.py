@@ -49,8 +49,8 @@ def by_hand(model: KimiModel, ids: torch.Tensor, labels: torch.Tensor) -> torch.
 @pytest.mark.parametrize("depths,residual", [(1, "attnres_block"), (2, "standard"), (1, "attnres_full")])
 def test_training_loss_is_deepseek_v3s_definition(depths, residual):
     torch.manual_seed(0)
-    model = KimiModel(tiny_model_cfg(vocab_size=VOCAB, mtp_layers=depths, residual=residual,
-                                     mtp_loss_weight=0.7)).double()
+    model = KimiModel(tiny_model_cfg(vocab_size=VOCAB, mtp=dict(layers=depths, loss_weight=0.7),
+                                     residual=residual)).double()
     with torch.no_grad():
         for q in model.attnres_queries():
             q.normal_()  # non-uniform depth mixes: the trunk state MTP reads is the final mix, not a mean
@@ -65,7 +65,7 @@ def test_training_loss_is_deepseek_v3s_definition(depths, residual):
 
 def test_evaluation_and_logits_do_not_run_it():
     torch.manual_seed(0)
-    with_mtp = KimiModel(tiny_model_cfg(vocab_size=VOCAB, mtp_layers=1))
+    with_mtp = KimiModel(tiny_model_cfg(vocab_size=VOCAB, mtp=dict(layers=1)))
     plain = KimiModel(tiny_model_cfg(vocab_size=VOCAB))
     plain.load_state_dict({k: v for k, v in with_mtp.state_dict().items() if not k.startswith("mtp.")})
     ids, labels = (torch.randint(0, VOCAB, (2, 9)) for _ in range(2))
@@ -100,8 +100,8 @@ def test_export_drops_it(tmp_path):
     from kimi.convert import load_hf, save_hf
 
     torch.manual_seed(0)
-    model = KimiModel(tiny_model_cfg(vocab_size=VOCAB, residual="standard", kda_gate_bias=False,
-                                     mla_norm_eps=1e-6, mtp_layers=1)).eval()
+    model = KimiModel(tiny_model_cfg(vocab_size=VOCAB, residual="standard", kda=dict(gate_bias=False),
+                                     mla=dict(norm_eps=1e-6), mtp=dict(layers=1))).eval()
     out = save_hf(model, tmp_path / "hf")
     with safe_open(out / "model.safetensors", framework="pt") as f:
         assert not any("mtp" in k for k in f.keys())

@@ -37,8 +37,8 @@ def test_histogram_quantile_is_the_exact_quantile_within_one_bin():
 
 
 def _moe(balance, E=16, k=4):
-    cfg = tiny_model_cfg(d_model=32, moe_num_experts=E, moe_top_k=k, moe_hidden=16, moe_shared_experts=0,
-                         moe_first_dense=1, moe_balance=balance, moe_bias_rate=1e-3)
+    cfg = tiny_model_cfg(d_model=32, moe=dict(num_experts=E, top_k=k, hidden=16, shared_experts=0,
+                                              first_dense=1, balance=balance, bias_rate=1e-3))
     torch.manual_seed(0)
     moe = MoE(cfg)
     with torch.no_grad():
@@ -83,6 +83,6 @@ def test_updates_balance_a_skewed_router_far_faster_than_the_sign_step():
 def test_rules():
     with pytest.raises(ConfigError,
                        match=r"^model.moe.groups=2 is invalid: must be 1 with model.moe.balance="):
-        validate_model(tiny_model_cfg(moe_num_experts=8, moe_top_k=2, moe_groups=2, moe_balance="quantile"))
+        validate_model(tiny_model_cfg(moe=dict(num_experts=8, top_k=2, groups=2, balance="quantile")))
     with pytest.raises(ConfigError, match=r"^model.moe.top_k=8 is invalid: must be < model.moe.num_experts"):
-        validate_model(tiny_model_cfg(moe_num_experts=8, moe_top_k=8, moe_balance="quantile"))
+        validate_model(tiny_model_cfg(moe=dict(num_experts=8, top_k=8, balance="quantile")))

@@ -14,7 +14,6 @@ from helpers import ROOT, corpus_overrides, run_cfg, tiny_model_cfg
 
 from kimi.errors import EXIT_BAD_INPUT, EXIT_FAILED
 from kimi.config import SIZE_BOUNDS, ConfigError
-from kimi.model.sections import ALIASES
 from kimi.model import KimiModel
 from kimi.model.footprint import SKIP_ENV, check_fits, estimate_params
 
@@ -30,14 +29,18 @@ def test_every_preset_is_within_the_bounds_and_its_estimate_is_its_count():
     for name in names:
         cfg = preset(name, 163840)  # with the largest released vocabulary
         check_sizes(cfg)
-        variants = [cfg] + ([dataclasses.replace(cfg, mtp_layers=2, tie_embeddings=True),
+        two_mtp = dataclasses.replace(cfg.mtp, layers=2)
+        variants = [cfg] + ([dataclasses.replace(cfg, mtp=two_mtp, tie_embeddings=True),
                              dataclasses.replace(cfg, residual="standard")] if name == "moe_tiny" else [])
         for m in variants:
             with torch.device("meta"):
                 assert estimate_params(m) == KimiModel(m).num_params(), (name, m)
 
 
-OLD = {new: old for old, new in ALIASES.items()}  # tiny_model_cfg takes a section's key by its flat name
+def _keyword(key: str, value) -> dict:
+    """tiny_model_cfg's keyword for model.<key>: a section's key (mla.num_heads) as that section's dict."""
+    section, _, name = key.rpartition(".")
+    return {section: {name: value}} if section else {key: value}
 
 
 @pytest.mark.parametrize("key", ["d_model", "num_layers", "vocab_size", "mla.num_heads", "moe.num_experts",
@@ -48,7 +51,7 @@ def test_a_size_past_its_bound_is_one_line_naming_the_key_and_the_released_model
     bound = SIZE_BOUNDS[key][0]
     validate_model(tiny_model_cfg(vocab_size=400))  # the rest of the config is fine
     with pytest.raises(ConfigError) as e:
-        validate_model(tiny_model_cfg(**{"vocab_size": 400, OLD.get(key, key): bound + 1}))
+        validate_model(tiny_model_cfg(**{"vocab_size": 400, **_keyword(key, bound + 1)}))
     message = str(e.value)
     assert "\n" not in message and f"model.{key}={bound + 1}" in message and "Kimi" in message
 
@@ -100,7 +103,7 @@ def _hf_folder(path, **changes):
     from kimi.interop.hf import release_config
 
     path.mkdir()
-    expressible = tiny_model_cfg(vocab_size=400, residual="standard", kda_gate_bias=False)
+    expressible = tiny_model_cfg(vocab_size=400, residual="standard", kda=dict(gate_bias=False))
     config = {**release_config(expressible), **changes}
     (path / "config.json").write_text(json.dumps(config))
     return path

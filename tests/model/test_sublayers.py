@@ -20,14 +20,14 @@ pytestmark = pytest.mark.unit
 
 LETTERS = sorted(MIXERS)
 # MoE blocks from block 1 on: both MLP kinds in every model below
-MOE = dict(moe_num_experts=4, moe_top_k=2, moe_hidden=16, moe_first_dense=1)
+MOE = dict(num_experts=4, top_k=2, hidden=16, first_dense=1)
 
 
-def model_of(letter: str, **kw) -> KimiModel:
-    """Two blocks of the mixer `letter`, a dense MLP then a MoE, fp64."""
+def model_of(letter: str, moe=None) -> KimiModel:
+    """Two blocks of the mixer `letter`, a dense MLP then a MoE (`moe` adds to MOE), fp64."""
     torch.manual_seed(0)
     cfg = tiny_model_cfg(num_layers=2, mla_layers=None, layer_pattern=letter, residual="standard",
-                         vocab_size=64, kda_backend="torch", **{**MOE, **kw})
+                         vocab_size=64, kda=dict(backend="torch"), moe={**MOE, **(moe or {})})
     return KimiModel(cfg).double()
 
 
@@ -108,7 +108,8 @@ def test_decoding_through_the_cache_equals_a_full_forward(letter):
 
 @pytest.mark.parametrize("letter", LETTERS)
 def test_packed_documents_equal_separate_rows(letter):
-    model = model_of(letter, moe_num_experts=0)  # a MoE's balance statistics are per row, its output not
+    # dense: a MoE's balance statistics are per row, its output not
+    model = model_of(letter, moe=dict(num_experts=0))
     ids = torch.randint(0, 61, (1, 24))
     starts = torch.zeros(1, 24, dtype=torch.bool)
     starts[0, [0, 9, 17]] = True
@@ -124,7 +125,8 @@ def test_tensor_parallel_divides_only_what_the_pattern_uses():
     head count is free in a model without MLA."""
     from kimi.model.rules import check_tensor_parallel
 
-    odd_mla = dict(mla_num_heads=3, kda_num_heads=2, mlp_hidden=48, vocab_size=64, mla_layers=None)
+    odd_mla = dict(mla=dict(num_heads=3), kda=dict(num_heads=2), mlp=dict(hidden=48), vocab_size=64,
+                   mla_layers=None)
     check_tensor_parallel(tiny_model_cfg(**odd_mla, num_layers=2, layer_pattern="K"), 2)
     with pytest.raises(ConfigError, match=r"model.mla.num_heads=3 is not divisible by parallel.tp=2"):
         check_tensor_parallel(tiny_model_cfg(**odd_mla, num_layers=2, layer_pattern="KM"), 2)

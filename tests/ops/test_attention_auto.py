@@ -95,11 +95,11 @@ def test_auto_on_cpu_times_nothing(monkeypatch):
     auto.reset()
     lines = []
     monkeypatch.setattr(auto, "LOG", lines.append)
-    cfg = dict(d_model=32, mla_num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, v_head_dim=8)
+    mla = dict(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, v_head_dim=8)
     outs = []
     for backend in ("auto", "sdpa"):
         torch.manual_seed(0)
-        layer = MLA(ModelConfig(**cfg, attention_backend=backend))
+        layer = MLA(ModelConfig(d_model=32, mla=mla, attention=dict(backend=backend)))
         assert layer.attention_options["backend"] == backend
         outs.append(layer(torch.randn(2, 12, 32)))
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)

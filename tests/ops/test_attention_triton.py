@@ -158,8 +158,8 @@ def test_backend_errors(monkeypatch):
 def test_mla_layer_on_triton_backend(packed):
     """An MLA layer (RoPE 8 + NoPE 16 query/key dims, 8 value dims) gives the same output, parameter
     gradients and recorded max logits on both backends."""
-    cfg = ModelConfig(d_model=32, mla_num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                      v_head_dim=8, rope_theta=100.0)
+    mla = dict(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=8)
+    cfg = ModelConfig(d_model=32, mla=mla, rope_theta=100.0)
     torch.manual_seed(7)
     layer = MLA(cfg)
     layer.init_weights(0.2, 0.2)
@@ -251,12 +251,12 @@ def test_deterministic_switch_chooses_the_dq_kernel(monkeypatch):
     modes = []
     backward = op.attention_backward
     monkeypatch.setattr(op, "attention_backward", lambda *a: modes.append(a[-1]) or backward(*a))
-    cfg = ModelConfig(d_model=32, mla_num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, v_head_dim=8,
-                      attention_backend="triton")
+    mla = dict(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, v_head_dim=8)
     grads = {}
     for deterministic in (True, False):
         torch.manual_seed(3)
-        layer = MLA(ModelConfig(**{**cfg.__dict__, "attention_deterministic": deterministic}))
+        attn = dict(backend="triton", deterministic=deterministic)
+        layer = MLA(ModelConfig(d_model=32, mla=mla, attention=attn))
         layer.init_weights(0.2, 0.2)
         layer(torch.randn(2, 24, 32)).square().sum().backward()
         grads[deterministic] = [p.grad for p in layer.parameters()]
@@ -332,8 +332,9 @@ def test_mla_under_context_parallelism_attends_latent_blocks(monkeypatch):
     parameter gradients), without any tensor of the prefix's keys or values."""
     import kimi.model.mla as mla_module
 
-    cfg = ModelConfig(d_model=32, mla_num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                      v_head_dim=8, attention_backend="triton", mla_output_gate=True)
+    mla = dict(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=8,
+               output_gate=True)
+    cfg = ModelConfig(d_model=32, mla=mla, attention=dict(backend="triton"))
     torch.manual_seed(3)
     layer = MLA(cfg)
     layer.init_weights(0.2, 0.2)

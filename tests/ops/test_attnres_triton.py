@@ -224,7 +224,7 @@ def test_bytes_report_counts_what_the_kernels_move():
 
 def _model_step(backend: str, ac: str, ids: torch.Tensor):
     torch.manual_seed(0)
-    model = KimiModel(tiny_model_cfg(attnres_backend=backend, kda_backend="torch")).double()
+    model = KimiModel(tiny_model_cfg(attnres=dict(backend=backend), kda=dict(backend="torch"))).double()
     for p in model.attnres_queries():  # away from zero init, so the softmaxes are not uniform
         torch.nn.init.normal_(p, std=1.0)
     apply_activation_checkpointing(model, ac)

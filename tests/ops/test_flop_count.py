@@ -24,7 +24,7 @@ aten = torch.ops.aten
 VOCAB = 2048  # what the presets train with by default: data.tokenizer.vocab_size
 PRESETS = sorted(p.stem for p in (ROOT / "conf/model").glob("*.yaml"))
 # Every preset, and Kimi K3 as it pretrains: with one multi-token-prediction depth (model.mtp.layers=1)
-CASES = {**{name: {} for name in PRESETS}, "kimi_k3+mtp": {"mtp_layers": 1}}
+CASES = {**{name: {} for name in PRESETS}, "kimi_k3+mtp": {"mtp": dict(layers=1)}}
 LENGTHS = (128, 1024)
 # The presets' own vocabularies where they are not the tokenizer's default: set in their files (Kimi Linear's,
 # K3's), or said in their comments (32k)
@@ -55,21 +55,25 @@ def reduced(cfg: ModelConfig, d: int = 256) -> ModelConfig:
     def heads(n: int) -> int:
         return max(1, round(n * s))
 
+    replace = dataclasses.replace
     kw = dict(d_model=d, num_layers=4, layer_pattern=mixer_pattern(cfg)[:4], mla_layers=None,
-              kda_num_heads=heads(cfg.kda.num_heads), mla_num_heads=heads(cfg.mla.num_heads),
-              attn_num_heads=heads(cfg.mha.num_heads),
-              attn_kv_heads=cfg.mha.kv_heads and heads(cfg.mha.kv_heads),
-              kv_lora_rank=d // 4, q_lora_rank=cfg.mla.q_lora_rank and d // 4,
-              mlp_hidden=min(round(cfg.mlp.hidden * s), 4 * d),
-              attnres_block_size=min(cfg.attnres.block_size, 4))
+              kda=replace(cfg.kda, num_heads=heads(cfg.kda.num_heads)),
+              mla=replace(cfg.mla, num_heads=heads(cfg.mla.num_heads), kv_lora_rank=d // 4,
+                          q_lora_rank=cfg.mla.q_lora_rank and d // 4),
+              mha=replace(cfg.mha, num_heads=heads(cfg.mha.num_heads),
+                          kv_heads=cfg.mha.kv_heads and heads(cfg.mha.kv_heads)),
+              mlp=replace(cfg.mlp, hidden=min(round(cfg.mlp.hidden * s), 4 * d)),
+              attnres=replace(cfg.attnres, block_size=min(cfg.attnres.block_size, 4)))
     if cfg.moe.num_experts:
-        kw.update(moe_num_experts=8, moe_top_k=2, moe_hidden=d // 2,
-                  moe_latent_dim=cfg.moe.latent_dim and d // 2)
-    return dataclasses.replace(cfg, **kw)
+        kw.update(moe=replace(cfg.moe, num_experts=8, top_k=2, hidden=d // 2,
+                              latent_dim=cfg.moe.latent_dim and d // 2))
+    return replace(cfg, **kw)
 
 
 def case_cfg(case: str) -> ModelConfig:
-    return dataclasses.replace(preset(case.partition("+")[0], VOCAB), **CASES[case])
+    cfg = preset(case.partition("+")[0], VOCAB)  # CASES' keys change those of the preset's sections
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **keys)
+                                       for section, keys in CASES[case].items()})
 
 
 def train_step(model: KimiModel, B: int, T: int, device: str = "cpu") -> None:
@@ -127,13 +131,16 @@ KERNEL_OPS = {"K": {"kda_chunk_fwd", "kda_chunk_bwd"}, "M": {"flash_attention", 
 @pytest.mark.slow  # 1 to 3 s a case
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_kernels_ops_count_the_declared_flops(case):
-    """The same step traced on the meta device with model.kda.backend=triton and attention_backend=triton:
-    KDA and attention run as our custom ops, the experts as grouped GEMMs (as on a Hopper GPU in bf16), and
-    their formulas (kimi/ops/flops.py) follow the declared count's convention, so the whole step agrees
-    within 1%, at both lengths. What remains is 6 N's overcount of the parameters no matmul uses."""
+    """The same step traced on the meta device with model.kda.backend=triton and
+    model.attention.backend=triton: KDA and attention run as our custom ops, the experts as grouped GEMMs (as
+    on a Hopper GPU in bf16), and their formulas (kimi/ops/flops.py) follow the declared count's convention,
+    so the whole step agrees within 1%, at both lengths. What remains is 6 N's overcount of the parameters no
+    matmul uses."""
     pytest.importorskip("triton", reason="triton is a dependency on Linux only")
     load_kernel_formulas()  # before the counter copies torch's registry
-    cfg = dataclasses.replace(reduced(case_cfg(case)), kda_backend="triton", attention_backend="triton")
+    small = reduced(case_cfg(case))
+    cfg = dataclasses.replace(small, kda=dataclasses.replace(small.kda, backend="triton"),
+                              attention=dataclasses.replace(small.attention, backend="triton"))
     with torch.device("meta"):
         model = KimiModel(cfg).to(torch.bfloat16)  # meta's grouped GEMM takes bf16 only
     expected = set().union(*(KERNEL_OPS[letter] for letter in mixer_pattern(cfg)))

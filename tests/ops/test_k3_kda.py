@@ -90,8 +90,8 @@ def _mlx_twin(ours: KDA, cfg):
 def test_layer_equals_mlx_lm_kimi_k3_kda(lower_bound, full_rank):
     import mlx.core as mx
 
-    cfg = tiny_model_cfg(kda_gate_lower_bound=lower_bound, kda_full_rank_gate=full_rank, kda_gate_bias=False,
-                         kda_backend="torch")
+    cfg = tiny_model_cfg(kda=dict(gate_lower_bound=lower_bound, full_rank_gate=full_rank, gate_bias=False,
+                                  backend="torch"))
     torch.manual_seed(0)
     ours = KDA(cfg)
     ours.init_weights(0.3, 0.3)  # large enough that gates and norms act
@@ -103,11 +103,11 @@ def test_layer_equals_mlx_lm_kimi_k3_kda(lower_bound, full_rank):
 
 def test_config_rules_and_kimi_linear_export():
     with pytest.raises(ConfigError, match=r"^model.kda.gate_lower_bound=5.0 is invalid: must be negative"):
-        validate_model(tiny_model_cfg(kda_gate_lower_bound=5.0))
-    cfg = tiny_model_cfg(kda_gate_lower_bound=-5.0, residual="standard", vocab_size=64, kda_gate_bias=False)
+        validate_model(tiny_model_cfg(kda=dict(gate_lower_bound=5.0)))
+    cfg = tiny_model_cfg(kda=dict(gate_lower_bound=-5.0, gate_bias=False), residual="standard", vocab_size=64)
     with pytest.raises(NotExpressible, match=r"cannot express Kimi K3's KDA"):
         hf_config(cfg)
-    assert "g_proj" in KDA(tiny_model_cfg(kda_full_rank_gate=True)).tp_plan().colwise
+    assert "g_proj" in KDA(tiny_model_cfg(kda=dict(full_rank_gate=True))).tp_plan().colwise
 
 
 @pytest.mark.parametrize("T,chunk", [(200, 64), (37, 16), (70, 32)])

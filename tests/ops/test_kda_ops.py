@@ -243,8 +243,8 @@ def test_fla_backend_passes_our_arguments_to_fla_core(monkeypatch):
     outs = []
     for backend in ("torch", "fla"):
         torch.manual_seed(0)
-        layer = KDA(ModelConfig(d_model=32, kda_num_heads=2, kda_head_dim=16, kda_gate_lower_bound=-5.0,
-                                kda_backend=backend))
+        layer = KDA(ModelConfig(d_model=32, kda=dict(num_heads=2, head_dim=16, gate_lower_bound=-5.0,
+                                                     backend=backend)))
         layer.init_weights(0.3, 0.3)
         with torch.no_grad():
             outs.append(layer(x))

@@ -269,7 +269,7 @@ def test_model_training_step_matches_pytorch_path(packed):
     results = []
     for backend, dtype in (("torch", F64), ("triton", torch.float32)):
         torch.manual_seed(1)
-        model = KimiModel(tiny_model_cfg(kda_backend=backend)).to(dtype)
+        model = KimiModel(tiny_model_cfg(kda=dict(backend=backend))).to(dtype)
         logits = model(ids[:, :-1], doc_starts=starts)
         loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
@@ -291,7 +291,7 @@ def test_model_decoding_with_triton_matches_full_forward():
     from kimi.model import KimiModel
 
     torch.manual_seed(3)
-    model = KimiModel(tiny_model_cfg(kda_backend="triton"))
+    model = KimiModel(tiny_model_cfg(kda=dict(backend="triton")))
     ids = torch.randint(0, 61, (2, 9))
     full = model(ids)
     cache = model.new_cache()

@@ -29,7 +29,7 @@ def _blocks(name: str, w: torch.Tensor, cfg) -> list:
 
 @pytest.mark.parametrize("q_lora", [0, 16])
 def test_each_head_block_is_updated_as_torch_muon_updates_it_alone(q_lora):
-    cfg = tiny_model_cfg(q_lora_rank=q_lora, qk_rope_head_dim=8)
+    cfg = tiny_model_cfg(mla=dict(q_lora_rank=q_lora, qk_rope_head_dim=8))
     model = KimiModel(cfg)
     opt = build_optimizer(model, OptimConfig(name="muonclip", lr=0.02, ns_dtype="bf16", muon_per_head=True,
                                              muon_split_fused=False, qk_clip_tau=0))

@@ -133,7 +133,8 @@ def families(opt):
 
 
 def test_routing_of_the_model_parameters():
-    model = KimiModel(tiny_model_cfg(q_lora_rank=16, qk_rope_head_dim=8))  # every MLA projection exists
+    # q-LoRA and rotated key dims: every MLA projection exists
+    model = KimiModel(tiny_model_cfg(mla=dict(q_lora_rank=16, qk_rope_head_dim=8)))
     fam = families(MuonClip(model.named_parameters(), weight_decay=0.1))
     assert set(fam) == {n for n, _ in model.named_parameters()}
     shapes = dict(model.named_parameters())
@@ -236,7 +237,7 @@ TAU = 5.0
 def _inflated_mla(rope: int, q_lora: int):
     """A 4-head MLA whose heads 0 and 2 have 20x query rows, so their max logits exceed TAU and 1, 3's
     don't."""
-    cfg = tiny_model_cfg(mla_num_heads=4, qk_rope_head_dim=rope, q_lora_rank=q_lora, v_head_dim=8,
+    cfg = tiny_model_cfg(mla=dict(num_heads=4, qk_rope_head_dim=rope, q_lora_rank=q_lora, v_head_dim=8),
                          rope_theta=100.0)
     layer = MLA(cfg).double()
     layer.init_weights(0.1, 0.1)
@@ -383,7 +384,7 @@ def test_fused_weight_is_orthogonalised_per_logical_matrix():
 
 
 def test_model_fused_weights_reach_the_optimizer():
-    model = KimiModel(tiny_model_cfg(q_lora_rank=16, qk_rope_head_dim=8))
+    model = KimiModel(tiny_model_cfg(mla=dict(q_lora_rank=16, qk_rope_head_dim=8)))
     opt = build_optimizer(model, OptimConfig(name="muonclip"))
     prefix = "blocks.1.mixer."
     assert opt.splits == {prefix + "wq_b.weight": RowSplit(24, ((0, 16), (16, 8))),

@@ -220,8 +220,8 @@ def test_activation_checkpointing_is_exact_and_keeps_names(mode):
     from kimi.parallel import apply_activation_checkpointing
 
     torch.manual_seed(0)
-    plain = KimiModel(tiny_model_cfg(qk_rope_head_dim=8))
-    wrapped = KimiModel(tiny_model_cfg(qk_rope_head_dim=8))
+    plain = KimiModel(tiny_model_cfg(mla=dict(qk_rope_head_dim=8)))
+    wrapped = KimiModel(tiny_model_cfg(mla=dict(qk_rope_head_dim=8)))
     wrapped.load_state_dict(plain.state_dict())
     apply_activation_checkpointing(wrapped, mode)
     assert [n for n, _ in wrapped.named_parameters()] == [n for n, _ in plain.named_parameters()]
@@ -318,7 +318,7 @@ def test_pipeline_stages_pass_exactly_the_attnres_sources_needed(residual, block
     from kimi.model.transformer import KimiModel
 
     torch.manual_seed(0)
-    cfg = tiny_model_cfg(num_layers=4, mla_layers=[2], residual=residual, attnres_block_size=block_size)
+    cfg = tiny_model_cfg(num_layers=4, mla_layers=[2], residual=residual, attnres=dict(block_size=block_size))
     full = KimiModel(cfg).double()
     ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(1))
     want = full(ids)

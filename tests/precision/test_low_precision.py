@@ -113,8 +113,8 @@ def test_mxfp8_forward_is_torchao_mx_blocks_then_the_product():
 
 def _cfg(precision="fp8", **precision_fields) -> Config:
     cfg = Config()
-    cfg.model = tiny_model_cfg(num_layers=4, mla_layers=[2], moe_num_experts=4, moe_top_k=2, moe_hidden=32,
-                               moe_first_dense=1, moe_shared_experts=1, d_model=32)
+    cfg.model = tiny_model_cfg(num_layers=4, mla_layers=[2], d_model=32,
+                               moe=dict(num_experts=4, top_k=2, hidden=32, first_dense=1, shared_experts=1))
     cfg.trainer.precision = precision
     for key, value in precision_fields.items():
         setattr(cfg.precision, key, value)

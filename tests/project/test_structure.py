@@ -332,3 +332,53 @@ def test_test_modules_live_in_area_folders_and_import_no_other_folders_tests():
                       for m in where)]
     assert not wrong and not workers, ("move what is shared into a module of tests/ (helpers.py, a "
                                        "*_problem.py):\n" + "\n".join(wrong + [str(p) for p in workers]))
+
+
+# The model section's old flat keys (kimi/model/sections.py ALIASES) still read for one release; tests write
+# the section keys, so that removing the aliases changes no test. Only the tests of the aliases use them.
+ALIAS_TESTS = {"config/test_config.py::test_the_old_flat_model_keys_still_read_with_one_line",
+               "project/test_structure.py::test_tests_write_the_model_sections_keys"}
+CONFIG_CALLS = ("ModelConfig", "tiny_model_cfg", "replace", "preset")
+
+
+def _old_model_keys(tree: ast.AST, aliases: dict) -> list[tuple[str, int, str]]:
+    """(top-level function or class, line, old key) of each old flat key passed as a keyword to a call named
+    in CONFIG_CALLS, or written in a string as an override (model.<old key>=); a section's own copy,
+    replace(cfg.mla, q_lora_rank=8), passes its own keys."""
+    sections = {new.partition(".")[0] for new in aliases.values()}
+    override = re.compile(rf"\bmodel\.({'|'.join(aliases)})=")
+    hits = []
+    for top in tree.body:
+        owner = getattr(top, "name", "")
+        for node in ast.walk(top):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+                own = (name == "replace" and node.args and isinstance(node.args[0], ast.Attribute)
+                       and node.args[0].attr in sections)
+                if name in CONFIG_CALLS and not own:
+                    hits += [(owner, k.lineno, k.arg) for k in node.keywords if k.arg in aliases]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                hits += [(owner, node.lineno, old) for old in override.findall(node.value)]
+    return hits
+
+
+def test_tests_write_the_model_sections_keys():
+    from kimi.model.sections import ALIASES
+
+    sample = ("cfg = tiny_model_cfg(kda_num_heads=2, d_model=8)\n"
+              "def test_a():\n"
+              "    dataclasses.replace(cfg, moe_num_experts=4, mla=replace(cfg.mla, q_lora_rank=8))\n"
+              "    run(['model.mlp_hidden=64', 'model.mlp.hidden=64'])\n"
+              "    ModelConfig(mla=dict(q_lora_rank=8), moe=MoeConfig(num_experts=4))\n")
+    assert _old_model_keys(ast.parse(sample), ALIASES) == [
+        ("", 1, "kda_num_heads"), ("test_a", 3, "moe_num_experts"), ("test_a", 4, "mlp_hidden")]
+    tests = ROOT / "tests"
+    hits = [f"{path.relative_to(tests)}:{line}: {old} -> {ALIASES[old]}"
+            for path in sorted(tests.rglob("*.py"))
+            for owner, line, old in _old_model_keys(ast.parse(path.read_text(), str(path)), ALIASES)
+            if f"{path.relative_to(tests)}::{owner}" not in ALIAS_TESTS]
+    assert not hits, ("write the model section's keys (the old flat ones go in a later release), e.g. "
+                      "tiny_model_cfg(kda=dict(num_heads=2)), model.kda.num_heads=2, "
+                      "dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, num_experts=4)):\n"
+                      + "\n".join(hits))

@@ -141,7 +141,7 @@ def test_kda_decay_statistics_equal_a_direct_computation():
 @pytest.mark.unit
 def test_moe_load_fractions_sum_to_one_and_match_a_bincount():
     torch.manual_seed(0)
-    cfg = tiny_model_cfg(moe_num_experts=4, moe_top_k=2, moe_hidden=16, moe_first_dense=1)
+    cfg = tiny_model_cfg(moe=dict(num_experts=4, top_k=2, hidden=16, first_dense=1))
     model = KimiModel(cfg)
     inputs = {}
     for i in ("1", "2"):
