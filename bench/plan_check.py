@@ -6,7 +6,8 @@ the real one): step 1 creates the optimizer state, step 2 runs under torch's Mem
 rank, and its split at that moment: parameters, gradients, optimizer state, the rest = activations,
 gathered FSDP units and buffers), step 3 under bench/comm_count.py's CommCounter (calls and bytes per
 collective kind each rank puts in). The heaviest rank's measured peak is set beside memory_per_rank's, and
-every rank's counts beside collectives_per_step's.
+each pipeline rank's counts (the most any of its ranks put in) beside comm.per_rank's for it: with
+pipeline parallelism the stages' collectives differ (the first holds the embedding, the last the head).
 
     python bench/plan_check.py [--layouts NAME ...] [--quick] [--work DIR]
 
@@ -115,7 +116,8 @@ def worker(out: Path, model: str, overrides: list[str]) -> None:
     counter = CommCounter()
     with counter:
         trainer.train_step()
-    record = {"peak": snap, "calls": dict(counter.calls), "bytes": dict(counter.bytes)}
+    record = {"peak": snap, "calls": dict(counter.calls), "bytes": dict(counter.bytes),
+              "pp_rank": trainer.engine.pp_rank or 0}
     write_every_rank(out, record)
     trainer.close()
     from kimi.parallel import destroy_distributed
@@ -150,12 +152,9 @@ def predict(name: str, data: list[str]) -> dict:
     cfg = OmegaConf.to_object(compose_cfg(model, [*data, *extra], Path("unused")))
     parts = memory_per_rank(cfg)
     out = {"peak": sum(parts.values()), "parts": parts}
-    try:
-        from kimi.plan.comm import collectives_per_step
-    except ImportError:
-        return out
-    out["collectives"] = [vars(c) if not hasattr(c, "_asdict") else c._asdict()
-                          for c in collectives_per_step(cfg)]
+    from kimi.plan.comm import per_rank
+
+    out["collectives"] = [[vars(c) for c in rank] for rank in per_rank(cfg)]  # per pipeline rank
     return out
 
 
@@ -176,17 +175,17 @@ def compare(name: str, ranks: list[dict], want: dict) -> dict:
     return row
 
 
-def comm_rows(ranks: list[dict], predicted: list[dict]) -> list[dict]:
-    """Per collective kind: predicted (summed over dims) against the most any rank counted."""
-    kinds = sorted({k for r in ranks for k in r["calls"]} | {c["kind"] for c in predicted})
+def comm_rows(ranks: list[dict], predicted: list[list[dict]]) -> list[dict]:
+    """Per pipeline rank and collective kind: predicted (summed over dims) against the most any of that
+    pipeline rank's ranks counted."""
     rows = []
-    for kind in kinds:
-        calls = max(r["calls"].get(kind, 0) for r in ranks)
-        sent = max(r["bytes"].get(kind, 0) for r in ranks)
-        p_calls = sum(c["calls"] for c in predicted if c["kind"] == kind)
-        p_bytes = sum(c["bytes"] for c in predicted if c["kind"] == kind)
-        rows.append({"kind": kind, "calls": calls, "bytes": sent, "predicted_calls": p_calls,
-                     "predicted_bytes": p_bytes})
+    for stage, want in enumerate(predicted):
+        mine = [r for r in ranks if r.get("pp_rank", 0) == stage]
+        for kind in sorted({k for r in mine for k in r["calls"]} | {c["kind"] for c in want}):
+            rows.append({"stage": stage, "kind": kind, "calls": max(r["calls"].get(kind, 0) for r in mine),
+                         "bytes": max(r["bytes"].get(kind, 0) for r in mine),
+                         "predicted_calls": sum(c["calls"] for c in want if c["kind"] == kind),
+                         "predicted_bytes": sum(c["bytes"] for c in want if c["kind"] == kind)})
     return rows
 
 
@@ -208,14 +207,14 @@ def table(rows: list[dict]) -> str:
                      f"{mib(r['predicted_peak'])} | {r['ratio']:.3f} | "
                      f"{', '.join(mib(m[k]) for k in measured_parts)} | "
                      f"{', '.join(mib(p[k]) for k in predicted_parts)} |")
-    lines += ["", "| layout | kind | counted calls | predicted calls | counted bytes (busiest rank) | "
-              "predicted bytes | |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| layout | pipeline rank | kind | counted calls | predicted calls | counted bytes "
+              "(busiest rank) | predicted bytes | |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for c in r.get("comm", []):
             same = (c["calls"], c["bytes"]) == (c["predicted_calls"], c["predicted_bytes"])
             note = "equal" if same else f"{c['predicted_bytes'] / max(1, c['bytes']):.4f} of the bytes"
-            lines.append(f"| {r['layout']} | {c['kind']} | {c['calls']} | {c['predicted_calls']} | "
-                         f"{c['bytes']:,} | {c['predicted_bytes']:,} | {note} |")
+            lines.append(f"| {r['layout']} | {c['stage']} | {c['kind']} | {c['calls']} | "
+                         f"{c['predicted_calls']} | {c['bytes']:,} | {c['predicted_bytes']:,} | {note} |")
     return "\n".join(lines)
 
 

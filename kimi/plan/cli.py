@@ -64,13 +64,16 @@ def plan(argv: Sequence[str], progress: bool = True):
     if args.measure:
         from . import measure
 
-        measured = measure.measure(result, cfg, shown, args.cluster.gpus, args.measure, args.measure_layers,
+        work = args.measure_dir or (f"runs/plan_measure_{args.launcher.slurm['SLURM_JOB_ID']}"
+                                    if args.launcher.slurm else None)
+        measured = measure.measure(result, cfg, shown, args.launcher, args.measure, args.measure_layers,
+                                   Path(work).resolve() if work else None,
                                    log=lambda line: print(line, file=sys.stderr, flush=True))
     spare = result.best
     result = dataclasses.replace(result, best=result.best[:args.top])
     out, data = text(result, args.cluster, cfg, shown), as_json(result, args.cluster, cfg, shown)
     if args.measure:
-        out += "\n\n" + measure.text(measured, args.cluster.gpus, cfg.trainer.device, cfg.model.name,
+        out += "\n\n" + measure.text(measured, args.launcher, cfg.trainer.device, cfg.model.name,
                                      args.measure_layers, cfg.model.num_layers)
         data["measured"] = measure.as_json(measured)
         data["measured_overrides"] = {m.index: [*shown, *spare[m.index - 1].layout.overrides()]

@@ -7,6 +7,7 @@ before the rest composes as a training config; `split_args` does that.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -67,9 +68,15 @@ KEYS: Dict[str, Tuple[Any, str]] = {
                                                        "layout leaves"),
     "top": (keyvalue.positive_int, "layouts shown (default 5)"),
     "json": (str, "write the plan (every layout shown, rejections, assumptions) to this JSON file"),
-    "measure": (keyvalue.positive_int, "train the best K layouts for 3 steps here under torchrun "
-                                       "(cluster.gpus processes on this machine) and rank them by measured "
-                                       "tokens/s and peak memory per rank, beside the prediction"),
+    "measure": (keyvalue.positive_int, "train the best K layouts for 3 steps, one process per GPU of the "
+                                       "plan (under torchrun on this machine, or srun inside a SLURM "
+                                       "allocation), and rank them by measured tokens/s and peak memory per "
+                                       "rank, beside the prediction"),
+    "measure_launcher": (keyvalue.one_of("auto", "torchrun", "srun"), "with measure: auto (default: srun "
+                                                                      "inside a SLURM allocation, else "
+                                                                      "torchrun), torchrun or srun"),
+    "measure_dir": (str, "with measure: where the ranks write their results (default: a temporary "
+                         "directory; under srun runs/plan_measure_<job id>, which every node must see)"),
     "measure_layers": (keyvalue.positive_int, "with measure: run a depth-reduced model of this many blocks "
                                               "(model.num_layers; memory predicted again for it)"),
 }
@@ -82,8 +89,10 @@ class PlanArgs:
     top: int
     json: Optional[str]
     overrides: List[str]  # the rest: Hydra overrides of the training config
-    measure: int = 0  # layouts to launch here (kimi.plan.measure)
+    measure: int = 0  # layouts to launch (kimi.plan.measure)
     measure_layers: Optional[int] = None
+    launcher: Any = None  # kimi.plan.measure.Launcher, with measure
+    measure_dir: Optional[str] = None
 
 
 def split_args(argv: Sequence[str]) -> PlanArgs:
@@ -112,13 +121,17 @@ def split_args(argv: Sequence[str]) -> PlanArgs:
         raise ConfigError(f"cluster.gpus={gpus} is not a whole number of nodes of cluster.gpus_per_node="
                           f"{gpn}: give a multiple of it")
     cluster = Cluster(gpus, min(gpn, gpus), f"{kind} (custom)" if custom else kind, **spec)
-    if values.get("measure") and gpus > gpn:
-        raise ConfigError(f"measure runs cluster.gpus={gpus} processes on this machine, one node: plan for "
-                          f"at most cluster.gpus_per_node={gpn} GPUs to measure, or leave measure out")
-    if "measure_layers" in values and "measure" not in values:
-        raise ConfigError("measure_layers is the depth of the measured runs: give measure=K with it")
+    for key in ("measure_layers", "measure_launcher", "measure_dir"):
+        if key in values and "measure" not in values:
+            raise ConfigError(f"{key} is a setting of the measured runs: give measure=K with it")
+    how = None
+    if values.get("measure"):
+        from .measure import launcher
+
+        how = launcher(gpus, gpn, values.get("measure_launcher", "auto"), dict(os.environ))
     return PlanArgs(cluster, values.get("trainer.tokens_per_step"), values.get("top", 5), values.get("json"),
-                    rest, values.get("measure", 0), values.get("measure_layers"))
+                    rest, values.get("measure", 0), values.get("measure_layers"), how,
+                    values.get("measure_dir"))
 
 
 def as_dict(c: Cluster) -> Dict[str, Any]:

@@ -1,14 +1,17 @@
-"""measure=K: the plan's best layouts launched for a few steps on this machine, ranked by what they did.
+"""measure=K: the plan's best layouts launched for a few steps on the machines it runs on, ranked by what they
+did.
 
     python -m kimi.plan model=small cluster.gpus=4 ... trainer.device=cpu measure=2
+    sbatch --nodes=2 --gpus-per-node=8 --wrap ".venv/bin/python -m kimi.plan model=1b cluster.gpus=16 ..."
 
-Each layout's printed overrides train under torchrun, one process per GPU of the plan (cluster.gpus of them,
-all on this machine: one node; SLURM is not driven from here), through the trainer itself: step 1 makes the
-optimizer state, step 2 runs under torch's MemTracker (each rank's peak, as bench/plan_check.py measures
-it), step 3 is timed (tokens/s). A layout that fails (out of memory, a rule the planner's checks missed, a
-crash) is reported with its error line and the next one in the plan's order is tried, until K have run.
-With measure_layers=N the runs take model.num_layers=N (depth-reduced, said so in the output) and their
-memory is predicted again for that depth; the real model otherwise.
+Each layout's printed overrides train through the trainer itself, one process per GPU of the plan: under
+torchrun on this machine (one node), or, inside a SLURM allocation (sbatch, salloc), under srun starting one
+torchrun per node of the plan, meeting at the allocation's first node (as launch/slurm.sbatch trains). Step 1
+makes the optimizer state, step 2 runs under torch's MemTracker (each rank's peak, as bench/plan_check.py
+measures it), step 3 is timed (tokens/s). A layout that fails (out of memory, a rule the planner's checks
+missed, a crash) is reported with its error line and the next one in the plan's order is tried, until K
+have run. With measure_layers=N the runs take model.num_layers=N (depth-reduced, said so in the output) and
+their memory is predicted again for that depth; the real model otherwise.
 """
 
 from __future__ import annotations
@@ -120,12 +123,76 @@ def error_line(text: str, code: int) -> str:
     return f"torchrun exited {code}"
 
 
-def launch(overrides: Sequence[str], ranks: int, work: Path, timeout: float = TIMEOUT_S) -> Dict[str, Any]:
-    """Train `overrides` on `ranks` processes: {"ranks": [each rank's peak split and step_s]} or
-    {"error": its line}."""
+@dataclasses.dataclass(frozen=True)
+class Launcher:
+    """How the ranks of one layout start: `nodes` torchruns of `per_node` ranks each, by srun inside a SLURM
+    allocation (`slurm` holds its environment) or as one torchrun here."""
+
+    nodes: int
+    per_node: int
+    slurm: Optional[Dict[str, str]] = None
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.per_node
+
+    def describe(self) -> str:
+        if self.slurm is None:
+            return f"Measured on this machine: {self.ranks} ranks under torchrun"
+        return (f"Measured in SLURM job {self.slurm['SLURM_JOB_ID']}: {self.ranks} ranks, {self.nodes} "
+                f"node(s) x {self.per_node}, under srun and torchrun")
+
+    def command(self, worker: Sequence[str], index: int) -> List[str]:
+        torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={self.per_node}"]
+        if self.slurm is None:
+            return [*torchrun, "--standalone", *worker]
+        env = self.slurm
+        head = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]], text=True,
+                              capture_output=True, check=True, timeout=60).stdout.split()[0]
+        # one port per layout: a rendezvous store's port may still be in TIME_WAIT after the previous launch
+        port = int(env.get("MASTER_PORT", 29500)) + index
+        # SLURM 22.05 stopped passing the allocation's CPUs per task on to srun: ask for them again
+        cpus = [f"--cpus-per-task={env['SLURM_CPUS_PER_TASK']}"] if "SLURM_CPUS_PER_TASK" in env else []
+        return ["srun", f"--nodes={self.nodes}", f"--ntasks={self.nodes}", "--ntasks-per-node=1", *cpus,
+                "--kill-on-bad-exit=1", *torchrun, f"--nnodes={self.nodes}", "--rdzv_backend=c10d",
+                f"--rdzv_endpoint={head}:{port}", f"--rdzv_id=kimi-plan-{env['SLURM_JOB_ID']}-{index}",
+                *worker]
+
+
+def launcher(gpus: int, gpus_per_node: int, how: str, env: Dict[str, str]) -> Launcher:
+    """The launcher of measure=K for a plan of `gpus` GPUs, `gpus_per_node` per node. how: auto (srun inside a
+    SLURM allocation, torchrun otherwise), torchrun or srun. A plan that cannot run here is a ConfigError."""
+    from kimi.errors import ConfigError
+
+    nodes, per_node = max(gpus // gpus_per_node, 1), min(gpus, gpus_per_node)
+    inside = "SLURM_JOB_ID" in env and "SLURM_JOB_NODELIST" in env
+    if how == "auto":
+        how = "srun" if inside else "torchrun"
+    if how == "torchrun":
+        if nodes > 1:
+            raise ConfigError(f"measure runs cluster.gpus={gpus} processes on this machine, one node: plan "
+                              f"for at most cluster.gpus_per_node={gpus_per_node} GPUs to measure, run it "
+                              f"inside a SLURM allocation of {nodes} nodes (sbatch --nodes={nodes}), or "
+                              "leave measure out")
+        return Launcher(1, per_node)
+    if not inside:
+        raise ConfigError("measure_launcher=srun runs inside a SLURM allocation (sbatch or salloc): no "
+                          "SLURM_JOB_ID here; use measure_launcher=torchrun for this machine")
+    have = int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")))
+    if nodes > have:
+        raise ConfigError(f"the plan's cluster.gpus={gpus} at cluster.gpus_per_node={gpus_per_node} is "
+                          f"{nodes} nodes; SLURM job {env['SLURM_JOB_ID']} has {have}: allocate {nodes} "
+                          "nodes or plan for fewer GPUs")
+    slurm = {k: v for k, v in env.items() if k.startswith(("SLURM_", "MASTER_PORT"))}
+    return Launcher(nodes, per_node, slurm)
+
+
+def launch(overrides: Sequence[str], how: Launcher, work: Path, index: int = 1,
+           timeout: float = TIMEOUT_S) -> Dict[str, Any]:
+    """Train `overrides` on `how`'s ranks: {"ranks": [each rank's peak split and step_s]} or {"error": its
+    line}. `work` is where the ranks write their results: under srun, storage every node sees."""
     work.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           "-m", "kimi.plan.measure", "--worker", str(work), "--", *overrides]
+    cmd = how.command(["-m", "kimi.plan.measure", "--worker", str(work), "--", *overrides], index)
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default for several processes per machine
     try:
@@ -133,24 +200,25 @@ def launch(overrides: Sequence[str], ranks: int, work: Path, timeout: float = TI
     except subprocess.TimeoutExpired:
         return {"error": f"no result within {timeout:.0f} s"}
     (work / "log.txt").write_text(proc.stdout + proc.stderr)
-    files = [work / f"rank{r}.json" for r in range(ranks)]
+    files = [work / f"rank{r}.json" for r in range(how.ranks)]
     if not all(f.exists() for f in files):  # a rank stopped before its measurement
         return {"error": error_line(proc.stderr + proc.stdout, proc.returncode)}
     # every rank measured: a failure after that (at the process group's teardown) does not undo it
     return {"ranks": [json.loads(f.read_text()) for f in files]}
 
 
-def measure(plan, cfg, overrides: Sequence[str], ranks: int, k: int, layers: Optional[int] = None,
-            log=print) -> List[Measured]:
+def measure(plan, cfg, overrides: Sequence[str], how: Launcher, k: int, layers: Optional[int] = None,
+            work: Optional[Path] = None, log=print) -> List[Measured]:
     """Launch the plan's layouts in its order until `k` have run (or none are left); each result, those that
-    failed too, in launch order. `overrides`: the user's training overrides (the layouts' are added)."""
+    failed too, in launch order. `overrides`: the user's training overrides (the layouts' are added); `work`:
+    where the ranks write (a new temporary directory if None)."""
     from kimi.summary import compose_config
 
     from .layout import apply
     from .memory import memory_per_rank
 
     reduced = [f"model.num_layers={layers}"] if layers else []
-    root = Path(tempfile.mkdtemp(prefix="kimi_plan_measure_"))
+    root = work or Path(tempfile.mkdtemp(prefix="kimi_plan_measure_"))
     done, out = 0, []
     for i, e in enumerate(plan.best, 1):
         if done == k:
@@ -164,8 +232,8 @@ def measure(plan, cfg, overrides: Sequence[str], ranks: int, k: int, layers: Opt
             # tracked module's and optimizer's reach: MemTracker sees neither (bench/plan_check.py)
             predicted -= e.memory["optimizer"]
         m = Measured(i, e.layout.label(), e.tokens_per_s, predicted)
-        log(f"[measure] #{i} {m.label}: training {STEPS} steps on {ranks} ranks ...")
-        result = launch(args, ranks, root / f"layout{i}")
+        log(f"[measure] #{i} {m.label}: training {STEPS} steps on {how.ranks} ranks ...")
+        result = launch(args, how, root / f"layout{i}", i)
         if "error" in result:
             m.error = result["error"]
             log(f"[measure] #{i} failed: {m.error}; trying the next layout")
@@ -182,15 +250,15 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f}"
 
 
-def text(results: List[Measured], ranks: int, device: str, model: str, layers: Optional[int],
+def text(results: List[Measured], how: Launcher, device: str, model: str, layers: Optional[int],
          full_layers: int) -> str:
     from kimi.summary import table
 
     what = (f"depth-reduced: model.num_layers={layers} of {model}'s {full_layers} blocks (memory predicted "
             f"again for that depth; the predicted tokens/s are the full model's)" if layers
             else f"the real model ({model}, {full_layers} blocks)")
-    out = [f"Measured on this machine: {ranks} ranks under torchrun, trainer.device={device}, {what}; "
-           f"step 2's peak per rank (MemTracker), step 3 timed"]
+    out = [f"{how.describe()}, trainer.device={device}, {what}; step 2's peak per rank (MemTracker), step 3 "
+           "timed"]
     ran = sorted((m for m in results if m.error is None), key=lambda m: (-m.tokens_per_s, m.peak))
     rows = [[str(r), f"#{m.index} {m.label}", f"{m.predicted_tokens_per_s:,.0f}", f"{m.tokens_per_s:,.0f}",
              _mib(m.predicted_peak), _mib(m.peak), f"{m.ratio:.3f}"] for r, m in enumerate(ran, 1)]

@@ -1,6 +1,7 @@
 """A data source added as one class and one registry line (kimi/data/source_registry.py) is a full citizen:
-data.source accepts its name, the trainer tokenises and trains on its documents, and the token cache is keyed
-by its identity. A source that cannot stream refuses data.streaming=true with the registry's one-line rule."""
+data.source accepts its name, the trainer tokenises and trains on its documents, the token cache is keyed by
+its identity, and kimi.summary and kimi.plan take a config that reads it. A source that cannot stream refuses
+data.streaming=true with the registry's one-line rule."""
 
 import math
 import random
@@ -15,6 +16,7 @@ from kimi.data.rules import validate_data
 from kimi.data.source_registry import SOURCES, DataSource, source_for
 from kimi.data.sources import source_identity
 from kimi.run.metrics import read_metrics
+from kimi.summary import compose_config, report, summarize
 
 pytestmark = pytest.mark.unit
 
@@ -67,3 +69,11 @@ def test_a_registered_source_is_checked_like_the_others(toy):
     with pytest.raises(ConfigError) as e:
         validate_data(DataConfig(source="tyo"))
     assert str(e.value) == "data.source='tyo' is invalid: choose one of shakespeare|hf|files|toy"
+
+
+def test_a_registered_source_is_summarised_and_planned(toy):
+    from kimi.plan import cli
+
+    assert "model tiny" in report(summarize(compose_config(["model=tiny", "data.source=toy"])))
+    _, plan, _ = cli.plan(["model=tiny", "data.source=toy", "cluster.gpus=1", "top=1"], progress=False)
+    assert "data.source=toy" in plan["layouts"][0]["overrides"]

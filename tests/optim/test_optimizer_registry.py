@@ -1,7 +1,7 @@
 """An optimizer added as one class and one registry line (kimi/optim/registry.py) is a full citizen:
 optim.name accepts its name, the trainer builds and steps it, the diagnostics measure its family, and
-kimi.summary and the size check cost its state by its own state model. A name nobody registered is refused
-in one line."""
+kimi.summary, the size check and the planner cost its state by its own state model. A name nobody registered
+is refused in one line."""
 
 import math
 
@@ -61,6 +61,17 @@ def test_a_registered_optimizer_is_costed_by_its_state_model(sgd):
     assert "SGD momentum (fp32, 1 per param)" in report(s)
     cfg = compose_config(["model=tiny", "optim.name=sgd"])
     assert check_training_fits(cfg, "cpu") == 12 * estimate_params(cfg.model, cfg.data.tokenizer.vocab_size)
+
+
+def test_a_registered_optimizer_is_planned_by_its_state_model(sgd):
+    """kimi.plan sizes its state by the same model: one fp32 per parameter, as many bytes as the fp32
+    weights (AdamW's would be twice), and no Newton-Schulz time."""
+    from kimi.plan import cli
+
+    _, plan, _ = cli.plan(["model=tiny", "optim.name=sgd", "cluster.gpus=1", "top=1"], progress=False)
+    best = plan["layouts"][0]
+    assert best["memory_bytes"]["optimizer"] == best["memory_bytes"]["weights"] > 0
+    assert best["muon_s"] == 0 and "optim.name=sgd" in best["overrides"]
 
 
 def test_an_unregistered_optimizer_is_refused():

@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 import pytest
 import torch
-from helpers import free_port, worker_pid
+from helpers import MEASURE_CPU, free_port, worker_pid
 from layout_runs import ROOT, assert_same_run, final_weights, metrics, overrides, torchrun
 
 from kimi import checkpoint
@@ -328,6 +328,36 @@ def test_a_job_that_keeps_stopping_requeues_max_requeues_times(slurm, tmp_path):
     assert state["Restarts"] == "1" and state["JobState"] != "COMPLETED", slurm.report(job)
     assert len((run / "agent.log").read_text().splitlines()) == 2, slurm.report(job)
     assert f"error: not requeueing job {job}: it was requeued 1 times (MAX_REQUEUES=1)" in slurm.output(job)
+
+
+@pytest.mark.slow
+def test_the_plans_measure_runs_its_layouts_under_srun_inside_an_allocation(slurm, tmp_path, data):
+    """kimi.plan measure=1 in a batch job (kimi/plan/measure.py): the layout trains under srun, one torchrun
+    per node of the plan (this cluster's one node, 2 ranks) meeting at the allocation's first node; the ranks'
+    results land in runs/plan_measure_<job id> of the job's directory; the measured peak is within 10% of the
+    plan's, as under a plain torchrun (tests/plan/test_plan_measure.py). Several nodes: no such cluster
+    here."""
+    plan = tmp_path / "plan.json"
+    args = ["model=tiny", "cluster.gpus=2", "cluster.gpus_per_node=2", "cluster.peak_flops=1e11",
+            "cluster.hbm_bytes=1e9", "trainer.tokens_per_step=256", "top=1", "measure=1", f"json={plan}",
+            *MEASURE_CPU, *data]
+    cmd = ["sbatch", "--parsable", "--job-name=kimi-test", "--nodes=1", "--ntasks-per-node=1",
+           "--cpus-per-task=2", f"--chdir={tmp_path}", f"--output={tmp_path}/slurm-%j.out",
+           "--wrap", shlex.join([sys.executable, "-m", "kimi.plan", *args])]
+    proc = subprocess.run(cmd, env={**slurm.env, "MASTER_PORT": str(free_port())}, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.strip().split(";")[0]
+    slurm.jobs.append(job)
+    slurm.outputs[job] = tmp_path / f"slurm-{job}.out"
+    state = slurm.finished(job, timeout=600)
+    assert state["JobState"] == "COMPLETED", slurm.report(job)
+    out = slurm.output(job)
+    assert f"Measured in SLURM job {job}: 2 ranks, 1 node(s) x 2, under srun and torchrun" in out, out[-3000:]
+    measured = json.loads(plan.read_text())["measured"]
+    assert measured[0]["error"] is None and 0.9 <= measured[0]["ratio"] <= 1.1, measured
+    work = tmp_path / "runs" / f"plan_measure_{job}" / "layout1"
+    assert sorted(p.name for p in work.glob("rank*.json")) == ["rank0.json", "rank1.json"]
 
 
 @pytest.mark.slow

@@ -12,16 +12,12 @@ import json
 import types
 
 import pytest
-from helpers import corpus_overrides
+from helpers import MEASURE_CPU, corpus_overrides
 
+from kimi.errors import ConfigError
 from kimi.plan import cli, measure
 from kimi.plan.search import Evaluated, Plan, Rejections
 
-# what every measured run needs besides the layout: the CPU, short rows, no evaluation, checkpoint or sample
-CPU = ["trainer.device=cpu", "trainer.seq_len=64", "data=files", "data.tokenizer.vocab_size=384",
-       "data.val_fraction=0.1", "trainer.threads=1", "logging.wandb.mode=disabled", "trainer.eval_every=0",
-       "trainer.checkpoint_every=0", "trainer.sample_tokens=0", "trainer.diag_every=0",
-       "trainer.peak_flops=1e11", "trainer.resume=false", "optim.warmup_steps=1"]
 # 4 "GPUs" of 1 GB (0.9 usable): the CPU ranks this machine runs, their memory stated
 CLUSTER = ["cluster.gpus=4", "cluster.gpus_per_node=4", "cluster.peak_flops=1e11", "cluster.hbm_bytes=1e9"]
 
@@ -39,7 +35,7 @@ def fake_plan(n: int) -> Plan:
 def test_a_failing_layout_is_reported_and_the_next_one_tried(monkeypatch):
     launched = []
 
-    def launch(args, ranks, work, timeout=0):
+    def launch(args, how, work, index=1, timeout=0):
         launched.append(args[-1])
         if args[-1] == "x=0":
             return {"error": "torch.OutOfMemoryError: CPU out of memory"}
@@ -48,14 +44,14 @@ def test_a_failing_layout_is_reported_and_the_next_one_tried(monkeypatch):
         return {"ranks": [{"peak": peak, "step_s": step}, {"peak": {"PARAM": 1}, "step_s": step / 2}]}
 
     monkeypatch.setattr(measure, "launch", launch)
-    results = measure.measure(fake_plan(4), None, [], 2, 2, log=lambda line: None)
+    results = measure.measure(fake_plan(4), None, [], measure.Launcher(1, 2), 2, log=lambda line: None)
     assert launched == ["x=0", "x=1", "x=2"]  # the first failed; two ran; the fourth was not needed
     assert results[0].error.startswith("torch.OutOfMemoryError")
     ran = results[1:]
     assert [m.peak for m in ran] == [110 * 2**20] * 2  # the heaviest rank, MemTracker's Total left out
     assert [m.tokens_per_s for m in ran] == [256.0, 512.0]  # 512 tokens over the slowest rank's step
     assert ran[0].ratio == pytest.approx(100 / 110)
-    out = measure.text(results, 2, "cpu", "small", None, 12)
+    out = measure.text(results, measure.Launcher(1, 2), "cpu", "small", None, 12)
     table = out.split("\n")
     assert "the real model (small, 12 blocks)" in table[0]
     assert table[3].split()[:2] == ["1", "#3"] and table[4].split()[:2] == ["2", "#2"]  # fastest first
@@ -73,9 +69,45 @@ def test_the_error_line_is_the_ranks_not_torchruns():
 
 
 @pytest.mark.unit
-def test_measure_needs_one_machine(capsys):
+def test_measure_needs_one_machine_or_a_slurm_allocation_of_the_plans_nodes(capsys, monkeypatch):
+    for key in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST"):
+        monkeypatch.delenv(key, raising=False)
     assert cli.main(["model=tiny", "cluster.gpus=16", "measure=1"]) == 2
     assert "one node" in capsys.readouterr().err
+    assert cli.main(["model=tiny", "cluster.gpus=8", "measure=1", "measure_launcher=srun"]) == 2
+    assert "inside a SLURM allocation" in capsys.readouterr().err
+    slurm = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2"}
+    with pytest.raises(ConfigError, match="is 3 nodes; SLURM job 42 has 2: allocate 3 nodes"):
+        measure.launcher(24, 8, "auto", slurm)
+    how = measure.launcher(16, 8, "auto", slurm)  # auto: srun inside an allocation
+    assert (how.nodes, how.per_node, how.ranks, how.slurm["SLURM_JOB_ID"]) == (2, 8, 16, "42")
+    assert measure.launcher(8, 8, "torchrun", slurm).slurm is None  # asked for: this machine alone
+
+
+@pytest.mark.unit
+def test_under_srun_one_torchrun_per_node_meets_at_the_allocations_first_node(monkeypatch):
+    """The srun command: one task per node of the plan, each a torchrun of the node's ranks, meeting at the
+    first host of the allocation on a port of its own per layout; outside SLURM a standalone torchrun."""
+    seen = []
+
+    def scontrol(cmd, **kw):
+        seen.append(cmd)
+        return types.SimpleNamespace(stdout="gpu-a01\ngpu-a02\n")
+
+    monkeypatch.setattr(measure.subprocess, "run", scontrol)
+    env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "gpu-a[01-02]", "SLURM_JOB_NUM_NODES": "2",
+           "MASTER_PORT": "29600"}
+    cmd = measure.launcher(16, 8, "auto", env).command(["-m", "kimi.plan.measure", "--worker", "w"], 3)
+    assert seen == [["scontrol", "show", "hostnames", "gpu-a[01-02]"]]
+    assert cmd[:5] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    torchrun = cmd[cmd.index("torch.distributed.run") + 1:]
+    assert torchrun == ["--nproc_per_node=8", "--nnodes=2", "--rdzv_backend=c10d",
+                        "--rdzv_endpoint=gpu-a01:29603", "--rdzv_id=kimi-plan-42-3",
+                        "-m", "kimi.plan.measure", "--worker", "w"]
+    env["SLURM_CPUS_PER_TASK"] = "16"  # the allocation's, asked for again (since SLURM 22.05)
+    assert "--cpus-per-task=16" in measure.launcher(16, 8, "auto", env).command(["x"], 1)
+    local = measure.Launcher(1, 4).command(["x"], 1)
+    assert local[-3:] == ["--nproc_per_node=4", "--standalone", "x"] and "srun" not in local
 
 
 @pytest.mark.e2e
@@ -85,7 +117,7 @@ def test_the_plan_for_tiny_on_4_cpu_ranks_trains_within_10_percent_of_its_memory
     out = tmp_path / "plan.json"
     data = corpus_overrides(tmp_path_factory)
     args = ["model=tiny", *CLUSTER, "trainer.tokens_per_step=512", "top=2", "measure=1", f"json={out}",
-            *CPU, *data]
+            *MEASURE_CPU, *data]
     assert cli.main(args) == 0
     text = capsys.readouterr().out
     plan = json.loads(out.read_text())
