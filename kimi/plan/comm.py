@@ -41,8 +41,8 @@ from typing import Dict, List, Tuple
 
 from kimi.config import Config, pipeline_microbatches
 from kimi.parallel.engine_rules import DEEPSPEED
-from kimi.plan.owner_plan import (EXACT_GROUP, muon_numel, muon_traffic, rank_params, stage_group, tp_local,
-                                  zero_padded)
+from kimi.plan.owner_plan import (EXACT_GROUP, GROUP_SHAPES, muon_numel, muon_traffic, rank_params,
+                                  stage_group, tp_local, unit_groups, zero_padded)
 from kimi.plan.shapes import model_shapes, muonclip, pipeline, section_key, sources, stage_ranges
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv", "broadcast")
@@ -86,20 +86,26 @@ def _world_dim(p, stage: bool = False) -> str:
 # ---- FSDP2 ------------------------------------------------------------------------------------------------
 _UNITS: Dict[tuple, Dict[str, List[int]]] = {}
 _LASTING: set = set()  # ids of the cached unit tables
+_GROUP_NUMEL: Dict[tuple, List[int]] = {}  # (group number, tp, ep_n, dp_shard, cp) -> [padded numel, world]
 
 
-def _units(params, tp: int, ep_n: int, dp_shard: int, cp: int) -> Dict[str, List[int]]:
-    """FSDP unit -> [padded elements, world] of a rank's parameters, cached for rank_params' (cached, so
-    lasting) tuples."""
+def _units(cfg: Config, params, tp: int, ep_n: int, dp_shard: int, cp: int) -> Dict[str, List[int]]:
+    """FSDP unit -> [padded elements, world] of a rank's parameters (a unit's world: its last parameter's),
+    cached for rank_params' (cached, so lasting) tuples."""
     key = (id(params), tp, ep_n, dp_shard, cp)
     if key in _UNITS:
         return _UNITS[key]
-    units: Dict[str, List[int]] = defaultdict(lambda: [0, 0])  # unit -> [padded numel, world]
-    for _, shape, dim, ep, unit in params:
-        world = dp_shard // ep_n if ep else dp_shard * cp
-        s = tp_local(shape, dim, tp, ep, ep_n)
-        units[unit][0] += _ceil(s[0], world) * world * math.prod(s[1:])
-        units[unit][1] = world
+    units: Dict[str, List[int]] = {}
+    for unit, group in unit_groups(cfg, params):
+        gkey = (group, tp, ep_n, dp_shard, cp)
+        if gkey not in _GROUP_NUMEL:
+            numel, world = 0, 0
+            for shape, dim, ep, _ in GROUP_SHAPES[group]:
+                world = dp_shard // ep_n if ep else dp_shard * cp
+                s = tp_local(shape, dim, tp, ep, ep_n)
+                numel += _ceil(s[0], world) * world * math.prod(s[1:])
+            _GROUP_NUMEL[gkey] = [numel, world]
+        units[unit] = _GROUP_NUMEL[gkey]  # read only (_fsdp_sums)
     if isinstance(params, tuple):
         _UNITS[key] = units
         _LASTING.add(id(units))
@@ -113,7 +119,7 @@ def _fsdp(cfg: Config, params, micro: int, tally: _Tally) -> None:
     if p.dp_replicate * p.dp_shard * p.cp == 1 or p.engine == DEEPSPEED:
         return
     gather_bytes = precision_for(cfg.trainer.precision).compute_bytes()
-    units = _units(params, p.tp, p.ep, p.dp_shard, p.cp)
+    units = _units(cfg, params, p.tp, p.ep, p.dp_shard, p.cp)
     # A pipeline schedule syncs gradients at a stage's last micro-batch only, and keeps the units its
     # backwards gathered until that one (reshard_after_backward off before it): a stage gathers every unit
     # once, then each non-root unit again once per micro-batch (tiny over pp 2 x dp_shard 2, bench/
@@ -321,7 +327,8 @@ def _ep(cfg: Config, blocks, tokens: int, micro: int, tally: _Tally) -> None:
     if p.ep == 1:
         return
     act = precision_for(cfg.trainer.precision).compute_bytes()
-    layers = sum(1 for i in blocks if mlp_kinds(m)[i] == "moe")
+    kinds = mlp_kinds(m)
+    layers = sum(1 for i in blocks if kinds[i] == "moe")
     width = m.moe.latent_dim or m.d_model
     # every exchange's input is this rank's (token, choice) rows or what it received of the others':
     # tokens x top_k rows either way when routing is balanced (exact for the first, an expectation else)

@@ -247,17 +247,55 @@ def muon_numel(cfg: Config, params) -> Tuple[int, int]:
     return _NUMEL[key]
 
 
+_GROUP_MUON: Dict[tuple, Tuple[int, int]] = {}  # (group number, tp, ep, dp_shard, cp) -> (whole, local)
+
+
 def _muon_numel(cfg: Config, params) -> Tuple[int, int]:
     p = cfg.parallel
-    _, routes, _ = model_shapes(cfg)
     whole = local = 0
-    for name, shape, dim, ep, _ in params:
-        if routes[name] == "muon":
-            whole += math.prod(shape)
-            s = tp_local(shape, dim, p.tp, ep, p.ep)
-            shards = p.dp_shard // p.ep if ep else p.dp_shard * p.cp
-            local += _ceil(s[0], shards) * math.prod(s[1:])
+    for _, group in unit_groups(cfg, params):
+        key = (group, p.tp, p.ep, p.dp_shard, p.cp)
+        if key not in _GROUP_MUON:
+            w = n = 0
+            for shape, dim, ep, muon in GROUP_SHAPES[group]:
+                if muon:
+                    w += math.prod(shape)
+                    s = tp_local(shape, dim, p.tp, ep, p.ep)
+                    shards = p.dp_shard // p.ep if ep else p.dp_shard * p.cp
+                    n += _ceil(s[0], shards) * math.prod(s[1:])
+            _GROUP_MUON[key] = (w, n)
+        whole += _GROUP_MUON[key][0]
+        local += _GROUP_MUON[key][1]
     return whole, local
+
+
+_GROUPS: Dict[int, list] = {}  # id of a rank_params tuple -> [(unit, its group's number)]
+_GROUP_IDS: Dict[tuple, int] = {}  # a group -> its number
+GROUP_SHAPES: List[tuple] = []  # number -> the group: ((shape, tp dim, expert, Muon-routed), ...)
+
+
+def unit_groups(cfg: Config, params) -> list:
+    """[(FSDP unit, group number)] of a rank's parameters (rank_params' tuples), units in order of first
+    occurrence. A group is what a unit's sizes depend on, its parameters' (shape, tp dim, expert, routed to
+    Muon), numbered once: blocks of the same shapes (every KDA block of a model) share one, so what the
+    planner derives from a unit's shapes per layout (FSDP's padded sizes, Muon's elements) is computed once
+    per group and layout, not once per rank. Cached for rank_params' (cached, so lasting) tuples."""
+    if id(params) in _GROUPS:
+        return _GROUPS[id(params)]
+    _, routes, _ = model_shapes(cfg)
+    groups: Dict[str, list] = {}
+    for name, shape, dim, ep, unit in params:
+        groups.setdefault(unit, []).append((shape, dim, ep, routes[name] == "muon"))
+    out = []
+    for unit, group in groups.items():
+        group = tuple(group)
+        if group not in _GROUP_IDS:
+            _GROUP_IDS[group] = len(GROUP_SHAPES)
+            GROUP_SHAPES.append(group)
+        out.append((unit, _GROUP_IDS[group]))
+    if isinstance(params, tuple):
+        _GROUPS[id(params)] = out
+    return out
 
 
 def owned(cfg: Config, blocks, first: bool, last: bool) -> List[Tuple[int, int]]:
