@@ -33,8 +33,8 @@ from kimi.eval.in_training import TaskScores
 from kimi.model import KimiModel
 from kimi.model.decode import decode_blocker, final_sample
 from kimi.optim.memory import check_training_fits
-from kimi.parallel import (ParallelDims, build_engine, checkpoint_group, init_distributed, mean_over_ranks,
-                           resolve_device, setup_group)
+from kimi.parallel import (ParallelDims, build_engine, checkpoint_group, init_distributed, main_rank_first,
+                           mean_over_ranks, resolve_device)
 from kimi.parallel.interface import RunState
 from kimi.parallel.watchdog import Watchdog
 from kimi.run import cpu, rundir
@@ -101,12 +101,7 @@ class Trainer:
 
         # Rank 0 tokenises and packs; the others then find the finished cache instead of racing to write it.
         with self.signals.at_once():
-            if self.is_main:
-                self.data = prepare(cfg.data)
-            if dims.enabled:
-                dist.barrier(group=setup_group())
-            if not self.is_main:
-                self.data = prepare(cfg.data)
+            self.data = main_rank_first(lambda: prepare(cfg.data), dims.enabled)
         tok = self.data.tokenizer
         resolve_vocab(cfg.model, tok.vocab_size)
         self.loader, self.val_batches = rank_streams(self.data, t, self.dp_rank, dims.data_world)

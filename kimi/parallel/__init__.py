@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 _WHERE = {
     "apply_activation_checkpointing": "activation_checkpointing", "apply_compile": "activation_checkpointing",
     "ParallelDims": "dims", "checkpoint_group": "dims", "destroy_distributed": "dims",
-    "init_distributed": "dims", "mean_over_ranks": "dims", "resolve_device": "dims", "setup_group": "dims",
+    "init_distributed": "dims", "main_rank_first": "dims", "mean_over_ranks": "dims",
+    "resolve_device": "dims", "setup_group": "dims",
     "Engine": "interface", "TorchEngine": "engine", "build_engine": "build", "ENGINES": "engine_rules",
     "apply_data_parallel": "fsdp", "parallelize": "parallelize",
 }
@@ -33,7 +34,7 @@ if TYPE_CHECKING:  # for type checkers: the names of __all__, which __getattr__ 
     from .build import build_engine  # noqa: F401
     from .activation_checkpointing import apply_activation_checkpointing, apply_compile  # noqa: F401
     from .dims import (ParallelDims, checkpoint_group, destroy_distributed, init_distributed,  # noqa: F401
-                       mean_over_ranks, resolve_device, setup_group)
+                       main_rank_first, mean_over_ranks, resolve_device, setup_group)
     from .engine import TorchEngine  # noqa: F401
     from .engine_rules import ENGINES  # noqa: F401
     from .fsdp import apply_data_parallel  # noqa: F401

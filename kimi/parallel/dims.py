@@ -19,7 +19,7 @@ import gc
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from kimi.errors import ConfigError
 from kimi.parallel.config import ParallelConfig
 from kimi.parallel.watchdog import stop_all
+
+T = TypeVar("T")
 
 # fsdp_mesh slices the flattened "dp_shard_cp" dim from the root mesh, which torch's DeviceMesh says it will
 # deprecate: a note for us, not for the user, and every rank printed it. Rank 0 alone still shows it.
@@ -169,6 +171,19 @@ def setup_group() -> dist.ProcessGroup:
     """A group for waiting on rank 0's one-off work (tokenising a corpus can take hours): its barrier has
     no practical timeout; the watchdog still ends the job if a rank stops."""
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
+
+
+def main_rank_first(make: Callable[[], T], distributed: bool) -> T:
+    """make() on rank 0, then on the other ranks once rank 0's has returned (a barrier of setup_group): for
+    work whose result rank 0 writes to shared storage and the others then find (the token cache), instead of
+    every rank racing to write it."""
+    if not distributed:
+        return make()
+    main = dist.get_rank() == 0
+    if main:
+        made = make()
+    dist.barrier(group=setup_group())
+    return made if main else make()
 
 
 def checkpoint_group(timeout_s: float) -> dist.ProcessGroup:

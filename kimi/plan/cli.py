@@ -64,10 +64,8 @@ def plan(argv: Sequence[str], progress: bool = True):
     if args.measure:
         from . import measure
 
-        work = args.measure_dir or (f"runs/plan_measure_{args.launcher.slurm['SLURM_JOB_ID']}"
-                                    if args.launcher.slurm else None)
-        measured = measure.measure(result, cfg, shown, args.launcher, args.measure, args.measure_layers,
-                                   Path(work).resolve() if work else None,
+        work = Path(args.measure_dir).resolve() if args.measure_dir else None
+        measured = measure.measure(result, cfg, shown, args.launcher, args.measure, args.measure_layers, work,
                                    log=lambda line: print(line, file=sys.stderr, flush=True))
     spare = result.best
     result = dataclasses.replace(result, best=result.best[:args.top])

@@ -125,38 +125,44 @@ def error_line(text: str, code: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Launcher:
-    """How the ranks of one layout start: `nodes` torchruns of `per_node` ranks each, by srun inside a SLURM
-    allocation (`slurm` holds its environment) or as one torchrun here."""
+    """How the ranks of one layout start: `nodes` torchruns of `per_node` ranks each; inside SLURM job `job`,
+    by srun, meeting at its first node `head`, else as one torchrun here."""
 
     nodes: int
     per_node: int
-    slurm: Optional[Dict[str, str]] = None
+    job: Optional[str] = None  # the SLURM job id; None: one torchrun on this machine
+    head: str = ""
+    port: int = 29500  # the first layout's rendezvous port (MASTER_PORT); each layout takes the next
+    cpus_per_task: Optional[str] = None  # the allocation's (SLURM_CPUS_PER_TASK)
 
     @property
     def ranks(self) -> int:
         return self.nodes * self.per_node
 
     def describe(self) -> str:
-        if self.slurm is None:
+        if self.job is None:
             return f"Measured on this machine: {self.ranks} ranks under torchrun"
-        return (f"Measured in SLURM job {self.slurm['SLURM_JOB_ID']}: {self.ranks} ranks, {self.nodes} "
-                f"node(s) x {self.per_node}, under srun and torchrun")
+        return (f"Measured in SLURM job {self.job}: {self.ranks} ranks, {self.nodes} node(s) x "
+                f"{self.per_node}, under srun and torchrun")
 
     def command(self, worker: Sequence[str], index: int) -> List[str]:
         torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={self.per_node}"]
-        if self.slurm is None:
+        if self.job is None:
             return [*torchrun, "--standalone", *worker]
-        env = self.slurm
-        head = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]], text=True,
-                              capture_output=True, check=True, timeout=60).stdout.split()[0]
-        # one port per layout: a rendezvous store's port may still be in TIME_WAIT after the previous launch
-        port = int(env.get("MASTER_PORT", 29500)) + index
         # SLURM 22.05 stopped passing the allocation's CPUs per task on to srun: ask for them again
-        cpus = [f"--cpus-per-task={env['SLURM_CPUS_PER_TASK']}"] if "SLURM_CPUS_PER_TASK" in env else []
+        cpus = [f"--cpus-per-task={self.cpus_per_task}"] if self.cpus_per_task else []
+        # one port per layout: a rendezvous store's port may still be in TIME_WAIT after the previous launch
         return ["srun", f"--nodes={self.nodes}", f"--ntasks={self.nodes}", "--ntasks-per-node=1", *cpus,
                 "--kill-on-bad-exit=1", *torchrun, f"--nnodes={self.nodes}", "--rdzv_backend=c10d",
-                f"--rdzv_endpoint={head}:{port}", f"--rdzv_id=kimi-plan-{env['SLURM_JOB_ID']}-{index}",
+                f"--rdzv_endpoint={self.head}:{self.port + index}", f"--rdzv_id=kimi-plan-{self.job}-{index}",
                 *worker]
+
+    def work_dir(self) -> Path:
+        """Where the ranks write their results when measure_dir is not given: under srun, runs/ of the
+        directory kimi.plan runs in (every node must see it, as launch/slurm.sbatch's run directories)."""
+        if self.job is None:
+            return Path(tempfile.mkdtemp(prefix="kimi_plan_measure_"))
+        return Path(f"runs/plan_measure_{self.job}").resolve()
 
 
 def launcher(gpus: int, gpus_per_node: int, how: str, env: Dict[str, str]) -> Launcher:
@@ -178,13 +184,16 @@ def launcher(gpus: int, gpus_per_node: int, how: str, env: Dict[str, str]) -> La
     if not inside:
         raise ConfigError("measure_launcher=srun runs inside a SLURM allocation (sbatch or salloc): no "
                           "SLURM_JOB_ID here; use measure_launcher=torchrun for this machine")
+    job = env["SLURM_JOB_ID"]
     have = int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")))
     if nodes > have:
         raise ConfigError(f"the plan's cluster.gpus={gpus} at cluster.gpus_per_node={gpus_per_node} is "
-                          f"{nodes} nodes; SLURM job {env['SLURM_JOB_ID']} has {have}: allocate {nodes} "
-                          "nodes or plan for fewer GPUs")
-    slurm = {k: v for k, v in env.items() if k.startswith(("SLURM_", "MASTER_PORT"))}
-    return Launcher(nodes, per_node, slurm)
+                          f"{nodes} nodes; SLURM job {job} has {have}: allocate {nodes} nodes or plan for "
+                          "fewer GPUs")
+    head = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]], text=True,
+                          capture_output=True, check=True, timeout=60).stdout.split()[0]
+    return Launcher(nodes, per_node, job, head, int(env.get("MASTER_PORT", 29500)),
+                    env.get("SLURM_CPUS_PER_TASK"))
 
 
 def launch(overrides: Sequence[str], how: Launcher, work: Path, index: int = 1,
@@ -211,14 +220,14 @@ def measure(plan, cfg, overrides: Sequence[str], how: Launcher, k: int, layers: 
             work: Optional[Path] = None, log=print) -> List[Measured]:
     """Launch the plan's layouts in its order until `k` have run (or none are left); each result, those that
     failed too, in launch order. `overrides`: the user's training overrides (the layouts' are added); `work`:
-    where the ranks write (a new temporary directory if None)."""
+    where the ranks write (`how.work_dir()` if None)."""
     from kimi.summary import compose_config
 
     from .layout import apply
     from .memory import memory_per_rank
 
     reduced = [f"model.num_layers={layers}"] if layers else []
-    root = work or Path(tempfile.mkdtemp(prefix="kimi_plan_measure_"))
+    root = work or how.work_dir()
     done, out = 0, []
     for i, e in enumerate(plan.best, 1):
         if done == k:

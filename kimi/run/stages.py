@@ -165,21 +165,13 @@ def _share_tokenizer(configs: List[Config], first: int, log: Log) -> None:
     base = configs[0].data
     if base.tokenizer.model_path or all(c.data == base for c in configs[first:]):
         return
-    import torch.distributed as dist
-
     from kimi.data import prepare
-    from kimi.parallel import init_distributed, resolve_device, setup_group
+    from kimi.parallel import init_distributed, main_rank_first, resolve_device
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         init_distributed(resolve_device(configs[0].trainer.device), configs[0].trainer.collective_timeout_s)
-    rank = dist.get_rank() if distributed else 0
-    if rank == 0:
-        path = prepare(base).tokenizer.path
-    if distributed:
-        dist.barrier(group=setup_group())
-    if rank != 0:
-        path = prepare(base).tokenizer.path
+    path = main_rank_first(lambda: prepare(base).tokenizer.path, distributed)
     log(f"[kimi] stages: every stage's data is tokenised with the first stage's tokenizer, {path}")
     for c in configs:
         if c.data != base:

@@ -68,8 +68,21 @@ def test_the_error_line_is_the_ranks_not_torchruns():
     assert measure.error_line("killed\n", -9) == "torchrun exited -9"
 
 
+@pytest.fixture
+def scontrol(monkeypatch):
+    """`scontrol show hostnames` of an allocation of gpu-a01 and gpu-a02; the commands asked, in order."""
+    seen = []
+
+    def run(cmd, **kw):
+        seen.append(cmd)
+        return types.SimpleNamespace(stdout="gpu-a01\ngpu-a02\n")
+
+    monkeypatch.setattr(measure.subprocess, "run", run)
+    return seen
+
+
 @pytest.mark.unit
-def test_measure_needs_one_machine_or_a_slurm_allocation_of_the_plans_nodes(capsys, monkeypatch):
+def test_measure_needs_one_machine_or_a_slurm_allocation_of_the_plans_nodes(capsys, monkeypatch, scontrol):
     for key in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST"):
         monkeypatch.delenv(key, raising=False)
     assert cli.main(["model=tiny", "cluster.gpus=16", "measure=1"]) == 2
@@ -80,25 +93,21 @@ def test_measure_needs_one_machine_or_a_slurm_allocation_of_the_plans_nodes(caps
     with pytest.raises(ConfigError, match="is 3 nodes; SLURM job 42 has 2: allocate 3 nodes"):
         measure.launcher(24, 8, "auto", slurm)
     how = measure.launcher(16, 8, "auto", slurm)  # auto: srun inside an allocation
-    assert (how.nodes, how.per_node, how.ranks, how.slurm["SLURM_JOB_ID"]) == (2, 8, 16, "42")
-    assert measure.launcher(8, 8, "torchrun", slurm).slurm is None  # asked for: this machine alone
+    assert (how.nodes, how.per_node, how.ranks, how.job, how.head) == (2, 8, 16, "42", "gpu-a01")
+    assert measure.launcher(8, 8, "torchrun", slurm).job is None  # asked for: this machine alone
 
 
 @pytest.mark.unit
-def test_under_srun_one_torchrun_per_node_meets_at_the_allocations_first_node(monkeypatch):
+def test_under_srun_one_torchrun_per_node_meets_at_the_allocations_first_node(scontrol):
     """The srun command: one task per node of the plan, each a torchrun of the node's ranks, meeting at the
-    first host of the allocation on a port of its own per layout; outside SLURM a standalone torchrun."""
-    seen = []
-
-    def scontrol(cmd, **kw):
-        seen.append(cmd)
-        return types.SimpleNamespace(stdout="gpu-a01\ngpu-a02\n")
-
-    monkeypatch.setattr(measure.subprocess, "run", scontrol)
+    first host of the allocation (asked once) on a port of its own per layout; outside SLURM a standalone
+    torchrun."""
     env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "gpu-a[01-02]", "SLURM_JOB_NUM_NODES": "2",
            "MASTER_PORT": "29600"}
-    cmd = measure.launcher(16, 8, "auto", env).command(["-m", "kimi.plan.measure", "--worker", "w"], 3)
-    assert seen == [["scontrol", "show", "hostnames", "gpu-a[01-02]"]]
+    how = measure.launcher(16, 8, "auto", env)
+    cmd = how.command(["-m", "kimi.plan.measure", "--worker", "w"], 3)
+    assert how.command(["x"], 4)[-2] == "--rdzv_id=kimi-plan-42-4"
+    assert scontrol == [["scontrol", "show", "hostnames", "gpu-a[01-02]"]]
     assert cmd[:5] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     torchrun = cmd[cmd.index("torch.distributed.run") + 1:]
     assert torchrun == ["--nproc_per_node=8", "--nnodes=2", "--rdzv_backend=c10d",
