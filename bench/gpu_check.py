@@ -23,6 +23,9 @@ The default plan (PLAN; `--plan` prints it with each step's cap and predicted se
 
 More steps, for a second call (`--steps NAME ...`; `--steps all` for every one):
 
+  train_graphs       bench/parallel.py --layouts graphs_step graphs_regions --profile: train's 1b run with
+                     parallel.cuda_graphs=step and =regions, against train's row: tokens/s and the share of
+                     the step the GPU waits on the host (bench/host_audit.py predicts both)
   attention_auto     bench/attention.py --auto: what model.attention.backend=auto picks at 1b's MLA shape and
                      Kimi Linear's, 4k-16k tokens per row, with its timing of both backends
   attnres            bench/attnres.py --gpu: the fused AttnRes depth mix and pre-norm at 1b's width vs fp64,
@@ -96,6 +99,7 @@ STEPS = {
     "train": ("1b training, compiled bf16: tokens/s, MFU, memory, a profiled step", 150),
     "train_fp8": ("1b with fp8 (rowwise) against train's bf16", 110),
     "peer": ("torchtitan's Llama and dense_1b beside train's 1b", 120),
+    "train_graphs": ("1b with CUDA graphs (step, regions) against train's row", 200),
     "attention_auto": ("what model.attention.backend=auto picks per shape", 50),
     "attnres": ("fused AttnRes depth mix vs fp64, eager and compiled at 1b's width", 40),
     "attention_check": ("flash attention vs fp32", 120),
@@ -119,6 +123,8 @@ PREDICTED = {
                            "of 30 s; the others reuse the compiled kernels (estimate)"),
     "train_fp8": (100, "train's 119 s (2026-12-04) less 5 of its 13 steps; the first try stopped at the "
                        "config check: the image has no torchao, now among the wheels (estimate)"),
+    "train_graphs": (150, "train's run twice from warm compile caches (its 119 s less most of the compile, "
+                          "2026-12-04), 4 more untimed steps each to record the graphs (estimate)"),
     "attention_check": (47, "2026-11-30: 47 s"),
     "kda_speed": (100, "2026-11-30: crashed after 21 s; a cold compile of every kernel (three layouts of the "
                        "scores kernels) plus fla-core's autotuning, 85 s in kda_check on 2026-12-04, at 3 "
@@ -170,12 +176,15 @@ def training_set(ctx: "Context", seq: int, *extra: str) -> list[str]:
 
 def commands(step: str, ctx: "Context") -> list[tuple[str, list[str]]]:
     """(name, arguments after `python bench/`) of each command of a step."""
-    if step in ("train", "train_fp8"):
+    if step in ("train", "train_fp8", "train_graphs"):
         # fp8: its recipes are layouts (bench/parallel.py's PRECISION_LAYOUTS), against train's bf16 row;
-        # --step-args train_fp8="--layouts bf16 fp8_tensorwise fp8_rowwise" measures all three in one run
+        # --step-args train_fp8="--layouts bf16 fp8_tensorwise fp8_rowwise" measures all three in one run.
+        # graphs: both kinds of parallel.cuda_graphs, profiled, against train's row; they need CUDA, so a
+        # dry run checks the step's plumbing on the single layout
         fp8 = step == "train_fp8"
         sizes = TRAIN_DRY if ctx.dry else TRAIN_FP8 if fp8 else TRAIN
-        layouts = ["fp8_rowwise"] if fp8 else ["single"]
+        layouts = (["fp8_rowwise"] if fp8 else ["single"] if step == "train" or ctx.dry
+                   else ["graphs_step", "graphs_regions"])
         return [(model, ["parallel.py", "--layouts", *layouts, "--model", model, "--batch", str(batch),
                          "--steps", str(steps), *([] if fp8 else ["--profile"]),
                          *training_set(ctx, seq, *([] if fp8 else ["trainer.precision=bf16"]))])
@@ -371,6 +380,23 @@ def _train_row(r: dict, x: dict, layout: str):
             f"({r['steps']} timed){extra}"), failures
 
 
+def train_graphs_rows(r: dict, done: dict):
+    """A row per kind of CUDA graphs, as train's rows, with its tokens/s against train's row of the same
+    model and the share of the step the GPU waited on the host, there and here."""
+    trained = done.get("train", {}).get("runs", {}).get(r["model"], {}).get("result", {})
+    base = trained.get("layouts", {}).get("single", [None])[0]
+    rows, failures = [], []
+    for name, (x, *_) in r["layouts"].items():
+        (what, result), failed = _train_row(r, x, f" {name}")
+        if base is not None:
+            waited = lambda y: f"{100 * y['host']['gpu_idle_share']:.0f}%" if y.get("host") else "-"  # noqa: E731
+            result = (f"{x['tokens_per_s'] / base['tokens_per_s']:.2f}x train's tokens/s, GPU waiting on the "
+                      f"host {waited(x)} of the step (train: {waited(base)}); {result}")
+        rows.append((what, result))
+        failures += [f.replace("train ", "train_graphs ", 1) for f in failed]
+    return rows, failures
+
+
 def train_fp8_rows(r: dict, done: dict):
     """A row per precision this run measured, each against bf16: its own bf16 layout when it ran one, else
     train's row of the same model (same batch and length; train times more steps)."""
@@ -436,7 +462,8 @@ def attnres_rows(r: dict, done: dict):
 # each (one command's JSON, the records of the steps before) -> (rows of (what, result), failures)
 SUMMARIES = {"kda_check": kda_check_rows, "attention_check": attention_check_rows,
              "kda_speed": kda_speed_rows, "attention_speed": attention_speed_rows, "optim": optim_rows,
-             "train": train_rows, "train_fp8": train_fp8_rows, "peer": peer_rows,
+             "train": train_rows, "train_fp8": train_fp8_rows, "train_graphs": train_graphs_rows,
+             "peer": peer_rows,
              "attention_auto": attention_auto_rows, "attnres": attnres_rows}
 
 

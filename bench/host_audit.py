@@ -26,6 +26,14 @@ CPU fallbacks):
 
 `host_ms_gpu` adds what the proxy cannot show, a CUDA launch per kernel (LAUNCH_US), to the measured time; the
 ratio to the roofline's predicted GPU time is what decides whether the step waits on its host.
+
+parallel.cuda_graphs (kimi/parallel/cuda_graphs.py) is predicted from the same proxy, since graphs need a GPU:
+* regions: the compiled step's host time outside its regions (the profiled wall time less every region's
+  call, forward and backward, less the compute outside them; an upper bound, as the profiler's own cost of
+  the ops out there stays in) and their launches, plus REPLAY_US for each region call;
+* step: StepGraph's own host part, measured on the proxy with a replay that costs nothing (the batch copied
+  in, the gradients' addresses checked, the records and the loss copied out), with a launch per copy, plus
+  one launch of a graph holding the compiled step's kernels (GRAPH_LAUNCH_US + GRAPH_NODE_US a kernel).
 """
 
 from __future__ import annotations
@@ -48,6 +56,15 @@ VIEWS = {"view", "_unsafe_view", "transpose", "t", "expand", "select", "slice", 
          "alias", "as_strided", "permute", "split", "split_with_sizes", "unbind", "narrow", "_reshape_alias",
          "unflatten", "diagonal", "lift_fresh", "view_as_real", "view_as_complex", "_to_copy_view", "unfold",
          "expand_as", "view_as", "chunk", "movedim", "real", "imag"}
+# parallel.cuda_graphs=regions: a compiled region replayed by inductor's cudagraph trees costs their
+# checks of its inputs and outputs and a cudaGraphLaunch. The one breakdown published for it (pytorch/pytorch
+# issue 150488, 2025: one graph) is 128 us of cudagraph-tree checks and 41 us of launch; it grows with a
+# graph's inputs and outputs, so this is an estimate until a GPU measures ours.
+REPLAY_US = 170.0
+# parallel.cuda_graphs=step: one graph of the whole micro-batch. Launching a graph of N kernels took 15 us
+# plus 0.58 us a kernel on the one published sweep we found (ahrefs/ocannl issue 488, 2026: chains of 8 to
+# 117 kernels, CUDA 13.3), against 6.4 us a kernel launched one by one there.
+GRAPH_LAUNCH_US, GRAPH_NODE_US = 15.0, 0.58
 PROXY_T = 64  # tokens of the proxy's one row
 # the ops whose CPU time on the proxy is compute a GPU does, not host work: at 16 elements per head `1b`'s
 # proxy is 256 wide, and its ~500 matmuls a step take tens of milliseconds of the CPU's time
@@ -193,32 +210,54 @@ def eager_on_meta(cfg, T: int, build, batch, loss_of, repeats: int = 3) -> dict:
             "top_ops": dict(count.ops.most_common(12)), "custom_ops": dict(count.custom)}
 
 
-def _profiled_counts(fn) -> tuple[int, int, int, float, float]:
-    """(aten and custom ops dispatched from the top, inductor kernels, compiled graphs called, milliseconds
-    the CPU spent computing in matmuls and inductor's kernels, the call's wall milliseconds) of one call."""
+# A compiled region's call as the profiler names it: its forward (dynamo's frame) and its backward (the
+# autograd node AOTAutograd made of it). A CUDA graph would replay all that either runs.
+REGION_FORWARD, REGION_BACKWARD = "Torch-Compiled Region", "CompiledFunctionBackward"
+
+
+def _in_region(e) -> bool:
+    while e is not None:
+        if e.name.startswith(REGION_FORWARD) or e.name.endswith(REGION_BACKWARD):
+            return True
+        e = e.cpu_parent
+    return False
+
+
+def _profiled_counts(fn) -> dict:
+    """What one call dispatches and where its time goes, from the profiler: aten and custom ops dispatched
+    from the top and inductor's kernels; compiled regions called (forward, and backward nodes run); the
+    milliseconds the CPU spent computing in matmuls and inductor's kernels; the call's wall milliseconds;
+    and, for a CUDA-graph replay of each region, the part outside the regions: the wall milliseconds
+    outside every region's call less the compute there, and the ops launched there."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         fn()
         wall_ms = 1e3 * (time.perf_counter() - t0)
-    dispatched = kernels = graphs = 0
-    compute_us = 0.0
+    out = Counter()
     for e in prof.events():
         name = e.name
         if name.startswith(("aten::", "kimi::")) and name.split("::", 1)[1] not in VIEWS:
             # only ops called by Python or a compiled graph, not the ops an op calls inside itself
             parent = e.cpu_parent
+            inside = _in_region(e)
             if parent is None or not parent.name.startswith(("aten::", "kimi::")):
-                dispatched += 1
+                out["dispatched"] += 1
+                out["outside_launches"] += not inside
             if name.split("::", 1)[1] in COMPUTE:
-                compute_us += e.self_cpu_time_total
+                out["compute_us"] += e.self_cpu_time_total
+                out["outside_compute_us"] += 0 if inside else e.self_cpu_time_total
         elif "cpp_fused" in name or name.startswith("triton_"):  # inductor's kernels (graph_N_cpp_fused_*)
-            kernels += 1
-            compute_us += e.self_cpu_time_total
-        elif name.startswith(("CompiledFunction", "## Call CompiledFxGraph", "Torch-Compiled Region")):
-            graphs += name.startswith("Torch-Compiled Region")
-    return dispatched, kernels, graphs, compute_us / 1e3, wall_ms
+            out["kernels"] += 1
+            out["compute_us"] += e.self_cpu_time_total
+        elif e.cpu_parent is None and (name.startswith(REGION_FORWARD) or name.endswith(REGION_BACKWARD)):
+            out["graphs" if name.startswith(REGION_FORWARD) else "backward_graphs"] += 1
+            out["regions_us"] += e.cpu_time_total
+    return {"dispatched": out["dispatched"], "kernels": out["kernels"], "graphs": out["graphs"],
+            "backward_graphs": out["backward_graphs"], "compute_ms": out["compute_us"] / 1e3,
+            "wall_ms": wall_ms, "outside_launches": out["outside_launches"],
+            "outside_host_ms": wall_ms - (out["regions_us"] + out["outside_compute_us"]) / 1e3}
 
 
 def proxy_step(cfg, compiled: bool, build, batch, loss_of, repeats: int = 7) -> dict:
@@ -244,15 +283,74 @@ def proxy_step(cfg, compiled: bool, build, batch, loss_of, repeats: int = 7) -> 
         model.zero_grad(set_to_none=True)
         seconds = _timed(lambda: _step(model, ids, labels, loss_of), repeats)
         profiled = [_profiled_counts(lambda: _step(model, ids, labels, loss_of)) for _ in range(repeats)]
-    dispatched, kernels, graphs = profiled[0][:3]
+    first = profiled[0]
+    median = lambda key: statistics.median(p[key] for p in profiled)  # noqa: E731
     # the host's part: the step's median time less the median time its kernels computed in the profiled
     # steps (a GPU host pays for a launch instead, added by audit_host). Not each profiled step's own wall
     # time: the profiler adds about 10 us an op, as much as the eager step's own dispatch
-    compute_ms = statistics.median(compute for *_, compute, _ in profiled)
+    compute_ms = median("compute_ms")
     return {"host_ms": 1e3 * seconds - compute_ms, "step_ms": 1e3 * seconds, "kernel_compute_ms": compute_ms,
-            "profiled_step_ms": statistics.median(wall for *_, wall in profiled),
-            "dispatched": dispatched, "inductor_kernels": kernels, "launches": dispatched + kernels,
-            "compiled_regions": graphs, "first_step_s": compile_s}
+            "profiled_step_ms": median("wall_ms"),
+            "dispatched": first["dispatched"], "inductor_kernels": first["kernels"],
+            "launches": first["dispatched"] + first["kernels"], "compiled_regions": first["graphs"],
+            "region_calls": first["graphs"] + first["backward_graphs"],
+            # what a CUDA graph per region would leave: profiled, so an upper bound (the profiler's cost
+            # of the ops outside the regions stays in)
+            "outside_regions": {"host_ms": median("outside_host_ms"), "launches": first["outside_launches"]},
+            "first_step_s": compile_s}
+
+
+class _NullGraphs:
+    """CUDA graphs whose replay costs nothing (the capture runs the micro-batch once, for its outputs): what
+    is left of a StepGraph call is the host's own part, the batch copied in, the gradients' addresses
+    checked, the records and the loss copied out."""
+
+    @contextlib.contextmanager
+    def side_stream(self):
+        yield
+
+    def capture(self, run):
+        return None, run()
+
+    def replay(self, graph) -> None:
+        pass
+
+
+def step_graph_host(cfg, build, batch, loss_of, repeats: int = 21, null: bool = True) -> dict:
+    """parallel.cuda_graphs=step on the proxy: the host's milliseconds per micro-batch outside the graph, and
+    the kernels it launches there (copies in and out), with QK-Clip's max logits recorded as in training.
+    null=False keeps the custom ops' own CPU kernels (a test's process, where Triton runs interpreted)."""
+    from kimi.data import Batch
+    from kimi.parallel.cuda_graphs import StepGraph
+
+    if null:
+        null_kernels()
+    torch.set_num_threads(1)
+    model = build(cfg, "cpu")
+    model.record_max_logits(True)
+    ids, labels = batch(cfg.model.vocab_size, PROXY_T, "cpu")
+    micro = Batch(input_ids=ids, labels=labels, doc_starts=torch.zeros_like(ids, dtype=torch.bool), epoch=0,
+                  step=0)
+
+    def run(b, scale):
+        loss = loss_of(model, b.input_ids, b.labels)
+        (loss * scale).backward()
+        return loss
+
+    def failed(line: str):
+        raise RuntimeError(line)
+
+    graph = StepGraph(model, run, _NullGraphs(), warmup=0, log=failed)
+    with as_on_cuda():
+        graph(micro, 1.0)  # captures
+        count = DispatchCount()
+        with count:
+            graph(micro, 1.0)
+        seconds = _timed(lambda: graph(micro, 1.0), repeats)
+    for m in model.qk_clip_modules():
+        m.consume_max_logits()
+    return {"host_ms": 1e3 * seconds, "launches": count.launches, "records": len(graph.captured.effects),
+            "parameters": len(graph.captured.grads)}
 
 
 def audit_host(name: str, overrides: list[str], T: int, compose, build, batch, loss_of,
@@ -265,13 +363,23 @@ def audit_host(name: str, overrides: list[str], T: int, compose, build, batch, l
     eager = eager_on_meta(cfg, T, build, batch, loss_of)
     proxy_cfg = compose([*overrides, *proxy_overrides(cfg)])
     proxy = {"eager": proxy_step(proxy_cfg, False, build, batch, loss_of),
-             "compiled": proxy_step(proxy_cfg, True, build, batch, loss_of)}
+             "compiled": proxy_step(proxy_cfg, True, build, batch, loss_of),
+             "step_graph": step_graph_host(proxy_cfg, build, batch, loss_of)}
     row = {"T": T, "eager_meta": eager, "proxy": proxy, "proxy_overrides": proxy_overrides(cfg),
            "launch_us": LAUNCH_US}
     c = proxy["compiled"]
     row["compiled_host_ms_gpu"] = c["host_ms"] + c["launches"] * LAUNCH_US / 1e3
     row["eager_host_ms_gpu"] = eager["host_ms"] + eager["launches"] * LAUNCH_US / 1e3
     row["ops_eager_over_compiled"] = eager["ops"] / max(1, c["dispatched"] + c["inductor_kernels"])
+    # parallel.cuda_graphs, predictions until the GPU check's train_graphs step measures them. regions: each
+    # region's forward and backward replayed (REPLAY_US a call), the rest as compiled now. step: the
+    # compiled micro-batch's kernels in one graph, launched once, and StepGraph's own host part
+    out, sg = c["outside_regions"], proxy["step_graph"]
+    row["replay_us"], row["graph_launch_us"] = REPLAY_US, [GRAPH_LAUNCH_US, GRAPH_NODE_US]
+    row["regions_host_ms_gpu"] = (out["host_ms"] + out["launches"] * LAUNCH_US / 1e3
+                                  + c["region_calls"] * REPLAY_US / 1e3)
+    row["step_graph_host_ms_gpu"] = (sg["host_ms"] + sg["launches"] * LAUNCH_US / 1e3
+                                     + (GRAPH_LAUNCH_US + GRAPH_NODE_US * c["launches"]) / 1e3)
     if predicted_gpu_s:
         row["gpu_s"] = predicted_gpu_s
         row["host_share"] = {gpu: row["compiled_host_ms_gpu"] / (1e3 * s)

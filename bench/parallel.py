@@ -64,10 +64,14 @@ LAYOUTS = {  # name: (processes, data-parallel ranks, overrides)
     # one process with fla-core's KDA kernels (CUDA only): gpu-check's train step beside single, with
     # --step-args train="--layouts single kda_fla"
     "kda_fla": (1, 1, ["model.kda.backend=fla"]),
+    # one process on one CUDA GPU with CUDA graphs (bench/gpu_check.py's train_graphs step; CUDA only)
+    "graphs_step": (1, 1, ["parallel.cuda_graphs=step"]),
+    "graphs_regions": (1, 1, ["parallel.cuda_graphs=regions"]),
 }
 PRECISION_LAYOUTS = ("bf16", "fp8_tensorwise", "fp8_rowwise")
 DEFAULT_LAYOUTS = [name for name in LAYOUTS
-                   if name not in ("dp_shard4", "ep2", "dp4_ep2", "ep4", "kda_fla", *PRECISION_LAYOUTS)]
+                   if name not in ("dp_shard4", "ep2", "dp4_ep2", "ep4", "kda_fla", "graphs_step",
+                                   "graphs_regions", *PRECISION_LAYOUTS)]
 
 
 def _dispatch_state() -> dict:
@@ -164,6 +168,12 @@ def worker(out: Path, model: str, overrides: list[str], steps: int, profile: boo
     torch.nn.modules.module.register_module_forward_hook(recording)
     kda_dtypes = _kda_dtypes()
     losses = [trainer.train_step()["loss"]]  # warm-up: optimizer state, MuonClip's exchange, pipeline shapes
+    if trainer.cfg.parallel.cuda_graphs != "none":
+        # the graphs recorded before the timing: a step graph after WARMUP micro-batches, cudagraph trees
+        # at a region's second call
+        from kimi.parallel.cuda_graphs import WARMUP
+
+        losses += [trainer.train_step()["loss"] for _ in range(WARMUP + 1)]
     cuda = trainer.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()

@@ -579,7 +579,8 @@ def host_report(results: dict) -> list[str]:
              "| family | T | eager ops (meta, full shape) | eager launches | eager host ms (meta) | proxy "
              "eager ms | proxy compiled ms | compiled launches (ops + inductor kernels) | compiled regions | "
              "compiled host ms + launches | H200 roofline ms (compiled, else unfused) | host / roofline | "
-             "eager ops / compiled |", "|" + "---|" * 13]
+             "eager ops / compiled | cuda_graphs=regions: host ms, predicted (/ roofline) | "
+             "cuda_graphs=step: host ms, predicted (/ roofline) |", "|" + "---|" * 15]
     for name, h in rows:
         e, pe, pc = h["eager_meta"], h["proxy"]["eager"], h["proxy"]["compiled"]
         gpu = gpu_step_s(results["families"][name], h)
@@ -589,7 +590,9 @@ def host_report(results: dict) -> list[str]:
                      f"{h['compiled_host_ms_gpu']:,.0f} | "
                      + (f"{1e3 * gpu:,.0f} | {h['compiled_host_ms_gpu'] / (1e3 * gpu):.0%}"
                         if gpu else "- | -")
-                     + f" | {h['ops_eager_over_compiled']:.1f}x |")
+                     + f" | {h['ops_eager_over_compiled']:.1f}x | "
+                     + " | ".join(f"{h[k]:,.1f}" + (f" ({h[k] / (1e3 * gpu):.0%})" if gpu else "")
+                                  for k in ("regions_host_ms_gpu", "step_graph_host_ms_gpu")) + " |")
     return lines
 
 

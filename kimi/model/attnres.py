@@ -36,12 +36,14 @@ MIX_RECOMPILE_LIMIT = 256
 
 
 @functools.cache
-def compiled_depth_attention() -> Callable:
+def compiled_depth_attention(mode: str | None = None) -> Callable:
     """depth_attention through torch.compile (what parallel.compile=true gives the streams): the stacks, key
     norms, scores, softmax and weighted sum become a few fused kernels instead of a dozen elementwise passes
-    over every source (bench/step_audit.py's roofline: the largest memory-bound cost of an unfused step)."""
+    over every source (bench/step_audit.py's roofline: the largest memory-bound cost of an unfused step).
+    mode: torch.compile's (reduce-overhead under parallel.cuda_graphs)."""
     # mix_then_norm: depth_attention, then RMSNorm's forward with the norm's weight and eps
-    compiled, compiled_normed = torch.compile(depth_attention), torch.compile(mix_then_norm)
+    compiled = torch.compile(depth_attention, mode=mode)
+    compiled_normed = torch.compile(mix_then_norm, mode=mode)
 
     def mix(query: torch.Tensor | None, sources: Sequence[torch.Tensor], eps: float) -> torch.Tensor:
         if query is None:
@@ -60,9 +62,9 @@ def compiled_depth_attention() -> Callable:
     return mix
 
 
-def depth_mix(backend: str, compiled: bool) -> Callable:
+def depth_mix(backend: str, compiled: bool, mode: str | None = None) -> Callable:
     """The AttnRes streams' mix function for model.attnres.backend (kimi.config.ATTNRES_BACKENDS); compiled:
-    whether the sublayers are compiled (parallel.compile=true).
+    whether the sublayers are compiled (parallel.compile=true), mode: torch.compile's for them.
 
     torch     depth_attention, compiled with the sublayers under parallel.compile (as before the switch)
     compile   compiled_depth_attention() always
@@ -70,7 +72,7 @@ def depth_mix(backend: str, compiled: bool) -> Callable:
     fla       fla-core's fused AttnRes
     auto      triton for CUDA tensors, elsewhere what torch gives
     """
-    unfused = compiled_depth_attention() if compiled or backend == "compile" else depth_attention
+    unfused = compiled_depth_attention(mode) if compiled or backend == "compile" else depth_attention
     if backend in ("torch", "compile"):
         return unfused
     from kimi.ops.attnres import FusedDepthMix  # imports triton's wrappers: only when asked for

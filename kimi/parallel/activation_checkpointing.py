@@ -27,6 +27,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from kimi.parallel.config import AC_MODES as MODES
 
+from .cuda_graphs import compile_mode
+
 _SAVED_OPS = {getattr(torch.ops.aten, name).default for name in (
     "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
@@ -81,12 +83,13 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         model.set_runner("final", run)
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, cuda_graphs: str = "none") -> None:
     """torch.compile each sublayer (Module.compile: names and state dicts are unchanged) and the Attention
     Residuals' depth mix, which runs between them (model.attnres.backend torch, and auto on CPU: a fused
-    kernel is one op already)."""
+    kernel is one op already); with parallel.cuda_graphs=regions, each of them replays as a CUDA graph."""
     from kimi.model.attnres import depth_mix
 
+    mode = compile_mode(cuda_graphs)
     for module in sublayers(model):
-        module.compile()
-    model.depth_mix = depth_mix(model.cfg.attnres.backend, compiled=True)
+        module.compile(mode=mode)
+    model.depth_mix = depth_mix(model.cfg.attnres.backend, compiled=True, mode=mode)

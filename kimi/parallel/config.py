@@ -17,6 +17,7 @@ from kimi.schema.vocabulary import one_of
 # parallel.engine's names: the table of kimi/parallel/engine_rules.py, which fills it (it imports this module)
 ENGINES: Dict[str, Any] = {}
 AC_MODES = ("none", "full", "selective")
+CUDA_GRAPHS = ("none", "regions", "step")  # parallel.cuda_graphs (kimi/parallel/cuda_graphs.py)
 FAULT_TOLERANCE = ("none", "torchft")
 
 
@@ -61,6 +62,9 @@ class ParallelConfig:
     cp: int = 1
     activation_checkpointing: str = one_of(AC_MODES, "none")  # see kimi/parallel/activation_checkpointing.py
     compile: bool = False  # torch.compile each token mixer and MLP
+    # on one CUDA GPU (kimi/parallel/cuda_graphs.py): none; regions (with compile: each compiled region
+    # replays as a CUDA graph); step (each micro-batch's forward and backward replays as one graph)
+    cuda_graphs: str = one_of(CUDA_GRAPHS, "none")
     reshard_after_forward: bool = True  # FSDP2: False keeps weights gathered until the backward (ZeRO-2-like)
     sequence_parallel: bool = False  # with tp > 1: activations between sublayers split along the sequence
     pp_schedule: str = one_of(PP_SCHEDULES, "1f1b")

@@ -30,6 +30,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.parallel import loss_parallel
 
 from kimi.data import Batch
+from kimi.errors import ConfigError
 from kimi.model import KimiModel
 from kimi.model.moe import set_aux_grad_scale
 from kimi.optim import build_optimizer, build_qk_clip, build_scheduler
@@ -38,6 +39,7 @@ from kimi.precision.registry import precision_for
 from kimi.schema.pipeline import pipeline_microbatches
 from kimi.schema.vocabulary import RootConfig as Config
 
+from .cuda_graphs import StepGraph
 from .dims import ParallelDims
 from .family_stats import FamilyStats
 from .engine_base import EngineBase
@@ -76,6 +78,11 @@ class TorchEngine(EngineBase):
                  model: KimiModel):
         p, t = cfg.parallel, cfg.trainer
         self.cfg, self.dims, self.mesh, self.device = cfg, dims, mesh, device
+        if p.cuda_graphs != "none" and device.type != "cuda":  # trainer.device=auto without CUDA
+            raise ConfigError(f"parallel.cuda_graphs={p.cuda_graphs} needs a CUDA GPU and this run's device "
+                              f"is {device.type}: set parallel.cuda_graphs=none")
+        # regions: a step's micro-batches are one generation of the recorded graphs (_begin_graph_step)
+        self.graph_step_begins = p.cuda_graphs == "regions"
         self.expert_mesh = dims.build_expert_mesh(device.type)
         # before any parallelism, as torchao asks
         self.low_precision = apply_low_precision(model, cfg, device, fsdp=dims.fsdp)
@@ -102,6 +109,8 @@ class TorchEngine(EngineBase):
                                      head_group=mesh["tp"].get_group() if dims.tp > 1 else None)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+        # parallel.cuda_graphs=step: each micro-batch's forward and backward replayed from one graph
+        self.step_graph = StepGraph(self.model, self._forward_backward) if p.cuda_graphs == "step" else None
 
     # ---- one step -----------------------------------------------------------------------------------
     def loss_context(self):
@@ -143,6 +152,7 @@ class TorchEngine(EngineBase):
         """Forward and backward of one batch, gradients scaled by `scale` (1 / accumulation steps) and
         added to those of earlier batches of the step; returns the batch's mean loss (detached)."""
         self.model.train()
+        self._begin_graph_step()
         batch = self._shard(batch)
         # MoE auxiliary losses enter the backward beside the loss, scaled like it (the pipeline schedule
         # divides all gradients by its micro-batches afterwards, theirs included)
@@ -151,14 +161,29 @@ class TorchEngine(EngineBase):
             if scale != 1.0:
                 raise ValueError("the pipeline accumulates over its micro-batches: no gradient accumulation")
             return self._pipeline(batch, train=True)
+        if self.step_graph is not None:
+            return _plain(self.step_graph(batch, scale))
+        return _plain(self._forward_backward(batch, scale).detach())
+
+    def _forward_backward(self, batch: Batch, scale: float) -> torch.Tensor:
         loss = self._loss(batch)
         with self.loss_context():
             (loss * scale).backward()
-        return _plain(loss.detach())
+        return loss
+
+    def _begin_graph_step(self, evaluating: bool = False) -> None:
+        """Under parallel.cuda_graphs, tell inductor's cudagraph trees where a step begins: the outputs of
+        earlier replays may be overwritten from here on. Once per optimizer step, not per micro-batch: what a
+        micro-batch's graphs leave for the step's end (the max logits QK-Clip reads) must outlive the next
+        micro-batch's replays. Each evaluation batch is a step of its own."""
+        if self.graph_step_begins or (evaluating and self.cfg.parallel.cuda_graphs == "regions"):
+            torch.compiler.cudagraph_mark_step_begin()
+            self.graph_step_begins = evaluating  # the training step after an evaluation begins anew
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> torch.Tensor:
         self.model.eval()
+        self._begin_graph_step(evaluating=True)
         batch = self._shard(batch)
         return self._pipeline(batch, train=False) if self.schedule is not None else _plain(self._loss(batch))
 
@@ -181,15 +206,18 @@ class TorchEngine(EngineBase):
         lr = self.optimizer.param_groups[0]["lr"]
         # the step's one read before the update (after it, a read would wait for the update to finish)
         grad_norm = _plain(grad_norm).item()
+        self.graph_step_begins = self.cfg.parallel.cuda_graphs == "regions"
+        # a step graph adds into the gradients where it found them: zero them, never free them
+        keep_grads = self.step_graph is not None
         if not math.isfinite(grad_norm):  # no update: the trainer stops on the norm returned
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=not keep_grads)
             return {"grad_norm": grad_norm, "lr": lr}
         self.optimizer.step()
         stats = families.finish() if families is not None else {}  # the optimizer's update, before QK-Clip's
         if self.qk_clip is not None:  # after any optimizer's update (K2)
             self.qk_clip()
         self._weights_changed()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not keep_grads)
         return {"grad_norm": grad_norm, "lr": lr, **self.after_update(), **stats}
 
     # ---- diagnostics and the run dir ----------------------------------------------------------------

@@ -36,6 +36,8 @@ def engine_problem(p: Any) -> Optional[str]:
     unsupported += [f"parallel.{k}=true" for k in ("compile", "sequence_parallel") if getattr(p, k)]
     if p.activation_checkpointing != "none":
         unsupported.append(f"parallel.activation_checkpointing={p.activation_checkpointing}")
+    if p.cuda_graphs != "none":
+        unsupported.append(f"parallel.cuda_graphs={p.cuda_graphs}")
     if unsupported:
         return (f"parallel.engine=deepspeed runs ZeRO over data parallelism only (parallel.dp_shard ranks), "
                 f"without {', '.join(unsupported)}: reset those, or use parallel.engine=torch, "

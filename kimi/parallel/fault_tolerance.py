@@ -186,7 +186,8 @@ class FaultTolerantEngine(Engine):
         self.committed = self.manager.should_commit()
         if self.committed:
             return engine.step(max_norm, family_stats=family_stats)
-        engine.optimizer.zero_grad(set_to_none=True)
+        # a step graph (parallel.cuda_graphs=step) adds into the gradients where they are: keep them
+        engine.optimizer.zero_grad(set_to_none=getattr(engine, "step_graph", None) is None)
         if qk_clip is not None:
             qk_clip.gathered = None
         return {"grad_norm": 0.0, "lr": engine.optimizer.param_groups[0]["lr"]}

@@ -39,7 +39,7 @@ def parallelize(model: KimiModel, cfg: ParallelConfig, dims: ParallelDims, mesh:
             apply_expert_parallel(part, expert_mesh["ep"])
         apply_activation_checkpointing(part, cfg.activation_checkpointing)
         if cfg.compile:
-            apply_compile(part)
+            apply_compile(part, cfg.cuda_graphs)
         if dims.fsdp:  # each stage is an FSDP root: it is what the schedule calls
             apply_data_parallel(part, dims.fsdp_mesh(mesh), cfg.reshard_after_forward, bf16, expert_mesh)
     return parts

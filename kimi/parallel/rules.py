@@ -133,6 +133,33 @@ def check_context_parallel(cfg: Config) -> None:
             "parallel.cp=1")
 
 
+CUDA_GRAPHS_ONE_GPU = ("one GPU: a captured graph reads its weights at the addresses they had when it "
+                       "was recorded (FSDP gathers them anew every step) and cannot hold the collectives of "
+                       "tensor, pipeline, context or expert parallelism")
+
+
+def check_cuda_graphs(cfg: Config) -> None:
+    """parallel.cuda_graphs (kimi/parallel/cuda_graphs.py): on one CUDA GPU; regions replays what
+    parallel.compile compiles; step cannot hold a host read. The device that trainer.device=auto resolves
+    to is checked when the engine is built (TorchEngine)."""
+    p, mode = cfg.parallel, cfg.parallel.cuda_graphs
+    if mode == "none":
+        return
+    key = f"parallel.cuda_graphs={mode}"
+    require(mode != "regions" or p.compile,
+            f"{key} replays the regions parallel.compile compiles: set parallel.compile=true as well, or "
+            "parallel.cuda_graphs=step (the whole micro-batch, compiled or not)")
+    require(cfg.trainer.device != "cpu", f"{key} needs a CUDA GPU (trainer.device=cpu has no graphs to "
+                                         "capture): set parallel.cuda_graphs=none on the CPU")
+    layout = [f"parallel.{k}={getattr(p, k)}" for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+              if getattr(p, k) > 1]
+    require(not layout, f"{key} runs on {CUDA_GRAPHS_ONE_GPU}; with {', '.join(layout)} set "
+                        "parallel.cuda_graphs=none")
+    require(mode != "step" or not cfg.data.varlen,
+            f"{key} with data.varlen=true: packed documents' offsets are read on the host every batch, "
+            "which a captured graph cannot do; set data.varlen=false or parallel.cuda_graphs=regions")
+
+
 def check_expert_parallel(cfg: Config) -> None:
     """parallel.ep takes its ranks from dp_shard and splits every MoE layer's experts evenly."""
     m, p = cfg.model, cfg.parallel

@@ -34,7 +34,7 @@ from kimi.config import check_stage_split
 from kimi.errors import ConfigError
 from kimi.model.rules import check_tensor_parallel
 from kimi.parallel.engine_rules import DEEPSPEED, TORCH
-from kimi.parallel.rules import check_engine
+from kimi.parallel.rules import check_cuda_graphs, check_engine
 from kimi.precision.registry import precision_for
 
 from . import timing
@@ -175,6 +175,7 @@ class Search:
             check_stage_split(cfg.parallel, cfg.model.num_layers, cfg.parallel.pp_split)
             check_expert_parallel(cfg)
             check_context_parallel(cfg)
+            check_cuda_graphs(cfg)
             check_sequence_parallel(cfg)
             check_engine(cfg.parallel)
         except ConfigError as e:

@@ -22,8 +22,8 @@ from kimi.eval.harness import check_names
 from kimi.model.config import check_vocab
 from kimi.model.rules import check_kernels, check_mtp, check_tensor_parallel, validate_model
 from kimi.optim.rules import validate_optim
-from kimi.parallel.rules import (check_context_parallel, check_expert_parallel, check_pipeline,
-                                 check_sequence_parallel)
+from kimi.parallel.rules import (check_context_parallel, check_cuda_graphs, check_expert_parallel,
+                                 check_pipeline, check_sequence_parallel)
 from kimi.parallel.rules import check_engine, check_fault_tolerance, check_layout, validate_parallel
 from kimi.precision.rules import validate_precision
 from kimi.schema.run import LoggingConfig, TrainerConfig
@@ -52,6 +52,7 @@ def validate(cfg: Config, world: Optional[int] = None, model_checked: bool = Fal
     check_sequence_parallel(cfg)
     check_expert_parallel(cfg)
     check_context_parallel(cfg)
+    check_cuda_graphs(cfg)
     check_engine(cfg.parallel)
     validate_precision(cfg)
     check_fault_tolerance(cfg)

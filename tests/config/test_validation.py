@@ -193,6 +193,16 @@ IMPOSSIBLE = [
     # parallel degrees
     (["parallel.dp_replicate=0"], 1, "parallel.dp_replicate"),
     (["parallel.pp=0"], 1, "parallel.pp"),
+    # CUDA graphs, on one GPU: of the compiled regions, or of the whole micro-batch
+    (["parallel.cuda_graphs=yes"], 1, "parallel.cuda_graphs"),
+    (["parallel.cuda_graphs=regions"], 1, "set parallel.compile=true as well"),
+    (["parallel.cuda_graphs=step", "trainer.device=cpu"], 1, "trainer.device=cpu"),
+    (["parallel.cuda_graphs=regions", "parallel.compile=true", "parallel.dp_shard=2"], 2,
+     "parallel.dp_shard=2"),
+    (["parallel.cuda_graphs=step", "parallel.tp=2", "parallel.pp=2"], 4,
+     "with parallel.tp=2, parallel.pp=2 set parallel.cuda_graphs=none"),
+    (["parallel.cuda_graphs=step", "data.varlen=true"], 1, "data.varlen=true"),
+    (["parallel.cuda_graphs=step", "parallel.engine=deepspeed"], 1, "without parallel.cuda_graphs=step"),
 ]
 
 
@@ -350,6 +360,8 @@ def test_known_keys_still_merge():
       "trainer.device=cpu"], 1),
     (["model.kda.backend=triton", "model.kda.head_dim=256"], 1),
     (["logging.wandb.mode=disabled", "parallel.engine=torch"], 1),
+    (["parallel.compile=true", "parallel.cuda_graphs=regions", "trainer.device=cuda"], 1),
+    (["parallel.cuda_graphs=step", "trainer.device=cuda", "model=moe_tiny"], 1),
     ([*FT, "parallel.dp_shard=2", "parallel.tp=2", "parallel.torchft.replica_group=2",
       "parallel.torchft.replica_groups=3", "parallel.torchft.min_replicas=2"], 4),
 ])
@@ -410,7 +422,7 @@ def test_fixed_choice_keys_stay_plain_strings():
         "model.residual", "model.kda.backend", "model.moe.impl", "optim.name", "optim.schedule",
         "optim.ns_dtype", "optim.adjust_lr_fn", "trainer.precision", "trainer.device", "logging.wandb.mode",
         "data.source", "data.format", "data.prepare_executor", "parallel.activation_checkpointing",
-        "parallel.pp_schedule", "parallel.engine",
+        "parallel.pp_schedule", "parallel.engine", "parallel.cuda_graphs",
         "parallel.fault_tolerance", "precision.fp8.recipe", "precision.qat", "model.mlp.activation",
         "model.moe.balance", "model.attention.backend", "model.attnres.backend"])
     import kimi.parallel.engine_rules  # noqa: F401 (the engines' registry fills kimi.config.ENGINES)

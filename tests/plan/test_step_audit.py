@@ -4,6 +4,7 @@ host in the forward and backward and only what its allow-list explains in the up
 keeps a few KiB per token; the roofline prices every op. The audit's detectors are checked on planted
 faults, so a blind audit cannot pass."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -103,6 +104,25 @@ def test_the_host_audit_counts_the_ops_a_cuda_step_dispatches():
     assert proxy.model.d_model * 8 <= cfg.model.d_model
 
 
+def test_the_host_audit_times_a_step_graphs_own_host_part():
+    """parallel.cuda_graphs=step's prediction: StepGraph around tiny's micro-batch with a replay that costs
+    nothing leaves the batch copied in, the records (one max-logit tensor per MLA layer) and the loss copied
+    out: a few launches, none of the model's."""
+    import host_audit
+
+    from kimi.parallel.cuda_graphs import BATCH_FIELDS
+
+    # the PyTorch kernels (null kernels would stay for the worker's other tests; interpreted Triton is slow)
+    cfg = step_audit.compose([*step_audit.FAMILIES["tiny"], "model.attention.backend=sdpa",
+                              "model.kda.backend=torch"])
+    part = host_audit.step_graph_host(cfg, step_audit.build, step_audit.batch, step_audit.loss_of, repeats=1,
+                                      null=False)
+    mla = sum(1 for _, m in step_audit.build(cfg).sublayers() if m.MAX_LOGITS)
+    assert part["records"] == mla >= 1
+    assert part["launches"] == len(BATCH_FIELDS) + mla + 1
+    assert part["parameters"] == sum(1 for p in step_audit.build(cfg).parameters() if p.requires_grad)
+
+
 def test_the_compiled_roofline_marks_what_parallel_compile_compiles():
     """bench/compiled_roofline.py's Regions: in tiny's meta trace, the ops that apply_compile's regions run
     (each sublayer, each depth mix with its pre-norm) are marked in the forward and in the backward, the
@@ -158,3 +178,12 @@ def test_the_compiled_roofline_counts_the_gradient_sums_between_regions():
 
     assert sums(2) == {"accumulations": 1, "accumulation_bytes": 3 * 64 * 16 * 2}
     assert sums(1) == {"accumulations": 0, "accumulation_bytes": 0}
+
+
+def test_the_docs_host_table_is_the_scripts():
+    """docs/benchmarks.md's host table is bench/step_audit.py's, rendered from the committed results."""
+    results = json.loads((ROOT / "bench" / "results" / "step_audit.json").read_text())
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    block = page.split("<!-- host table: bench/step_audit.py --report -->\n", 1)[1]
+    block = block.split("\n<!-- end of host table -->", 1)[0]
+    assert block.splitlines() == [line for line in step_audit.host_report(results) if line.startswith("|")]
