@@ -55,7 +55,8 @@ make, the same is
     PYTHONPATH=$PWD:/tmp/kimi-site python3 bench/gpu_check.py --out $OUT
 
     python bench/gpu_check.py [--out DIR] [--steps NAME ... | all] [--budget NAME=SECONDS ...]
-                              [--total SECONDS] [--step-args NAME="ARGS" ...] [--verbose] [--plan]
+                              [--total SECONDS] [--step-args NAME="ARGS" ...] [--after DIR] [--verbose]
+                              [--plan]
     python bench/gpu_check.py --dry-run [--out DIR] [--steps ...]
 
 --dry-run runs the steps' code on CPU at tiny sizes (Triton interpreted, fla-core left out, the tiny model
@@ -595,6 +596,14 @@ def run_step(step: str, index: int, args, ctx: Context, env: dict, deadline: flo
     return record
 
 
+def earlier_records(after: Path | None, steps: list[str]) -> dict[str, dict]:
+    """The records of an earlier call (--after) of the steps this call does not run."""
+    if after is None:
+        return {}
+    found = {step: read_json(after / f"{step}.json") for step in STEPS if step not in steps}
+    return {step: record for step, record in found.items() if record is not None}
+
+
 def read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -661,6 +670,10 @@ def parse_args(argv=None):
                         help="a step's own time limit")
     parser.add_argument("--step-args", nargs="+", default=[], metavar='NAME="ARGS"',
                         help="arguments appended to a step's commands")
+    parser.add_argument("--after", type=Path, default=None, metavar="DIR",
+                        help="an earlier call's results (its <step>.json files, carried to the machine): the "
+                             "steps that compare with another's row read it there when it does not run now "
+                             "(train_graphs and train_fp8 with train's)")
     parser.add_argument("--verbose", action="store_true", help="show every command's output as it runs")
     parser.add_argument("--keep-tmp", action="store_true", help="keep the corpus, token cache and raw JSONs")
     parser.add_argument("--plant-failure", nargs="+", default=[], choices=list(STEPS), metavar="NAME",
@@ -721,11 +734,12 @@ def main(argv=None) -> int:
     print(f"[gpu-check] {len(args.steps)} steps{' (dry run on CPU)' if args.dry_run else ''}, at most "
           f"{args.total:.0f} s; results in {out}", flush=True)
     records: dict[str, dict] = {}
+    earlier = earlier_records(args.after, args.steps)
     summary = table(records, args.steps, started)
     try:
         with open(out / LOG, "w") as log:
             for index, step in enumerate(args.steps, 1):
-                records[step] = run_step(step, index, args, ctx, env, deadline, log, records)
+                records[step] = run_step(step, index, args, ctx, env, deadline, log, {**earlier, **records})
                 (out / f"{step}.json").write_text(json.dumps(records[step], indent=2) + "\n")
                 summary = table(records, args.steps, started)  # printed at the end as written here
                 (out / "summary.md").write_text(summary)

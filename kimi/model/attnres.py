@@ -35,12 +35,17 @@ from kimi.ops.attnres.reference import depth_attention, depth_weights, mix_then_
 MIX_RECOMPILE_LIMIT = 256
 
 
-@functools.cache
 def compiled_depth_attention(mode: str | None = None) -> Callable:
     """depth_attention through torch.compile (what parallel.compile=true gives the streams): the stacks, key
     norms, scores, softmax and weighted sum become a few fused kernels instead of a dozen elementwise passes
     over every source (bench/step_audit.py's roofline: the largest memory-bound cost of an unfused step).
-    mode: torch.compile's (reduce-overhead under parallel.cuda_graphs)."""
+    mode: torch.compile's (reduce-overhead under parallel.cuda_graphs). One function per mode, however the
+    mode is passed."""
+    return _compiled_mix(mode)
+
+
+@functools.cache
+def _compiled_mix(mode: str | None) -> Callable:
     # mix_then_norm: depth_attention, then RMSNorm's forward with the norm's weight and eps
     compiled = torch.compile(depth_attention, mode=mode)
     compiled_normed = torch.compile(mix_then_norm, mode=mode)
@@ -60,6 +65,9 @@ def compiled_depth_attention(mode: str | None = None) -> Callable:
 
     mix.normed = normed  # what mix_normed calls when a norm follows
     return mix
+
+
+compiled_depth_attention.cache_clear = _compiled_mix.cache_clear  # forgets every mode's
 
 
 def depth_mix(backend: str, compiled: bool, mode: str | None = None) -> Callable:

@@ -12,7 +12,8 @@ them and predicts both ways).
            launches one graph
 
 What `step` relies on, and how it keeps to it:
-  - fixed shapes: every training batch has the same [B, T]; evaluation runs outside the graph;
+  - fixed shapes: every training batch has the same [B, T] (a batch of another shape, or another gradient
+    scale, captures anew); evaluation runs outside the graph;
   - no host read inside a micro-batch: packed documents (data.varlen) read their offsets on the host and are
     refused by the rules; a capture that fails for any other reason falls back to running without a graph,
     saying why in one line;
@@ -23,8 +24,7 @@ What `step` relies on, and how it keeps to it:
   - what a training forward records besides its output (each sublayer's RECORDS: MLA's max logits for
     QK-Clip, a MoE layer's auxiliary loss) is Python, which a replay does not run: the capture's records are
     noted and undone, and every replay records copies of those tensors again. Records updated in place (a
-    MoE layer's expert load) are in the graph itself;
-  - the gradient scale (1 / accumulation steps) is a constant of the graph: another scale captures anew.
+    MoE layer's expert load) are in the graph itself.
 """
 
 from __future__ import annotations
@@ -156,21 +156,23 @@ class StepGraph:
             with self.backend.side_stream():
                 return self.run(batch, scale).detach()
         c = self.captured
-        if c is None or c.scale != scale or any(p.grad is None or p.grad.data_ptr() != ptr
-                                                for p, ptr in c.grads):
+        if c is None or not self._fits(c, batch, scale):
             c = self._capture(batch, scale)
             if c is None:
                 return self.run(batch, scale).detach()
         for name in BATCH_FIELDS:
-            ours, theirs = getattr(c.batch, name), getattr(batch, name)
-            if ours.shape != theirs.shape:
-                raise ValueError(f"parallel.cuda_graphs=step: a batch's {name} is {tuple(theirs.shape)}, "
-                                 f"the captured one {tuple(ours.shape)}; training batches must all have one "
-                                 "shape")
-            ours.copy_(theirs, non_blocking=True)
+            getattr(c.batch, name).copy_(getattr(batch, name), non_blocking=True)
         self.backend.replay(c.graph)
         record_again(c.effects)
         return c.loss.clone()
+
+    @staticmethod
+    def _fits(c: Captured, batch, scale: float) -> bool:
+        """Whether the captured graph computes this micro-batch: the same gradient scale and batch shape, and
+        every gradient still where the graph adds into it."""
+        return (c.scale == scale
+                and all(getattr(c.batch, k).shape == getattr(batch, k).shape for k in BATCH_FIELDS)
+                and all(p.grad is not None and p.grad.data_ptr() == ptr for p, ptr in c.grads))
 
     def _capture(self, batch, scale: float) -> Optional[Captured]:
         params = [p for p in self.model.parameters() if p.requires_grad]

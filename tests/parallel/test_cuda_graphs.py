@@ -147,7 +147,8 @@ class CpuGraphs:
                     a.copy_(b)
 
 
-def _train(cfg, graphs: bool, steps: int = 4, accum: int = 2, touch=None, backend=CpuGraphs):
+def _train(cfg, graphs: bool, steps: int = 4, accum: int = 2, touch=None, backend=CpuGraphs,
+           rows=(2, 2, 2, 2)):
     """Losses, QK-Clip's and the bias update's effects and final weights of `steps` steps of `accum`
     micro-batches, with a step graph over the CPU stand-in (warm-up 1) or without."""
     torch.manual_seed(0)
@@ -161,7 +162,7 @@ def _train(cfg, graphs: bool, steps: int = 4, accum: int = 2, touch=None, backen
     losses = []
     for step in range(steps):
         for i in range(accum):
-            losses.append(engine.forward_backward(_batch(step * accum + i), 1 / accum))
+            losses.append(engine.forward_backward(_batch(step * accum + i, rows[step]), 1 / accum))
         losses.append(engine.step(1.0)["grad_norm"])
         if touch:
             touch(engine, step)
@@ -184,18 +185,19 @@ def test_a_step_graph_trains_as_without_one(tmp_path, model):
         assert torch.equal(graphed_weights[k], plain_weights[k]), k
 
 
-def test_a_gradient_freed_between_steps_is_captured_anew(tmp_path):
-    """A zero_grad(set_to_none=True) from outside the engine (torchft's does) moves every gradient: the
-    next micro-batch captures a new graph instead of adding into memory no gradient uses."""
+def test_what_the_graph_cannot_compute_is_captured_anew(tmp_path):
+    """A zero_grad(set_to_none=True) from outside the engine (torchft's does) moves every gradient, and a
+    batch of other rows has another shape: the next micro-batch captures a new graph instead of adding into
+    memory no gradient uses or reading a batch cut to the old shape."""
     cfg = _config(tmp_path, "optim.qk_clip_tau=0.01")
 
     def free_grads(engine, step):
         if step == 1:
             engine.optimizer.zero_grad(set_to_none=True)
 
-    plain, plain_weights, _, _ = _train(cfg, graphs=False)
-    graphed, graphed_weights, engine, _ = _train(cfg, graphs=True, touch=free_grads)
-    assert engine.step_graph.captures == 2
+    plain, plain_weights, _, _ = _train(cfg, graphs=False, rows=[2, 2, 2, 3])
+    graphed, graphed_weights, engine, _ = _train(cfg, graphs=True, touch=free_grads, rows=[2, 2, 2, 3])
+    assert engine.step_graph.captures == 3  # the first, after the freed gradients, the 3-row batches
     assert [float(x) for x in graphed] == [float(x) for x in plain]
     assert all(torch.equal(graphed_weights[k], v) for k, v in plain_weights.items())
 

@@ -169,3 +169,23 @@ def test_a_training_row_carries_the_step_audits_roofline_for_its_shape():
     assert f"compiled roofline {1e3 * 4 * compiled['compiled_step_s']:.0f} ms" in note
     assert gpu_check.roofline_note("1b", "123", 4, "NVIDIA H200") == ""
     assert gpu_check.roofline_note("1b", str(roof["T"]), 4, "cpu") == ""
+
+
+@pytest.mark.unit
+def test_a_second_call_compares_with_the_first_calls_train_row(tmp_path):
+    """--after DIR: a step this call does not run is read from an earlier call's files, so train_graphs
+    sets its tokens/s and its GPU's wait on the host beside train's row from the first call."""
+    row = {"tokens_per_s": 1000.0, "mfu": 0.1, "peak_mem_bytes": 2**30, "step_s": 1.0, "losses": [2.0, 1.0],
+           "host": {"gpu_idle_share": 0.5, "gpu_busy_ms": 500.0, "kernels": 10, "aten_ops": 20}}
+    (tmp_path / "train.json").write_text(json.dumps(
+        {"runs": {"1b": {"result": {"layouts": {"single": [row]}}}}}))
+    (tmp_path / "kda_check.json").write_text("{cut short")
+    earlier = gpu_check.earlier_records(tmp_path, ["train_graphs"])
+    assert set(earlier) == {"train"}
+    assert gpu_check.earlier_records(tmp_path, ["train", "train_graphs"]) == {}
+    graphs = {"model": "1b", "batch": 4, "steps": 10, "set": ["trainer.seq_len=4096"],
+              "layouts": {"graphs_step": [{**row, "tokens_per_s": 1500.0,
+                                           "host": {**row["host"], "gpu_idle_share": 0.02}}]}}
+    [(what, result)], failures = gpu_check.train_graphs_rows(graphs, earlier)
+    assert failures == [] and "graphs_step" in what
+    assert result.startswith("1.50x train's tokens/s, GPU waiting on the host 2% of the step (train: 50%)")
