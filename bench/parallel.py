@@ -188,8 +188,9 @@ def worker(out: Path, model: str, overrides: list[str], steps: int, profile: boo
     profiled = _profile(trainer) if profile and cuda else {}
     sent.clear()
     counter = CommCounter()
-    with counter:
-        losses.append(trainer.train_step()["loss"])
+    if trainer.cfg.parallel.cuda_graphs == "none":  # one GPU with graphs: nothing to count, and a replay
+        with counter:  # dispatches nothing a mode could see (regions would be compiled again under it)
+            losses.append(trainer.train_step()["loss"])
     t = cfg.trainer
     tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps * trainer.dims.dp
     peak = peak_flops(trainer.device, t.peak_flops)

@@ -20,7 +20,8 @@ What `step` relies on, and how it keeps to it:
   - fixed addresses: the batch is copied into the graph's own input tensors, and the gradients are
     accumulated into in place, zeroed but never freed between steps (the engine's zero_grad keeps them);
     every replay first checks that each gradient is still where the graph adds into it, and captures anew
-    when one moved;
+    when one moved. A parameter the backward never reaches (tiny, moe_tiny and k3_tiny have none) gets a zero
+    gradient instead of none, which an optimizer steps like any other (weight decay applies);
   - what a training forward records besides its output (each sublayer's RECORDS: MLA's max logits for
     QK-Clip, a MoE layer's auxiliary loss) is Python, which a replay does not run: the capture's records are
     noted and undone, and every replay records copies of those tensors again. Records updated in place (a
