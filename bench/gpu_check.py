@@ -381,6 +381,11 @@ def _train_row(r: dict, x: dict, layout: str):
             f"({r['steps']} timed){extra}"), failures
 
 
+def _host_wait(x: dict) -> str:
+    """The share of a profiled step the GPU waited on the host, or '-' when the row has no profile."""
+    return f"{100 * x['host']['gpu_idle_share']:.0f}%" if x.get("host") else "-"
+
+
 def train_graphs_rows(r: dict, done: dict):
     """A row per kind of CUDA graphs, as train's rows, with its tokens/s against train's row of the same
     model and the share of the step the GPU waited on the host, there and here."""
@@ -390,9 +395,8 @@ def train_graphs_rows(r: dict, done: dict):
     for name, (x, *_) in r["layouts"].items():
         (what, result), failed = _train_row(r, x, f" {name}")
         if base is not None:
-            waited = lambda y: f"{100 * y['host']['gpu_idle_share']:.0f}%" if y.get("host") else "-"  # noqa: E731
             result = (f"{x['tokens_per_s'] / base['tokens_per_s']:.2f}x train's tokens/s, GPU waiting on the "
-                      f"host {waited(x)} of the step (train: {waited(base)}); {result}")
+                      f"host {_host_wait(x)} of the step (train: {_host_wait(base)}); {result}")
         rows.append((what, result))
         failures += [f.replace("train ", "train_graphs ", 1) for f in failed]
     return rows, failures

@@ -13,6 +13,7 @@ kimi/run/signals.py's.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
@@ -23,7 +24,6 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from kimi import checkpoint
 from kimi.checkpoint.saver import Saver
 from kimi.config import Config, config_dict, resolve_vocab, to_config
 from kimi.data import prepare
@@ -43,7 +43,7 @@ from kimi.run.metrics import MetricsLogger, qk_clip_record
 from kimi.run.peaks import PeakFlops
 from kimi.run.progress import ProgressWindow, banner, cpu_size_note
 from kimi.run.profiling import StepProfiler
-from kimi.run.resume import checkpoint_to_resume, load_weights, resume, weights_to_start_from
+from kimi.run.resume import checkpoint_to_resume, load_weights, resume, resume_note, weights_to_start_from
 from kimi.run.runlog import RunLog, data_identity, nothing_to_train, save_config, write_routing
 from kimi.run.signals import StopSignals, release_on_exit, stop_requested, stopped_note
 from kimi.run.step_time import StepClock
@@ -81,7 +81,8 @@ class Trainer:
         self.rank = dist.get_rank() if dims.enabled else 0
         self.dp_rank = dims.dp_rank(self.mesh)  # ranks of one tensor-parallel group read the same data
         self.is_main = self.rank == 0
-        self.watchdog = Watchdog(t.collective_timeout_s, self._intact_note).start() if dims.enabled else None
+        note = functools.partial(resume_note, self.ckpt_dir)  # what a hang's last message says
+        self.watchdog = Watchdog(t.collective_timeout_s, note).start() if dims.enabled else None
         self.lock, self.metrics, self.engine = None, None, None
         self.runlog = RunLog(enabled=self.is_main)  # rank 0's stdout, also in <run_dir>/train.log
         try:
@@ -150,11 +151,6 @@ class Trainer:
             self.watchdog.stop()
         if self.lock is not None:
             self.lock.release()
-
-    def _intact_note(self) -> str:
-        last = checkpoint.latest_complete(self.ckpt_dir)
-        return (f"Rerun the same command to resume from {last.path}." if last
-                else "No checkpoint was written yet.")
 
     def _take_state(self, state: Dict[str, Any]) -> None:
         """A peer's step and data position (Engine.join); this rank keeps its own data rank."""

@@ -82,7 +82,7 @@ class TorchEngine(EngineBase):
             raise ConfigError(f"parallel.cuda_graphs={p.cuda_graphs} needs a CUDA GPU and this run's device "
                               f"is {device.type}: set parallel.cuda_graphs=none")
         # regions: a step's micro-batches are one generation of the recorded graphs (_begin_graph_step)
-        self.graph_step_begins = p.cuda_graphs == "regions"
+        self.graph_regions = self.graph_step_begins = p.cuda_graphs == "regions"
         self.expert_mesh = dims.build_expert_mesh(device.type)
         # before any parallelism, as torchao asks
         self.low_precision = apply_low_precision(model, cfg, device, fsdp=dims.fsdp)
@@ -176,7 +176,7 @@ class TorchEngine(EngineBase):
         earlier replays may be overwritten from here on. Once per optimizer step, not per micro-batch: what a
         micro-batch's graphs leave for the step's end (the max logits QK-Clip reads) must outlive the next
         micro-batch's replays. Each evaluation batch is a step of its own."""
-        if self.graph_step_begins or (evaluating and self.cfg.parallel.cuda_graphs == "regions"):
+        if self.graph_step_begins or (evaluating and self.graph_regions):
             torch.compiler.cudagraph_mark_step_begin()
             self.graph_step_begins = evaluating  # the training step after an evaluation begins anew
 
@@ -206,19 +206,22 @@ class TorchEngine(EngineBase):
         lr = self.optimizer.param_groups[0]["lr"]
         # the step's one read before the update (after it, a read would wait for the update to finish)
         grad_norm = _plain(grad_norm).item()
-        self.graph_step_begins = self.cfg.parallel.cuda_graphs == "regions"
-        # a step graph adds into the gradients where it found them: zero them, never free them
-        keep_grads = self.step_graph is not None
+        self.graph_step_begins = self.graph_regions
         if not math.isfinite(grad_norm):  # no update: the trainer stops on the norm returned
-            self.optimizer.zero_grad(set_to_none=not keep_grads)
+            self.zero_grads()
             return {"grad_norm": grad_norm, "lr": lr}
         self.optimizer.step()
         stats = families.finish() if families is not None else {}  # the optimizer's update, before QK-Clip's
         if self.qk_clip is not None:  # after any optimizer's update (K2)
             self.qk_clip()
         self._weights_changed()
-        self.optimizer.zero_grad(set_to_none=not keep_grads)
+        self.zero_grads()
         return {"grad_norm": grad_norm, "lr": lr, **self.after_update(), **stats}
+
+    def zero_grads(self) -> None:
+        """The gradients ready for the next step: freed, or, under a step graph (which adds into them where
+        it found them), zeroed in place."""
+        self.optimizer.zero_grad(set_to_none=self.step_graph is None)
 
     # ---- diagnostics and the run dir ----------------------------------------------------------------
     def family_stats_missing(self) -> str | None:

@@ -186,8 +186,7 @@ class FaultTolerantEngine(Engine):
         self.committed = self.manager.should_commit()
         if self.committed:
             return engine.step(max_norm, family_stats=family_stats)
-        # a step graph (parallel.cuda_graphs=step) adds into the gradients where they are: keep them
-        engine.optimizer.zero_grad(set_to_none=getattr(engine, "step_graph", None) is None)
+        engine.zero_grads()
         if qk_clip is not None:
             qk_clip.gathered = None
         return {"grad_norm": 0.0, "lr": engine.optimizer.param_groups[0]["lr"]}

@@ -16,6 +16,12 @@ from kimi.schema.stages import boundary_at, stage_label
 Log = Callable[[str], None]
 
 
+def resume_note(ckpt_dir: Path) -> str:
+    """What rerunning the same command would resume from (the watchdog's last words on a hang)."""
+    last = checkpoint.latest_complete(ckpt_dir)
+    return f"Rerun the same command to resume from {last.path}." if last else "No checkpoint was written yet."
+
+
 def checkpoint_to_resume(cfg: Config, ckpt_dir: Path, tokenizer_sha256: str,
                          log: Log) -> Optional[Tuple[checkpoint.CheckpointInfo, Dict[str, Any]]]:
     """(newest intact checkpoint, its trainer state) checked against this config; or None."""

@@ -8,7 +8,6 @@ one line."""
 
 from __future__ import annotations
 
-import dataclasses
 from contextlib import contextmanager
 from types import SimpleNamespace
 from unittest import mock
@@ -65,8 +64,7 @@ def test_a_step_begins_once_per_update_and_per_evaluation_batch(tmp_path, monkey
         model = KimiModel(cfg.model)
     engine = TorchEngine(cfg, ParallelDims.from_config(cfg.parallel, 1), None, torch.device("cpu"), model)
     # graphs are refused on this CPU (below); the marks are what the engine asks of inductor around them
-    engine.cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cuda_graphs="regions"))
-    engine.graph_step_begins = True
+    engine.graph_regions = engine.graph_step_begins = True
     events = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: events.append("mark"))
     batch = _batch(0)

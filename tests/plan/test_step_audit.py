@@ -117,10 +117,11 @@ def test_the_host_audit_times_a_step_graphs_own_host_part():
                               "model.kda.backend=torch"])
     part = host_audit.step_graph_host(cfg, step_audit.build, step_audit.batch, step_audit.loss_of, repeats=1,
                                       null=False)
-    mla = sum(1 for _, m in step_audit.build(cfg).sublayers() if m.MAX_LOGITS)
+    model = step_audit.build(cfg)
+    mla = sum(1 for _, m in model.sublayers() if m.MAX_LOGITS)
     assert part["records"] == mla >= 1
     assert part["launches"] == len(BATCH_FIELDS) + mla + 1
-    assert part["parameters"] == sum(1 for p in step_audit.build(cfg).parameters() if p.requires_grad)
+    assert part["parameters"] == sum(1 for p in model.parameters() if p.requires_grad)
 
 
 def test_the_compiled_roofline_marks_what_parallel_compile_compiles():
