@@ -5,7 +5,7 @@ same overrides and the same number of timed steps (bench/parallel.py's one-proce
 
     python bench/peer.py [--kimi 1b] [--dense dense_1b] [--batch 4] [--steps 10] [--set key=value ...]
     python bench/peer.py --kimi tiny --dense tiny --dense-set model.layer_pattern=A model.residual=standard \
-        --batch 4 --steps 2 --set trainer.seq_len=64   # CPU dry run, tiny (tests/project/test_peer.py)
+        --batch 4 --steps 2 --set trainer.seq_len=64   # CPU dry run, tiny (gpu-check's dry run)
 
 Prints a table (tokens/s, MFU, peak memory, ms per step, each Kimi/dense ratio) and writes
 bench/results/peer.json. MFU counts each model's own FLOPs per token (model.flops_per_token: the dense

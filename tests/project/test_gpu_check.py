@@ -1,11 +1,12 @@
 """`make gpu-check` without a GPU: its dry run runs every step's code on CPU at tiny sizes (Triton kernels
 interpreted, the tiny model for two steps), through the Makefile as a device session runs it, so a plumbing
 bug in bench/gpu_check.py or the bench scripts it drives shows here (every step: the default plan and the
-second call's). Planted failures (a wrong KDA result, a
-crashed step, a hung one) must make it exit non-zero and name the failing check. About 1.5 minutes on 2
-cores; results go to temporary directories."""
+second call's; the peer step's torchtitan trains the dense peer's shape). Planted failures (a wrong KDA
+result, a crashed step, a hung one) must make it exit non-zero and name the failing check. About 2 minutes
+on 2 cores; results go to temporary directories."""
 
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -81,8 +82,21 @@ def test_dry_run_runs_every_step(tmp_path):
     assert set(fp8) == {"fp8_rowwise"} and fp8["fp8_rowwise"][0]["tokens_per_s"] > 0
     assert "x bf16" in step_json(out, "train_fp8")["summary"][0][1]  # against train's row
     peer = result("peer")
-    assert all(peer[name]["tokens_per_s"] > 0 for name in ("titan", "dense", "kimi"))
-    assert peer["kimi"]["reused"] and peer["kimi"]["tokens_per_s"] == train["tokens_per_s"]  # train's row
+    kimi, dense, titan = (peer[name] for name in ("kimi", "dense", "titan"))
+    for r in (kimi, dense, titan):
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["peak_mem_bytes"] > 0
+    assert kimi["reused"] and kimi["tokens_per_s"] == train["tokens_per_s"]  # train's row
+    assert peer["dense_set"] == gpu_check.DENSE_TINY[1:] and peer["batch"] == gpu_check.PEER_DRY[0]
+    # torchtitan trained the dense peer's shape on its own trainer: the same width, depth, length, vocabulary
+    shape = {k: titan["shape"][k] for k in ("layers", "dim", "heads", "seq_len", "vocab")}
+    assert shape == {"layers": 4, "dim": 128, "heads": 2, "seq_len": 64, "vocab": 512}  # tiny's, dense, dry
+    assert len(titan["losses"]) == len(dense["losses"]) > 0 and all(map(math.isfinite, titan["losses"]))
+    # its MFU on our FLOP count: the dense peer's FLOPs per token at torchtitan's speed
+    assert titan["mfu"] / titan["tokens_per_s"] == pytest.approx(dense["mfu"] / dense["tokens_per_s"])
+    (peer_run,) = step_json(out, "peer")["runs"].values()
+    for a, b in (("kimi", "dense"), ("dense", "titan")):  # bench/peer.py's own table, in its log
+        ratio = peer[a]["tokens_per_s"] / peer[b]["tokens_per_s"]
+        assert f"| {a} / {b} | {ratio:.2f}x |" in "\n".join(peer_run["log_tail"])
 
     summary = (out / "summary.md").read_text()
     assert summary in proc.stdout  # the table printed at the end is the file

@@ -91,7 +91,7 @@ SKIPPED = {
     ".venv/bin/python bench/peer.py --titan --batch 4 --steps 10 --set trainer.seq_len=4096 "
     "trainer.precision=bf16 parallel.compile=true":
         "a GPU benchmark: 1b, dense_1b and torchtitan at 4096 tokens compiled in bf16 "
-        "(tests/project/test_peer.py runs its CPU dry run at tiny shape)",
+        "(tests/project/test_gpu_check.py runs its CPU dry run at tiny shape)",
     "make gpu-check": "needs a CUDA GPU (its dry run is the next line)",
     "make gpu-check GPU_CHECK_ARGS=--dry-run": "tests/project/test_gpu_check.py runs it (about a minute)",
     "make gpu-check GPU_CHECK_ARGS=--plan": "tests/project/test_gpu_check.py runs bench/gpu_check.py --plan "
