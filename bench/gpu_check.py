@@ -55,8 +55,11 @@ make, the same is
     PYTHONPATH=$PWD:/tmp/kimi-site python3 bench/gpu_check.py --out $OUT
 
     python bench/gpu_check.py [--out DIR] [--steps NAME ... | all] [--budget NAME=SECONDS ...]
-                              [--total SECONDS] [--step-args NAME="ARGS" ...] [--after DIR] [--verbose]
-                              [--plan]
+                              [--total SECONDS] [--step-args NAME="ARGS" ...] [--after DIR]
+                              [--gpu-memory GIB] [--verbose] [--plan]
+
+The training steps take 1b's 4 rows per step in as many micro-batches as the GPU's memory needs (one on the
+140 GiB H200, two of two rows on an 80 GB H100): rows_per_micro_batch, from the H200's measured peak.
     python bench/gpu_check.py --dry-run [--out DIR] [--steps ...]
 
 --dry-run runs the steps' code on CPU at tiny sizes (Triton interpreted, fla-core left out, the tiny model
@@ -163,6 +166,44 @@ TRAIN_FP8 = {"1b": (4, 5, 4096)}
 # peer: (sequences per step, timed steps, seq_len), and the dry run's dense stand-in: tiny made dense
 PEER, PEER_DRY = TRAIN["1b"], TRAIN_DRY["tiny"]
 DENSE_TINY = ["--dense-set", "model.layer_pattern=A", "model.residual=standard", "model.mha.num_heads=2"]
+# What 1b's training holds on a GPU, measured: 130.6 GiB at the peak (torch.cuda.max_memory_allocated) with
+# 4 rows of 4096 tokens in one micro-batch, compiled bf16, no activation checkpointing, 0.93 of the H200's
+# 140.4 GiB (2026-12-04, calls 2 and 3). Of it, the fp32 weights and Muon momentum are 6.5 GiB (python -m
+# kimi.summary model=1b) and about 31 GiB each row of 4096 tokens; a step of several micro-batches holds the
+# fp32 gradients (3.25 GiB) as well. On a GPU with less memory (an 80 GB H100) the training steps take the
+# same tokens per step in more micro-batches: the most rows per micro-batch within FIT_SHARE of its memory.
+ROW_GIB, STATE_GIB, GRADS_GIB, FIT_SHARE = 31.0, 6.5, 3.25, 0.95
+
+
+def rows_per_micro_batch(batch: int, seq: int, gpu_gib: float | None) -> int:
+    """The most rows (a divisor of `batch`) one micro-batch of 1b can hold on a GPU of `gpu_gib` GiB (all
+    of them when its memory is unknown), at ROW_GIB per 4096 tokens of a row."""
+    if gpu_gib is None:
+        return batch
+    for rows in (r for r in range(batch, 0, -1) if batch % r == 0):
+        need = STATE_GIB + (GRADS_GIB if rows < batch else 0) + rows * ROW_GIB * seq / 4096
+        if need <= FIT_SHARE * gpu_gib:
+            return rows
+    return 1
+
+
+def gpu_memory_gib() -> float | None:
+    """The first GPU's memory in GiB, from nvidia-smi (no CUDA context in this process: the steps need all
+    of the memory); None where it cannot say."""
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30)
+        return float(proc.stdout.split()[0]) / 1024 if proc.returncode == 0 else None  # MiB
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
+def micro_batches(ctx: "Context", batch: int, seq: int) -> list[str]:
+    """--set's overrides that split a step of `batch` rows into micro-batches that fit the GPU (none when
+    one fits)."""
+    rows = rows_per_micro_batch(batch, seq, ctx.gpu_gib)
+    return [] if rows == batch else [f"trainer.micro_batch_size={rows}",
+                                     f"trainer.grad_accum_steps={batch // rows}"]
 
 
 def training_set(ctx: "Context", seq: int, *extra: str) -> list[str]:
@@ -188,7 +229,8 @@ def commands(step: str, ctx: "Context") -> list[tuple[str, list[str]]]:
                    else ["graphs_step", "graphs_regions"])
         return [(model, ["parallel.py", "--layouts", *layouts, "--model", model, "--batch", str(batch),
                          "--steps", str(steps), *([] if fp8 else ["--profile"]),
-                         *training_set(ctx, seq, *([] if fp8 else ["trainer.precision=bf16"]))])
+                         *training_set(ctx, seq, *([] if fp8 else ["trainer.precision=bf16"]),
+                                       *micro_batches(ctx, batch, seq))])
                 for model, (batch, steps, seq) in sizes.items()]
     if step == "peer":
         batch, steps, seq = PEER_DRY if ctx.dry else PEER
@@ -197,7 +239,8 @@ def commands(step: str, ctx: "Context") -> list[tuple[str, list[str]]]:
                                                                                    "dense_1b"]
         return [("peer", ["peer.py", *models, "--titan", "--batch", str(batch), "--steps", str(steps),
                           "--kimi-result", str(ctx.tmp / f"train.{kimi}.json"),
-                          *training_set(ctx, seq, "trainer.precision=bf16")])]
+                          *training_set(ctx, seq, "trainer.precision=bf16",
+                                        *micro_batches(ctx, batch, seq))])]
     script = {"kda_check": "kda.py --check", "attention_check": "attention.py --check-only",
               "kda_speed": "kda.py --no-self-check", "attention_speed": "attention.py --skip-check",
               "attention_auto": "attention.py --auto", "optim": "optim.py --ranks 0",
@@ -206,8 +249,9 @@ def commands(step: str, ctx: "Context") -> list[tuple[str, list[str]]]:
 
 
 class Context:
-    def __init__(self, dry: bool, tmp: Path):
+    def __init__(self, dry: bool, tmp: Path, gpu_gib: float | None = None):
         self.dry, self.tmp, self._corpus = dry, tmp, None
+        self.gpu_gib = gpu_gib  # the GPU's memory, which sizes the training steps' micro-batches
 
     def corpus(self) -> Path:
         """This repository's .md and .py files as .txt documents: about 1 MB of text on a machine that cannot
@@ -375,10 +419,17 @@ def _train_row(r: dict, x: dict, layout: str):
               if hungry else "")
     failures = [f"train {r['model']}{layout}: loss not finite"] if not all(v == v and abs(v) != float("inf")
                                                                            for v in losses) else []
-    return (f"train {r['model']}{layout}: {r['batch']} x {seq} tokens per step, {flags}",
+    return (f"train {r['model']}{layout}: {r['batch']} x {seq} tokens per step{split(r['set'])}, {flags}",
             f"{x['tokens_per_s']:,.0f} tokens/s, MFU {100 * x['mfu']:.1f}%, peak memory "
             f"{x['peak_mem_bytes'] / 2**30:.1f} GiB, {1e3 * x['step_s']:.0f} ms per step "
             f"({r['steps']} timed){extra}"), failures
+
+
+def split(overrides: list[str]) -> str:
+    """' in N micro-batches of R rows' where micro_batches split the step, else ''."""
+    sets = dict(o.split("=", 1) for o in overrides if "=" in o)
+    accum = int(sets.get("trainer.grad_accum_steps", 1))
+    return f" in {accum} micro-batches of {sets['trainer.micro_batch_size']}" if accum > 1 else ""
 
 
 def _host_wait(x: dict) -> str:
@@ -415,7 +466,7 @@ def train_fp8_rows(r: dict, done: dict):
         losses = x.get("losses") or [float("nan")]
         ratio = ("" if name == "bf16" or base is None
                  else f" = {x['tokens_per_s'] / base['tokens_per_s']:.2f}x bf16")
-        rows.append((f"train {r['model']} {name}: {r['batch']} x {seq} tokens per step",
+        rows.append((f"train {r['model']} {name}: {r['batch']} x {seq} tokens per step{split(r['set'])}",
                      f"{x['tokens_per_s']:,.0f} tokens/s{ratio}, MFU {100 * x['mfu']:.1f}% (of the bf16 "
                      f"peak), peak memory {x['peak_mem_bytes'] / 2**30:.1f} GiB; loss {losses[0]:.3f} -> "
                      f"{losses[-1]:.3f} ({r['steps']} timed)"))
@@ -435,7 +486,7 @@ def attention_auto_rows(r: dict, done: dict):
 def peer_rows(r: dict, done: dict):
     runs = [{**r[name], "role": name} for name in ("titan", "dense", "kimi") if name in r]
     seq = next(s.split("=", 1)[1] for s in r["set"] if s.startswith("trainer.seq_len="))
-    rows = [(f"peer {x['role']} {x['model']}: {r['batch']} x {seq} tokens per step"
+    rows = [(f"peer {x['role']} {x['model']}: {r['batch']} x {seq} tokens per step{split(r['set'])}"
              + (" (train's row)" if x.get("reused") else ""),
              f"{x['tokens_per_s']:,.0f} tokens/s, MFU {100 * x['mfu']:.1f}%, peak memory "
              f"{x['peak_mem_bytes'] / 2**30:.1f} GiB, {1e3 * x['step_s']:.0f} ms per step") for x in runs]
@@ -678,6 +729,9 @@ def parse_args(argv=None):
                         help="an earlier call's results (its <step>.json files, carried to the machine): the "
                              "steps that compare with another's row read it there when it does not run now "
                              "(train_graphs and train_fp8 with train's)")
+    parser.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                        help="the GPU's memory, which sizes the training steps' micro-batches (default: "
+                             "nvidia-smi's; in a dry run none, one micro-batch, unless given)")
     parser.add_argument("--verbose", action="store_true", help="show every command's output as it runs")
     parser.add_argument("--keep-tmp", action="store_true", help="keep the corpus, token cache and raw JSONs")
     parser.add_argument("--plant-failure", nargs="+", default=[], choices=list(STEPS), metavar="NAME",
@@ -734,9 +788,15 @@ def main(argv=None) -> int:
     for name in [*(f"{s}.json" for s in STEPS), "summary.md", LOG]:  # no stale results beside new ones
         (out / name).unlink(missing_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="kimi-gpu-check-"))
-    ctx, env = Context(args.dry_run, tmp), child_env(args.dry_run, tmp)
+    gpu_gib = args.gpu_memory if args.gpu_memory or args.dry_run else gpu_memory_gib()
+    ctx, env = Context(args.dry_run, tmp, gpu_gib), child_env(args.dry_run, tmp)
     print(f"[gpu-check] {len(args.steps)} steps{' (dry run on CPU)' if args.dry_run else ''}, at most "
           f"{args.total:.0f} s; results in {out}", flush=True)
+    if gpu_gib is not None:
+        batch, _, seq = TRAIN["1b"]
+        rows = rows_per_micro_batch(batch, seq, gpu_gib)
+        print(f"[gpu-check] GPU memory {gpu_gib:.1f} GiB: 1b's steps of {batch} x {seq} tokens train "
+              f"{rows} row(s) per micro-batch, {batch // rows} micro-batch(es) per step", flush=True)
     records: dict[str, dict] = {}
     earlier = earlier_records(args.after, args.steps)
     summary = table(records, args.steps, started)

@@ -51,7 +51,8 @@ def titan(args, dense: dict) -> dict:
 
     sets = dict(s.split("=", 1) for s in args.set)
     shape = like(args.dense, [*args.set, *args.dense_set], None)
-    spec = {**shape, "batch": args.batch,
+    micro = int(sets.get("trainer.micro_batch_size", args.batch))  # rows per micro-batch, as ours trains
+    spec = {**shape, "batch": args.batch, "micro_batch": micro,
             "compile": sets.get("parallel.compile") == "true", "autotune": False,
             "dtype": "bfloat16" if sets.get("trainer.precision") == "bf16" else "float32",
             "ac": sets.get("parallel.activation_checkpointing", "none")}

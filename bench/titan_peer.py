@@ -83,7 +83,9 @@ def titan_config():
         loss=loss.ChunkedLossWrapper.Config(loss_fn=loss.CrossEntropyLoss.Config(global_vocab_size=vocab)),
         optimizer=optimizer.default_adamw(lr=3e-4),
         lr_scheduler=optimizer.LRSchedulersContainer.Config(warmup_steps=1),
-        training=TrainingConfig(local_batch_size=s["batch"], seq_len=s["seq_len"], steps=s["total_steps"],
+        # a step of `batch` rows in micro-batches of `micro_batch` (gradient accumulation), as ours trains
+        training=TrainingConfig(local_batch_size=s.get("micro_batch", s["batch"]),
+                                global_batch_size=s["batch"], seq_len=s["seq_len"], steps=s["total_steps"],
                                 disable_cuda_graphs=True, mixed_precision_param=s["dtype"]),
         dataloader=text_datasets.HuggingFaceTextDataLoader.Config(dataset="peer_text"),
         metrics=metrics.MetricsProcessor.Config(log_freq=1, disable_color_printing=True),

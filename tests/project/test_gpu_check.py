@@ -36,8 +36,10 @@ def step_json(out: Path, step: str) -> dict:
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_dry_run_runs_every_step(tmp_path):
+    """--gpu-memory 8: sized as for 1b on a GPU of 8 GiB, every training step (the tiny model's here) takes
+    its 4 rows in 4 micro-batches of one, torchtitan's too."""
     out = tmp_path / "gpu"
-    proc = make_gpu_check("--dry-run", "--out", str(out), "--steps", "all")
+    proc = make_gpu_check("--dry-run", "--out", str(out), "--steps", "all", "--gpu-memory", "8")
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == FILES
     for i, step in enumerate(STEPS, 1):
@@ -100,6 +102,11 @@ def test_dry_run_runs_every_step(tmp_path):
 
     summary = (out / "summary.md").read_text()
     assert summary in proc.stdout  # the table printed at the end is the file
+    assert "GPU memory 8.0 GiB: 1b's steps of 4 x 4096 tokens train 1 row(s) per micro-batch" in proc.stdout
+    for row in ("train tiny: 4 x 64 tokens per step in 4 micro-batches of 1",
+                "train tiny fp8_rowwise: 4 x 64 tokens per step in 4 micro-batches of 1",
+                "peer titan torchtitan tiny: 4 x 64 tokens per step in 4 micro-batches of 1"):
+        assert row in summary, summary
     assert summary.count("| step | what | result | status |") == 1 and "DRY RUN" in summary
     rows = [line for line in summary.splitlines() if line.startswith("| ")][2:]
     assert all(line.count(" | ") == 3 for line in rows)
@@ -203,3 +210,49 @@ def test_a_second_call_compares_with_the_first_calls_train_row(tmp_path):
     [(what, result)], failures = gpu_check.train_graphs_rows(graphs, earlier)
     assert failures == [] and "graphs_step" in what
     assert result.startswith("1.50x train's tokens/s, GPU waiting on the host 2% of the step (train: 50%)")
+
+
+@pytest.mark.unit
+def test_the_training_steps_fit_the_gpus_memory(tmp_path):
+    """1b's 4 x 4096 tokens ran in one micro-batch on the 140 GiB H200 at 130.6 GiB (2026-12-04), so that
+    stays; an 80 GB H100 (79.6 GiB) trains the same tokens per step in 2 micro-batches of 2 rows, a 40 GiB
+    card in 4 of 1, and every training step (train, train_fp8, peer, train_graphs) says so to the trainer."""
+    batch, _, seq = gpu_check.TRAIN["1b"]
+    measured = gpu_check.STATE_GIB + batch * gpu_check.ROW_GIB  # the H200's peak, as the constants hold it
+    assert measured == pytest.approx(130.6, abs=0.5)
+    fits = {gib: gpu_check.rows_per_micro_batch(batch, seq, gib) for gib in (140.4, 79.6, 40.0, None)}
+    assert fits == {140.4: 4, 79.6: 2, 40.0: 1, None: 4}
+    assert gpu_check.rows_per_micro_batch(batch, 2 * seq, 140.4) == 1  # 2 rows of 8192: 133.8 GiB
+
+    ctx = gpu_check.Context(False, tmp_path, 79.6)
+    ctx._corpus = tmp_path  # no corpus is written for the commands' text
+    for step in ("train", "train_fp8", "peer", "train_graphs"):
+        (_, argv), = gpu_check.commands(step, ctx)
+        assert {"trainer.micro_batch_size=2", "trainer.grad_accum_steps=2"} <= set(argv), (step, argv)
+    (_, argv), = gpu_check.commands("train", gpu_check.Context(False, tmp_path, 140.4))
+    assert not any(a.startswith(("trainer.micro_batch_size", "trainer.grad_accum_steps")) for a in argv)
+    assert gpu_check.split(argv) == "" and gpu_check.split(["trainer.micro_batch_size=2",
+                                                             "trainer.grad_accum_steps=2"]) == \
+        " in 2 micro-batches of 2"
+
+
+@pytest.mark.unit
+def test_the_sizing_and_the_planners_bf16_gap_are_the_measured_ones():
+    """The docs' sizing paragraph and the planner's caveat quote the H200's measured peak (the committed
+    train.json) and the planner's prediction for the same step as memory_per_rank computes it now."""
+    from kimi.plan.memory import memory_per_rank
+    from kimi.summary import compose_config
+
+    run = json.loads((ROOT / "bench/results/gpu/2026-12-04-h200/call3/train.json").read_text())
+    result = run["runs"]["1b"]["result"]
+    peak = result["layouts"]["single"][0]["peak_mem_bytes"] / 2**30
+    batch, _, seq = gpu_check.TRAIN["1b"]
+    assert result["batch"] == batch and f"trainer.seq_len={seq}" in result["set"]
+    sets = [s for s in result["set"] if s.startswith(("trainer.", "parallel.", "model."))]
+    predicted = sum(memory_per_rank(compose_config(["model=1b", f"trainer.micro_batch_size={batch}",
+                                                    *sets])).values()) / 2**30
+    gpu_md, planning = ((ROOT / "docs" / name).read_text() for name in ("gpu.md", "planning.md"))
+    for text in (gpu_md, planning):
+        flat = " ".join(text.split())
+        assert f"peaked at {peak:.1f} GiB" in flat and f"{predicted:.0f} GiB" in flat
+        assert f"({predicted / peak:.2f}" in flat or f"{predicted / peak:.2f} of the measured" in flat
