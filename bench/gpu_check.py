@@ -417,6 +417,8 @@ def _train_row(r: dict, x: dict, layout: str):
     hungry = x.get("memory_ops") or []
     extra += ("; most memory: " + ", ".join(f"{m['op'][:40]} {m['mib']:,.0f} MiB" for m in hungry[:3])
               if hungry else "")
+    if x.get("peak_mem_timed_bytes"):  # CUDA: before the profiled and counted steps
+        extra += f"; peak memory of the timed steps {x['peak_mem_timed_bytes'] / 2**30:.1f} GiB"
     failures = [f"train {r['model']}{layout}: loss not finite"] if not all(v == v and abs(v) != float("inf")
                                                                            for v in losses) else []
     return (f"train {r['model']}{layout}: {r['batch']} x {seq} tokens per step{split(r['set'])}, {flags}",

@@ -182,6 +182,9 @@ def worker(out: Path, model: str, overrides: list[str], steps: int, profile: boo
         losses.append(trainer.train_step()["loss"])
     sync()
     seconds = (time.perf_counter() - t0) / steps
+    # the peak of the warm-up and timed steps alone: the profiled step and the counted one below (whose
+    # dispatch mode compiles the regions again) may hold more than training does
+    timed_peak = torch.cuda.max_memory_allocated() if cuda else None
     # The counted step comes last: under a dispatch mode the compiled regions are compiled again, and the
     # steps after it ran 1,037 ms instead of 600 on an H200 (2026-12-04, bench/results/gpu/2026-12-04-h200/
     # diagnose): timed after it, parallel.compile=true was measured 1.7x slow.
@@ -202,6 +205,7 @@ def worker(out: Path, model: str, overrides: list[str], steps: int, profile: boo
               # what this rank's device allocated at most (CUDA), or the process's peak resident memory
               "peak_mem_bytes": (torch.cuda.max_memory_allocated() if cuda
                                  else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
+              "peak_mem_timed_bytes": timed_peak,
               "device": torch.cuda.get_device_name() if cuda else "cpu"}
     if profiled:
         record.update(profiled)

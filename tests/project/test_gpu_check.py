@@ -207,8 +207,9 @@ def test_a_second_call_compares_with_the_first_calls_train_row(tmp_path):
     graphs = {"model": "1b", "batch": 4, "steps": 10, "set": ["trainer.seq_len=4096"],
               "layouts": {"graphs_step": [{**row, "tokens_per_s": 1500.0,
                                            "host": {**row["host"], "gpu_idle_share": 0.02}}]}}
+    graphs["layouts"]["graphs_step"][0]["peak_mem_timed_bytes"] = 3 * 2**29  # CUDA's, before the profile
     [(what, result)], failures = gpu_check.train_graphs_rows(graphs, earlier)
-    assert failures == [] and "graphs_step" in what
+    assert failures == [] and "graphs_step" in what and "peak memory of the timed steps 1.5 GiB" in result
     assert result.startswith("1.50x train's tokens/s, GPU waiting on the host 2% of the step (train: 50%)")
 
 
@@ -256,3 +257,8 @@ def test_the_sizing_and_the_planners_bf16_gap_are_the_measured_ones():
         flat = " ".join(text.split())
         assert f"peaked at {peak:.1f} GiB" in flat and f"{predicted:.0f} GiB" in flat
         assert f"({predicted / peak:.2f}" in flat or f"{predicted / peak:.2f} of the measured" in flat
+    flat = " ".join(gpu_md.split())  # the H100's split as rows_per_micro_batch predicts it
+    two = gpu_check.STATE_GIB + gpu_check.GRADS_GIB + 2 * gpu_check.ROW_GIB
+    assert gpu_check.rows_per_micro_batch(batch, seq, 81559 / 1024) == 2  # nvidia-smi's MiB on the H100
+    assert f"2 micro-batches of 2 rows, predicted at {two:.1f} GiB" in flat
+    assert f"{peak / (143771 / 1024):.2f} of its {143771 / 1024:.1f} GiB" in flat  # the H200's
