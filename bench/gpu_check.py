@@ -188,14 +188,19 @@ def rows_per_micro_batch(batch: int, seq: int, gpu_gib: float | None) -> int:
 
 
 def gpu_memory_gib() -> float | None:
-    """The first GPU's memory in GiB, from nvidia-smi (no CUDA context in this process: the steps need all
-    of the memory); None where it cannot say."""
-    try:
-        proc = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True, timeout=30)
-        return float(proc.stdout.split()[0]) / 1024 if proc.returncode == 0 else None  # MiB
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-        return None
+    """The first GPU's memory in GiB, from nvidia-smi, else from torch in a child process (no CUDA context
+    in this one: the steps need all of the memory); None where neither can say."""
+    asks = ((["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"], 2**10),  # MiB
+            ([sys.executable, "-c", "import torch; print(torch.cuda.get_device_properties(0).total_memory)"],
+             2**30))
+    for cmd, unit in asks:
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+            if proc.returncode == 0:
+                return float(proc.stdout.split()[0]) / unit
+        except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+            pass
+    return None
 
 
 def micro_batches(ctx: "Context", batch: int, seq: int) -> list[str]:

@@ -262,3 +262,19 @@ def test_the_sizing_and_the_planners_bf16_gap_are_the_measured_ones():
     assert gpu_check.rows_per_micro_batch(batch, seq, 81559 / 1024) == 2  # nvidia-smi's MiB on the H100
     assert f"2 micro-batches of 2 rows, predicted at {two:.1f} GiB" in flat
     assert f"{peak / (143771 / 1024):.2f} of its {143771 / 1024:.1f} GiB" in flat  # the H200's
+
+
+@pytest.mark.unit
+def test_the_gpus_memory_is_read_from_nvidia_smi(tmp_path, monkeypatch):
+    """nvidia-smi's MiB of the first GPU (the H100's 81559 here); where it fails and torch sees no GPU (this
+    machine), None: the steps keep one micro-batch."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 81559\necho 81559\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert gpu_check.gpu_memory_gib() == pytest.approx(79.65, abs=0.01)
+    smi.write_text("#!/bin/sh\nexit 9\n")
+    import torch
+
+    fallback = gpu_check.gpu_memory_gib()  # torch's, in a child process
+    assert fallback is None if not torch.cuda.is_available() else fallback > 0
