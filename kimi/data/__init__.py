@@ -7,9 +7,10 @@ The names below are imported on first use, so that importing the data's torch-fr
 """
 
 import sys
-from importlib import import_module
 from types import ModuleType
 from typing import TYPE_CHECKING
+
+from kimi import lazy_getattr
 
 _WHERE = {
     "Batch": "loader", "TokenLoader": "loader", "PreparedData": "pack", "open_split": "pack",
@@ -20,10 +21,7 @@ __all__ = ["Batch", "DataError", "PreparedData", "TokenLoader", "Tokenizer", "lo
            "open_tokens", "prepare", "read_tokens", "train_tokenizer"]
 
 
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
+__getattr__ = lazy_getattr(__name__, _WHERE)
 
 
 class _Package(ModuleType):

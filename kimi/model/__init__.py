@@ -4,8 +4,9 @@ The names below are imported on first use, so that importing the model's torch-f
 (kimi/model/config.py, which kimi.config assembles) does not import torch and the model.
 """
 
-from importlib import import_module
 from typing import TYPE_CHECKING
+
+from kimi import lazy_getattr
 
 _WHERE = {
     "InferenceCache": "cache", "KDACache": "cache", "MLACache": "cache", "KDA": "kda", "MLA": "mla",
@@ -16,10 +17,7 @@ __all__ = ["KimiModel", "Block", "lm_loss", "training_flops", "KDA", "MLA", "Swi
            "InferenceCache", "KDACache", "MLACache"]
 
 
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
+__getattr__ = lazy_getattr(__name__, _WHERE)
 
 
 if TYPE_CHECKING:  # for type checkers: the names of __all__, which __getattr__ imports at run time

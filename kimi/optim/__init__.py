@@ -8,8 +8,9 @@ optimizer's torch-free config (kimi/optim/config.py, which kimi.config assembles
 
 from __future__ import annotations
 
-from importlib import import_module
 from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
+
+from kimi import lazy_getattr
 
 if TYPE_CHECKING:
     import torch
@@ -28,10 +29,7 @@ _WHERE = {"weight_decay_groups": "groups", "MuonClip": "muonclip", "muon_splits"
           "lr_multiplier": "schedules"}
 
 
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
+__getattr__ = lazy_getattr(__name__, _WHERE)
 
 
 @runtime_checkable

@@ -10,8 +10,9 @@ The names below are imported on first use, so that importing one light module of
 engine_rules, rules) does not import the engines and the model.
 """
 
-from importlib import import_module
 from typing import TYPE_CHECKING
+
+from kimi import lazy_getattr
 
 _WHERE = {
     "apply_activation_checkpointing": "activation_checkpointing", "apply_compile": "activation_checkpointing",
@@ -24,10 +25,7 @@ _WHERE = {
 __all__ = sorted(_WHERE)
 
 
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
+__getattr__ = lazy_getattr(__name__, _WHERE)
 
 
 if TYPE_CHECKING:  # for type checkers: the names of __all__, which __getattr__ imports at run time

@@ -24,17 +24,15 @@ The names below (kimi/precision/apply.py's) are imported on first use, so that i
 torch-free config (kimi/precision/config.py, which kimi.config assembles) does not import torch.
 """
 
-from importlib import import_module
 from typing import TYPE_CHECKING
+
+from kimi import lazy_getattr
 
 _WHERE = {"apply_low_precision": "apply", "emulated": "apply", "float8_gather": "apply", "targets": "apply"}
 __all__ = sorted(_WHERE)
 
 
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
+__getattr__ = lazy_getattr(__name__, _WHERE)
 
 
 if TYPE_CHECKING:  # for type checkers: the names of __all__, which __getattr__ imports at run time
