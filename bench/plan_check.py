@@ -49,6 +49,8 @@ BASE = ["trainer.seq_len=64", "trainer.micro_batch_size=2", "trainer.max_steps=3
 LAYOUTS = {
     "tiny/single/none": ("tiny", 1, []),
     "tiny/single/full": ("tiny", 1, ["parallel.activation_checkpointing=full"]),
+    # bf16 autocast on the CPU (its policy, not CUDA's): the trace's bytes scaled by the compute dtype's size
+    "tiny/single/none_bf16": ("tiny", 1, ["trainer.precision=bf16"]),
     "tiny/fsdp2/selective": ("tiny", 2, ["parallel.dp_shard=2",
                                          "parallel.activation_checkpointing=selective"]),
     "tiny/tp2/none": ("tiny", 2, ["parallel.tp=2"]),

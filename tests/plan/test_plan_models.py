@@ -225,3 +225,24 @@ def test_a_nan_score_counts_in_no_quantile_balancing_bin():
     some = torch.zeros(4, 10)
     required_bias_histogram(partial, bias, 2, some)  # no out-of-range bin
     assert want.sum() - 4 <= some.sum() < want.sum()
+
+
+@pytest.mark.unit
+def test_the_docs_memory_table_is_the_committed_check():
+    """docs/planning.md's memory table is bench/plan_check.py's table of the committed
+    bench/results/plan_check.json, every layout in it, and its bf16 paragraph quotes that run's bf16 row."""
+    import json
+
+    rows = json.loads((ROOT / "bench" / "results" / "plan_check.json").read_text())["rows"]
+    assert [r["layout"] for r in rows] == list(plan_check.LAYOUTS)
+    docs = (ROOT / "docs" / "planning.md").read_text()
+    memory = plan_check.table(rows).split("\n\n")[0]
+    assert memory in docs
+    by_name = {r["layout"]: r for r in rows}
+    bf16, fp32 = by_name["tiny/single/none_bf16"], by_name["tiny/single/none"]
+    kept, kept32 = bf16["measured_parts"]["rest"] / 2**20, fp32["measured_parts"]["rest"] / 2**20
+    flat = " ".join(docs.split())
+    assert (f"keeps {kept:.2f} MiB beside its weights and optimizer state, {kept / kept32:.2f} of the fp32 "
+            f"step's {kept32:.2f}") in flat
+    assert (f"{bf16['predicted_peak'] / 2**20:.2f} MiB against {bf16['measured_peak'] / 2**20:.2f} measured, "
+            f"{bf16['ratio']:.3f}") in flat
