@@ -57,10 +57,10 @@ make, the same is
     python bench/gpu_check.py [--out DIR] [--steps NAME ... | all] [--budget NAME=SECONDS ...]
                               [--total SECONDS] [--step-args NAME="ARGS" ...] [--after DIR]
                               [--gpu-memory GIB] [--verbose] [--plan]
+    python bench/gpu_check.py --dry-run [--out DIR] [--steps ...]
 
 The training steps take 1b's 4 rows per step in as many micro-batches as the GPU's memory needs (one on the
 140 GiB H200, two of two rows on an 80 GB H100): rows_per_micro_batch, from the H200's measured peak.
-    python bench/gpu_check.py --dry-run [--out DIR] [--steps ...]
 
 --dry-run runs the steps' code on CPU at tiny sizes (Triton interpreted, fla-core left out, the tiny model
 without torch.compile instead of 1b, two steps), each step with DRY_CAP seconds, so a plumbing bug shows
@@ -177,7 +177,7 @@ ROW_GIB, STATE_GIB, GRADS_GIB, FIT_SHARE = 31.0, 6.5, 3.25, 0.95
 
 def rows_per_micro_batch(batch: int, seq: int, gpu_gib: float | None) -> int:
     """The most rows (a divisor of `batch`) one micro-batch of 1b can hold on a GPU of `gpu_gib` GiB (all
-    of them when its memory is unknown), at ROW_GIB per 4096 tokens of a row."""
+    of them when its memory is unknown, 1 when not even one row fits), at ROW_GIB per 4096 tokens of a row."""
     if gpu_gib is None:
         return batch
     for rows in (r for r in range(batch, 0, -1) if batch % r == 0):
@@ -795,7 +795,7 @@ def main(argv=None) -> int:
     for name in [*(f"{s}.json" for s in STEPS), "summary.md", LOG]:  # no stale results beside new ones
         (out / name).unlink(missing_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="kimi-gpu-check-"))
-    gpu_gib = args.gpu_memory if args.gpu_memory or args.dry_run else gpu_memory_gib()
+    gpu_gib = args.gpu_memory if args.gpu_memory is not None or args.dry_run else gpu_memory_gib()
     ctx, env = Context(args.dry_run, tmp, gpu_gib), child_env(args.dry_run, tmp)
     print(f"[gpu-check] {len(args.steps)} steps{' (dry run on CPU)' if args.dry_run else ''}, at most "
           f"{args.total:.0f} s; results in {out}", flush=True)
