@@ -90,15 +90,29 @@ def compile_kernel(fn, signature: dict, constexprs: dict, attrs: dict, arch: int
                                    capture_output=True, text=True).stdout
         stores = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
         smem = compiled.metadata.shared
-        row.update(narrow_half=narrow_half_operands(compiled.asm.get("ttgir", "")),
-                   regs=int(re.search(r"REG:(\d+)", usage).group(1)),
+        regs = int(re.search(r"REG:(\d+)", usage).group(1))
+        row.update(narrow_half=narrow_half_operands(compiled.asm.get("ttgir", "")), regs=regs,
                    spill_stores=int(stores.group(1)), spill_loads=int(stores.group(2)),
                    spill_stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
-                   smem=smem, smem_over_limit=smem > ARCHS[arch][2])
+                   smem=smem, smem_over_limit=smem > ARCHS[arch][2],
+                   resident_warps=resident_warps(regs, num_warps, smem, arch))
     except Exception as e:  # report every failure, not just the first
         text = str(e)
         row["error"] = next((line for line in text.splitlines() if line.strip()), repr(e))[:300]
     return row
+
+
+def resident_warps(regs: int, warps: int, smem: int, arch: int) -> int:
+    """Warps of this kernel resident at once on one multiprocessor (an occupancy calculator's answer, from
+    the compiled registers and shared memory): registers are allocated per warp in units of 256 from 64K
+    per multiprocessor, a block's shared memory takes 1 KB more for the system, and at most 64 warps and 32
+    blocks fit (sm_80 and sm_90 alike). More resident warps hide more of each one's memory latency; a
+    prediction of what limits a latency-bound kernel, not a timing."""
+    per_warp = -(-regs * 32 // 256) * 256
+    blocks = min(65536 // per_warp // warps, 64 // warps, 32)
+    if smem:
+        blocks = min(blocks, ARCHS[arch][1] // (smem + 1024))
+    return blocks * warps
 
 
 def narrow_half_operands(ttgir: str) -> list[str]:

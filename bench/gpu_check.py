@@ -11,7 +11,8 @@ The default plan (PLAN; `--plan` prints it with each step's cap and predicted se
                      and ours under each launch layout of the two scores kernels (the 2026-12-04 profile's
                      costliest KDA kernels; kimi.ops.kda.triton.common.SCORES_GRIDS)
   3 train            bench/parallel.py --layouts single --profile: 1b, 4 x 4096 tokens, compiled bf16 (the
-                     settings expected to be fastest): tokens/s, MFU, peak memory, the losses, the dtypes
+                     settings expected to be fastest, KDA's scores kernels in the layout kda_speed timed
+                     fastest, as every training step): tokens/s, MFU, peak memory, the losses, the dtypes
                      reaching the KDA kernels, any fallback to PyTorch, and one profiled step: its costliest
                      kernels, the GPU's busy time against the step's (the share spent waiting on the host),
                      kernels launched and aten ops dispatched
@@ -211,6 +212,27 @@ def micro_batches(ctx: "Context", batch: int, seq: int) -> list[str]:
                                      f"trainer.grad_accum_steps={batch // rows}"]
 
 
+TRAINING_STEPS = ("train", "train_fp8", "peer", "train_graphs")
+
+
+def fastest_scores_layout(done: dict) -> tuple[str, str] | None:
+    """(layout, why) of KDA's scores kernels for the training steps: the fastest forward+backward in this
+    call's (or --after's) kda_speed step at the row length closest to the training rows', so `train` runs
+    the settings expected to be fastest; None when kda_speed timed no layout."""
+    record = done.get("kda_speed") or {}
+    rows = [x for e in record.get("runs", {}).values() for x in e.get("result", {}).get("rows", [])]
+    seq = TRAIN["1b"][2]
+    timed = [(abs(x["T"] - seq), x) for x in rows
+             if any(k.startswith("grid_") and k.endswith("_fwdbwd_ms") for k in x)]
+    if not timed:
+        return None
+    row = min(timed, key=lambda t: t[0])[1]
+    grids = {k[5:-10]: v for k, v in row.items() if k.startswith("grid_") and k.endswith("_fwdbwd_ms")}
+    best = min(grids, key=grids.get)
+    return best, (f"the fastest in kda_speed at T={row['T']}: " +
+                  ", ".join(f"{g} {ms:.2f} ms" for g, ms in grids.items()) + " fwd+bwd")
+
+
 def training_set(ctx: "Context", seq: int, *extra: str) -> list[str]:
     """--set's overrides of a training measurement: the sequence length, compiled on a GPU, this repository's
     text with a 32k vocabulary (the presets' size; the tokenizer trained on ~1 MB has 4096 pieces)."""
@@ -332,6 +354,10 @@ def kda_speed_rows(r: dict, done: dict):
         if "safe_bounded_fwdbwd_ms" in x and "safe_general_fwdbwd_ms" in x:
             bounded, general = x["safe_bounded_fwdbwd_ms"], x["safe_general_fwdbwd_ms"]
             parts.append(f"safe gate fwd+bwd: bounded {bounded:.2f} ms = {bounded / general:.2f}x general")
+        grids = {k[5:-10]: v for k, v in x.items() if k.startswith("grid_") and k.endswith("_fwdbwd_ms")}
+        if grids:  # which launch layout common.SCORES_GRID should default to
+            parts.append("scores layouts fwd+bwd: " + ", ".join(f"{g} {ms:.2f} ms" for g, ms in grids.items())
+                         + f" (fastest {min(grids, key=grids.get)})")
         decode = f"decode {x['decode_ours_us']:.0f} us" if "decode_ours_us" in x else "decode: ours failed"
         decode += f" (fla {x['decode_fla_us']:.0f} us)" if "decode_fla_us" in x else ""
         parts.append(decode + f", attention over the cache {x['decode_sdpa_us']:.0f} us")
@@ -605,6 +631,10 @@ def run_step(step: str, index: int, args, ctx: Context, env: dict, deadline: flo
         print(f"[gpu-check {index}/{len(args.steps)}] {step}: skipped, no time left", flush=True)
         return record
     print(f"[gpu-check {index}/{len(args.steps)}] {step} ({title}) ...", flush=True)
+    layout = fastest_scores_layout(done or {}) if step in TRAINING_STEPS else None
+    if layout and "KIMI_KDA_SCORES_GRID" not in env:  # a layout set by hand wins
+        env = {**env, "KIMI_KDA_SCORES_GRID": layout[0]}
+        print(f"    KIMI_KDA_SCORES_GRID={layout[0]}: {layout[1]}", flush=True)
     for name, script_args in commands(step, ctx):
         raw = ctx.tmp / f"{step}.{name}.json"
         argv = [sys.executable, str(BENCH / script_args[0]), *script_args[1:],
@@ -648,6 +678,8 @@ def run_step(step: str, index: int, args, ctx: Context, env: dict, deadline: flo
         record["failures"] += failures
         if deadline - time.monotonic() < 1:
             break
+    if layout and env.get("KIMI_KDA_SCORES_GRID") == layout[0]:
+        record["summary"].append([f"KDA scores layout {layout[0]}", layout[1]])
     statuses = [e["status"] for e in record["runs"].values()]
     record["status"] = next((s for s in ("crashed", "timeout", "failed") if s in statuses), "ok")
     record["seconds"] = round(time.monotonic() - start, 1)

@@ -625,26 +625,26 @@ SWITCHES = ("HAS_INIT", "HAS_DFINAL", "REVERSE", "WITH_QG", "SAFE", "BOUNDED")
 BASE = dict(dtype="bf16", K=128, V=128)  # the model's shape: where the cu_seqlens dtype is varied too
 # Why the spills left in hot kernels are left (written into the JSONs beside the numbers).
 NOTES = {
-    "scores_kernel": "bf16 K = 128: ~100-250 B of spills remain (sm_90 and sm_80). Each diagonal 16-token "
-                     "sub-chunk is computed from [16, 16, BKD] fp32 tiles of masked decays (exponent -inf "
-                     "above the diagonal, so no positive exponent is ever taken) and of the decayed keys, "
-                     "beside the [16, K] rows the off-diagonal matmuls keep; BKD = 16 or 4 warps spill as "
-                     "much or more (measured 76-336 B). A register-only diagonal would need the anchored "
-                     "form there too, which loses the exactness of strong gates. BOUNDED=1 (Kimi K3's safe "
-                     "gate) has that form: 168 B / 304 B on sm_90, 40 / 72 B on sm_80, from its tf32x3 "
-                     "products (bf16 ones spill less but put the output 1.5x further from fp64); a "
-                     "whole-K diagonal product instead of BKD slices spilled 30 KB.",
-    "scores_bwd_kernel": "bf16 K = 128, layout serial:8 (common.scores_grid; one program walks its chunk's 4 "
-                         "sub-chunks x 4 key slices): ~100-250 B of spills remain at 255 registers, for the "
-                         "same [16, 16, BKD] diagonal tiles as scores_kernel, here three of them (dq, dk by "
-                         "row and by column); BOUNDED=1, whose diagonal is matmuls, 44 B / 72 B on sm_90, "
-                         "8 / 8 B on sm_80. The split layouts (a program per sub-chunk and slice) keep no "
-                         "state across units and spill nothing on sm_90 (175 registers at 8 warps).",
+    "scores_kernel": "bf16 K = 128, layout serial:8 (common.scores_grid): 247-254 registers, no spills, "
+                     "except sm_80's BOUNDED=1 (Kimi K3's safe gate), 40 B / 72 B from its tf32x3 diagonal "
+                     "products (bf16 ones spill less but put the output 1.5x further from fp64). One "
+                     "program of 8 warps fits a multiprocessor. The split layouts take the diagonal block "
+                     "before the anchored rows: 168 registers (split:4), 158 (tokens:4, the diagonal one key "
+                     "token at a time instead of [16, 16, BKD] tiles), 12 warps resident.",
+    "scores_bwd_kernel": "bf16 K = 128, layout serial:8 (one program walks its chunk's 4 sub-chunks x 4 key "
+                         "slices): 80-180 B of spills on sm_90 (8-40 B on sm_80) at 255 registers, from the "
+                         "[16, 16, BKD] diagonal tiles (three of them: dq, dk by row and by column) and the "
+                         "state kept across units. split:4 spills nothing but still takes 255 registers "
+                         "(8 warps resident, as serial:8); tokens:4 (the diagonal one key token at a time) "
+                         "takes 96 on sm_90 and 128 on sm_80: 20 and 16 warps resident, the layout the next "
+                         "GPU call times against the others (bench/kda.py --scores-grid).",
     "chunk_bwd_kernel": "sm_90: ~200 B, since its two products with a [C, BKC] operand multiply as tf32x3 "
                         "on fp32 operands there (a 32-wide bf16 operand faults on Hopper, "
                         "common.HALF_MIN_ROW; 0 B before that change). sm_80: ~84 B, its ptxas keeps a few "
                         "more registers live across the key-block loop; smaller key blocks would reread dO, "
                         "V_new and dV_new more often.",
+    "wu_kernel": "sm_80 only, at K = 128 with V = 64 (no preset's head shape: theirs are 128 / 128): "
+                 "~630 B at 255 registers; sm_90, and sm_80 at V = 128, spill nothing.",
     "state_kernel": "sm_80 only, at BVS = 64, 12-48 B; BVS = 32 (chosen for fp32 inputs when the sequences "
                     "and heads do not fill the GPU; half precision always takes 64, common.HALF_MIN_ROW) "
                     "does not spill.",
@@ -695,7 +695,8 @@ def kda_kernels() -> dict:
                 configs = [(b, warps, stages) for b in blocks]
                 if "SPLIT" in obj.arg_names:  # the scores kernels: each launch layout a benchmark may pick
                     grids = map(common.scores_grid, common.SCORES_GRIDS)
-                    configs = [({"SPLIT": g["split"]}, g["warps"], stages) for g in grids]
+                    configs = [({"SPLIT": g["split"], "TOKENS": g["tokens"]}, g["warps"], stages)
+                               for g in grids]
             out[name] = (mod, obj, configs)
     missing = set(names) - set(out)
     if missing:
@@ -807,12 +808,13 @@ def _report(arch: int, mine: list[dict], kernels, helpers, seconds: float, args)
 
     name, per_sm, per_block = ARCHS[arch]
     print(f"\n## {name}: per block {per_block} B of shared memory\n")
-    print("| kernel | hot | variant | config | warps | stages | regs | spill st/ld B | stack | smem B |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| kernel | hot | variant | config | warps | stages | regs | spill st/ld B | stack | smem B | "
+          "warps/SM |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in mine:
-        tail = (f"FAILED: {r['error']} | | | " if "error" in r else
+        tail = (f"FAILED: {r['error']} | | | | " if "error" in r else
                 f"{r['regs']} | {r['spill_stores']}/{r['spill_loads']} | {r['spill_stack']} | {r['smem']}"
-                + (" OVER" if r["smem_over_limit"] else ""))
+                + (" OVER" if r["smem_over_limit"] else "") + f" | {r['resident_warps']}")
         print(f"| {r['kernel']} | {r['hot']} | {_variant_text(r)} | {r['config'] or '-'} | "
               f"{r['warps']} | {r['stages']} | {tail} |")
     failed = [r for r in mine if "error" in r]
@@ -822,12 +824,11 @@ def _report(arch: int, mine: list[dict], kernels, helpers, seconds: float, args)
     hot = [r for r in mine if r["hot"] and "error" not in r and r["cu"] == "i32"
            and all(r[k] in (v, None) for k, v in BASE.items())]
     print(f"\nhot kernels at bf16 K = V = 128 on {name}:\n")
-    print("| kernel | part | variant | config | warps | regs | spill st/ld B | smem B |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| kernel | part | variant | config | warps | regs | spill st/ld B | smem B | warps/SM |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in hot:
         print(f"| {r['kernel']} | {r['hot']} | {_variant_text(r)} | {r['config'] or '-'} | {r['warps']} | "
-              f"{r['regs']} | "
-              f"{r['spill_stores']}/{r['spill_loads']} | {r['smem']} |")
+              f"{r['regs']} | {r['spill_stores']}/{r['spill_loads']} | {r['smem']} | {r['resident_warps']} |")
     print(f"\n{len(mine) - len(failed)} of {len(mine)} compiled for {name}; "
           f"{len(spills)} spill, {len(over)} over {per_block} B of shared memory, "
           f"{len(narrow)} with narrow half-precision operands")
@@ -849,6 +850,51 @@ def _report(arch: int, mine: list[dict], kernels, helpers, seconds: float, args)
                   rows=mine)
     suffix = "_quick" if args.quick else ""
     write(RESULTS / f"kda_sm{arch}_compile{suffix}.json", result)
+
+
+HOT_NAMES = {"scores_kernel": "scores (chunk forward)", "solve_kernel": "solve",
+             "wu_kernel": "wu (W, U, decayed keys)", "output_kernel": "output",
+             "state_kernel": "state pass", "state_bwd_kernel": "state pass backward",
+             "chunk_bwd_kernel": "chunk backward", "scores_bwd_kernel": "scores backward"}
+
+
+def hot_table(results: dict[int, dict]) -> str:
+    """The hot kernels at the model's shape (bf16, K = V = 128, cu_seqlens int32) from the sm_90 and sm_80
+    compile checks, as docs/benchmarks.md shows them: per kernel (per launch layout for the scores kernels,
+    per value block for the state passes), the range of registers over its switches, the most spilled bytes
+    and the warps resident per multiprocessor (compile_check.resident_warps)."""
+    def span(values):
+        lo, hi = min(values), max(values)
+        return f"{lo}" if lo == hi else f"{lo}-{hi}"
+
+    groups: dict = {}
+    for arch, result in results.items():
+        for r in result["rows"]:
+            if (r["hot"] and r["dtype"] == "bf16" and r["K"] in (128, None) and r.get("V") in (128, None)
+                    and r["cu"] == "i32" and "error" not in r):
+                config = r["config"]
+                if "SPLIT" in config:  # the scores kernels: per launch layout and gate form
+                    form = "serial" if not config["SPLIT"] else "tokens" if config.get("TOKENS") else "split"
+                    label = f"{form}:{r['warps']}" + (", bounded gate" if r.get("BOUNDED") else "")
+                else:
+                    label = f"BVS {config['BVS']}" if "BVS" in config else ""
+                groups.setdefault((r["kernel"], label), {}).setdefault(arch, []).append(r)
+    archs = sorted(results, reverse=True)
+    head = " | ".join(f"sm_{a} {c}" for a in archs for c in ("regs", "spills st/ld B", "warps/SM"))
+    lines = [f"| kernel | layout | {head} |", "|---|---|" + "---|" * 3 * len(archs)]
+    order = list(HOT_NAMES)
+    for (kernel, label), by_arch in sorted(groups.items(), key=lambda kv: (order.index(kv[0][0]), kv[0][1])):
+        cells = []
+        for a in archs:
+            rows = by_arch.get(a)
+            if not rows:
+                cells += ["-", "-", "-"]
+                continue
+            st, ld = max(r["spill_stores"] for r in rows), max(r["spill_loads"] for r in rows)
+            cells += [span([r["regs"] for r in rows]), f"{st}/{ld}" if st or ld else "0",
+                      span([r["resident_warps"] for r in rows])]
+        lines.append(f"| {HOT_NAMES[kernel]} | {label or '-'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def compile_check(args) -> None:
@@ -876,6 +922,10 @@ def compile_check(args) -> None:
                 _report(arch, [r for r in rows if r["arch"] == arch], kernels, helpers,
                         time.perf_counter() - start, args)
     seconds = time.perf_counter() - start
+    suffix = "_quick" if args.quick else ""
+    written = {a: json.loads((RESULTS / f"kda_sm{a}_compile{suffix}.json").read_text())
+               for a in arch_list(args.arch)}
+    print("\nhot kernels at bf16 K = V = 128 (docs/benchmarks.md):\n\n" + hot_table(written))
     print(f"compile check: {seconds:.0f} s")
     if any("error" in r or r.get("narrow_half") for r in rows):
         raise SystemExit(1)

@@ -83,6 +83,11 @@ def check_kda(results: list[dict]) -> None:
         hot = [r for r in result["rows"] if r["hot"] and r["dtype"] == "bf16" and r["K"] in (128, None)]
         spilled = {r["kernel"] for r in hot if r["spill_stores"] or r["spill_loads"]}
         assert spilled <= set(result["notes"]), (result["target"], spilled - set(result["notes"]))
+        # the tokens layout of the scores backward (its diagonal one key token at a time) holds at least
+        # twice the warps per multiprocessor of the serial layout, the reason it is timed on a GPU
+        resident = {(r["config"]["SPLIT"], r["config"]["TOKENS"]): r["resident_warps"] for r in hot
+                    if r["kernel"] == "scores_bwd_kernel" and not r["BOUNDED"] and r["cu"] == "i32"}
+        assert resident[True, True] >= 2 * resident[False, False], (result["target"], resident)
 
 
 def check_attention(results: list[dict]) -> None:

@@ -118,6 +118,24 @@ def test_split_scores_grid_equals_serial(monkeypatch, lower_bound):
         common.scores_grid("split:3")
 
 
+@pytest.mark.parametrize("strong", [False, True])
+def test_tokens_diagonal_matches_naive(monkeypatch, strong):
+    """The tokens layout (common.scores_grid: the general gate's diagonal blocks one key token at a time,
+    forward and backward) against the fp64 reference: packed sequences with a partial chunk and K = 24 (a
+    masked key tail), at ordinary gates and at gates near -5 per token, where only a form that never
+    exponentiates a positive number stays finite (dg's bound as in test_strong_decay_stays_finite)."""
+    for key, value in common.scores_grid("tokens:4").items():
+        monkeypatch.setitem(common.SCORES_GRID, key, value)
+    lengths = [66, 9]
+    q, k, v, g, beta, h0 = make_inputs(1, sum(lengths), 2, 24, 16, seed=9)
+    h0 = torch.cat([h0, h0.flip(0)])  # one initial state per sequence
+    if strong:
+        g = -5 + 0.5 * torch.rand(q.shape, generator=torch.Generator().manual_seed(2), dtype=F64)
+    cu_seqlens = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    assert_close_to_naive([q, k, v, g, beta, h0], torch.float32, 1e-5, cu_seqlens=cu_seqlens,
+                          grad_bounds={"g": 5e-5} if strong else None)
+
+
 @pytest.mark.slow
 def test_state_continuation():
     q, k, v, g, beta, h0 = (x.float() for x in make_inputs(1, 100, 2, 16, 16, seed=11))
@@ -318,3 +336,18 @@ def test_selective_checkpointing_keeps_the_chunk_forward(monkeypatch):
         runs.clear()
         _checkpointed(selective)(kda, q, k, v, g, beta).sum().backward()
         assert len(runs) == count
+
+
+def test_docs_show_the_committed_compile_check():
+    """docs/benchmarks.md's table of the hot kernels (registers, spills, warps resident per multiprocessor,
+    per scores-kernel layout) is bench/kda.py's hot_table of the committed sm_90 and sm_80 compile checks."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.append(str(root / "bench"))  # appended: a bench script must not shadow an installed package
+    import kda as bench
+
+    results = {a: json.loads((root / f"bench/results/kda_sm{a}_compile.json").read_text()) for a in (90, 80)}
+    assert bench.hot_table(results) in (root / "docs/benchmarks.md").read_text()
+

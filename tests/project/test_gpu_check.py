@@ -66,8 +66,9 @@ def test_dry_run_runs_every_step(tmp_path):
     assert {"ours_fwd_ms", "ours_fwdbwd_ms", "sdpa_fwdbwd_ms", "decode_ours_us", "safe_general_fwdbwd_ms",
             "safe_bounded_fwdbwd_ms"} <= set(speed)
     # ours under each launch layout of the scores kernels, side by side (common.SCORES_GRIDS)
-    layouts = ("serial:8", "split:8", "split:4")
+    layouts = ("serial:8", "split:4", "tokens:4")
     assert {f"grid_{g}_{m}_ms" for g in layouts for m in ("fwd", "fwdbwd")} <= set(speed)
+    assert "scores layouts fwd+bwd: serial:8 " in step_json(out, "kda_speed")["summary"][0][1]
     assert result("kda_speed")["config"]["fla"] == "skipped" and result("kda_speed")["errors"] == []
     attn_speed = result("attention_speed")
     assert set(attn_speed["dq_modes"]) == {"separate", "atomic"}
@@ -83,6 +84,11 @@ def test_dry_run_runs_every_step(tmp_path):
     fp8 = step_json(out, "train_fp8")["runs"]["tiny"]["result"]["layouts"]  # emulated on CPU
     assert set(fp8) == {"fp8_rowwise"} and fp8["fp8_rowwise"][0]["tokens_per_s"] > 0
     assert "x bf16" in step_json(out, "train_fp8")["summary"][0][1]  # against train's row
+    # the training steps run KDA's scores kernels in the layout kda_speed found fastest, and say so
+    for step in ("train", "train_fp8", "peer", "train_graphs"):
+        summary = step_json(out, step)["summary"]
+        (layout,) = [row for row in summary if row[0].startswith("KDA scores layout ")]
+        assert layout[0].split()[-1] in layouts and "the fastest in kda_speed at T=64: serial:8 " in layout[1]
     peer = result("peer")
     kimi, dense, titan = (peer[name] for name in ("kimi", "dense", "titan"))
     for r in (kimi, dense, titan):

@@ -11,7 +11,8 @@ chunk_fwd.py are rerun (G, scores, inverse, W, U, the entering states and V_new)
    Leaves dA_qk and dL (the gradients of the two score matrices) for step 3.
 3. `scores_bwd_kernel`, per chunk: back through the pairwise-decayed scores
    P[t, s] = sum_d x_t k_s exp(G_t - G_s), anchored exactly like the forward (off-diagonal sub-chunk
-   blocks as matmuls, diagonal blocks as masked [t, s, d] tiles); dG_t gains x_t dx_t and loses k_s dk_s.
+   blocks as matmuls, diagonal blocks as masked [t, s, d] tiles, or one key token at a time in the tokens
+   layout, common.scores_grid); dG_t gains x_t dx_t and loses k_s dk_s.
 4. `chunk_cumsum(reverse=True)`: dg from dG (G is the in-chunk cumulative sum of g).
 """
 
@@ -134,7 +135,8 @@ def _load_sq_block(A, t0, last, i, j, h, H, C: tl.constexpr, BC: tl.constexpr):
 @triton.jit
 def scores_bwd_kernel(q, k, Gc, dAqk, dL, dqs, dks, dq, dk, dG, cu_seqlens, chunks, scale, H, K: tl.constexpr,
                       BK: tl.constexpr, BKD: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-                      PREC: tl.constexpr, BOUNDED: tl.constexpr, PREC_D: tl.constexpr, SPLIT: tl.constexpr):
+                      PREC: tl.constexpr, BOUNDED: tl.constexpr, PREC_D: tl.constexpr, SPLIT: tl.constexpr,
+                      TOKENS: tl.constexpr):
     """For P = A_qk (x = q) and P = L (x = k): dx_t = sum_s dP[t, s] k_s exp(G_t - G_s) (row role) and
     dk_s = sum_t dP[t, s] x_t exp(G_t - G_s) (column role). Row role anchors at the first row of t's
     sub-chunk, column role at the last row of s's; diagonal blocks use the masked [t, s, d] decays.
@@ -143,25 +145,26 @@ def scores_bwd_kernel(q, k, Gc, dAqk, dL, dqs, dks, dq, dk, dG, cu_seqlens, chun
     diagonal block joins both anchored sums as one more matmul each, at PREC_D as in scores_kernel.
     SPLIT: one program per (chunk, head, sub-chunk, channel slice), grid (NT, H, C // BC * ceil(K / BKD));
     otherwise one per (chunk, head) walking its sub-chunks and slices in turn. The same sums either way
-    (units share no partial results); which is faster is a GPU's question (bench/kda.py --scores-grid)."""
+    (units share no partial results); which is faster is a GPU's question (bench/kda.py --scores-grid).
+    TOKENS: the general diagonal block one key token at a time (_bwd_diagonal_by_token)."""
     i_c, h = tl.program_id(0), tl.program_id(1)
     t0, last = chunk_bounds(cu_seqlens, chunks, i_c, C)
     if SPLIT:
         unit = tl.program_id(2)
         slices = (K + BKD - 1) // BKD
         _scores_bwd_unit(q, k, Gc, dAqk, dL, dqs, dks, dq, dk, dG, t0, last, h, H, unit // slices,
-                         unit % slices * BKD, scale, K, BKD, C, BC, PREC, BOUNDED, PREC_D)
+                         unit % slices * BKD, scale, K, BKD, C, BC, PREC, BOUNDED, PREC_D, TOKENS)
     else:
         for i in tl.static_range(C // BC):
             for d0 in range(0, BK, BKD):
                 _scores_bwd_unit(q, k, Gc, dAqk, dL, dqs, dks, dq, dk, dG, t0, last, h, H, i, d0, scale, K,
-                                 BKD, C, BC, PREC, BOUNDED, PREC_D)
+                                 BKD, C, BC, PREC, BOUNDED, PREC_D, TOKENS)
 
 
 @triton.jit
 def _scores_bwd_unit(q, k, Gc, dAqk, dL, dqs, dks, dq, dk, dG, t0, last, h, H, i, d0, scale, K: tl.constexpr,
                      BKD: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
-                     BOUNDED: tl.constexpr, PREC_D: tl.constexpr):
+                     BOUNDED: tl.constexpr, PREC_D: tl.constexpr, TOKENS: tl.constexpr):
     """scores_bwd_kernel's work for sub-chunk i's rows and key channels d0 .. d0 + BKD."""
     o = tl.arange(0, BC)
     causal = (o[:, None] >= o[None, :])[:, :, None]
@@ -204,8 +207,14 @@ def _scores_bwd_unit(q, k, Gc, dAqk, dL, dqs, dks, dq, dk, dG, t0, last, h, H, i
         to_b = tl.exp(G_i - G_b[None, :])
         dk_col += mm(tl.trans(dPq), q_i * to_b, PREC_D) + mm(tl.trans(dPk), k_i * to_b, PREC_D)
     dk_col *= tl.exp(G_b[None, :] - G_i)
+    if TOKENS and not BOUNDED:
+        dq_d, dk_row_d, dk_col_d = _bwd_diagonal_by_token(q_i, k_i, G_i, k, Gc, dAqk, dL, rows, t0 + i * BC,
+                                                          last, h, H, cd, K, md, C, BC, BKD, i * BC)
+        dq_i += dq_d
+        dk_row += dk_row_d
+        dk_col += dk_col_d
     # diagonal block: [t, s, d] decays, exponent -inf where s > t before exponentiating
-    if not BOUNDED:
+    if not BOUNDED and not TOKENS:
         decay = tl.exp(tl.where(causal, G_i[:, None, :] - G_i[None, :, :], float("-inf")))
         dq_i += tl.sum(dPq[:, :, None] * decay * k_i[None, :, :], axis=1)
         dk_row += tl.sum(dPk[:, :, None] * decay * k_i[None, :, :], axis=1)
@@ -219,6 +228,35 @@ def _scores_bwd_unit(q, k, Gc, dAqk, dL, dqs, dks, dq, dk, dG, t0, last, h, H, i
     tl.store(dk + out, d_k.to(dk.dtype.element_ty), mask=mask)
     d_G = tl.load(dG + out, mask=mask, other=0) + q_i * d_qs + k_i * (dk_row - dk_col)
     tl.store(dG + out, d_G, mask=mask)
+
+
+@triton.jit
+def _bwd_diagonal_by_token(q_i, k_i, G_i, k, Gc, dAqk, dL, rows, a, last, h, H, cd, K, md, C: tl.constexpr,
+                           BC: tl.constexpr, BKD: tl.constexpr, col0):
+    """The diagonal block's terms of (dq, dk by row, dk by column) for rows a .. a + BC - 1 and the key
+    channels cd, one key token s at a time (as chunk_fwd._diagonal_by_token): with
+    e[t] = exp(G_t - G_s) for t >= s (0 above the diagonal, its exponent set to -inf first),
+    dq_t += dP_q[t, s] e[t] k_s, dk_t += dP_k[t, s] e[t] k_s and dk_s += sum_t (dP_q[t, s] q_t +
+    dP_k[t, s] k_t) e[t]; the column dP[:, s] is read from the score gradients (col0 + s)."""
+    o = tl.arange(0, BC)
+    valid = rows <= last
+    dq_d = tl.zeros([BC, BKD], dtype=tl.float32)
+    dk_row = tl.zeros([BC, BKD], dtype=tl.float32)
+    dk_col = tl.zeros([BC, BKD], dtype=tl.float32)
+    for s in range(0, BC):
+        row = a + s
+        # a key past the chunk's end (row > last) meets only rows t >= s > last, which are not stored
+        k_s = tl.load(k + (tl.minimum(row, last) * H + h) * K + cd, mask=md, other=0).to(tl.float32)
+        G_s = load_G_row(Gc, row, last, h, H, cd, K, md)
+        e = tl.exp(tl.where(o[:, None] >= s, G_i - G_s[None, :], float("-inf")))
+        dPq = tl.load(dAqk + (rows * H + h) * C + col0 + s, mask=valid, other=0)
+        dPk = tl.load(dL + (rows * H + h) * C + col0 + s, mask=valid, other=0)
+        ek = e * k_s[None, :]
+        dq_d += dPq[:, None] * ek
+        dk_row += dPk[:, None] * ek
+        column = tl.sum((dPq[:, None] * q_i + dPk[:, None] * k_i) * e, axis=0)
+        dk_col += tl.where(o[:, None] == s, column[None, :], 0.0)
+    return dq_d, dk_row, dk_col
 
 
 def chunk_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_chunk, NT, prec, do, dht,
@@ -254,6 +292,6 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_
         grid = (NT, H, CHUNK // SUB * triton.cdiv(K, BKD)) if split else (NT, H)
         scores_bwd_kernel[grid](q, k, mid["Gc"], dAqk, dL, dqs, dks, dq, dk, dG, cu_seqlens, chunks, scale,
                                 H, K, BK, BKD, CHUNK, SUB, prec, bounded, dot_precision(torch.float32), split,
-                                num_warps=SCORES_GRID["warps"])
+                                SCORES_GRID["tokens"], num_warps=SCORES_GRID["warps"])
     dg = chunk_cumsum(dG, cu_seqlens, chunks, NT, reverse=True)
     return dq, dk, dv, dg.to(g.dtype), dbeta, dh0

@@ -5,8 +5,9 @@
    A_qk[t, s] = sum_d q_t k_s exp(G_t - G_s) (s <= t). Pairs in different 16-token sub-chunks are matmuls
    anchored at the first row a of t's sub-chunk, exp(G_t - G_s) = exp(G_t - G_a) exp(G_a - G_s), both
    factors <= 1; pairs inside one sub-chunk come from a [t, s, d] tile of G_t - G_s set to -inf where
-   s > t before exponentiating. No exponential of a positive number is ever taken (padded rows included,
-   see common.load_G), so any gate strength is safe in fp32.
+   s > t before exponentiating (the tokens layout: a [t, d] tile per key token s). No exponential of a
+   positive number is ever taken (padded rows included, see common.load_G), so any gate strength is safe in
+   fp32.
 3. `solve_kernel`, per chunk: (I + Diag(beta) L)^-1 by forward substitution on the four 16 x 16 diagonal
    blocks, then block substitution for the rest; and `wu_kernel`: W = M (exp(G) K), U = M V with
    M = (I + Diag(beta) L)^-1 Diag(beta).
@@ -29,27 +30,29 @@ from .common import (CHUNK, SCORES_GRID, SUB, check_head_dims, chunk_bounds, chu
 @triton.jit
 def scores_kernel(q, k, Gc, L, Aqk, cu_seqlens, chunks, scale, H, K: tl.constexpr, BK: tl.constexpr,
                   BKD: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
-                  BOUNDED: tl.constexpr, PREC_D: tl.constexpr, SPLIT: tl.constexpr):
+                  BOUNDED: tl.constexpr, PREC_D: tl.constexpr, SPLIT: tl.constexpr, TOKENS: tl.constexpr):
     """BOUNDED: every gate is >= -80 / BC (kimi.ops.kda.chunk.bounded), so G falls by at most 80 inside a
     sub-chunk and the diagonal blocks are anchored matmuls too, exp(G_a - G_s) <= e^80 being finite in fp32.
     Their products take PREC_D, fp32's precision: the diagonal's q_t k_t terms enter dq and dk and cancel in
     dg only if they are not rounded to half precision (bf16 operands there made dg 40x less accurate).
     SPLIT: one program per (chunk, head, sub-chunk), grid (NT, H, C // BC); otherwise one per (chunk, head)
-    walking its sub-chunks in turn (common.scores_grid)."""
+    walking its sub-chunks in turn (common.scores_grid). TOKENS: the general diagonal block one key token
+    at a time (_diagonal_by_token), not from [t, s, d] tiles."""
     i_c, h = tl.program_id(0), tl.program_id(1)
     t0, last = chunk_bounds(cu_seqlens, chunks, i_c, C)
     if SPLIT:
         _scores_rows(q, k, Gc, L, Aqk, t0, last, h, H, tl.program_id(2), scale, K, BK, BKD, C, BC, PREC,
-                     BOUNDED, PREC_D)
+                     BOUNDED, PREC_D, SPLIT, TOKENS)
     else:
         for i in tl.static_range(C // BC):
-            _scores_rows(q, k, Gc, L, Aqk, t0, last, h, H, i, scale, K, BK, BKD, C, BC, PREC, BOUNDED, PREC_D)
+            _scores_rows(q, k, Gc, L, Aqk, t0, last, h, H, i, scale, K, BK, BKD, C, BC, PREC, BOUNDED, PREC_D,
+                         SPLIT, TOKENS)
 
 
 @triton.jit
 def _scores_rows(q, k, Gc, L, Aqk, t0, last, h, H, i, scale, K: tl.constexpr, BK: tl.constexpr,
                  BKD: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
-                 BOUNDED: tl.constexpr, PREC_D: tl.constexpr):
+                 BOUNDED: tl.constexpr, PREC_D: tl.constexpr, SPLIT: tl.constexpr, TOKENS: tl.constexpr):
     """scores_kernel's work for sub-chunk i: its rows of L and A_qk, all C columns."""
     ck = tl.arange(0, BK)
     mk = ck < K
@@ -58,11 +61,17 @@ def _scores_rows(q, k, Gc, L, Aqk, t0, last, h, H, i, scale, K: tl.constexpr, BK
     q_i = load_rows(q, rows, last, h, H, ck, K, mk) * scale
     k_i = load_rows(k, rows, last, h, H, ck, K, mk)
     G_i = load_G(Gc, rows, last, h, H, ck, K, mk)
+    out_mask = (rows <= last)[:, None] & (o < BC)[None, :]
+    out_ptr = (rows[:, None] * H + h) * C + o[None, :]
+    # Split layouts take the diagonal block first, so the rows' q, k and G are free before the anchored
+    # ones are formed (at 4 warps, 168 registers on sm_90 against 192 in the other order); the serial
+    # layout keeps the other order, which spills less there (its bounded form 112 B in this one).
+    if SPLIT:
+        _diagonal(q, k, Gc, L, Aqk, q_i, k_i, G_i, rows, out_ptr, out_mask, t0 + i * BC, last, h, H, i, scale,
+                  K, BK, BKD, BC, PREC_D, BOUNDED, TOKENS)
     G_a = load_G_row(Gc, t0 + i * BC, last, h, H, ck, K, mk)
     to_anchor = tl.exp(G_i - G_a[None, :])
     qa, ka = q_i * to_anchor, k_i * to_anchor
-    out_mask = (rows <= last)[:, None] & (o < BC)[None, :]
-    out_ptr = (rows[:, None] * H + h) * C + o[None, :]
     for j in range(0, i):
         cols = t0 + j * BC + o
         from_anchor = tl.exp(G_a[None, :] - load_G(Gc, cols, last, h, H, ck, K, mk))
@@ -70,7 +79,36 @@ def _scores_rows(q, k, Gc, L, Aqk, t0, last, h, H, i, scale, K: tl.constexpr, BK
         k_jT = tl.trans(k_j)
         tl.store(L + out_ptr + j * BC, mm(ka, k_jT, PREC), mask=out_mask)
         tl.store(Aqk + out_ptr + j * BC, mm(qa, k_jT, PREC), mask=out_mask)
-    # Diagonal block, a slice of BKD key channels at a time (bounding the tiles live beside the rows).
+    if not SPLIT:
+        _diagonal(q, k, Gc, L, Aqk, q_i, k_i, G_i, rows, out_ptr, out_mask, t0 + i * BC, last, h, H, i, scale,
+                  K, BK, BKD, BC, PREC_D, BOUNDED, TOKENS)
+    for j in range(i + 1, C // BC):  # s > t: zero, written so the buffers need no memset
+        tl.store(L + out_ptr + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=out_mask)
+        tl.store(Aqk + out_ptr + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=out_mask)
+
+
+@triton.jit
+def _diagonal(q, k, Gc, L, Aqk, q_i, k_i, G_i, rows, out_ptr, out_mask, a, last, h, H, i, scale,
+              K: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr, BC: tl.constexpr, PREC_D: tl.constexpr,
+              BOUNDED: tl.constexpr, TOKENS: tl.constexpr):
+    """Sub-chunk i's diagonal block of L (strictly lower) and A_qk (lower), computed and stored."""
+    o = tl.arange(0, BC)
+    ck = tl.arange(0, BK)
+    if TOKENS and not BOUNDED:
+        b_kk, b_qk = _diagonal_by_token(q_i, k_i, G_i, k, Gc, a, last, h, H, ck, K, ck < K, BC)
+    else:
+        b_kk, b_qk = _diagonal_by_slice(q, k, Gc, rows, a, last, h, H, scale, K, BK, BKD, BC, PREC_D, BOUNDED)
+    tl.store(L + out_ptr + i * BC, tl.where(o[:, None] > o[None, :], b_kk, 0.0), mask=out_mask)
+    tl.store(Aqk + out_ptr + i * BC, tl.where(o[:, None] >= o[None, :], b_qk, 0.0), mask=out_mask)
+
+
+@triton.jit
+def _diagonal_by_slice(q, k, Gc, rows, a, last, h, H, scale, K: tl.constexpr, BK: tl.constexpr,
+                       BKD: tl.constexpr, BC: tl.constexpr, PREC_D: tl.constexpr, BOUNDED: tl.constexpr):
+    """The diagonal block of L and A_qk (rows a .. a + BC - 1), a slice of BKD key channels at a time
+    (bounding the tiles live beside the rows): anchored matmuls when BOUNDED, else [t, s, d] tiles of the
+    decays, the exponent set to -inf where s > t before exponentiating."""
+    o = tl.arange(0, BC)
     causal = (o[:, None] >= o[None, :])[:, :, None]
     b_kk = tl.zeros([BC, BC], dtype=tl.float32)
     b_qk = tl.zeros([BC, BC], dtype=tl.float32)
@@ -81,23 +119,40 @@ def _scores_rows(q, k, Gc, L, Aqk, t0, last, h, H, i, scale, K: tl.constexpr, BK
         k_d = load_rows(k, rows, last, h, H, cd, K, md)
         G_d = load_G(Gc, rows, last, h, H, cd, K, md)
         if BOUNDED:  # one more anchored matmul; the pairs s > t are masked after it
-            G_ad = load_G_row(Gc, t0 + i * BC, last, h, H, cd, K, md)
+            G_ad = load_G_row(Gc, a, last, h, H, cd, K, md)
             to_a = tl.exp(G_d - G_ad[None, :])
             k_aT = tl.trans(k_d * tl.exp(G_ad[None, :] - G_d))
             b_kk += mm(k_d * to_a, k_aT, PREC_D)
             b_qk += mm(q_d * to_a, k_aT, PREC_D)
-        else:  # the [t, s, d] decays, exponent set to -inf where s > t before exponentiating
+        else:
             decay = tl.exp(tl.where(causal, G_d[:, None, :] - G_d[None, :, :], float("-inf")))
             k_decayed = decay * k_d[None, :, :]
             b_kk += tl.sum(k_d[:, None, :] * k_decayed, axis=2)
             b_qk += tl.sum(q_d[:, None, :] * k_decayed, axis=2)
-    b_qk = tl.where(o[:, None] >= o[None, :], b_qk, 0.0)
-    b_kk = tl.where(o[:, None] > o[None, :], b_kk, 0.0)
-    tl.store(L + out_ptr + i * BC, b_kk, mask=out_mask)
-    tl.store(Aqk + out_ptr + i * BC, b_qk, mask=out_mask)
-    for j in range(i + 1, C // BC):  # s > t: zero, written so the buffers need no memset
-        tl.store(L + out_ptr + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=out_mask)
-        tl.store(Aqk + out_ptr + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=out_mask)
+    return b_kk, b_qk
+
+
+@triton.jit
+def _diagonal_by_token(q_i, k_i, G_i, k, Gc, a, last, h, H, ck, K, mk, BC: tl.constexpr):
+    """The diagonal block of L and A_qk (rows a .. a + BC - 1, their q_i, k_i, G_i [BC, BK] in registers)
+    one key token s at a time: column s is sum_d x_t k_s exp(G_t - G_s) over t >= s, a [BC, BK] tile
+    whose exponent is set to -inf where t < s before exponentiating, as in the [t, s, d] form. Those tiles
+    ([BC, BC, BKD], several alive at once) held most of the kernel's registers; this holds one [BC, BK]
+    tile more than the rows already loaded, for BC short steps (the order fla-core's intra-chunk kernels
+    take too)."""
+    o = tl.arange(0, BC)
+    b_kk = tl.zeros([BC, BC], dtype=tl.float32)
+    b_qk = tl.zeros([BC, BC], dtype=tl.float32)
+    for s in range(0, BC):
+        row = a + s
+        # a key past the chunk's end (row > last) meets only rows t >= s > last, which are not stored
+        k_s = tl.load(k + (tl.minimum(row, last) * H + h) * K + ck, mask=mk, other=0).to(tl.float32)
+        G_s = load_G_row(Gc, row, last, h, H, ck, K, mk)
+        ke = tl.exp(tl.where(o[:, None] >= s, G_i - G_s[None, :], float("-inf"))) * k_s[None, :]
+        column = o[None, :] == s
+        b_kk += tl.where(column, tl.sum(k_i * ke, axis=1)[:, None], 0.0)
+        b_qk += tl.where(column, tl.sum(q_i * ke, axis=1)[:, None], 0.0)
+    return b_kk, b_qk
 
 
 @triton.jit
@@ -287,7 +342,7 @@ def forward_intermediates(q, k, v, g, beta, scale, initial_state, cu_seqlens, ch
         split = SCORES_GRID["split"]
         scores_kernel[(NT, H, CHUNK // SUB) if split else (NT, H)](
             q, k, Gc, L, Aqk, cu_seqlens, chunks, scale, H, K, BK, BKD, CHUNK, SUB, prec, bounded,
-            dot_precision(torch.float32), split, num_warps=SCORES_GRID["warps"])
+            dot_precision(torch.float32), split, SCORES_GRID["tokens"], num_warps=SCORES_GRID["warps"])
         solve_kernel[(NT, H)](L, beta, Ainv, cu_seqlens, chunks, H, CHUNK, SUB)
         wu_kernel[(NT, H)](q, k, v, beta, Gc, Ainv, W, U, KG, QG, cu_seqlens, chunks, scale, H, K, V, BK, BV,
                            CHUNK, backward, prec, num_warps=8)

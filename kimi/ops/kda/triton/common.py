@@ -62,19 +62,23 @@ def block(n: int, cap: int) -> int:
 
 def scores_grid(spec: str) -> dict:
     """How the two scores kernels (chunk_fwd.scores_kernel, chunk_bwd.scores_bwd_kernel) are launched, from
-    "serial:8" / "split:4" (layout:warps). serial: one program per (chunk, head) walks the chunk's sub-chunks
-    (and, backward, its key-channel slices) in turn; split: one program per sub-chunk (and slice), 4x (16x
-    backward) more programs of the same work. An H200 spent 60 and 91 ms of a `1b` step in these two under
+    "serial:8" / "split:4" / "tokens:4" (layout:warps). serial: one program per (chunk, head) walks the
+    chunk's sub-chunks (and, backward, its key-channel slices) in turn; split: one program per sub-chunk (and
+    slice), 4x (16x backward) more programs of the same work; tokens: split, and the general gate's
+    diagonal blocks one key token at a time instead of from [t, s, d] tiles (fewer registers, so more
+    programs resident per multiprocessor). An H200 spent 60 and 91 ms of a `1b` step in these two under
     serial:8 (docs/gpu.md, third call); bench/kda.py --scores-grid times the layouts side by side."""
     form, _, warps = spec.partition(":")
-    if form not in ("serial", "split") or not warps.isdigit() or int(warps) not in (1, 2, 4, 8, 16):
-        raise ValueError(f"KIMI_KDA_SCORES_GRID={spec!r} is invalid: write serial|split:<warps 1-16>, "
+    if form not in ("serial", "split", "tokens") or not warps.isdigit() or int(warps) not in (1, 2, 4, 8, 16):
+        raise ValueError(f"KIMI_KDA_SCORES_GRID={spec!r} is invalid: write serial|split|tokens:<warps 1-16>, "
                          "e.g. split:4")
-    return {"split": form == "split", "warps": int(warps)}
+    return {"split": form != "serial", "tokens": form == "tokens", "warps": int(warps)}
 
 
-# The layouts bench/kda.py --compile-check compiles and --scores-grid times by default.
-SCORES_GRIDS = ("serial:8", "split:8", "split:4")
+# The layouts bench/kda.py --compile-check compiles and --scores-grid times by default. split:8 left the
+# list when tokens:4 joined it: at K = 128 the split backward leaves 8 warps resident per multiprocessor with
+# 8 warps a program (175 registers) as with 4 (255), so it could not beat split:4 on occupancy.
+SCORES_GRIDS = ("serial:8", "split:4", "tokens:4")
 # Read at each launch, so a benchmark can switch it between calls (update it in place: the kernel modules
 # hold this dict); $KIMI_KDA_SCORES_GRID sets it per process.
 SCORES_GRID = scores_grid(os.environ.get("KIMI_KDA_SCORES_GRID", "serial:8"))
