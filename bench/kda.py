@@ -628,9 +628,10 @@ NOTES = {
     "scores_kernel": "bf16 K = 128, layout serial:8 (common.scores_grid): 247-254 registers, no spills, "
                      "except sm_80's BOUNDED=1 (Kimi K3's safe gate), 40 B / 72 B from its tf32x3 diagonal "
                      "products (bf16 ones spill less but put the output 1.5x further from fp64). One "
-                     "program of 8 warps fits a multiprocessor. The split layouts take the diagonal block "
-                     "before the anchored rows: 168 registers (split:4), 158 (tokens:4, the diagonal one key "
-                     "token at a time instead of [16, 16, BKD] tiles), 12 warps resident.",
+                     "program of 8 warps fits a multiprocessor. split:4 takes the diagonal block before the "
+                     "anchored rows: 168 registers, 12 warps resident; tokens:4 (every product over key "
+                     "slices, the diagonal one key token at a time instead of [16, 16, BKD] tiles) 126-128, "
+                     "16 warps.",
     "scores_bwd_kernel": "bf16 K = 128, layout serial:8 (one program walks its chunk's 4 sub-chunks x 4 key "
                          "slices): 80-180 B of spills on sm_90 (8-40 B on sm_80) at 255 registers, from the "
                          "[16, 16, BKD] diagonal tiles (three of them: dq, dk by row and by column) and the "

@@ -36,23 +36,26 @@ def scores_kernel(q, k, Gc, L, Aqk, cu_seqlens, chunks, scale, H, K: tl.constexp
     Their products take PREC_D, fp32's precision: the diagonal's q_t k_t terms enter dq and dk and cancel in
     dg only if they are not rounded to half precision (bf16 operands there made dg 40x less accurate).
     SPLIT: one program per (chunk, head, sub-chunk), grid (NT, H, C // BC); otherwise one per (chunk, head)
-    walking its sub-chunks in turn (common.scores_grid). TOKENS: the general diagonal block one key token
-    at a time (_diagonal_by_token), not from [t, s, d] tiles."""
+    walking its sub-chunks in turn (common.scores_grid). TOKENS (split too): every product over slices of
+    BKD key channels and the general diagonal block one key token at a time (_scores_rows_by_slice)."""
     i_c, h = tl.program_id(0), tl.program_id(1)
     t0, last = chunk_bounds(cu_seqlens, chunks, i_c, C)
-    if SPLIT:
+    if TOKENS:
+        _scores_rows_by_slice(q, k, Gc, L, Aqk, t0, last, h, H, tl.program_id(2), scale, K, BK, BKD, C, BC,
+                              PREC, BOUNDED, PREC_D)
+    elif SPLIT:
         _scores_rows(q, k, Gc, L, Aqk, t0, last, h, H, tl.program_id(2), scale, K, BK, BKD, C, BC, PREC,
-                     BOUNDED, PREC_D, SPLIT, TOKENS)
+                     BOUNDED, PREC_D, SPLIT)
     else:
         for i in tl.static_range(C // BC):
             _scores_rows(q, k, Gc, L, Aqk, t0, last, h, H, i, scale, K, BK, BKD, C, BC, PREC, BOUNDED, PREC_D,
-                         SPLIT, TOKENS)
+                         SPLIT)
 
 
 @triton.jit
 def _scores_rows(q, k, Gc, L, Aqk, t0, last, h, H, i, scale, K: tl.constexpr, BK: tl.constexpr,
                  BKD: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
-                 BOUNDED: tl.constexpr, PREC_D: tl.constexpr, SPLIT: tl.constexpr, TOKENS: tl.constexpr):
+                 BOUNDED: tl.constexpr, PREC_D: tl.constexpr, SPLIT: tl.constexpr):
     """scores_kernel's work for sub-chunk i: its rows of L and A_qk, all C columns."""
     ck = tl.arange(0, BK)
     mk = ck < K
@@ -67,8 +70,8 @@ def _scores_rows(q, k, Gc, L, Aqk, t0, last, h, H, i, scale, K: tl.constexpr, BK
     # ones are formed (at 4 warps, 168 registers on sm_90 against 192 in the other order); the serial
     # layout keeps the other order, which spills less there (its bounded form 112 B in this one).
     if SPLIT:
-        _diagonal(q, k, Gc, L, Aqk, q_i, k_i, G_i, rows, out_ptr, out_mask, t0 + i * BC, last, h, H, i, scale,
-                  K, BK, BKD, BC, PREC_D, BOUNDED, TOKENS)
+        _diagonal(q, k, Gc, L, Aqk, rows, out_ptr, out_mask, t0 + i * BC, last, h, H, i, scale, K, BK, BKD,
+                  BC, PREC_D, BOUNDED)
     G_a = load_G_row(Gc, t0 + i * BC, last, h, H, ck, K, mk)
     to_anchor = tl.exp(G_i - G_a[None, :])
     qa, ka = q_i * to_anchor, k_i * to_anchor
@@ -80,26 +83,78 @@ def _scores_rows(q, k, Gc, L, Aqk, t0, last, h, H, i, scale, K: tl.constexpr, BK
         tl.store(L + out_ptr + j * BC, mm(ka, k_jT, PREC), mask=out_mask)
         tl.store(Aqk + out_ptr + j * BC, mm(qa, k_jT, PREC), mask=out_mask)
     if not SPLIT:
-        _diagonal(q, k, Gc, L, Aqk, q_i, k_i, G_i, rows, out_ptr, out_mask, t0 + i * BC, last, h, H, i, scale,
-                  K, BK, BKD, BC, PREC_D, BOUNDED, TOKENS)
-    for j in range(i + 1, C // BC):  # s > t: zero, written so the buffers need no memset
-        tl.store(L + out_ptr + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=out_mask)
-        tl.store(Aqk + out_ptr + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=out_mask)
+        _diagonal(q, k, Gc, L, Aqk, rows, out_ptr, out_mask, t0 + i * BC, last, h, H, i, scale, K, BK, BKD,
+                  BC, PREC_D, BOUNDED)
+    _store_zeros_right(L, Aqk, out_ptr, out_mask, i, C, BC)
 
 
 @triton.jit
-def _diagonal(q, k, Gc, L, Aqk, q_i, k_i, G_i, rows, out_ptr, out_mask, a, last, h, H, i, scale,
-              K: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr, BC: tl.constexpr, PREC_D: tl.constexpr,
-              BOUNDED: tl.constexpr, TOKENS: tl.constexpr):
+def _diagonal(q, k, Gc, L, Aqk, rows, out_ptr, out_mask, a, last, h, H, i, scale, K: tl.constexpr,
+              BK: tl.constexpr, BKD: tl.constexpr, BC: tl.constexpr, PREC_D: tl.constexpr,
+              BOUNDED: tl.constexpr):
     """Sub-chunk i's diagonal block of L (strictly lower) and A_qk (lower), computed and stored."""
+    b_kk, b_qk = _diagonal_by_slice(q, k, Gc, rows, a, last, h, H, scale, K, BK, BKD, BC, PREC_D, BOUNDED)
+    _store_diagonal(L, Aqk, b_kk, b_qk, out_ptr + i * BC, out_mask, BC)
+
+
+@triton.jit
+def _store_diagonal(L, Aqk, b_kk, b_qk, ptr, mask, BC: tl.constexpr):
     o = tl.arange(0, BC)
-    ck = tl.arange(0, BK)
-    if TOKENS and not BOUNDED:
-        b_kk, b_qk = _diagonal_by_token(q_i, k_i, G_i, k, Gc, a, last, h, H, ck, K, ck < K, BC)
-    else:
+    tl.store(L + ptr, tl.where(o[:, None] > o[None, :], b_kk, 0.0), mask=mask)
+    tl.store(Aqk + ptr, tl.where(o[:, None] >= o[None, :], b_qk, 0.0), mask=mask)
+
+
+@triton.jit
+def _store_zeros_right(L, Aqk, ptr, mask, i, C: tl.constexpr, BC: tl.constexpr):
+    """The blocks right of sub-chunk i's diagonal (s > t): zero, written so the buffers need no memset."""
+    for j in range(i + 1, C // BC):
+        tl.store(L + ptr + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=mask)
+        tl.store(Aqk + ptr + j * BC, tl.zeros([BC, BC], dtype=tl.float32), mask=mask)
+
+
+@triton.jit
+def _scores_rows_by_slice(q, k, Gc, L, Aqk, t0, last, h, H, i, scale, K: tl.constexpr, BK: tl.constexpr,
+                          BKD: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
+                          BOUNDED: tl.constexpr, PREC_D: tl.constexpr):
+    """The tokens layout's work for sub-chunk i, the sums of _scores_rows with only [BC, BKD] tiles live:
+    each block's product accumulates over slices of BKD key channels (the rows' slices reread for each
+    earlier sub-chunk j, from cache), and the general diagonal block takes one key token at a time."""
+    o = tl.arange(0, BC)
+    a = t0 + i * BC
+    rows = a + o
+    out_mask = (rows <= last)[:, None] & (o < BC)[None, :]
+    out_ptr = (rows[:, None] * H + h) * C + o[None, :]
+    if BOUNDED:
         b_kk, b_qk = _diagonal_by_slice(q, k, Gc, rows, a, last, h, H, scale, K, BK, BKD, BC, PREC_D, BOUNDED)
-    tl.store(L + out_ptr + i * BC, tl.where(o[:, None] > o[None, :], b_kk, 0.0), mask=out_mask)
-    tl.store(Aqk + out_ptr + i * BC, tl.where(o[:, None] >= o[None, :], b_qk, 0.0), mask=out_mask)
+    else:
+        b_kk = tl.zeros([BC, BC], dtype=tl.float32)
+        b_qk = tl.zeros([BC, BC], dtype=tl.float32)
+        for d0 in range(0, BK, BKD):
+            cd = d0 + tl.arange(0, BKD)
+            md = cd < K
+            kk, qk = _diagonal_by_token(load_rows(q, rows, last, h, H, cd, K, md) * scale,
+                                        load_rows(k, rows, last, h, H, cd, K, md),
+                                        load_G(Gc, rows, last, h, H, cd, K, md), k, Gc, a, last, h, H, cd, K,
+                                        md, BC)
+            b_kk += kk
+            b_qk += qk
+    _store_diagonal(L, Aqk, b_kk, b_qk, out_ptr + i * BC, out_mask, BC)
+    for j in range(0, i):  # earlier sub-chunks, anchored at a as in _scores_rows
+        cols = t0 + j * BC + o
+        b_kk = tl.zeros([BC, BC], dtype=tl.float32)
+        b_qk = tl.zeros([BC, BC], dtype=tl.float32)
+        for d0 in range(0, BK, BKD):
+            cd = d0 + tl.arange(0, BKD)
+            md = cd < K
+            G_ad = load_G_row(Gc, a, last, h, H, cd, K, md)
+            to_anchor = tl.exp(load_G(Gc, rows, last, h, H, cd, K, md) - G_ad[None, :])
+            k_jT = tl.trans(load_rows(k, cols, last, h, H, cd, K, md)
+                            * tl.exp(G_ad[None, :] - load_G(Gc, cols, last, h, H, cd, K, md)))
+            b_kk += mm(load_rows(k, rows, last, h, H, cd, K, md) * to_anchor, k_jT, PREC)
+            b_qk += mm(load_rows(q, rows, last, h, H, cd, K, md) * scale * to_anchor, k_jT, PREC)
+        tl.store(L + out_ptr + j * BC, b_kk, mask=out_mask)
+        tl.store(Aqk + out_ptr + j * BC, b_qk, mask=out_mask)
+    _store_zeros_right(L, Aqk, out_ptr, out_mask, i, C, BC)
 
 
 @triton.jit
@@ -134,12 +189,12 @@ def _diagonal_by_slice(q, k, Gc, rows, a, last, h, H, scale, K: tl.constexpr, BK
 
 @triton.jit
 def _diagonal_by_token(q_i, k_i, G_i, k, Gc, a, last, h, H, ck, K, mk, BC: tl.constexpr):
-    """The diagonal block of L and A_qk (rows a .. a + BC - 1, their q_i, k_i, G_i [BC, BK] in registers)
-    one key token s at a time: column s is sum_d x_t k_s exp(G_t - G_s) over t >= s, a [BC, BK] tile
-    whose exponent is set to -inf where t < s before exponentiating, as in the [t, s, d] form. Those tiles
-    ([BC, BC, BKD], several alive at once) held most of the kernel's registers; this holds one [BC, BK]
-    tile more than the rows already loaded, for BC short steps (the order fla-core's intra-chunk kernels
-    take too)."""
+    """The diagonal block of L and A_qk (rows a .. a + BC - 1; q_i, k_i, G_i their [BC, D] tiles of the key
+    channels ck) one key token s at a time: column s is sum_d x_t k_s exp(G_t - G_s) over t >= s, a
+    [BC, D] tile whose exponent is set to -inf where t < s before exponentiating, as in the [t, s, d]
+    form. Those tiles ([BC, BC, BKD], several alive at once) held most of the kernel's registers; this
+    holds one tile more than the rows, for BC short steps (the order fla-core's intra-chunk kernels take
+    too)."""
     o = tl.arange(0, BC)
     b_kk = tl.zeros([BC, BC], dtype=tl.float32)
     b_qk = tl.zeros([BC, BC], dtype=tl.float32)

@@ -64,10 +64,11 @@ def scores_grid(spec: str) -> dict:
     """How the two scores kernels (chunk_fwd.scores_kernel, chunk_bwd.scores_bwd_kernel) are launched, from
     "serial:8" / "split:4" / "tokens:4" (layout:warps). serial: one program per (chunk, head) walks the
     chunk's sub-chunks (and, backward, its key-channel slices) in turn; split: one program per sub-chunk (and
-    slice), 4x (16x backward) more programs of the same work; tokens: split, and the general gate's
-    diagonal blocks one key token at a time instead of from [t, s, d] tiles (fewer registers, so more
-    programs resident per multiprocessor). An H200 spent 60 and 91 ms of a `1b` step in these two under
-    serial:8 (docs/gpu.md, third call); bench/kda.py --scores-grid times the layouts side by side."""
+    slice), 4x (16x backward) more programs of the same work; tokens: split, the forward's products over
+    slices of key channels, and the general gate's diagonal blocks one key token at a time instead of from
+    [t, s, d] tiles (fewer registers, so more programs resident per multiprocessor). An H200 spent 60 and
+    91 ms of a `1b` step in these two under serial:8 (docs/gpu.md, third call); bench/kda.py --scores-grid
+    times the layouts side by side."""
     form, _, warps = spec.partition(":")
     if form not in ("serial", "split", "tokens") or not warps.isdigit() or int(warps) not in (1, 2, 4, 8, 16):
         raise ValueError(f"KIMI_KDA_SCORES_GRID={spec!r} is invalid: write serial|split|tokens:<warps 1-16>, "
