@@ -356,8 +356,10 @@ def kda_speed_rows(r: dict, done: dict):
             parts.append(f"safe gate fwd+bwd: bounded {bounded:.2f} ms = {bounded / general:.2f}x general")
         grids = {k[5:-10]: v for k, v in x.items() if k.startswith("grid_") and k.endswith("_fwdbwd_ms")}
         if grids:  # which launch layout common.SCORES_GRID should default to
+            diffs = [v for k, v in x.items() if k.startswith("grid_") and k.endswith("_rel_diff")]
             parts.append("scores layouts fwd+bwd: " + ", ".join(f"{g} {ms:.2f} ms" for g, ms in grids.items())
-                         + f" (fastest {min(grids, key=grids.get)})")
+                         + f" (fastest {min(grids, key=grids.get)}"
+                         + (f"; results within {max(diffs):.1e} of the first's)" if diffs else ")"))
         decode = f"decode {x['decode_ours_us']:.0f} us" if "decode_ours_us" in x else "decode: ours failed"
         decode += f" (fla {x['decode_fla_us']:.0f} us)" if "decode_fla_us" in x else ""
         parts.append(decode + f", attention over the cache {x['decode_sdpa_us']:.0f} us")

@@ -561,16 +561,28 @@ def run_cuda(args) -> None:
 
 def scores_layouts(row: dict, errors: list, inputs, do, specs: list[str]) -> None:
     """Our chunk KDA forward and forward+backward under each launch layout of the scores kernels (the
-    process's own layout restored after): the side-by-side that picks common.SCORES_GRID's default."""
+    process's own layout restored after): the side-by-side that picks common.SCORES_GRID's default. Each
+    layout's output and input gradients are held to the first layout's (the same sums in another order
+    or grouping): grid_<spec>_rel_diff, and an error where it exceeds bf16's TOLERANCE, so a layout that
+    computes something else on this GPU is never picked (gpu_check.fastest_scores_layout)."""
     from kimi.ops.kda.triton import common
 
-    kept = dict(common.SCORES_GRID)
+    kept, first = dict(common.SCORES_GRID), []
     leaves = [x.detach().requires_grad_() for x in inputs]
     try:
         for spec in specs:
             common.SCORES_GRID.update(common.scores_grid(spec))
 
             def measure(spec=spec):
+                o = chunk_kda(*leaves, backend="triton")[0]
+                results = [o.detach(), *torch.autograd.grad(o, leaves, do)]
+                if first:
+                    diff = max(rel(a, b) for a, b in zip(results, first))
+                    row[f"grid_{spec}_rel_diff"] = diff
+                    if not diff <= TOLERANCE["bfloat16"]:  # NaN included
+                        raise RuntimeError(f"{spec} differs from {specs[0]} by {diff:.1e} (relative)")
+                else:
+                    first.extend(results)
                 row[f"grid_{spec}_fwd_ms"] = cuda_ms(lambda: chunk_kda(*inputs, backend="triton"))
                 row[f"grid_{spec}_fwdbwd_ms"] = cuda_ms(
                     lambda: chunk_kda(*leaves, backend="triton")[0].backward(do))

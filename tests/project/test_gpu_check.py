@@ -69,6 +69,7 @@ def test_dry_run_runs_every_step(tmp_path):
     layouts = ("serial:8", "split:4", "tokens:4")
     assert {f"grid_{g}_{m}_ms" for g in layouts for m in ("fwd", "fwdbwd")} <= set(speed)
     assert "scores layouts fwd+bwd: serial:8 " in step_json(out, "kda_speed")["summary"][0][1]
+    assert all(speed[f"grid_{g}_rel_diff"] < 1e-2 for g in layouts[1:])  # the same sums, held to serial:8's
     assert result("kda_speed")["config"]["fla"] == "skipped" and result("kda_speed")["errors"] == []
     attn_speed = result("attention_speed")
     assert set(attn_speed["dq_modes"]) == {"separate", "atomic"}
