@@ -168,10 +168,10 @@ def test_bounded_triton_kernels_match_the_reference(dtype, monkeypatch):
     for module, name in ((chunk_fwd, "scores_kernel"), (chunk_bwd, "scores_bwd_kernel")):
         kernel = getattr(module, name)
 
-        class Spy:  # records the BOUNDED constexpr each launch gets (..., BOUNDED, PREC_D, SPLIT)
+        class Spy:  # records the BOUNDED constexpr each launch gets (passed by position)
             def __getitem__(self, grid, kernel=kernel, name=name):
                 def launch(*args, **kwargs):
-                    seen.append((name, args[-3]))
+                    seen.append((name, args[kernel.arg_names.index("BOUNDED")]))
                     return kernel[grid](*args, **kwargs)
                 return launch
         monkeypatch.setattr(module, name, Spy())
