@@ -215,6 +215,11 @@ def micro_batches(ctx: "Context", batch: int, seq: int) -> list[str]:
 TRAINING_STEPS = ("train", "train_fp8", "peer", "train_graphs")
 
 
+def layout_times(row: dict) -> dict[str, float]:
+    """Forward+backward ms per scores layout in one row of bench/kda.py's timings (grid_<spec>_fwdbwd_ms)."""
+    return {k[5:-10]: v for k, v in row.items() if k.startswith("grid_") and k.endswith("_fwdbwd_ms")}
+
+
 def fastest_scores_layout(done: dict) -> tuple[str, str] | None:
     """(layout, why) of KDA's scores kernels for the training steps: the fastest forward+backward in this
     call's (or --after's) kda_speed step at the row length closest to the training rows', so `train` runs
@@ -222,12 +227,11 @@ def fastest_scores_layout(done: dict) -> tuple[str, str] | None:
     record = done.get("kda_speed") or {}
     rows = [x for e in record.get("runs", {}).values() for x in e.get("result", {}).get("rows", [])]
     seq = TRAIN["1b"][2]
-    timed = [(abs(x["T"] - seq), x) for x in rows
-             if any(k.startswith("grid_") and k.endswith("_fwdbwd_ms") for k in x)]
+    timed = [(abs(x["T"] - seq), x) for x in rows if layout_times(x)]
     if not timed:
         return None
     row = min(timed, key=lambda t: t[0])[1]
-    grids = {k[5:-10]: v for k, v in row.items() if k.startswith("grid_") and k.endswith("_fwdbwd_ms")}
+    grids = layout_times(row)
     best = min(grids, key=grids.get)
     return best, (f"the fastest in kda_speed at T={row['T']}: " +
                   ", ".join(f"{g} {ms:.2f} ms" for g, ms in grids.items()) + " fwd+bwd")
@@ -354,7 +358,7 @@ def kda_speed_rows(r: dict, done: dict):
         if "safe_bounded_fwdbwd_ms" in x and "safe_general_fwdbwd_ms" in x:
             bounded, general = x["safe_bounded_fwdbwd_ms"], x["safe_general_fwdbwd_ms"]
             parts.append(f"safe gate fwd+bwd: bounded {bounded:.2f} ms = {bounded / general:.2f}x general")
-        grids = {k[5:-10]: v for k, v in x.items() if k.startswith("grid_") and k.endswith("_fwdbwd_ms")}
+        grids = layout_times(x)
         if grids:  # which launch layout common.SCORES_GRID should default to
             diffs = [v for k, v in x.items() if k.startswith("grid_") and k.endswith("_rel_diff")]
             parts.append("scores layouts fwd+bwd: " + ", ".join(f"{g} {ms:.2f} ms" for g, ms in grids.items())

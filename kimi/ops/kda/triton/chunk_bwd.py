@@ -22,8 +22,8 @@ import triton.language as tl
 
 from .chunk_fwd import forward_intermediates, load_square
 from .common import (CHUNK, SCORES_GRID, SUB, chunk_bounds, chunk_cumsum, dot_precision, key_block_precision,
-                     load_G, load_G_row, load_rows, mm, narrow_operands_fault, scratch, state_block,
-                     state_program, tiles)
+                     key_token, load_G, load_G_row, load_rows, mm, narrow_operands_fault, scratch,
+                     state_block, state_program, tiles)
 
 
 @triton.jit
@@ -244,11 +244,7 @@ def _bwd_diagonal_by_token(q_i, k_i, G_i, k, Gc, dAqk, dL, rows, a, last, h, H, 
     dk_row = tl.zeros([BC, BKD], dtype=tl.float32)
     dk_col = tl.zeros([BC, BKD], dtype=tl.float32)
     for s in range(0, BC):
-        row = a + s
-        # a key past the chunk's end (row > last) meets only rows t >= s > last, which are not stored
-        k_s = tl.load(k + (tl.minimum(row, last) * H + h) * K + cd, mask=md, other=0).to(tl.float32)
-        G_s = load_G_row(Gc, row, last, h, H, cd, K, md)
-        e = tl.exp(tl.where(o[:, None] >= s, G_i - G_s[None, :], float("-inf")))
+        k_s, e = key_token(k, Gc, G_i, a, s, last, h, H, cd, K, md, BC)
         dPq = tl.load(dAqk + (rows * H + h) * C + col0 + s, mask=valid, other=0)
         dPk = tl.load(dL + (rows * H + h) * C + col0 + s, mask=valid, other=0)
         ek = e * k_s[None, :]

@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from .common import (CHUNK, SCORES_GRID, SUB, check_head_dims, chunk_bounds, chunk_cumsum, dot_precision,
-                     load_G, load_G_row, load_rows, mm, scratch, state_block, state_program, tiles)
+                     key_token, load_G, load_G_row, load_rows, mm, scratch, state_block, state_program,
+                     tiles)
 
 
 @triton.jit
@@ -199,11 +200,8 @@ def _diagonal_by_token(q_i, k_i, G_i, k, Gc, a, last, h, H, ck, K, mk, BC: tl.co
     b_kk = tl.zeros([BC, BC], dtype=tl.float32)
     b_qk = tl.zeros([BC, BC], dtype=tl.float32)
     for s in range(0, BC):
-        row = a + s
-        # a key past the chunk's end (row > last) meets only rows t >= s > last, which are not stored
-        k_s = tl.load(k + (tl.minimum(row, last) * H + h) * K + ck, mask=mk, other=0).to(tl.float32)
-        G_s = load_G_row(Gc, row, last, h, H, ck, K, mk)
-        ke = tl.exp(tl.where(o[:, None] >= s, G_i - G_s[None, :], float("-inf"))) * k_s[None, :]
+        k_s, e = key_token(k, Gc, G_i, a, s, last, h, H, ck, K, mk, BC)
+        ke = e * k_s[None, :]
         column = o[None, :] == s
         b_kk += tl.where(column, tl.sum(k_i * ke, axis=1)[:, None], 0.0)
         b_qk += tl.where(column, tl.sum(q_i * ke, axis=1)[:, None], 0.0)

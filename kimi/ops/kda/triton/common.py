@@ -249,6 +249,19 @@ def load_G_row(Gc, row, last, h, H, cols, K, mask_cols):
 
 
 @triton.jit
+def key_token(k, Gc, G_rows, a, s, last, h, H, cols, K, mask_cols, BC: tl.constexpr):
+    """Key token s of the sub-chunk starting at row a, for the diagonal blocks taken one token at a time:
+    (k_s [D] as fp32, e [BC, D] = exp(G_t - G_s) for the sub-chunk's rows t >= s, 0 above the diagonal, its
+    exponent set to -inf first). A key past the chunk's end (a + s > last) meets only rows t >= s > last,
+    which are never stored, so it reads the last valid row instead."""
+    row = a + s
+    k_s = tl.load(k + (tl.minimum(row, last) * H + h) * K + cols, mask=mask_cols, other=0).to(tl.float32)
+    G_s = load_G_row(Gc, row, last, h, H, cols, K, mask_cols)
+    o = tl.arange(0, BC)
+    return k_s, tl.exp(tl.where(o[:, None] >= s, G_rows - G_s[None, :], float("-inf")))
+
+
+@triton.jit
 def chunk_cumsum_kernel(x, out, cu_seqlens, chunks, H, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
                         REVERSE: tl.constexpr):
     """Cumulative sum of x [T, H, K] within each chunk (from the end when REVERSE), in fp32."""
