@@ -651,11 +651,12 @@ NOTES = {
                          "(8 warps resident, as serial:8); tokens:4 (the diagonal one key token at a time) "
                          "takes 96 on sm_90 and 128 on sm_80: 20 and 16 warps resident, the layout the next "
                          "GPU call times against the others (bench/kda.py --scores-grid).",
-    "chunk_bwd_kernel": "sm_90: ~200 B, since its two products with a [C, BKC] operand multiply as tf32x3 "
+    "chunk_bwd_kernel": "sm_90: ~130 B, since its two products with a [C, BKC] operand multiply as tf32x3 "
                         "on fp32 operands there (a 32-wide bf16 operand faults on Hopper, "
-                        "common.HALF_MIN_ROW; 0 B before that change). sm_80: ~84 B, its ptxas keeps a few "
+                        "common.HALF_MIN_ROW; 0 B before that change); storing dA_qk before the key-block "
+                        "loop instead of after it took it from ~250 B. sm_80: ~88 B, its ptxas keeps a few "
                         "more registers live across the key-block loop; smaller key blocks would reread dO, "
-                        "V_new and dV_new more often.",
+                        "V_new and dV_new more often, and 64-wide ones (bf16 operands) spilled ~420 B.",
     "wu_kernel": "sm_80 only, at K = 128 with V = 64 (no preset's head shape: theirs are 128 / 128): "
                  "~630 B at 255 registers; sm_90, and sm_80 at V = 128, spill nothing.",
     "state_kernel": "sm_80 only, at BVS = 64, 12-48 B; BVS = 32 (chosen for fp32 inputs when the sequences "

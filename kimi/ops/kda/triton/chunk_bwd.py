@@ -80,6 +80,9 @@ def chunk_bwd_kernel(q, k, v, beta, Gc, L, Ainv, W, U, Hs, VN, do, DH, DVN, dqs,
                  (b_beta[:, None] * Z_U).to(dv.dtype.element_ty), mask=valid[:, None] & mv[None, :])
         d_beta += tl.sum(Z_U * load_rows(v, rows, last, h, H, cv, V, mv), axis=1)
         d_A -= mm(Z_U, tl.trans(load_rows(U, rows, last, h, H, cv, V, mv)), PREC)
+    out2 = (rows[:, None] * H + h) * C + o[None, :]  # dA_qk is complete: stored now, not held through
+    tl.store(dAqk + out2, tl.where(o[:, None] >= o[None, :], d_Aqk, 0.0), mask=valid[:, None])
+    # the key-block loop (on sm_90 that took its spills from 200/252 B to 124/132 B)
     state_base = (i_c * H + h).to(tl.int64) * K * V
     for k0 in range(0, K, BKC):
         ck = k0 + tl.arange(0, BKC)
@@ -118,9 +121,7 @@ def chunk_bwd_kernel(q, k, v, beta, Gc, L, Ainv, W, U, Hs, VN, do, DH, DVN, dqs,
         tl.store(dG + out, d_G, mask=mask)
     d_A = tl.where((o[:, None] > o[None, :]) & valid[:, None], d_A, 0.0)
     d_beta += tl.sum(d_A * load_square(L, t0, last, h, H, C), axis=1)
-    out2 = (rows[:, None] * H + h) * C + o[None, :]
     tl.store(dL + out2, b_beta[:, None] * d_A, mask=valid[:, None])
-    tl.store(dAqk + out2, tl.where(o[:, None] >= o[None, :], d_Aqk, 0.0), mask=valid[:, None])
     tl.store(dbeta + rows * H + h, d_beta.to(dbeta.dtype.element_ty), mask=valid)
 
 
