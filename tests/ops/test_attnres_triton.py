@@ -123,6 +123,20 @@ def test_single_source_without_query_is_the_norm_of_it():
         mix.normed(None, sources * 2, EPS, weight, NORM_EPS)
 
 
+def test_mixed_dtype_sources_mix_as_the_pytorch_path_does():
+    """Under bf16 autocast the embedding's source is fp32 and the sublayers' outputs bf16. The kernels take
+    one dtype, so the fused mix promotes the sources as the PyTorch path's stack does and returns
+    sources[0]'s dtype: output and gradients equal the reference's on the same mixed inputs (model.attnres
+    .backend=triton or auto with trainer.precision=bf16 raised a ValueError before)."""
+    sources, query, weight, dy = make(3, (5, 32), torch.float32)
+    sources = [sources[0]] + [s.detach().bfloat16().requires_grad_() for s in sources[1:]]
+    got = run(FusedDepthMix("triton").normed, sources, query, weight, dy)
+    want = run(lambda *a: mix_then_norm(*a, mix=depth_attention), sources, query, weight, dy)
+    assert got[0].dtype == torch.float32 and [g.dtype for g in got[2:5]] == [s.dtype for s in sources]
+    for a, b in zip(got, want):
+        assert rel(a, b) < 1e-5 if a.dtype == torch.float32 else rel(a, b) < 1e-2
+
+
 def test_backend_selection():
     """model.attnres.backend: torch stays today's mix (eager, compiled under parallel.compile), compile is
     always compiled, auto is the fused mix whose fallback is the torch choice (what runs on CPU tensors)."""
