@@ -46,6 +46,14 @@ import torch
 AUTO_TRITON_ON_CPU = False
 
 
+def is_fake(t: torch.Tensor) -> bool:
+    """A fake tensor (FakeTensorMode: shapes and dtypes only, as kimi/plan/activations.py traces a run): the
+    custom ops run their fake implementations on it, so no kernel needs its device."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
 def auto_picks_triton(device: torch.device) -> bool:
     """Whether `auto` (backend=None) prefers the Triton kernels for tensors on this device."""
     return device.type == "cuda" or (AUTO_TRITON_ON_CPU and device.type == "cpu")

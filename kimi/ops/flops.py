@@ -39,9 +39,9 @@ def _register(targets, formula, raw: bool = False) -> None:
 
 def _readable(t: torch.Tensor | None) -> bool:
     """Whether t holds values to read (not None, meta or a fake tensor under tracing)."""
-    from torch._subclasses.fake_tensor import FakeTensor
+    from kimi.ops.dispatch import is_fake
 
-    return t is not None and not isinstance(t, FakeTensor) and t.device.type != "meta"
+    return t is not None and not is_fake(t) and t.device.type != "meta"
 
 
 def _lengths(cu_seqlens: torch.Tensor | None, total: int) -> list[int]:

@@ -9,11 +9,17 @@ per block (what is still alive at the next block's start: kept until the backwar
 tensors as wide as d_model (the residual stream between sublayers, which tensor parallelism keeps whole
 unless sequence parallelism splits it) and the rest (inside the sublayers: split by tp).
 
-The trace runs in fp32 (autocast does not run on the meta device); `Trace.scaled` turns its bytes into a
-bf16 run's by the compute dtype's size, an estimate (norms, softmaxes and the loss stay fp32 under
-autocast). The routed experts' grouped GEMM runs through a stand-in that saves what torch's kernel saves
-(its two inputs): torch._grouped_mm takes only bf16 on the meta device, and the per-expert loop needs the
-routing's counts on the host. Its gradients are dropped as they arrive: kimi.summary counts gradients.
+A trace follows the run's compute dtype and device (`Mode`). An fp32 run on the CPU is traced on the meta
+device. Any other runs on fake CPU tensors (FakeTensorMode: shapes and dtypes, no memory): a bf16 or fp16
+run under CPU autocast, so what stays fp32 (the gates, norms' sums, the loss) is kept as fp32 op by op, and
+autocast's copies of the weights in the compute dtype are a third class, kept once per micro-batch whatever
+its rows and tokens; a GPU run with the kernels a GPU takes where they keep other tensors than the CPU's
+paths (model.kda.backend=auto: the Triton KDA ops, which save their inputs; model.attnres.backend=auto: the
+fused mix, which saves per-token statistics), through those ops' fake implementations. CPU autocast stands
+in for CUDA's: its lists differ in ops the model does not leave to it (docs/planning.md says where the
+estimate is off). The routed experts' grouped GEMM runs through a stand-in that saves what torch's kernel
+saves (its two inputs): torch._grouped_mm takes only bf16 on the meta device, and the per-expert loop needs
+the routing's counts on the host. Its gradients are dropped as they arrive: kimi.summary counts gradients.
 """
 
 from __future__ import annotations
@@ -36,12 +42,12 @@ SMALL_CHUNK = 8  # tokens per loss chunk in the traces that separate the loss's 
 
 
 class _Live(TorchDispatchMode):
-    """Bytes alive per class (0: d_model wide, 1: the rest) among storages created under it, and the most
-    alive at once."""
+    """Bytes alive per class (0: d_model wide, 1: the rest, 2: copies of the weights, autocast's) among
+    storages created under it, and the most alive at once."""
 
     def __init__(self, d_model: int):
         super().__init__()
-        self.d, self.now, self.peak, self.seen = d_model, [0, 0], 0, set()
+        self.d, self.now, self.peak, self.seen, self.weights = d_model, [0, 0, 0], 0, set(), set()
 
     def _free(self, key: int, cls: int, n: int) -> None:
         self.seen.discard(key)
@@ -49,6 +55,7 @@ class _Live(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        cast = func is torch.ops.aten._to_copy.default and args[0].untyped_storage()._cdata in self.weights
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor):
                 continue
@@ -56,14 +63,16 @@ class _Live(TorchDispatchMode):
             key = st._cdata
             if key in self.seen:
                 continue
-            n, cls = st.nbytes(), 0 if t.dim() and t.shape[-1] == self.d else 1
+            n, cls = st.nbytes(), 2 if cast else 0 if t.dim() and t.shape[-1] == self.d else 1
             self.seen.add(key)
             self.now[cls] += n
             weakref.finalize(st, self._free, key, cls, n)
-        self.peak = max(self.peak, sum(self.now))
+        # the weight copies stay out of the peak: a recompute's are sized by the unsharded model here, and a
+        # layout that gathers its weights in bf16 makes none (the kept ones are counted apart)
+        self.peak = max(self.peak, self.now[0] + self.now[1])
         return out
 
-    def snap(self) -> Tuple[int, int]:
+    def snap(self) -> Tuple[int, int, int]:
         return tuple(self.now)
 
 
@@ -107,33 +116,89 @@ class _NoHead(torch.nn.Module):
         return hidden.float().sum()
 
 
-def _track(live: _Live, tensors) -> None:
-    """Storages created before tracing (parameters, inputs) are never counted, views of them neither."""
+def _track(live: _Live, tensors, weights=()) -> None:
+    """Storages created before tracing (parameters, inputs) are never counted, views of them neither; a copy
+    of one of `weights` in another dtype is class 2."""
     live.seen |= {t.untyped_storage()._cdata for t in tensors}
+    live.weights |= {t.untyped_storage()._cdata for t in weights}
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How a run computes, as far as what it keeps goes: the compute dtype's bytes (4: fp32; 2: bf16
+    autocast) and whether it runs on a GPU (the kernels a GPU takes; module docstring)."""
+
+    compute_bytes: int = 4
+    gpu: bool = False
+
+    @property
+    def on_meta(self) -> bool:
+        return self.compute_bytes == 4 and not self.gpu
+
+
+def _as_run(m: ModelConfig, mode: Mode) -> ModelConfig:
+    """m with the backends a GPU's auto picks where they keep other tensors than the CPU paths."""
+    if not mode.gpu:
+        return m
+    kda, attnres = m.kda, m.attnres
+    return dataclasses.replace(
+        m, kda=dataclasses.replace(kda, backend="triton") if kda.backend == "auto" else kda,
+        attnres=dataclasses.replace(attnres, backend="triton") if attnres.backend == "auto" else attnres)
+
+
+def _on_fake_cpu(module: torch.nn.Module, fake) -> None:
+    """Replace a meta module's parameters and buffers by fake CPU tensors of the same shapes and dtypes."""
+    with fake:
+        for mod in module.modules():
+            for name, p in mod._parameters.items():
+                if p is not None:
+                    mod._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                                               requires_grad=p.requires_grad)
+            for name, b in mod._buffers.items():
+                if b is not None:
+                    mod._buffers[name] = torch.empty(b.shape, dtype=b.dtype)
+
+
+@contextlib.contextmanager
+def _running(mode: Mode, module: torch.nn.Module):
+    """Where `module` (built on the meta device) runs as `mode` says; yields the device of its inputs and
+    the context its forward runs in (autocast; the backward runs outside it, as in training, so its copies
+    of the weights outlive the forward only where autograd saved them)."""
+    if mode.on_meta:
+        yield "meta", contextlib.nullcontext
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode()
+    _on_fake_cpu(module, fake)
+    dtype = {2: torch.bfloat16}.get(mode.compute_bytes)
+    with fake:
+        yield "cpu", lambda: torch.autocast("cpu", dtype=dtype, enabled=dtype is not None)
+
+
+Bytes = Tuple[int, int, int]  # d_model wide, other, weight copies (_Live's classes)
 
 
 @dataclass(frozen=True)
 class Run:
     """One traced forward and backward of one row of T tokens through the blocks (no loss)."""
 
-    first: Tuple[int, int]  # kept by the embedding and the stream's start (d_model wide, other)
-    blocks: List[Tuple[int, int]]  # kept by each block until its backward
-    last: Tuple[int, int]  # kept by the final mix and norm
+    first: Bytes  # kept by the embedding and the stream's start
+    blocks: List[Bytes]  # kept by each block until its backward
+    last: Bytes  # kept by the final mix and norm
     extra: int  # the most alive at once beyond what the forward keeps (recompute, activation gradients)
 
 
-def _body(m: ModelConfig, ac: str, T: int) -> Run:
+def _body(m: ModelConfig, ac: str, T: int, mode: Mode) -> Run:
     from kimi.model import KimiModel
     from kimi.parallel.activation_checkpointing import apply_activation_checkpointing
 
     with torch.device("meta"):
-        model = KimiModel(m)
+        model = KimiModel(_as_run(m, mode))
     model.lm_head = _NoHead()
     apply_activation_checkpointing(model, ac)
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     live = _Live(m.d_model)
-    marks: List[Tuple[int, int]] = []
+    marks: List[Bytes] = []
     hooks = [b.register_forward_pre_hook(lambda *_: marks.append(live.snap())) for b in model.blocks.values()]
     run = model.__dict__.get("_runners", {}).get("final")
 
@@ -142,50 +207,64 @@ def _body(m: ModelConfig, ac: str, T: int) -> Run:
         return run(function, *args) if run else function(*args)
 
     model.set_runner("final", final)
-    ids = torch.zeros(1, T, dtype=torch.long, device="meta")
-    _track(live, [*model.parameters(), *model.buffers(), ids])
-    with _meta_experts(), live:
-        loss = model(ids, labels=ids)
-        end = live.snap()
-        kept = sum(end)
-        loss.backward()
+    with _running(mode, model) as (device, forward):
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        ids = torch.zeros(1, T, dtype=torch.long, device=device)
+        _track(live, [*model.parameters(), *model.buffers(), ids], model.parameters())
+        with _meta_experts(), live:
+            with forward():
+                loss = model(ids, labels=ids)
+                done = live.snap()
+            end = live.snap()  # leaving autocast freed its copies of the weights that autograd did not save
+            kept = end[0] + end[1]
+            loss.backward()
     for h in hooks:
         h.remove()
     n = len(model.blocks)
+    share = end[2] / done[2] if done[2] else 0.0  # of the copies made, those kept to the backward
 
     def diff(a, b):
-        return (b[0] - a[0], b[1] - a[1])
+        (u0, u1, u2), (v0, v1, v2) = a, b
+        return v0 - u0, v1 - u1, (v2 - u2) * share
 
-    return Run(marks[0], [diff(marks[i], marks[i + 1]) for i in range(n)], diff(marks[n], end),
-               max(0, live.peak - kept))
+    return Run(diff((0, 0, 0), marks[0]), [diff(marks[i], marks[i + 1]) for i in range(n)],
+               diff(marks[n], done), max(0, live.peak - kept))
 
 
-def _head(m: ModelConfig, T: int, chunk: int) -> Tuple[int, int]:
+def _head(m: ModelConfig, T: int, chunk: int, mode: Mode, weight_grad: bool = True) -> Tuple[int, int]:
     """(bytes the loss keeps from its forward to its backward, the most alive at once beyond the hidden
-    states) for T tokens, `chunk` tokens per loss chunk (-1: the plain loss on whole logits)."""
+    states) for T tokens, `chunk` tokens per loss chunk (-1: the plain loss on whole logits); weight_grad
+    False: the head's weight takes no gradient."""
     from kimi.model.transformer import LMHead, lm_loss
 
     with torch.device("meta"):
         head = LMHead(m.d_model, m.vocab_size, chunk, m.loss_chunk_mib)
-    hidden = torch.empty(1, T, m.d_model, device="meta", requires_grad=True)
-    labels = torch.zeros(1, T, dtype=torch.long, device="meta")
+    head.weight.requires_grad_(weight_grad)
     live = _Live(m.d_model)
-    _track(live, [head.weight, hidden, labels])
-    with live:
-        loss = lm_loss(head(hidden), labels) if chunk < 0 else head(hidden, labels)
-        kept = sum(live.snap())
-        loss.backward()
+    with _running(mode, head) as (device, forward):
+        hidden = torch.empty(1, T, m.d_model, device=device, requires_grad=True)
+        labels = torch.zeros(1, T, dtype=torch.long, device=device)
+        _track(live, [head.weight, hidden, labels], [head.weight])
+        with live:
+            with forward():
+                loss = lm_loss(head(hidden), labels) if chunk < 0 else head(hidden, labels)
+            kept = sum(live.snap()[:2])  # the head's weight copy apart, as the blocks' (the body's trace)
+            loss.backward()
     return kept, live.peak
 
 
 @dataclass(frozen=True)
 class Trace:
-    """Bytes (fp32) of one micro-batch row, as per-token slopes (and the transient's per-row constant)."""
+    """Bytes of one micro-batch row as the traced Mode runs it, as per-token slopes (and the transient's
+    per-row constant), and the weight copies a micro-batch keeps whatever its rows."""
 
     first: Tuple[float, float]  # per token: d_model wide, other
     blocks: List[Tuple[float, float]]  # per token, per block of the whole model
     last: Tuple[float, float]  # per token: the final mix and norm
     blocks_row: List[Tuple[float, float]]  # per row, per block: what a row keeps beside its tokens' share
+    casts: List[float]  # per micro-batch, per block: autocast's copies of its weights (0 in fp32)
+    casts_ends: Tuple[float, float]  # the same of the embedding and the stream's start, and of the end
     extra: float  # per token of the backward's transient (recompute, activation gradients)
     extra_row: float  # per row: the transient's constant part
     head_token: float  # the loss's bytes kept per token (the hidden states' gradient)
@@ -213,48 +292,61 @@ def _cut(m: ModelConfig) -> ModelConfig:
                                mtp=dataclasses.replace(m.mtp, layers=0))
 
 
-def _trace(m: ModelConfig, ac: str) -> Trace:
+def _trace(m: ModelConfig, ac: str, mode: Mode) -> Trace:
     from kimi.config import mixer_pattern
     from kimi.model.registry import mlp_kinds
 
-    a, b = (_body(_cut(m), ac, T) for T in (T1, T2))
+    a, b = (_body(_cut(m), ac, T, mode) for T in (T1, T2))
 
-    def slope(x, y):
-        return tuple((v - u) / (T2 - T1) for u, v in zip(x, y))
+    def slope(x, y):  # of the first two classes; the weight copies (class 2) do not grow with T
+        return tuple((v - u) / (T2 - T1) for u, v in zip(x[:2], y[:2]))
 
     def constant(x, y):
-        return tuple(u - (v - u) / (T2 - T1) * T1 for u, v in zip(x, y))
+        return tuple(u - (v - u) / (T2 - T1) * T1 for u, v in zip(x[:2], y[:2]))
 
     blocks = [slope(x, y) for x, y in zip(a.blocks, b.blocks)]
     rows = [constant(x, y) for x, y in zip(a.blocks, b.blocks)]
+    casts = [float(x[2]) for x in a.blocks]
     if len(blocks) < m.num_layers:  # each later block as the last traced one of its kind
         kinds = list(zip(mixer_pattern(m), mlp_kinds(m)))
         last = {kind: i for i, kind in enumerate(kinds[:CUT])}
-        blocks += [blocks[last.get(kind, CUT - 1)] for kind in kinds[CUT:]]
-        rows += [rows[last.get(kind, CUT - 1)] for kind in kinds[CUT:]]
+        for per_block in (blocks, rows, casts):
+            per_block += [per_block[last.get(kind, CUT - 1)] for kind in kinds[CUT:]]
     extra = (b.extra - a.extra) / (T2 - T1)
-    (k1, p1), (k2, p2) = (_head(m, T, SMALL_CHUNK) for T in (T1, T2))
-    _, wide = _head(m, T1, 2 * SMALL_CHUNK)
-    plain_kept, plain_peak = _head(m, T1, -1)
+    (k1, p1), (k2, _) = (_head(m, T, SMALL_CHUNK, mode) for T in (T1, T2))
     head_token = (k2 - k1) / (T2 - T1)
-    logit = (wide - p1) / (SMALL_CHUNK * m.vocab_size)
-    plain = (plain_peak - (k1 - head_token * T1)) / (T1 * m.vocab_size)
-    return Trace(slope(a.first, b.first), blocks, slope(a.last, b.last), rows, extra,
-                 max(0.0, a.extra - extra * T1), head_token, k1 - head_token * T1, max(0.0, logit),
-                 max(0.0, plain))
+    head_row = k1 - head_token * T1
+    # the logits: the peaks' growth with the chunk, and the plain loss's peak beyond what it keeps; off the
+    # meta device sized without the weight's gradient, whose two copies in bf16 (bf16, then fp32) outweigh
+    # these short traces' logits, so the peaks would not see them
+    grad = mode.on_meta
+    base, p8 = head_row, p1
+    if not grad:
+        kept, p8 = _head(m, T1, SMALL_CHUNK, mode, grad)
+        base = kept - head_token * T1
+    wide = _head(m, T1, 2 * SMALL_CHUNK, mode, grad)[1]
+    plain_peak = _head(m, T1, -1, mode, grad)[1]
+    logit = (wide - p8) / (SMALL_CHUNK * m.vocab_size)
+    plain = (plain_peak - base) / (T1 * m.vocab_size)
+    extra_row = max(0.0, a.extra - extra * T1)
+    if not mode.on_meta:
+        # the transient's part that does not grow with the tokens is the largest weight's gradient before
+        # it is dropped, whole here (the trace is unsharded) and in the dtypes autocast's backward makes of
+        # it; the layout shards it in ways memory.py does not follow, so it stays the fp32 trace's, scaled
+        # by the compute dtype, as the plans have sized it (docs/planning.md says where it is off)
+        extra_row = trace(m, ac).extra_row * mode.compute_bytes / 4
+    return Trace(slope(a.first, b.first), blocks, slope(a.last, b.last), rows, casts,
+                 (float(a.first[2]), float(a.last[2])), extra, extra_row, head_token, head_row,
+                 max(0.0, logit), max(0.0, plain))
 
 
-_CACHE: Dict[Tuple[str, str], Trace] = {}
+_CACHE: Dict[Tuple[str, str, Mode], Trace] = {}
 
 
-def trace(m: ModelConfig, ac: str) -> Trace:
-    """The activation trace of model shape `m` under activation checkpointing `ac` (cached per shape)."""
-    key = (section_key(m), ac)
+def trace(m: ModelConfig, ac: str, mode: Mode = Mode()) -> Trace:
+    """The activation trace of model shape `m` under activation checkpointing `ac`, run as `mode` says
+    (cached per shape)."""
+    key = (section_key(m), ac, mode)
     if key not in _CACHE:
-        _CACHE[key] = _trace(m, ac)
+        _CACHE[key] = _trace(m, ac, mode)
     return _CACHE[key]
-
-
-def scale(x: float, compute_bytes: int) -> float:
-    """fp32 bytes as a run computing in `compute_bytes`-byte floats would keep them (an estimate)."""
-    return x * compute_bytes / 4

@@ -3,7 +3,9 @@
 Persistent state (weights, gradients, optimizer state, the gathered FSDP units) is kimi.summary's count per
 pipeline rank after pp, tp, ep and FSDP (`rank_state`), and under the DeepSpeed engine ZeRO's partitioning
 of it over dp_shard. Activations come from kimi.plan.activations: what autograd keeps per token of each
-block under parallel.activation_checkpointing, traced from the model's shapes on the meta device, then
+block under parallel.activation_checkpointing, traced from the model's shapes in the run's compute dtype
+with the kernels its device takes (autocast's copies of the weights apart: kept once per micro-batch, and
+only by an eager step on plain fp32 weights, keeps_weight_copies), then
 
   * split by the layout: tokens per rank are rows x seq_len / cp; the tensors inside sublayers divide by tp,
     the d_model-wide ones between them only under sequence parallelism; the loss's logits divide by tp
@@ -31,7 +33,7 @@ from typing import Dict, List
 
 from kimi.config import Config, pipeline_microbatches, stages_per_rank
 from kimi.parallel.engine_rules import DEEPSPEED, TORCH
-from kimi.plan.activations import Trace, trace
+from kimi.plan.activations import Mode, Trace, trace
 from kimi.plan.optimizer_step import step_bytes_per_param
 from kimi.plan.owner_plan import owned
 from kimi.plan.shapes import facts, model_shapes, muonclip, pipeline, section_key, sources, stage_ranges
@@ -74,27 +76,40 @@ def activations(cfg: Config, tr: Trace, rank: int, blocks: List[int], first: boo
             kept += count * _held(cfg, tr, list(ranges[stage]), stage == 0, stage == total - 1, rows, tokens,
                                   cb)
     head = tr.head_row / p.tp if last and not plain else 0.0
-    transient = tokens * tr.extra / p.tp + tr.extra_row
+    # a line through two short traces: where its slope is negative it must not go below zero at long rows
+    transient = max(0.0, tokens * tr.extra / p.tp + tr.extra_row)
     if last:
         transient = max(transient, tr.logits_alive(m, tokens, p.tp, plain))
-    return kept * cb / 4 + head + transient * cb / 4
+    return kept + head + transient
 
 
 def _held(cfg: Config, tr: Trace, blocks: List[int], first: bool, last: bool, rows: int, tokens: int,
           cb: int) -> float:
-    """What one micro-batch in flight keeps of `blocks` (as traced, in fp32; the embedding's if first, the
-    final mix's and the loss's if last); cb: the compute dtype's bytes."""
+    """What one micro-batch in flight keeps of `blocks` (as traced; the embedding's if first, the final
+    mix's and the loss's if last); cb: the compute dtype's bytes."""
     m, p = cfg.model, cfg.parallel
     wide = p.tp if p.sequence_parallel else 1  # d_model-wide tensors between sublayers
     per_token = sum(b[0] / wide + b[1] / p.tp for b in (tr.blocks[i] for i in blocks))
     per_row = sum(b[0] / wide + b[1] / p.tp for b in (tr.blocks_row[i] for i in blocks))
+    per_batch = sum(tr.casts[i] for i in blocks) / p.tp  # the weight copies, sharded as the weights
     if first:
         per_token += tr.first[0] / wide + tr.first[1] / p.tp
+        per_batch += tr.casts_ends[0]
     elif blocks:  # the stream's sources received from the stage before (and their gradients at the end)
         per_token += sources(m, 2 * min(blocks)) * m.d_model * cb
     if last:
         per_token += tr.last[0] / wide + tr.last[1] / p.tp + tr.head_token / wide
-    return tokens * per_token + rows * per_row
+        per_batch += tr.casts_ends[1]
+    return tokens * per_token + rows * per_row + (per_batch if keeps_weight_copies(cfg) else 0.0)
+
+
+def keeps_weight_copies(cfg: Config) -> bool:
+    """Whether autocast's copies of the weights in the compute dtype stay alive until the backward: in an
+    eager step whose weights are plain fp32 tensors. FSDP with bf16 gathers them in bf16 already (nothing
+    to copy), DeepSpeed's bf16 keeps its module in bf16, and a compiled region casts inside its graph, where
+    the partitioner recomputes a cast from the fp32 weight it holds anyway rather than save the copy."""
+    p = cfg.parallel
+    return p.engine == TORCH and p.dp_replicate * p.dp_shard * p.cp == 1 and not p.compile
 
 
 def _inflight_per_stage(cfg: Config, rank: int) -> List[int]:
@@ -130,7 +145,7 @@ def rank_parts(cfg: Config) -> List[Dict[str, int]]:
     table = facts(cfg)
     p, t = cfg.parallel, cfg.trainer
     cb = precision_for(t.precision).compute_bytes()
-    tr = trace(cfg.model, p.activation_checkpointing)
+    tr = trace(cfg.model, p.activation_checkpointing, Mode(cb, t.device != "cpu"))
     step = step_bytes_per_param(cfg)
     out = []
     for rank, (stages, blocks, first, last) in enumerate(pipeline(cfg)):

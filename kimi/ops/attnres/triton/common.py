@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import triton
 
+from kimi.ops.dispatch import is_fake
+
 # Decided by triton.jit when the kernels were defined: TRITON_INTERPRET must be set before triton loads.
 INTERPRET: bool = bool(triton.knobs.runtime.interpret)
 
@@ -22,7 +24,7 @@ def check_inputs(query: torch.Tensor, sources, norm_weight: torch.Tensor | None)
         raise ValueError("attnres depth mix: no sources to mix")
     first = sources[0]
     tensors = [query, *sources] + ([] if norm_weight is None else [norm_weight])
-    if any(not t.is_cuda for t in tensors) and not INTERPRET:
+    if any(not t.is_cuda and not is_fake(t) for t in tensors) and not INTERPRET:
         raise RuntimeError("model.attnres.backend=triton needs CUDA tensors (on CPU the Triton kernel runs "
                            "only interpreted, with TRITON_INTERPRET=1 set before triton is imported): use "
                            "model.attnres.backend=auto or torch")

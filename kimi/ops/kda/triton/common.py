@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...dispatch import KernelUnsupported
+from ...dispatch import KernelUnsupported, is_fake
 from ..chunk import BOUNDED_SUB_CHUNK, CHUNK_SIZE, TRITON_MAX_HEAD_DIM
 
 # Triton decides at decoration time whether @triton.jit kernels are compiled or interpreted, from this
@@ -26,9 +26,9 @@ assert SUB == BOUNDED_SUB_CHUNK  # the PyTorch path's bounded form anchors at th
 
 
 def check_device(*tensors: torch.Tensor) -> None:
-    """Triton runs CUDA tensors compiled, CPU tensors only interpreted."""
+    """Triton runs CUDA tensors compiled, CPU tensors only interpreted (fake ones not at all)."""
     for x in tensors:
-        if x.device.type == "cpu" and not INTERPRET:
+        if x.device.type == "cpu" and not INTERPRET and not is_fake(x):
             raise RuntimeError(
                 "KDA backend='triton' got CPU tensors, which Triton runs only under its interpreter: set "
                 "TRITON_INTERPRET=1 before triton is first imported, or use backend='chunk' on CPU"
