@@ -328,13 +328,12 @@ def _trace(m: ModelConfig, ac: str, mode: Mode) -> Trace:
     plain_peak = _head(m, T1, -1, mode, grad)[1]
     logit = (wide - p8) / (SMALL_CHUNK * m.vocab_size)
     plain = (plain_peak - base) / (T1 * m.vocab_size)
-    extra_row = max(0.0, a.extra - extra * T1)
-    if not mode.on_meta:
-        # the transient's part that does not grow with the tokens is the largest weight's gradient before
-        # it is dropped, whole here (the trace is unsharded) and in the dtypes autocast's backward makes of
-        # it; the layout shards it in ways memory.py does not follow, so it stays the fp32 trace's, scaled
-        # by the compute dtype, as the plans have sized it (docs/planning.md says where it is off)
-        extra_row = trace(m, ac).extra_row * mode.compute_bytes / 4
+    # the transient's part that does not grow with the tokens is the largest weight's gradient before it is
+    # dropped, whole here (the trace is unsharded) and in the dtypes autocast's backward makes of it; the
+    # layout shards it in ways memory.py does not follow, so off the meta device it stays the fp32 trace's,
+    # scaled by the compute dtype, as the plans have sized it (docs/planning.md says where it is off)
+    extra_row = (max(0.0, a.extra - extra * T1) if mode.on_meta
+                 else trace(m, ac).extra_row * mode.compute_bytes / 4)
     return Trace(slope(a.first, b.first), blocks, slope(a.last, b.last), rows, casts,
                  (float(a.first[2]), float(a.last[2])), extra, extra_row, head_token, head_row,
                  max(0.0, logit), max(0.0, plain))

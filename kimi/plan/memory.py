@@ -108,8 +108,10 @@ def keeps_weight_copies(cfg: Config) -> bool:
     eager step whose weights are plain fp32 tensors. FSDP with bf16 gathers them in bf16 already (nothing
     to copy), DeepSpeed's bf16 keeps its module in bf16, and a compiled region casts inside its graph, where
     the partitioner recomputes a cast from the fp32 weight it holds anyway rather than save the copy."""
-    p = cfg.parallel
-    return p.engine == TORCH and p.dp_replicate * p.dp_shard * p.cp == 1 and not p.compile
+    from kimi.parallel.dims import ParallelDims
+
+    p = cfg.parallel  # the trainer's own rule for FSDP (the world size does not enter it)
+    return p.engine == TORCH and not ParallelDims.from_config(p, world=1).fsdp and not p.compile
 
 
 def _inflight_per_stage(cfg: Config, rank: int) -> List[int]:

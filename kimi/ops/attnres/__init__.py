@@ -63,12 +63,13 @@ class FusedDepthMix:
 
     def normed(self, query: torch.Tensor | None, sources: Sequence[torch.Tensor], eps: float,
                norm_weight: torch.Tensor | None, norm_eps: float) -> torch.Tensor:
-        sources, dtype = list(sources), sources[0].dtype if sources else None
-        wide = functools.reduce(torch.promote_types, (s.dtype for s in sources)) if sources else None
-        if any(s.dtype != wide for s in sources):
+        sources = list(sources)
+        if len({s.dtype for s in sources}) > 1:
             # under autocast the embedding's source is fp32 and the sublayers' outputs bf16; the kernels take
             # one dtype, so they mix them as the PyTorch path does (its stack promotes), in sources[0]'s out
-            return self.normed(query, [s.to(wide) for s in sources], eps, norm_weight, norm_eps).to(dtype)
+            wide = functools.reduce(torch.promote_types, (s.dtype for s in sources))
+            out = self.normed(query, [s.to(wide) for s in sources], eps, norm_weight, norm_eps)
+            return out.to(sources[0].dtype)
         if self.backend == "fla":
             from .fla import fla_depth_mix
 

@@ -80,9 +80,10 @@ def chunk_bwd_kernel(q, k, v, beta, Gc, L, Ainv, W, U, Hs, VN, do, DH, DVN, dqs,
                  (b_beta[:, None] * Z_U).to(dv.dtype.element_ty), mask=valid[:, None] & mv[None, :])
         d_beta += tl.sum(Z_U * load_rows(v, rows, last, h, H, cv, V, mv), axis=1)
         d_A -= mm(Z_U, tl.trans(load_rows(U, rows, last, h, H, cv, V, mv)), PREC)
-    out2 = (rows[:, None] * H + h) * C + o[None, :]  # dA_qk is complete: stored now, not held through
+    # dA_qk is complete: stored now, not held through the key-block loop (on sm_90 that took the kernel's
+    # spills from 200/252 B to 124/132 B)
+    out2 = (rows[:, None] * H + h) * C + o[None, :]
     tl.store(dAqk + out2, tl.where(o[:, None] >= o[None, :], d_Aqk, 0.0), mask=valid[:, None])
-    # the key-block loop (on sm_90 that took its spills from 200/252 B to 124/132 B)
     state_base = (i_c * H + h).to(tl.int64) * K * V
     for k0 in range(0, K, BKC):
         ck = k0 + tl.arange(0, BKC)
