@@ -4,7 +4,8 @@ training step, layout by layout, on gloo ranks of this CPU.
 Each layout trains a short run under torchrun (the trainer, so every engine, schedule and optimizer path is
 the real one): step 1 creates the optimizer state, step 2 runs under torch's MemTracker (the peak of each
 rank, and its split at that moment: parameters, gradients, optimizer state, the rest = activations,
-gathered FSDP units and buffers), step 3 under bench/comm_count.py's CommCounter (calls and bytes per
+gathered FSDP units and buffers; a compiled layout's is measured by the allocator instead, as
+kimi.plan.measure.tracked_peak says why), step 3 under bench/comm_count.py's CommCounter (calls and bytes per
 collective kind each rank puts in). The heaviest rank's measured peak is set beside memory_per_rank's, and
 each pipeline rank's counts (the most any of its ranks put in) beside comm.per_rank's for it: with
 pipeline parallelism the stages' collectives differ (the first holds the embedding, the last the head).
@@ -51,6 +52,15 @@ LAYOUTS = {
     "tiny/single/full": ("tiny", 1, ["parallel.activation_checkpointing=full"]),
     # bf16 autocast on the CPU (its policy, not CUDA's): the trace's bytes scaled by the compute dtype's size
     "tiny/single/none_bf16": ("tiny", 1, ["trainer.precision=bf16"]),
+    # compiled (torch.compile on the CPU, inductor's C++: about a minute more), measured by the allocator
+    "tiny/single/none_bf16_compiled": ("tiny", 1, ["trainer.precision=bf16", "parallel.compile=true"]),
+    # and with rows of 512 tokens, where selective checkpointing's activations, not the optimizer step, set
+    # the peak: eager and compiled
+    "tiny/single/selective_bf16_512": ("tiny", 1, ["trainer.precision=bf16", "trainer.seq_len=512",
+                                                   "parallel.activation_checkpointing=selective"]),
+    "tiny/single/selective_bf16_512_compiled": ("tiny", 1, ["trainer.precision=bf16", "trainer.seq_len=512",
+                                                            "parallel.activation_checkpointing=selective",
+                                                            "parallel.compile=true"]),
     "tiny/fsdp2/selective": ("tiny", 2, ["parallel.dp_shard=2",
                                          "parallel.activation_checkpointing=selective"]),
     "tiny/tp2/none": ("tiny", 2, ["parallel.tp=2"]),
@@ -114,7 +124,8 @@ def worker(out: Path, model: str, overrides: list[str]) -> None:
 
     run = Path(tempfile.mkdtemp(prefix="kimi_plan_check_"))
     trainer = Trainer(compose_cfg(model, overrides, run))
-    snap = tracked_peak(trainer.train_step, trainer.engine.model, trainer.engine.optimizer, trainer.device)
+    snap = tracked_peak(trainer.train_step, trainer.engine.model, trainer.engine.optimizer, trainer.device,
+                        trainer.cfg.parallel.compile)
     counter = CommCounter()
     with counter:
         trainer.train_step()

@@ -7,11 +7,12 @@ did.
 Each layout's printed overrides train through the trainer itself, one process per GPU of the plan: under
 torchrun on this machine (one node), or, inside a SLURM allocation (sbatch, salloc), under srun starting one
 torchrun per node of the plan, meeting at the allocation's first node (as launch/slurm.sbatch trains). Step 1
-makes the optimizer state, step 2 runs under torch's MemTracker (each rank's peak, as bench/plan_check.py
-measures it), step 3 is timed (tokens/s). A layout that fails (out of memory, a rule the planner's checks
-missed, a crash) is reported with its error line and the next one in the plan's order is tried, until K
-have run. With measure_layers=N the runs take model.num_layers=N (depth-reduced, said so in the output) and
-their memory is predicted again for that depth; the real model otherwise.
+makes the optimizer state, step 2's peak is measured (each rank's, as bench/plan_check.py measures it: under
+torch's MemTracker, or by the allocator for a compiled layout, tracked_peak), step 3 is timed (tokens/s). A
+layout that fails (out of memory, a rule the planner's checks missed, a crash) is reported with its error
+line and the next one in the plan's order is tried, until K have run. With measure_layers=N the runs take
+model.num_layers=N (depth-reduced, said so in the output) and their memory is predicted again for that
+depth; the real model otherwise.
 """
 
 from __future__ import annotations
@@ -57,16 +58,73 @@ def peak_split(mem, device) -> Dict[str, int]:
     return {str(k).rsplit(".", 1)[-1]: v for k, v in snap.items()}
 
 
-def tracked_peak(step, model, optimizer, device) -> Dict[str, int]:
-    """Two training steps (`step()`): one that makes the optimizer state, then one under the tracker,
-    which follows `model` and `optimizer`; the second's split at its peak on `device` (what this module and
-    bench/plan_check.py compare with the memory model)."""
+def tracked_peak(step, model, optimizer, device, compiled: bool = False) -> Dict[str, int]:
+    """Two training steps (`step()`): one that makes the optimizer state, then one measured; the second's
+    split at its peak on `device` (what this module and bench/plan_check.py compare with the memory model).
+    An eager step is measured under MemTracker, which follows `model` and `optimizer`. A compiled one
+    (parallel.compile) is measured by the allocator (allocator_peak): under any dispatch mode torch.compile's
+    regions run their eager path, in that step and in every later one (on this CPU, `tiny` in bf16 at 1,024
+    tokens: 80 MiB beside its state before a MemTracker step, 152 MiB, the eager step's, after it)."""
     step()  # the optimizer state exists from here on
+    if compiled:
+        return allocator_peak(step, model, optimizer, device)
     mem = tracker()
     mem.track_external(model, optimizer)
     with mem:
         step()
     return peak_split(mem, device)
+
+
+def allocator_peak(step, model, optimizer, device) -> Dict[str, int]:
+    """One step measured without a dispatch mode, in MemTracker's terms: the parameters (PARAM), gradients
+    (GRAD) and optimizer state (OPT) alive at its start, and ACT, the most the step allocated at once beyond
+    what it started with (activations, the gradients it makes, temporaries). What was alive before the step
+    besides those (the batch, the loader's buffers) is left out, as MemTracker leaves it. CUDA: the caching
+    allocator's peak statistic; CPU: the profiler's memory timeline of the step."""
+    import torch
+
+    params = list(model.parameters())
+    start = {"PARAM": _bytes(params), "GRAD": _bytes(p.grad for p in params if p.grad is not None),
+             "OPT": _bytes(t for state in optimizer.state.values() for t in state.values()
+                           if isinstance(t, torch.Tensor))}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step()
+        torch.cuda.synchronize(device)
+        rise = torch.cuda.max_memory_allocated(device) - before
+    else:
+        rise = _profiled_rise(step)
+    return {**start, "ACT": rise, "Total": sum(start.values()) + rise}
+
+
+def _bytes(tensors) -> int:
+    """Bytes of the distinct storages of `tensors` (a DTensor's local shard)."""
+    sizes = {}
+    for t in tensors:
+        storage = getattr(t, "_local_tensor", t).untyped_storage()
+        sizes[storage.data_ptr()] = storage.nbytes()
+    return sum(sizes.values())
+
+
+def _profiled_rise(step) -> int:
+    """The most bytes a CPU step had allocated at once beyond what it held at its start: the profiler's
+    memory timeline, which sees the allocations inside compiled regions and leaves them compiled."""
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        step()
+    with tempfile.TemporaryDirectory() as work, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated for CUDA, where the snapshots replace it
+        path = os.path.join(work, "timeline.json")
+        prof.export_memory_timeline(path, device="cpu")
+        _, sizes = json.loads(Path(path).read_text())
+    totals = [sum(by_category) for by_category in sizes]
+    return max(totals) - totals[0] if totals else 0
 
 
 def peak_bytes(split: Dict[str, int]) -> int:
@@ -83,7 +141,8 @@ def worker(out: Path, overrides: Sequence[str]) -> None:
 
     run = Path(tempfile.mkdtemp(prefix="kimi_plan_measure_"))
     trainer = Trainer(compose_config([*overrides, f"trainer.run_dir={run}"]))
-    split = tracked_peak(trainer.train_step, trainer.engine.model, trainer.engine.optimizer, trainer.device)
+    split = tracked_peak(trainer.train_step, trainer.engine.model, trainer.engine.optimizer, trainer.device,
+                         trainer.cfg.parallel.compile)
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
@@ -266,8 +325,8 @@ def text(results: List[Measured], how: Launcher, device: str, model: str, layers
     what = (f"depth-reduced: model.num_layers={layers} of {model}'s {full_layers} blocks (memory predicted "
             f"again for that depth; the predicted tokens/s are the full model's)" if layers
             else f"the real model ({model}, {full_layers} blocks)")
-    out = [f"{how.describe()}, trainer.device={device}, {what}; step 2's peak per rank (MemTracker), step 3 "
-           "timed"]
+    out = [f"{how.describe()}, trainer.device={device}, {what}; step 2's peak per rank (MemTracker; the "
+           "allocator's when compiled), step 3 timed"]
     ran = sorted((m for m in results if m.error is None), key=lambda m: (-m.tokens_per_s, m.peak))
     rows = [[str(r), f"#{m.index} {m.label}", f"{m.predicted_tokens_per_s:,.0f}", f"{m.tokens_per_s:,.0f}",
              _mib(m.predicted_peak), _mib(m.peak), f"{m.ratio:.3f}"] for r, m in enumerate(ran, 1)]

@@ -12,6 +12,7 @@ import json
 import types
 
 import pytest
+import torch
 from helpers import MEASURE_CPU, corpus_overrides
 
 from kimi.errors import ConfigError
@@ -139,3 +140,65 @@ def test_the_plan_for_tiny_on_4_cpu_ranks_trains_within_10_percent_of_its_memory
     overrides = plan["measured_overrides"][str(m["index"])]
     assert f"train.py overrides: {' '.join(overrides)}" in text
     assert "Measured on this machine: 4 ranks under torchrun, trainer.device=cpu, the real model" in text
+
+
+class _Chain(torch.nn.Module):
+    """Matmuls, each followed by pointwise ops whose inputs eager autograd keeps one by one and the min-cut
+    partitioner (torch.compile's) recomputes from the matmul's output in the backward."""
+
+    def __init__(self, width: int = 256, layers: int = 6):
+        super().__init__()
+        self.w = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(width, width) / width**0.5)
+                                        for _ in range(layers))
+
+    def forward(self, x):
+        for w in self.w:
+            x = torch.sin(torch.sin(torch.sin(x @ w) * 1.5) * 1.5)
+        return x.square().mean()
+
+
+def _stepper(model, optimizer, x):
+    def step():
+        model(x).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+@pytest.mark.unit
+def test_the_allocators_peak_of_an_eager_step_equals_memtrackers():
+    torch.manual_seed(0)
+    model = _Chain()
+    optimizer = torch.optim.AdamW(model.parameters())
+    step = _stepper(model, optimizer, torch.randn(2048, 256))
+    tracked = measure.tracked_peak(step, model, optimizer, torch.device("cpu"))
+    allocated = measure.allocator_peak(step, model, optimizer, torch.device("cpu"))
+    assert allocated["PARAM"] == tracked["PARAM"] and allocated["OPT"] == tracked["OPT"]
+    assert measure.peak_bytes(allocated) == pytest.approx(measure.peak_bytes(tracked), rel=0.02)
+    assert allocated["ACT"] > 18 * 2048 * 256 * 4  # the kept inputs of the pointwise ops at least
+
+
+@pytest.mark.unit
+def test_a_compiled_step_is_measured_compiled_and_left_so():
+    """Under MemTracker (a dispatch mode) a compiled region runs its eager path, in that step and every later
+    one; tracked_peak(compiled=True) measures the compiled step and leaves it compiled (the same peak
+    twice, below the eager step's). aot_eager_decomp_partition: the partitioner of inductor without its code
+    generation."""
+    torch.manual_seed(0)
+    x = torch.randn(2048, 256)
+    eager = _Chain()
+    opt = torch.optim.AdamW(eager.parameters())
+    tracked = measure.tracked_peak(_stepper(eager, opt, x), eager, opt, torch.device("cpu"))
+    eager_act = tracked["ACT"] + tracked["TEMP"]
+    model = _Chain()
+    model.compile(backend="aot_eager_decomp_partition")
+    optimizer = torch.optim.AdamW(model.parameters())
+    step = _stepper(model, optimizer, x)
+    first = measure.tracked_peak(step, model, optimizer, torch.device("cpu"), compiled=True)
+    again = measure.allocator_peak(step, model, optimizer, torch.device("cpu"))
+    assert first["ACT"] == again["ACT"] < 0.7 * eager_act
+    under_tracker = measure.tracked_peak(step, model, optimizer, torch.device("cpu"))  # what it used to take
+    after = measure.allocator_peak(step, model, optimizer, torch.device("cpu"))
+    assert under_tracker["ACT"] + under_tracker["TEMP"] == pytest.approx(eager_act, rel=0.01)
+    assert after["ACT"] == pytest.approx(eager_act, rel=0.01)  # the steps after it run eager too

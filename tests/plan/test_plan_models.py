@@ -275,7 +275,8 @@ def test_a_nan_score_counts_in_no_quantile_balancing_bin():
 @pytest.mark.unit
 def test_the_docs_memory_table_is_the_committed_check():
     """docs/planning.md's memory table is bench/plan_check.py's table of the committed
-    bench/results/plan_check.json, every layout in it, and its bf16 paragraph quotes that run's bf16 row."""
+    bench/results/plan_check.json, every layout in it, and its bf16 and compiled paragraphs quote that run's
+    rows."""
     import json
 
     rows = json.loads((ROOT / "bench" / "results" / "plan_check.json").read_text())["rows"]
@@ -291,3 +292,16 @@ def test_the_docs_memory_table_is_the_committed_check():
             f"step's {kept32:.2f}") in flat
     assert (f"{bf16['predicted_peak'] / 2**20:.2f} MiB against {bf16['measured_peak'] / 2**20:.2f} measured, "
             f"{bf16['ratio']:.3f}") in flat
+
+    def beside_state(row):  # MiB beside the weights and optimizer state
+        parts = row["measured_parts"]
+        return (parts["rest"] + parts["gradients"]) / 2**20
+
+    none, none_c = bf16, by_name["tiny/single/none_bf16_compiled"]
+    sel, sel_c = by_name["tiny/single/selective_bf16_512"], by_name["tiny/single/selective_bf16_512_compiled"]
+    assert (f"`tiny/single/none_bf16_compiled` keeps {beside_state(none_c):.2f} MiB beside its weights and "
+            f"optimizer state against the eager step's {beside_state(none):.2f} "
+            f"({beside_state(none_c) / beside_state(none):.2f} of it) and is predicted at "
+            f"{none_c['ratio']:.3f} of its peak") in flat
+    assert (f"the compiled step keeps {beside_state(sel_c):.2f} MiB against {beside_state(sel):.2f} "
+            f"({beside_state(sel_c) / beside_state(sel):.2f}), predicted at {sel_c['ratio']:.3f}") in flat
