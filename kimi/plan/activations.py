@@ -15,11 +15,12 @@ run under CPU autocast, so what stays fp32 (the gates, norms' sums, the loss) is
 autocast's copies of the weights in the compute dtype are a third class, kept once per micro-batch whatever
 its rows and tokens; a GPU run with the kernels a GPU takes where they keep other tensors than the CPU's
 paths (model.kda.backend=auto: the Triton KDA ops, which save their inputs; model.attnres.backend=auto: the
-fused mix, which saves per-token statistics), through those ops' fake implementations. CPU autocast stands
-in for CUDA's: its lists differ in ops the model does not leave to it (docs/planning.md says where the
-estimate is off). The routed experts' grouped GEMM runs through a stand-in that saves what torch's kernel
-saves (its two inputs): torch._grouped_mm takes only bf16 on the meta device, and the per-expert loop needs
-the routing's counts on the host. Its gradients are dropped as they arrive: kimi.summary counts gradients.
+fused mix, which saves per-token statistics), through those ops' fake implementations, and its forward
+under CUDA autocast's casting rules (kimi.plan.cuda_autocast: CPU autocast made to cast as CUDA's does, which
+keeps exp, softmax, rms_norm and their like in fp32). The routed experts' grouped GEMM runs through a
+stand-in that saves what torch's kernel saves (its two inputs): torch._grouped_mm takes only bf16 on the
+meta device, and the per-expert loop needs the routing's counts on the host. Its gradients are dropped as
+they arrive: kimi.summary counts gradients.
 """
 
 from __future__ import annotations
@@ -169,10 +170,13 @@ def _running(mode: Mode, module: torch.nn.Module):
         return
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from kimi.plan.cuda_autocast import cuda_policy
+
     fake = FakeTensorMode()
     _on_fake_cpu(module, fake)
     dtype = {2: torch.bfloat16}.get(mode.compute_bytes)
-    with fake:
+    policy = cuda_policy() if mode.gpu and dtype is not None else contextlib.nullcontext()
+    with fake, policy:
         yield "cpu", lambda: torch.autocast("cpu", dtype=dtype, enabled=dtype is not None)
 
 

@@ -44,9 +44,14 @@ def snapshot(mem) -> dict:
     return {str(k).rsplit(".", 1)[-1]: v for k, v in peak.items()}
 
 
-def measured_activations(cfg, ac: str, bf16: bool = False) -> int:
+def measured_activations(cfg, ac: str, bf16: bool = False, cuda_rules: bool = False) -> int:
     """MemTracker's activations and temporaries at the peak of one forward and backward of 2 rows of 64
-    tokens (bf16: under CPU autocast, as trainer.precision=bf16 runs)."""
+    tokens (bf16: under CPU autocast, as trainer.precision=bf16 runs; cuda_rules: casting as CUDA autocast
+    casts, kimi.plan.cuda_autocast, as a GPU runs)."""
+    import contextlib
+
+    from kimi.plan.cuda_autocast import cuda_policy
+
     from kimi.model import KimiModel
     from kimi.parallel.activation_checkpointing import apply_activation_checkpointing
 
@@ -59,7 +64,8 @@ def measured_activations(cfg, ac: str, bf16: bool = False) -> int:
     mem = tracker()
     mem.track_external(model)
     with mem:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with cuda_policy() if cuda_rules else contextlib.nullcontext(), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = model(ids[:, :-1], labels=ids[:, 1:])
         loss.backward()
     peak = snapshot(mem)
@@ -101,14 +107,16 @@ def test_bf16_activations_match_a_measured_autocast_step(ac):
 def test_a_gpu_runs_activations_match_its_kernels_measured():
     """A GPU run is traced with the kernels a GPU's auto picks (the Triton KDA ops and the fused AttnRes
     mix, through their fake implementations); measured here with those kernels run for real (interpreted,
-    conftest sets TRITON_INTERPRET=1) under bf16 autocast. They keep less than the CPU's paths."""
+    conftest sets TRITON_INTERPRET=1) under bf16 autocast with CUDA's casting rules. They keep less than the
+    CPU's paths."""
     from kimi.plan.activations import Mode
 
     # two blocks (KDA, MLA) keep the interpreted kernels' time down
     triton = ["model.kda.backend=triton", "model.attnres.backend=triton", "trainer.precision=bf16",
               "model.num_layers=2", "model.mla_every=2"]
     cfg = config("parallel.activation_checkpointing=none", *triton)
-    want, got = predicted_activations(cfg, Mode(2, True)), measured_activations(cfg, "none", bf16=True)
+    want, got = (predicted_activations(cfg, Mode(2, True)),
+                 measured_activations(cfg, "none", bf16=True, cuda_rules=True))
     assert 0.9 <= want / got <= 1.1, (want, got)
     cpu = config("parallel.activation_checkpointing=none", *triton[2:])
     assert want < 0.9 * predicted_activations(cpu, Mode(2, False))

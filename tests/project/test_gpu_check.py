@@ -248,7 +248,9 @@ def test_the_training_steps_fit_the_gpus_memory(tmp_path):
 @pytest.mark.unit
 def test_the_sizing_and_the_planners_bf16_gap_are_the_measured_ones():
     """The docs' sizing paragraph and the planner's caveat quote the H200's measured peak (the committed
-    train.json) and the planner's prediction for the same step as memory_per_rank computes it now."""
+    train.json) and the planner's prediction for the same step as memory_per_rank computes it now: for its
+    eager form, since the run's steps were timed after a step under a dispatch mode, which leaves the
+    compiled regions running eager (docs/planning.md, "Measuring a plan")."""
     from kimi.plan.memory import memory_per_rank
     from kimi.summary import compose_config
 
@@ -258,12 +260,12 @@ def test_the_sizing_and_the_planners_bf16_gap_are_the_measured_ones():
     batch, _, seq = gpu_check.TRAIN["1b"]
     assert result["batch"] == batch and f"trainer.seq_len={seq}" in result["set"]
     sets = [s for s in result["set"] if s.startswith(("trainer.", "parallel.", "model."))]
-    predicted = sum(memory_per_rank(compose_config(["model=1b", f"trainer.micro_batch_size={batch}",
-                                                    *sets])).values()) / 2**30
+    predicted = sum(memory_per_rank(compose_config(["model=1b", f"trainer.micro_batch_size={batch}", *sets,
+                                                    "parallel.compile=false"])).values()) / 2**30
     gpu_md, planning = ((ROOT / "docs" / name).read_text() for name in ("gpu.md", "planning.md"))
     for text in (gpu_md, planning):
         flat = " ".join(text.split())
-        assert f"peaked at {peak:.1f} GiB" in flat and f"{predicted:.0f} GiB" in flat
+        assert f"peaked at {peak:.1f} GiB" in flat and f"{predicted:.1f} GiB" in flat
         assert f"({predicted / peak:.2f}" in flat or f"{predicted / peak:.2f} of the measured" in flat
     flat = " ".join(gpu_md.split())  # the H100's split as rows_per_micro_batch predicts it
     two = gpu_check.STATE_GIB + gpu_check.GRADS_GIB + 2 * gpu_check.ROW_GIB
