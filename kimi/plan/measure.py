@@ -63,8 +63,8 @@ def tracked_peak(step, model, optimizer, device, compiled: bool = False) -> Dict
     split at its peak on `device` (what this module and bench/plan_check.py compare with the memory model).
     An eager step is measured under MemTracker, which follows `model` and `optimizer`. A compiled one
     (parallel.compile) is measured by the allocator (allocator_peak): under any dispatch mode torch.compile's
-    regions run their eager path, in that step and in every later one (on this CPU, `tiny` in bf16 at 1,024
-    tokens: 80 MiB beside its state before a MemTracker step, 152 MiB, the eager step's, after it)."""
+    regions run their eager path, in that step and in every later one (tests/plan/test_plan_measure.py: a
+    compiled step measured after a MemTracker step keeps what the eager step keeps)."""
     step()  # the optimizer state exists from here on
     if compiled:
         return allocator_peak(step, model, optimizer, device)
