@@ -17,13 +17,14 @@ copies as CUDA's does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from typing import Iterator
 
 import torch
 
 # ATen/autocast_mode.h (torch 2.13): AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE and AT_FORALL_PROMOTE, as
-# "op" or "op.overload"; tests/plan/test_plan_models.py checks them against the installed torch's header
+# "op" or "op.overload"; tests/plan/test_cuda_autocast.py checks them against the installed torch's header
 FP32 = (
     "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
     "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm",
@@ -42,7 +43,6 @@ PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "g
            "tensordot", "scatter_add")
 
 _EXCLUDE = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
-_LOW = (torch.bfloat16, torch.float16)
 
 
 def _op(name: str):
@@ -84,9 +84,7 @@ def _promote(op):
             flat = [x for a in every for x in (a if isinstance(a, (list, tuple)) else [a])]
             dtypes = [x.dtype for x in flat if _floating(x)]
             if len(set(dtypes)) > 1:
-                wide = dtypes[0]
-                for d in dtypes[1:]:
-                    wide = torch.promote_types(wide, d)
+                wide = functools.reduce(torch.promote_types, dtypes)
                 args = tuple(_cast(a, wide) for a in args)
                 kwargs = {k: _cast(v, wide) for k, v in kwargs.items()}
             return op(*args, **kwargs)

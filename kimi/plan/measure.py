@@ -101,9 +101,11 @@ def allocator_peak(step, model, optimizer, device) -> Dict[str, int]:
 
 def _bytes(tensors) -> int:
     """Bytes of the distinct storages of `tensors` (a DTensor's local shard)."""
+    from kimi.optim.owners import local_tensor
+
     sizes = {}
     for t in tensors:
-        storage = getattr(t, "_local_tensor", t).untyped_storage()
+        storage = local_tensor(t).untyped_storage()
         sizes[storage.data_ptr()] = storage.nbytes()
     return sum(sizes.values())
 
