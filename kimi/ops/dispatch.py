@@ -9,16 +9,18 @@ mismatch, triton missing). Our own argument checks (ValueError, TypeError, and t
 kimi code such as "CPU tensors need TRITON_INTERPRET=1") are not failures of the kernel: they propagate.
 
 Backward failures: the op is decided at forward time. The Triton kernels are torch custom ops whose backward
-lives in their registered autograd formula; by the time a backward kernel fails, the forward's inputs are
-held only as that node's saved tensors (possibly packed by activation checkpointing), so recomputing the
-gradient with PyTorch there would mean keeping a second reference to every input outside autograd (memory,
-and a clash with checkpointing). Instead, before the first Triton forward of a configuration that will need
-gradients (dtypes, head dims, flags: see each op's `probe key`), `Guard.probe` compiles and launches the
-forward AND backward kernels once on a tiny input of that configuration, outside autograd (under no_grad, so
-no saved tensors). If either fails, the op falls back before any Triton output enters the graph, and the
-gradients are the PyTorch path's exactly. Compile-time failures (the common case: an unsupported GPU, out of
-shared memory, a ptxas/driver mismatch) depend on the dtypes and tile sizes, not on the sequence length, so
-the probe sees them. A backward failure that only the full-size launch hits still raises.
+lives in their registered autograd formula; by the time a backward kernel fails, the forward's inputs are held
+only as that node's saved tensors (possibly packed by activation checkpointing), so recomputing the gradient
+with PyTorch there would mean keeping a second reference to every input outside autograd (memory, and a clash
+with checkpointing). Instead, before the first Triton forward of a configuration that will need gradients
+(dtypes, head dims, flags: see each op's `probe key`), `Guard.probe` compiles and launches the forward AND
+backward kernels once on a tiny input of that configuration, outside autograd (under no_grad, so no saved
+tensors) and outside any dispatch mode (`aside`: selective checkpointing's would take the probe's outputs for
+the step's); on fake tensors (a planner's trace) it does not probe. If either fails, the op falls back before
+any Triton output enters the graph, and the gradients are the PyTorch path's exactly. Compile-time failures
+(the common case: an unsupported GPU, out of shared memory, a ptxas/driver mismatch) depend on the dtypes and
+tile sizes, not on the sequence length, so the probe sees them. A backward failure that only the full-size
+launch hits still raises.
 
 Not covered: a kernel that faults while it runs (an illegal memory access) leaves the CUDA context unusable,
 so nothing can fall back after it; `make gpu-check` is what finds those, and launches known to fault are
@@ -35,6 +37,7 @@ TRITON_INTERPRET=1), and `reset()` forgets every fallback and probe.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import warnings
@@ -147,8 +150,12 @@ class Guard:
         """Run `run` (the forward and backward kernels on a tiny input) once per key; False: fallen back."""
         if key in self.probed or torch.compiler.is_compiling():
             return True
+        from torch._guards import detect_fake_mode
+
+        if detect_fake_mode() is not None:  # a trace of shapes (kimi.plan): fake kernels, nothing to probe
+            return True
         try:
-            with torch.no_grad():
+            with torch.no_grad(), aside():
                 run()
         except Exception as exc:
             if not is_triton_failure(exc):
@@ -178,6 +185,25 @@ def reset() -> None:
     """Forget every op's fallback and probes (tests)."""
     for guard in _GUARDS:
         guard.reset()
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@contextlib.contextmanager
+def aside():
+    """A context for work beside the step (a kernel's probe, the attention's auto timing, which runs a
+    forward and backward of its own): outside every dispatch mode and activation checkpointing's
+    saved-tensor hooks. Selective checkpointing's mode keeps the outputs of the ops it saves, in order, and
+    hands them to the recompute: a side run's outputs kept there would stand in for the step's (an error
+    where the shapes differ, wrong gradients where they agree). Checkpointing's hooks would take the side
+    run's saved tensors for the region's, and its backward would stop in a recompute of the region. And a
+    counter (FLOPs, memory, collectives) would count the side run as the step's."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        yield
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:

@@ -56,6 +56,29 @@ def test_auto_keeps_the_faster_backend_and_times_each_shape_once(timed, faster):
     assert len(timed.lines) == 2  # another shape is timed for itself
 
 
+@pytest.mark.parametrize("selective", [True, False])
+@pytest.mark.parametrize("faster", ["triton", "sdpa"])
+def test_auto_times_outside_activation_checkpointing(timed, faster, selective):
+    """A shape's first call falls inside a checkpointed sublayer in the first step of
+    parallel.activation_checkpointing=full or selective. The timing runs outside the region's saved-tensor
+    hooks and selective checkpointing's dispatch mode: under them each candidate's own backward stopped in a
+    recompute of the region (both "failed", auto fell to SDPA), and the step's backward then stopped too
+    (full: CheckpointError, a different number of tensors saved; selective: "Trying to backward an extra
+    time"). Output and gradients equal an uncheckpointed run's of the chosen backend."""
+    from kimi.parallel.activation_checkpointing import _checkpointed
+
+    timed.seconds = [1e-3, 2e-3] if faster == "triton" else [2e-3, 1e-3]
+    q, k, v = qkv(seed=3)
+    fn = lambda q, k, v: attention(q, k, v, backend="auto").float().square()  # noqa: E731
+    out = _checkpointed(selective)(fn, q, k, v)
+    assert len(timed.lines) == 1 and timed.lines[0].endswith(f"-> {faster}"), timed.lines
+    got = (out.detach(), *torch.autograd.grad(out.sum(), (q, k, v)))
+    out = attention(q, k, v, backend=faster).float().square()
+    want = (out.detach(), *torch.autograd.grad(out.sum(), (q, k, v)))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_auto_skips_a_backend_that_disagrees_with_sdpa(timed, monkeypatch):
     real = auto.CANDIDATES["triton"]
 

@@ -287,6 +287,25 @@ def test_selective_checkpointing_keeps_the_kernels_output(monkeypatch):
         assert len(runs) == count
 
 
+def test_selective_checkpointing_around_the_first_call():
+    """The kernels' first call probes them (kimi.ops.dispatch.Guard.probe). Inside a selectively
+    checkpointed region the probe runs outside the region's dispatch mode: were its outputs kept with the
+    step's, the recompute would take the probe's 16 positions for the kernel's 24 (torch's CheckpointError;
+    with equal shapes, silently wrong gradients). Output and gradients equal an uncheckpointed run's."""
+    from kimi.ops import dispatch
+    from kimi.parallel.activation_checkpointing import _checkpointed
+
+    q, k, v = inputs(1, 24, 24, 2, 1, 16, 16, seed=6)
+    fn = lambda q, k, v: attention(q, k, v, backend="triton").square()  # noqa: E731
+    dispatch.reset()
+    out = _checkpointed(True)(fn, q, k, v)
+    got = (out.detach(), *torch.autograd.grad(out.sum(), (q, k, v)))
+    out = fn(q, k, v)
+    want = (out.detach(), *torch.autograd.grad(out.sum(), (q, k, v)))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def latent_inputs(B=2, block=16, n=3, H=2, nope=16, rope=8, Dv=8, R=12, seed=5):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, block, H, nope + rope, generator=gen)

@@ -2,10 +2,12 @@
 once, forward and backward on random inputs of that shape, and keep the faster one that agrees with SDPA.
 
 The first call of a shape pays the timing (a few launches of each backend, Triton's compilation included in
-its warm-up) and prints one line; later calls, the recomputed forwards of activation checkpointing among
-them, read the cached choice, so a forward and its recompute always agree. Under torch.compile the choice
-is made while the graph is traced: `_timed` runs eagerly on real tensors (Dynamo treats its result as a
-constant), so the compiled graph holds one backend and no graph break. Each process times for itself.
+its warm-up) and prints one line; later calls, the recomputed forwards of activation checkpointing among them,
+read the cached choice, so a forward and its recompute always agree; the timing runs outside every dispatch
+mode and saved-tensor hook (kimi.ops.dispatch.aside: in a checkpointed sublayer's first forward, checkpointing
+would keep the timed runs' outputs or saved tensors as the region's). Under torch.compile the choice is made
+while the graph is traced: `_timed` runs eagerly on real tensors (Dynamo treats its result as a constant), so
+the compiled graph holds one backend and no graph break. Each process times for itself.
 """
 
 from __future__ import annotations
@@ -71,9 +73,12 @@ def _first(out):
 def _timed(*key) -> str:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    from kimi.ops.dispatch import aside
+
     if key in _CHOSEN:
         return _CHOSEN[key]
-    with unset_fake_temporarily(), torch.enable_grad(), torch.autocast(key[0].type, enabled=False):
+    with unset_fake_temporarily(), aside(), torch.enable_grad(), \
+            torch.autocast(key[0].type, enabled=False):
         args, grad = _inputs(key)
         expected = _first(CANDIDATES["sdpa"](*args)).detach().float()
         times = {}
