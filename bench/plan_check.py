@@ -61,6 +61,9 @@ LAYOUTS = {
     "tiny/single/selective_bf16_512_compiled": ("tiny", 1, ["trainer.precision=bf16", "trainer.seq_len=512",
                                                             "parallel.activation_checkpointing=selective",
                                                             "parallel.compile=true"]),
+    # rows of 1,024 tokens under full recomputation: the backward's transient (a block recomputed and its
+    # activation gradients), not what the forward keeps, sets the peak
+    "tiny/single/full_1024": ("tiny", 1, ["trainer.seq_len=1024", "parallel.activation_checkpointing=full"]),
     "tiny/fsdp2/selective": ("tiny", 2, ["parallel.dp_shard=2",
                                          "parallel.activation_checkpointing=selective"]),
     "tiny/tp2/none": ("tiny", 2, ["parallel.tp=2"]),

@@ -4,10 +4,13 @@ The model is built on the meta device and one row of T tokens runs forward and b
 mode that follows every storage an op creates until it is freed: the bytes alive, and the most ever alive.
 That is the model's own code deciding what autograd keeps (each sublayer's saved tensors, the AttnRes
 mixes' stacks, what activation checkpointing keeps and recomputes, the chunked loss's buffers), so nothing
-is fitted to measurements: run at two lengths it gives bytes per token and per row. Bytes are attributed
-per block (what is still alive at the next block's start: kept until the backward) and split by shape:
-tensors as wide as d_model (the residual stream between sublayers, which tensor parallelism keeps whole
-unless sequence parallelism splits it) and the rest (inside the sublayers: split by tp).
+is fitted to measurements: run at two lengths it gives bytes per token and per row. The backward's
+transient beyond what the forward kept is taken at its two moments: an activation gradient or recompute
+(per token, from peaks that leave the weights' gradients out) and a weight's gradient made (the short row's
+whole transient). Bytes are attributed per block (what is still alive at the next block's start: kept
+until the backward) and split by shape: tensors as wide as d_model (the residual stream between sublayers,
+which tensor parallelism keeps whole unless sequence parallelism splits it) and the rest (inside the
+sublayers: split by tp).
 
 A trace follows the run's compute dtype and device (`Mode`). An fp32 run on the CPU is traced on the meta
 device. Any other runs on fake CPU tensors (FakeTensorMode: shapes and dtypes, no memory): a bf16 or fp16
@@ -15,7 +18,9 @@ run under CPU autocast, so what stays fp32 (the gates, norms' sums, the loss) is
 autocast's copies of the weights in the compute dtype are a third class, kept once per micro-batch whatever
 its rows and tokens; a GPU run with the kernels a GPU takes where they keep other tensors than the CPU's
 paths (model.kda.backend=auto: the Triton KDA ops, which save their inputs; model.attnres.backend=auto: the
-fused mix, which saves per-token statistics), through those ops' fake implementations, and its forward
+fused mix, which saves per-token statistics; model.attention.backend=auto: the Triton flash attention, which
+keeps what SDPA's GPU kernels keep, where the CPU's SDPA keeps a T x T matrix when the query's and value's
+head sizes differ), through those ops' fake implementations, and its forward
 under CUDA autocast's casting rules (kimi.plan.cuda_autocast: CPU autocast made to cast as CUDA's does, which
 keeps exp, softmax, rms_norm and their like in fp32). The routed experts' grouped GEMM runs through a
 stand-in that saves what torch's kernel saves (its two inputs): torch._grouped_mm takes only bf16 on the
@@ -44,19 +49,31 @@ SMALL_CHUNK = 8  # tokens per loss chunk in the traces that separate the loss's 
 
 class _Live(TorchDispatchMode):
     """Bytes alive per class (0: d_model wide, 1: the rest, 2: copies of the weights, autocast's) among
-    storages created under it, and the most alive at once."""
+    storages created under it, and the most alive at once. It also keeps the order in which classes 0 and
+    1 were made and freed, so that `peak_without` can leave out storages known only later to have been a
+    weight's gradient (`mark`)."""
 
     def __init__(self, d_model: int):
         super().__init__()
         self.d, self.now, self.peak, self.seen, self.weights = d_model, [0, 0, 0], 0, set(), set()
+        self.ids: Dict[int, int] = {}  # storage -> the id of its allocation, while alive
+        self.events: List[Tuple[int, int]] = []  # (allocation id, bytes made or -freed), classes 0 and 1
+        self.parent: Dict[int, int] = {}  # allocation id -> the allocation it was cast from
+        self.marked: set = set()
+        self.made = 0
 
-    def _free(self, key: int, cls: int, n: int) -> None:
+    def _free(self, key: int, cls: int, n: int, uid: int) -> None:
         self.seen.discard(key)
+        self.ids.pop(key, None)
         self.now[cls] -= n
+        if cls < 2:
+            self.events.append((uid, -n))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        cast = func is torch.ops.aten._to_copy.default and args[0].untyped_storage()._cdata in self.weights
+        copy = func is torch.ops.aten._to_copy.default
+        source = args[0].untyped_storage()._cdata if copy else None
+        cast = copy and source in self.weights
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor):
                 continue
@@ -65,9 +82,16 @@ class _Live(TorchDispatchMode):
             if key in self.seen:
                 continue
             n, cls = st.nbytes(), 2 if cast else 0 if t.dim() and t.shape[-1] == self.d else 1
+            self.made += 1
+            uid = self.made
             self.seen.add(key)
+            self.ids[key] = uid
             self.now[cls] += n
-            weakref.finalize(st, self._free, key, cls, n)
+            if cls < 2:
+                self.events.append((uid, n))
+            if copy and source in self.ids:
+                self.parent[uid] = self.ids[source]
+            weakref.finalize(st, self._free, key, cls, n, uid)
         # the weight copies stay out of the peak: a recompute's are sized by the unsharded model here, and a
         # layout that gathers its weights in bf16 makes none (the kept ones are counted apart)
         self.peak = max(self.peak, self.now[0] + self.now[1])
@@ -75,6 +99,22 @@ class _Live(TorchDispatchMode):
 
     def snap(self) -> Tuple[int, int, int]:
         return tuple(self.now)
+
+    def mark(self, t: torch.Tensor) -> None:
+        """Note that `t` (alive now) is a weight's gradient, and so is what it was cast from."""
+        uid = self.ids.get(t.untyped_storage()._cdata)
+        while uid is not None and uid not in self.marked:
+            self.marked.add(uid)
+            uid = self.parent.get(uid)
+
+    def peak_without(self) -> int:
+        """The most of classes 0 and 1 alive at once, the marked storages left out."""
+        now = peak = 0
+        for uid, n in self.events:
+            if uid not in self.marked:
+                now += n
+                peak = max(peak, now)
+        return peak
 
 
 class _GroupedMM(torch.autograd.Function):
@@ -141,10 +181,10 @@ def _as_run(m: ModelConfig, mode: Mode) -> ModelConfig:
     """m with the backends a GPU's auto picks where they keep other tensors than the CPU paths."""
     if not mode.gpu:
         return m
-    kda, attnres = m.kda, m.attnres
-    return dataclasses.replace(
-        m, kda=dataclasses.replace(kda, backend="triton") if kda.backend == "auto" else kda,
-        attnres=dataclasses.replace(attnres, backend="triton") if attnres.backend == "auto" else attnres)
+    def triton(section):
+        return dataclasses.replace(section, backend="triton") if section.backend == "auto" else section
+
+    return dataclasses.replace(m, kda=triton(m.kda), attnres=triton(m.attnres), attention=triton(m.attention))
 
 
 def _on_fake_cpu(module: torch.nn.Module, fake) -> None:
@@ -191,6 +231,7 @@ class Run:
     blocks: List[Bytes]  # kept by each block until its backward
     last: Bytes  # kept by the final mix and norm
     extra: int  # the most alive at once beyond what the forward keeps (recompute, activation gradients)
+    extra_act: int  # the same, the weights' gradients left out
 
 
 def _body(m: ModelConfig, ac: str, T: int, mode: Mode) -> Run:
@@ -213,7 +254,13 @@ def _body(m: ModelConfig, ac: str, T: int, mode: Mode) -> Run:
     model.set_runner("final", final)
     with _running(mode, model) as (device, forward):
         for p in model.parameters():
-            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+            p.register_hook(live.mark)
+
+            def drop(p):
+                live.mark(p.grad)
+                p.grad = None
+
+            p.register_post_accumulate_grad_hook(drop)
         ids = torch.zeros(1, T, dtype=torch.long, device=device)
         _track(live, [*model.parameters(), *model.buffers(), ids], model.parameters())
         with _meta_experts(), live:
@@ -233,7 +280,7 @@ def _body(m: ModelConfig, ac: str, T: int, mode: Mode) -> Run:
         return v0 - u0, v1 - u1, (v2 - u2) * share
 
     return Run(diff((0, 0, 0), marks[0]), [diff(marks[i], marks[i + 1]) for i in range(n)],
-               diff(marks[n], done), max(0, live.peak - kept))
+               diff(marks[n], done), max(0, live.peak - kept), max(0, live.peak_without() - kept))
 
 
 def _head(m: ModelConfig, T: int, chunk: int, mode: Mode, weight_grad: bool = True) -> Tuple[int, int]:
@@ -270,7 +317,7 @@ class Trace:
     casts: List[float]  # per micro-batch, per block: autocast's copies of its weights (0 in fp32)
     casts_ends: Tuple[float, float]  # the same of the embedding and the stream's start, and of the end
     extra: float  # per token of the backward's transient (recompute, activation gradients)
-    extra_row: float  # per row: the transient's constant part
+    extra_row: float  # per micro-batch: the transient where a weight's gradient is made (see _trace)
     head_token: float  # the loss's bytes kept per token (the hidden states' gradient)
     head_row: float  # the loss's bytes kept per row, for the whole vocabulary (the head's fp32 weight grad)
     logit: float  # per logit (token x vocabulary entry) alive at once in a loss chunk
@@ -316,7 +363,10 @@ def _trace(m: ModelConfig, ac: str, mode: Mode) -> Trace:
         last = {kind: i for i, kind in enumerate(kinds[:CUT])}
         for per_block in (blocks, rows, casts):
             per_block += [per_block[last.get(kind, CUT - 1)] for kind in kinds[CUT:]]
-    extra = (b.extra - a.extra) / (T2 - T1)
+    # the transient's part that grows with the tokens, from the peaks without the weights' gradients: with
+    # them, a short row peaks where a weight's gradient is made, late in the backward when most of what the
+    # forward kept is freed, and the line through two such peaks falls
+    extra = max(0.0, (b.extra_act - a.extra_act) / (T2 - T1))
     (k1, p1), (k2, _) = (_head(m, T, SMALL_CHUNK, mode) for T in (T1, T2))
     head_token = (k2 - k1) / (T2 - T1)
     head_row = k1 - head_token * T1
@@ -332,12 +382,12 @@ def _trace(m: ModelConfig, ac: str, mode: Mode) -> Trace:
     plain_peak = _head(m, T1, -1, mode, grad)[1]
     logit = (wide - p8) / (SMALL_CHUNK * m.vocab_size)
     plain = (plain_peak - base) / (T1 * m.vocab_size)
-    # the transient's part that does not grow with the tokens is the largest weight's gradient before it is
-    # dropped, whole here (the trace is unsharded) and in the dtypes autocast's backward makes of it; the
-    # layout shards it in ways memory.py does not follow, so off the meta device it stays the fp32 trace's,
-    # scaled by the compute dtype, as the plans have sized it (docs/planning.md says where it is off)
-    extra_row = (max(0.0, a.extra - extra * T1) if mode.on_meta
-                 else trace(m, ac).extra_row * mode.compute_bytes / 4)
+    # the transient at the other moment, a weight's gradient made (the largest, before it is dropped), beside
+    # what is still alive then: the short row's whole transient, which falls with the tokens; whole here (the
+    # trace is unsharded) and in the dtypes autocast's backward makes of it; the layout shards it in ways
+    # memory.py does not follow, so off the meta device it stays the fp32 trace's, scaled by the compute
+    # dtype, as the plans have sized it (docs/planning.md says where it is off)
+    extra_row = float(a.extra) if mode.on_meta else trace(m, ac).extra_row * mode.compute_bytes / 4
     return Trace(slope(a.first, b.first), blocks, slope(a.last, b.last), rows, casts,
                  (float(a.first[2]), float(a.last[2])), extra, extra_row, head_token, head_row,
                  max(0.0, logit), max(0.0, plain))

@@ -76,8 +76,9 @@ def activations(cfg: Config, tr: Trace, rank: int, blocks: List[int], first: boo
             kept += count * _held(cfg, tr, list(ranges[stage]), stage == 0, stage == total - 1, rows, tokens,
                                   cb)
     head = tr.head_row / p.tp if last and not plain else 0.0
-    # a line through two short traces: where its slope is negative it must not go below zero at long rows
-    transient = max(0.0, tokens * tr.extra / p.tp + tr.extra_row)
+    # the backward's two moments: an activation gradient or recompute (grows with the tokens), a weight's
+    # gradient made (does not)
+    transient = max(tokens * tr.extra / p.tp, tr.extra_row)
     if last:
         transient = max(transient, tr.logits_alive(m, tokens, p.tp, plain))
     return kept + head + transient

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kimi.ops.documents import segment_ids
+from kimi.ops.dispatch import is_fake
 
 # Decided by triton.jit when these kernels were defined: TRITON_INTERPRET must be set before triton loads.
 INTERPRET: bool = bool(triton.knobs.runtime.interpret)
@@ -52,7 +53,7 @@ def pick_kernel(kernel, tuned, interpret_tiles: dict):
 
 def check_device(*tensors: torch.Tensor) -> None:
     """Raise a clear error where the kernels cannot run on these tensors."""
-    if any(not t.is_cuda for t in tensors) and not INTERPRET:
+    if any(not t.is_cuda and not is_fake(t) for t in tensors) and not INTERPRET:
         raise RuntimeError(
             "attention backend 'triton' on CPU tensors runs only under the Triton interpreter: set "
             "TRITON_INTERPRET=1 in the environment before triton is first imported (or use backend='sdpa')"
