@@ -34,7 +34,7 @@ import contextlib
 import dataclasses
 import weakref
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Set, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -59,7 +59,7 @@ class _Live(TorchDispatchMode):
         self.ids: Dict[int, int] = {}  # storage -> the id of its allocation, while alive
         self.events: List[Tuple[int, int]] = []  # (allocation id, bytes made or -freed), classes 0 and 1
         self.parent: Dict[int, int] = {}  # allocation id -> the allocation it was cast from
-        self.marked: set = set()
+        self.marked: Set[int] = set()
         self.made = 0
 
     def _free(self, key: int, cls: int, n: int, uid: int) -> None:
@@ -181,6 +181,7 @@ def _as_run(m: ModelConfig, mode: Mode) -> ModelConfig:
     """m with the backends a GPU's auto picks where they keep other tensors than the CPU paths."""
     if not mode.gpu:
         return m
+
     def triton(section):
         return dataclasses.replace(section, backend="triton") if section.backend == "auto" else section
 
@@ -253,13 +254,12 @@ def _body(m: ModelConfig, ac: str, T: int, mode: Mode) -> Run:
 
     model.set_runner("final", final)
     with _running(mode, model) as (device, forward):
+        def drop(p):  # as kimi.summary counts gradients apart: dropped as they arrive, marked first
+            live.mark(p.grad)
+            p.grad = None
+
         for p in model.parameters():
-            p.register_hook(live.mark)
-
-            def drop(p):
-                live.mark(p.grad)
-                p.grad = None
-
+            p.register_hook(live.mark)  # before it is accumulated (a copy may follow)
             p.register_post_accumulate_grad_hook(drop)
         ids = torch.zeros(1, T, dtype=torch.long, device=device)
         _track(live, [*model.parameters(), *model.buffers(), ids], model.parameters())

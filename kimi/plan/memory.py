@@ -15,8 +15,8 @@ only by an eager step on plain fp32 weights, keeps_weight_copies), then
     GPipe all of them, for the interleaved schedules the stage-micro-batches of their warm-up
     (min(v M, (v - 1) pp + 2 (pp - rank) - 1)), each holding one of the rank's v stages (a v-th of its
     blocks' activations, on average);
-  * plus the largest transient at once: the backward's recompute and activation gradients, or the loss's
-    logits, whichever is larger.
+  * plus the largest transient at once: the backward's recompute and activation gradients, a weight's
+    gradient as it is made, or the loss's logits, whichever is larger.
 
 A step peaks at one of two moments, and the parts returned are that moment's, so they add up to the peak:
 the first backward after the forwards in flight (weights, optimizer state, activations, gathered FSDP

@@ -128,14 +128,23 @@ KERNEL_OPS = {"K": {"kda_chunk_fwd", "kda_chunk_bwd"}, "M": {"flash_attention", 
               "A": {"flash_attention", "flash_attention_backward"}}
 
 
+def unseen_params(model: KimiModel) -> int:
+    """Parameters no matmul uses, whose 6 per token the declared 6 N holds and the counter cannot see
+    (elementwise work): vectors (norm weights, biases, the gates' constants, the AttnRes queries) and the
+    short convolutions' taps."""
+    taps = {id(p) for m in model.modules() if isinstance(m, ShortConv) for p in m.parameters()}
+    return sum(p.numel() for p in model.parameters() if p.dim() < 2 or id(p) in taps)
+
+
 @pytest.mark.slow  # 1 to 3 s a case
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_kernels_ops_count_the_declared_flops(case):
     """The same step traced on the meta device with model.kda.backend=triton and
     model.attention.backend=triton: KDA and attention run as our custom ops, the experts as grouped GEMMs (as
     on a Hopper GPU in bf16), and their formulas (kimi/ops/flops.py) follow the declared count's convention,
-    so the whole step agrees within 1%, at both lengths. What remains is 6 N's overcount of the parameters no
-    matmul uses."""
+    so the whole step equals the declared count less 6 per token of the parameters no matmul uses, within
+    0.1% (1e-4 measured), at both lengths. (The kernels' first-call probes run outside the counter,
+    kimi.ops.dispatch.aside; counted, they had added 0.25% to `k3_tiny`'s step at 128 tokens.)"""
     pytest.importorskip("triton", reason="triton is a dependency on Linux only")
     load_kernel_formulas()  # before the counter copies torch's registry
     small = reduced(case_cfg(case))
@@ -149,9 +158,12 @@ def test_the_kernels_ops_count_the_declared_flops(case):
             train_step(model, 2, T, device="meta")
         ops = {packet.__name__ for packet in counter.get_flop_counts()["Global"]}
         assert expected <= ops, f"{case}: the step did not run {sorted(expected - ops)} as custom ops"
-        ratio = counter.get_total_flops() / (model.flops_per_token(T) * 2 * T)
-        print(f"{case} T={T}: kernels' ops counted / declared {ratio:.4f}")
-        assert ratio == pytest.approx(1, rel=0.01)
+        declared = model.flops_per_token(T) * 2 * T
+        seen = declared - 6 * unseen_params(model) * 2 * T
+        ratio, exact = counter.get_total_flops() / declared, counter.get_total_flops() / seen
+        print(f"{case} T={T}: kernels' ops counted / declared {ratio:.4f}, / declared less the parameters no "
+              f"matmul uses {exact:.5f}")
+        assert exact == pytest.approx(1, rel=1e-3)
 
 
 @pytest.mark.parametrize("name", PRESETS)
