@@ -51,10 +51,16 @@ AUTO_TRITON_ON_CPU = False
 
 def is_fake(t: torch.Tensor) -> bool:
     """A fake tensor (FakeTensorMode: shapes and dtypes only, as kimi/plan/activations.py traces a run): the
-    custom ops run their fake implementations on it, so no kernel needs its device."""
+    custom ops run their fake implementations on it, so no kernel needs its device. Also one wrapped for a
+    trace (AOTAutograd's functional tensors over fake ones: kimi/plan/compiled.py)."""
     from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.fake_tensor import is_fake as wrapped_fake
 
-    return isinstance(t, FakeTensor)
+    if isinstance(t, FakeTensor):
+        return True
+    # dynamo does not trace torch's is_fake (it stops a fullgraph compile), and needs no answer: there the
+    # check sees the tensors dynamo traces, as an eager call would
+    return not torch.compiler.is_compiling() and wrapped_fake(t)
 
 
 def auto_picks_triton(device: torch.device) -> bool:

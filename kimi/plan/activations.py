@@ -25,7 +25,9 @@ under CUDA autocast's casting rules (kimi.plan.cuda_autocast: CPU autocast made 
 keeps exp, softmax, rms_norm and their like in fp32). The routed experts' grouped GEMM runs through a
 stand-in that saves what torch's kernel saves (its two inputs): torch._grouped_mm takes only bf16 on the
 meta device, and the per-expert loop needs the routing's counts on the host. Its gradients are dropped as
-they arrive: kimi.summary counts gradients.
+they arrive: kimi.summary counts gradients. A compiled step (`Mode.compiled`, parallel.compile on the CPU)
+runs each sublayer and depth mix as inductor's partitioner cuts it (kimi.plan.compiled), its graphs traced
+in a first step that is not counted.
 """
 
 from __future__ import annotations
@@ -45,6 +47,19 @@ from kimi.plan.shapes import section_key
 
 T1, T2 = 64, 128  # the two lengths traced: a KDA chunk and two, short enough to trace a 93-block model fast
 SMALL_CHUNK = 8  # tokens per loss chunk in the traces that separate the loss's logits from the rest
+
+
+_PAUSED = [False]
+
+
+@contextlib.contextmanager
+def paused():
+    """Storages made in here are not counted (a compiled region's values that inductor fuses away)."""
+    before, _PAUSED[0] = _PAUSED[0], True
+    try:
+        yield
+    finally:
+        _PAUSED[0] = before
 
 
 class _Live(TorchDispatchMode):
@@ -71,6 +86,8 @@ class _Live(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if _PAUSED[0]:
+            return out
         copy = func is torch.ops.aten._to_copy.default
         source = args[0].untyped_storage()._cdata if copy else None
         cast = copy and source in self.weights
@@ -171,10 +188,15 @@ class Mode:
 
     compute_bytes: int = 4
     gpu: bool = False
+    compiled: bool = False  # parallel.compile: each region's graphs as inductor's partitioner cuts them
 
     @property
     def on_meta(self) -> bool:
         return self.compute_bytes == 4 and not self.gpu
+
+    @property
+    def eager(self) -> "Mode":
+        return dataclasses.replace(self, compiled=False)
 
 
 def _as_run(m: ModelConfig, mode: Mode) -> ModelConfig:
@@ -242,18 +264,34 @@ def _body(m: ModelConfig, ac: str, T: int, mode: Mode) -> Run:
     with torch.device("meta"):
         model = KimiModel(_as_run(m, mode))
     model.lm_head = _NoHead()
-    apply_activation_checkpointing(model, ac)
     live = _Live(m.d_model)
     marks: List[Bytes] = []
-    hooks = [b.register_forward_pre_hook(lambda *_: marks.append(live.snap())) for b in model.blocks.values()]
-    run = model.__dict__.get("_runners", {}).get("final")
-
-    def final(function, *args):  # marks the final mix's start
-        marks.append(live.snap())
-        return run(function, *args) if run else function(*args)
-
-    model.set_runner("final", final)
     with _running(mode, model) as (device, forward):
+        ids = torch.zeros(1, T, dtype=torch.long, device=device)
+        if mode.compiled:  # the regions' graphs traced in a first step, not counted (kimi.plan.compiled)
+            from kimi.plan.compiled import compile_regions
+
+            compile_regions(model)
+            with _meta_experts():
+                with forward():
+                    loss = model(ids, labels=ids)
+                loss.backward()
+            model.zero_grad(set_to_none=True)
+            # selective checkpointing's policy sees no matmul of a compiled region (inductor calls them as
+            # out= variants), so it keeps none of them and recomputes the whole region, as full does: the
+            # same peak measured (docs/planning.md)
+            ac = "full" if ac == "selective" else ac
+        apply_activation_checkpointing(model, ac)
+        hooks = [b.register_forward_pre_hook(lambda *_: marks.append(live.snap()))
+                 for b in model.blocks.values()]
+        run = model.__dict__.get("_runners", {}).get("final")
+
+        def final(function, *args):  # marks the final mix's start
+            marks.append(live.snap())
+            return run(function, *args) if run else function(*args)
+
+        model.set_runner("final", final)
+
         def drop(p):  # as kimi.summary counts gradients apart: dropped as they arrive, marked first
             live.mark(p.grad)
             p.grad = None
@@ -261,7 +299,6 @@ def _body(m: ModelConfig, ac: str, T: int, mode: Mode) -> Run:
         for p in model.parameters():
             p.register_hook(live.mark)  # before it is accumulated (a copy may follow)
             p.register_post_accumulate_grad_hook(drop)
-        ids = torch.zeros(1, T, dtype=torch.long, device=device)
         _track(live, [*model.parameters(), *model.buffers(), ids], model.parameters())
         with _meta_experts(), live:
             with forward():

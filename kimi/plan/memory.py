@@ -104,6 +104,19 @@ def _held(cfg: Config, tr: Trace, blocks: List[int], first: bool, last: bool, ro
     return tokens * per_token + rows * per_row + (per_batch if keeps_weight_copies(cfg) else 0.0)
 
 
+def trace_mode(cfg: Config) -> Mode:
+    """How cfg's step runs, as its activation trace follows it. A compiled step on the CPU is traced as
+    inductor's partitioner cuts its regions (kimi.plan.compiled; the eager trace was 1.3-1.9x over). On a
+    GPU a compiled step is still sized by the eager trace, an upper bound there, until a GPU has measured a
+    compiled step's peak (docs/planning.md): the eager trace is under the one GPU peak measured so far (an
+    eager step's), and a model under the GPU's memory would pick layouts that do not fit."""
+    from kimi.precision.registry import precision_for
+
+    p, t = cfg.parallel, cfg.trainer
+    gpu = t.device != "cpu"
+    return Mode(precision_for(t.precision).compute_bytes(), gpu, p.compile and not gpu)
+
+
 def keeps_weight_copies(cfg: Config) -> bool:
     """Whether autocast's copies of the weights in the compute dtype stay alive until the backward: in an
     eager step whose weights are plain fp32 tensors. FSDP with bf16 gathers them in bf16 already (nothing
@@ -139,8 +152,9 @@ def _zero(cfg: Config, local: int, opt: int, full: int) -> Dict[str, int]:
     return {"weights": weights, "gradients": grads, "optimizer": opt, "comm_buffers": buckets}
 
 
-def rank_parts(cfg: Config) -> List[Dict[str, int]]:
-    """The parts of every pipeline rank at its peak (memory_per_rank takes the heaviest)."""
+def rank_parts(cfg: Config, mode: Mode | None = None) -> List[Dict[str, int]]:
+    """The parts of every pipeline rank at its peak (memory_per_rank takes the heaviest); mode: the
+    activation trace's, if not trace_mode(cfg)."""
     from kimi.precision.registry import precision_for
     from kimi.summary import rank_state
 
@@ -148,7 +162,7 @@ def rank_parts(cfg: Config) -> List[Dict[str, int]]:
     table = facts(cfg)
     p, t = cfg.parallel, cfg.trainer
     cb = precision_for(t.precision).compute_bytes()
-    tr = trace(cfg.model, p.activation_checkpointing, Mode(cb, t.device != "cpu"))
+    tr = trace(cfg.model, p.activation_checkpointing, mode or trace_mode(cfg))
     step = step_bytes_per_param(cfg)
     out = []
     for rank, (stages, blocks, first, last) in enumerate(pipeline(cfg)):
@@ -229,8 +243,9 @@ def _gathered(cfg: Config, units: Dict[str, int]) -> int:
     return units.get("root", 0) + sum(others[:2])
 
 
-def memory_per_rank(cfg: Config) -> Dict[str, int]:
+def memory_per_rank(cfg: Config, mode: Mode | None = None) -> Dict[str, int]:
     """Bytes the heaviest rank holds at its peak, by part: 'weights', 'gradients', 'optimizer',
     'activations', 'fsdp_gathered', 'comm_buffers' (every key present, 0 where none). cfg: a composed,
-    validated Config whose parallel and trainer sections are the layout. No reserve added."""
-    return max(rank_parts(cfg), key=lambda parts: sum(parts.values()))
+    validated Config whose parallel and trainer sections are the layout. No reserve added. mode: the
+    activation trace's (kimi.plan.activations.Mode), if not the one the layout runs as (trace_mode)."""
+    return max(rank_parts(cfg, mode), key=lambda parts: sum(parts.values()))

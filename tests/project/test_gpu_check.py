@@ -251,6 +251,7 @@ def test_the_sizing_and_the_planners_bf16_gap_are_the_measured_ones():
     train.json) and the planner's prediction for the same step as memory_per_rank computes it now: for its
     eager form, since the run's steps were timed after a step under a dispatch mode, which leaves the
     compiled regions running eager (docs/planning.md, "Measuring a plan")."""
+    from kimi.plan.activations import Mode
     from kimi.plan.memory import memory_per_rank
     from kimi.summary import compose_config
 
@@ -262,11 +263,16 @@ def test_the_sizing_and_the_planners_bf16_gap_are_the_measured_ones():
     sets = [s for s in result["set"] if s.startswith(("trainer.", "parallel.", "model."))]
     predicted = sum(memory_per_rank(compose_config(["model=1b", f"trainer.micro_batch_size={batch}", *sets,
                                                     "parallel.compile=false"])).values()) / 2**30
+    # the compiled step's, as the compiled trace sizes it (kimi.plan.compiled) and as the planner still does
+    compiled = [sum(memory_per_rank(compose_config(["model=1b", f"trainer.micro_batch_size={batch}", *sets,
+                                                    "parallel.compile=true"]), mode).values()) / 2**30
+                for mode in (Mode(2, True, True), None)]
     gpu_md, planning = ((ROOT / "docs" / name).read_text() for name in ("gpu.md", "planning.md"))
     for text in (gpu_md, planning):
         flat = " ".join(text.split())
         assert f"peaked at {peak:.1f} GiB" in flat and f"{predicted:.1f} GiB" in flat
         assert f"({predicted / peak:.2f}" in flat or f"{predicted / peak:.2f} of the measured" in flat
+        assert f"predicts {compiled[0]:.1f} GiB" in flat and f"{compiled[1]:.1f}" in flat
     flat = " ".join(gpu_md.split())  # the H100's split as rows_per_micro_batch predicts it
     two = gpu_check.STATE_GIB + gpu_check.GRADS_GIB + 2 * gpu_check.ROW_GIB
     assert gpu_check.rows_per_micro_batch(batch, seq, 81559 / 1024) == 2  # nvidia-smi's MiB on the H100
