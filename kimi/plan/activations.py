@@ -43,23 +43,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from kimi.config import ModelConfig
+from kimi.plan.compiled import compile_regions, fused_away
 from kimi.plan.shapes import section_key
 
 T1, T2 = 64, 128  # the two lengths traced: a KDA chunk and two, short enough to trace a 93-block model fast
 SMALL_CHUNK = 8  # tokens per loss chunk in the traces that separate the loss's logits from the rest
-
-
-_PAUSED = [False]
-
-
-@contextlib.contextmanager
-def paused():
-    """Storages made in here are not counted (a compiled region's values that inductor fuses away)."""
-    before, _PAUSED[0] = _PAUSED[0], True
-    try:
-        yield
-    finally:
-        _PAUSED[0] = before
 
 
 class _Live(TorchDispatchMode):
@@ -86,7 +74,7 @@ class _Live(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if _PAUSED[0]:
+        if fused_away():  # a compiled region's value that inductor's kernels never write
             return out
         copy = func is torch.ops.aten._to_copy.default
         source = args[0].untyped_storage()._cdata if copy else None
@@ -269,17 +257,15 @@ def _body(m: ModelConfig, ac: str, T: int, mode: Mode) -> Run:
     with _running(mode, model) as (device, forward):
         ids = torch.zeros(1, T, dtype=torch.long, device=device)
         if mode.compiled:  # the regions' graphs traced in a first step, not counted (kimi.plan.compiled)
-            from kimi.plan.compiled import compile_regions
-
             compile_regions(model)
             with _meta_experts():
                 with forward():
                     loss = model(ids, labels=ids)
                 loss.backward()
             model.zero_grad(set_to_none=True)
-            # selective checkpointing's policy sees no matmul of a compiled region (inductor calls them as
-            # out= variants), so it keeps none of them and recomputes the whole region, as full does: the
-            # same peak measured (docs/planning.md)
+            # selective checkpointing's policy sees no matmul of a compiled region (inductor calls its own
+            # kernels), so it keeps none of them and recomputes the whole region, as full does: the same
+            # peak measured (docs/planning.md)
             ac = "full" if ac == "selective" else ac
         apply_activation_checkpointing(model, ac)
         hooks = [b.register_forward_pre_hook(lambda *_: marks.append(live.snap()))

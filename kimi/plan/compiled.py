@@ -45,17 +45,27 @@ def _fused(node: torch.fx.Node) -> bool:
     return folds(node) and len(node.users) == 1 and all(folds(user) for user in node.users)
 
 
+_FUSED = [False]  # inside a node inductor fuses away
+
+
+def fused_away() -> bool:
+    """Whether the op running now makes a value inductor's kernels never write (the planner's tracker,
+    kimi.plan.activations._Live, does not count it)."""
+    return _FUSED[0]
+
+
 class _Interpreter(torch.fx.Interpreter):
-    """Runs a graph node by node, values freed after their last use; a node inductor fuses runs outside the
-    planner's count (kimi.plan.activations._Live.paused), as its value is never written."""
+    """Runs a graph node by node, values freed after their last use; a node inductor fuses runs with
+    fused_away() true, as its value is never written."""
 
     def run_node(self, n):
-        from kimi.plan.activations import paused
-
         if not _fused(n):
             return super().run_node(n)
-        with paused():
+        before, _FUSED[0] = _FUSED[0], True
+        try:
             return super().run_node(n)
+        finally:
+            _FUSED[0] = before
 
 
 def _interpreted(gm: torch.fx.GraphModule, example_inputs) -> Callable:
