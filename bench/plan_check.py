@@ -61,6 +61,12 @@ LAYOUTS = {
     "tiny/single/selective_bf16_512_compiled": ("tiny", 1, ["trainer.precision=bf16", "trainer.seq_len=512",
                                                             "parallel.activation_checkpointing=selective",
                                                             "parallel.compile=true"]),
+    # the experts compiled (torch._grouped_mm inside the region), at 512 tokens so that the activations
+    # set the peak
+    "moe_tiny/single/none_bf16_512_compiled": ("moe_tiny", 1, [
+        "trainer.precision=bf16", "trainer.seq_len=512", "parallel.compile=true"]),
+    "k3_tiny/single/none_bf16_512_compiled": ("k3_tiny", 1, [
+        "trainer.precision=bf16", "trainer.seq_len=512", "parallel.compile=true"]),
     # rows of 1,024 tokens under full recomputation: the backward's transient (a block recomputed and its
     # activation gradients), not what the forward keeps, sets the peak
     "tiny/single/full_1024": ("tiny", 1, ["trainer.seq_len=1024", "parallel.activation_checkpointing=full"]),

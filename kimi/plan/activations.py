@@ -136,13 +136,31 @@ class _GroupedMM(torch.autograd.Function):
         return torch.empty_like(a), torch.empty_like(b), None
 
 
+class _GroupedMMGraph(torch.autograd.Function):
+    """The same for a compiled region's partitioner (kimi.plan.compiled), which reads what the backward
+    uses from the graph: matmuls of the right shapes (one expert's weight; nothing is computed on these
+    tensors) whose backward needs both inputs, as torch's kernel's does. With empty tensors it would
+    recompute the output for free and save neither input."""
+
+    @staticmethod
+    def forward(ctx, a, b, offs=None):
+        ctx.save_for_backward(a, b)
+        return a @ b[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        return grad @ b[0].mT, (a.mT @ grad).expand_as(b).contiguous(), None
+
+
 @contextlib.contextmanager
-def _meta_experts():
+def _meta_experts(compiled: bool = False):
     import kimi.model.moe as moe
 
     saved = moe.grouped_mm_ok, torch._grouped_mm
     moe.grouped_mm_ok = lambda x: True
-    torch._grouped_mm = lambda a, b, offs=None, **kw: _GroupedMM.apply(a, b, offs)
+    stand_in = _GroupedMMGraph if compiled else _GroupedMM
+    torch._grouped_mm = lambda a, b, offs=None, **kw: stand_in.apply(a, b, offs)
     try:
         yield
     finally:
@@ -258,7 +276,7 @@ def _body(m: ModelConfig, ac: str, T: int, mode: Mode) -> Run:
         ids = torch.zeros(1, T, dtype=torch.long, device=device)
         if mode.compiled:  # the regions' graphs traced in a first step, not counted (kimi.plan.compiled)
             compile_regions(model)
-            with _meta_experts():
+            with _meta_experts(compiled=True):
                 with forward():
                     loss = model(ids, labels=ids)
                 loss.backward()
@@ -286,7 +304,7 @@ def _body(m: ModelConfig, ac: str, T: int, mode: Mode) -> Run:
             p.register_hook(live.mark)  # before it is accumulated (a copy may follow)
             p.register_post_accumulate_grad_hook(drop)
         _track(live, [*model.parameters(), *model.buffers(), ids], model.parameters())
-        with _meta_experts(), live:
+        with _meta_experts(mode.compiled), live:
             with forward():
                 loss = model(ids, labels=ids)
                 done = live.snap()
