@@ -200,10 +200,6 @@ class Mode:
     def on_meta(self) -> bool:
         return self.compute_bytes == 4 and not self.gpu
 
-    @property
-    def eager(self) -> "Mode":
-        return dataclasses.replace(self, compiled=False)
-
 
 def _as_run(m: ModelConfig, mode: Mode) -> ModelConfig:
     """m with the backends a GPU's auto picks where they keep other tensors than the CPU paths."""

@@ -10,8 +10,9 @@ CPU: docs/planning.md).
 Here every region goes through the same AOTAutograd, the same decompositions and the same partitioner as
 inductor's, and its two graphs run node by node under torch.fx's Interpreter on the trace's meta or fake
 tensors, so the planner's dispatch mode sees what the partitioner saves and when the Interpreter frees
-each value. What this does not follow is inductor's fusion inside a graph: an intermediate a fused kernel
-never writes is counted while it lives, so a region's transient is an upper bound (what it keeps is not).
+each value. Inductor's fusion inside a graph is followed by one rule (_fused): a pointwise value read by
+one pointwise op is never written; one read by several is counted, which inductor may instead recompute
+in each reader, so a region's transient is an upper bound (what it keeps is the partitioner's).
 
 Tracing a region is the slow part (about a second for a sublayer), so the graphs are shared by every
 region of the same structure (module type, scalar attributes, parameter shapes) and input signature: a
@@ -34,8 +35,8 @@ _EAGER: set = set()  # regions that could not be traced whole
 
 
 def _fused(node: torch.fx.Node) -> bool:
-    """Whether inductor would fuse `node` into its users' kernel rather than write it: a pointwise op (or a
-    view) whose users are all such ops, and which is not a graph output."""
+    """Whether inductor fuses `node` into its reader's kernel rather than write it: a pointwise op (or a
+    view) read by one such op only (a graph output is read by the output node, never such an op)."""
     def folds(n):
         target = getattr(n, "target", None)
         tags = getattr(target, "tags", ())
