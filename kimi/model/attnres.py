@@ -46,9 +46,15 @@ def compiled_depth_attention(mode: str | None = None) -> Callable:
 
 @functools.cache
 def _compiled_mix(mode: str | None) -> Callable:
+    return mix_through(functools.partial(torch.compile, mode=mode))
+
+
+def mix_through(compile_fn: Callable[[Callable], Callable]) -> Callable:
+    """The depth mix (and its `normed` form) with depth_attention and mix_then_norm as compile_fn compiles
+    them: torch.compile here, the planner's traced regions in kimi.plan.compiled."""
     # mix_then_norm: depth_attention, then RMSNorm's forward with the norm's weight and eps
-    compiled = torch.compile(depth_attention, mode=mode)
-    compiled_normed = torch.compile(mix_then_norm, mode=mode)
+    compiled = compile_fn(depth_attention)
+    compiled_normed = compile_fn(mix_then_norm)
 
     def mix(query: torch.Tensor | None, sources: Sequence[torch.Tensor], eps: float) -> torch.Tensor:
         if query is None:
@@ -81,6 +87,12 @@ def depth_mix(backend: str, compiled: bool, mode: str | None = None) -> Callable
     auto      triton for CUDA tensors, elsewhere what torch gives
     """
     unfused = compiled_depth_attention(mode) if compiled or backend == "compile" else depth_attention
+    return backend_mix(backend, unfused)
+
+
+def backend_mix(backend: str, unfused: Callable) -> Callable:
+    """model.attnres.backend's mix over `unfused`, the PyTorch mix (torch and compile: it alone; a fused
+    backend falls back to it where its kernel does not run)."""
     if backend in ("torch", "compile"):
         return unfused
     from kimi.ops.attnres import FusedDepthMix  # imports triton's wrappers: only when asked for

@@ -122,7 +122,7 @@ def _aot(fn: Callable, region) -> Callable:
             partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
         try:  # the first call traces (kimi.plan.activations runs it outside every count and checkpoint)
             out = graphs(*args)
-        except Exception as e:  # noqa: BLE001 - where torch.compile would break the graph: run it as eager does
+        except Exception as e:  # noqa: BLE001 - where torch.compile breaks the graph: run it as eager does
             warnings.warn(f"plan: a compiled region traced eagerly, as AOTAutograd stopped at "
                           f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", stacklevel=2)
             _EAGER.add(key)
@@ -136,8 +136,7 @@ def _aot(fn: Callable, region) -> Callable:
 def compile_regions(model: torch.nn.Module) -> None:
     """Give `model`'s sublayers and depth mix the traced compiled regions (as apply_compile gives them
     torch.compile's)."""
-    from kimi.model.attnres import depth_attention, mix_then_norm
-    from kimi.ops.attnres import FusedDepthMix
+    from kimi.model.attnres import backend_mix, mix_through
     from kimi.parallel.activation_checkpointing import sublayers
 
     for module in sublayers(model):
@@ -147,15 +146,8 @@ def compile_regions(model: torch.nn.Module) -> None:
 
         graphs = _aot(functional, ("sublayer", _structure(module)))
         module._compiled_call_impl = functools.partial(_call, module, graphs)
-    mix, normed = _aot(depth_attention, ("mix",)), _aot(mix_then_norm, ("mix_then_norm",))
-
-    def compiled_mix(query, sources, eps):
-        return depth_attention(query, sources, eps) if query is None else mix(query, list(sources), eps)
-
-    compiled_mix.normed = lambda q, s, eps, w, ne: normed(q, list(s), eps, w, ne)
-    backend = model.cfg.attnres.backend
-    fused = backend not in ("torch", "compile")
-    model.depth_mix = FusedDepthMix(backend, compiled_mix) if fused else compiled_mix
+    mix = mix_through(lambda fn: _aot(fn, (fn.__name__,)))
+    model.depth_mix = backend_mix(model.cfg.attnres.backend, mix)
 
 
 def _call(module: torch.nn.Module, graphs: Callable, *args, **kwargs):
