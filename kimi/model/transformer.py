@@ -32,10 +32,15 @@ class Runners:
     """Mixin: parts of a forward called through a runner when one is set
     (kimi/parallel/activation_checkpointing.py)."""
 
-    def set_runner(self, name: str, run: Runner) -> None:
+    def set_runner(self, name: str, run: Runner, module_apart: bool = False) -> None:
         """Call part `name` as run(function, *args) from now on: how activation checkpointing recomputes a
-        sublayer in the backward without replacing its forward or renaming its parameters."""
+        sublayer in the backward without replacing its forward or renaming its parameters. module_apart: a
+        sublayer's runner gets its depth mix and pre-norm only, the module called on their output after it
+        (a module that checkpoints itself: selective checkpointing inside its compiled region)."""
         self.__dict__.setdefault("_runners", {})[name] = run
+        self.__dict__.setdefault("_apart", set()).discard(name)
+        if module_apart:
+            self.__dict__["_apart"].add(name)
 
     def run_through(self, name: str, function: Callable, *args) -> torch.Tensor:
         """function(*args), or run(function, *args) with the runner set for `name`."""
@@ -78,11 +83,14 @@ class Block(Runners, ParamViews, nn.Module):
         any. The mix is inside: activation checkpointing then keeps the sources (alive in the stream anyway)
         rather than the mix's fp32 stacks, and recomputes the mix with the module."""
         module, norm = getattr(self, name), getattr(self, f"{name}_norm")
+        apart = name in self.__dict__.get("_apart", ())
 
         def whole(query, *sources):
-            return module(stream.mix(query, sources, norm), **kwargs)
+            h = stream.mix(query, sources, norm)
+            return h if apart else module(h, **kwargs)
 
-        return self.run_through(name, whole, self.site_query(name), *stream.sources())
+        out = self.run_through(name, whole, self.site_query(name), *stream.sources())
+        return module(out, **kwargs) if apart else out
 
     def forward(self, stream, cu_seqlens: torch.Tensor | None = None, cache=None,
                 rows: int | None = None, context=None):

@@ -14,6 +14,13 @@ recomputation calls the module itself, compiled if it is, so it replays exactly 
   selective  keep the outputs of matmuls, attention (SDPA's and our Triton kernel's) and the Triton KDA
              chunk forward, recompute the cheap rest (norms, activations, gates, elementwise products):
              most of the memory saving for a fraction of the recompute
+
+Selective checkpointing under torch.compile: a compiled region runs as one autograd function, so a policy
+applied from outside sees none of its matmuls and recomputes the whole region, as full does (measured on
+this CPU: the same peak, and every forward matmul run again in the backward). So there the checkpoint goes
+inside each sublayer's compiled region, where dynamo tags every op with the policy and the partitioner
+keeps what it saves; the sublayer's runner then checkpoints its depth mix and pre-norm only, whose output
+(the module's input) the region keeps.
 """
 
 from __future__ import annotations
@@ -58,38 +65,66 @@ def sublayers(model: nn.Module) -> Iterator[nn.Module]:
             yield getattr(block, name)
 
 
-def _checkpointed(selective: bool) -> Callable:
-    extra = ({"context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)}
-             if selective else {})
+def selective_contexts():
+    """Selective checkpointing's pair of dispatch modes (torch.utils.checkpoint's context_fn)."""
+    return create_selective_checkpoint_contexts(_keep_matmuls)
 
-    def run(function: Callable, *args):
+
+def _checkpointed(selective: bool) -> Callable:
+    extra = {"context_fn": selective_contexts} if selective else {}
+
+    def run(function: Callable, *args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation and decoding: nothing to recompute
-            return function(*args)
-        return checkpoint(function, *args, use_reentrant=False, **extra)
+            return function(*args, **kwargs)
+        return checkpoint(function, *args, use_reentrant=False, **extra, **kwargs)
 
     return run
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+def apply_activation_checkpointing(model: nn.Module, mode: str, compiled: bool = False) -> None:
+    """compiled: apply_compile follows (parallel.compile); selective checkpointing then goes into the
+    sublayers' compiled regions (apply_compile's `selective`), and the runners here checkpoint the depth
+    mixes and pre-norms in full (see the module's docstring)."""
     if mode not in MODES:
         raise ValueError(f"activation checkpointing {mode!r}: choose one of {'|'.join(MODES)}")
     if mode == "none":
         return
-    run = _checkpointed(selective=mode == "selective")
+    inside = mode == "selective" and compiled
+    run = _checkpointed(selective=mode == "selective" and not inside)
     for block in model.blocks.children():
         for name in SUBLAYERS:
-            block.set_runner(name, run)
+            block.set_runner(name, run, module_apart=inside)
     if model.lm_head is not None:  # the final depth mix and norm: the mix's fp32 stacks are not kept either
         model.set_runner("final", run)
 
 
-def apply_compile(model: nn.Module, cuda_graphs: str = "none") -> None:
+def apply_compile(model: nn.Module, cuda_graphs: str = "none", selective: bool = False) -> None:
     """torch.compile each sublayer (Module.compile: names and state dicts are unchanged) and the Attention
     Residuals' depth mix, which runs between them (model.attnres.backend torch, and auto on CPU: a fused
-    kernel is one op already); with parallel.cuda_graphs=regions, each of them replays as a CUDA graph."""
+    kernel is one op already); with parallel.cuda_graphs=regions, each of them replays as a CUDA graph.
+    selective: each sublayer's region checkpoints itself under the selective policy (apply it with
+    apply_activation_checkpointing(model, "selective", compiled=True))."""
     from kimi.model.attnres import depth_mix
 
     mode = compile_mode(cuda_graphs)
     for module in sublayers(model):
-        module.compile(mode=mode)
+        if selective:  # what Module.compile does, the module's call checkpointed inside the region
+            module._compiled_call_impl = _compiled_selective(module._call_impl, mode)
+        else:
+            module.compile(mode=mode)
     model.depth_mix = depth_mix(model.cfg.attnres.backend, compiled=True, mode=mode)
+
+
+def _compiled_selective(call: Callable, mode: str | None) -> Callable:
+    """call(*args, **kwargs) checkpointed under the selective policy inside one compiled region."""
+    compiled = torch.compile(functools.partial(_checkpointed(selective=True), call), mode=mode)
+
+    def run(*args, **kwargs):
+        # The forward records the max logits QK-Clip reads (kimi.model.maxlogits), a side effect that dynamo
+        # refuses inside a checkpoint unless told the backward's recompute need not repeat it: it need not,
+        # as a recompute records the same values again, which the max ignores. Refused, the region would
+        # run eagerly (graph break), keeping the eager policy's tensors.
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+            return compiled(*args, **kwargs)
+
+    return run

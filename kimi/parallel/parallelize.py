@@ -37,9 +37,9 @@ def parallelize(model: KimiModel, cfg: ParallelConfig, dims: ParallelDims, mesh:
             apply_tensor_parallel(part, mesh["tp"], cfg.sequence_parallel, loss_parallel=dims.loss_parallel)
         if expert_mesh is not None:
             apply_expert_parallel(part, expert_mesh["ep"])
-        apply_activation_checkpointing(part, cfg.activation_checkpointing)
+        apply_activation_checkpointing(part, cfg.activation_checkpointing, compiled=cfg.compile)
         if cfg.compile:
-            apply_compile(part, cfg.cuda_graphs)
+            apply_compile(part, cfg.cuda_graphs, selective=cfg.activation_checkpointing == "selective")
         if dims.fsdp:  # each stage is an FSDP root: it is what the schedule calls
             apply_data_parallel(part, dims.fsdp_mesh(mesh), cfg.reshard_after_forward, bf16, expert_mesh)
     return parts

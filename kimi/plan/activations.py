@@ -26,8 +26,9 @@ keeps exp, softmax, rms_norm and their like in fp32). The routed experts' groupe
 stand-in that saves what torch's kernel saves (its two inputs): torch._grouped_mm takes only bf16 on the
 meta device, and the per-expert loop needs the routing's counts on the host. Its gradients are dropped as
 they arrive: kimi.summary counts gradients. A compiled step (`Mode.compiled`, parallel.compile on the CPU)
-runs each sublayer and depth mix as inductor's partitioner cuts it (kimi.plan.compiled), its graphs traced
-in a first step that is not counted.
+runs each sublayer and depth mix as inductor's partitioner cuts it (kimi.plan.compiled), selective
+checkpointing inside each sublayer's region as apply_compile puts it there, its graphs traced in a first
+step that is not counted.
 """
 
 from __future__ import annotations
@@ -271,17 +272,13 @@ def _body(m: ModelConfig, ac: str, T: int, mode: Mode) -> Run:
     with _running(mode, model) as (device, forward):
         ids = torch.zeros(1, T, dtype=torch.long, device=device)
         if mode.compiled:  # the regions' graphs traced in a first step, not counted (kimi.plan.compiled)
-            compile_regions(model)
+            compile_regions(model, selective=ac == "selective")
             with _meta_experts(compiled=True):
                 with forward():
                     loss = model(ids, labels=ids)
                 loss.backward()
             model.zero_grad(set_to_none=True)
-            # selective checkpointing's policy sees no matmul of a compiled region (inductor calls its own
-            # kernels), so it keeps none of them and recomputes the whole region, as full does: the same
-            # peak measured (docs/planning.md)
-            ac = "full" if ac == "selective" else ac
-        apply_activation_checkpointing(model, ac)
+        apply_activation_checkpointing(model, ac, compiled=mode.compiled)
         hooks = [b.register_forward_pre_hook(lambda *_: marks.append(live.snap()))
                  for b in model.blocks.values()]
         run = model.__dict__.get("_runners", {}).get("final")

@@ -1,7 +1,8 @@
 """A compiled step's regions as torch.compile cuts them, for the planner's traces (kimi.plan.activations).
 
 `parallel.compile=true` compiles each sublayer and the AttnRes depth mix between them
-(kimi.parallel.activation_checkpointing.apply_compile). AOTAutograd traces each region's forward and
+(kimi.parallel.activation_checkpointing.apply_compile), with selective checkpointing inside each
+sublayer's region. AOTAutograd traces each region's forward and
 backward as one joint graph, and inductor's min-cut partitioner decides what the forward saves for the
 backward: it recomputes cheap elementwise results in the backward where the eager step saves them, and
 the casts to the compute dtype inside the graph. An eager trace over-counts such a step (up to 2x on this
@@ -133,9 +134,32 @@ def _aot(fn: Callable, region) -> Callable:
     return run
 
 
-def compile_regions(model: torch.nn.Module) -> None:
+def _selective(fn: Callable) -> Callable:
+    """fn checkpointed under the selective policy as a compiled region runs it (apply_compile's
+    `selective`): dynamo's checkpoint operator, traced by AOTAutograd, is torch.utils.checkpoint with these
+    arguments (torch._higher_order_ops.wrap.tag_activation_checkpoint_impl), whose dispatch mode tags each
+    op of the joint graph with the policy, and the partitioner saves what it tags MUST_SAVE."""
+    import torch.fx.traceback as fx_traceback
+    from torch.utils.checkpoint import checkpoint
+
+    from kimi.parallel.activation_checkpointing import selective_contexts
+
+    def contexts():
+        forward, recompute = selective_contexts()
+        forward.ac_graph_id = 1  # the region's one checkpoint
+        return forward, recompute
+
+    def run(*args):
+        with fx_traceback.preserve_node_meta():
+            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, context_fn=contexts,
+                              early_stop=False)
+
+    return run
+
+
+def compile_regions(model: torch.nn.Module, selective: bool = False) -> None:
     """Give `model`'s sublayers and depth mix the traced compiled regions (as apply_compile gives them
-    torch.compile's)."""
+    torch.compile's); selective: each sublayer's region checkpoints itself (apply_compile's `selective`)."""
     from kimi.model.attnres import backend_mix, mix_through
     from kimi.parallel.activation_checkpointing import sublayers
 
@@ -144,7 +168,8 @@ def compile_regions(model: torch.nn.Module) -> None:
             with torch.nn.utils.stateless._reparametrize_module(_module, state):
                 return _module._call_impl(*args, **kwargs)
 
-        graphs = _aot(functional, ("sublayer", _structure(module)))
+        region = ("sublayer", _structure(module), selective)
+        graphs = _aot(_selective(functional) if selective else functional, region)
         module._compiled_call_impl = functools.partial(_call, module, graphs)
     mix = mix_through(lambda fn: _aot(fn, (fn.__name__,)))
     model.depth_mix = backend_mix(model.cfg.attnres.backend, mix)

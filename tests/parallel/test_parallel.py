@@ -243,6 +243,67 @@ def test_activation_checkpointing_is_exact_and_keeps_names(mode):
         apply_activation_checkpointing(plain, "some")
 
 
+@pytest.mark.unit
+def test_selective_checkpointing_under_compile_recomputes_no_matmul(request):
+    """parallel.compile with selective checkpointing: the checkpoint runs inside each sublayer's compiled
+    region, where the partitioner keeps what the policy saves. (Applied from outside, the policy sees none of
+    a region's matmuls and recomputes all of it, as full does.) The regions go through AOTAutograd and the
+    min-cut partitioner, then run op by op (aot_eager_decomp_partition: inductor's partition without its code
+    generation), so the profiler counts each matmul that runs: selective's step runs as many as a step
+    without checkpointing, full's runs the forward's again. Gradients and the max logits QK-Clip reads (a
+    side effect inside the checkpoint) equal eager's."""
+    from unittest import mock
+
+    from helpers import tiny_model_cfg
+    from torch.profiler import ProfilerActivity, profile
+
+    from kimi.model.attnres import compiled_depth_attention
+    from kimi.model.transformer import KimiModel
+    from kimi.parallel import apply_activation_checkpointing, apply_compile
+
+    real = torch.compile
+
+    def aot_eager(fn=None, mode=None, **kwargs):
+        return real(fn, backend="aot_eager_decomp_partition", **kwargs)
+
+    torch.manual_seed(0)
+    plain = KimiModel(tiny_model_cfg())
+    ids = torch.randint(0, 61, (2, 20), generator=torch.Generator().manual_seed(1))
+    matmuls, grads, logits = {}, {}, {}
+    # dynamo's state is per process: shapes seen here would make a later test's compile dynamic (and its
+    # inductor code generation minutes slower), so it is cleared on the way out
+    request.addfinalizer(torch._dynamo.reset)
+    for ac in ("eager", "none", "full", "selective"):
+        model = KimiModel(tiny_model_cfg())
+        model.load_state_dict(plain.state_dict())
+        model.qk_clip_modules()[0].track_max_logits = True
+        compiled_depth_attention.cache_clear()  # a cached mix would be another test's compiled one
+        with mock.patch("torch.compile", aot_eager):
+            if ac != "eager":
+                apply_activation_checkpointing(model, ac, compiled=True)
+                apply_compile(model, selective=ac == "selective")
+
+            def step():
+                model.zero_grad(set_to_none=True)
+                out = model(ids[:, :-1])
+                torch.nn.functional.cross_entropy(out.flatten(0, 1), ids[:, 1:].flatten()).backward()
+
+            step()  # compiles
+            model.qk_clip_modules()[0].consume_max_logits()  # as each optimizer step does
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                step()
+        compiled_depth_attention.cache_clear()
+        matmuls[ac] = sum(e.name in ("aten::mm", "aten::addmm", "aten::bmm") for e in prof.events())
+        grads[ac] = [p.grad for p in model.parameters()]
+        logits[ac] = model.qk_clip_modules()[0].consume_max_logits()
+    assert matmuls["selective"] == matmuls["none"] < matmuls["full"], matmuls
+    names = [n for n, _ in plain.named_parameters()]
+    for ac in ("none", "full", "selective"):
+        torch.testing.assert_close(logits[ac], logits["eager"], rtol=1e-6, atol=0)
+        for name, a, b in zip(names, grads["eager"], grads[ac]):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{ac} {name}: {m}")
+
+
 @pytest.mark.slow
 @pytest.mark.unit
 @pytest.mark.skipif(not os.environ.get("KIMI_SLOW_TESTS"),
@@ -258,8 +319,8 @@ def test_compiled_sublayers_match_eager(ac):
     torch.manual_seed(0)
     plain, compiled = KimiModel(tiny_model_cfg()), KimiModel(tiny_model_cfg())
     compiled.load_state_dict(plain.state_dict())
-    apply_activation_checkpointing(compiled, ac)
-    apply_compile(compiled)
+    apply_activation_checkpointing(compiled, ac, compiled=True)
+    apply_compile(compiled, selective=ac == "selective")  # the checkpoint inside each compiled region
     ids = torch.randint(0, 61, (2, 20), generator=torch.Generator().manual_seed(1))
     for m in (plain, compiled):
         torch.nn.functional.cross_entropy(m(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()

@@ -162,7 +162,10 @@ def test_a_compiled_steps_activations_match_inductors_measured():
             loss = model(ids[:, :-1], labels=ids[:, 1:])
         loss.backward()
 
-    step()  # compiles
+    # compiles; unvectorised C++ (a vector ISA changes the kernels' code, not which buffers they write: the
+    # same bytes were measured with and without), which halves a cold compile on this CPU
+    with torch._inductor.config.patch({"cpp.simdlen": 1}):
+        step()
     got = _profiled_rise(step)
     want = predicted_activations(cfg, Mode(2, False, True))
     assert 0.95 <= want / got <= 1.2, (want, got)  # an upper bound: see kimi.plan.compiled
