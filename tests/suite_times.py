@@ -77,7 +77,8 @@ def run_facts(report: Path) -> dict[str, str]:
 
 
 def minutes(seconds: float) -> str:
-    return f"{int(seconds // 60)} min {int(round(seconds % 60)):02d} s"
+    whole = int(round(seconds))  # rounded first: 479.6 s is 8 min 00 s, not 7 min 60 s
+    return f"{whole // 60} min {whole % 60:02d} s"
 
 
 def table(report: Path) -> str:

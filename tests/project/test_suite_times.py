@@ -38,6 +38,7 @@ def test_report_to_table(tmp_path, monkeypatch):
     assert "| not collected now | 1 | 0 min 00 s | 1% |" in block
     # slowest first
     assert block.index("`tests/project/test_readme.py`") < block.index("`tests/project/test_suite_times.py`")
+    assert suite_times.minutes(479.6) == "8 min 00 s" and suite_times.minutes(59.4) == "0 min 59 s"
 
 
 def test_the_testing_page_holds_a_generated_table():
