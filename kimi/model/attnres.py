@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 import torch
 
 from kimi.ops.attnres.reference import depth_attention, depth_weights, mix_then_norm  # noqa: F401
+from kimi.ops.dynamo_settings import dynamo_settings
 
 
 # A site mixes 1 to N + 1 sources under Block AttnRes (N blocks) and up to 2L + 1 under Full AttnRes: dynamo
@@ -59,14 +60,14 @@ def mix_through(compile_fn: Callable[[Callable], Callable]) -> Callable:
     def mix(query: torch.Tensor | None, sources: Sequence[torch.Tensor], eps: float) -> torch.Tensor:
         if query is None:
             return depth_attention(query, sources, eps)
-        with torch._dynamo.config.patch(recompile_limit=MIX_RECOMPILE_LIMIT):
+        with dynamo_settings(recompile_limit=MIX_RECOMPILE_LIMIT):
             return compiled(query, list(sources), eps)
 
     def normed(query: torch.Tensor | None, sources: Sequence[torch.Tensor], eps: float, weight: torch.Tensor,
                norm_eps: float) -> torch.Tensor:
         # the pre-norm in the mix's compiled region: left eager it was ~10 elementwise kernels a sublayer,
         # forward and backward (an H200 profile of `1b`: 1,431 eager multiplies, 237 ms of a 1,016 ms step)
-        with torch._dynamo.config.patch(recompile_limit=MIX_RECOMPILE_LIMIT):
+        with dynamo_settings(recompile_limit=MIX_RECOMPILE_LIMIT):
             return compiled_normed(query, list(sources), eps, weight, norm_eps)
 
     mix.normed = normed  # what mix_normed calls when a norm follows

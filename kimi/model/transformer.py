@@ -38,9 +38,8 @@ class Runners:
         sublayer's runner gets its depth mix and pre-norm only, the module called on their output after it
         (a module that checkpoints itself: selective checkpointing inside its compiled region)."""
         self.__dict__.setdefault("_runners", {})[name] = run
-        self.__dict__.setdefault("_apart", set()).discard(name)
-        if module_apart:
-            self.__dict__["_apart"].add(name)
+        apart = self.__dict__.setdefault("_apart", set())
+        (apart.add if module_apart else apart.discard)(name)
 
     def run_through(self, name: str, function: Callable, *args) -> torch.Tensor:
         """function(*args), or run(function, *args) with the runner set for `name`."""

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from kimi.ops.dynamo_settings import dynamo_settings
 from kimi.parallel.config import AC_MODES as MODES
 
 from .cuda_graphs import compile_mode
@@ -124,7 +125,7 @@ def _compiled_selective(call: Callable, mode: str | None) -> Callable:
         # refuses inside a checkpoint unless told the backward's recompute need not repeat it: it need not,
         # as a recompute records the same values again, which the max ignores. Refused, the region would
         # run eagerly (graph break), keeping the eager policy's tensors.
-        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        with dynamo_settings(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
             return compiled(*args, **kwargs)
 
     return run
