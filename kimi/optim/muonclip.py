@@ -192,6 +192,11 @@ class MuonClip(torch.optim.Optimizer):
         lines.append("; ".join(f"{f}: {k} tensors, {c:,} params" for f, (k, c) in totals.items()))
         return "\n".join(lines)
 
+    def kept_buffers(self) -> List[torch.Tensor]:
+        """The Newton-Schulz batches and scratch kept from one step to the next (CPU only; empty on a GPU):
+        alive through the whole step, beside the state, which memory measurements count (kimi.plan)."""
+        return [t for buffers in self._ns_buffers.values() for t in buffers.values()]
+
     # ---- layout -------------------------------------------------------------------------------------
 
     @property

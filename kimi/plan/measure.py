@@ -69,24 +69,36 @@ def tracked_peak(step, model, optimizer, device, compiled: bool = False) -> Dict
     if compiled:
         return allocator_peak(step, model, optimizer, device)
     mem = tracker()
-    mem.track_external(model, optimizer)
+    # the buffers the optimizer keeps between steps are alive from the step's start: tracked as "other" (the
+    # one kind of tensor passed here), counted with the optimizer's state
+    mem.track_external(model, optimizer, *kept_buffers(optimizer))
     with mem:
         step()
-    return peak_split(mem, device)
+    split = peak_split(mem, device)
+    split["OPT"] = split.get("OPT", 0) + split.pop("OTH", 0)
+    return split
+
+
+def kept_buffers(optimizer) -> list:
+    """What `optimizer` keeps from one step to the next beside its state (MuonClip's Newton-Schulz buffers on
+    the CPU, kimi/optim/muonclip.py; none for the others)."""
+    keeps = getattr(optimizer, "kept_buffers", None)
+    return keeps() if callable(keeps) else []
 
 
 def allocator_peak(step, model, optimizer, device) -> Dict[str, int]:
     """One step measured without a dispatch mode, in MemTracker's terms: the parameters (PARAM), gradients
-    (GRAD) and optimizer state (OPT) alive at its start, and ACT, the most the step allocated at once beyond
-    what it started with (activations, the gradients it makes, temporaries). What was alive before the step
-    besides those (the batch, the loader's buffers) is left out, as MemTracker leaves it. CUDA: the caching
-    allocator's peak statistic; CPU: the profiler's memory timeline of the step."""
+    (GRAD) and optimizer state (OPT, with the buffers it keeps between steps) alive at its start, and ACT,
+    the most the step allocated at once beyond what it started with (activations, the gradients it makes,
+    temporaries). What was alive before the step besides those (the batch, the loader's buffers) is left
+    out, as MemTracker leaves it. CUDA: the caching allocator's peak statistic; CPU: the profiler's memory
+    timeline of the step."""
     import torch
 
     params = list(model.parameters())
+    state = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
     start = {"PARAM": _bytes(params), "GRAD": _bytes(p.grad for p in params if p.grad is not None),
-             "OPT": _bytes(t for state in optimizer.state.values() for t in state.values()
-                           if isinstance(t, torch.Tensor))}
+             "OPT": _bytes([*state, *kept_buffers(optimizer)])}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

@@ -18,12 +18,14 @@ only by an eager step on plain fp32 weights, keeps_weight_copies), then
   * plus the largest transient at once: the backward's recompute and activation gradients, a weight's
     gradient as it is made, or the loss's logits, whichever is larger.
 
-A step peaks at one of two moments, and the parts returned are that moment's, so they add up to the peak:
-the first backward after the forwards in flight (weights, optimizer state, activations, gathered FSDP
-units; the gradients only if an earlier micro-batch's backward made them), or the optimizer step
-(weights, gradients, the state and the step's working memory, kimi.plan.optimizer_step; MuonClip's on
-its busiest owner, kimi.plan.owner_plan). docs/planning.md checks this against measured peaks. Cached per
-model shape: the meta model, its parameter facts, the pipeline split, the traces.
+A step peaks at one of three moments, and the parts returned are that moment's, so they add up to the
+peak: the first backward after the forwards in flight (weights, optimizer state, activations, gathered FSDP
+units; the gradients only if an earlier micro-batch's backward made them), the end of the last backward
+(the gradients made, the first block's activations and the backward's transient left), or the optimizer
+step (weights, gradients, the state and the step's working memory, kimi.plan.optimizer_step; MuonClip's on
+its busiest owner, kimi.plan.owner_plan). What the optimizer keeps between steps (MuonClip's Newton-Schulz
+buffers on the CPU) counts with its state at the first two. docs/planning.md checks this against measured
+peaks. Cached per model shape: the meta model, its parameter facts, the pipeline split, the traces.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Dict, List
 from kimi.config import Config, pipeline_microbatches, stages_per_rank
 from kimi.parallel.engine_rules import DEEPSPEED, TORCH
 from kimi.plan.activations import Mode, Trace, trace
-from kimi.plan.optimizer_step import step_bytes_per_param
+from kimi.plan.optimizer_step import kept_bytes_per_param, step_bytes_per_param
 from kimi.plan.owner_plan import owned
 from kimi.plan.shapes import facts, model_shapes, muonclip, pipeline, section_key, sources, stage_ranges
 
@@ -58,13 +60,8 @@ def inflight(cfg: Config, rank: int) -> int:
 def activations(cfg: Config, tr: Trace, rank: int, blocks: List[int], first: bool, last: bool) -> float:
     """Activation bytes pipeline rank `rank` holds at its peak (its blocks; the embedding if first; the
     final mix and the loss if last)."""
-    m, p, t = cfg.model, cfg.parallel, cfg.trainer
-    from kimi.precision.registry import precision_for
-
-    cb = precision_for(t.precision).compute_bytes()
-    rows = t.micro_batch_size // pipeline_microbatches(cfg)
-    tokens = rows * (t.seq_len // p.cp)
-    plain = p.pp > 1 or p.tp > 1  # the schedule's loss, or a vocabulary-parallel head's: whole logits
+    p = cfg.parallel
+    rows, tokens, cb = _micro_batch(cfg)
     v = stages_per_rank(p)
     if v == 1:
         kept = inflight(cfg, rank) * _held(cfg, tr, blocks, first, last, rows, tokens, cb)
@@ -75,13 +72,35 @@ def activations(cfg: Config, tr: Trace, rank: int, blocks: List[int], first: boo
             stage = rank + c * p.pp
             kept += count * _held(cfg, tr, list(ranges[stage]), stage == 0, stage == total - 1, rows, tokens,
                                   cb)
+    plain = p.pp > 1 or p.tp > 1  # the schedule's loss, or a vocabulary-parallel head's: whole logits
     head = tr.head_row / p.tp if last and not plain else 0.0
-    # the backward's two moments: an activation gradient or recompute (grows with the tokens), a weight's
-    # gradient made (does not)
-    transient = max(tokens * tr.extra / p.tp, tr.extra_row)
+    transient = _transient(cfg, tr, tokens)
     if last:
-        transient = max(transient, tr.logits_alive(m, tokens, p.tp, plain))
+        transient = max(transient, tr.logits_alive(cfg.model, tokens, p.tp, plain))
     return kept + head + transient
+
+
+def last_backward(cfg: Config, tr: Trace, blocks: List[int], first: bool) -> float:
+    """Activation bytes at the end of a rank's last backward, when its gradients are all but made: what the
+    micro-batch keeps of the rank's first block (and of the embedding if first) and the backward's
+    transient. Under full recomputation this moment, not the first backward's start, can set the peak."""
+    rows, tokens, cb = _micro_batch(cfg)
+    return _held(cfg, tr, blocks[:1], first, False, rows, tokens, cb) + _transient(cfg, tr, tokens)
+
+
+def _micro_batch(cfg: Config):
+    """(rows, tokens per rank, the compute dtype's bytes) of one micro-batch."""
+    from kimi.precision.registry import precision_for
+
+    t = cfg.trainer
+    rows = t.micro_batch_size // pipeline_microbatches(cfg)
+    return rows, rows * (t.seq_len // cfg.parallel.cp), precision_for(t.precision).compute_bytes()
+
+
+def _transient(cfg: Config, tr: Trace, tokens: int) -> float:
+    """The backward's larger transient: an activation gradient or recompute (grows with the tokens), or a
+    weight's gradient made (does not)."""
+    return max(tokens * tr.extra / cfg.parallel.tp, tr.extra_row)
 
 
 def _held(cfg: Config, tr: Trace, blocks: List[int], first: bool, last: bool, rows: int, tokens: int,
@@ -163,7 +182,7 @@ def rank_parts(cfg: Config, mode: Mode | None = None) -> List[Dict[str, int]]:
     p, t = cfg.parallel, cfg.trainer
     cb = precision_for(t.precision).compute_bytes()
     tr = trace(cfg.model, p.activation_checkpointing, mode or trace_mode(cfg))
-    step = step_bytes_per_param(cfg)
+    step, kept_per_param = step_bytes_per_param(cfg), kept_bytes_per_param(cfg)
     out = []
     for rank, (stages, blocks, first, last) in enumerate(pipeline(cfg)):
         if p.engine == DEEPSPEED:  # ZeRO partitions over dp_shard itself: the rank's state unsharded first
@@ -183,35 +202,43 @@ def rank_parts(cfg: Config, mode: Mode | None = None) -> List[Dict[str, int]]:
             gathered = _gathered(cfg, st.units) * cb if p.dp_shard * p.cp > 1 else 0
             updated = st.local
         act = int(activations(cfg, tr, rank, blocks, first, last))
-        # two moments: the activations' peak (the first backward after the forwards in flight; the
-        # gradients exist by then only if an earlier micro-batch's backward made them), and the optimizer
-        # step's
+        # three moments: the activations' peak (the first backward after the forwards in flight; the
+        # gradients exist by then only if an earlier micro-batch's backward made them), the end of the last
+        # backward (the gradients made, the activations nearly all freed), and the optimizer step's
         # (interleaved: inflight counts stage-micro-batches, of which a step runs v x micro-batches)
         units = pipeline_microbatches(cfg) * stages_per_rank(p)
         earlier = t.grad_accum_steps > 1 or (p.pp > 1 and units > inflight(cfg, rank))
         grads_then = parts["gradients"] if earlier else 0
-        forward = {**parts, "gradients": grads_then, "activations": act, "fsdp_gathered": gathered}
+        # what the optimizer keeps between steps (CPU MuonClip's Newton-Schulz buffers) is alive in the
+        # backward too; the step's working memory already holds it
+        kept = int(_step_transient(cfg, kept_per_param, st.params, updated, blocks, first, last,
+                                   routed=False))
+        backward = {**parts, "optimizer": parts["optimizer"] + kept, "fsdp_gathered": gathered}
+        forward = {**backward, "gradients": grads_then, "activations": act}
+        ending = {**backward, "activations": int(last_backward(cfg, tr, blocks, first))}
         working = int(_step_transient(cfg, step, st.params, updated, blocks, first, last))
         stepping = {**parts, "optimizer": parts["optimizer"] + working, "activations": 0, "fsdp_gathered": 0}
-        best = max((forward, stepping), key=lambda d: sum(d.values()))
+        best = max((forward, ending, stepping), key=lambda d: sum(d.values()))
         out.append({k: int(best.get(k, 0)) for k in PARTS})
     return out
 
 
 def _step_transient(cfg: Config, per_param: float, stage_params: int, updated: int, blocks, first: bool,
-                    last: bool) -> float:
+                    last: bool, routed: bool = True) -> float:
     """The optimizer step's working memory on one rank. MuonClip (kimi/optim/owners.py) gives every matrix
     one owner among the ranks of a pipeline stage: a rank orthogonalises the matrices it owns whole (their
     share of the traced working memory), holds their gathered gradients (fp32, 4 bytes an element) and,
     during each of its two all-to-alls, the flat send and receive buffers the router concatenates (fp32;
-    the larger exchange counts); the busiest rank counts. AdamW updates the rank's own shards."""
+    the larger exchange counts); the busiest rank counts. AdamW updates the rank's own shards. routed=False:
+    the owner's share alone, without the gathered gradients and the router's buffers."""
     p = cfg.parallel
     if not muonclip(cfg) or p.engine != TORCH:
         return per_param * updated
     if p.dp_replicate * p.dp_shard * p.cp * p.tp == 1:
         return per_param * stage_params
     per_muon = per_param * _muon_ratio(cfg)  # the traced working memory is Muon's
-    return max(per_muon * mine + 4 * mine + 4 * buffers for mine, buffers in owned(cfg, blocks, first, last))
+    return max(per_muon * mine + routed * (4 * mine + 4 * buffers)
+               for mine, buffers in owned(cfg, blocks, first, last))
 
 
 _RATIOS: Dict[str, float] = {}

@@ -200,6 +200,42 @@ def test_the_optimizer_steps_working_memory_matches_a_real_step():
 
 
 @pytest.mark.unit
+def test_the_newton_schulz_buffers_kept_on_the_cpu_are_predicted_and_measured_with_the_state():
+    """On the CPU MuonClip keeps its Newton-Schulz buffers from one step to the next: the trace predicts
+    their bytes exactly, and both measurements count them with the state from the step's start."""
+    from kimi.model import KimiModel
+    from kimi.optim import build_optimizer
+    from kimi.plan.measure import allocator_peak, tracked_peak
+    from kimi.plan.memory import rank_parts
+    from kimi.plan.optimizer_step import kept_bytes_per_param
+
+    cfg = config()
+    model = KimiModel(cfg.model)
+    optimizer = build_optimizer(model, cfg.optim)
+    params = list(model.parameters())
+
+    def step():
+        for p in params:
+            p.grad = torch.randn_like(p)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+
+    tracked = tracked_peak(step, model, optimizer, torch.device("cpu"))  # two steps: the second measured
+    kept = sum(t.untyped_storage().nbytes() for t in optimizer.kept_buffers())
+    assert kept > 0 and kept == kept_bytes_per_param(cfg) * sum(p.numel() for p in params)
+    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor))
+    assert allocator_peak(step, model, optimizer, torch.device("cpu"))["OPT"] == state + kept
+    assert tracked["OPT"] >= state + kept and "OTH" not in tracked
+    # the plan counts them at the backward's moment too: with full recomputation that moment now sets the peak
+    full = config("parallel.activation_checkpointing=full")
+    (parts,) = rank_parts(full)
+    assert parts["optimizer"] == pytest.approx(state + kept, rel=1e-4) and parts["activations"] > 0
+    cuda = config("trainer.device=cuda")  # a GPU's allocator reuses its blocks: MuonClip keeps none there
+    assert kept_bytes_per_param(cuda) == 0
+
+
+@pytest.mark.unit
 def test_sharding_divides_what_each_layout_shards():
     from kimi.plan.comm import collectives_per_step
     from kimi.plan.memory import PARTS, rank_parts
