@@ -42,6 +42,34 @@ def test_transition_is_the_product_and_the_shard_map_is_affine():
 
 
 @pytest.mark.unit
+def test_a_shards_summary_is_one_kda_run(monkeypatch):
+    """S_zero and P come from one chunked run over the values [v, 0] from the state [0, I]: autograd keeps
+    one run's key-side intermediates, not two (a context-parallel rank then runs KDA twice per layer, not
+    three times), and both equal their own runs, each gradient too."""
+    import kimi.ops.kda.context as context
+
+    q, k, v, g, beta = args = [t.requires_grad_() for t in inputs()]
+    calls = []
+    monkeypatch.setattr(context, "chunk_kda",
+                        lambda *a, **kw: calls.append(a[2].shape) or chunk_kda(*a, **kw))
+    P, S = shard_summary(*args)
+    assert calls == [(B, T, H, V + K)]
+    eye = torch.eye(K, dtype=torch.float64).expand(B, H, K, K)
+    _, want_S = chunk_kda(q, k, v, g, beta, output_final_state=True)
+    _, want_P = chunk_kda(q, k, torch.zeros_like(k), g, beta, initial_state=eye, output_final_state=True)
+    torch.testing.assert_close(S, want_S, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(P, want_P, rtol=1e-12, atol=1e-13)
+    w_P, w_S = torch.randn_like(P), torch.randn_like(S)
+    got = torch.autograd.grad((P * w_P).sum() + (S * w_S).sum(), args)
+    want = torch.autograd.grad((want_P * w_P).sum() + (want_S * w_S).sum(), args)
+    for name, a, b in zip(("q", "k", "v", "g", "beta"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+    calls.clear()  # a shard no state crosses (the first) runs once, for S_zero alone
+    P, _ = shard_summary(*args, continues=False)
+    assert calls == [(B, T, H, V)] and not P.any()
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("shards", [2, 4])
 def test_sharded_equals_whole_with_gradients(shards):
     args = inputs()

@@ -65,21 +65,28 @@ def shard_summary(q, k, v, g, beta, scale: float | None = None, cu_seqlens: torc
     (R = 1 when ``continues`` is one bool). continues: per row, whether its first token continues the
     previous shard's document."""
     B, T, H, K = k.shape
+    V = v.shape[-1]
     rows = B if cu_seqlens is None else torch.as_tensor(continues).numel()
     flags = _rows_continuing(continues, rows, k.device)
-    _, states = chunk_kda(q, k, v, g, beta, scale, output_final_state=True, cu_seqlens=cu_seqlens,
-                          backend=backend,
-                          lower_bound=lower_bound)
     first, last = row_sequences(cu_seqlens, rows, B * T)
-    S = states[last]
     # the incoming state crosses the shard only along a row that is one continued document
     through = flags & torch.tensor([a == b for a, b in zip(first, last)], device=k.device)
     if not bool(through.any()):
-        return k.new_zeros(rows, H, K, K, dtype=states.dtype), S
-    eye = torch.eye(K, dtype=states.dtype, device=k.device).expand(states.shape[0], H, K, K).contiguous()
-    _, P = chunk_kda(q, k, torch.zeros_like(k), g, beta, scale, initial_state=eye, output_final_state=True,
-                     cu_seqlens=cu_seqlens, backend=backend, lower_bound=lower_bound)
-    return P[last] * through[:, None, None, None].to(P.dtype), S
+        _, states = chunk_kda(q, k, v, g, beta, scale, output_final_state=True, cu_seqlens=cu_seqlens,
+                              backend=backend, lower_bound=lower_bound)
+        return k.new_zeros(rows, H, K, K, dtype=states.dtype), states[last]
+    # Both in one run: the state's value columns evolve independently under the same transitions, so the
+    # values [v, 0] from the initial state [0, I] end at [S_zero, P]. One run, not two, keeps the key-side
+    # intermediates (gates, transitions, key products) once for the backward and launches half the kernels.
+    sequences = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    dtype = torch.promote_types(v.dtype, torch.float32)  # the states' (fp32, or fp64 for a reference)
+    start = torch.zeros(sequences, H, K, V + K, dtype=dtype, device=k.device)
+    start[..., V:] = torch.eye(K, dtype=dtype, device=k.device)
+    _, states = chunk_kda(q, k, torch.cat([v, torch.zeros_like(k, dtype=v.dtype)], -1), g, beta, scale,
+                          initial_state=start, output_final_state=True, cu_seqlens=cu_seqlens,
+                          backend=backend, lower_bound=lower_bound)
+    S, P = states[last].split([V, K], -1)
+    return P * through[:, None, None, None].to(P.dtype), S
 
 
 def incoming_states(summaries: list[tuple[torch.Tensor, torch.Tensor]],
