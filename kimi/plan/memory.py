@@ -174,13 +174,12 @@ def _zero(cfg: Config, local: int, opt: int, full: int) -> Dict[str, int]:
 def rank_parts(cfg: Config, mode: Mode | None = None) -> List[Dict[str, int]]:
     """The parts of every pipeline rank at its peak (memory_per_rank takes the heaviest); mode: the
     activation trace's, if not trace_mode(cfg)."""
-    from kimi.precision.registry import precision_for
     from kimi.summary import rank_state
 
     model, routes, named = model_shapes(cfg)
     table = facts(cfg)
     p, t = cfg.parallel, cfg.trainer
-    cb = precision_for(t.precision).compute_bytes()
+    cb = _micro_batch(cfg)[2]
     tr = trace(cfg.model, p.activation_checkpointing, mode or trace_mode(cfg))
     step, kept_per_param = step_bytes_per_param(cfg), kept_bytes_per_param(cfg)
     out = []
