@@ -3,10 +3,11 @@ group the r-th), and the ranks together compute exactly what one device computes
 
 Per layer and pass (kimi/ops/kda/context.py): each rank summarises its shard as (P, S_zero), the shard's
 state transition and its final state from zero ([B, H, K, K] and [B, H, K, V], constant in the shard's
-length); one all-gather gives every rank every summary; each folds those of the ranks before it into its
-incoming state and runs its shard from it. In the backward, the gradient of every summary is summed over
-the ranks whose outputs used it (one all-reduce: gloo has no reduce-scatter) and flows into the rank that
-made it, so state gradients travel from later shards to earlier ones.
+length), in the same chunked run that gives its outputs from a zero state; one all-gather gives every
+rank every summary; each folds those of the ranks before it into its incoming state and adds that state's
+share to its outputs (no second run: the outputs are affine in it). In the backward, the gradient of
+every summary is summed over the ranks whose outputs used it (one all-reduce: gloo has no reduce-scatter)
+and flows into the rank that made it, so state gradients travel from later shards to earlier ones.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kimi.ops.kda.context import incoming_states, run_shard, shard_summary
+from kimi.ops.kda.context import add_incoming, incoming_states, shard_pass
 
 
 class _AllGather(torch.autograd.Function):
@@ -70,11 +71,10 @@ def context_parallel_kda(q, k, v, g, beta, group: dist.ProcessGroup, scale: floa
     :func:`kimi.ops.kda.context.local_cu_seqlens` gives them), and the whole sequence's final state (the
     same on every rank). Collective: every rank of ``group`` calls it for the same layer. lower_bound: as
     chunk_kda's (Kimi K3's safe gate), for every local chunk_kda call."""
-    P, S = shard_summary(q, k, v, g, beta, scale, cu_seqlens, continues, backend, lower_bound)
+    o, reach, P, S = shard_pass(q, k, v, g, beta, scale, cu_seqlens, continues, backend, lower_bound)
     all_P, all_S = all_gather_stacked([P, S], group)
     states = incoming_states(list(zip(all_P.unbind(0), all_S.unbind(0))), initial_state)
-    rank = dist.get_rank(group)
-    o = run_shard((q, k, v, g, beta), states[rank], scale, cu_seqlens, continues, backend, lower_bound)
+    o = add_incoming(o, reach, states[dist.get_rank(group)], cu_seqlens, continues)
     return keep_in_graph(o, all_P, all_S), states[-1]
 
 

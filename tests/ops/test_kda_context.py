@@ -1,6 +1,7 @@
 """KDA split along the sequence (kimi/ops/kda/context.py), the building block of context parallelism: a
 shard's transition P against the token-by-token product, the affine map it defines against running the
-shard from a given state, and shard-by-shard KDA (2 and 4 shards, packed documents crossing shard edges)
+shard from a given state, the one run per shard that also gives each token's share of the incoming state,
+and shard-by-shard KDA (2 and 4 shards, packed documents crossing shard edges)
 equal to the whole sequence's in fp64: outputs, final state and every gradient."""
 
 import sys
@@ -10,7 +11,7 @@ import torch
 from kda_cp_problem import B, H, K, T, V, attention_inputs, conv_inputs, inputs
 
 from kimi.ops.kda import chunk_kda
-from kimi.ops.kda.context import naive_transition, shard_summary, sharded_kda
+from kimi.ops.kda.context import naive_transition, shard_pass, shard_summary, sharded_kda
 
 
 @pytest.mark.unit
@@ -42,31 +43,39 @@ def test_transition_is_the_product_and_the_shard_map_is_affine():
 
 
 @pytest.mark.unit
-def test_a_shards_summary_is_one_kda_run(monkeypatch):
-    """S_zero and P come from one chunked run over the values [v, 0] from the state [0, I]: autograd keeps
-    one run's key-side intermediates, not two (a context-parallel rank then runs KDA twice per layer, not
-    three times), and both equal their own runs, each gradient too."""
+def test_a_shard_is_one_kda_run(monkeypatch):
+    """Each shard runs the chunked KDA once, over the values [v, 0] from the state [0, I]: its outputs from
+    a zero state, each token's reach scale q_t^T P_t, S_zero and P equal their own runs (every gradient
+    too), and o_zero + reach S_in equals the shard run from S_in. Autograd keeps one run's intermediates:
+    the rank neither runs the shard a second time from its incoming state nor keeps that run for the
+    backward."""
     import kimi.ops.kda.context as context
 
     q, k, v, g, beta = args = [t.requires_grad_() for t in inputs()]
     calls = []
     monkeypatch.setattr(context, "chunk_kda",
                         lambda *a, **kw: calls.append(a[2].shape) or chunk_kda(*a, **kw))
-    P, S = shard_summary(*args)
+    o, reach, P, S = shard_pass(*args)
     assert calls == [(B, T, H, V + K)]
     eye = torch.eye(K, dtype=torch.float64).expand(B, H, K, K)
-    _, want_S = chunk_kda(q, k, v, g, beta, output_final_state=True)
-    _, want_P = chunk_kda(q, k, torch.zeros_like(k), g, beta, initial_state=eye, output_final_state=True)
-    torch.testing.assert_close(S, want_S, rtol=1e-12, atol=1e-13)
-    torch.testing.assert_close(P, want_P, rtol=1e-12, atol=1e-13)
-    w_P, w_S = torch.randn_like(P), torch.randn_like(S)
-    got = torch.autograd.grad((P * w_P).sum() + (S * w_S).sum(), args)
-    want = torch.autograd.grad((want_P * w_P).sum() + (want_S * w_S).sum(), args)
-    for name, a, b in zip(("q", "k", "v", "g", "beta"), got, want):
+    want_o, want_S = chunk_kda(q, k, v, g, beta, output_final_state=True)
+    want_reach, want_P = chunk_kda(q, k, torch.zeros_like(k), g, beta, initial_state=eye,
+                                   output_final_state=True)
+    got, want = (o, reach, P, S), (want_o, want_reach, want_P, want_S)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    weights = [torch.randn_like(x) for x in want]
+    grads = [torch.autograd.grad(sum((x * w).sum() for x, w in zip(xs, weights)), args) for xs in (got, want)]
+    for name, a, b in zip(("q", "k", "v", "g", "beta"), *grads):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
-    calls.clear()  # a shard no state crosses (the first) runs once, for S_zero alone
-    P, _ = shard_summary(*args, continues=False)
-    assert calls == [(B, T, H, V)] and not P.any()
+    S_in = torch.randn(B, H, K, V, dtype=torch.float64)
+    from_in, _ = chunk_kda(q, k, v, g, beta, initial_state=S_in)
+    torch.testing.assert_close(context.add_incoming(o, reach, S_in, None, True), from_in, rtol=1e-10,
+                               atol=1e-12)
+    calls.clear()  # a shard no state reaches (the first) runs once over v alone
+    o, reach, P, _ = shard_pass(*args, continues=False)
+    assert calls == [(B, T, H, V)] and reach is None and not P.any()
+    torch.testing.assert_close(o, want_o, rtol=1e-12, atol=1e-13)
 
 
 @pytest.mark.unit
@@ -87,8 +96,8 @@ def test_sharded_equals_whole_with_gradients(shards):
 
 @pytest.mark.unit
 def test_safe_gate_bound_reaches_every_shard(monkeypatch):
-    """Under Kimi K3's safe gate (every g >= -5) context parallelism's KDA passes the bound to each of its
-    chunk_kda calls (summary, transition and outputs), which then take the bounded diagonal blocks, and it
+    """Under Kimi K3's safe gate (every g >= -5) context parallelism's KDA passes the bound to its one
+    chunk_kda call per shard, which then takes the bounded diagonal blocks, and it
     still equals the whole sequence's naive recurrence, packed documents crossing shard edges included."""
     from kimi.ops.kda import chunk as chunk_module
 
@@ -103,7 +112,7 @@ def test_safe_gate_bound_reaches_every_shard(monkeypatch):
     o, s = sharded_kda(q, k, v, g, beta, 2, cu_seqlens=cu, lower_bound=-5.0)
     torch.testing.assert_close(o, want_o, rtol=1e-10, atol=1e-11)
     torch.testing.assert_close(s, want_s[-1:], rtol=1e-10, atol=1e-11)
-    assert len(calls) >= 2 * 3  # per shard: the summary's two passes and the outputs'
+    assert len(calls) >= 2  # in each shard's one run
 
 
 @pytest.mark.unit
@@ -212,7 +221,7 @@ def test_packed_rows_continue_their_own_documents_across_shards():
     state and conv halo from the shard before, only where the row's first document continues; equal to the
     whole rows packed, outputs and gradients."""
     from kimi.ops.documents import cu_seqlens_from_starts
-    from kimi.ops.kda.context import incoming_states, run_shard
+    from kimi.ops.kda.context import add_incoming, incoming_states
 
     starts = torch.zeros(2, T, dtype=torch.bool)
     for row, s in ((0, [0, 5, 21]), (1, [0, 8, 16, 27])):  # row 1: starts at the edges of 4 shards of 8
@@ -226,16 +235,16 @@ def test_packed_rows_continue_their_own_documents_across_shards():
     xc = torch.randn(2, T, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
     whole_conv, _ = conv(xc.reshape(1, 2 * T, 5), cu_seqlens_from_starts(starts))
     for shards in (2, 4):
-        n, parts, summaries, convs, tail = T // shards, [], [], [], None
+        n, parts, passes, convs, tail = T // shards, [], [], [], None
         for cols, cu, continues in _rows_by_shards(starts, shards):
             part = tuple(x[:, cols].reshape(1, 2 * n, *x.shape[2:]) for x in args)
-            parts.append((part, cu, continues))
-            summaries.append(shard_summary(*part, cu_seqlens=cu, continues=continues))
+            parts.append((cu, continues))
+            passes.append(shard_pass(*part, cu_seqlens=cu, continues=continues))
             y, tail = conv(xc[:, cols].reshape(1, 2 * n, 5), cu, tail, continues)
             convs.append(y.view(2, n, 5))
-        states = incoming_states(summaries)
-        outs = [run_shard(part, s_in, None, cu, continues).view(2, n, H, V)
-                for (part, cu, continues), s_in in zip(parts, states)]
+        states = incoming_states([(P, S) for _, _, P, S in passes])
+        outs = [add_incoming(o, reach, s_in, cu, continues).view(2, n, H, V)
+                for (o, reach, _, _), (cu, continues), s_in in zip(passes, parts, states)]
         o = torch.cat(outs, dim=1).reshape(1, 2 * T, H, V)
         torch.testing.assert_close(o, whole, rtol=1e-10, atol=1e-11)
         for a, b in zip(torch.autograd.grad((o * w).sum(), args), want):
@@ -246,10 +255,11 @@ def test_packed_rows_continue_their_own_documents_across_shards():
 
 @pytest.mark.slow
 @pytest.mark.unit
-def test_the_triton_path_summarises_and_reruns_shards_too():
-    """The same shard-by-shard KDA on the Triton kernels (interpreted here): the transition P from the
-    identity with v = 0 and the reruns from incoming states, fp32, packed documents across shard edges,
-    equal to the whole sequence on the fp64 PyTorch path (outputs and input gradients)."""
+def test_the_triton_path_runs_shards_too():
+    """The same shard-by-shard KDA on the Triton kernels (interpreted here): one run per shard over the
+    values [v, 0] from the state [0, I], then each shard's outputs from its incoming state, fp32, packed
+    documents across shard edges, equal to the whole sequence on the fp64 PyTorch path (outputs and input
+    gradients)."""
     if sys.platform != "linux":  # elsewhere there is no triton to import (pyproject.toml)
         pytest.skip("triton is a dependency on Linux only")
     args = inputs(b=1, seed=3)

@@ -1,5 +1,6 @@
-"""KDA over a sequence split into consecutive shards (context parallelism): each shard runs from a zero
-state, the shards' small summaries are joined, and each shard runs again from its true incoming state.
+"""KDA over a sequence split into consecutive shards (context parallelism): each shard runs once from a zero
+state, the shards' small summaries are joined, and each shard adds its incoming state's share to its
+outputs.
 
 One token maps the state affinely, S_t = A_t S_{t-1} + b_t k_t v_t^T with A_t = (I - b_t k_t k_t^T)
 Diag(exp(g_t)) (:func:`kimi.ops.kda.recurrent.kda_step`), so a whole shard does too:
@@ -10,7 +11,9 @@ where S_zero is the shard's final state from a zero state. P is the final state 
 run with v = 0 from the identity, so the KDA kernels compute it; :func:`naive_transition` is the reference
 beside it (the product of the A_t). Joining is a prefix fold over shards (:func:`incoming_states`), whose
 inputs per shard are two [B, H, K, *] tensors whatever the shard's length: what context-parallel ranks
-exchange.
+exchange. Each output is affine in S_in too, o_t = o_zero_t + (scale q_t^T P_t) S_in, and the same run
+gives the row vectors scale q_t^T P_t as the outputs of its identity columns (:func:`shard_pass`), so the
+shard needs no second run from S_in (:func:`add_incoming`).
 
 Packed documents (``cu_seqlens`` of the shard, with ``continues``: whether the shard's first token
 continues the previous shard's document): the incoming state reaches only the shard's first document, and
@@ -57,36 +60,53 @@ def _rows_continuing(continues, rows: int, device) -> torch.Tensor:
     return flags.expand(rows) if flags.numel() == 1 else flags
 
 
-def shard_summary(q, k, v, g, beta, scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
-                  continues=True, backend: str | None = None,
-                  lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(P, S_zero) of one shard (module docstring), one per row: P [R, H, K, K], S_zero [R, H, K, V].
-    Rows: the batch rows without ``cu_seqlens``; with it, the R = len(continues) rows packed along T
-    (R = 1 when ``continues`` is one bool). continues: per row, whether its first token continues the
-    previous shard's document."""
+def shard_pass(q, k, v, g, beta, scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
+               continues=True, backend: str | None = None, lower_bound: float | None = None):
+    """One chunked KDA run over a shard, from a zero state, that gives a rank all it needs:
+    (o_zero, reach, P, S_zero).
+
+    - o_zero [B, T, H, V]: the shard's outputs from a zero incoming state.
+    - reach [B, T, H, K]: each token's scale q_t^T P_t, with P_t = A_t ... A_1 the transition so far. A
+      continued document's outputs are o_zero + reach S_in (:func:`add_incoming`). It is None where no row
+      continues.
+    - P [R, H, K, K] and S_zero [R, H, K, V]: the summary that ranks exchange, one per row.
+
+    Rows are the batch rows without ``cu_seqlens``. With it, they are the R = len(continues) rows packed
+    along T (R = 1 when ``continues`` is one bool). continues: per row, whether its first token continues
+    the previous shard's document. P is zero where the incoming state does not cross the row, that is where
+    the row's first document ends inside the shard."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     rows = B if cu_seqlens is None else torch.as_tensor(continues).numel()
     flags = _rows_continuing(continues, rows, k.device)
     first, last = row_sequences(cu_seqlens, rows, B * T)
-    # the incoming state crosses the shard only along a row that is one continued document
-    through = flags & torch.tensor([a == b for a, b in zip(first, last)], device=k.device)
-    if not bool(through.any()):
-        _, states = chunk_kda(q, k, v, g, beta, scale, output_final_state=True, cu_seqlens=cu_seqlens,
+    if not bool(flags.any()):
+        o, states = chunk_kda(q, k, v, g, beta, scale, output_final_state=True, cu_seqlens=cu_seqlens,
                               backend=backend, lower_bound=lower_bound)
-        return k.new_zeros(rows, H, K, K, dtype=states.dtype), states[last]
-    # Both in one run: the state's value columns evolve independently under the same transitions, so the
-    # values [v, 0] from the initial state [0, I] end at [S_zero, P]. One run, not two, keeps the key-side
-    # intermediates (gates, transitions, key products) once for the backward and launches half the kernels.
+        return o, None, k.new_zeros(rows, H, K, K, dtype=states.dtype), states[last]
+    # The state's value columns evolve independently under the same transitions. So the values [v, 0],
+    # run from the initial state [0, I], end at [S_zero, P], and their outputs are [o_zero, reach]. One run,
+    # not one per quantity, keeps the key-side intermediates (gates, transitions, key products) once for
+    # the backward, and no second run from the incoming state is needed: the outputs are affine in it.
     sequences = B if cu_seqlens is None else cu_seqlens.numel() - 1
     dtype = torch.promote_types(v.dtype, torch.float32)  # the states' (fp32, or fp64 for a reference)
     start = torch.zeros(sequences, H, K, V + K, dtype=dtype, device=k.device)
     start[..., V:] = torch.eye(K, dtype=dtype, device=k.device)
-    _, states = chunk_kda(q, k, torch.cat([v, torch.zeros_like(k, dtype=v.dtype)], -1), g, beta, scale,
+    o, states = chunk_kda(q, k, torch.cat([v, torch.zeros_like(k, dtype=v.dtype)], -1), g, beta, scale,
                           initial_state=start, output_final_state=True, cu_seqlens=cu_seqlens,
                           backend=backend, lower_bound=lower_bound)
     S, P = states[last].split([V, K], -1)
-    return P * through[:, None, None, None].to(P.dtype), S
+    # the incoming state crosses the shard only along a row that is one continued document
+    through = flags & torch.tensor([a == b for a, b in zip(first, last)], device=k.device)
+    o, reach = o.split([V, K], -1)
+    return o, reach, P * through[:, None, None, None].to(P.dtype), S
+
+
+def shard_summary(q, k, v, g, beta, scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
+                  continues=True, backend: str | None = None,
+                  lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, S_zero) of one shard (:func:`shard_pass`, whose arguments these are)."""
+    return shard_pass(q, k, v, g, beta, scale, cu_seqlens, continues, backend, lower_bound)[2:]
 
 
 def incoming_states(summaries: list[tuple[torch.Tensor, torch.Tensor]],
@@ -115,12 +135,11 @@ def sharded_kda(q, k, v, g, beta, shards: int, scale: float | None = None,
         part = tuple(x[:, r * n:(r + 1) * n] for x in (q, k, v, g, beta))
         local, continues = local_cu_seqlens(cu_seqlens, r * n, n)
         parts.append((part, local, continues))
-    summaries = [shard_summary(*part, scale, local, continues, backend, lower_bound)
-                 for part, local, continues in parts]
-    states = incoming_states(summaries, initial_state)
-    outputs = []
-    for (part, local, continues), s_in in zip(parts, states):
-        outputs.append(run_shard(part, s_in, scale, local, continues, backend, lower_bound))
+    passes = [shard_pass(*part, scale, local, continues, backend, lower_bound)
+              for part, local, continues in parts]
+    states = incoming_states([(P, S) for _, _, P, S in passes], initial_state)
+    outputs = [add_incoming(o, reach, s_in, local, continues)
+               for (o, reach, _, _), (_, local, continues), s_in in zip(passes, parts, states)]
     return torch.cat(outputs, dim=1), states[-1]
 
 
@@ -133,17 +152,24 @@ def local_cu_seqlens(cu_seqlens: torch.Tensor | None, start: int, length: int):
     return torch.tensor([0, *inside, length], dtype=cu_seqlens.dtype, device=cu_seqlens.device), continues
 
 
-def run_shard(part, incoming: torch.Tensor, scale, cu_seqlens, continues, backend=None,
-              lower_bound=None) -> torch.Tensor:
-    """The shard's outputs from its rows' incoming states [R, H, K, V], which only each row's first
-    document sees, and only where it continues (rows as in :func:`shard_summary`)."""
-    q, k, v, g, beta = part
+def add_incoming(o: torch.Tensor, reach: torch.Tensor | None, incoming: torch.Tensor, cu_seqlens,
+                 continues) -> torch.Tensor:
+    """A shard's outputs from its rows' incoming states [R, H, K, V]: o_zero + reach S_in on the tokens of
+    each row's first document, where that document continues (rows, o and reach as :func:`shard_pass`
+    gives them). Summed in the states' precision and rounded once to o's dtype."""
+    if reach is None:
+        return o
+    B, T, H, K = reach.shape
     rows = incoming.shape[0]
-    init = incoming * _rows_continuing(continues, rows, k.device)[:, None, None, None].to(incoming.dtype)
-    if cu_seqlens is not None:
-        first, _ = row_sequences(cu_seqlens, rows, k.shape[1])
-        zeros = init.new_zeros(cu_seqlens.numel() - 1, *init.shape[1:])
-        init = zeros.index_copy(0, torch.tensor(first, device=k.device), init)
-    o, _ = chunk_kda(q, k, v, g, beta, scale, initial_state=init, cu_seqlens=cu_seqlens, backend=backend,
-                     lower_bound=lower_bound)
-    return o
+    flags = _rows_continuing(continues, rows, o.device)
+    n = B * T // rows
+    reach = reach.reshape(rows, n, H, K)
+    read = flags[:, None].expand(rows, n)
+    if cu_seqlens is not None:  # packed rows: up to the end of each row's first document
+        first, _ = row_sequences(cu_seqlens, rows, T)
+        ends = cu_seqlens.long()[torch.tensor(first, device=o.device) + 1]
+        starts = torch.arange(rows, device=o.device) * n
+        read = read & (torch.arange(n, device=o.device)[None, :] < (ends - starts)[:, None])
+    share = torch.einsum("rnhk,rhkv->rnhv", reach.to(incoming.dtype), incoming)
+    share = share * read[:, :, None, None].to(share.dtype)
+    return (o.to(incoming.dtype) + share.reshape(B, T, H, -1)).to(o.dtype)
