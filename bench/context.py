@@ -7,18 +7,19 @@
    heaviest (its MLA layers read the latents of every earlier shard).
 2. Bytes one rank puts into collectives per layer, forward + backward, vs T: a one-block model of each
    mixer (KDA: the conv halo and the shard summaries, constant in T; MLA: the gathered latents, linear).
-3. A memory model of the heaviest (last) rank's peak, n * (a . features + e) + (T - n) * b + c with
-   n = T / cp: the features are 1, the sublayers and the Attention-Residual sources summed over the
-   sublayers (what activation checkpointing keeps per token: each sublayer's input, each depth mix's
-   sources); e is what a rank that continues the sequence holds more per token (KDA's transition pass;
-   0 at cp 1); b is MLA's prefix per token of the earlier shards (an estimate from the shapes). a, e and
-   c are fitted per model from short measured runs of cut-down models (4, 6 and 8 blocks at T 256 and
-   512; cp 2 at T 512 and 1024) and checked against the full-depth measurements of (1), at lengths and cp
-   the fit never saw. With kimi.summary's persistent state (fp32 weights, gradients and optimizer state,
-   FSDP-sharded over the cp ranks, plus one gathered FSDP unit) it gives the longest trainable sequence per
-   GPU for the `1b` and `kimi_linear_48b_a3b` presets at cp = 1..64 (one GPU per cp rank) on 80 GB and
-   141 GB devices, after a reserve for the CUDA context and allocator. Measured here, the activations are
-   those of the PyTorch paths on CPU (SDPA, the chunked KDA); on GPUs the Triton kernels keep no more.
+3. A memory model of the heaviest (last) rank's peak, n * (a . features + e) + (T - n) * b + c with n = T /
+   cp: the features are 1, the sublayers and the Attention-Residual sources summed over the sublayers (what
+   activation checkpointing keeps per token: each sublayer's input, each depth mix's sources); e is what a
+   rank that continues the sequence holds more per token (its KDA runs over V + K value columns,
+   kimi/ops/kda/context.py; 0 at cp 1); b is MLA's prefix per token of the earlier shards (an estimate from
+   the shapes). a, e and c are fitted per model from short measured runs of cut-down models (4, 6 and 8 blocks
+   at T 256 and 512; cp 2 at T 512 and 1024) and checked against the full-depth measurements of (1), at
+   lengths and cp the fit never saw. With kimi.summary's persistent state (fp32 weights, gradients and
+   optimizer state, FSDP-sharded over the cp ranks, plus one gathered FSDP unit) it gives the longest
+   trainable sequence per GPU for the `1b` and `kimi_linear_48b_a3b` presets at cp = 1..64 (one GPU per cp
+   rank) on 80 GB and 141 GB devices, after a reserve for the CUDA context and allocator. Measured here, the
+   activations are those of the PyTorch paths on CPU (SDPA, the chunked KDA); on GPUs the Triton kernels keep
+   no more.
 
     python bench/context.py [--quick]
 
@@ -190,7 +191,7 @@ def _keys_values(m) -> int:
 
 def prefix_bytes(m, blockwise: bool = False) -> float:
     """What the last rank holds per token of the earlier shards while one MLA layer is recomputed and
-    differentiated (an estimate, not fitted: at cp 2 on CPU it is lost beside the KDA P pass), bf16: the
+    differentiated (an estimate, not fitted: at cp 2 on CPU it is lost beside KDA's wider run), bf16: the
     gathered latent three times (all-gather buffers, stacked, the prefix), and, on the whole-prefix path
     (CPU's SDPA, packed documents), the keys and values up-projected from it with their gradients. The
     blockwise path (kimi/ops/attention/latent.py: Triton, no packed documents) up-projects one shard-long
@@ -209,7 +210,7 @@ def fit(rows: list[dict], name: str) -> dict:
     (n = T / cp tokens on the rank; e = 0 at cp 1), from the short runs of ``name``'s cut-down models:
     each cut's slope in T at cp 1 is features . a (least squares over the cuts: with standard residuals two
     features move together); e is what a rank that continues the sequence holds more than the first, per
-    token of its shard (KDA's transition pass P), from the cp 2 runs; b is prefix_bytes."""
+    token of its shard (its KDA's K more value columns), from the cp 2 runs; b is prefix_bytes."""
     from kimi.summary import compose_config
 
     mine = [r for r in rows if r.get("fit") == name]

@@ -16,7 +16,10 @@ B = 1 (the shape of the cost, not peak speed: KDA grows linearly in T, attention
 T^2 term dominates). Writes bench/results/kda_cpu.json. --safe-gate: the PyTorch chunk path told Kimi K3's \
 gate
 bound (lower_bound=-5: 16-token diagonal blocks as anchored matmuls) against its general form, on the same
-safe-gate inputs, calls alternating; writes bench/results/kda_cpu_safe_gate.json.
+safe-gate inputs, calls alternating; writes bench/results/kda_cpu_safe_gate.json. --context: a continuing
+context-parallel rank's KDA (one run over V + K columns, then its incoming state's share; kimi/ops/kda/
+context.py) against one device that has the shard's incoming state, calls alternating; writes
+bench/results/kda_cpu_context.json.
 
     python bench/kda.py [--T ...] [--repeats 3] [--skip-naive-above 4096] [--threads N]   (CPU)
     python bench/kda.py [--T 2048 4096 8192 16384 32768] [--tokens 32768] [--heads 16] [--dim 128]  (GPU)
@@ -24,6 +27,8 @@ safe-gate inputs, calls alternating; writes bench/results/kda_cpu_safe_gate.json
     python bench/kda.py --compile-check [--arch 90|80|all] [--quick] [--jobs N]   (no GPU needed)
     python bench/kda.py --safe-gate [--T 1024 2048 4096] [--repeats 7] [--threads 1]   (CPU: bounded vs \
 general)
+    python bench/kda.py --context [--T 1024 2048 4096] [--repeats 7] [--threads 1]   (CPU: cp rank vs \
+known state)
 
 --compile-check compiles every KDA Triton kernel (kimi/ops/kda/triton/) for sm_90 and sm_80 with triton's
 bundled ptxas, over head dims K, V in {64, 128}, bf16/fp32 inputs and the constexpr switches, and writes
@@ -125,16 +130,49 @@ def cpu_safe_gate_step(T: int, heads: int, dim: int, lower_bound: float | None):
     return step
 
 
-def run_cpu_safe_gate(args) -> None:
-    """The bounded chunk path against the general one on the same safe-gate inputs, calls alternating."""
+def cpu_context_steps(T: int, heads: int, dim: int) -> dict:
+    """A continuing context-parallel rank's KDA on a T-token shard (kimi/ops/kda/context.py: one run over
+    the values [v, 0] from [0, I], then its incoming state's share added; the summary's gradient flows
+    back as later ranks return it) and one device running the same shard from a state it already has."""
+    from kimi.ops.kda.context import add_incoming, shard_pass
+
+    inputs = [x.requires_grad_() for x in kda_inputs(1, T, heads, dim)]
+    S_in = torch.randn(1, heads, dim, dim, generator=torch.Generator().manual_seed(2), requires_grad=True)
+
+    def known():
+        o, _ = chunk_kda(*inputs, initial_state=S_in, backend="chunk")
+        o.sum().backward()
+
+    def rank():
+        o, reach, P, S = shard_pass(*inputs, backend="chunk")
+        (add_incoming(o, reach, S_in, None, True).sum() + P.sum() + S.sum()).backward()
+
+    return {"known": known, "rank": rank}
+
+
+# --safe-gate and --context: (first column's name, second's, what the table times, the steps, results file)
+AB = {"safe_gate": ("general path (s)", "bounded path, lower_bound=-5 (s)",
+                    "the PyTorch chunk path on safe-gate inputs (g = -5 sigmoid(x))",
+                    lambda T, h, d: {"general": cpu_safe_gate_step(T, h, d, None),
+                                     "bounded": cpu_safe_gate_step(T, h, d, -5.0)},
+                    "kda_cpu_safe_gate.json"),
+      "context": ("one device from a known state (s)", "a continuing cp rank (s)",
+                  "one shard's KDA (PyTorch chunk path) on a context-parallel rank that continues the "
+                  "sequence, against one device that has the shard's incoming state",
+                  cpu_context_steps, "kda_cpu_context.json")}
+
+
+def run_cpu_ab(args, which: str) -> None:
+    """Two ways to compute the same KDA on the same inputs (AB[which]), calls alternating."""
+    first, second, what, steps_for, out = AB[which]
     if args.threads:
         torch.set_num_threads(args.threads)
     Ts = sorted(args.T or [1024, 2048, 4096])
     heads, dim = args.heads or 4, args.dim or 64
     rows = {}
     for T in Ts:
-        steps = {name: cpu_safe_gate_step(T, heads, dim, lb)
-                 for name, lb in (("general", None), ("bounded", -5.0))}
+        steps = steps_for(T, heads, dim)
+        a, b = steps
         times = {name: [] for name in steps}
         for step in steps.values():
             step()  # warm-up
@@ -144,18 +182,16 @@ def run_cpu_safe_gate(args) -> None:
                 step()
                 times[name].append(time.perf_counter() - start)
         rows[T] = {name: statistics.median(t) for name, t in times.items()}
-        rows[T]["paired_ratios"] = sorted(b / a for a, b in zip(times["general"], times["bounded"]))
+        rows[T]["paired_ratios"] = sorted(y / x for x, y in zip(times[a], times[b]))
     setup = (f"B=1, H={heads}, d={dim}, {torch.get_num_threads()} threads, median of {args.repeats} "
              "alternating calls")
-    print("\nforward+backward of the PyTorch chunk path on safe-gate inputs (g = -5 sigmoid(x)), fp32 CPU, "
-          f"{setup}\n")
-    print("| T | general path (s) | bounded path, lower_bound=-5 (s) | bounded / general (paired min-max) |")
+    print(f"\nforward+backward of {what}, fp32 CPU, {setup}\n")
+    print(f"| T | {first} | {second} | {b} / {a} (paired min-max) |")
     print("|---|---|---|---|")
     for T, r in rows.items():
         lo, hi = r["paired_ratios"][0], r["paired_ratios"][-1]
-        print(f"| {T} | {r['general']:.3f} | {r['bounded']:.3f} | {r['bounded'] / r['general']:.2f}x "
-              f"({lo:.2f}-{hi:.2f}) |")
-    write(args.out or RESULTS / "kda_cpu_safe_gate.json",
+        print(f"| {T} | {r[a]:.3f} | {r[b]:.3f} | {r[b] / r[a]:.2f}x ({lo:.2f}-{hi:.2f}) |")
+    write(args.out or RESULTS / out,
           {"config": {"B": 1, "H": heads, "d": dim, "dtype": "float32", "repeats": args.repeats,
                       "threads": torch.get_num_threads(), "torch": torch.__version__},
            "seconds_fwd_bwd": {str(T): r for T, r in rows.items()}})
@@ -965,6 +1001,9 @@ def main() -> None:
     parser.add_argument("--safe-gate", action="store_true",
                         help="CPU: the chunk path's bounded form (Kimi K3's safe gate) against its "
                              "general one")
+    parser.add_argument("--context", action="store_true",
+                        help="CPU: a continuing context-parallel rank's KDA against one device's run from a "
+                             "known state")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--check", action="store_true",
                         help="GPU: only the correctness check of every KDA Triton op (exit 1 when one fails)")
@@ -991,8 +1030,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="--compile-check: bf16, K = V = 128 only")
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="--compile-check processes")
     args = parser.parse_args()
-    if args.safe_gate:
-        run_cpu_safe_gate(args)
+    if args.safe_gate or args.context:
+        run_cpu_ab(args, "safe_gate" if args.safe_gate else "context")
         return
     if args.compile_check:
         sys.path.insert(0, str(Path(__file__).resolve().parent))

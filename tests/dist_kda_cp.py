@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from kda_cp_problem import T, attention_inputs, conv_inputs, inputs  # noqa: E402
 
 from kimi.ops.kda.context import local_cu_seqlens  # noqa: E402
-from kimi.parallel.context_parallel import (context_parallel_kda, gather_prefix, keep_in_graph,  # noqa: E402
-                                           previous_tail)
+from kimi.parallel.context_parallel import (Exchange, context_parallel_kda, gather_prefix,  # noqa: E402
+                                           keep_in_graph, previous_tail)
 
 CASES = {"plain": None, "packed": [0, 5, 16, 27]}  # packed: documents inside shards and at a shard edge
 # and longer than one 64-token KDA chunk per shard: 256 tokens (2 ranks: 2 chunks each; 4: exactly one) and
@@ -40,7 +40,7 @@ def conv_case(rank: int, n: int) -> dict:
     conv, x = conv_inputs()
     mine = x.detach()[:, rank * n:(rank + 1) * n].clone().requires_grad_()
     local, continues = local_cu_seqlens(torch.tensor([*starts, T], dtype=torch.int32), rank * n, n)
-    halo, tails = previous_tail(mine[:, n - (conv.weight.shape[-1] - 1):], dist.group.WORLD)
+    halo, tails = previous_tail(mine[:, n - (conv.weight.shape[-1] - 1):], Exchange(dist.group.WORLD))
     y, _ = conv(mine, local, halo if continues else None)
     y = keep_in_graph(y, tails)
     w = torch.randn(x.shape, generator=torch.Generator().manual_seed(9), dtype=x.dtype)
@@ -56,7 +56,7 @@ def attention_case(rank: int, n: int) -> dict:
 
     q, k, v = attention_inputs()
     mine = [x.detach()[:, rank * n:(rank + 1) * n].clone().requires_grad_() for x in (q, k, v)]
-    keys, values = (gather_prefix(x, dist.group.WORLD) for x in mine[1:])
+    keys, values = (gather_prefix(x, Exchange(dist.group.WORLD)) for x in mine[1:])
     o, max_logits = attention(mine[0], keys, values, causal=True, return_max_logits=True)
     w = torch.randn(o.shape[0], T, *o.shape[2:], generator=torch.Generator().manual_seed(10), dtype=o.dtype)
     grads = torch.autograd.grad((o * w[:, rank * n:(rank + 1) * n]).sum(), mine)
@@ -75,7 +75,8 @@ def main(out: Path) -> None:
         mine = [x.detach()[:, rank * n:(rank + 1) * n].clone().requires_grad_() for x in full]
         cu = None if starts is None else torch.tensor([*starts, t], dtype=torch.int32)
         local, continues = local_cu_seqlens(cu, rank * n, n)
-        o, state = context_parallel_kda(*mine, dist.group.WORLD, cu_seqlens=local, continues=continues)
+        o, state = context_parallel_kda(*mine, Exchange(dist.group.WORLD), cu_seqlens=local,
+                                        continues=continues)
         w = torch.randn(o.shape[0], t, *o.shape[2:], generator=torch.Generator().manual_seed(7),
                         dtype=o.dtype)
         w_s = torch.randn(state.shape, generator=torch.Generator().manual_seed(8), dtype=o.dtype)

@@ -151,6 +151,9 @@ class MLA(RecordsMaxLogits, Sublayer, nn.Module):
         record, measure = self.logits_wanted()
         w = self.wkv_b.weight
         w = w.to_local() if hasattr(w, "to_local") else w  # tensor parallelism: this rank's heads' rows
+        # in the compute dtype, as autocast casts a matmul's weight: a no-op under FSDP's bf16 gathers, which
+        # context parallelism always runs with, a copy where fp32 weights meet autocast (kimi.plan's trace)
+        w = w.to(q.dtype)
         out = latent_attention(q, c_kv, k_rope, w, self.nope, q.shape[1], return_max_logits=measure,
                                deterministic=self.attention_options["deterministic"])
         if measure:

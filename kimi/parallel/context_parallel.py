@@ -38,12 +38,44 @@ class _AllGather(torch.autograd.Function):
 
 def all_gather_stacked(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
     """Each tensor of every rank, [world, *shape] each, in one all-gather (same dtype); differentiable."""
-    flat = _AllGather.apply(torch.cat([t.reshape(-1) for t in tensors]), group)
+    return _unstack(_AllGather.apply(_flat(tensors), group), tensors)
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unstack(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The stacked [world, numel] gather of ``_flat(tensors)`` as one [world, *shape] view per tensor."""
     out, start = [], 0
     for t in tensors:
         out.append(flat[:, start : start + t.numel()].reshape(-1, *t.shape))
         start += t.numel()
     return out
+
+
+class Exchange:
+    """The cp group as the exchanges use it: this rank's place and the one collective, a differentiable
+    all-gather (:func:`all_gather_stacked`)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group, self.rank, self.size = group, dist.get_rank(group), dist.get_world_size(group)
+
+    def gather(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return all_gather_stacked(tensors, self.group)
+
+
+class LocalExchange:
+    """Rank ``rank`` of ``size`` with no process group: every rank's tensors are copies of this rank's,
+    gathered into buffers of the all-gather's shapes. A forward through it holds what that rank holds,
+    but computes nothing a real group would (kimi.plan traces a context-parallel rank's memory with it)."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+    def gather(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        flat = _flat(tensors)
+        return _unstack(torch.stack([flat] * self.size), tensors)
 
 
 def keep_in_graph(y: torch.Tensor, *gathered: torch.Tensor) -> torch.Tensor:
@@ -53,39 +85,39 @@ def keep_in_graph(y: torch.Tensor, *gathered: torch.Tensor) -> torch.Tensor:
     return y + sum(0.0 * t.sum() for t in gathered).to(y.dtype)
 
 
-def previous_tail(tail: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor | None, torch.Tensor]:
+def previous_tail(tail: torch.Tensor, exchange: Exchange) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(the previous rank's ``tail``, or None on the first rank; every rank's tails, for keep_in_graph):
     a short conv's last K-1 inputs, the halo this rank's first tokens read. Differentiable: the halo's
     gradient returns to the rank it came from."""
-    rank = dist.get_rank(group)
-    (tails,) = all_gather_stacked([tail], group)
-    return (tails[rank - 1] if rank > 0 else None), tails
+    (tails,) = exchange.gather([tail])
+    return (tails[exchange.rank - 1] if exchange.rank > 0 else None), tails
 
 
-def context_parallel_kda(q, k, v, g, beta, group: dist.ProcessGroup, scale: float | None = None,
-                         cu_seqlens: torch.Tensor | None = None, continues: bool = True,
+def context_parallel_kda(q, k, v, g, beta, exchange: Exchange, scale: float | None = None,
+                         cu_seqlens: torch.Tensor | None = None, continues=True,
                          initial_state: torch.Tensor | None = None, backend: str | None = None,
-                         lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's outputs of KDA over a sequence split across ``group`` (its shard's q, k, v, g, beta;
-    ``cu_seqlens`` and ``continues`` describe the shard's documents as
+                         lower_bound: float | None = None,
+                         reached: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's outputs of KDA over a sequence split across the ranks of ``exchange`` (its shard's q,
+    k, v, g, beta; ``cu_seqlens`` and ``continues`` describe the shard's documents as
     :func:`kimi.ops.kda.context.local_cu_seqlens` gives them), and the whole sequence's final state (the
-    same on every rank). Collective: every rank of ``group`` calls it for the same layer. lower_bound: as
-    chunk_kda's (Kimi K3's safe gate), for every local chunk_kda call."""
-    o, reach, P, S = shard_pass(q, k, v, g, beta, scale, cu_seqlens, continues, backend, lower_bound)
-    all_P, all_S = all_gather_stacked([P, S], group)
+    same on every rank). Collective: every rank calls it for the same layer. lower_bound: as chunk_kda's
+    (Kimi K3's safe gate). reached: as :func:`kimi.ops.kda.context.shard_pass`'s."""
+    o, reach, P, S = shard_pass(q, k, v, g, beta, scale, cu_seqlens, continues, backend, lower_bound, reached)
+    all_P, all_S = exchange.gather([P, S])
     states = incoming_states(list(zip(all_P.unbind(0), all_S.unbind(0))), initial_state)
-    o = add_incoming(o, reach, states[dist.get_rank(group)], cu_seqlens, continues)
+    o = add_incoming(o, reach, states[exchange.rank], cu_seqlens, continues)
     return keep_in_graph(o, all_P, all_S), states[-1]
 
 
-def gather_prefix(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def gather_prefix(x: torch.Tensor, exchange: Exchange) -> torch.Tensor:
     """This rank's shard of x [B, n, ...] preceded by every earlier rank's: [B, (rank + 1) n, ...], what
     causal attention over the whole sequence needs for this rank's queries (they are the last n of those
     positions: attention's bottom-right causal alignment). For MLA, x is the compressed latent and the
     shared key part, a fraction of full keys and values. Differentiable: the gradient of every earlier
     shard returns to its rank."""
-    (shards,) = all_gather_stacked([x], group)
-    return torch.cat(list(shards[: dist.get_rank(group) + 1].unbind(0)), dim=1)
+    (shards,) = exchange.gather([x])
+    return torch.cat(list(shards[: exchange.rank + 1].unbind(0)), dim=1)
 
 
 class SequenceShard:
@@ -98,13 +130,15 @@ class SequenceShard:
     varlen), where a False first column means the row's first document began on an earlier rank.
     """
 
-    def __init__(self, group: dist.ProcessGroup, rows: int, length: int, doc_starts: torch.Tensor | None,
-                 device: torch.device):
-        self.group, self.rank, self.size = group, dist.get_rank(group), dist.get_world_size(group)
+    def __init__(self, exchange: Exchange | LocalExchange, rows: int, length: int,
+                 doc_starts: torch.Tensor | None, device: torch.device):
+        self.exchange, self.rank, self.size = exchange, exchange.rank, exchange.size
         self.rows, self.length, self.doc_starts = rows, length, doc_starts
         self.offset = self.rank * length  # of this rank's first token in each row
         first = self.rank > 0
         self.continues = torch.full((rows,), first, dtype=torch.bool, device=device)
+        # whether any row continues, known without reading the device where no document starts are given
+        self.reached = first if doc_starts is None else None
         if doc_starts is not None:
             self.continues &= ~doc_starts[:, 0]
         self._prefix_starts: torch.Tensor | None = None
@@ -124,28 +158,28 @@ class SequenceShard:
         """The previous rank's ``tails`` (each [rows, K-1, C]: a short conv's last inputs), in one
         all-gather; rank 0, which reads none, gets zeros still tied to the exchange so that it joins the
         backward all-reduce."""
-        prev, gathered = previous_tail(torch.cat(tails, dim=-1), self.group)
+        prev, gathered = previous_tail(torch.cat(tails, dim=-1), self.exchange)
         prev = 0.0 * gathered[0] if prev is None else prev
         return list(prev.split([t.shape[-1] for t in tails], dim=-1))
 
     def kda(self, q, k, v, g, beta, cu_seqlens: torch.Tensor | None = None, backend: str | None = None,
             lower_bound: float | None = None):
         """KDA's outputs for this shard (the whole sequence's state passed in from earlier ranks)."""
-        o, _ = context_parallel_kda(q, k, v, g, beta, self.group, cu_seqlens=cu_seqlens,
-                                    continues=self.continues, backend=backend, lower_bound=lower_bound)
+        o, _ = context_parallel_kda(q, k, v, g, beta, self.exchange, cu_seqlens=cu_seqlens,
+                                    continues=self.continues, backend=backend, lower_bound=lower_bound,
+                                    reached=self.reached)
         return o
 
     def prefix(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, length, ...] preceded by every earlier rank's: [rows, (rank + 1) * length, ...]."""
-        return gather_prefix(x, self.group)
+        return gather_prefix(x, self.exchange)
 
     def prefix_doc_starts(self) -> torch.Tensor:
         """The document starts of every row up to this rank's last token, [rows, (rank + 1) * length]
         (one all-gather, made on first use and kept for the forward)."""
         if self._prefix_starts is None:
-            parts = [torch.empty_like(self.doc_starts, dtype=torch.uint8) for _ in range(self.size)]
-            dist.all_gather(parts, self.doc_starts.to(torch.uint8).contiguous(), group=self.group)
-            self._prefix_starts = torch.cat(parts[: self.rank + 1], dim=1).bool()
+            (parts,) = self.exchange.gather([self.doc_starts.to(torch.uint8)])
+            self._prefix_starts = torch.cat(list(parts[: self.rank + 1].unbind(0)), dim=1).bool()
         return self._prefix_starts
 
 
@@ -157,4 +191,16 @@ class ContextParallel:
         self.group = group
 
     def shard(self, rows: int, length: int, doc_starts: torch.Tensor | None, device) -> SequenceShard:
-        return SequenceShard(self.group, rows, length, doc_starts, device)
+        return SequenceShard(Exchange(self.group), rows, length, doc_starts, device)
+
+
+class LastRankOf:
+    """A stand-in for ContextParallel: the forwards run as the last of ``size`` ranks, the heaviest (its
+    MLA layers read every earlier shard), over a :class:`LocalExchange`. What they hold is that rank's;
+    their outputs are not (kimi.plan.activations traces it)."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def shard(self, rows: int, length: int, doc_starts: torch.Tensor | None, device) -> SequenceShard:
+        return SequenceShard(LocalExchange(self.size - 1, self.size), rows, length, doc_starts, device)

@@ -196,6 +196,9 @@ class Mode:
     compute_bytes: int = 4
     gpu: bool = False
     compiled: bool = False  # parallel.compile: each region's graphs as inductor's partitioner cuts them
+    # parallel.cp: the last of cp context-parallel ranks, the heaviest, with its exchanges answered locally
+    # (kimi.parallel.context_parallel.LastRankOf): the traced tokens are its shard's
+    cp: int = 1
 
     @property
     def on_meta(self) -> bool:
@@ -267,6 +270,10 @@ def _body(m: ModelConfig, ac: str, T: int, mode: Mode) -> Run:
     with torch.device("meta"):
         model = KimiModel(_as_run(m, mode))
     model.lm_head = _NoHead()
+    if mode.cp > 1:
+        from kimi.parallel.context_parallel import LastRankOf
+
+        model.context_parallel = LastRankOf(mode.cp)
     live = _Live(m.d_model)
     marks: List[Bytes] = []
     with _running(mode, model) as (device, forward):

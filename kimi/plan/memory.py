@@ -133,7 +133,7 @@ def trace_mode(cfg: Config) -> Mode:
 
     p, t = cfg.parallel, cfg.trainer
     gpu = t.device != "cpu"
-    return Mode(precision_for(t.precision).compute_bytes(), gpu, p.compile and not gpu)
+    return Mode(precision_for(t.precision).compute_bytes(), gpu, p.compile and not gpu, p.cp)
 
 
 def keeps_weight_copies(cfg: Config) -> bool:
@@ -267,6 +267,13 @@ def _gathered(cfg: Config, units: Dict[str, int]) -> int:
     if not cfg.parallel.reshard_after_forward:
         return sum(units.values())
     return units.get("root", 0) + sum(others[:2])
+
+
+def memory_floor(cfg: Config) -> Dict[str, int]:
+    """memory_per_rank's parts sized with one device's trace at the rank's tokens: no more than the layout's
+    under context parallelism, whose last rank holds more (kimi/plan/activations.py), and cheaper, one
+    trace per checkpointing mode serving every cp (the search sizes a cp layout with it first)."""
+    return memory_per_rank(cfg, dataclasses.replace(trace_mode(cfg), cp=1))
 
 
 def memory_per_rank(cfg: Config, mode: Mode | None = None) -> Dict[str, int]:

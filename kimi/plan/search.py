@@ -113,12 +113,15 @@ class Search:
                  memory: Callable[[Config], Dict[str, int]], comm: Callable[[Config], list],
                  validate: Callable[[Config, int], None],
                  comm_bound: Optional[Callable[[Config], List[list]]] = None,
-                 comm_ranks: Optional[Callable[[Config], List[list]]] = None):
+                 comm_ranks: Optional[Callable[[Config], List[list]]] = None,
+                 memory_floor: Optional[Callable[[Config], Dict[str, int]]] = None):
         """comm_bound: per pipeline rank, collectives that are a subset of what `comm` returns for that rank
         (a cheaper lower bound of the exposed time), or None. comm_ranks: per pipeline rank, all of them
-        (`comm` returns the busiest's), for the per-shape bound of comm_floor, or None."""
+        (`comm` returns the busiest's), for the per-shape bound of comm_floor, or None. memory_floor: parts
+        no larger than `memory`'s for a context-parallel layout, and cheaper to size, or None."""
         self.cfg, self.cluster, self.tokens, self.facts = cfg, cluster, tokens_per_step, facts
         self.memory_fn, self.comm_fn, self.validate_fn = memory, comm, validate
+        self.memory_floor_fn = memory_floor
         self.comm_bound_fn = comm_bound
         self.comm_ranks_fn = comm_ranks
         # (shape, precision) -> (forwards per step, its layout without recomputation and fewest forwards)
@@ -295,20 +298,33 @@ class Search:
         step = timing.StepTime(compute, bubble, muon, lines, exposed)
         if step.step_s >= cutoff:
             return "slow"  # sizing is the expensive call: only for a layout that would be shown
+        if layout.shape.cp > 1 and self.memory_floor_fn is not None:
+            floor = self.memory_floor_fn(cfg)
+            self.sized += 1
+            self.bound.learn(layout, floor)  # a lower bound teaches only lower bounds
+            if self._over(floor, family, layout, " at least (one device's trace at a rank's tokens)"):
+                return "memory"
         memory = self.memory_fn(cfg)
         self.sized += 1
         self.bound.learn(layout, memory)
-        total = sum(memory.values())  # the parts are those at the rank's peak (kimi.plan.memory)
-        if total > self.usable:
-            part = max(memory, key=memory.get)
-            self._too_big(family, f"{part} {memory[part] / GIB:.1f} GiB, {total / GIB:.1f} GiB in all > "
-                                  f"{self.usable / GIB:.1f} GiB", layout)
+        if self._over(memory, family, layout):
             return "memory"
+        total = sum(memory.values())  # the parts are those at the rank's peak (kimi.plan.memory)
         self.fitted.add(family)
         self.rejected.discard(family)
         tokens_per_s = self.tokens / step.step_s
         mfu = self.facts.flops_per_token * tokens_per_s / (self.cluster.gpus * self.cluster.peak_flops)
         return Evaluated(layout, step, memory, total, tokens_per_s, mfu)
+
+    def _over(self, memory: Dict[str, int], family: str, layout: Layout, note: str = "") -> bool:
+        """Whether a sizing's parts exceed the usable memory (recorded as the family's reason if so)."""
+        total = sum(memory.values())
+        if total <= self.usable:
+            return False
+        part = max(memory, key=memory.get)
+        self._too_big(family, f"{part} {memory[part] / GIB:.1f} GiB, {total / GIB:.1f} GiB in all{note} > "
+                              f"{self.usable / GIB:.1f} GiB", layout)
+        return True
 
     def _too_big(self, family: str, why: str, layout: Layout) -> None:
         """A family is rejected for memory when none of its layouts fits, with the reason of the leanest
@@ -418,7 +434,7 @@ def validate_layout(cfg: Config, world: int) -> None:
 def make_search(cfg: Config, cluster: Cluster, tokens_per_step: int, facts: ModelFacts) -> Search:
     """A Search over the project's validation and the memory and communication models."""
     from .comm import collectives_per_step, per_rank
-    from .memory import memory_per_rank
+    from .memory import memory_floor, memory_per_rank
 
     return Search(cfg, cluster, tokens_per_step, facts, memory_per_rank, collectives_per_step,
-                  validate_layout, lambda cfg: per_rank(cfg, muonclip=False), per_rank)
+                  validate_layout, lambda cfg: per_rank(cfg, muonclip=False), per_rank, memory_floor)

@@ -190,6 +190,35 @@ def test_a_memory_rejection_says_by_how_much(small):
     assert plan.best and all(e.peak <= 0.9 * 5 * GIB and e.layout.shape.dp_replicate == 1 for e in plan.best)
 
 
+def test_a_context_parallel_layout_over_one_devices_sizing_is_rejected_without_its_own(small):
+    """A cp layout is sized with one device's trace at its rank's tokens first (kimi.plan.memory.memory_floor,
+    a lower bound): over the memory, it is rejected saying "at least", and the rank's own sizing (its
+    traces, the expensive call) never runs; within it, the rank's sizing decides."""
+    cfg, facts = small
+    sized = []
+
+    def memory(cfg):
+        sized.append(cfg.parallel.cp)
+        return fake_memory(cfg)
+
+    def over(cfg):  # 1 TiB of activations: nothing fits, so the walk reaches every layout
+        return {**fake_memory(cfg), "activations": 1 << 40}
+
+    def huge(cfg):
+        sized.append(cfg.parallel.cp)
+        return over(cfg)
+
+    plan = Search(cfg, h200(8), 8 * 8 * 1024, facts, huge, fake_comm, validate_layout,
+                  memory_floor=over).run(top=3)
+    text = "\n".join(f"{r}: {f}" for r, f in plan.rejected.by_reason.items())
+    assert not plan.best and set(sized) == {1}
+    assert "GiB in all at least (one device's trace at a rank's tokens) > " in text and " cp2 " in text
+    sized.clear()
+    Search(cfg, h200(8), 8 * 8 * 1024, facts, huge, fake_comm, validate_layout,
+           memory_floor=fake_memory).run(top=3)
+    assert set(sized) > {1}
+
+
 # ---- the command ------------------------------------------------------------------------------------------
 @pytest.fixture
 def models(monkeypatch):
@@ -198,7 +227,8 @@ def models(monkeypatch):
     comm = types.SimpleNamespace(collectives_per_step=fake_comm,
                                  per_rank=lambda cfg, muonclip=True: [fake_comm(cfg)])
     monkeypatch.setitem(sys.modules, "kimi.plan.comm", comm)
-    monkeypatch.setitem(sys.modules, "kimi.plan.memory", types.SimpleNamespace(memory_per_rank=fake_memory))
+    monkeypatch.setitem(sys.modules, "kimi.plan.memory",
+                        types.SimpleNamespace(memory_per_rank=fake_memory, memory_floor=fake_memory))
 
 
 def test_the_48b_command_prints_every_column_and_launchable_overrides(models, capsys, tmp_path):

@@ -47,7 +47,8 @@ def snapshot(mem) -> dict:
 def measured_activations(cfg, ac: str, bf16: bool = False, cuda_rules: bool = False) -> int:
     """MemTracker's activations and temporaries at the peak of one forward and backward of 2 rows of
     trainer.seq_len tokens (bf16: under CPU autocast, as trainer.precision=bf16 runs; cuda_rules: casting as
-    CUDA autocast casts, kimi.plan.cuda_autocast, as a GPU runs)."""
+    CUDA autocast casts, kimi.plan.cuda_autocast, as a GPU runs). Under parallel.cp, of the last cp rank's
+    shard of those rows, its exchanges answered locally (kimi.parallel.context_parallel.LastRankOf)."""
     import contextlib
 
     from kimi.plan.cuda_autocast import cuda_policy
@@ -55,12 +56,17 @@ def measured_activations(cfg, ac: str, bf16: bool = False, cuda_rules: bool = Fa
     from kimi.model import KimiModel
     from kimi.parallel.activation_checkpointing import apply_activation_checkpointing
 
+    from kimi.parallel.context_parallel import LastRankOf
+
     torch.manual_seed(0)
     model = KimiModel(cfg.model)
+    cp = cfg.parallel.cp
+    if cp > 1:
+        model.context_parallel = LastRankOf(cp)
     apply_activation_checkpointing(model, ac)
     for p in model.parameters():  # gradients are memory.py's other part: dropped as they arrive
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-    ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.trainer.seq_len + 1))
+    ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.trainer.seq_len // cp + 1))
     mem = tracker()
     mem.track_external(model)
     with mem:
@@ -88,6 +94,21 @@ def test_activations_match_a_measured_forward_and_backward(ac):
     cfg = config(f"parallel.activation_checkpointing={ac}")
     want, got = predicted_activations(cfg, Mode()), measured_activations(cfg, ac)
     assert 0.9 <= want / got <= 1.1, (want, got)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_a_context_parallel_rank_is_traced_as_the_last_rank_runs(ac):
+    """The trace of a cp layout runs the model as the last of cp ranks (the heaviest: its MLA reads every
+    earlier shard, its KDA runs V + K value columns to join the shards) and matches that rank's measured
+    step, which holds more than one device with the same tokens."""
+    from kimi.plan.activations import Mode
+
+    cfg = config(f"parallel.activation_checkpointing={ac}", "parallel.cp=2", "trainer.seq_len=128")
+    want, got = predicted_activations(cfg, Mode(cp=2)), measured_activations(cfg, ac)
+    assert 0.9 <= want / got <= 1.1, (want, got)
+    one = config(f"parallel.activation_checkpointing={ac}")  # one device, the same 2 x 64 tokens
+    assert got > measured_activations(one, ac)
 
 
 @pytest.mark.unit

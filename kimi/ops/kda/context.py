@@ -61,7 +61,8 @@ def _rows_continuing(continues, rows: int, device) -> torch.Tensor:
 
 
 def shard_pass(q, k, v, g, beta, scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
-               continues=True, backend: str | None = None, lower_bound: float | None = None):
+               continues=True, backend: str | None = None, lower_bound: float | None = None,
+               reached: bool | None = None):
     """One chunked KDA run over a shard, from a zero state, that gives a rank all it needs:
     (o_zero, reach, P, S_zero).
 
@@ -74,13 +75,14 @@ def shard_pass(q, k, v, g, beta, scale: float | None = None, cu_seqlens: torch.T
     Rows are the batch rows without ``cu_seqlens``. With it, they are the R = len(continues) rows packed
     along T (R = 1 when ``continues`` is one bool). continues: per row, whether its first token continues
     the previous shard's document. P is zero where the incoming state does not cross the row, that is where
-    the row's first document ends inside the shard."""
+    the row's first document ends inside the shard. reached: whether any row continues, where the caller
+    knows it (None: read from ``continues``, which waits for the device)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     rows = B if cu_seqlens is None else torch.as_tensor(continues).numel()
     flags = _rows_continuing(continues, rows, k.device)
     first, last = row_sequences(cu_seqlens, rows, B * T)
-    if not bool(flags.any()):
+    if not (bool(flags.any()) if reached is None else reached):
         o, states = chunk_kda(q, k, v, g, beta, scale, output_final_state=True, cu_seqlens=cu_seqlens,
                               backend=backend, lower_bound=lower_bound)
         return o, None, k.new_zeros(rows, H, K, K, dtype=states.dtype), states[last]
