@@ -11,7 +11,7 @@ import torch
 from kda_cp_problem import B, H, K, T, V, attention_inputs, conv_inputs, inputs
 
 from kimi.ops.kda import chunk_kda
-from kimi.ops.kda.context import naive_transition, shard_pass, shard_summary, sharded_kda
+from kimi.ops.kda.context import naive_transition, shard_pass, sharded_kda
 
 
 @pytest.mark.unit
@@ -35,7 +35,7 @@ def test_short_conv_reads_the_previous_shards_tail():
 @pytest.mark.unit
 def test_transition_is_the_product_and_the_shard_map_is_affine():
     q, k, v, g, beta = inputs()
-    P, S_zero = shard_summary(q, k, v, g, beta)
+    _, _, P, S_zero = shard_pass(q, k, v, g, beta)
     torch.testing.assert_close(P, naive_transition(k, g, beta), rtol=1e-10, atol=1e-12)
     S_in = torch.randn(B, H, K, V, dtype=torch.float64)
     _, S_end = chunk_kda(q, k, v, g, beta, initial_state=S_in, output_final_state=True)

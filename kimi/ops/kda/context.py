@@ -29,7 +29,7 @@ from . import chunk_kda
 
 def naive_transition(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     """P = A_T ... A_1 with A_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)), token by token: [B, H, K, K].
-    k, g: [B, T, H, K]; beta: [B, T, H] (the reference :func:`shard_summary` is tested against)."""
+    k, g: [B, T, H, K]; beta: [B, T, H] (the reference :func:`shard_pass`'s P is tested against)."""
     B, T, H, K = k.shape
     P = torch.eye(K, dtype=k.dtype, device=k.device).expand(B, H, K, K)
     for t in range(T):
@@ -102,13 +102,6 @@ def shard_pass(q, k, v, g, beta, scale: float | None = None, cu_seqlens: torch.T
     through = flags & torch.tensor([a == b for a, b in zip(first, last)], device=k.device)
     o, reach = o.split([V, K], -1)
     return o, reach, P * through[:, None, None, None].to(P.dtype), S
-
-
-def shard_summary(q, k, v, g, beta, scale: float | None = None, cu_seqlens: torch.Tensor | None = None,
-                  continues=True, backend: str | None = None,
-                  lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(P, S_zero) of one shard (:func:`shard_pass`, whose arguments these are)."""
-    return shard_pass(q, k, v, g, beta, scale, cu_seqlens, continues, backend, lower_bound)[2:]
 
 
 def incoming_states(summaries: list[tuple[torch.Tensor, torch.Tensor]],
