@@ -29,6 +29,10 @@ TIERS = ("unit", "dist", "e2e")
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects anything: every collected test is checked
 def pytest_collection_modifyitems(config, items):
+    from count_tests import SUITE_COUNTS, tally, whole_suite
+
+    if whole_suite(config):
+        config.stash[SUITE_COUNTS] = tally(items)
     wrong = []
     for item in items:
         tiers = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})

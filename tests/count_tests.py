@@ -22,6 +22,30 @@ END = "<!-- end of test counts -->"
 TIERS = ("unit", "dist", "e2e")
 
 
+# Where tests/conftest.py keeps the counts of a run that collects the whole suite (whole_suite):
+# tests/project/test_readme.py then checks docs/testing.md's table against them without collecting again.
+SUITE_COUNTS = pytest.StashKey()
+
+
+def tally(items) -> Counter:
+    """{(tier, slow): tests} of collected pytest items."""
+    counts: Counter = Counter()
+    for item in items:
+        tier = next((t for t in TIERS if item.get_closest_marker(t)), "none")
+        counts[tier, item.get_closest_marker("slow") is not None] += 1
+    return counts
+
+
+def whole_suite(config) -> bool:
+    """Whether this pytest run collects every test of tests/ (no path or node id narrows it, nothing ignored
+    or left out by --lf): its collection, before -m or -k deselects anything, is then the fresh count."""
+    here = Path(config.invocation_params.dir)
+    narrowed = (config.getoption("ignore") or config.getoption("ignore_glob")
+                or config.getoption("lf", False))
+    return not narrowed and bool(config.args) and all(
+        "::" not in a and (here / a).resolve() == ROOT / "tests" for a in config.args)
+
+
 class _Tally:
     """A pytest plugin that keeps (tier, slow) of every collected test."""
 
@@ -29,9 +53,7 @@ class _Tally:
         self.counts: Counter = Counter()
 
     def pytest_collection_finish(self, session):
-        for item in session.items:
-            tier = next((t for t in TIERS if item.get_closest_marker(t)), "none")
-            self.counts[tier, item.get_closest_marker("slow") is not None] += 1
+        self.counts = tally(session.items)
 
 
 def count() -> Counter:

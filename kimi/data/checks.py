@@ -22,9 +22,8 @@ import logging
 import lzma
 import os
 import zlib
-from typing import Any, Callable, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional
 
-import datasets
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -32,6 +31,9 @@ import pyarrow.parquet as pq
 # Files are opened through open_binary, so they are read as datasets reads them.
 from kimi.data.files import open_binary
 from kimi.errors import DataError, one_line
+
+if TYPE_CHECKING:  # imported where it is used: datasets takes about a second to import, and a run whose
+    import datasets  # data is already prepared never needs it
 
 _SNIFF_BYTES = 8192  # how much of each file is looked at for NUL bytes before loading
 # What reading a (possibly compressed) file can raise when the file itself is broken.
@@ -107,6 +109,8 @@ def require_string_column(ds: datasets.Dataset, field: str, where: str,
     if field not in ds.column_names:
         raise DataError(f"data.text_field={field!r} is not a column of {where}; "
                         f"available columns: {ds.column_names}")
+    import datasets
+
     feature = ds.features[field]
     is_text = isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")
     nulls = ds.data.column(field).null_count if is_text else 0

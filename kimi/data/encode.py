@@ -11,9 +11,10 @@ import multiprocessing
 import os
 import sys
 import time
-from typing import Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Iterator, List, Optional, Tuple
 
-import datasets
+if TYPE_CHECKING:  # imported where it is used: datasets takes about a second to import, and a run whose
+    import datasets  # data is already prepared never needs it
 
 # A task is up to this many documents or characters: large enough that its pickling is small next to its
 # encoding, small enough that the progress line moves and the parent's memory stays bounded (a few imap tasks

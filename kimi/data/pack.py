@@ -24,9 +24,8 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List
 
-import datasets
 import numpy as np
 import pyarrow.compute as pc
 
@@ -39,6 +38,9 @@ from kimi.data.sources import cache_root, load_documents, source_identity
 from kimi.data.tokenizer import Tokenizer, resolve_model_path, train_tokenizer
 from kimi.errors import DataError
 from kimi.folders import require_inside
+
+if TYPE_CHECKING:  # imported where it is used: datasets takes about a second to import, and a run whose
+    import datasets  # data is already prepared never needs it
 
 # Part of a trained tokenizer's identity: bump when train_tokenizer's settings change.
 TOKENIZER_RECIPE = 2

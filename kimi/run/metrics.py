@@ -84,6 +84,7 @@ class MetricsLogger:
         self.history: List[Dict[str, Any]] = []
         self._wandb, self._tensorboard, self._offline = None, None, False
         self.plot_path = Path(run_dir) / "loss_curve.png" if cfg.plot else None
+        self._drawn: Dict[Path, tuple] = {}  # the lines last drawn into each PNG (plot skips an unchanged one)
         # a run of stages (kimi/run/stages.py): each record names the stage of its step
         self.stages = config_dict.get("stages") or []
         if not enabled:
@@ -125,7 +126,8 @@ class MetricsLogger:
             scalars["stage"] = stage_index(self.stages, record["step"]) + 1
         if self._tensorboard is not None:
             self._tensorboard.log(record["step"], scalars)
-        if self.plot_path is not None and "val_loss" in record:  # a live run's curve, at each evaluation
+        # a live run's curve, at each evaluation once a step has trained (a lone validation point is no curve)
+        if self.plot_path is not None and "val_loss" in record and any("loss" in r for r in self.history):
             self.plot(self.plot_path)
         if self._wandb is not None:
             import wandb
@@ -178,12 +180,16 @@ class MetricsLogger:
         """Train and validation loss against step, and a blend's per-source validation losses
         (val_loss/<name>) as lines of their own, as a PNG (matplotlib, no display needed). Written to a
         temporary file, then renamed over `out`: a viewer that reloads it during the run never reads half an
-        image. The PNG's Description names its lines."""
+        image. The PNG's Description names its lines. A PNG that already shows these lines is not drawn again
+        (a drawing takes about half a second; the run's end follows its last evaluation)."""
         train = [(r["step"], r["loss"]) for r in self.history if "loss" in r]
         val = [(r["step"], r["val_loss"]) for r in self.history if "val_loss" in r]
         sources = sorted({k for r in self.history for k in r if k.startswith("val_loss/")})
         if not train and not val:
             return None
+        lines = (train, val, [(k, [(r["step"], r[k]) for r in self.history if k in r]) for k in sources])
+        if self._drawn.get(Path(out)) == lines and Path(out).exists():
+            return Path(out)
         import matplotlib
 
         matplotlib.use("Agg")
@@ -194,19 +200,19 @@ class MetricsLogger:
             ax.plot(*zip(*train), label="train loss", lw=1.2)
         if val:
             ax.plot(*zip(*val), "o-", label="validation loss", lw=1.5)
-        for key in sources:
-            points = [(r["step"], r[key]) for r in self.history if key in r]
+        for key, points in lines[2]:
             ax.plot(*zip(*points), "s--", label=f"validation loss: {key.split('/', 1)[1]}", lw=1.0, ms=3)
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy (nats/token)")
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        lines = "; ".join(line.get_label() for line in ax.get_lines())
+        labels = "; ".join(line.get_label() for line in ax.get_lines())
         tmp = Path(out).with_name(f".{Path(out).name}.tmp")
-        fig.savefig(tmp, format="png", metadata={"Description": f"lines: {lines}"})
+        fig.savefig(tmp, format="png", metadata={"Description": f"lines: {labels}"})
         plt.close(fig)
         os.replace(tmp, out)
+        self._drawn[Path(out)] = lines
         return Path(out)
 
 

@@ -134,3 +134,31 @@ def test_the_loss_curve_is_redrawn_at_each_evaluation_with_the_blend_sources(tmp
               "trainer.stop_at_step=2")
     assert seen == [(2, "lines: train loss; validation loss; validation loss: a; validation loss: b")]
     assert not list(run.glob(".loss_curve.png*"))  # written aside, then renamed over the old one
+
+
+@pytest.mark.unit
+def test_the_loss_curve_is_drawn_once_a_step_has_trained_and_not_again_unchanged(tmp_path, monkeypatch):
+    """The step-0 evaluation draws nothing (one validation point is no curve); an evaluation after training
+    draws; the run's end, right after its last evaluation, keeps that PNG instead of drawing it again."""
+    import matplotlib.figure
+
+    from kimi.run.metrics import MetricsLogger
+
+    drawn = []
+    savefig = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, *a, **k: (drawn.append(1), savefig(fig, *a, **k))[1])
+    cfg = LoggingConfig()
+    cfg.wandb.mode = "disabled"
+    metrics = MetricsLogger(tmp_path, cfg, {})
+    png = tmp_path / "loss_curve.png"
+    metrics.log({"step": 0, "val_loss": 7.0})
+    assert not png.exists() and not drawn
+    metrics.log({"step": 1, "loss": 6.5})
+    metrics.log({"step": 1, "val_loss": 6.4})
+    assert png.exists() and len(drawn) == 1
+    assert metrics.plot(png) == png and len(drawn) == 1  # the end of the run: nothing new to draw
+    metrics.log({"step": 2, "loss": 6.0})
+    assert metrics.plot(png) == png and len(drawn) == 2
+    png.unlink()  # a PNG removed meanwhile is drawn again
+    assert metrics.plot(png) == png and len(drawn) == 3 and png.exists()
