@@ -74,6 +74,60 @@ DRY_CHECKS = {
 }
 
 
+# Context parallelism's MLA (kimi/ops/attention/latent.py): one block of queries over a prefix of latents
+# up-projected a block at a time. name: (B, block, blocks, H, nope, rope, Dv, R)
+LATENT_CHECKS = {
+    "1b's MLA, 4 blocks of 512": (1, 512, 4, 4, 128, 0, 128, 512),
+    "rope 64, 3 blocks of 300": (1, 300, 3, 4, 128, 64, 128, 512),
+}
+DRY_LATENT_CHECKS = {
+    "2 blocks of 20": (1, 20, 2, 2, 16, 0, 16, 32),
+    "rope 8, 3 blocks of 12": (1, 12, 3, 2, 16, 8, 16, 24),
+}
+LATENT_KEYS = ("o", "max_logits", "dq", "dc", "dr", "dw")
+
+
+def latent_check(dtypes=(torch.bfloat16,), device="cuda", cases=None) -> list[dict]:
+    """latent_attention (compiled on a GPU) against fp32 attention over the whole prefix up-projected at
+    once: o, max logits and the gradients of q, the latents c, the shared rope keys r and the fp32
+    up-projection w, which reaches the op cast to the activations' dtype as MLA casts it (attend_latents)."""
+    from kimi.ops.attention.latent import latent_attention
+
+    rows = []
+    for dtype, (name, case) in itertools.product(dtypes, (LATENT_CHECKS if cases is None else cases).items()):
+        B, block, blocks, H, nope, rope, dv, R = case
+        gen = torch.Generator(device=device).manual_seed(1)
+        Tk = block * blocks
+        q = torch.randn(B, block, H, nope + rope, generator=gen, device=device).to(dtype)
+        c = torch.randn(B, Tk, R, generator=gen, device=device).to(dtype)
+        r = torch.randn(B, Tk, rope, generator=gen, device=device).to(dtype)
+        w = torch.randn(H * (nope + dv), R, generator=gen, device=device) * R**-0.5
+        do = torch.randn(B, block, H, dv, generator=gen, device=device).to(dtype)
+        leaves = [x.detach().requires_grad_() for x in (q, c, r, w)]
+        o, m = latent_attention(*leaves[:3], leaves[3].to(dtype), nope, block, return_max_logits=True)
+        got = dict(zip(LATENT_KEYS, (o, m, *torch.autograd.grad(o, leaves, do))))
+        ref = [x.detach().float().requires_grad_() for x in (q, c, r, w)]
+        kv = (ref[1] @ ref[3].T).view(B, Tk, H, nope + dv)
+        k = torch.cat([kv[..., :nope], ref[2][:, :, None].expand(-1, -1, H, -1)], dim=-1)
+        o_ref, m_ref = naive_attention(ref[0], k, kv[..., nope:], causal=True)
+        want = dict(zip(LATENT_KEYS, (o_ref, m_ref, *torch.autograd.grad(o_ref, ref, do.float()))))
+        row = dict(dtype=str(dtype).split(".")[-1], case=name)
+        for key in LATENT_KEYS:  # r has no elements without rope
+            row[key] = ((got[key].float() - want[key]).norm() / want[key].norm().clamp_min(1e-30)).item()
+        row["nan"] = any(t.isnan().any().item() for t in got.values())
+        # the op rounds each block's keys and values to the dtype once up-projected (as MLA's forward does),
+        # so the max logits carry that rounding too: every result gets the attention check's 2e-2
+        row["ok"] = not row["nan"] and all(row[key] < 2e-2 for key in LATENT_KEYS)
+        rows.append(row)
+    print("\n| dtype | case | " + " | ".join(LATENT_KEYS)
+          + " | ok |  (MLA over latent blocks, rel. error vs fp32)")
+    print("|---|---|" + "---|" * (len(LATENT_KEYS) + 1))
+    for r in rows:
+        print(f"| {r['dtype']} | {r['case']} | " + " | ".join(f"{r[k]:.1e}" for k in LATENT_KEYS)
+              + f" | {'ok' if r['ok'] else 'FAILED'} |")
+    return rows
+
+
 def gpu_check(dtypes=(torch.bfloat16, torch.float16), device="cuda", cases=None, plant=False) -> list[dict]:
     """Kernels on the GPU (compiled, not interpreted) against an fp32 reference built from the same
     rounded inputs: O, LSE, max logits, dQ, dK, dV. Fixed tiles, so it costs no autotuning. device="cpu"
@@ -393,7 +447,8 @@ def main() -> None:
         if not args.skip_check:
             checks = gpu_check(device=device, cases=DRY_CHECKS if args.dry_run else GPU_CHECKS,
                                plant=args.plant_failure)
-            result.update(checks=checks, ok=all(r["ok"] for r in checks))
+            latent = latent_check(device=device, cases=DRY_LATENT_CHECKS if args.dry_run else LATENT_CHECKS)
+            result.update(checks=checks, latent_checks=latent, ok=all(r["ok"] for r in checks + latent))
         path = args.out or RESULTS / ("attention_gpu_check.json" if args.check_only else "attention.json")
         if not args.check_only:
             def done(rows):
@@ -410,6 +465,8 @@ def main() -> None:
     print(f"wrote {path}")
     if result.get("ok") is False:
         failed = [f"{r['dtype']} {r['case']} ({r['dq_mode']} dQ)" for r in result["checks"] if not r["ok"]]
+        failed += [f"{r['dtype']} MLA over latent blocks, {r['case']}"
+                   for r in result.get("latent_checks", []) if not r["ok"]]
         raise SystemExit(f"attention check FAILED: {'; '.join(failed)}")
 
 

@@ -5,7 +5,8 @@ results as soon as it ends (a call cut short still returns every finished step).
 The default plan (PLAN; `--plan` prints it with each step's cap and predicted seconds, running nothing):
 
   1 kda_check        bench/kda.py --check: every KDA Triton op vs the PyTorch path and fp64 in bf16 at 1b's
-                     heads (16 x 128) on packed documents (--check-fla adds fla-core's chunk_kda: 85 s more)
+                     heads (16 x 128) on packed documents, whole and in 2 and 4 context-parallel shards
+                     (--check-fla adds fla-core's chunk_kda: 85 s more)
   2 kda_speed        bench/kda.py: ours vs fla-core's chunk_kda / fused_recurrent_kda and SDPA, bf16,
                      T = 4k, 16k, 64k at 64k tokens, H = 32, d = 128, decoding, the bounded safe-gate form,
                      and ours under each launch layout of the two scores kernels (the 2026-12-04 profile's
@@ -31,7 +32,8 @@ More steps, for a second call (`--steps NAME ...`; `--steps all` for every one):
                      Kimi Linear's, 4k-16k tokens per row, with its timing of both backends
   attnres            bench/attnres.py --gpu: the fused AttnRes depth mix and pre-norm at 1b's width vs fp64,
                      timed against the eager and compiled mixes (--fla adds fla-core's fused AttnRes)
-  attention_check    bench/attention.py --check-only: the flash-attention kernels vs fp32
+  attention_check    bench/attention.py --check-only: the flash-attention kernels vs fp32, and context
+                     parallelism's MLA over blocks of latents (latent_attention)
   attention_speed    bench/attention.py --skip-check: vs SDPA's flash backend, max logits, atomic dQ
   optim              bench/optim.py --device cuda: optimizer.step() of MuonClip vs torch.optim.Muon + AdamW
 
@@ -118,8 +120,9 @@ DRY_CAP, DRY_TOTAL = 600, 3600
 # What each step is predicted to take on an H200 from cold caches (--plan prints them), and on what that
 # rests: the 2026-11-30 run's seconds where it ran the same work, else an estimate from its parts.
 PREDICTED = {
-    "kda_check": (30, "2026-12-04: ours done in 25 s from cold caches (fla-core's chunk_kda rows took over "
-                      "85 s more, its autotuning: --step-args kda_check=--check-fla adds them)"),
+    "kda_check": (40, "2026-12-04: ours done in 25 s from cold caches (fla-core's chunk_kda rows took over "
+                      "85 s more, its autotuning: --step-args kda_check=--check-fla adds them); the context "
+                      "rows since compile the chunk kernels once more at V = 256 (estimate: 10 s)"),
     "train": (130, "2026-12-04: 119 s, twice (start and compile, then 2 + 10 timed + 1 profiled steps), "
                    "and more compilation since: the pre-norm joined the depth mix's graphs (estimate)"),
     "peer": (95, "2026-12-04: dense_1b's command 89 s with 1b reused; torchtitan 0.3.0 does not import on "
@@ -340,6 +343,14 @@ def attention_check_rows(r: dict, done: dict):
                      f"{worst} (max rel. error); {sum(x['ok'] for x in mine)}/{len(mine)} pass"))
         failures += [f"{x['dtype']} {x['case']} ({x['dq_mode']} dQ): "
                      + ", ".join(f"{k} {x[k]:.1e}" for k in keys) for x in mine if not x["ok"]]
+    latent = r.get("latent_checks", [])
+    if latent:  # context parallelism's MLA over blocks of latents (bench/attention.py, latent_check)
+        keys = ("o", "max_logits", "dq", "dc", "dr", "dw")
+        worst = ", ".join(f"{k} {max(x[k] for x in latent):.1e}" for k in keys)
+        rows.append((f"MLA over latent blocks (cp) vs fp32: {len(latent)} cases",
+                     f"{worst} (max rel. error); {sum(x['ok'] for x in latent)}/{len(latent)} pass"))
+        failures += [f"{x['dtype']} MLA over latent blocks, {x['case']}: "
+                     + ", ".join(f"{k} {x[k]:.1e}" for k in keys) for x in latent if not x["ok"]]
     return rows, failures
 
 

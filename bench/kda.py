@@ -31,7 +31,8 @@ general)
 known state)
 
 --compile-check compiles every KDA Triton kernel (kimi/ops/kda/triton/) for sm_90 and sm_80 with triton's
-bundled ptxas, over head dims K, V in {64, 128}, bf16/fp32 inputs and the constexpr switches, and writes
+bundled ptxas, over head dims K, V in {64, 128} (and V = 256 at K = 128: a context-parallel rank's V + K value
+columns), bf16/fp32 inputs and the constexpr switches, and writes
 registers, spills and shared memory to bench/results/kda_sm90_compile.json / kda_sm80_compile.json.
 TRITON_INTERPRET must be unset. --quick: K = V = 128, bf16 only (plus each switch and cu_seqlens dtype),
 written to kda_sm*_compile_quick.json. cu_seqlens is not a constexpr switch (every launch is varlen; a
@@ -378,6 +379,29 @@ def _chunk_case(dtype, cu_seqlens, H: int, d: int, plant: bool, lower_bound: flo
     return out[impl], out["chunk"], out["naive"]
 
 
+def _context_case(dtype, cu_seqlens, H: int, d: int, shards: int):
+    """chunk_kda split into `shards` consecutive shards as context-parallel ranks run it (kimi/ops/kda/
+    context.py: each shard's one run over the values [v, 0] from the state [0, I], the summaries joined, each
+    incoming state's share added through its tokens' reach), on packed documents that cross the shard edges:
+    Triton in `dtype` (reach rounded to it, as the values are) vs the PyTorch chunk path split the same way
+    (fp32) and the whole sequence's naive recurrence (fp64); the output and every input gradient."""
+    from kimi.ops.kda.context import sharded_kda
+
+    T = int(cu_seqlens[-1])
+    q, k, v, g, beta = kda_inputs(1, T, H, d, dtype, DEVICE, seed=7)
+    do = torch.randn(1, T, H, d, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(8))
+    out = {}
+    for backend, cast in (("triton", None), ("chunk", torch.float32), ("naive", torch.float64)):
+        leaves = [x.detach().to(cast or x.dtype).requires_grad_() for x in (q, k, v, g, beta)]
+        if backend == "naive":
+            o, _ = chunk_kda(*leaves, cu_seqlens=cu_seqlens, backend="naive")
+        else:
+            o, _ = sharded_kda(*leaves, shards, cu_seqlens=cu_seqlens, backend=backend)
+        grads = torch.autograd.grad(o, leaves, do.to(dtype).to(o.dtype))
+        out[backend] = dict(o=o, **dict(zip(GRAD_NAMES, grads)))
+    return out["triton"], out["chunk"], out["naive"]
+
+
 @torch.no_grad()
 def _recurrent_case(dtype, cu_seqlens, H: int, d: int, decode: bool):
     """fused_recurrent_kda (forward only): Triton vs the PyTorch recurrence (fp32) and fp64. decode: one
@@ -450,6 +474,9 @@ def kda_check(docs: list[int], H: int, d: int, plant: bool = False,
                          lambda: _chunk_case(dtype, cu_seqlens, H, d, plant)))
         add(_row("chunk_safe", "chunk_kda bounded form (safe gate, lower_bound=-5), as above", dtype,
                          lambda: _chunk_case(dtype, cu_seqlens, H, d, False, lower_bound=-5.0)))
+        for shards in (2, 4):  # context parallelism's split (docs/algorithms.md, section 1.6)
+            add(_row(f"context_{shards}", f"chunk_kda in {shards} shards as cp ranks run it, packed "
+                     "documents", dtype, lambda n=shards: _context_case(dtype, cu_seqlens, H, d, n)))
         add(_row("recurrent", "fused_recurrent_kda, packed documents, initial state", dtype,
                          lambda: _recurrent_case(dtype, cu_seqlens, H, d, decode=False)))
         add(_row("decode", "fused_recurrent_kda, one token per sequence from a state", dtype,
@@ -768,8 +795,12 @@ def kda_variants(fn, quick: bool) -> list[dict]:
     if "V" not in args:
         axes["V"] = [None]
     switches = [s for s in SWITCHES if s in args]
+    shapes = list(itertools.product(*axes.values()))
+    if not quick and axes["V"] != [None] and axes["K"] != [None]:
+        # a context-parallel rank's one run carries V + K value columns (kimi/ops/kda/context.py): 1b's 256
+        shapes.append(("bf16" if "bf16" in axes["dtype"] else axes["dtype"][0], 128, 256))
     variants = []
-    for dtype, K, V in itertools.product(*axes.values()):
+    for dtype, K, V in shapes:
         for flags in itertools.product((False, True), repeat=len(switches)):
             variants.append(dict(dtype=dtype, K=K, V=V, cu="i32", **dict(zip(switches, flags))))
     if "cu_seqlens" in args:

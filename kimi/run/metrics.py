@@ -84,7 +84,7 @@ class MetricsLogger:
         self.history: List[Dict[str, Any]] = []
         self._wandb, self._tensorboard, self._offline = None, None, False
         self.plot_path = Path(run_dir) / "loss_curve.png" if cfg.plot else None
-        self._drawn: Dict[Path, tuple] = {}  # the lines last drawn into each PNG (plot skips an unchanged one)
+        self._drawn: Dict[Path, tuple] = {}  # the lines last drawn into each PNG: plot skips an unchanged one
         # a run of stages (kimi/run/stages.py): each record names the stage of its step
         self.stages = config_dict.get("stages") or []
         if not enabled:

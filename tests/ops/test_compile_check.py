@@ -153,10 +153,12 @@ def test_attnres_compile_check_full(tmp_path):
 def test_kda_compile_check_full(tmp_path):
     results = run_check("kda", tmp_path, quick=False)
     check_kda(results)
-    for result in results:  # head dims 64 and 128, bf16 and fp32 everywhere they apply
+    # head dims 64 and 128, bf16 and fp32 everywhere they apply, and a cp rank's 256 value columns
+    for result in results:
         rows = [r for r in result["rows"] if r["kernel"] == "chunk_bwd_kernel"]
         assert {(r["dtype"], r["K"], r["V"]) for r in rows} == {(d, k, v) for d in ("bf16", "fp32")
-                                                                for k in (64, 128) for v in (64, 128)}
+                                                                for k in (64, 128) for v in (64, 128)} | {
+            ("bf16", 128, 256)}
 
 
 @pytest.mark.slow

@@ -54,14 +54,18 @@ def test_dry_run_runs_every_step(tmp_path):
         return run["result"]
 
     kda = result("kda_check")  # bf16, as the model trains (fla-core is left out of a dry run)
-    assert {(r["op"], r["dtype"]) for r in kda["rows"]} == {
-        (op, "bfloat16") for op in ("chunk", "chunk_safe", "recurrent", "decode", "gate")}
+    ops = ("chunk", "chunk_safe", "context_2", "context_4", "recurrent", "decode", "gate")  # context_: cp
+    assert {(r["op"], r["dtype"]) for r in kda["rows"]} == {(op, "bfloat16") for op in ops}
     chunk = next(r for r in kda["rows"] if r["op"] == "chunk")
     assert set(chunk["triton_vs_fp64"]) == {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"}
     assert kda["ok"] and 1 in kda["docs"] and all(r["max_vs_fp64"] < r["tol"] for r in kda["rows"])
     assert kda["fla"] == "skipped"
     attention = result("attention_check")
     assert attention["ok"] and {r["dq_mode"] for r in attention["checks"]} == {"separate", "atomic"}
+    # context parallelism's MLA over latent blocks, with and without rope keys, and its summary line
+    assert len(attention["latent_checks"]) == 2 and all(r["ok"] for r in attention["latent_checks"])
+    summary = step_json(out, "attention_check")["summary"]
+    assert any(k.startswith("MLA over latent blocks (cp)") for k, _ in summary)
     (speed,) = result("kda_speed")["rows"]
     assert {"ours_fwd_ms", "ours_fwdbwd_ms", "sdpa_fwdbwd_ms", "decode_ours_us", "safe_general_fwdbwd_ms",
             "safe_bounded_fwdbwd_ms"} <= set(speed)
