@@ -386,6 +386,11 @@ def block_classes(cfg: ModelConfig) -> list[tuple[type, type]]:
     return [(mixer, mlp_class(kind)) for mixer, kind in zip(mixer_classes(cfg), mlp_kinds(cfg))]
 
 
+# training_flops's results by (repr(cfg), seq_len): the planner splits a pipeline's stages by them for each
+# layout it walks, and building a K3-sized model's blocks on the meta device takes about half a second
+_FLOPS: dict = {}
+
+
 def training_flops(cfg: ModelConfig, seq_len: int) -> tuple[list[float], float]:
     """Training FLOPs (forward + backward) per token at sequence length seq_len, per block and for the
     model's end (final norm, AttnRes query, LM head):
@@ -404,8 +409,16 @@ def training_flops(cfg: ModelConfig, seq_len: int) -> tuple[list[float], float]:
     Not counted: the AttnRes depth mixing (12 d FLOPs per source and token at each mixing site: under 1% of
     every preset's step), gates' elementwise work, softmax exponentials. Convention and the check of every
     preset against torch's FlopCounterMode: kimi/ops/flops.py, tests/ops/test_flop_count.py,
-    docs/benchmarks.md. Counted on the meta device: no memory.
+    docs/benchmarks.md. Counted on the meta device: no memory; computed once per config and length.
     """
+    key = (repr(cfg), seq_len)
+    if key not in _FLOPS:
+        _FLOPS[key] = _count_flops(cfg, seq_len)
+    blocks, end = _FLOPS[key]
+    return list(blocks), end
+
+
+def _count_flops(cfg: ModelConfig, seq_len: int) -> tuple[list[float], float]:
     blocks = []
     with torch.device("meta"):
         for i, (mixer, mlp) in enumerate(block_classes(cfg)):
