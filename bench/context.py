@@ -23,8 +23,10 @@
 
     python bench/context.py [--quick]
 
-Prints markdown tables and writes bench/results/context.json. About 25 minutes on 2 CPU cores; --report
-reprints the tables of a results file.
+Prints markdown tables and writes bench/results/context.json. Hours on 2 CPU cores: the fit's cut-down `1b`
+and Kimi Linear runs take 10 to 30 minutes each there (2026-12-06); --work keeps each finished measurement,
+so a rerun (or a run stopped and started again) measures only what is missing. --report reprints the tables
+of a results file.
 """
 
 from __future__ import annotations
