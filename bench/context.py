@@ -23,10 +23,10 @@
 
     python bench/context.py [--quick]
 
-Prints markdown tables and writes bench/results/context.json. Hours on 2 CPU cores: the fit's cut-down `1b`
-and Kimi Linear runs take 10 to 30 minutes each there (2026-12-06); --work keeps each finished measurement,
-so a rerun (or a run stopped and started again) measures only what is missing. --report reprints the tables
-of a results file.
+Prints markdown tables and writes bench/results/context.json. Hours on 2 CPU cores: each of the fit's
+cut-down `1b` runs took 11 to over 30 minutes there (2026-12-06); --work keeps each finished measurement, so
+a rerun (or a run stopped and started again) measures only what is missing. --report reprints the tables of
+a results file.
 """
 
 from __future__ import annotations

@@ -178,8 +178,7 @@ class SequenceShard:
         """The document starts of every row up to this rank's last token, [rows, (rank + 1) * length]
         (one all-gather, made on first use and kept for the forward)."""
         if self._prefix_starts is None:
-            (parts,) = self.exchange.gather([self.doc_starts.to(torch.uint8)])
-            self._prefix_starts = torch.cat(list(parts[: self.rank + 1].unbind(0)), dim=1).bool()
+            self._prefix_starts = self.prefix(self.doc_starts.to(torch.uint8)).bool()
         return self._prefix_starts
 
 
