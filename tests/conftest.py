@@ -7,6 +7,11 @@ import os
 # Triton kernels run on CPU tensors only under the interpreter, which must be chosen before triton is
 # first imported (docs/environment.md). With a GPU the suite still tests interpreted kernels on CPU tensors.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# One intra-op thread in every process a test starts too (bench scripts, trainers, torchrun ranks), as
+# _one_thread below sets for this one: a child with two threads on a core the other pytest worker keeps busy
+# waits at every parallel region (the GPU check's dry run: 218 s with two threads, 169 s with one, the
+# optimizer step 24 s against 7). A value already exported is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
