@@ -32,6 +32,7 @@ a results file.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -46,6 +47,8 @@ sys.path[:0] = [str(HERE), str(ROOT)]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_map_only  # noqa: E402
 
 from comm_count import CommCounter  # noqa: E402
 
@@ -77,14 +80,41 @@ def shard_inputs(vocab: int, T: int, rank: int, cp: int):
     return ids[:, rank * n:(rank + 1) * n], ids[:, rank * n + 1:(rank + 1) * n + 1]
 
 
+class Fp32Matmuls(TorchDispatchMode):
+    """Runs bf16 matmuls (mm, bmm, addmm, baddbmm) in fp32 and rounds their results to bf16: the same result
+    tensors, so what torch's MemTracker sees is unchanged. Entered before the tracker (the tracker's mode
+    above this one), the fp32 copies made here are not seen by it, as a real bf16 matmul's workspace is not.
+    Why: a CPU without bf16 instructions multiplies bf16 matrices about 300 times slower than fp32 ones (0.3
+    against 87 GFLOP/s measured on this project's 2-core machine, 2026-12-06), which made each fit run of the
+    `1b` cut-down models take 11-30 minutes instead of 20-60 s, for the same bytes (checked equal, job by job,
+    `test_fp32_matmuls_leave_the_measured_peak_as_it_is`)."""
+
+    OPS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
+           torch.ops.aten.baddbmm.default}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in self.OPS or args[0].dtype != torch.bfloat16:
+            return func(*args, **kwargs)
+        self.count += 1
+        up = functools.partial(tree_map_only, torch.Tensor,
+                               lambda t: t.float() if t.dtype == torch.bfloat16 else t)
+        return func(*up(args), **up(kwargs)).to(torch.bfloat16)
+
+
 def measure(job: dict) -> dict:
-    """One forward and backward of this rank's shard: peak activation bytes, or collective bytes."""
+    """One forward and backward of this rank's shard: peak activation bytes, or collective bytes (with bf16
+    matmuls run in fp32 where the caller enters Fp32Matmuls)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from kimi.parallel import apply_activation_checkpointing
     from kimi.parallel.context_parallel import ContextParallel
 
-    rank, cp = dist.get_rank(), dist.get_world_size()
+    rank, cp = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     # bf16 weights rather than autocast: autocast would keep a bf16 copy of every weight for the whole step,
     # which under FSDP is one gathered unit at a time (kimi.summary counts that unit with the weights)
     model = build(job["overrides"]).to(torch.bfloat16)
@@ -119,7 +149,8 @@ def worker(spec: Path, out: Path) -> None:
     torch.set_num_threads(1)
     results = []
     for job in json.loads(spec.read_text()):
-        got = measure(job)
+        with Fp32Matmuls():
+            got = measure(job)
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, got["bytes"])
         results.append({**job, "per_rank": every, "by_kind": got.get("by_kind")})

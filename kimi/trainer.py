@@ -37,6 +37,7 @@ from kimi.parallel import (ParallelDims, build_engine, checkpoint_group, init_di
                            mean_over_ranks, resolve_device)
 from kimi.parallel.interface import RunState
 from kimi.parallel.watchdog import Watchdog
+from kimi.precision.registry import precision_for
 from kimi.run import cpu, rundir
 from kimi.run.divergence import check_finite
 from kimi.run.metrics import MetricsLogger, qk_clip_record
@@ -240,7 +241,9 @@ class Trainer:
 
     def _loop(self) -> Dict[str, Any]:
         t = self.cfg.trainer
-        peak = PeakFlops(self.device, t.peak_flops, self.dims.world)  # MFU over all devices
+        # MFU over all devices, against the rate of the compute dtype (a CPU's bf16 is far slower)
+        compute = torch.bfloat16 if precision_for(t.precision).BF16 else torch.float32
+        peak = PeakFlops(self.device, t.peak_flops, self.dims.world, dtype=compute)
         notes = (peak.describe(), ProgressWindow.header(t.log_every),
                  cpu_size_note(self.device, self.num_params[0]), self.diagnostics.note())
         self.log("\n".join(note for note in notes if note))

@@ -60,14 +60,22 @@ def set_threads(configured: Optional[int], device: torch.device) -> str:
     return f" ({n} thread{'s' * (n != 1)}, {why})" if device.type == "cpu" else ""
 
 
-def measure_cpu_peak_flops(size: int = 512, seconds: float = 0.005, repeats: int = 100) -> float:
-    """Achieved fp32 matmul FLOP/s with torch's current thread count: the best of `repeats` timed runs of
-    `seconds` each. Short runs, many of them: other processes take the CPU for some, not all (one core at
-    a load of 17 on 2 cores: 91-96 GFLOP/s this way, 59-62 as the best of 25 runs of 20 ms)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def measure_cpu_peak_flops(size: int = 512, seconds: float = 0.005, repeats: int = 100,
+                           dtype: torch.dtype = torch.float32, budget: float = 2.0) -> float:
+    """Achieved matmul FLOP/s in `dtype` with torch's current thread count: the best of `repeats` timed runs
+    of `seconds` each, stopped after `budget` seconds. Short runs, many of them: other processes take the
+    CPU for some, not all (one core at a load of 17 on 2 cores: 91-96 GFLOP/s this way, 59-62 as the best of
+    25 runs of 20 ms). bf16 multiplies as nn.Linear does (by the transposed weight), the fastest of its
+    layouts on a CPU without bf16 instructions (9.5 GFLOP/s on this project's 2-core EPYC, 1.3 with both
+    operands row-major, fp32 88)."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    if dtype != torch.float32:
+        b = b.t()
     a @ b  # warm up
-    best = 0.0
+    best, start = 0.0, time.perf_counter()
     for _ in range(repeats):
+        if time.perf_counter() - start > budget:
+            break
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             a @ b
@@ -97,7 +105,8 @@ def default_cache_dir() -> Path:
 
 def per_core_peak(cache_dir: Path, key: str, remeasure: bool = False,
                   measure: Optional[Callable[[], float]] = None) -> Tuple[float, bool]:
-    """(one core's fp32 matmul FLOP/s, whether it came from the cache). Measured with one thread, which a
+    """(one core's matmul FLOP/s as `measure` takes it, fp32 by default, whether it came from the cache).
+    Measured with one thread, which a
     busy machine disturbs far less than several (on a loaded 2-core machine: 100 GFLOP/s with 1 thread, 17
     with 2), then kept in `cache_dir`/cpu_peak.json under `key`; `remeasure` replaces the cached value."""
     path = Path(cache_dir) / PEAK_FILE

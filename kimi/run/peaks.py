@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Optional, Tuple
@@ -41,14 +42,15 @@ def format_flops(x: float) -> str:
 
 class PeakFlops:
     """What MFU divides by (`world` devices' peak) and where the number comes from. On a CPU: one core's
-    fp32 matmul rate (kimi.run.cpu.per_core_peak, cached per machine) times the threads training uses. An
-    achieved rate above the peak means the peak is wrong (a trainer.peak_flops set too low, a CPU rate
-    measured while something else ran): MFU is then n/a, said once, and null in metrics.jsonl, not a
-    number that looks exact."""
+    matmul rate in the run's compute dtype (kimi.run.cpu.per_core_peak, cached per machine and dtype) times
+    the threads training uses; a bf16 run on a CPU that multiplies bf16 far slower than fp32 gets a warning
+    (`warning`). An achieved rate above the peak means the peak is wrong (a trainer.peak_flops set too low, a
+    CPU rate measured while something else ran): MFU is then n/a, said once, and null in metrics.jsonl, not
+    a number that looks exact."""
 
     def __init__(self, device: torch.device, configured: Optional[float], world: int = 1,
-                 cache_dir: Optional[Path] = None):
-        self.world, self.unreliable, self.measured_cpu = world, False, False
+                 cache_dir: Optional[Path] = None, dtype: torch.dtype = torch.float32):
+        self.world, self.unreliable, self.measured_cpu, self.warning = world, False, False, None
         if configured:
             self.per_device, self.source = float(configured), "trainer.peak_flops"
             self.kind, self.fix = self.source, "set trainer.peak_flops to the device's peak"
@@ -59,11 +61,22 @@ class PeakFlops:
             cache = Path(cache_dir) if cache_dir else cpu.default_cache_dir()
             cores = cpu.usable_cores()
             remeasure = os.environ.get(cpu.REMEASURE_ENV, "") not in ("", "0")
-            per_core, cached = cpu.per_core_peak(cache, cpu.peak_key(cpu.cpu_model(), cores), remeasure)
+            key = cpu.peak_key(cpu.cpu_model(), cores)
+            per_core, cached = cpu.per_core_peak(cache, key, remeasure)
+            name = "fp32"
+            if dtype == torch.bfloat16:  # autocast's matmuls: without bf16 instructions, far below fp32's
+                fp32, name = per_core, "bf16"
+                per_core, cached = cpu.per_core_peak(cache, f"{key} | bf16", remeasure, functools.partial(
+                    cpu.measure_cpu_peak_flops, dtype=torch.bfloat16))
+                if per_core < fp32 / 2:
+                    self.warning = (f"[kimi] warning: this CPU multiplies bf16 matrices at "
+                                    f"{format_flops(per_core)} per core, 1/{fp32 / per_core:.0f} of its fp32 "
+                                    f"rate ({format_flops(fp32)}; no bf16 matrix instructions): "
+                                    "trainer.precision=fp32 trains faster here")
             n = min(torch.get_num_threads(), cores)
             self.per_device, self.kind, self.measured_cpu = per_core * n, "the measured CPU rate", True
             self.fix = f"{cpu.REMEASURE_ENV}=1 measures this CPU again"
-            self.source = (f"{n} thread{'s' * (n != 1)} x this CPU's fp32 matmul rate per core "
+            self.source = (f"{n} thread{'s' * (n != 1)} x this CPU's {name} matmul rate per core "
                            f"({format_flops(per_core)}, {'cached in' if cached else 'measured now, kept in'} "
                            f"{cache / cpu.PEAK_FILE}; {cpu.REMEASURE_ENV}=1 measures again), not a datasheet "
                            "peak")
@@ -74,7 +87,8 @@ class PeakFlops:
 
     def describe(self) -> str:
         devices = f" x {self.world} devices" if self.world > 1 else ""
-        return f"[kimi] MFU against {format_flops(self.per_device)}{devices}: {self.source}"
+        line = f"[kimi] MFU against {format_flops(self.per_device)}{devices}: {self.source}"
+        return f"{line}\n{self.warning}" if self.warning else line
 
     def mfu(self, flops_per_s: float) -> Tuple[Optional[float], Optional[str]]:
         """(MFU in [0, 1], or None from the first achieved rate above the peak on; a note that first time)."""

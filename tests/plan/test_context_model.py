@@ -36,3 +36,16 @@ def test_the_blockwise_prefix_keeps_only_the_latent():
     assert context.prefix_bytes(m, blockwise=True) == 2 * 3 * latent
     # the whole prefix adds its keys and values and their gradients
     assert context.prefix_bytes(m) - context.prefix_bytes(m, blockwise=True) == context.block_bytes(m)
+
+
+def test_fp32_matmuls_leave_the_measured_peak_as_it_is():
+    """bench/context.py runs its bf16 matmuls in fp32 (a CPU without bf16 instructions runs them ~300x
+    slower): the peak MemTracker measures is the one of the real bf16 run, byte for byte, at cp 1, and the
+    stand-in did run."""
+    job = {"overrides": [*context.MEASURED["tiny"], "model.num_layers=4", "model.mla_layers=[1,3]"], "T": 128,
+           "what": "memory"}
+    plain = context.measure(job)
+    stand_in = context.Fp32Matmuls()
+    with stand_in:
+        fast = context.measure(job)
+    assert fast == plain and plain["bytes"] > 0 and stand_in.count > 0

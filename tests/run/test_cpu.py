@@ -91,6 +91,37 @@ def test_peak_flops_on_a_cpu_is_the_cached_core_rate_times_the_threads(threads, 
     assert PeakFlops(CPU, 1e9, cache_dir=tmp_path).per_device == 1e9  # trainer.peak_flops as before
 
 
+def test_a_bf16_run_on_a_cpu_is_measured_against_its_bf16_rate_and_warned_where_slow(threads, tmp_path,
+                                                                                     monkeypatch):
+    """bf16 autocast multiplies in bf16: MFU against that rate (a CPU without bf16 instructions runs it at a
+    tenth of fp32's, and a run at speed would otherwise read as a busy machine), cached apart from fp32's,
+    with one warning line where it is under half the fp32 rate."""
+    monkeypatch.setattr(cpu, "usable_cores", lambda: 2)
+    key = cpu.peak_key(cpu.cpu_model(), 2)
+    (tmp_path / cpu.PEAK_FILE).write_text(json.dumps({key: {"flops_per_core": 8e10}}))
+    asked = []
+    monkeypatch.setattr(cpu, "measure_cpu_peak_flops",
+                        lambda dtype=torch.float32: asked.append(dtype) or 1e10)
+    torch.set_num_threads(1)
+    peak = PeakFlops(CPU, None, cache_dir=tmp_path, dtype=torch.bfloat16)
+    assert asked == [torch.bfloat16] and peak.per_device == 1e10
+    line, warning = peak.describe().split("\n")
+    assert line.startswith("[kimi] MFU against 10.0 GFLOP/s: 1 thread x this CPU's bf16 matmul rate per core")
+    assert warning == ("[kimi] warning: this CPU multiplies bf16 matrices at 10.0 GFLOP/s per core, 1/8 of "
+                       "its fp32 rate (80.0 GFLOP/s; no bf16 matrix instructions): trainer.precision=fp32 "
+                       "trains faster here")
+    stored = json.loads((tmp_path / cpu.PEAK_FILE).read_text())
+    assert stored[f"{key} | bf16"]["flops_per_core"] == 1e10 and stored[key]["flops_per_core"] == 8e10
+    again = PeakFlops(CPU, None, cache_dir=tmp_path, dtype=torch.bfloat16)  # from the cache
+    assert again.per_device == 1e10 and len(asked) == 1
+    # a CPU with bf16 matrix instructions (AMX: faster than fp32), and an fp32 run: no warning
+    stored[f"{key} | bf16"]["flops_per_core"] = 2e11
+    (tmp_path / cpu.PEAK_FILE).write_text(json.dumps(stored))
+    assert "\n" not in PeakFlops(CPU, None, cache_dir=tmp_path, dtype=torch.bfloat16).describe()
+    fp32 = PeakFlops(CPU, None, cache_dir=tmp_path)
+    assert fp32.per_device == 8e10 and fp32.warning is None and "fp32 matmul rate" in fp32.describe()
+
+
 def _window(monkeypatch, per_core: float, configured=None) -> ProgressWindow:
     monkeypatch.setattr(cpu, "per_core_peak", lambda *a, **k: (per_core, True))
     monkeypatch.setattr(cpu, "usable_cores", lambda: 2)

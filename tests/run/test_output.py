@@ -98,14 +98,22 @@ def test_cuda_peak_names_the_device_and_its_number(monkeypatch, name, peak, sour
 
 @pytest.mark.unit
 def test_cpu_peak_is_the_best_of_several_runs(monkeypatch):
+    import torch
+
     from kimi.run import cpu
 
     assert cpu.measure_cpu_peak_flops(size=64, seconds=0.01, repeats=2) > 0
+    assert cpu.measure_cpu_peak_flops(size=64, seconds=0.01, repeats=2, dtype=torch.bfloat16) > 0
     # A clock for two timed runs of 1.5 s: the first does one matmul in 3 s, the second (the machine busy)
-    # none in 4 s. The peak is the first run's rate, not the mean or the last.
-    clock = iter([0.0, 1.0, 2.0, 3.0, 10.0, 12.0, 14.0])
+    # none in 4 s. The peak is the first run's rate, not the mean or the last. (Each run starts with a look
+    # at the time spent since the start: the first and the fourth reading.)
+    ticks = [0.0, 0.0, 0.0, 1.0, 2.0, 3.0, 3.0, 10.0, 12.0, 14.0]
+    clock = iter(ticks)
     monkeypatch.setattr(cpu.time, "perf_counter", lambda: next(clock))
-    assert cpu.measure_cpu_peak_flops(size=4, seconds=1.5, repeats=2) == 2 * 4**3 / 3
+    assert cpu.measure_cpu_peak_flops(size=4, seconds=1.5, repeats=2, budget=100) == 2 * 4**3 / 3
+    # past its budget after the first run (3 s of 2.5): the second never starts
+    clock = iter(ticks[:7])
+    assert cpu.measure_cpu_peak_flops(size=4, seconds=1.5, repeats=2, budget=2.5) == 2 * 4**3 / 3
 
 
 # ---- the progress line --------------------------------------------------------------------------------
