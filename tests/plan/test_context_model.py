@@ -39,7 +39,7 @@ def test_the_blockwise_prefix_keeps_only_the_latent():
 
 
 def test_fp32_matmuls_leave_the_measured_peak_as_it_is():
-    """bench/context.py runs its bf16 matmuls in fp32 (a CPU without bf16 instructions runs them ~300x
+    """bench/context.py runs its bf16 matmuls in fp32 (a CPU without bf16 instructions runs them 10-300x
     slower): the peak MemTracker measures is the one of the real bf16 run, byte for byte, at cp 1, and the
     stand-in did run."""
     job = {"overrides": [*context.MEASURED["tiny"], "model.num_layers=4", "model.mla_layers=[1,3]"], "T": 128,
