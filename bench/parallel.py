@@ -147,6 +147,7 @@ def worker(out: Path, model: str, overrides: list[str], steps: int, profile: boo
     from kimi.config import register_configs
     from kimi.model import KimiModel
     from kimi.parallel import destroy_distributed
+    from kimi.precision.registry import precision_for
     from kimi.run.peaks import peak_flops
     from kimi.trainer import Trainer
 
@@ -196,7 +197,8 @@ def worker(out: Path, model: str, overrides: list[str], steps: int, profile: boo
             losses.append(trainer.train_step()["loss"])
     t = cfg.trainer
     tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps * trainer.dims.dp
-    peak = peak_flops(trainer.device, t.peak_flops)
+    # against the rate the trainer divides by: a CPU's in the run's compute dtype
+    peak = peak_flops(trainer.device, t.peak_flops, precision_for(t.precision).compute_dtype())
     record = {"calls": dict(counter.calls), "bytes": dict(counter.bytes), "stage_sends": sent,
               "losses": losses, "fallbacks": _dispatch_state(), "kda_dtypes": sorted(kda_dtypes),
               "top_kernels": [],

@@ -241,9 +241,9 @@ class Trainer:
 
     def _loop(self) -> Dict[str, Any]:
         t = self.cfg.trainer
-        # MFU over all devices, against the rate of the compute dtype (a CPU's bf16 is far slower)
-        compute = torch.bfloat16 if precision_for(t.precision).BF16 else torch.float32
-        peak = PeakFlops(self.device, t.peak_flops, self.dims.world, dtype=compute)
+        # MFU over all devices, against the rate of the compute dtype (a CPU's bf16 can be far slower)
+        peak = PeakFlops(self.device, t.peak_flops, self.dims.world,
+                         dtype=precision_for(t.precision).compute_dtype())
         notes = (peak.describe(), ProgressWindow.header(t.log_every),
                  cpu_size_note(self.device, self.num_params[0]), self.diagnostics.note())
         self.log("\n".join(note for note in notes if note))

@@ -44,6 +44,12 @@ class Precision:
     def compute_bytes(self) -> int:
         return 2 if self.BF16 else 4
 
+    def compute_dtype(self):
+        """The same as a torch dtype (what a CPU's matmul rate is measured in, kimi.run.peaks)."""
+        import torch
+
+        return torch.bfloat16 if self.BF16 else torch.float32
+
     def converter(self, p: PrecisionConfig, emulate: bool, fsdp_gather: bool) -> Callable[[Any], Any]:
         raise NotImplementedError(f"trainer.precision={self.name} converts no projection")
 

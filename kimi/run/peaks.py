@@ -28,9 +28,11 @@ def _cuda_peak(device: torch.device) -> Tuple[float, str]:
     return _CUDA_UNKNOWN, f"{name}, not in kimi/run/peaks.py's table: assumed; set trainer.peak_flops"
 
 
-def peak_flops(device: torch.device, configured: Optional[float]) -> float:
-    """Per-device FLOP/s: trainer.peak_flops, else the datasheet's (CUDA) or the measured CPU rate."""
-    return PeakFlops(device, configured).per_device
+def peak_flops(device: torch.device, configured: Optional[float],
+               dtype: torch.dtype = torch.float32) -> float:
+    """Per-device FLOP/s: trainer.peak_flops, else the datasheet's (CUDA) or the measured CPU rate (in
+    `dtype`, the run's compute dtype: Precision.compute_dtype)."""
+    return PeakFlops(device, configured, dtype=dtype).per_device
 
 
 def format_flops(x: float) -> str:
