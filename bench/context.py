@@ -81,17 +81,18 @@ def shard_inputs(vocab: int, T: int, rank: int, cp: int):
 
 
 class Fp32Matmuls(TorchDispatchMode):
-    """Runs bf16 matmuls (mm, bmm, addmm, baddbmm) in fp32 and rounds their results to bf16: the same result
-    tensors, so what torch's MemTracker sees is unchanged. Entered before the tracker (the tracker's mode
-    above this one), the fp32 copies made here are not seen by it, as a real bf16 matmul's workspace is not.
-    Why: a CPU without bf16 instructions multiplies bf16 matrices 10 to 300 times slower than fp32 ones, by
-    layout (on this project's 2-core machine, 2026-12-06: 9.7 GFLOP/s by a transposed weight as nn.Linear
-    multiplies, 0.3 for [512, 2048] x [2048, 2048] both row-major, fp32 87-95), which made each fit run of the
-    `1b` cut-down models take 11-30 minutes instead of 20-60 s, for the same bytes (equal to the byte in the
-    three jobs rerun both ways; `test_fp32_matmuls_leave_the_measured_peak_as_it_is` checks a small one)."""
+    """Runs bf16 matmuls (mm, bmm, addmm, baddbmm, and the experts' _grouped_mm) in fp32 and rounds their
+    results to bf16: the same result tensors, so what torch's MemTracker sees is unchanged. Entered before
+    the tracker (the tracker's mode above this one), the fp32 copies made here are not seen by it, as a real
+    bf16 matmul's workspace is not. Why: a CPU without bf16 instructions multiplies bf16 matrices 10 to 300
+    times slower than fp32 ones, by layout (on this project's 2-core machine, 2026-12-06: 9.7 GFLOP/s by a
+    transposed weight as nn.Linear multiplies, 0.3 for [512, 2048] x [2048, 2048] both row-major, fp32
+    87-95), which made each fit run of the `1b` cut-down models take 11-30 minutes instead of 20-60 s, for the
+    same bytes (equal to the byte in the four jobs rerun both ways, `1b` and Kimi Linear's;
+    `test_fp32_matmuls_leave_the_measured_peak_as_it_is` checks a small one)."""
 
-    OPS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
-           torch.ops.aten.baddbmm.default}
+    OPS = {getattr(torch.ops.aten, name).default for name in ("mm", "bmm", "addmm", "baddbmm", "_grouped_mm")
+           if hasattr(torch.ops.aten, name)}
 
     def __init__(self):
         super().__init__()
