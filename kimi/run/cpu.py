@@ -106,9 +106,9 @@ def default_cache_dir() -> Path:
 def per_core_peak(cache_dir: Path, key: str, remeasure: bool = False,
                   measure: Optional[Callable[[], float]] = None) -> Tuple[float, bool]:
     """(one core's matmul FLOP/s as `measure` takes it, fp32 by default, whether it came from the cache).
-    Measured with one thread, which a
-    busy machine disturbs far less than several (on a loaded 2-core machine: 100 GFLOP/s with 1 thread, 17
-    with 2), then kept in `cache_dir`/cpu_peak.json under `key`; `remeasure` replaces the cached value."""
+    Measured with one thread, which a busy machine disturbs far less than several (on a loaded 2-core
+    machine: 100 GFLOP/s with 1 thread, 17 with 2), then kept in `cache_dir`/cpu_peak.json under `key`;
+    `remeasure` replaces the cached value."""
     path = Path(cache_dir) / PEAK_FILE
     try:
         cached = json.loads(path.read_text()) if path.exists() else {}
