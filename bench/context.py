@@ -7,26 +7,28 @@
    heaviest (its MLA layers read the latents of every earlier shard).
 2. Bytes one rank puts into collectives per layer, forward + backward, vs T: a one-block model of each
    mixer (KDA: the conv halo and the shard summaries, constant in T; MLA: the gathered latents, linear).
-3. A memory model of the heaviest (last) rank's peak, n * (a . features + e) + (T - n) * b + c with n = T /
-   cp: the features are 1, the sublayers and the Attention-Residual sources summed over the sublayers (what
-   activation checkpointing keeps per token: each sublayer's input, each depth mix's sources); e is what a
-   rank that continues the sequence holds more per token (its KDA runs over V + K value columns,
-   kimi/ops/kda/context.py; 0 at cp 1); b is MLA's prefix per token of the earlier shards (an estimate from
-   the shapes). a, e and c are fitted per model from short measured runs of cut-down models (4, 6 and 8 blocks
-   at T 256 and 512; cp 2 at T 512 and 1024) and checked against the full-depth measurements of (1), at
-   lengths and cp the fit never saw. With kimi.summary's persistent state (fp32 weights, gradients and
-   optimizer state, FSDP-sharded over the cp ranks, plus one gathered FSDP unit) it gives the longest
-   trainable sequence per GPU for the `1b` and `kimi_linear_48b_a3b` presets at cp = 1..64 (one GPU per cp
-   rank) on 80 GB and 141 GB devices, after a reserve for the CUDA context and allocator. Measured here, the
-   activations are those of the PyTorch paths on CPU (SDPA, the chunked KDA); on GPUs the Triton kernels keep
-   no more.
+3. A memory model of the heaviest (last) rank's peak, n * (a . features + e) + (T - n) * b + c - l * max(0, K
+   - n) with n = T / cp: the features are 1, the sublayers and the Attention-Residual sources summed over the
+   sublayers (what activation checkpointing keeps per token: each sublayer's input, each depth mix's
+   sources); e is what a rank that continues the sequence holds more per token (its KDA runs over V + K value
+   columns, kimi/ops/kda/context.py; 0 at cp 1); b is MLA's prefix per token of the earlier shards (an
+   estimate from the shapes); K is the loss's chunk (512 tokens at a 32k vocabulary, kimi/ops/linear_ce.py)
+   and l what the loss holds per token of it, where the loss sets the peak: a rank with fewer than K tokens
+   holds a shorter chunk. a, e, c and l are fitted per model from short measured runs of cut-down models (4,
+   6 and 8 blocks at T 256 and 512, the 4-block one at 1024 too; cp 2 at T 512 and 1024) and checked against
+   the full-depth measurements of (1), at lengths and cp the fit never saw. With kimi.summary's persistent
+   state (fp32 weights, gradients and optimizer state, FSDP-sharded over the cp ranks, plus one gathered FSDP
+   unit) it gives the longest trainable sequence per GPU for the `1b` and `kimi_linear_48b_a3b` presets at
+   cp = 1..64 (one GPU per cp rank) on 80 GB and 141 GB devices, after a reserve for the CUDA context and
+   allocator. Measured here, the activations are those of the PyTorch paths on CPU (SDPA, the chunked KDA);
+   on GPUs the Triton kernels keep no more.
 
     python bench/context.py [--quick]
 
-Prints markdown tables and writes bench/results/context.json. Hours on 2 CPU cores: each of the fit's
-cut-down `1b` runs took 11 to over 30 minutes there (2026-12-06); --work keeps each finished measurement, so
-a rerun (or a run stopped and started again) measures only what is missing. --report reprints the tables of
-a results file.
+Prints markdown tables and writes bench/results/context.json. Its bf16 matmuls run in fp32 (Fp32Matmuls,
+the same bytes): on this project's 2-core machine a cut-down `1b` run takes 20-60 s, Kimi Linear's 1-6 min
+(2026-12-06). --work keeps each finished measurement, so a rerun (or a run stopped and started again)
+measures only what is missing. --report reprints the tables of a results file.
 """
 
 from __future__ import annotations
@@ -199,6 +201,9 @@ def fit_jobs(preset: str, overrides: list[str]) -> list[tuple[int, dict]]:
     """(cp, job) of the short runs the fit needs."""
     jobs = [(1, {"name": f"{preset}/{c}", "fit": preset, "cut": c, "overrides": cut(overrides, c), "T": T,
                  "what": "memory"}) for c in CUTS for T in (256, 512)]
+    # past the loss's chunk (512 tokens at a 32k vocabulary): how much of the slope below it was the chunk's
+    jobs += [(1, {"name": f"{preset}/A", "fit": preset, "cut": "A", "overrides": cut(overrides, "A"),
+                  "T": 1024, "what": "memory"})]
     jobs += [(2, {"name": f"{preset}/A", "fit": preset, "cut": "A", "overrides": cut(overrides, "A"), "T": T,
                   "what": "memory"}) for T in (512, 1024)]
     return jobs
@@ -240,35 +245,63 @@ def block_bytes(m) -> float:
     return 2 * _keys_values(m)
 
 
+def loss_chunk(m) -> int:
+    """Tokens of the longest chunk the loss works on (kimi.ops.linear_ce), 0 for the plain loss: a rank
+    with fewer tokens holds a shorter chunk's logits."""
+    from kimi.ops.linear_ce import chunk_tokens
+
+    if m.loss_chunk < 0:
+        return 0
+    return m.loss_chunk or chunk_tokens(1 << 40, m.vocab_size, m.loss_chunk_mib << 20)
+
+
 def fit(rows: list[dict], name: str) -> dict:
-    """The coefficients of peak = n * (features . a + e) + (T - n) * b + c for the last of cp > 1 ranks
-    (n = T / cp tokens on the rank; e = 0 at cp 1), from the short runs of ``name``'s cut-down models:
-    each cut's slope in T at cp 1 is features . a (least squares over the cuts: with standard residuals two
-    features move together); e is what a rank that continues the sequence holds more than the first, per
+    """The coefficients of peak = n * (features . a + e) + (T - n) * b + c - l * max(0, K - n) for the last
+    of cp > 1 ranks (n = T / cp tokens on the rank; e = 0 at cp 1; K = loss_chunk), from the short runs of
+    ``name``'s cut-down models. l is what the loss holds per token of its chunk where that chunk sets the
+    peak (a short rank's chunk is shorter): cut A's slope in T below K less its slope above it (0 where the
+    blocks set the peak, as in `1b`). Each cut's slope at cp 1 less the chunk's share is features . a (least
+    squares over the cuts: with standard residuals two features move together); c the largest of their
+    intercepts at a whole chunk; e is what a rank that continues the sequence holds more than the first, per
     token of its shard (its KDA's K more value columns), from the cp 2 runs; b is prefix_bytes."""
     from kimi.summary import compose_config
 
     mine = [r for r in rows if r.get("fit") == name]
+    m = compose_config(mine[0]["overrides"]).model
+    K = loss_chunk(m)
+
+    def peaks(c):
+        return sorted((r["T"], max(r["per_rank"])) for r in mine if r["cut"] == c and r["cp"] == 1)
+
+    def chunk_share(t0, t1):  # how much of the chunk the loss holds grows from t0 to t1 tokens
+        return min(t1, K) - min(t0, K)
+
+    # cut A's two slopes: each the blocks' per-token bytes plus l times the share of its tokens that
+    # lengthen the loss's chunk
+    (t0, p0), (t1, p1), (t2, p2) = peaks("A")
+    below, above = (p1 - p0) / (t1 - t0), (p2 - p1) / (t2 - t1)
+    shares = chunk_share(t0, t1) / (t1 - t0) - chunk_share(t1, t2) / (t2 - t1)
+    lam = max(0.0, (below - above) / shares) if shares > 0 else 0.0
     slopes, intercepts, feats = [], [], []
     for c in CUTS:
-        (t0, p0), (t1, p1) = sorted((r["T"], max(r["per_rank"])) for r in mine if r["cut"] == c
-                                    and r["cp"] == 1)
-        slopes.append((p1 - p0) / (t1 - t0))
-        intercepts.append(p0 - slopes[-1] * t0)
+        (t0, p0), (t1, p1) = peaks(c)[:2]
+        slopes.append((p1 - p0 - lam * chunk_share(t0, t1)) / (t1 - t0))
+        intercepts.append(p1 - slopes[-1] * t1 + lam * max(0, K - t1))
         feats.append(features(compose_config(next(r["overrides"] for r in mine if r["cut"] == c)).model))
     a = torch.linalg.lstsq(torch.tensor(feats, dtype=torch.float64),
                            torch.tensor(slopes, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
-    b = prefix_bytes(compose_config(mine[0]["overrides"]).model)
+    b = prefix_bytes(m)
     excess = [((r["per_rank"][-1] - r["per_rank"][0]) - b * (r["T"] // 2)) / (r["T"] // 2)
               for r in mine if r["cp"] == 2]
-    return {"a": a, "e": max(0.0, sum(excess) / len(excess)), "b": b, "c": max(0.0, max(intercepts))}
+    return {"a": a, "e": max(0.0, sum(excess) / len(excess)), "b": b, "c": max(0.0, max(intercepts)),
+            "l": lam, "K": K}
 
 
 def predict(coef: dict, m, T: int, cp: int, extra_per_token: float = 0.0) -> float:
     n = T / cp
     per_token = (sum(a * f for a, f in zip(coef["a"], features(m))) + extra_per_token
                  + (coef["e"] if cp > 1 else 0))
-    return n * per_token + (T - n) * coef["b"] + coef["c"]
+    return n * per_token + (T - n) * coef["b"] + coef["c"] - coef["l"] * max(0.0, coef["K"] - n)
 
 
 def persistent_bytes(overrides: list[str], cp: int) -> float:
