@@ -90,7 +90,7 @@ class Fp32Matmuls(TorchDispatchMode):
     times slower than fp32 ones, by layout (on this project's 2-core machine, 2026-12-06: 9.7 GFLOP/s by a
     transposed weight as nn.Linear multiplies, 0.3 for [512, 2048] x [2048, 2048] both row-major, fp32
     87-95), which made each fit run of the `1b` cut-down models take 11-30 minutes instead of 20-60 s, for the
-    same bytes (equal to the byte in the four jobs rerun both ways, `1b` and Kimi Linear's;
+    same bytes (equal to the byte in the four jobs rerun both ways, of `1b`, `small` and Kimi Linear;
     `test_fp32_matmuls_leave_the_measured_peak_as_it_is` checks a small one)."""
 
     OPS = {getattr(torch.ops.aten, name).default for name in ("mm", "bmm", "addmm", "baddbmm", "_grouped_mm")

@@ -105,8 +105,8 @@ def test_cpu_peak_is_the_best_of_several_runs(monkeypatch):
     assert cpu.measure_cpu_peak_flops(size=64, seconds=0.01, repeats=2) > 0
     assert cpu.measure_cpu_peak_flops(size=64, seconds=0.01, repeats=2, dtype=torch.bfloat16) > 0
     # A clock for two timed runs of 1.5 s: the first does one matmul in 3 s, the second (the machine busy)
-    # none in 4 s. The peak is the first run's rate, not the mean or the last. (Each run starts with a look
-    # at the time spent since the start: the first and the fourth reading.)
+    # none in 4 s. The peak is the first run's rate, not the mean or the last. (The first reading is the
+    # start; each run begins with a look at the time spent since then: the second and the seventh reading.)
     ticks = [0.0, 0.0, 0.0, 1.0, 2.0, 3.0, 3.0, 10.0, 12.0, 14.0]
     clock = iter(ticks)
     monkeypatch.setattr(cpu.time, "perf_counter", lambda: next(clock))
