@@ -26,6 +26,7 @@ keeps what it saves; the sublayer's runner then checkpoints its depth mix and pr
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Callable, Iterator
 
 import torch
@@ -116,8 +117,23 @@ def apply_compile(model: nn.Module, cuda_graphs: str = "none", selective: bool =
     model.depth_mix = depth_mix(model.cfg.attnres.backend, compiled=True, mode=mode)
 
 
+class _InPlaceChecked(logging.Filter):
+    """Drops dynamo's warning that a context_fn under torch.compile must not meet in-place ops (once per
+    process): ours meets only in-place ops into buffers the region itself allocates (the experts' index_add_
+    and scatter_add_ into fresh zeros), which a recompute makes anew, and the selective regions' gradients
+    equal eager's with and without experts (tests/parallel/test_parallel.py, selective under compile)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint under torch.compile" not in record.getMessage()
+
+
+IN_PLACE_CHECKED = _InPlaceChecked()
+DYNAMO_WRAP_LOG = "torch._higher_order_ops.wrap"  # the logger that warns
+
+
 def _compiled_selective(call: Callable, mode: str | None) -> Callable:
     """call(*args, **kwargs) checkpointed under the selective policy inside one compiled region."""
+    logging.getLogger(DYNAMO_WRAP_LOG).addFilter(IN_PLACE_CHECKED)  # a logger's filters are a set: added once
     compiled = torch.compile(functools.partial(_checkpointed(selective=True), call), mode=mode)
 
     def run(*args, **kwargs):
