@@ -3,25 +3,30 @@
 1. Peak activation memory per rank vs sequence length T for cp = 1, 2, 4 (the `tiny` and `small` presets,
    one row of T tokens, bf16, activation checkpointing `full`): each rank builds the model, runs
    the forward and backward of its shard, and torch's MemTracker records the peak of the activation and
-   temporary bytes (parameters and gradients excluded: kimi.summary counts those). The last rank is the
-   heaviest (its MLA layers read the latents of every earlier shard).
+   temporary bytes (parameters and gradients excluded: kimi.summary counts those) in each of the step's two
+   phases: up to the end of the loss's backward (the forward and the chunked loss), and after it (the
+   blocks' backward, each block recomputed and differentiated). The last rank is the heaviest (its MLA
+   layers read the latents of every earlier shard).
 2. Bytes one rank puts into collectives per layer, forward + backward, vs T: a one-block model of each
    mixer (KDA: the conv halo and the shard summaries, constant in T; MLA: the gathered latents, linear).
-3. A memory model of the heaviest (last) rank's peak, n * (a . features + e) + (T - n) * b + c - l * max(0, K
-   - n) with n = T / cp: the features are 1, the sublayers and the Attention-Residual sources summed over the
-   sublayers (what activation checkpointing keeps per token: each sublayer's input, each depth mix's
-   sources); e is what a rank that continues the sequence holds more per token (its KDA runs over V + K value
-   columns, kimi/ops/kda/context.py; 0 at cp 1); b is MLA's prefix per token of the earlier shards (an
-   estimate from the shapes); K is the loss's chunk (512 tokens at a 32k vocabulary, kimi/ops/linear_ce.py)
-   and l what the loss holds per token of it, where the loss sets the peak: a rank with fewer than K tokens
-   holds a shorter chunk. a, e, c and l are fitted per model from short measured runs of cut-down models (4,
-   6 and 8 blocks at T 256 and 512, the 4-block one at 1024 too; cp 2 at T 512 and 1024) and checked against
-   the full-depth measurements of (1), at lengths and cp the fit never saw. With kimi.summary's persistent
-   state (fp32 weights, gradients and optimizer state, FSDP-sharded over the cp ranks, plus one gathered FSDP
-   unit) it gives the longest trainable sequence per GPU for the `1b` and `kimi_linear_48b_a3b` presets at
-   cp = 1..64 (one GPU per cp rank) on 80 GB and 141 GB devices, after a reserve for the CUDA context and
-   allocator. Measured here, the activations are those of the PyTorch paths on CPU (SDPA, the chunked KDA);
-   on GPUs the Triton kernels keep no more.
+3. A memory model of the heaviest (last) rank's peak, the larger of the two phases' (`fit`): the loss's,
+   n * (a . features) + c - l * max(0, K - n), and the blocks' backward's, n * (a . features + e) +
+   (T - n) * b + c, each with its own a and c, n = T / cp. The features are 1, the sublayers and the
+   Attention-Residual sources summed over the sublayers (what activation checkpointing keeps per token: each
+   sublayer's input, each depth mix's sources); e is what a rank that continues the sequence holds more per
+   token (its KDA runs over V + K value columns, kimi/ops/kda/context.py; 0 at cp 1); b is MLA's prefix per
+   token of the earlier shards (an estimate from the shapes); K is the loss's chunk (512 tokens at a 32k
+   vocabulary, kimi/ops/linear_ce.py) and l what the loss holds per token of it: a rank with fewer than K
+   tokens holds a shorter chunk. The coefficients are fitted per model from short measured runs of cut-down
+   models (4, 6 and 8 blocks at T 256 and 512, the 4-block one at 1024 too; cp 2 at T 512 and 1024) and
+   checked against the full-depth measurements of (1), at lengths and cp the fit never saw. With
+   kimi.summary's persistent state (fp32 weights, gradients and optimizer state, FSDP-sharded over the cp
+   ranks, plus one gathered FSDP unit) it gives the longest trainable sequence per GPU for the `1b` and
+   `kimi_linear_48b_a3b` presets at cp = 1..64 (one GPU per cp rank) on 80 GB and 141 GB devices, after a
+   reserve for the CUDA context and allocator. Measured here, these are the activations of the PyTorch paths
+   on CPU (SDPA, the chunked KDA), whose backward keeps more per token than the GPU's Triton kernels.
+4. The same table by the planner (kimi.plan.memory_per_rank) with the kernels a GPU runs: what a GPU run
+   is sized by. Its CPU traces are checked against (1) beside the fit.
 
     python bench/context.py [--quick]
 
@@ -62,7 +67,15 @@ PRESETS = {"1b": ["model=1b", "model.vocab_size=32768"],
            # 16 routed experts instead of 256: a token's activations depend on top_k and moe_hidden, not on
            # how many experts there are (the router's scores are 4 bytes per expert: added back below)
            "kimi_linear_48b_a3b": ["model=kimi_linear_48b_a3b", "model.moe.num_experts=16"]}
+# the kernels a GPU runs, measured for their allocations: the Triton ops run interpreted with every kernel
+# launch a no-op (what they allocate is the same tensors whatever the kernels write), in bf16 as the rest
+GPU_KERNELS = ["model.kda.backend=triton", "model.attention.backend=triton", "model.attnres.backend=triton"]
+PRESETS["1b+triton"] = [*PRESETS["1b"], *GPU_KERNELS]
 DEVICES = {"80 GB": 80e9, "141 GB": 141e9}
+CPS = (1, 2, 4, 8, 16, 32, 64)  # the long-sequence tables' context-parallel sizes
+# the three parts of a step whose peaks measure records: the forward with the loss's forward and backward,
+# the blocks' backward, the embedding's backward (its weight's gradient: constant in T)
+PHASES = ("loss", "blocks", "embedding")
 GIB = 1024**3
 
 
@@ -141,24 +154,52 @@ def measure(job: dict) -> dict:
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     tracker = MemTracker()
     tracker.track_external(model)
+    phases, ends = {}, iter(PHASES)
+
+    def activations(snapshot) -> int:
+        kinds = {str(k).rsplit(".", 1)[-1]: v for k, v in snapshot[torch.device("cpu")].items()}
+        return kinds["ACT"] + kinds["TEMP"]
+
+    def phase_ends(grad):
+        # a phase ends where a tensor it differentiates toward gets its gradient: the head's input (the loss's
+        # backward is done), the embedding's output (every block's is). MemTracker has no public way to
+        # restart its peak; its two private records of it are cleared (the next allocation sets them).
+        phases[next(ends)] = activations(tracker.get_tracker_snapshot("peak"))
+        tracker._peak_mem.clear()
+        tracker._peak_mem_snap.clear()
+
+    def watch(tensor):
+        tensor.register_hook(phase_ends)
+
+    model.lm_head.register_forward_pre_hook(lambda module, args: watch(args[0]))
+    model.embed.register_forward_hook(lambda module, args, out: watch(out))
     with tracker:
         step()
-    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-    kinds = {str(k).rsplit(".", 1)[-1]: v for k, v in peak.items()}
-    return {"bytes": kinds["ACT"] + kinds["TEMP"]}
+    phases[next(ends)] = activations(tracker.get_tracker_snapshot("peak"))
+    return {"bytes": max(phases.values()), "phases": phases}
+
+
+def on_gpu_kernels(job: dict) -> bool:
+    return GPU_KERNELS[0] in job["overrides"]
 
 
 def worker(spec: Path, out: Path) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     results = []
-    for job in json.loads(spec.read_text()):
+    jobs = json.loads(spec.read_text())
+    if any(map(on_gpu_kernels, jobs)):  # launched with TRITON_INTERPRET=1: launches do nothing
+        from triton.runtime.interpreter import InterpretedFunction
+
+        InterpretedFunction.run = lambda self, *args, **kwargs: None
+    for job in jobs:
         with Fp32Matmuls():
             got = measure(job)
         every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, got["bytes"])
-        results.append({**job, "per_rank": every, "by_kind": got.get("by_kind")})
-        print(f"[context] {job['name']} T={job['T']}: {every}", flush=True)
+        dist.all_gather_object(every, got)
+        results.append({**job, "per_rank": [g["bytes"] for g in every], "by_kind": got.get("by_kind")}
+                       | ({"phases": [g["phases"] for g in every]} if "phases" in got else {}))
+        print(f"[context] {job['name']} T={job['T']}: {[g['bytes'] for g in every]}", flush=True)
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results))
     from kimi.parallel import destroy_distributed
@@ -175,7 +216,8 @@ def launch(cp: int, jobs: list[dict], tmp: Path) -> list[dict]:
     for batch in (b for b in batches if b):
         key = hashlib.sha1(json.dumps([cp, batch], sort_keys=True).encode()).hexdigest()[:16]
         spec, out = tmp / f"jobs_{key}.json", tmp / f"out_{key}.json"
-        if out.exists():
+        if out.exists() and all(set(r.get("phases", [{}])[0]) == set(PHASES)
+                                for r in json.loads(out.read_text()) if r["what"] == "memory"):
             rows += [{**r, "cp": cp} for r in json.loads(out.read_text())]
             continue
         spec.write_text(json.dumps(batch))
@@ -183,7 +225,9 @@ def launch(cp: int, jobs: list[dict], tmp: Path) -> list[dict]:
                str(Path(__file__).resolve()), "--worker", str(spec), str(out)]
         print(f"[context] cp {cp}: {', '.join(sorted({j['name'] for j in batch}))} "
               f"T={','.join(str(j['T']) for j in batch)}", flush=True)
-        proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"} | (
+            {"TRITON_INTERPRET": "1"} if any(map(on_gpu_kernels, batch)) else {})
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"torchrun on {cp} ranks exited {proc.returncode}:\n{proc.stdout[-2000:]}\n"
                              f"{proc.stderr[-4000:]}")
@@ -256,52 +300,75 @@ def loss_chunk(m) -> int:
 
 
 def fit(rows: list[dict], name: str) -> dict:
-    """The coefficients of peak = n * (features . a + e) + (T - n) * b + c - l * max(0, K - n) for the last
-    of cp > 1 ranks (n = T / cp tokens on the rank; e = 0 at cp 1; K = loss_chunk), from the short runs of
-    ``name``'s cut-down models. l is what the loss holds per token of its chunk where that chunk sets the
-    peak (a short rank's chunk is shorter): cut A's slope in T below K less its slope above it (0 where the
-    blocks set the peak, as in `1b`). Each cut's slope at cp 1 less the chunk's share is features . a (least
-    squares over the cuts: with standard residuals two features move together); c the largest of their
-    intercepts at a whole chunk; e is what a rank that continues the sequence holds more than the first, per
-    token of its shard (its KDA's K more value columns), from the cp 2 runs; b is prefix_bytes."""
+    """The coefficients of the three phases' peaks on the last of cp > 1 ranks (n = T / cp tokens on it; K =
+    loss_chunk), each fitted on its own peak in the same short runs of ``name``'s cut-down models (measure
+    records each):
+    - the loss: n * (features . a) + c - l * max(0, K - n). l is what the loss holds per token of its chunk
+      (a short rank's chunk is shorter): cut A's slope in T below K less its slope above it;
+    - the blocks' backward: n * (features . a + e) + (T - n) * b + c. e is what a rank that continues the
+      sequence holds more than the first, per token of its shard (its KDA's K more value columns), from the
+      cp 2 runs (0 at cp 1); b is MLA's prefix per token of the earlier shards, prefix_bytes;
+    - the embedding's backward: n * (features . a) + c, a near 0 (its weight's gradient as it is made).
+    Each cut's slope at cp 1 from 256 to 512 tokens (less the chunk's share in the loss) is features . a,
+    least squares over the cuts (with standard residuals two features move together); c is the largest of
+    their intercepts."""
     from kimi.summary import compose_config
 
     mine = [r for r in rows if r.get("fit") == name]
     m = compose_config(mine[0]["overrides"]).model
     K = loss_chunk(m)
 
-    def peaks(c):
-        return sorted((r["T"], max(r["per_rank"])) for r in mine if r["cut"] == c and r["cp"] == 1)
+    def peaks(c, phase):  # (T, the phase's peak) of cut c at cp 1, by T
+        return sorted((r["T"], r["phases"][0][phase]) for r in mine if r["cut"] == c and r["cp"] == 1)
 
     def chunk_share(t0, t1):  # how much of the chunk the loss holds grows from t0 to t1 tokens
         return min(t1, K) - min(t0, K)
 
-    # cut A's two slopes: each the blocks' per-token bytes plus l times the share of its tokens that
-    # lengthen the loss's chunk
-    (t0, p0), (t1, p1), (t2, p2) = peaks("A")
-    below, above = (p1 - p0) / (t1 - t0), (p2 - p1) / (t2 - t1)
-    shares = chunk_share(t0, t1) / (t1 - t0) - chunk_share(t1, t2) / (t2 - t1)
-    lam = max(0.0, (below - above) / shares) if shares > 0 else 0.0
-    slopes, intercepts, feats = [], [], []
-    for c in CUTS:
-        (t0, p0), (t1, p1) = peaks(c)[:2]
-        slopes.append((p1 - p0 - lam * chunk_share(t0, t1)) / (t1 - t0))
-        intercepts.append(p1 - slopes[-1] * t1 + lam * max(0, K - t1))
-        feats.append(features(compose_config(next(r["overrides"] for r in mine if r["cut"] == c)).model))
-    a = torch.linalg.lstsq(torch.tensor(feats, dtype=torch.float64),
-                           torch.tensor(slopes, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
-    b = prefix_bytes(m)
-    excess = [((r["per_rank"][-1] - r["per_rank"][0]) - b * (r["T"] // 2)) / (r["T"] // 2)
+    coef, cut_slopes = {}, {}
+    for phase in PHASES:  # the loss's first: the blocks' phase builds on it
+        lam = 0.0
+        if phase == "loss":  # cut A's two slopes: the per-token bytes plus l times the chunk's share of them
+            (t0, p0), (t1, p1), (t2, p2) = peaks("A", phase)
+            below, above = (p1 - p0) / (t1 - t0), (p2 - p1) / (t2 - t1)
+            shares = chunk_share(t0, t1) / (t1 - t0) - chunk_share(t1, t2) / (t2 - t1)
+            lam = max(0.0, (below - above) / shares) if shares > 0 else 0.0
+        slopes, intercepts, feats = [], [], []
+        for c in CUTS:
+            (t0, p0), (t1, p1) = peaks(c, phase)[:2]
+            slopes.append((p1 - p0 - lam * chunk_share(t0, t1)) / (t1 - t0))
+            intercepts.append(p1 - slopes[-1] * t1 + lam * max(0, K - t1))
+            feats.append(features(compose_config(next(r["overrides"] for r in mine if r["cut"] == c)).model))
+        if phase == "blocks":
+            # what the loss's phase holds per token (every checkpointed input, the mixes' sources), plus one
+            # block's recompute and backward, whose bytes per token do not grow with depth: the largest
+            # excess of this phase's slope over the loss's among the cuts (a least-squares fit of its own
+            # extrapolates the few cuts' differences, which hang on where the heaviest block sits)
+            a = list(coef["loss"]["a"])
+            a[0] += max(s - t for s, t in zip(slopes, cut_slopes["loss"]))
+        else:
+            a = torch.linalg.lstsq(torch.tensor(feats, dtype=torch.float64),
+                                   torch.tensor(slopes, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
+        cut_slopes[phase] = slopes
+        coef[phase] = {"a": a, "c": max(0.0, max(intercepts)), "l": lam, "K": K, "e": 0.0, "b": 0.0}
+    b = prefix_bytes(m, blockwise=on_gpu_kernels(mine[0]))
+    excess = [((r["phases"][-1]["blocks"] - r["phases"][0]["blocks"]) - b * (r["T"] // 2)) / (r["T"] // 2)
               for r in mine if r["cp"] == 2]
-    return {"a": a, "e": max(0.0, sum(excess) / len(excess)), "b": b, "c": max(0.0, max(intercepts)),
-            "l": lam, "K": K}
+    coef["blocks"] |= {"e": max(0.0, sum(excess) / len(excess)), "b": b}
+    return coef
 
 
-def predict(coef: dict, m, T: int, cp: int, extra_per_token: float = 0.0) -> float:
+def predict_phase(coef: dict, m, T: int, cp: int, extra_per_token: float = 0.0) -> float:
+    """One phase's peak on the last rank (fit's formula, with ``extra_per_token`` per token of its shard)."""
     n = T / cp
     per_token = (sum(a * f for a, f in zip(coef["a"], features(m))) + extra_per_token
                  + (coef["e"] if cp > 1 else 0))
     return n * per_token + (T - n) * coef["b"] + coef["c"] - coef["l"] * max(0.0, coef["K"] - n)
+
+
+def predict(coef: dict, m, T: int, cp: int, extra_per_token: float = 0.0) -> float:
+    """The last rank's peak: the largest of its three phases' (``extra_per_token``: more the blocks keep per
+    token, e.g. the router's scores of experts the fit's models left out)."""
+    return max(predict_phase(coef[ph], m, T, cp, extra_per_token if ph == "blocks" else 0.0) for ph in PHASES)
 
 
 def persistent_bytes(overrides: list[str], cp: int) -> float:
@@ -325,6 +392,65 @@ def longest(coef, m, cp, budget, extra) -> int:
             break
         lo, hi = (mid, hi) if predict(coef, m, mid, cp, extra) <= budget else (lo, mid)
     return lo
+
+
+def plan_config(overrides: list[str], T: int, cp: int, device: str):
+    """The planner's run: one row of T tokens on cp ranks, FSDP over them, bf16, activation checkpointing
+    full, on ``device`` (cuda: the kernels a GPU takes, the Triton KDA, attention and AttnRes ops)."""
+    from kimi.summary import compose_config
+
+    return compose_config([*overrides, f"trainer.seq_len={T}", f"parallel.cp={cp}", "trainer.precision=bf16",
+                           "parallel.activation_checkpointing=full", "trainer.micro_batch_size=1",
+                           "trainer.grad_accum_steps=1", f"trainer.device={device}"])
+
+
+def planned_bytes(overrides: list[str], T: int, cp: int) -> float:
+    """The heaviest rank's peak on a GPU by the planner (kimi.plan.memory_per_rank: persistent state and what
+    the activation trace keeps)."""
+    from kimi.plan.memory import memory_per_rank
+
+    return float(sum(memory_per_rank(plan_config(overrides, T, cp, "cuda")).values()))
+
+
+def planned_activations(overrides: list[str], T: int, cp: int, device: str = "cpu") -> float:
+    """What the planner says the last rank's activations peak at (on the CPU: its traces of the PyTorch
+    paths), beside what (1) measures."""
+    from kimi.plan.memory import activations, trace_mode
+    from kimi.plan.activations import trace
+    from kimi.plan.shapes import pipeline
+
+    cfg = plan_config(overrides, T, cp, device)
+    ((_, blocks, first, last),) = pipeline(cfg)
+    return activations(cfg, trace(cfg.model, "full", trace_mode(cfg)), 0, blocks, first, last)
+
+
+def longest_planned(overrides: list[str], cp: int, budget: float) -> int:
+    """The longest T (a multiple of 1024 * cp) the planner fits in ``budget`` bytes per GPU; 0 if none."""
+    step = 1024 * cp
+    if planned_bytes(overrides, step, cp) > budget:
+        return 0
+    lo, hi = step, 2 * step
+    while planned_bytes(overrides, hi, cp) <= budget and hi < 2**30:
+        lo, hi = hi, hi * 2
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        lo, hi = (mid, hi) if planned_bytes(overrides, mid, cp) <= budget else (lo, mid)
+    return lo
+
+
+def planned_table(reserve: float) -> dict:
+    """{preset: {device: {cp: longest T}}} by the planner, for the GPU table beside the fit's."""
+    table: dict = {}
+    for preset, overrides in PRESETS.items():
+        if "+" in preset:  # the planner's GPU run takes the GPU's kernels already
+            continue
+        full = [o for o in overrides if not o.startswith("model.moe.num_experts")]
+        for dev, cap in DEVICES.items():
+            for cp in CPS:
+                T = longest_planned(full, cp, cap * (1 - reserve))
+                table.setdefault(preset, {}).setdefault(dev, {})[str(cp)] = T
+                print(f"[context] planner: {preset} on {dev}, cp {cp}: {tokens(T) if T else '-'}", flush=True)
+    return table
 
 
 # ---- tables --------------------------------------------------------------------------------------------
@@ -391,22 +517,30 @@ def report(out: dict, reserve: float) -> str:
         m = compose_config(MEASURED[name]).model
         for r in (r for r in mem if r["name"] == name):
             got, want = predict(coef, m, r["T"], r["cp"]), max(r["per_rank"])
-            checks.append([name, str(r["T"]), str(r["cp"]), f"{want / 2**20:.1f}", f"{got / 2**20:.1f}",
-                           f"{got / want:.2f}"])
+            heaviest = r["phases"][r["per_rank"].index(want)]
+            modelled = {ph: predict_phase(coef[ph], m, r["T"], r["cp"]) for ph in PHASES}
+            planned = out.get("planner_check", {}).get(f"{name}/{r['T']}/{r['cp']}")
+            checks.append([name, str(r["T"]), str(r["cp"]),
+                           f"{want / 2**20:.1f} ({max(heaviest, key=heaviest.get)})",
+                           f"{got / 2**20:.1f} ({max(modelled, key=modelled.get)})", f"{got / want:.2f}",
+                           f"{planned / 2**20:.1f} ({planned / want:.2f})" if planned else "-"])
     out["model_check"] = checks
     text += ["", "The memory model against those measurements (fitted on cut-down models of 4, 6 and 8 "
-             "blocks, T 256-1024, cp 1-2):", md(["model", "T", "cp", "measured MiB", "model MiB",
-                                                 "model / measured"], checks)]
+             "blocks, T 256-1024, cp 1-2), and the phase that sets each peak (the loss, or the blocks' "
+             "backward):", md(["model", "T", "cp", "measured MiB", "model MiB",
+                                                 "model / measured", "planner MiB (/ measured)"], checks)]
 
     # GPUs run the blockwise MLA prefix (Triton attention, no packed documents): its b and its block
     presets = [p for p in PRESETS if any(r.get("fit") == p for r in rows)]
-    table, answers, cps = [], {}, (1, 2, 4, 8, 16, 32, 64)
+    table, fitted_answers, cps = [], {}, CPS
     for preset in presets:
         full = [o for o in PRESETS[preset] if not o.startswith("model.moe.num_experts")]
         m = compose_config(full).model
-        coef = {**fit(rows, preset), "b": prefix_bytes(m, blockwise=True)}
+        coef = fit(rows, preset)
+        coef["blocks"]["b"] = prefix_bytes(m, blockwise=True)
         extra = 4 * (m.moe.num_experts - 16) * (m.num_layers - m.moe.first_dense) if m.moe.num_experts else 0
-        extra += block_bytes(m)
+        if m.attention.backend != "triton":  # the blockwise path's block, measured where it ran
+            extra += block_bytes(m)
         out.setdefault("fits", {})[preset] = coef
         for dev, cap in DEVICES.items():
             cells = []
@@ -415,22 +549,35 @@ def report(out: dict, reserve: float) -> str:
                 T = longest(coef, m, cp, budget, extra) if budget > 0 else 0
                 cells.append(tokens(T) if T else "-")
                 if T >= 1 << 20:
-                    answers.setdefault((preset, dev), cp)
+                    fitted_answers.setdefault((preset, dev), cp)
             table.append([preset, dev] + cells)
-        per_token = sum(a * f for a, f in zip(coef["a"], features(m))) / 1024
-        text += ["", f"`{preset}`: {per_token:.0f} KiB per token of the rank's shard "
-                 f"(+{coef['e'] / 1024:.0f} KiB on a continuing rank), {coef['b'] / 1024:.1f} KiB per token "
+        per_token = {ph: sum(a * f for a, f in zip(coef[ph]["a"], features(m))) / 1024 for ph in PHASES}
+        blocks = coef["blocks"]
+        text += ["", f"`{preset}`: {per_token['blocks']:.0f} KiB per token of the rank's shard in the "
+                 f"blocks' backward ({per_token['loss']:.0f} in the loss; +{blocks['e'] / 1024:.0f} KiB on a "
+                 f"continuing rank), {blocks['b'] / 1024:.1f} KiB per token "
                  f"of the earlier shards (MLA's prefix latent; {prefix_bytes(m) / 1024:.0f} KiB where the "
                  "prefix is up-projected whole); exchange per layer and step at T = 1M, cp 64: KDA "
                  f"{exchange_bytes(m, 'KDA', 1 << 20, 64) / 2**20:.0f} MiB, MLA "
                  f"{exchange_bytes(m, 'MLA', 1 << 20, 64) / 2**20:.0f} MiB"]
     if presets:
-        text += ["", "Longest trainable sequence per GPU (the model; activation checkpointing full, bf16, "
-                 f"one GPU per cp rank, FSDP over them, MLA's prefix blockwise; {reserve:.0%} of memory "
-                 "reserved; '-': the weights and optimizer "
+        text += ["", "Longest trainable sequence per GPU by the fit above (the CPU's PyTorch paths as "
+                 "measured here; activation checkpointing full, bf16, one GPU per cp rank, FSDP over them, "
+                 f"MLA's prefix blockwise; {reserve:.0%} of memory reserved; '-': the weights and optimizer "
                  "state alone do not fit):", md(["preset", "device"] + [f"cp {c}" for c in cps], table)]
-        text += [f"- `{p}` on {d} GPUs: 1M tokens from cp = {cp}" for (p, d), cp in answers.items()]
+        text += ["By the fit, 1M tokens: " + "; ".join(f"{p} on {d} GPUs from cp = {cp}"
+                                                       for (p, d), cp in fitted_answers.items())]
         out["longest"] = table
+    if out.get("planned"):
+        table, answers = [], {}
+        for preset, by_device in out["planned"].items():
+            for dev, by_cp in by_device.items():
+                table.append([preset, dev] + [tokens(T) if T else "-" for T in by_cp.values()])
+                answers[(preset, dev)] = next((int(cp) for cp, T in by_cp.items() if T >= 1 << 20), None)
+        text += ["", "Longest trainable sequence per GPU by the planner (kimi.plan.memory_per_rank) with the "
+                 "kernels a GPU runs (the Triton KDA, attention and AttnRes ops), as above:",
+                 md(["preset", "device"] + [f"cp {c}" for c in CPS], table)]
+        text += [f"- `{p}` on {d} GPUs: 1M tokens from cp = {cp}" for (p, d), cp in answers.items() if cp]
     return "\n".join(text)
 
 
@@ -468,7 +615,11 @@ def main() -> None:
             by_cp[cp].append(job)
     args.work.mkdir(parents=True, exist_ok=True)
     rows = [r for cp, jobs in by_cp.items() for r in launch(cp, jobs, args.work)]
-    out = {"device": "cpu", "torch": torch.__version__, "precision": "bf16", "ac": "full", "rows": rows}
+    out = {"device": "cpu", "torch": torch.__version__, "precision": "bf16", "ac": "full", "rows": rows,
+           "planned": {} if args.quick else planned_table(args.reserve),
+           "planner_check": {f"{r['name']}/{r['T']}/{r['cp']}": planned_activations(r["overrides"], r["T"],
+                                                                                    r["cp"])
+                             for r in rows if r["what"] == "memory" and "fit" not in r}}
     text = report(out, args.reserve)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))

@@ -15,16 +15,25 @@ import context  # noqa: E402
 pytestmark = pytest.mark.unit
 
 
+@pytest.mark.slow  # a planner trace of `1b` as a GPU runs it: about 30 s
 def test_the_memory_model_fits_the_measurements_and_reaches_1m_tokens():
+    """The fit (the largest of the three phases' peaks) and the planner's CPU traces against the full-depth
+    measurements; the planner's GPU table still reaches 1M tokens of `1b` on at most 8 GPUs of either size,
+    and the planner as it is now still fits the 141 GB answer."""
     out = json.loads((ROOT / "bench" / "results" / "context.json").read_text())
     text = context.report(out, reserve=0.1)
-    for name, T, cp, measured, model, ratio in out["model_check"]:
-        if name == "tiny":  # where the blocks set the peak at every length (docs/parallelism.md)
-            assert 0.97 <= float(ratio) <= 1.05, (name, T, cp)
+    for name, T, cp, measured, model, ratio, planned in out["model_check"]:
+        assert 0.9 <= float(ratio) <= 1.1, (name, T, cp, measured, model)
+        # the planner where the blocks' backward sets the peak, as at long sequences (where the loss does,
+        # on short shards of `small`, it is low: docs/parallelism.md)
+        if "(blocks)" in measured:
+            assert 0.9 <= float(planned.split("(")[1].rstrip(")")) <= 1.1, (name, T, cp, measured, planned)
     first_cp = {line.split("`")[1] + " " + line.split(" on ")[1].split(" GPUs")[0]:
                 int(line.rsplit("= ", 1)[1])
                 for line in text.splitlines() if line.startswith("- `")}
     assert first_cp["1b 141 GB"] <= 8 and first_cp["1b 80 GB"] <= 8
+    # the planner as it is now: 1M tokens of `1b` still fit the committed answer's cp on 141 GB GPUs
+    assert context.planned_bytes(context.PRESETS["1b"], 1 << 20, first_cp["1b 141 GB"]) <= 0.9 * 141e9
 
 
 def test_the_blockwise_prefix_keeps_only_the_latent():
@@ -49,3 +58,23 @@ def test_fp32_matmuls_leave_the_measured_peak_as_it_is():
     with stand_in:
         fast = context.measure(job)
     assert fast == plain and plain["bytes"] > 0 and stand_in.count > 0
+
+
+@pytest.mark.slow  # the kernels interpreted: about 30 s
+def test_the_gpu_kernels_allocate_alike_whatever_their_launches_do(monkeypatch):
+    """bench/context.py measures what the GPU's Triton ops allocate with every kernel launch a no-op (run
+    interpreted, a 1b-sized job would take hours): each phase's peak is within 3% of the one with the kernels
+    run for real, a little lower, with KDA, MLA and the fused AttnRes mix in the model. (At 64-256 tokens of
+    `tiny` the no-op runs keep about one d_model-wide bf16 row per token less in the blocks' backward and
+    three in the embedding's, with the same ops and shapes allocated: a lifetime the interpreter extends,
+    not traced further.)"""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    job = {"overrides": [*context.MEASURED["tiny"], *context.GPU_KERNELS, "model.num_layers=2",
+                         "model.mla_layers=[1]"], "T": 64, "what": "memory"}
+    ran = context.measure(job)["phases"]
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *args, **kwargs: None)
+    launched_nothing = context.measure(job)["phases"]
+    assert set(ran) == set(launched_nothing) == set(context.PHASES)
+    for phase, real in ran.items():
+        assert 0.97 * real <= launched_nothing[phase] <= real, (phase, real, launched_nothing[phase])
