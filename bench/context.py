@@ -3,30 +3,32 @@
 1. Peak activation memory per rank vs sequence length T for cp = 1, 2, 4 (the `tiny` and `small` presets,
    one row of T tokens, bf16, activation checkpointing `full`): each rank builds the model, runs
    the forward and backward of its shard, and torch's MemTracker records the peak of the activation and
-   temporary bytes (parameters and gradients excluded: kimi.summary counts those) in each of the step's two
-   phases: up to the end of the loss's backward (the forward and the chunked loss), and after it (the
-   blocks' backward, each block recomputed and differentiated). The last rank is the heaviest (its MLA
-   layers read the latents of every earlier shard).
+   temporary bytes (parameters and gradients excluded: kimi.summary counts those) in each of the step's
+   three phases (PHASES): up to the end of the loss's backward (the forward and the chunked loss), the
+   blocks' backward (each block recomputed and differentiated), and the embedding's backward. The last rank
+   is the heaviest (its MLA layers read the latents of every earlier shard).
 2. Bytes one rank puts into collectives per layer, forward + backward, vs T: a one-block model of each
    mixer (KDA: the conv halo and the shard summaries, constant in T; MLA: the gathered latents, linear).
-3. A memory model of the heaviest (last) rank's peak, the larger of the two phases' (`fit`): the loss's,
-   n * (a . features) + c - l * max(0, K - n), and the blocks' backward's, n * (a . features + e) +
-   (T - n) * b + c, each with its own a and c, n = T / cp. The features are 1, the sublayers and the
+3. A memory model of the heaviest (last) rank's peak, the largest of the three phases' (`fit`, n = T / cp):
+   the loss's, n * (a . features) + c - l * max(0, K - n); the blocks' backward's, n * (a . features + t +
+   e) + (T - n) * b + c'; the embedding's, about constant. The features are 1, the sublayers and the
    Attention-Residual sources summed over the sublayers (what activation checkpointing keeps per token: each
-   sublayer's input, each depth mix's sources); e is what a rank that continues the sequence holds more per
-   token (its KDA runs over V + K value columns, kimi/ops/kda/context.py; 0 at cp 1); b is MLA's prefix per
-   token of the earlier shards (an estimate from the shapes); K is the loss's chunk (512 tokens at a 32k
-   vocabulary, kimi/ops/linear_ce.py) and l what the loss holds per token of it: a rank with fewer than K
-   tokens holds a shorter chunk. The coefficients are fitted per model from short measured runs of cut-down
-   models (4, 6 and 8 blocks at T 256 and 512, the 4-block one at 1024 too; cp 2 at T 512 and 1024) and
-   checked against the full-depth measurements of (1), at lengths and cp the fit never saw. With
-   kimi.summary's persistent state (fp32 weights, gradients and optimizer state, FSDP-sharded over the cp
-   ranks, plus one gathered FSDP unit) it gives the longest trainable sequence per GPU for the `1b` and
-   `kimi_linear_48b_a3b` presets at cp = 1..64 (one GPU per cp rank) on 80 GB and 141 GB devices, after a
-   reserve for the CUDA context and allocator. Measured here, these are the activations of the PyTorch paths
-   on CPU (SDPA, the chunked KDA), whose backward keeps more per token than the GPU's Triton kernels.
+   sublayer's input, each depth mix's sources); t is one block's recompute and backward per token, which
+   does not grow with depth; e is what a rank that continues the sequence holds more per token (its KDA runs
+   over V + K value columns, kimi/ops/kda/context.py; 0 at cp 1); b is MLA's prefix per token of the
+   earlier shards (an estimate from the shapes); K is the loss's chunk (512 tokens at a 32k vocabulary,
+   kimi/ops/linear_ce.py) and l what the loss holds per token of it: a rank with fewer than K tokens holds
+   a shorter chunk. The coefficients are fitted per model from short measured runs of cut-down models (4, 6
+   and 8 blocks at T 256 and 512, the 4-block one at 1024 too; cp 2 at T 512 and 1024) and checked against
+   the full-depth measurements of (1), at lengths and cp the fit never saw. With kimi.summary's persistent
+   state (fp32 weights, gradients and optimizer state, FSDP-sharded over the cp ranks, plus one gathered
+   FSDP unit) it gives the longest trainable sequence per GPU for the `1b` and `kimi_linear_48b_a3b`
+   presets at cp = 1..64 (one GPU per cp rank) on 80 GB and 141 GB devices, after a reserve for the CUDA
+   context and allocator. Measured on the PyTorch paths (SDPA, the chunked KDA), whose backward keeps more
+   per token than the GPU's kernels; `1b+triton` is `1b` with the GPU's Triton ops (KDA, attention, AttnRes),
+   run interpreted with every kernel launch a no-op: what they allocate, not what they compute.
 4. The same table by the planner (kimi.plan.memory_per_rank) with the kernels a GPU runs: what a GPU run
-   is sized by. Its CPU traces are checked against (1) beside the fit.
+   is sized by. Its traces of the CPU paths are checked against (1) beside the fit.
 
     python bench/context.py [--quick]
 
@@ -305,13 +307,14 @@ def fit(rows: list[dict], name: str) -> dict:
     records each):
     - the loss: n * (features . a) + c - l * max(0, K - n). l is what the loss holds per token of its chunk
       (a short rank's chunk is shorter): cut A's slope in T below K less its slope above it;
-    - the blocks' backward: n * (features . a + e) + (T - n) * b + c. e is what a rank that continues the
+    - the blocks' backward: n * (features . a + e) + (T - n) * b + c, with the loss's a and one block's
+      recompute and backward added to its constant term (below). e is what a rank that continues the
       sequence holds more than the first, per token of its shard (its KDA's K more value columns), from the
       cp 2 runs (0 at cp 1); b is MLA's prefix per token of the earlier shards, prefix_bytes;
     - the embedding's backward: n * (features . a) + c, a near 0 (its weight's gradient as it is made).
     Each cut's slope at cp 1 from 256 to 512 tokens (less the chunk's share in the loss) is features . a,
-    least squares over the cuts (with standard residuals two features move together); c is the largest of
-    their intercepts."""
+    least squares over the cuts (with standard residuals two features move together), except in the blocks'
+    phase; c is the largest of the cuts' intercepts."""
     from kimi.summary import compose_config
 
     mine = [r for r in rows if r.get("fit") == name]
