@@ -173,6 +173,9 @@ def measure(job: dict) -> dict:
     def watch(tensor):
         tensor.register_hook(phase_ends)
 
+    if model.cfg.mtp.layers:  # its head and embedding run twice: four phase ends
+        raise ValueError("bench/context.py measures models without multi-token prediction: set "
+                         "model.mtp.layers=0")
     model.lm_head.register_forward_pre_hook(lambda module, args: watch(args[0]))
     model.embed.register_forward_hook(lambda module, args, out: watch(out))
     with tracker:
@@ -529,8 +532,8 @@ def report(out: dict, reserve: float) -> str:
                            f"{planned / 2**20:.1f} ({planned / want:.2f})" if planned else "-"])
     out["model_check"] = checks
     text += ["", "The memory model against those measurements (fitted on cut-down models of 4, 6 and 8 "
-             "blocks, T 256-1024, cp 1-2), and the phase that sets each peak (the loss, or the blocks' "
-             "backward):", md(["model", "T", "cp", "measured MiB", "model MiB",
+             "blocks, T 256-1024, cp 1-2), and the phase that sets each peak (the loss, the blocks' "
+             "backward or the embedding's):", md(["model", "T", "cp", "measured MiB", "model MiB",
                                                  "model / measured", "planner MiB (/ measured)"], checks)]
 
     # GPUs run the blockwise MLA prefix (Triton attention, no packed documents): its b and its block
