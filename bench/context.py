@@ -49,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -126,8 +127,8 @@ class Fp32Matmuls(TorchDispatchMode):
 
 
 def measure(job: dict) -> dict:
-    """One forward and backward of this rank's shard: peak activation bytes, or collective bytes (with bf16
-    matmuls run in fp32 where the caller enters Fp32Matmuls)."""
+    """One forward and backward of this rank's shard: the peak activation bytes and each phase's (PHASES), or
+    collective bytes (with bf16 matmuls run in fp32 where the caller enters Fp32Matmuls)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from kimi.parallel import apply_activation_checkpointing
@@ -137,6 +138,9 @@ def measure(job: dict) -> dict:
     # bf16 weights rather than autocast: autocast would keep a bf16 copy of every weight for the whole step,
     # which under FSDP is one gathered unit at a time (kimi.summary counts that unit with the weights)
     model = build(job["overrides"]).to(torch.bfloat16)
+    if model.cfg.mtp.layers:  # its head and embedding run twice: more phase ends than PHASES
+        raise ValueError("bench/context.py measures models without multi-token prediction: set "
+                         "model.mtp.layers=0")
     if cp > 1:
         model.context_parallel = ContextParallel(dist.group.WORLD)
     apply_activation_checkpointing(model, job.get("ac", "full"))
@@ -173,9 +177,6 @@ def measure(job: dict) -> dict:
     def watch(tensor):
         tensor.register_hook(phase_ends)
 
-    if model.cfg.mtp.layers:  # its head and embedding run twice: four phase ends
-        raise ValueError("bench/context.py measures models without multi-token prediction: set "
-                         "model.mtp.layers=0")
     model.lm_head.register_forward_pre_hook(lambda module, args: watch(args[0]))
     model.embed.register_forward_hook(lambda module, args, out: watch(out))
     with tracker:
@@ -221,9 +222,9 @@ def launch(cp: int, jobs: list[dict], tmp: Path) -> list[dict]:
     for batch in (b for b in batches if b):
         key = hashlib.sha1(json.dumps([cp, batch], sort_keys=True).encode()).hexdigest()[:16]
         spec, out = tmp / f"jobs_{key}.json", tmp / f"out_{key}.json"
-        if out.exists() and all(set(r.get("phases", [{}])[0]) == set(PHASES)
-                                for r in json.loads(out.read_text()) if r["what"] == "memory"):
-            rows += [{**r, "cp": cp} for r in json.loads(out.read_text())]
+        done = json.loads(out.read_text()) if out.exists() else None
+        if done and all(set(r.get("phases", [{}])[0]) == set(PHASES) for r in done if r["what"] == "memory"):
+            rows += [{**r, "cp": cp} for r in done]
             continue
         spec.write_text(json.dumps(batch))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cp}",
@@ -386,17 +387,18 @@ def persistent_bytes(overrides: list[str], cp: int) -> float:
     return s.heaviest.persistent_bytes + s.heaviest.bytes.get("transient", 0)
 
 
-def longest(coef, m, cp, budget, extra) -> int:
-    """The longest T (a multiple of 1024 * cp) whose predicted peak fits ``budget`` bytes; 0 if none."""
+def longest(fits: Callable[[int], bool], cp: int) -> int:
+    """The longest T (a multiple of 1024 * cp) for which ``fits(T)`` holds, by bisection (the peak grows
+    with T); 0 if none."""
     step = 1024 * cp
     lo, hi = 0, step
-    while predict(coef, m, hi, cp, extra) <= budget and hi < 2**40:
+    while fits(hi) and hi < 2**40:
         lo, hi = hi, hi * 2
     while hi - lo > step:
         mid = (lo + hi) // 2 // step * step
         if mid <= lo:
             break
-        lo, hi = (mid, hi) if predict(coef, m, mid, cp, extra) <= budget else (lo, mid)
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
 
 
@@ -430,20 +432,6 @@ def planned_activations(overrides: list[str], T: int, cp: int, device: str = "cp
     return activations(cfg, trace(cfg.model, "full", trace_mode(cfg)), 0, blocks, first, last)
 
 
-def longest_planned(overrides: list[str], cp: int, budget: float) -> int:
-    """The longest T (a multiple of 1024 * cp) the planner fits in ``budget`` bytes per GPU; 0 if none."""
-    step = 1024 * cp
-    if planned_bytes(overrides, step, cp) > budget:
-        return 0
-    lo, hi = step, 2 * step
-    while planned_bytes(overrides, hi, cp) <= budget and hi < 2**30:
-        lo, hi = hi, hi * 2
-    while hi - lo > step:
-        mid = (lo + hi) // 2 // step * step
-        lo, hi = (mid, hi) if planned_bytes(overrides, mid, cp) <= budget else (lo, mid)
-    return lo
-
-
 def planned_table(reserve: float) -> dict:
     """{preset: {device: {cp: longest T}}} by the planner, for the GPU table beside the fit's."""
     table: dict = {}
@@ -453,7 +441,7 @@ def planned_table(reserve: float) -> dict:
         full = [o for o in overrides if not o.startswith("model.moe.num_experts")]
         for dev, cap in DEVICES.items():
             for cp in CPS:
-                T = longest_planned(full, cp, cap * (1 - reserve))
+                T = longest(lambda T: planned_bytes(full, T, cp) <= cap * (1 - reserve), cp)
                 table.setdefault(preset, {}).setdefault(dev, {})[str(cp)] = T
                 print(f"[context] planner: {preset} on {dev}, cp {cp}: {tokens(T) if T else '-'}", flush=True)
     return table
@@ -543,7 +531,7 @@ def report(out: dict, reserve: float) -> str:
         full = [o for o in PRESETS[preset] if not o.startswith("model.moe.num_experts")]
         m = compose_config(full).model
         coef = fit(rows, preset)
-        coef["blocks"]["b"] = prefix_bytes(m, blockwise=True)
+        coef["blocks"]["b"] = prefix_bytes(m, blockwise=True)  # a PyTorch-path fit measured the whole prefix
         extra = 4 * (m.moe.num_experts - 16) * (m.num_layers - m.moe.first_dense) if m.moe.num_experts else 0
         if m.attention.backend != "triton":  # the blockwise path's block, measured where it ran
             extra += block_bytes(m)
@@ -552,7 +540,7 @@ def report(out: dict, reserve: float) -> str:
             cells = []
             for cp in cps:
                 budget = cap * (1 - reserve) - persistent_bytes(full, cp)
-                T = longest(coef, m, cp, budget, extra) if budget > 0 else 0
+                T = longest(lambda T: predict(coef, m, T, cp, extra) <= budget, cp) if budget > 0 else 0
                 cells.append(tokens(T) if T else "-")
                 if T >= 1 << 20:
                     fitted_answers.setdefault((preset, dev), cp)
@@ -567,10 +555,11 @@ def report(out: dict, reserve: float) -> str:
                  f"{exchange_bytes(m, 'KDA', 1 << 20, 64) / 2**20:.0f} MiB, MLA "
                  f"{exchange_bytes(m, 'MLA', 1 << 20, 64) / 2**20:.0f} MiB"]
     if presets:
-        text += ["", "Longest trainable sequence per GPU by the fit above (the CPU's PyTorch paths as "
-                 "measured here; activation checkpointing full, bf16, one GPU per cp rank, FSDP over them, "
-                 f"MLA's prefix blockwise; {reserve:.0%} of memory reserved; '-': the weights and optimizer "
-                 "state alone do not fit):", md(["preset", "device"] + [f"cp {c}" for c in cps], table)]
+        text += ["", "Longest trainable sequence per GPU by the fits above (the PyTorch paths as measured "
+                 "here, `+triton` the GPU's Triton ops' allocations; activation checkpointing full, bf16, "
+                 "one GPU per cp rank, FSDP over them, MLA's prefix blockwise; "
+                 f"{reserve:.0%} of memory reserved; '-': the weights and optimizer state alone do not fit):",
+                 md(["preset", "device"] + [f"cp {c}" for c in cps], table)]
         text += ["By the fit, 1M tokens: " + "; ".join(f"{p} on {d} GPUs from cp = {cp}"
                                                        for (p, d), cp in fitted_answers.items())]
         out["longest"] = table

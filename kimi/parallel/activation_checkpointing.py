@@ -127,13 +127,13 @@ class _InPlaceChecked(logging.Filter):
         return "context_fn is passed to torch.utils.checkpoint under torch.compile" not in record.getMessage()
 
 
-IN_PLACE_CHECKED = _InPlaceChecked()
+_IN_PLACE_CHECKED = _InPlaceChecked()
 DYNAMO_WRAP_LOG = "torch._higher_order_ops.wrap"  # the logger that warns
 
 
 def _compiled_selective(call: Callable, mode: str | None) -> Callable:
     """call(*args, **kwargs) checkpointed under the selective policy inside one compiled region."""
-    logging.getLogger(DYNAMO_WRAP_LOG).addFilter(IN_PLACE_CHECKED)  # a logger's filters are a set: added once
+    logging.getLogger(DYNAMO_WRAP_LOG).addFilter(_IN_PLACE_CHECKED)  # filters are a set: added once
     compiled = torch.compile(functools.partial(_checkpointed(selective=True), call), mode=mode)
 
     def run(*args, **kwargs):
