@@ -98,9 +98,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        # Scaled in place: a product would be a second [vocab, d] fp32 tensor beside the saved one at the
+        # step's peak (256 MiB for `1b`). Same bits; a second backward through this graph fails on the saved
+        # tensors' version check instead of scaling twice.
         grad_h, grad_w = ctx.saved_tensors
-        gh = None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)
-        gw = None if grad_w is None else (grad_w * grad_out).to(ctx.weight_dtype)
+        gh = None if grad_h is None else grad_h.mul_(grad_out.to(grad_h.dtype))
+        gw = None if grad_w is None else grad_w.mul_(grad_out).to(ctx.weight_dtype)
         return gh, gw, None, None
 
 

@@ -102,6 +102,25 @@ def test_without_gradients_only_the_loss():
         torch.testing.assert_close(linear_cross_entropy(h, w, y, chunk=9), F.cross_entropy(h @ w.T, y))
 
 
+def test_the_backward_hands_on_the_forwards_gradients_without_a_copy():
+    """The gradients made in the forward are scaled in place and become .grad: no second fp32 [vocab, d]
+    tensor at the step's peak. A second backward through the same graph fails loudly rather than scaling
+    them twice."""
+    torch.manual_seed(4)
+    h, w = torch.randn(40, 16, requires_grad=True), torch.randn(100, 16, requires_grad=True)
+    y = torch.randint(0, 100, (40,))
+    loss = linear_cross_entropy(h, w, y)
+    saved_h, saved_w = loss.grad_fn.saved_tensors
+    ptrs = saved_h.data_ptr(), saved_w.data_ptr()
+    del saved_h, saved_w
+    (loss * 2.5).backward()
+    assert (h.grad.data_ptr(), w.grad.data_ptr()) == ptrs
+    loss = linear_cross_entropy(h, w, y)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 PRESETS = Path(__file__).resolve().parents[2] / "conf" / "model"
 
 
