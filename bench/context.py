@@ -26,7 +26,8 @@
    presets at cp = 1..64 (one GPU per cp rank) on 80 GB and 141 GB devices, after a reserve for the CUDA
    context and allocator. Measured on the PyTorch paths (SDPA, the chunked KDA), whose backward keeps more
    per token than the GPU's kernels; `1b+triton` is `1b` with the GPU's Triton ops (KDA, attention, AttnRes),
-   run interpreted with every kernel launch a no-op: what they allocate, not what they compute.
+   run interpreted with every kernel launch a no-op: what they allocate, not what they compute (their
+   launchers' intermediates included, which MemTracker cannot see inside an op: LauncherScratch).
 4. The same table by the planner (kimi.plan.memory_per_rank) with the kernels a GPU runs: what a GPU run
    is sized by. Its traces of the CPU paths are checked against (1) beside the fit.
 
@@ -126,6 +127,24 @@ class Fp32Matmuls(TorchDispatchMode):
         return func(*up(args), **up(kwargs)).to(torch.bfloat16)
 
 
+class LauncherScratch(TorchDispatchMode):
+    """Makes what an op's launcher allocates inside the call beside its outputs (kimi.ops.SCRATCH: the Triton
+    KDA chunk ops' intermediates) visible to a tracker entered before this mode: MemTracker, a dispatch mode
+    itself, sees an op's outputs only. A buffer of those bytes is allocated (never written) while the op
+    runs, so it is alive with the op's outputs, as the launcher's are."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from kimi.ops import SCRATCH
+
+        kwargs = kwargs or {}
+        if func not in SCRATCH:
+            return func(*args, **kwargs)
+        held = torch.empty(SCRATCH[func](*args, **kwargs), dtype=torch.uint8, device=args[0].device)
+        out = func(*args, **kwargs)
+        del held  # freed after the op, as the launcher's are at its return
+        return out
+
+
 def measure(job: dict) -> dict:
     """One forward and backward of this rank's shard: the peak activation bytes and each phase's (PHASES), or
     collective bytes (with bf16 matmuls run in fp32 where the caller enters Fp32Matmuls)."""
@@ -179,7 +198,7 @@ def measure(job: dict) -> dict:
 
     model.lm_head.register_forward_pre_hook(lambda module, args: watch(args[0]))
     model.embed.register_forward_hook(lambda module, args, out: watch(out))
-    with tracker:
+    with tracker, LauncherScratch():
         step()
     phases[next(ends)] = activations(tracker.get_tracker_snapshot("peak"))
     return {"bytes": max(phases.values()), "phases": phases}
@@ -319,10 +338,9 @@ def fit(rows: list[dict], name: str) -> dict:
     Each cut's slope at cp 1 from 256 to 512 tokens (less the chunk's share in the loss) is features . a,
     least squares over the cuts (with standard residuals two features move together), except in the blocks'
     phase; c is the largest of the cuts' intercepts."""
-    from kimi.summary import compose_config
 
     mine = [r for r in rows if r.get("fit") == name]
-    m = compose_config(mine[0]["overrides"]).model
+    m = composed(*mine[0]["overrides"]).model
     K = loss_chunk(m)
 
     def peaks(c, phase):  # (T, the phase's peak) of cut c at cp 1, by T
@@ -344,7 +362,7 @@ def fit(rows: list[dict], name: str) -> dict:
             (t0, p0), (t1, p1) = peaks(c, phase)[:2]
             slopes.append((p1 - p0 - lam * chunk_share(t0, t1)) / (t1 - t0))
             intercepts.append(p1 - slopes[-1] * t1 + lam * max(0, K - t1))
-            feats.append(features(compose_config(next(r["overrides"] for r in mine if r["cut"] == c)).model))
+            feats.append(features(composed(*next(r["overrides"] for r in mine if r["cut"] == c)).model))
         if phase == "blocks":
             # what the loss's phase holds per token (every checkpointed input, the mixes' sources), plus one
             # block's recompute and backward, whose bytes per token do not grow with depth: the largest
@@ -378,12 +396,21 @@ def predict(coef: dict, m, T: int, cp: int, extra_per_token: float = 0.0) -> flo
     return max(predict_phase(coef[ph], m, T, cp, extra_per_token if ph == "blocks" else 0.0) for ph in PHASES)
 
 
+@functools.lru_cache(maxsize=None)
+def composed(*overrides: str):
+    """kimi.summary.compose_config of `overrides`, composed once (a report asks for the same few dozen
+    configurations about a hundred times; Hydra takes a second or two for each). Read it, never change it."""
+    from kimi.summary import compose_config
+
+    return compose_config(list(overrides))
+
+
 def persistent_bytes(overrides: list[str], cp: int) -> float:
     """kimi.summary's per-rank state with FSDP over the cp ranks (dp_shard 1), bf16, plus one gathered
     unit."""
-    from kimi.summary import compose_config, summarize
+    from kimi.summary import summarize
 
-    s = summarize(compose_config([*overrides, f"parallel.cp={cp}", "trainer.precision=bf16"]))
+    s = summarize(composed(*overrides, f"parallel.cp={cp}", "trainer.precision=bf16"))
     return s.heaviest.persistent_bytes + s.heaviest.bytes.get("transient", 0)
 
 
@@ -473,7 +500,6 @@ def exchange_bytes(m, mixer: str, T: int, cp: int, rows: int = 1) -> int:
 
 def report(out: dict, reserve: float) -> str:
     """The markdown tables from the measured rows (and the fits) in ``out``; adds the model's to it."""
-    from kimi.summary import compose_config
 
     rows = out["rows"]
     mem = [r for r in rows if r["what"] == "memory" and "fit" not in r]
@@ -491,7 +517,7 @@ def report(out: dict, reserve: float) -> str:
     text.append(md(["model", "T"] + [f"cp {cp}" for cp in cps], table))
 
     traffic = [r for r in rows if r["what"] == "bytes"]
-    tiny = compose_config(MEASURED["tiny"]).model
+    tiny = composed(*MEASURED["tiny"]).model
     table = []
     for mixer in ("KDA", "MLA"):
         for T in sorted({r["T"] for r in traffic}):
@@ -508,7 +534,7 @@ def report(out: dict, reserve: float) -> str:
     checks = []
     for name in names:
         coef = fit(rows, name)
-        m = compose_config(MEASURED[name]).model
+        m = composed(*MEASURED[name]).model
         for r in (r for r in mem if r["name"] == name):
             got, want = predict(coef, m, r["T"], r["cp"]), max(r["per_rank"])
             heaviest = r["phases"][r["per_rank"].index(want)]
@@ -529,7 +555,7 @@ def report(out: dict, reserve: float) -> str:
     table, fitted_answers, cps = [], {}, CPS
     for preset in presets:
         full = [o for o in PRESETS[preset] if not o.startswith("model.moe.num_experts")]
-        m = compose_config(full).model
+        m = composed(*full).model
         coef = fit(rows, preset)
         coef["blocks"]["b"] = prefix_bytes(m, blockwise=True)  # a PyTorch-path fit measured the whole prefix
         extra = 4 * (m.moe.num_experts - 16) * (m.num_layers - m.moe.first_dense) if m.moe.num_experts else 0

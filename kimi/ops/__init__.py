@@ -13,6 +13,11 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     return None
 
 
+# What an op's launcher allocates beyond its outputs and frees before it returns (its scratch), by op
+# overload: bytes(*args). A fake implementation makes the outputs only; kimi.plan.activations adds these to
+# its traces. Registered by the modules that define the ops (kimi.ops.kda.triton.op).
+SCRATCH: dict = {}
+
 # importing the formulas registers them: torch's flop counter learns the aten ops it counts as 0 (the experts'
 # grouped GEMM, CPU attention, triangular solves)
 from .flops import ATEN_FORMULAS  # noqa: E402,F401

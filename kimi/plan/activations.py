@@ -20,7 +20,8 @@ its rows and tokens; a GPU run with the kernels a GPU takes where they keep othe
 paths (model.kda.backend=auto: the Triton KDA ops, which save their inputs; model.attnres.backend=auto: the
 fused mix, which saves per-token statistics; model.attention.backend=auto: the Triton flash attention, which
 keeps what SDPA's GPU kernels keep, where the CPU's SDPA keeps a T x T matrix when the query's and value's
-head sizes differ), through those ops' fake implementations, and its forward
+head sizes differ), through those ops' fake implementations (plus what their launchers allocate inside the
+call beside the outputs, kimi.ops.SCRATCH: the Triton KDA chunk ops' intermediates), and its forward
 under CUDA autocast's casting rules (kimi.plan.cuda_autocast: CPU autocast made to cast as CUDA's does, which
 keeps exp, softmax, rms_norm and their like in fp32). The routed experts' grouped GEMM runs through a
 stand-in that saves what torch's kernel saves (its two inputs): torch._grouped_mm takes only bf16 on the
@@ -44,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from kimi.config import ModelConfig
+from kimi.ops import SCRATCH
 from kimi.plan.compiled import compile_regions, fused_away
 from kimi.plan.shapes import section_key
 
@@ -98,9 +100,15 @@ class _Live(TorchDispatchMode):
             if copy and source in self.ids:
                 self.parent[uid] = self.ids[source]
             weakref.finalize(st, self._free, key, cls, n, uid)
+        # what the op's launcher allocates beside its outputs and frees inside the call (a fake op makes only
+        # the outputs): alive at once with everything alive now
+        scratch = SCRATCH[func](*args, **(kwargs or {})) if func in SCRATCH else 0
+        if scratch:
+            self.made += 1
+            self.events += [(self.made, scratch), (self.made, -scratch)]
         # the weight copies stay out of the peak: a recompute's are sized by the unsharded model here, and a
         # layout that gathers its weights in bf16 makes none (the kept ones are counted apart)
-        self.peak = max(self.peak, self.now[0] + self.now[1])
+        self.peak = max(self.peak, self.now[0] + self.now[1] + scratch)
         return out
 
     def snap(self) -> Tuple[int, int, int]:

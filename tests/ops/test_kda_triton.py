@@ -352,3 +352,41 @@ def test_docs_show_the_committed_compile_check():
     results = {a: json.loads((root / f"bench/results/kda_sm{a}_compile.json").read_text()) for a in (90, 80)}
     assert bench.hot_table(results) in (root / "docs/benchmarks.md").read_text()
 
+
+
+@pytest.mark.parametrize("dtype, g_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                                            (torch.bfloat16, torch.bfloat16)])
+def test_the_chunk_ops_scratch_is_what_their_launchers_allocate(monkeypatch, dtype, g_dtype):
+    """kimi.ops.SCRATCH (what the planner adds to a fake op's outputs) equals what the chunk ops allocate
+    beyond their outputs, read from the allocator (the profiler's memory timeline), at 1b's head size with
+    two sequences of 70 tokens: the intermediates, the states' gradients and the fp32 partial sums. The chunk
+    tables (a few bytes per chunk) are left out of the formula. Kernel launches do nothing here: allocations
+    only."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from helpers import ROOT
+
+    from kimi.ops import SCRATCH
+    from kimi.ops.kda.triton import op  # noqa: F401 (defines the ops)
+    from kimi.plan.measure import _profiled_rise
+
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *args, **kwargs: None)
+    T, H, K, V = 140, 2, 128, 128
+    q, k, v = (torch.randn(1, T, H, K, dtype=dtype) for _ in range(3))
+    g, beta = torch.randn(1, T, H, K, dtype=g_dtype), torch.rand(1, T, H, dtype=g_dtype)
+    cu_seqlens = torch.tensor([0, 70, 140])
+    ops = torch.ops.kimi
+    calls = {ops.kda_chunk_fwd.default: (q, k, v, g, beta, 0.1, None, cu_seqlens),
+             ops.kda_chunk_bwd.default: (q, k, v, g, beta, 0.1, None, cu_seqlens, torch.randn_like(v), None)}
+    for fn, args in calls.items():
+        outputs = []
+        rise = _profiled_rise(lambda: outputs.append(fn(*args)))
+        made = rise - sum(t.untyped_storage().nbytes() for t in outputs[0])
+        scratch = SCRATCH[fn](*args)
+        assert 0 <= made - scratch <= 64, (fn, made, scratch)
+    if dtype == torch.bfloat16 and g_dtype == torch.float32:  # as the model runs: the bytes the docs quote
+        from kimi.ops.kda.triton.chunk_bwd import chunk_bwd_scratch
+
+        per_token = (chunk_bwd_scratch(64, 1, K, V, 1, 1, dtype, g_dtype) - K * V * 4) // 64
+        planning = " ".join((ROOT / "docs" / "planning.md").read_text().split())
+        assert f"{per_token:,} bytes per token and head in bf16 at head size {K}" in planning

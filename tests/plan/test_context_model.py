@@ -78,3 +78,19 @@ def test_the_gpu_kernels_allocate_alike_whatever_their_launches_do(monkeypatch):
     assert set(ran) == set(launched_nothing) == set(context.PHASES)
     for phase, real in ran.items():
         assert 0.97 * real <= launched_nothing[phase] <= real, (phase, real, launched_nothing[phase])
+
+
+def test_the_docs_show_the_committed_tables():
+    """docs/parallelism.md ("What it costs") shows every table `bench/context.py --report` prints from the
+    committed JSON, as printed: the measured peaks and traffic, the model and planner against them, and both
+    tables of the longest sequences."""
+    import itertools
+
+    out = json.loads((ROOT / "bench" / "results" / "context.json").read_text())
+    lines = context.report(out, reserve=0.1).splitlines()
+    tables = ["\n".join(group) for is_table, group in itertools.groupby(lines, lambda s: s.startswith("|"))
+              if is_table]
+    docs = (ROOT / "docs" / "parallelism.md").read_text()
+    assert len(tables) == 5
+    for table in tables:
+        assert table in docs, table

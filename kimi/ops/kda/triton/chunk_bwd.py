@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import forward_intermediates, load_square
+from .chunk_fwd import forward_intermediates, intermediates_bytes, load_square
 from .common import (CHUNK, SCORES_GRID, SUB, chunk_bounds, chunk_cumsum, dot_precision, key_block_precision,
                      key_token, load_G, load_G_row, load_rows, mm, narrow_operands_fault, scratch,
                      state_block, state_program, tiles)
@@ -293,3 +293,14 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_
                                 SCORES_GRID["tokens"], num_warps=SCORES_GRID["warps"])
     dg = chunk_cumsum(dG, cu_seqlens, chunks, NT, reverse=True)
     return dq, dk, dv, dg.to(g.dtype), dbeta, dh0
+
+
+def chunk_bwd_scratch(T: int, H: int, K: int, V: int, N: int, NT: int, dtype: torch.dtype,
+                      g_dtype: torch.dtype) -> int:
+    """Bytes chunk_bwd allocates beyond the gradients it returns, all alive at its end (the chunk tables
+    apart, a few bytes per chunk): the recomputed intermediates and final states, the states' gradients
+    (DH, DVN), the fp32 partial sums (dqs, dks, dG, dAqk, dL), and dg's fp32 sums where g is not fp32."""
+    b, f = torch.empty((), dtype=dtype).element_size(), 4
+    partial = T * H * (3 * K * f + 2 * CHUNK * f + V * b) + NT * H * K * V * b + N * H * K * V * f
+    return (intermediates_bytes(T, H, K, V, N, NT, dtype, backward=True) + partial
+            + (T * H * K * f if g_dtype != torch.float32 else 0))

@@ -407,6 +407,17 @@ def forward_intermediates(q, k, v, g, beta, scale, initial_state, cu_seqlens, ch
     return dict(Gc=Gc, L=L, Aqk=Aqk, Ainv=Ainv, W=W, U=U, KG=KG, QG=QG, Hs=Hs, VN=VN), ht
 
 
+def intermediates_bytes(T: int, H: int, K: int, V: int, N: int, NT: int, dtype: torch.dtype,
+                        backward: bool = False) -> int:
+    """The bytes of forward_intermediates' dict for these shapes (the final states apart): a planner sees
+    an op's outputs only, and adds these (kimi.ops.SCRATCH)."""
+    b, f = torch.empty((), dtype=dtype).element_size(), 4
+    # Gc, L, Aqk and Ainv, W and KG, U, VN, and QG for the backward
+    per_token = (K * f + CHUNK * f + 2 * CHUNK * b + 2 * K * b + V * f + V * b
+                 + (K * b if backward else 0))
+    return T * H * per_token + NT * H * K * V * b  # Hs
+
+
 def chunk_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunks, first_chunk, NT, prec,
               bounded: bool = False):
     """o [T, H, V] (v's dtype) and the final states [N, H, K, V] (fp32) of packed [T, H, D] inputs."""

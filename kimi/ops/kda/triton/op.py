@@ -6,14 +6,16 @@ sequences of length T, so every kernel has one varlen code path.
 """
 
 import torch
+import triton
 from torch import Tensor
 
+from kimi.ops import SCRATCH
 from kimi.ops.flops import register_kda_ops
 
-from .chunk_bwd import chunk_bwd
-from .chunk_fwd import chunk_fwd
+from .chunk_bwd import chunk_bwd, chunk_bwd_scratch
+from .chunk_fwd import chunk_fwd, intermediates_bytes
 from ..chunk import bounded
-from .common import check_device, check_offsets, chunk_table, dot_precision
+from .common import CHUNK, check_device, check_offsets, chunk_table, dot_precision
 from .recurrent import recurrent_fwd
 
 
@@ -77,6 +79,20 @@ def _backward(ctx, do, dht):
 
 
 kda_chunk_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _shapes(q: Tensor, v: Tensor, cu_seqlens: Tensor) -> tuple[int, ...]:
+    """(T, H, K, V, N, NT) of packed [1, T, H, D] inputs; NT as for N sequences of one length, since a fake
+    tensor's cu_seqlens has no values."""
+    T, H, K = q.shape[1:]
+    N = cu_seqlens.shape[0] - 1
+    return T, H, K, v.shape[-1], N, N * triton.cdiv(triton.cdiv(T, N), CHUNK) if N else 0
+
+
+SCRATCH[torch.ops.kimi.kda_chunk_fwd.default] = (
+    lambda q, k, v, g, beta, scale, h0, cu, *rest: intermediates_bytes(*_shapes(q, v, cu), q.dtype))
+SCRATCH[torch.ops.kimi.kda_chunk_bwd.default] = (
+    lambda q, k, v, g, beta, scale, h0, cu, *rest: chunk_bwd_scratch(*_shapes(q, v, cu), q.dtype, g.dtype))
 
 
 @torch.library.custom_op("kimi::kda_recurrent_fwd", mutates_args=())
