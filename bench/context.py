@@ -133,13 +133,17 @@ class LauncherScratch(TorchDispatchMode):
     itself, sees an op's outputs only. A buffer of those bytes is allocated (never written) while the op
     runs, so it is alive with the op's outputs, as the launcher's are."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __init__(self):
         from kimi.ops import SCRATCH
 
+        super().__init__()
+        self.scratch = SCRATCH
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in SCRATCH:
+        if func not in self.scratch:
             return func(*args, **kwargs)
-        held = torch.empty(SCRATCH[func](*args, **kwargs), dtype=torch.uint8, device=args[0].device)
+        held = torch.empty(self.scratch[func](*args, **kwargs), dtype=torch.uint8, device=args[0].device)
         out = func(*args, **kwargs)
         del held  # freed after the op, as the launcher's are at its return
         return out

@@ -15,13 +15,19 @@ import context  # noqa: E402
 pytestmark = pytest.mark.unit
 
 
+@pytest.fixture(scope="module")
+def committed():
+    """The committed JSON and its report (about 15 s of Hydra composes and fits: made once here)."""
+    out = json.loads((ROOT / "bench" / "results" / "context.json").read_text())
+    return out, context.report(out, reserve=0.1)
+
+
 @pytest.mark.slow  # a planner trace of `1b` as a GPU runs it: about 30 s
-def test_the_memory_model_fits_the_measurements_and_reaches_1m_tokens():
+def test_the_memory_model_fits_the_measurements_and_reaches_1m_tokens(committed):
     """The fit (the largest of the three phases' peaks) and the planner's CPU traces against the full-depth
     measurements; the planner's GPU table still reaches 1M tokens of `1b` on at most 8 GPUs of either size,
     and the planner as it is now still fits the 141 GB answer."""
-    out = json.loads((ROOT / "bench" / "results" / "context.json").read_text())
-    text = context.report(out, reserve=0.1)
+    out, text = committed
     for name, T, cp, measured, model, ratio, planned in out["model_check"]:
         assert 0.9 <= float(ratio) <= 1.1, (name, T, cp, measured, model)
         # the planner where the blocks' backward sets the peak, as at long sequences (where the loss does,
@@ -80,14 +86,13 @@ def test_the_gpu_kernels_allocate_alike_whatever_their_launches_do(monkeypatch):
         assert 0.97 * real <= launched_nothing[phase] <= real, (phase, real, launched_nothing[phase])
 
 
-def test_the_docs_show_the_committed_tables():
+def test_the_docs_show_the_committed_tables(committed):
     """docs/parallelism.md ("What it costs") shows every table `bench/context.py --report` prints from the
     committed JSON, as printed: the measured peaks and traffic, the model and planner against them, and both
     tables of the longest sequences."""
     import itertools
 
-    out = json.loads((ROOT / "bench" / "results" / "context.json").read_text())
-    lines = context.report(out, reserve=0.1).splitlines()
+    lines = committed[1].splitlines()
     tables = ["\n".join(group) for is_table, group in itertools.groupby(lines, lambda s: s.startswith("|"))
               if is_table]
     docs = (ROOT / "docs" / "parallelism.md").read_text()

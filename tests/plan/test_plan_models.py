@@ -44,12 +44,17 @@ def snapshot(mem) -> dict:
     return {str(k).rsplit(".", 1)[-1]: v for k, v in peak.items()}
 
 
-def measured_activations(cfg, ac: str, bf16: bool = False, cuda_rules: bool = False) -> int:
+def measured_activations(cfg, ac: str, bf16: bool = False, cuda_rules: bool = False,
+                         allocator: bool = False) -> int:
     """MemTracker's activations and temporaries at the peak of one forward and backward of 2 rows of
     trainer.seq_len tokens (bf16: under CPU autocast, as trainer.precision=bf16 runs; cuda_rules: casting as
     CUDA autocast casts, kimi.plan.cuda_autocast, as a GPU runs). Under parallel.cp, of the last cp rank's
-    shard of those rows, its exchanges answered locally (kimi.parallel.context_parallel.LastRankOf)."""
+    shard of those rows, its exchanges answered locally (kimi.parallel.context_parallel.LastRankOf).
+    allocator: the most the step allocated at once instead, read from the allocator (the profiler's memory
+    timeline), which also sees what an op allocates inside its call."""
     import contextlib
+
+    from kimi.plan.measure import _profiled_rise
 
     from kimi.plan.cuda_autocast import cuda_policy
 
@@ -67,13 +72,19 @@ def measured_activations(cfg, ac: str, bf16: bool = False, cuda_rules: bool = Fa
     for p in model.parameters():  # gradients are memory.py's other part: dropped as they arrive
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.trainer.seq_len // cp + 1))
-    mem = tracker()
-    mem.track_external(model)
-    with mem:
+
+    def step():
         with cuda_policy() if cuda_rules else contextlib.nullcontext(), \
                 torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = model(ids[:, :-1], labels=ids[:, 1:])
         loss.backward()
+
+    if allocator:
+        return _profiled_rise(step)
+    mem = tracker()
+    mem.track_external(model)
+    with mem:
+        step()
     peak = snapshot(mem)
     return peak["ACT"] + peak["TEMP"]
 
@@ -151,11 +162,7 @@ def test_a_gpu_runs_activations_match_its_kernels_measured(monkeypatch):
     launch a no-op (allocations only)."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from kimi.model import KimiModel
-    from kimi.parallel.activation_checkpointing import apply_activation_checkpointing
     from kimi.plan.activations import Mode
-    from kimi.plan.cuda_autocast import cuda_policy
-    from kimi.plan.measure import _profiled_rise
 
     # two blocks (KDA, MLA) keep the interpreted kernels' time down
     triton = ["model.kda.backend=triton", "model.attnres.backend=triton", "model.attention.backend=triton",
@@ -168,20 +175,9 @@ def test_a_gpu_runs_activations_match_its_kernels_measured(monkeypatch):
     assert want < 0.9 * predicted_activations(cpu, Mode(2, False))
 
     cfg = config("parallel.activation_checkpointing=full", *triton)
-    torch.manual_seed(0)
-    model = KimiModel(cfg.model)
-    apply_activation_checkpointing(model, "full")
-    for p in model.parameters():  # as measured_activations: the gradients are memory.py's other part
-        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-    ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.trainer.seq_len + 1))
-
-    def step():
-        with cuda_policy(), torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(ids[:, :-1], labels=ids[:, 1:])
-        loss.backward()
-
     monkeypatch.setattr(InterpretedFunction, "run", lambda self, *args, **kwargs: None)
-    want, got = predicted_activations(cfg, Mode(2, True)), _profiled_rise(step)
+    want = predicted_activations(cfg, Mode(2, True))
+    got = measured_activations(cfg, "full", bf16=True, cuda_rules=True, allocator=True)
     assert 0.95 <= want / got <= 1.05, (want, got)
 
 
