@@ -11,7 +11,8 @@ key=value arguments (kimi/cli/keyvalue.py); a bad argument is one line and exit 
 
 Besides the logged keys it shows the charts' x axis the run defines (tokens, kimi.run.wandb_run.tokens_axis),
 the run's artifacts, the checkpoints among them (logging.wandb.log_checkpoints), and how many console lines
-it captured (wandb's Logs tab).
+it captured (wandb's Logs tab); a record that does not hold its run's end yet (still logging, or killed) says
+so.
 
 A resumed run continues its wandb run in a new offline-run-* folder with the same run id: every such segment
 of the newest run is read, oldest first, and their records merged (a step logged again by a later segment is
@@ -28,6 +29,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import time
 import zlib
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -41,12 +43,52 @@ class WandbFileError(ValueError):
 
 def read_records(path: Path) -> list:
     """The records (wandb_internal_pb2.Record) of a .wandb file, in order."""
-    from wandb.proto import wandb_internal_pb2
-
     data = Path(path).read_bytes()
     if data[:4] != b":W&B":
         raise WandbFileError(f"{path} is not a wandb run file (it does not start with ':W&B')")
-    records, pending, pos = [], b"", 7
+    return [_record(payload) for payload in _payloads(data, 7, path)]
+
+
+def finished(path: Path) -> bool:
+    """Whether a .wandb file holds its run's end: the exit record, always wandb's last. Reads the last two
+    blocks only (a record as small as the exit record spans two at most), so a long run's file costs the same.
+    wandb's service writes the file's last block when it closes the run's stream, which can come after
+    run.finish() has returned; a run that was killed never gets one."""
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        start = max(0, (size - 1) // _BLOCK - 1) * _BLOCK
+        f.seek(start)
+        data = f.read()
+    try:
+        payloads = _payloads(data, max(7 - start, 0), path, tail=True)
+    except WandbFileError:  # a chunk still being written
+        return False
+    return bool(payloads) and _record(payloads[-1]).WhichOneof("record_type") == "exit"
+
+
+def wait_finished(path: Path, timeout_s: float) -> bool:
+    """finished(path), polled for up to timeout_s seconds."""
+    deadline = time.monotonic() + timeout_s
+    while not (path.is_file() and finished(path)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _record(payload: bytes):
+    from wandb.proto import wandb_internal_pb2
+
+    record = wandb_internal_pb2.Record()
+    record.ParseFromString(payload)
+    return record
+
+
+def _payloads(data: bytes, pos: int, path: Path, tail: bool = False) -> List[bytes]:
+    """Each record's bytes, reassembled from the chunks of `data` from `pos` on (data starts on a block
+    boundary). tail: data starts inside the file, so chunks that continue a record begun before it are
+    skipped."""
+    payloads, pending, started = [], b"", not tail
     while pos + 7 <= len(data):
         if _BLOCK - pos % _BLOCK < 7:  # a block's tail too short for a header is padding
             pos += _BLOCK - pos % _BLOCK
@@ -57,13 +99,14 @@ def read_records(path: Path) -> list:
             continue
         if zlib.crc32(bytes([kind]) + chunk) != crc:
             raise WandbFileError(f"{path}: a chunk at byte {pos - 7 - length} fails its CRC (a torn write?)")
+        started = started or kind in (1, 2)
+        if not started:
+            continue
         pending += chunk
         if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            records.append(record)
+            payloads.append(pending)
             pending = b""
-    return records
+    return payloads
 
 
 def _offline_files(run_dir: Path) -> List[Path]:
@@ -142,7 +185,8 @@ def contents(run_dir: Path) -> Dict[str, Any]:
             "steps": len(steps), "first_step": min(steps, default=None),
             "last_step": max(steps, default=None),
             "scalars": dict(sorted(scalars.items())), "media": media, "x_axis": x_axis(records),
-            "artifacts": artifacts(records), "console_lines": len(console.splitlines())}
+            "artifacts": artifacts(records), "console_lines": len(console.splitlines()),
+            "finished": finished(path)}
 
 
 def x_axis(records: Sequence) -> Dict[str, str]:
@@ -196,6 +240,8 @@ def render(summary: Dict[str, Any]) -> List[str]:
     if others:
         lines.append(f"  {others} other artifacts (the tables' own)")
     lines.append(f"{summary.get('console_lines', 0)} console lines captured (wandb's Logs tab)")
+    if not summary.get("finished", True):
+        lines.append("no end record yet: the run is still logging, or it stopped without finishing (killed)")
     return lines
 
 

@@ -14,6 +14,11 @@ import torch
 from kimi.config import LoggingConfig
 from kimi.schema.stages import stage_index, tokens_at
 from kimi.run.wandb_run import offline_sync_hint, start_wandb, wandb_mode
+from kimi.wandb_offline import wait_finished
+
+# how long the end of a run waits for wandb's service to write an offline record's last block (milliseconds
+# as a rule; on a loaded machine the service can lag by seconds)
+WANDB_WRITE_TIMEOUT_S = 60.0
 
 
 def grouped_name(key: str) -> str:
@@ -171,9 +176,15 @@ class MetricsLogger:
             self._tensorboard = None
         if self._wandb is not None:
             folder = Path(self._wandb.dir).parent  # <run_dir>/wandb/offline-run-<time>-<id>
+            record = folder / f"run-{self._wandb.id}.wandb"
             self._wandb.finish()
             self._wandb = None
             if self._offline:  # wandb's own hint is hidden by quiet=True
+                # finish() returns before wandb's service has written the record's last block: a sync (or a
+                # read) started now would see a run cut short
+                if not wait_finished(record, WANDB_WRITE_TIMEOUT_S):
+                    print(f"[kimi] warning: wandb has not finished writing {record} after "
+                          f"{WANDB_WRITE_TIMEOUT_S:.0f} s; sync it once this process has exited", flush=True)
                 print(offline_sync_hint(folder), flush=True)
 
     def plot(self, out: Path) -> Optional[Path]:
