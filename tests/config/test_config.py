@@ -94,7 +94,8 @@ def _typed_tree(value):
 def test_the_stored_config_is_omegaconfs_own(overrides):
     """config_dict walks the dataclasses itself (OmegaConf takes 50-170 ms a call, three calls a start): the
     same containers, leaf types and key order as OmegaConf's, for every preset, experiment and recipe, and
-    for a config built in Python with a tuple where the schema has a list."""
+    for a config built in Python with a tuple where the schema has a list. to_config of a config composed
+    against the schema skips merging the schema in again: the same Config."""
     import dataclasses
 
     from kimi.config import config_dict, to_config
@@ -105,7 +106,9 @@ def test_the_stored_config_is_omegaconfs_own(overrides):
         out = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
         return {**out, "model": {k: v for k, v in out["model"].items() if k not in ALIASES}}
 
-    cfg = to_config(compose_overrides(["trainer.run_dir=unused", *overrides]))
+    composed = compose_overrides(["trainer.run_dir=unused", *overrides])
+    cfg = to_config(composed)  # composed against the schema: not merged with it again
+    assert cfg == OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), composed))
     assert _typed_tree(config_dict(cfg)) == _typed_tree(omegaconfs(cfg))
     tagged = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, wandb=dataclasses.replace(
         cfg.logging.wandb, tags=("a", "b"))))
