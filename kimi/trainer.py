@@ -215,7 +215,7 @@ class Trainer:
             self.profiler.close()
             self.saver.abandon()  # a save still in flight here will not complete: the run failed
             if self.metrics is not None:
-                self.metrics.close()
+                self.metrics.close(stopping=self.signals.received is not None)
             self.close()
         if cfg.logging.plot and self.metrics.history:
             if png := self.metrics.plot(self.run_dir / "loss_curve.png"):

@@ -17,8 +17,10 @@ from kimi.run.wandb_run import offline_sync_hint, start_wandb, wandb_mode
 from kimi.wandb_offline import wait_finished
 
 # how long the end of a run waits for wandb's service to write an offline record's last block (milliseconds
-# as a rule; on a loaded machine the service can lag by seconds)
-WANDB_WRITE_TIMEOUT_S = 60.0
+# as a rule; on a loaded machine the service can lag by seconds), and a run stopped by a signal: its
+# checkpoint is saved by then, and a scheduler kills what is still running soon after its SIGTERM (SLURM's
+# KillWait: 30 s by default), which would cost the exit code that asks for a requeue
+WANDB_WRITE_TIMEOUT_S, WANDB_WRITE_TIMEOUT_STOPPING_S = 60.0, 5.0
 
 
 def grouped_name(key: str) -> str:
@@ -170,7 +172,8 @@ class MetricsLogger:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def close(self) -> None:
+    def close(self, stopping: bool = False) -> None:
+        """stopping: the run ends on a signal (a shorter wait for wandb's record, WANDB_WRITE_TIMEOUT_*)."""
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
@@ -182,9 +185,10 @@ class MetricsLogger:
             if self._offline:  # wandb's own hint is hidden by quiet=True
                 # finish() returns before wandb's service has written the record's last block: a sync (or a
                 # read) started now would see a run cut short
-                if not wait_finished(record, WANDB_WRITE_TIMEOUT_S):
-                    print(f"[kimi] warning: wandb has not finished writing {record} after "
-                          f"{WANDB_WRITE_TIMEOUT_S:.0f} s; sync it once this process has exited", flush=True)
+                timeout = WANDB_WRITE_TIMEOUT_STOPPING_S if stopping else WANDB_WRITE_TIMEOUT_S
+                if not wait_finished(record, timeout):
+                    print(f"[kimi] warning: wandb has not finished writing {record} after {timeout:.0f} s; "
+                          "sync it once this process has exited", flush=True)
                 print(offline_sync_hint(folder), flush=True)
 
     def plot(self, out: Path) -> Optional[Path]:

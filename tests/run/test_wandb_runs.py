@@ -132,3 +132,32 @@ def test_tokens_are_the_x_axis_and_checkpoints_artifacts_when_asked(tmp_path, da
     plain = tmp_path / "plain"  # the default: no artifacts
     train_run(plain, data, "logging.wandb.mode=offline", "trainer.max_steps=1")
     assert not [a for a in contents(plain)["artifacts"] if a["type"] == "model"]
+
+
+@pytest.mark.parametrize("stopping", [False, True])
+def test_the_end_waits_for_wandbs_record_and_says_so_when_it_does_not_come(tmp_path, wandb_dirs, monkeypatch,
+                                                                          capsys, stopping):
+    """wandb's finish() returns before its service writes an offline record's last block: the end waits for
+    it (not as long when a signal stops the run: a scheduler's kill follows its SIGTERM), and a record that
+    does not come is a warning, then the sync line."""
+    import kimi.run.metrics
+    from kimi.config import LoggingConfig
+    from kimi.run.metrics import MetricsLogger
+
+    waited = []
+
+    def never(path, timeout_s):
+        waited.append((path, timeout_s))
+        return False
+
+    monkeypatch.setattr(kimi.run.metrics, "wait_finished", never)
+    logger = MetricsLogger(tmp_path, LoggingConfig(wandb=WandbConfig(mode="offline")), {}, run_id="r")
+    folder = run_file(tmp_path).parent
+    logger.close(stopping=stopping)
+    m = kimi.run.metrics
+    timeout = m.WANDB_WRITE_TIMEOUT_STOPPING_S if stopping else m.WANDB_WRITE_TIMEOUT_S
+    assert waited == [(folder / "run-r.wandb", timeout)] and timeout <= (10 if stopping else 60)
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"[kimi] warning: wandb has not finished writing {folder / 'run-r.wandb'} after "
+                   f"{timeout:.0f} s; sync it once this process has exited",
+                   f"[kimi] wandb: logged offline to {folder}; upload it with: wandb sync {folder}"]
