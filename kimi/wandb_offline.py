@@ -186,7 +186,7 @@ def contents(run_dir: Path) -> Dict[str, Any]:
             "last_step": max(steps, default=None),
             "scalars": dict(sorted(scalars.items())), "media": media, "x_axis": x_axis(records),
             "artifacts": artifacts(records), "console_lines": len(console.splitlines()),
-            "finished": finished(path)}
+            "finished": bool(segments[-1]) and segments[-1][-1].WhichOneof("record_type") == "exit"}
 
 
 def x_axis(records: Sequence) -> Dict[str, str]:

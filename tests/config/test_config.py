@@ -110,10 +110,16 @@ def test_the_stored_config_is_omegaconfs_own(overrides):
     cfg = to_config(composed)  # composed against the schema: not merged with it again
     assert cfg == OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), composed))
     assert _typed_tree(config_dict(cfg)) == _typed_tree(omegaconfs(cfg))
-    tagged = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, wandb=dataclasses.replace(
-        cfg.logging.wandb, tags=("a", "b"))))
-    assert _typed_tree(config_dict(tagged)) == _typed_tree(omegaconfs(tagged))
-    assert config_dict(tagged)["logging"]["wandb"]["tags"] == ["a", "b"]
+    def tagged(*tags):
+        return dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, wandb=dataclasses.replace(
+            cfg.logging.wandb, tags=tags)))
+
+    assert _typed_tree(config_dict(tagged("a", "b"))) == _typed_tree(omegaconfs(tagged("a", "b")))
+    assert config_dict(tagged("a", "b"))["logging"]["wandb"]["tags"] == ["a", "b"]
+    # a string that still holds an interpolation is resolved, as OmegaConf resolves it
+    seeded = config_dict(tagged("seed ${trainer.seed}"))
+    assert seeded == omegaconfs(tagged("seed ${trainer.seed}"))
+    assert seeded["logging"]["wandb"]["tags"] == [f"seed {cfg.trainer.seed}"]
 
 
 def test_unknown_key_is_rejected_by_the_schema():
