@@ -1,11 +1,12 @@
 """Communication, throughput and memory of a training step per parallel layout, and the AttnRes pipeline
 payload.
 
-For each layout the trainer runs under torchrun (MuonClip; --batch sequences per step, split over the
-data-parallel ranks, so every layout trains the same batch): after a warm-up step, one step is counted on
-every rank below DTensor (calls and bytes per collective type, and what the pipeline stages send: the AttnRes
-sources, measured at each stage's output), then --steps steps are timed: tokens/s and its ratio to the
-one-process layout, MFU, and the peak memory of each rank (CUDA allocations; resident memory on CPU).
+For each layout the trainer runs under torchrun (the one-process layout without it), with MuonClip and
+--batch sequences per step, split over the data-parallel ranks, so every layout trains the same batch. After
+a warm-up step, one step is counted on every rank below DTensor (calls and bytes per collective type, and
+what the pipeline stages send: the AttnRes sources, measured at each stage's output), then --steps steps
+are timed: tokens/s and its ratio to the one-process layout, MFU, and the peak memory of each rank (CUDA
+allocations; resident memory on CPU).
 gloo on CPU, NCCL on GPUs.
 
 The payload table compares, per stage boundary, what kimi sends (the stream's sources: completed block sums
@@ -219,8 +220,10 @@ def worker(out: Path, model: str, overrides: list[str], steps: int, profile: boo
 def run_layout(name: str, args) -> list[dict]:
     nproc, dp, extra = LAYOUTS[name]
     out = Path(tempfile.mkdtemp()) / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           __file__,
+    # one process joins no group (ParallelDims.enabled), so it runs without torchrun: a start of torch saved
+    launcher = (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1
+                else [])
+    cmd = [sys.executable, *launcher, __file__,
            "--worker", str(out), "--model", args.model, "--steps", str(args.steps),
            *(["--profile"] if args.profile else []), "--", *extra,
            f"trainer.micro_batch_size={args.batch // dp}", *args.set]

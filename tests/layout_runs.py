@@ -5,7 +5,9 @@ under torchrun, and the comparison of two runs' losses and final weights."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -88,6 +90,21 @@ def assert_same_run(run: Path, ref: Path, tmp: Path, atol: float = 1e-5) -> None
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def dist_train(nproc: int, runs: list[tuple[Path, list[str]]], spec: Path,
+               check: bool = True) -> subprocess.CompletedProcess:
+    """Train `runs` ((run dir, overrides) each) one after another in one torchrun launch of
+    tests/dist_train.py on nproc ranks: torch's start on every rank costs more than a tiny run. A run that
+    names the run dir of one before it resumes from its checkpoint. The list is written to `spec`."""
+    spec.write_text(json.dumps([{"run_dir": str(run), "overrides": list(o)} for run, o in runs]))
+    return torchrun(nproc, None, [str(ROOT / "tests" / "dist_train.py"), str(spec)], check=check)
+
+
+def resumed_at(run: Path) -> list[int]:
+    """The step each start of a run resumed at, in order, from its train.log (a start from scratch: none)."""
+    return [int(step) for step in re.findall(r"\[kimi\] resumed from \S+ at step (\d+)",
+                                             (run / "train.log").read_text())]
 
 
 def reference_runs(out: Path, data: list[str]):

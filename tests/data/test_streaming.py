@@ -232,7 +232,7 @@ def test_trainer_resume_equals_uninterrupted(repo, tmp_path):
 def test_two_ranks_resume_equals_uninterrupted(repo, tmp_path):
     # Each rank reads its own part, so the checkpoint must hold both ranks' positions (gathered into the one
     # copy it keeps of what is not a tensor): steps 1-3, then 4-6, on 2 ranks equal steps 1-6 on 2 ranks.
-    from layout_runs import final_weights, metrics, torchrun
+    from layout_runs import dist_train, final_weights, metrics, resumed_at
 
     from helpers import TINY_TRAINER
 
@@ -240,9 +240,10 @@ def test_two_ranks_resume_equals_uninterrupted(repo, tmp_path):
             "data.streaming=true", f"data.cache_dir={tmp_path / 'cache'}", "data.tokenizer.vocab_size=300",
             "trainer.max_steps=6", "trainer.seq_len=64", "trainer.eval_every=3", "trainer.checkpoint_every=0",
             "parallel.dp_shard=2"]
-    torchrun(2, tmp_path / "full", args)
-    torchrun(2, tmp_path / "split", [*args, "trainer.stop_at_step=3"])
-    torchrun(2, tmp_path / "split", args)
+    # one launch: the three starts one after another (the second start of "split" resumes the first's)
+    dist_train(2, [(tmp_path / "full", args), (tmp_path / "split", [*args, "trainer.stop_at_step=3"]),
+                   (tmp_path / "split", args)], tmp_path / "runs.json")
+    assert resumed_at(tmp_path / "split") == [3]
     assert metrics(tmp_path / "split") == metrics(tmp_path / "full")
     assert len(metrics(tmp_path / "full")[0]) == 6
     got, want = final_weights(tmp_path / "split", tmp_path), final_weights(tmp_path / "full", tmp_path)

@@ -6,7 +6,8 @@ must match the single-process run (to float summation order) under every ZeRO st
 MuonClip (orthogonalising each matrix once across DeepSpeed's flat partitions: kimi/parallel/zero_client.py),
 with gradient accumulation, with QK-Clip firing on the fp32 masters, and with a mixture of experts under
 ZeRO-3. The cases run in one torchrun launch (tests/dist_train.py). Checkpoints hold whole tensors under their
-names, as the torch engine's: a DeepSpeed run resumes exactly, and moves to the torch engine and back.
+names, as the torch engine's: a DeepSpeed run resumes exactly, and moves to the torch engine and back (each
+start of those runs a run of its own in the same launch, resuming from the checkpoint the one before wrote).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from layout_runs import ROOT, assert_same_run, metrics, overrides, torchrun
+from layout_runs import ROOT, assert_same_run, dist_train, metrics, overrides, resumed_at
 
 from kimi import checkpoint
 from kimi.run.metrics import read_metrics
@@ -59,18 +60,24 @@ def init_from(references):
     return f"trainer.init_from={references('adamw')}"
 
 
+FSDP = ["parallel.dp_shard=2", "trainer.micro_batch_size=2"]
+# name: the layout of each start and the step it stops at, one run dir: it resumes where the start before
+# stopped (ZeRO-2 stopped and restarted; ZeRO-2, then the torch engine's FSDP, then ZeRO-3)
+SEQUENCES = {"resumed": [(zero(2), 1), (zero(2), 3)], "moved": [(zero(2), 1), (FSDP, 2), (zero(3), 3)]}
+
+
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory, data, init_from):
-    """Every case trained by one 2-rank launch of tests/dist_train.py: (run dirs by case, the result)."""
+    """Every case and every start of SEQUENCES trained by one 2-rank launch of tests/dist_train.py: (run dirs
+    by name, the result)."""
     out = tmp_path_factory.mktemp("deepspeed")
     cases = {**CASES, **BF16,
              **{name: (optim, zero(stage, init_from)) for name, (optim, stage) in INIT.items()}}
-    runs = {name: out / name for name in cases}
-    spec = [{"run_dir": str(runs[name]), "overrides": overrides(data, optim, *extra)}
-            for name, (optim, extra) in cases.items()]
-    (out / "runs.json").write_text(json.dumps(spec))
-    return runs, torchrun(2, None, [str(ROOT / "tests" / "dist_train.py"), str(out / "runs.json")],
-                          check=False)
+    runs = {name: out / name for name in [*cases, *SEQUENCES]}
+    spec = [(runs[name], overrides(data, optim, *extra)) for name, (optim, extra) in cases.items()]
+    spec += [(runs[name], overrides(data, "muonclip", *layout, f"trainer.stop_at_step={stop}"))
+             for name, starts in SEQUENCES.items() for layout, stop in starts]
+    return runs, dist_train(2, spec, out / "runs.json", check=False)
 
 
 def finished(launch, case: str):
@@ -119,12 +126,10 @@ def test_bf16_trains_like_fp32(launch):
         assert abs(a - b) < 1e-2 * b, (loss + val, ref_loss + ref_val)
 
 
-def test_resume_continues_exactly(tmp_path, data, launch):
+def test_resume_continues_exactly(tmp_path, launch):
     """Stopped after step 1 and restarted: the same losses and weights as the uninterrupted ZeRO-2 run."""
-    run = tmp_path / "resumed"
-    for stop in (1, 3):
-        torchrun(2, run, overrides(data, "muonclip", *zero(2), f"trainer.stop_at_step={stop}"))
-    assert checkpoint.latest_complete(run / "checkpoints").step == 3
+    run = finished(launch, "resumed")
+    assert checkpoint.latest_complete(run / "checkpoints").step == 3 and resumed_at(run) == [1]
     assert metrics(run) == metrics(launch[0]["zero2_muonclip"])
     assert_same_run(run, launch[0]["zero2_muonclip"], tmp_path, atol=0.0)
 
@@ -160,14 +165,11 @@ def test_deepspeeds_launcher_runs_train_py(tmp_path, data, launch):
     assert metrics(run) == metrics(launch[0]["zero2_muonclip"])
 
 
-def test_a_run_changes_engine_and_back(tmp_path, data, references):
+def test_a_run_changes_engine_and_back(tmp_path, launch, references):
     """Step 1 under DeepSpeed ZeRO-2, step 2 under the torch engine's FSDP, step 3 under ZeRO-3 (2 ranks
     each): the single-process run."""
-    run = tmp_path / "moved"
-    for stop, layout in ((1, zero(2)), (2, ["parallel.dp_shard=2", "trainer.micro_batch_size=2"]),
-                         (3, zero(3))):
-        torchrun(2, run, overrides(data, "muonclip", *layout, f"trainer.stop_at_step={stop}"))
-    assert checkpoint.latest_complete(run / "checkpoints").step == 3
+    run = finished(launch, "moved")
+    assert checkpoint.latest_complete(run / "checkpoints").step == 3 and resumed_at(run) == [1, 2]
     assert_same_run(run, references("muonclip"), tmp_path)
 
 
@@ -176,7 +178,14 @@ def test_a_run_changes_engine_and_back(tmp_path, data, references):
                       "(parallel.dp_shard ranks), without parallel.tp=2"),
     ("parallel.deepspeed.zero_stage=4", "parallel.deepspeed.zero_stage=4 is invalid: choose 1, 2 or 3"),
 ])
-def test_what_deepspeed_does_not_take_exits_with_the_message(tmp_path, data, override, message):
-    proc = torchrun(2, tmp_path / "bad", overrides(data, "adamw", "parallel.engine=deepspeed", override),
-                    check=False)
-    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-3000:]
+def test_what_deepspeed_does_not_take_is_refused_in_one_line(override, message):
+    """Each rank validates its config before it joins the process group (the Trainer's first step, tests/
+    config/test_validation.py), so under torchrun every rank ends with this line instead of hanging, as a
+    misfit layout's launch does in tests/parallel/test_parallel.py."""
+    from kimi.config import ConfigError
+    from kimi.run.validation import validate
+    from kimi.summary import compose_config
+
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config(["parallel.engine=deepspeed", override]), world=2)
+    assert message in str(err.value) and "\n" not in str(err.value)

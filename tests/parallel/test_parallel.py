@@ -5,15 +5,15 @@ N data-parallel ranks with micro-batch B/N see the windows one process sees with
 tensor-parallel ranks split every layer by heads, pipeline stages split the blocks, context-parallel ranks
 split every row into consecutive shards, so per-step losses, validation losses and final weights must match
 the single-process run (to float summation order), with AdamW and with MuonClip. The cases run in one
-torchrun launch per process count (tests/dist_train.py): torch's start-up on every rank costs more than a
-tiny run. A checkpoint moves from dp2 x tp2 to two pipeline stages to one process with the same losses (and
-from tp2 to pp2 with tied embeddings, from expert parallelism over 4 ranks to 2 ranks, and from cp2 x tp2
-to cp2), and a layout that does not fit exits with the message instead of hanging.
+torchrun launch per process count (tests/dist_train.py), the checkpoint chains' legs too: torch's start-up
+on every rank costs more than a tiny run. A checkpoint moves from dp2 x tp2 to two pipeline stages to one
+process with the same losses (and from tp2 to pp2 with tied embeddings, from expert parallelism over 4 ranks
+to 2 ranks, and from cp2 x tp2 to cp2), and a layout that does not fit exits with the message instead of
+hanging.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -21,7 +21,8 @@ import warnings
 
 import pytest
 import torch
-from layout_runs import ROOT, assert_same_run, native_crash, overrides, single_process, torchrun
+from layout_runs import (assert_same_run, dist_train, native_crash, overrides, resumed_at, single_process,
+                         torchrun)
 
 from kimi import checkpoint
 # 4 blocks (KDA, MLA, KDA, MLA): enough for 2 ranks x 2 virtual pipeline stages
@@ -137,33 +138,50 @@ CASES = [(layout, optim) for layout in BOTH for optim in ("adamw", "muonclip")] 
     ("cp2_t256", "adamw"), ("cp2_t192_varlen", "muonclip"), ("cp4_t320_rope", "muonclip")]
 
 
+# A checkpoint moves: step 1 on the first layout, step 2 on the second, step 3 in one process. Each leg rides
+# in the launch of its process count (a launch of its own costs more than the tiny run), so a second leg's
+# launch comes after its first leg's: the 4-rank launch runs first.
+CHAINS = [("dp2xtp2", "pp2_1f1b"), ("tp2_tied", "pp2_tied"), ("moe_dp4_ep2", "moe_ep2"),
+          ("cp2xtp2_sp", "cp2")]
+assert all(LAYOUTS[first][0] >= LAYOUTS[second][0] for first, second in CHAINS)
+
+
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory, data):
-    """launch(nproc) -> (the run dirs by case, the torchrun result): every case on nproc ranks trained by
-    one launch of tests/dist_train.py, made once."""
+    """launch(nproc) -> (the run dirs by case and by chain, the torchrun result): every case on nproc ranks
+    and every chain's leg on nproc ranks trained by one launch of tests/dist_train.py, made once, after the
+    launches of more ranks (which hold the first legs)."""
     out, done = tmp_path_factory.mktemp("layouts"), {}
 
     def launch(nproc: int):
+        for more in sorted({n for n, _, _ in LAYOUTS.values() if n > nproc}, reverse=True):
+            launch(more)
         if nproc not in done:
             runs = {(layout, optim): out / f"{layout}_{optim}" for layout, optim in CASES
                     if LAYOUTS[layout][0] == nproc}
-            spec = [{"run_dir": str(run),
-                     "overrides": overrides(data, optim, *LAYOUTS[layout][2],
-                                            f"trainer.micro_batch_size={4 // LAYOUTS[layout][1]}")}
+            spec = [(run, overrides(data, optim, *LAYOUTS[layout][2],
+                                    f"trainer.micro_batch_size={4 // LAYOUTS[layout][1]}"))
                     for (layout, optim), run in runs.items()]
-            (out / f"runs{nproc}.json").write_text(json.dumps(spec))
-            args = [str(ROOT / "tests" / "dist_train.py"), str(out / f"runs{nproc}.json")]
-            proc = torchrun(nproc, None, args, check=False)
+            legs = [(chain, stop) for stop in (1, 2) for chain in CHAINS
+                    if LAYOUTS[chain[stop - 1]][0] == nproc]
+            chains = {chain: out / "chain_{}_{}".format(*chain) for chain, _ in legs}
+            for chain, stop in legs:  # every first leg before any second one
+                _, dp, extra = LAYOUTS[chain[stop - 1]]
+                settings = [*extra, f"trainer.stop_at_step={stop}", f"trainer.micro_batch_size={4 // dp}"]
+                spec.append((chains[chain], overrides(data, "muonclip", *settings)))
+            proc = dist_train(nproc, spec, out / f"runs{nproc}.json", check=False)
             # A rank that segfaults in torch's native code ends the launch and every case after it (seen
             # once in a full suite, in none of 10 launches alone): launched once more from scratch, said
-            # in a warning. A crash of ours, or a crash twice, still fails every case it stopped.
+            # in a warning (a chain's run dir stays where its first leg ran in an earlier launch). A crash of
+            # ours, or a crash twice, still fails every case it stopped.
             if proc.returncode != 0 and (crash := native_crash(proc)):
                 warnings.warn(f"the {nproc}-rank launch crashed in native code ({crash}); launching it "
                               f"again:\n{proc.stderr[-3000:]}")
-                for run in runs.values():
+                started = [chains[chain] for chain, stop in legs if stop == 1]
+                for run in [*runs.values(), *started]:
                     shutil.rmtree(run, ignore_errors=True)
-                proc = torchrun(nproc, None, args, check=False)
-            done[nproc] = runs, proc
+                proc = dist_train(nproc, spec, out / f"runs{nproc}.json", check=False)
+            done[nproc] = {**runs, **chains}, proc
         return done[nproc]
 
     return launch
@@ -186,19 +204,22 @@ def test_layout_equals_one_process(tmp_path, launches, references, layout, optim
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("chain", [("dp2xtp2", "pp2_1f1b"), ("tp2_tied", "pp2_tied"),
-                                   ("moe_dp4_ep2", "moe_ep2"), ("cp2xtp2_sp", "cp2")])
-def test_checkpoint_moves_between_layouts_then_to_one_process(tmp_path, data, references, chain):
+@pytest.mark.parametrize("chain", CHAINS)
+def test_checkpoint_moves_between_layouts_then_to_one_process(tmp_path, data, launches, references, chain):
     """Step 1 on the first layout, step 2 on the second, step 3 in one process: the same run (with tied
-    embeddings: one matrix on one process, two copies on two stages)."""
-    run, model = tmp_path / "resumed", [o for o in LAYOUTS[chain[0]][2] if o.startswith("model.")]
-    for layout, stop in zip(chain, (1, 2)):
-        nproc, dp, extra = LAYOUTS[layout]
-        torchrun(nproc, run, overrides(data, "muonclip", *extra, f"trainer.micro_batch_size={4 // dp}",
-                                       f"trainer.stop_at_step={stop}"))
-        assert checkpoint.latest_complete(run / "checkpoints").step == stop
+    embeddings: one matrix on one process, two copies on two stages). Each start resumed from the step
+    before (train.log): a second leg that started afresh would train the same numbers."""
+    for layout in chain:
+        runs, proc = launches(LAYOUTS[layout][0])
+    run, model = runs[chain], [o for o in LAYOUTS[chain[0]][2] if o.startswith("model.")]
+    latest = checkpoint.latest_complete(run / "checkpoints")
+    if latest is None or latest.step != 2:
+        pytest.fail(f"the {LAYOUTS[chain[1]][0]}-rank launch exited {proc.returncode} before {run.name} "
+                    "reached step 2:\n"
+                    f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     trainer = single_process(run, data, "muonclip", *model)
     assert trainer.step == 3
+    assert resumed_at(run) == [1, 2], (run / "train.log").read_text()
     assert_same_run(run, references("muonclip", *model), tmp_path)
 
 
