@@ -154,9 +154,9 @@ def launches(tmp_path_factory, data):
     out, done = tmp_path_factory.mktemp("layouts"), {}
 
     def launch(nproc: int):
-        for more in sorted({n for n, _, _ in LAYOUTS.values() if n > nproc}, reverse=True):
-            launch(more)
         if nproc not in done:
+            for more in sorted({n for n, _, _ in LAYOUTS.values() if n > nproc}, reverse=True):
+                launch(more)
             runs = {(layout, optim): out / f"{layout}_{optim}" for layout, optim in CASES
                     if LAYOUTS[layout][0] == nproc}
             spec = [(run, overrides(data, optim, *LAYOUTS[layout][2],
@@ -209,8 +209,7 @@ def test_checkpoint_moves_between_layouts_then_to_one_process(tmp_path, data, la
     """Step 1 on the first layout, step 2 on the second, step 3 in one process: the same run (with tied
     embeddings: one matrix on one process, two copies on two stages). Each start resumed from the step
     before (train.log): a second leg that started afresh would train the same numbers."""
-    for layout in chain:
-        runs, proc = launches(LAYOUTS[layout][0])
+    runs, proc = launches(LAYOUTS[chain[1]][0])  # the second leg's launch, after the first leg's
     run, model = runs[chain], [o for o in LAYOUTS[chain[0]][2] if o.startswith("model.")]
     latest = checkpoint.latest_complete(run / "checkpoints")
     if latest is None or latest.step != 2:
