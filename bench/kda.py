@@ -447,15 +447,19 @@ def _gate_case(dtype, T: int, H: int, d: int):
     return out["triton"], out["torch"], out["fp64"]
 
 
+# kda_check's rows, in their order
+CHECK_OPS = ("chunk", "chunk_safe", "context_2", "context_4", "recurrent", "decode", "gate")
+
+
 def kda_check(docs: list[int], H: int, d: int, plant: bool = False,
               dtypes: tuple[str, ...] = ("float32", "bfloat16"), fla: str = "",
-              done=lambda result: None) -> dict:
+              done=lambda result: None, ops: tuple[str, ...] | None = None) -> dict:
     """Every KDA Triton op against the PyTorch path and fp64, in each of `dtypes` (q, k, v), on packed
     documents of these lengths (ones of length 1 and not multiples of 64 exercise the chunk edges); g, beta
     and states fp32, as the layer feeds them. Tests cover the kernels interpreted; on a GPU this covers them
     compiled. fla: what load_fla said ("fla-core <version>" when it loaded: its chunk_kda then gets the same
     two rows as ours, which are reported but pass or fail only fla-core, not this check). done(result so
-    far) after each row."""
+    far) after each row. ops: only these rows (CHECK_OPS; None: all)."""
     cu_seqlens = torch.tensor([0, *itertools.accumulate(docs)], device=DEVICE)
     rows, start = [], time.perf_counter()
 
@@ -470,20 +474,23 @@ def kda_check(docs: list[int], H: int, d: int, plant: bool = False,
                 "tolerance": TOLERANCE, "planted_failure": plant, "fla": fla or "not checked",
                 "ok": all(r["ok"] for r in rows if r.get("ours", True)), "rows": rows}
     for dtype in (getattr(torch, name) for name in dtypes):
-        add(_row("chunk", "chunk_kda forward and backward, packed documents, initial state", dtype,
-                         lambda: _chunk_case(dtype, cu_seqlens, H, d, plant)))
-        add(_row("chunk_safe", "chunk_kda bounded form (safe gate, lower_bound=-5), as above", dtype,
-                         lambda: _chunk_case(dtype, cu_seqlens, H, d, False, lower_bound=-5.0)))
-        for shards in (2, 4):  # context parallelism's split (docs/algorithms.md, section 1.6)
-            add(_row(f"context_{shards}", f"chunk_kda in {shards} shards as cp ranks run it, packed "
-                     "documents", dtype, lambda n=shards: _context_case(dtype, cu_seqlens, H, d, n)))
-        add(_row("recurrent", "fused_recurrent_kda, packed documents, initial state", dtype,
-                         lambda: _recurrent_case(dtype, cu_seqlens, H, d, decode=False)))
-        add(_row("decode", "fused_recurrent_kda, one token per sequence from a state", dtype,
-                         lambda: _recurrent_case(dtype, cu_seqlens, H, d, decode=True)))
-        add(_row("gate", "the layer's l2norm and kda_gate kernels, forward and backward", dtype,
-                         lambda: _gate_case(dtype, sum(docs), H, d)))
-        if fla.startswith("fla-core"):
+        cases = [("chunk", "chunk_kda forward and backward, packed documents, initial state",
+                  lambda: _chunk_case(dtype, cu_seqlens, H, d, plant)),
+                 ("chunk_safe", "chunk_kda bounded form (safe gate, lower_bound=-5), as above",
+                  lambda: _chunk_case(dtype, cu_seqlens, H, d, False, lower_bound=-5.0))]
+        cases += [(f"context_{n}", f"chunk_kda in {n} shards as cp ranks run it, packed documents",
+                   lambda n=n: _context_case(dtype, cu_seqlens, H, d, n))
+                  for n in (2, 4)]  # context parallelism's split (docs/algorithms.md, section 1.6)
+        cases += [("recurrent", "fused_recurrent_kda, packed documents, initial state",
+                   lambda: _recurrent_case(dtype, cu_seqlens, H, d, decode=False)),
+                  ("decode", "fused_recurrent_kda, one token per sequence from a state",
+                   lambda: _recurrent_case(dtype, cu_seqlens, H, d, decode=True)),
+                  ("gate", "the layer's l2norm and kda_gate kernels, forward and backward",
+                   lambda: _gate_case(dtype, sum(docs), H, d))]
+        for op, what, fn in cases:
+            if ops is None or op in ops:
+                add(_row(op, what, dtype, fn))
+        if fla.startswith("fla-core") and (ops is None or "chunk" in ops or "chunk_safe" in ops):
             for op, bound in (("fla_chunk", None), ("fla_chunk_safe", -5.0)):
                 row = _row(op, f"{fla} chunk_kda" + (" bounded form" if bound else "") + ", as ours", dtype,
                            lambda: _chunk_case(dtype, cu_seqlens, H, d, False, bound, impl="fla"))
@@ -1044,6 +1051,8 @@ def main() -> None:
     parser.add_argument("--check-dim", type=int, default=128, help="GPU check: head dim")
     parser.add_argument("--check-dtypes", nargs="+", default=["float32", "bfloat16"],
                         choices=["float32", "bfloat16"], help="GPU check: input dtypes")
+    parser.add_argument("--check-ops", nargs="+", default=None, choices=CHECK_OPS,
+                        help="GPU check: only these ops (default: all; fla-core's rows come with chunk's)")
     parser.add_argument("--check-fla", action="store_true",
                         help="GPU check: fla-core's chunk_kda on the same cases (reported, not failing)")
     parser.add_argument("--no-self-check", action="store_true", help="GPU timing without the check first")
@@ -1080,7 +1089,7 @@ def main() -> None:
         path = args.out or RESULTS / "kda_gpu_check.json"
         result = kda_check(args.check_docs, args.check_heads, args.check_dim, args.plant_failure,
                            tuple(args.check_dtypes), fla,
-                           lambda r: path.write_text(json.dumps(r, indent=2) + "\n"))
+                           lambda r: path.write_text(json.dumps(r, indent=2) + "\n"), args.check_ops)
         write(path, result)
         if not result["ok"]:
             failed = [f"{r['what']} ({r['dtype']})" for r in result["rows"]

@@ -4,10 +4,10 @@
     .venv/bin/python tests/suite_times.py REPORT --write   # put it into docs/testing.md, between its markers
 
 Each test's time is pytest's own (setup, call and teardown); a tier's is the sum over its tests, which the
-two xdist workers share, so the wall time is about half the sum. The run's wall time, and the commit and the
-machine's load that `.ci/run` writes beside the report (run.txt), are stated with it, so docs/testing.md never
-carries a time copied by hand. Tiers come from a fresh collection (as tests/count_tests.py counts them),
-matched to the report's test ids."""
+two xdist workers share, so the wall time is about half the sum. The run's wall time, and the commit, the
+machine's load and its CPU that `.ci/run` writes beside the report (run.txt), are stated with it, so
+docs/testing.md never carries a time copied by hand. Tiers come from a fresh collection (as
+tests/count_tests.py counts them), matched to the report's test ids."""
 
 from __future__ import annotations
 
@@ -70,10 +70,11 @@ def read(report: Path) -> tuple[list[tuple[str, float, bool]], float]:
 
 
 def run_facts(report: Path) -> dict[str, str]:
-    """What `.ci/run` wrote beside the report (run.txt: key=value lines: commit, load_start, load_end)."""
+    """What `.ci/run` wrote beside the report (run.txt: key=value lines: commit, load_start, load_end, cores,
+    cpu; a value may hold spaces)."""
     facts = report.parent / "run.txt"
-    lines = facts.read_text().split() if facts.is_file() else []
-    return dict(line.split("=", 1) for line in lines if "=" in line)
+    lines = facts.read_text().splitlines() if facts.is_file() else []
+    return dict(line.strip().split("=", 1) for line in lines if "=" in line)
 
 
 def minutes(seconds: float) -> str:
@@ -94,10 +95,12 @@ def table(report: Path) -> str:
     facts = run_facts(report)
     load = (f"load average {facts['load_start']} at its start, {facts['load_end']} at its end"
             if "load_start" in facts and "load_end" in facts else "its load not recorded")
+    machine = (f"a {facts['cores']}-core {facts['cpu']}" if "cpu" in facts and "cores" in facts
+               else f"this project's machine ({os.cpu_count()} cores, its CPU not recorded)")
     rows = [BEGIN, "",
             f"`.ci/run` at commit {facts.get('commit', '(not recorded)')}: {len(cases):,} tests in "
-            f"{minutes(wall)} of pytest's wall time on this project's machine ({os.cpu_count()} cores; "
-            f"{load}). Time per tier, summed over its tests (the two workers share it):", "",
+            f"{minutes(wall)} of pytest's wall time on {machine} ({load}). Time per tier, summed over its "
+            "tests (the two workers share it):", "",
             "| tier | tests | summed time | share |", "|---|---|---|---|"]
     total = sum(seconds.values()) or 1.0
     for tier in [f"{t}{s}" for t in TIERS for s in ("", ", slow")] + ["not collected now"]:

@@ -128,11 +128,13 @@ def test_dry_run_runs_every_step(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_planted_failures_fail_the_run_and_are_named(tmp_path):
-    """A wrong Triton gradient, a crashed step and a hung one: each is reported, the others still run."""
+    """A wrong Triton gradient, a crashed step and a hung one: each is reported, the others still run. The
+    KDA check runs its chunk rows only (bench/kda.py --check-ops), where the failure is planted: the dry run
+    above runs them all."""
     out = tmp_path / "gpu"
     proc = make_gpu_check("--dry-run", "--out", str(out), "--steps", "kda_check", "optim", "train",
                           "--plant-failure", "kda_check", "optim", "--plant-hang", "train", "--budget",
-                          "train=5", timeout=200)
+                          "train=5", "--step-args", "kda_check=--check-ops chunk chunk_safe", timeout=200)
     assert proc.returncode != 0, proc.stdout[-4000:]
     assert {s: step_json(out, s)["status"] for s in ("kda_check", "optim", "train")} == {
         "kda_check": "failed", "optim": "crashed", "train": "timeout"}
@@ -143,7 +145,8 @@ def test_planted_failures_fail_the_run_and_are_named(tmp_path):
                for line in failed)
     assert any(line.startswith("FAILED train: tiny: out of time") for line in failed), failed
     kda = step_json(out, "kda_check")
-    assert [r["op"] for r in kda["runs"]["kda"]["result"]["rows"] if not r["ok"]] == ["chunk"]
+    rows = kda["runs"]["kda"]["result"]["rows"]
+    assert [(r["op"], r["ok"]) for r in rows] == [("chunk", False), ("chunk_safe", True)]
     summary = (out / "summary.md").read_text()
     assert "| FAILED |" in summary and "| CRASHED |" in summary and "| OUT OF TIME |" in summary
     assert "not run yet" not in summary and "attention_check" not in summary

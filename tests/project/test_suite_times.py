@@ -1,6 +1,6 @@
 """tests/suite_times.py, the generator of docs/testing.md's time table: a JUnit report's test ids become
 pytest node ids, times are summed per tier and file, the commit and load `.ci/run` wrote beside the report are
-named, and the page holds a generated table."""
+named with the CPU it ran on, and the page holds a generated table."""
 
 import re
 
@@ -21,7 +21,8 @@ REPORT = """<?xml version="1.0" encoding="utf-8"?>
 def test_report_to_table(tmp_path, monkeypatch):
     report = tmp_path / "pytest.xml"
     report.write_text(REPORT)
-    (tmp_path / "run.txt").write_text("commit=abc1234\nload_start=0.5\nload_end=1.5\n")
+    (tmp_path / "run.txt").write_text("commit=abc1234\nload_start=0.5\ncores=2\ncpu=AMD EPYC (avx2)\n"
+                                      "load_end=1.5\n")
     monkeypatch.setattr(suite_times, "tiers", lambda: {
         "tests/project/test_suite_times.py::test_report_to_table": ("unit", False),
         "tests/project/test_readme.py::test_docs_commands_run[x]": ("e2e", True)})
@@ -33,7 +34,7 @@ def test_report_to_table(tmp_path, monkeypatch):
     block = suite_times.table(report)
     assert block.startswith(suite_times.BEGIN) and block.endswith(suite_times.END)
     assert "`.ci/run` at commit abc1234: 3 tests in 1 min 30 s of pytest's wall time" in block
-    assert "load average 0.5 at its start, 1.5 at its end" in block
+    assert "wall time on a 2-core AMD EPYC (avx2) (load average 0.5 at its start, 1.5 at its end)" in block
     assert "| unit | 1 | 0 min 01 s | 2% |" in block and "| e2e, slow | 1 | 1 min 00 s | 97% |" in block
     assert "| not collected now | 1 | 0 min 00 s | 1% |" in block
     # slowest first
