@@ -11,7 +11,6 @@ tests/count_tests.py counts them), matched to the report's test ids."""
 
 from __future__ import annotations
 
-import os
 import sys
 import xml.etree.ElementTree as ET
 from collections import Counter
@@ -96,7 +95,7 @@ def table(report: Path) -> str:
     load = (f"load average {facts['load_start']} at its start, {facts['load_end']} at its end"
             if "load_start" in facts and "load_end" in facts else "its load not recorded")
     machine = (f"a {facts['cores']}-core {facts['cpu']}" if "cpu" in facts and "cores" in facts
-               else f"this project's machine ({os.cpu_count()} cores, its CPU not recorded)")
+               else "a machine whose cores and CPU were not recorded")
     rows = [BEGIN, "",
             f"`.ci/run` at commit {facts.get('commit', '(not recorded)')}: {len(cases):,} tests in "
             f"{minutes(wall)} of pytest's wall time on {machine} ({load}). Time per tier, summed over its "
