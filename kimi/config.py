@@ -72,10 +72,13 @@ class Config:
 
 
 def register_configs() -> None:
+    """Store the schema as Hydra's base_config, once per process: each store builds the whole structured
+    config again (0.1-0.2 s), and every command and composing test asks for it."""
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
-    cs.store(name="base_config", node=Config)
+    if "base_config.yaml" not in cs.repo:
+        cs.store(name="base_config", node=Config)
 
 
 # ---- keys the schema lacks ---------------------------------------------------------------------------------

@@ -88,10 +88,14 @@ Exit codes: 0 finished, 75 stopped early with a checkpoint (trainer.stop_at_step
 data or run directory, 1 failure."""
 
 
+# Hydra's flags that print and exit without running a job (--cfg job, --info, ...): they import no torch
+HYDRA_PRINTS = ("--cfg", "-c", "--info", "-i", "--hydra-help", "--shell-completion", "-sc")
+
+
 def cli() -> None:
     """What `python train.py ...` runs: the overrides are checked first (kimi.cli.check_overrides), so what
     Hydra would refuse with a report of several lines is one line and exit code 2, like every other error."""
-    from kimi.cli import check_overrides, finish, run_main
+    from kimi.cli import check_overrides, finish, import_frozen, run_main
     from kimi.config import register_configs
 
     if any(a in ("-h", "--help") for a in sys.argv[1:]):  # Hydra's own --help dumps the config unexplained
@@ -108,6 +112,8 @@ def cli() -> None:
     if code:
         run_dir = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("hydra.run.dir=")), "")
         sys.exit(finish(code, run_dir))
+    if not any(a.split("=", 1)[0] in HYDRA_PRINTS for a in sys.argv[1:]):
+        import_frozen("kimi.trainer")  # a run: the imports that take seconds
     global FOLDERS_MADE
     FOLDERS_MADE = _folders_made(sys.argv[1:])
     try:

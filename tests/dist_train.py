@@ -20,6 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(spec: Path) -> None:
+    from kimi.cli import import_frozen
+
+    import_frozen("kimi.trainer")  # as train.py does: each run's collections then skip what the imports made
     from kimi.config import register_configs
     from kimi.parallel import destroy_distributed
     from kimi.trainer import Trainer
