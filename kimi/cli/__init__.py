@@ -78,11 +78,11 @@ def import_frozen(module: str) -> None:
     paused, then freeze all objects made so far (gc.freeze) and resume it; at exit they are unfrozen, so that
     the interpreter's teardown still frees them (triton's bindings report leaked objects otherwise).
 
-    Those imports make about 400k objects and no garbage, yet each automatic full collection among them walks
-    every one again, and so does every later collection of the run (destroy_distributed's, a stage's): 1.4 s
-    of a tiny 3-step run's 7 s on this project's 2-core CPU (docs/environment.md). Only in a fresh command,
-    before torch is imported: a process that has torch already (a test calling train.cli() in-process)
-    imports as usual, since freezing its heap would keep whatever garbage it holds for good."""
+    Those imports make about 400k objects and little garbage, yet each automatic full collection among them
+    walks every one again, and so does every later collection of the run (destroy_distributed's, a stage's):
+    1.0 s of a tiny 3-step run's 6-7 s on this project's 2-core CPU (docs/environment.md). Only in a fresh
+    command, before torch is imported: a process that has torch already (a test calling train.cli()
+    in-process) imports as usual, since freezing its heap would keep whatever garbage it holds for good."""
     import gc
     import importlib
 
