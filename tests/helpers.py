@@ -33,6 +33,7 @@ TINY_TRAINER = [
     "logging.wandb.mode=disabled", "data=files", "data.tokenizer.vocab_size=384", "data.val_fraction=0.1",
     "trainer.peak_flops=1e11",  # MFU's denominator given: measuring the CPU costs half a second per run
     "trainer.diag_every=0",  # diagnostics (a third of a second per run) where a test asks for them
+    "logging.plot=false",  # the PNGs (matplotlib's import and a drawing: 0.6 s per process) where a test asks
 ]
 
 # What every run of kimi.plan's measure=K needs besides the layout (tests/plan/test_plan_measure.py,

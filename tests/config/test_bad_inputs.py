@@ -76,7 +76,7 @@ def offline(tmp_path_factory):
 
 def argv(run: Path, data: list[str], *overrides: str) -> list[str]:
     """train.py's arguments; the overrides come last, and a later value of a key wins."""
-    return [f"hydra.run.dir={run}", *data, *TINY, "trainer.eval_every=0", "logging.plot=false", *overrides]
+    return [f"hydra.run.dir={run}", *data, *TINY, "trainer.eval_every=0", *overrides]
 
 
 def trainer(run: Path, data: list[str], *overrides: str) -> Trainer:

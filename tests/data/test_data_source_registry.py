@@ -49,7 +49,7 @@ def toy():
 
 def test_a_registered_source_trains(toy, tmp_path):
     data = ["data.source=toy", f"data.cache_dir={tmp_path / 'cache'}"]
-    trainer = train_run(tmp_path / "run", data, "trainer.max_steps=3", "logging.plot=false")
+    trainer = train_run(tmp_path / "run", data, "trainer.max_steps=3")
     losses = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
     # the run's tokens are the toy documents, and the cache is keyed by the toy source's identity

@@ -38,7 +38,7 @@ def sgd():
 
 def test_a_registered_optimizer_trains(sgd, tmp_path, data):
     trainer = train_run(tmp_path / "run", data, "optim.name=sgd", "trainer.max_steps=3",
-                        "trainer.diag_every=1", "logging.plot=false")
+                        "trainer.diag_every=1")
     opt = trainer.engine.optimizer
     assert type(opt) is torch.optim.SGD
     params = [p for p in trainer.engine.model.parameters() if p.requires_grad]

@@ -375,7 +375,8 @@ class Sandbox:
             self.fresh += 1
         run = self.path(given) if given else self.tmp / "fresh" / str(self.fresh)
         kept = [w for w in overrides if _key(w) not in SET_HERE - KEPT_HERE]
-        tiny = [w for w in TINY_TRAINER if _key(w) not in {_key(k) for k in kept}]
+        # the run dir the README describes, loss curve included (RUN_DIR_FILES): logging.plot as a user has it
+        tiny = [w for w in TINY_TRAINER if _key(w) not in {_key(k) for k in kept} | {"logging.plot"}]
         # peak_flops: MFU's denominator given, not measured (saves a second per run)
         return ([*kept, *tiny, *self.data, f"trainer.max_steps={steps}", "trainer.eval_every=0",
                  "trainer.sample_tokens=0", "trainer.peak_flops=1e11", f"hydra.run.dir={run}"], run, steps)

@@ -176,7 +176,7 @@ def runs(tmp_path_factory, data):
     """Three 3-step MuonClip runs of one process, with diagnostics at every step (wandb offline, in an
     ablation's group), without, and 2 FSDP ranks with them: {"on", "off", "fsdp"} -> run dir."""
     out = tmp_path_factory.mktemp("diag")
-    extra = [*DIAG, "trainer.checkpoint_every=1", "logging.wandb.mode=offline",
+    extra = [*DIAG, "trainer.checkpoint_every=1", "logging.wandb.mode=offline", "logging.plot=true",
              "logging.wandb.group=ablation", "logging.wandb.tags=[muonclip,'seed=1']"]
     on = single_process(out / "on", data, "muonclip", *extra)
     single_process(out / "off", data, "muonclip", *MOE, "trainer.diag_every=0")

@@ -59,7 +59,7 @@ def test_tensorboard_without_its_package_is_one_line_naming_the_extra(monkeypatc
 @pytest.mark.e2e
 def test_tensorboard_has_every_logged_step_once_also_after_a_resume(tmp_path, data, capsys):
     run = tmp_path / "run"
-    common = ["logging.tensorboard=true", "logging.plot=false", "trainer.max_steps=4",
+    common = ["logging.tensorboard=true", "trainer.max_steps=4",
               "trainer.checkpoint_every=2", "trainer.eval_every=2"]
     train_run(run, data, *common)
     # the last checkpoint lost: the next start resumes at step 2 and logs steps 3 and 4 again
@@ -80,7 +80,7 @@ def test_tensorboard_has_every_logged_step_once_also_after_a_resume(tmp_path, da
 @pytest.mark.e2e
 def test_the_step_time_breakdown_adds_up_and_the_progress_line_shows_it(tmp_path, data, capsys):
     run = tmp_path / "run"
-    train_run(run, data, "logging.plot=false", "trainer.max_steps=6", "trainer.log_every=2",
+    train_run(run, data, "trainer.max_steps=6", "trainer.log_every=2",
               "trainer.eval_every=2", "trainer.checkpoint_every=3")
     out = capsys.readouterr().out
     records = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
@@ -131,7 +131,7 @@ def test_the_loss_curve_is_redrawn_at_each_evaluation_with_the_blend_sources(tmp
 
     monkeypatch.setattr(Trainer, "save_checkpoint", look_then_save)
     train_run(run, blend(data), "trainer.max_steps=6", "trainer.eval_every=2", "trainer.checkpoint_every=2",
-              "trainer.stop_at_step=2")
+              "trainer.stop_at_step=2", "logging.plot=true")
     assert seen == [(2, "lines: train loss; validation loss; validation loss: a; validation loss: b")]
     assert not list(run.glob(".loss_curve.png*"))  # written aside, then renamed over the old one
 

@@ -26,19 +26,11 @@ register_configs()
 PROGRESS = re.compile(r"^step +(\d+)/\d+ \| (loss|loss\(avg (\d+)\)) (\d+\.\d{4}) \|.* MFU (\d+\.\d)% \|")
 
 
-def cfg(run: Path, data: list[str], *overrides: str):
-    return run_cfg(run, data, "logging.plot=false", *overrides)
-
-
-def train(run: Path, data: list[str], *overrides: str) -> Trainer:
-    return train_run(run, data, "logging.plot=false", *overrides)
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, data) -> Path:
     """A finished 4-step run (checkpoints at 2 and 4); tests copy it before changing anything."""
     run = tmp_path_factory.mktemp("trained") / "run"
-    train(run, data, "trainer.max_steps=4", "trainer.checkpoint_every=2")
+    train_run(run, data, "trainer.max_steps=4", "trainer.checkpoint_every=2")
     return run
 
 
@@ -54,7 +46,7 @@ def progress(out: str) -> list[tuple[int, int, float, float]]:
 def test_mfu_is_null_not_100_percent_when_the_peak_was_measured_too_low(tmp_path, data, capsys, monkeypatch):
     # a CPU "measured" while swamped: every window beats it
     monkeypatch.setattr(cpu, "per_core_peak", lambda *a, **k: (1e3, True))
-    train(tmp_path / "run", data, "trainer.max_steps=5", "trainer.log_every=1", "trainer.peak_flops=null")
+    train_run(tmp_path / "run", data, "trainer.max_steps=5", "trainer.log_every=1", "trainer.peak_flops=null")
     out = capsys.readouterr().out
     assert ("[kimi] MFU against 1000 FLOP/s: 1 thread x this CPU's fp32 matmul rate per core (1000 FLOP/s, "
             "cached") in out
@@ -120,7 +112,7 @@ def test_cpu_peak_is_the_best_of_several_runs(monkeypatch):
 
 @pytest.mark.e2e
 def test_progress_line_shows_the_labelled_window_mean_of_metrics_jsonl(tmp_path, data, capsys):
-    train(tmp_path / "run", data, "trainer.max_steps=7", "trainer.log_every=3")
+    train_run(tmp_path / "run", data, "trainer.max_steps=7", "trainer.log_every=3")
     out = capsys.readouterr().out
     assert out.count("[kimi] a progress line every 3 steps: loss is the mean of those steps (metrics.jsonl's "
                      "loss)") == 1
@@ -159,7 +151,7 @@ def test_progress_line_label():
 @pytest.mark.e2e
 def test_routing_table_goes_to_a_file_and_the_console_gets_one_line(tmp_path, data, capsys):
     run = tmp_path / "run"
-    train(run, data, "trainer.max_steps=1")
+    train_run(run, data, "trainer.max_steps=1")
     out = capsys.readouterr().out
     table = (run / "optimizer_routing.txt").read_text().splitlines()
     assert table[0].split() == ["name", "shape", "family", "wd"] and len(table) > 30
@@ -198,7 +190,7 @@ def test_routing_under_a_pipeline_one_file_per_pipeline_rank(tmp_path):
 @pytest.mark.e2e
 def test_train_log_holds_the_console_and_is_appended_on_resume(tmp_path, data, capsys):
     run = tmp_path / "run"
-    train(run, data, "trainer.max_steps=4", "trainer.stop_at_step=2")
+    train_run(run, data, "trainer.max_steps=4", "trainer.stop_at_step=2")
     first_out = capsys.readouterr().out
     first = (run / "train.log").read_text()
     assert first.startswith("---- ") and first.count("\n---- ") == 0
@@ -206,7 +198,7 @@ def test_train_log_holds_the_console_and_is_appended_on_resume(tmp_path, data, c
     assert body == first_out  # everything rank 0 printed, in order, and nothing else
     assert "[data] " in body and "step 2/4 | loss" in body and "stopped at step 2" in body
 
-    train(run, data, "trainer.max_steps=4")
+    train_run(run, data, "trainer.max_steps=4")
     second_out = capsys.readouterr().out
     log = (run / "train.log").read_text()
     assert log.startswith(first) and log.count("---- ") == 2
@@ -217,7 +209,7 @@ def test_train_log_holds_the_console_and_is_appended_on_resume(tmp_path, data, c
 def test_a_failed_start_leaves_its_error_in_train_log(tmp_path, data, trained):
     run = copy_run(trained, tmp_path)
     with pytest.raises(ConfigError, match="the model differs"):
-        Trainer(cfg(run, data, "trainer.max_steps=8", "model.d_model=48"))
+        Trainer(run_cfg(run, data, "trainer.max_steps=8", "model.d_model=48"))
     last = (run / "train.log").read_text().splitlines()[-1]
     assert last.startswith("error: cannot resume from ") and last.endswith("(ConfigError)")
 
@@ -234,13 +226,13 @@ def test_config_of_the_training_is_kept_when_a_later_command_fails(tmp_path, dat
     kept = OmegaConf.load(run / "config.yaml")
     assert kept.trainer.max_steps == 4 and kept.model.vocab_size == 384 and "${" not in saved  # resolved
     with pytest.raises(ConfigError, match="the model differs"):  # a later command that fails
-        Trainer(cfg(run, data, "trainer.max_steps=8", "model.d_model=48"))
+        Trainer(run_cfg(run, data, "trainer.max_steps=8", "model.d_model=48"))
     with pytest.raises(ConfigError, match="trainer.resume=false"):
-        Trainer(cfg(run, data, "trainer.resume=false"))
+        Trainer(run_cfg(run, data, "trainer.resume=false"))
     assert (run / "config.yaml").read_text() == saved and list((run / "configs").iterdir()) == [first]
 
     # a resumed start that trains: its config is the newest, both kept
-    train(run, data, "trainer.max_steps=6")
+    train_run(run, data, "trainer.max_steps=6")
     kept = sorted((run / "configs").iterdir())
     assert len(kept) == 2 and kept[0].read_text() == saved and kept[1].name.endswith("-step4.yaml")
     assert OmegaConf.load(run / "config.yaml").trainer.max_steps == 6
@@ -263,7 +255,7 @@ def test_a_finished_run_rerun_says_so_and_starts_nothing(tmp_path, data, trained
     monkeypatch.setattr(trainer_module, "MetricsLogger", lambda *a, **k: pytest.fail("metrics/wandb started"))
     monkeypatch.setattr(trainer_module, "build_engine", lambda *a, **k: pytest.fail("weights built"))
     capsys.readouterr()
-    t = Trainer(cfg(run, data, "trainer.max_steps=4", "trainer.sample_tokens=5"))
+    t = Trainer(run_cfg(run, data, "trainer.max_steps=4", "trainer.sample_tokens=5"))
     result = t.fit()
     out = capsys.readouterr().out
     assert result == {"finished": True, "step": 4, "val_loss": None}  # no "sample"
@@ -279,7 +271,7 @@ def test_raising_max_steps_says_what_happens_to_the_lr_schedule(tmp_path, data, 
 
     run = copy_run(trained, tmp_path)
     capsys.readouterr()
-    t = train(run, data, "trainer.max_steps=8")
+    t = train_run(run, data, "trainer.max_steps=8")
     out = capsys.readouterr().out
     optim = t.cfg.optim
     new, old = (optim.lr * lr_multiplier(4, optim, n) for n in (8, 4))
@@ -312,7 +304,7 @@ def test_the_end_of_run_sample_continues_the_first_validation_document(tmp_path,
     from kimi.data import open_split
 
     assert OmegaConf.to_object(compose_default()).trainer.sample_prompt is None
-    t = train(tmp_path / "run", data, "trainer.max_steps=1", "trainer.sample_tokens=4")
+    t = train_run(tmp_path / "run", data, "trainer.max_steps=1", "trainer.sample_tokens=4")
     tok = t.data.tokenizer
     val = open_split(t.data, "val")[:].tolist()
     first = tok.decode(val[:val.index(tok.eos_id)])

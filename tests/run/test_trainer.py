@@ -43,7 +43,8 @@ def read_metrics(run_dir: Path):
 @pytest.mark.e2e
 def test_loss_falls_over_30_steps(tmp_path, corpus, cache_dir):
     run = tmp_path / "run"
-    cfg = make_cfg(run, corpus, cache_dir, "trainer.max_steps=30", "trainer.eval_every=10")
+    cfg = make_cfg(run, corpus, cache_dir, "trainer.max_steps=30", "trainer.eval_every=10",
+                   "logging.plot=true")
     result = Trainer(cfg).fit()
     rows = read_metrics(run)
     losses = [r["loss"] for r in rows if "loss" in r]
