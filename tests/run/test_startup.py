@@ -29,7 +29,7 @@ def test_a_fresh_process_imports_without_full_collections_freezes_them_and_exits
     proc = subprocess.run([sys.executable, "-c", FRESH], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     full, frozen, more, enabled, torch = proc.stdout.split()
-    # without the pause, importing the trainer runs about six full collections (0.9 s on 2 cores)
+    # without the pause, importing the trainer runs five full collections (0.43 s on 2 cores)
     assert (int(full), int(more), enabled, torch) == (0, 0, "True", "True")
     assert int(frozen) > 100_000  # torch, DCP, dynamo: about 400k objects
     # unfrozen at exit: the interpreter's teardown frees them (triton's bindings would report leaks)
