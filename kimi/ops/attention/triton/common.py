@@ -16,9 +16,7 @@ import triton.language as tl
 
 from kimi.ops.documents import segment_ids
 from kimi.ops.dispatch import is_fake
-
-# Decided by triton.jit when these kernels were defined: TRITON_INTERPRET must be set before triton loads.
-INTERPRET: bool = bool(triton.knobs.runtime.interpret)
+from kimi.ops.triton_interpreter import INTERPRET
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

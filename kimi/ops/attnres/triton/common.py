@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import torch
-import triton
 
 from kimi.ops.dispatch import is_fake
-
-# Decided by triton.jit when the kernels were defined: TRITON_INTERPRET must be set before triton loads.
-INTERPRET: bool = bool(triton.knobs.runtime.interpret)
+from kimi.ops.triton_interpreter import INTERPRET
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

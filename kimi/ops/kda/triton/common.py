@@ -14,11 +14,8 @@ import triton
 import triton.language as tl
 
 from ...dispatch import KernelUnsupported, is_fake
+from ...triton_interpreter import INTERPRET
 from ..chunk import BOUNDED_SUB_CHUNK, CHUNK_SIZE, TRITON_MAX_HEAD_DIM
-
-# Triton decides at decoration time whether @triton.jit kernels are compiled or interpreted, from this
-# variable; read it once here, when the kernel modules that import this one are decorated.
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 CHUNK = CHUNK_SIZE  # tokens per chunk
 SUB = 16  # tokens per sub-chunk: the anchoring step inside a chunk (CHUNK // SUB = 4 is hard-wired)
