@@ -4,7 +4,7 @@ check's dry run, Triton kernels on CPU tensors).
 The interpreter remaps triton.language onto numpy once per kernel launch and restores it after. Every call
 of a @triton.jit helper inside the kernel (our own helpers, and tl.sum, tl.zeros, tl.cdiv: they are
 helpers of triton.language.standard) maps the language again, walking every member of the modules it
-sees, and never restores those patches: about 2 ms a call, a fifth of an interpreted KDA check's time.
+sees, and never restores those patches: about 2 ms a call, a quarter of an interpreted KDA check's time.
 Inside a launch that mapping is already in place for every language module the launch or one of its
 earlier nested calls saw, so `install()` skips the repeat and runs the original for the first call that
 brings a module not mapped yet. What runs, and the state the language is left in, are the interpreter's.
