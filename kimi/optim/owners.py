@@ -23,6 +23,7 @@ With no process group (one process) the plan still applies, every transfer is lo
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
@@ -57,7 +58,7 @@ class Piece:
     def slices(self) -> Tuple[slice, ...]:
         return tuple(slice(o, o + s) for o, s in zip(self.offset, self.shape))
 
-    @property
+    @functools.cached_property  # asked millions of times by the planner's owner plans (kimi/plan)
     def numel(self) -> int:
         return math.prod(self.shape)
 

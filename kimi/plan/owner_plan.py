@@ -176,6 +176,7 @@ class MuonTraffic:
 
 
 _TRAFFIC: Dict[tuple, MuonTraffic] = {}
+_PARAMS_KEY: Dict[int, tuple] = {}  # id of a rank_params tuple -> what its plan depends on of it
 
 
 def muon_traffic(cfg: Config, blocks: Sequence[int], first: bool, last: bool) -> MuonTraffic:
@@ -185,10 +186,12 @@ def muon_traffic(cfg: Config, blocks: Sequence[int], first: bool, last: bool) ->
     micro-batch, checkpointing and precision variants of a layout share it too."""
     p = cfg.parallel
     params = rank_params(cfg, blocks, first, last)
-    _, routes, _ = model_shapes(cfg)
+    if id(params) not in _PARAMS_KEY:  # rank_params' tuples are cached, so lasting: their ids stay theirs
+        _, routes, _ = model_shapes(cfg)
+        _PARAMS_KEY[id(params)] = tuple((tuple(shape), dim, ep, routes[name])
+                                        for name, shape, dim, ep, _ in params)
     zero = p.deepspeed.zero_stage if p.engine == DEEPSPEED else None
-    key = (tuple((tuple(shape), dim, ep, routes[name]) for name, shape, dim, ep, _ in params),
-           p.dp_replicate, p.dp_shard, p.cp, p.tp, p.ep, p.engine, zero)
+    key = (_PARAMS_KEY[id(params)], p.dp_replicate, p.dp_shard, p.cp, p.tp, p.ep, p.engine, zero)
     if key in _TRAFFIC:
         return _TRAFFIC[key]
     muon, plans, local = muon_plans(cfg, params)
