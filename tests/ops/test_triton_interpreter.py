@@ -34,10 +34,10 @@ def _row_sums(x_ptr, out_ptr, N: tl.constexpr, REPEAT: tl.constexpr):
     tl.store(out_ptr + row + tl.arange(0, 1), acc)
 
 
-def _run(monkeypatch, wrapped: bool) -> tuple[torch.Tensor, int, dict]:
-    """The kernel's output, how often the interpreter's own patching ran, and triton.language after."""
+def _run(monkeypatch, original, wrapped: bool) -> tuple[torch.Tensor, int, dict]:
+    """The kernel's output, how often the interpreter's own patching (`original`) ran, and triton.language
+    after."""
     calls = 0
-    original = getattr(interpreter._patch_lang, "original", interpreter._patch_lang)
 
     def counted(fn):
         nonlocal calls
@@ -55,8 +55,9 @@ def _run(monkeypatch, wrapped: bool) -> tuple[torch.Tensor, int, dict]:
 
 def test_nested_calls_map_the_language_once_per_launch_and_compute_alike(monkeypatch):
     assert interpreter._patch_lang.kimi_nested_skip  # installed on import under the interpreter
-    plain, plain_calls, plain_lang = _run(monkeypatch, wrapped=False)
-    fast, fast_calls, fast_lang = _run(monkeypatch, wrapped=True)
+    original = interpreter._patch_lang.original
+    plain, plain_calls, plain_lang = _run(monkeypatch, original, wrapped=False)
+    fast, fast_calls, fast_lang = _run(monkeypatch, original, wrapped=True)
     want = torch.arange(24, dtype=torch.float64).reshape(3, 8).sum(1) / 7 * 15  # 1 + 2 + ... + 5
     torch.testing.assert_close(plain.double(), want)
     assert torch.equal(fast, plain)
