@@ -3,6 +3,7 @@ own when a name is not ours), running them, and its results as {task: {metric: v
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import logging
@@ -69,10 +70,11 @@ def evaluate(lm, names: list[str], limit: int | None = None, num_fewshot: int | 
     if quiet:  # inside training: the run's log keeps its own lines
         logging.getLogger("lm_eval").setLevel(logging.ERROR)
     try:
-        return lm_eval.simple_evaluate(model=lm, tasks=names, limit=limit, num_fewshot=num_fewshot,
-                                       task_manager=manager, log_samples=False, bootstrap_iters=0,
-                                       random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                                       fewshot_random_seed=seed)
+        with _no_machine_report():
+            return lm_eval.simple_evaluate(model=lm, tasks=names, limit=limit, num_fewshot=num_fewshot,
+                                           task_manager=manager, log_samples=False, bootstrap_iters=0,
+                                           random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                                           fewshot_random_seed=seed)
     except ValueError as e:  # random.sample's, when lm-eval draws more examples than a task holds
         if num_fewshot and "larger than population" in str(e):
             raise ConfigError(f"num_fewshot={num_fewshot} is more examples than a task of {','.join(names)} "
@@ -80,6 +82,27 @@ def evaluate(lm, names: list[str], limit: int | None = None, num_fewshot: int | 
         raise
     finally:
         logging.getLogger("lm_eval").setLevel(level)
+
+
+# What lm-eval adds to its results about the machine, which we never read: torch's collect_env (pip, conda,
+# nvidia-smi, lscpu and more, each a subprocess: 1.4-2 s a call on 2 idle CPU cores, paid again at every
+# in-training evaluation) and `git describe` in the working directory.
+MACHINE_REPORT = ("add_env_info", "get_git_commit_hash")
+
+
+@contextlib.contextmanager
+def _no_machine_report():
+    """lm-eval's evaluator with MACHINE_REPORT's functions doing nothing (those its version has)."""
+    from lm_eval import evaluator
+
+    saved = {name: getattr(evaluator, name) for name in MACHINE_REPORT if hasattr(evaluator, name)}
+    try:
+        for name in saved:
+            setattr(evaluator, name, lambda *args, **kwargs: None)
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(evaluator, name, function)
 
 
 def scores(results: dict[str, Any]) -> dict[str, dict[str, float]]:

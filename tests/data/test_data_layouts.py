@@ -35,7 +35,7 @@ def moved(tmp_path_factory, data):
     seconds = [(name, second, []) for name, (_, second) in MOVES.items()]
     alone(firsts)
     dist_train(2, [(runs[name], overrides(data, "adamw", *settings(layout, *extra)))
-                   for name, layout, extra in firsts + seconds if layout[0] == 2], out / "runs.json")
+                   for name, layout, extra in firsts + seconds if layout[0] == 2], out / "runs.pkl")
     alone(seconds)
     return runs
 

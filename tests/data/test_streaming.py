@@ -242,7 +242,7 @@ def test_two_ranks_resume_equals_uninterrupted(repo, tmp_path):
             "parallel.dp_shard=2"]
     # one launch: the three starts one after another (the second start of "split" resumes the first's)
     dist_train(2, [(tmp_path / "full", args), (tmp_path / "split", [*args, "trainer.stop_at_step=3"]),
-                   (tmp_path / "split", args)], tmp_path / "runs.json")
+                   (tmp_path / "split", args)], tmp_path / "runs.pkl")
     assert resumed_at(tmp_path / "split") == [3]
     assert metrics(tmp_path / "split") == metrics(tmp_path / "full")
     assert len(metrics(tmp_path / "full")[0]) == 6

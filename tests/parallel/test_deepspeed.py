@@ -77,7 +77,7 @@ def launch(tmp_path_factory, data, init_from):
     spec = [(runs[name], overrides(data, optim, *extra)) for name, (optim, extra) in cases.items()]
     spec += [(runs[name], overrides(data, "muonclip", *layout, f"trainer.stop_at_step={stop}"))
              for name, starts in SEQUENCES.items() for layout, stop in starts]
-    return runs, dist_train(2, spec, out / "runs.json", check=False)
+    return runs, dist_train(2, spec, out / "runs.pkl", check=False)
 
 
 def finished(launch, case: str):

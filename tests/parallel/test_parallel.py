@@ -169,7 +169,7 @@ def launches(tmp_path_factory, data):
                 _, dp, extra = LAYOUTS[chain[stop - 1]]
                 settings = [*extra, f"trainer.stop_at_step={stop}", f"trainer.micro_batch_size={4 // dp}"]
                 spec.append((chains[chain], overrides(data, "muonclip", *settings)))
-            proc = dist_train(nproc, spec, out / f"runs{nproc}.json", check=False)
+            proc = dist_train(nproc, spec, out / f"runs{nproc}.pkl", check=False)
             # A rank that segfaults in torch's native code ends the launch and every case after it (seen
             # once in a full suite, in none of 10 launches alone): launched once more from scratch, said
             # in a warning (a chain's run dir stays where its first leg ran in an earlier launch). A crash of
@@ -180,7 +180,7 @@ def launches(tmp_path_factory, data):
                 started = [chains[chain] for chain, stop in legs if stop == 1]
                 for run in [*runs.values(), *started]:
                     shutil.rmtree(run, ignore_errors=True)
-                proc = dist_train(nproc, spec, out / f"runs{nproc}.json", check=False)
+                proc = dist_train(nproc, spec, out / f"runs{nproc}.pkl", check=False)
             done[nproc] = {**runs, **chains}, proc
         return done[nproc]
 

@@ -216,6 +216,22 @@ def test_a_failed_start_leaves_its_error_in_train_log(tmp_path, data, trained):
 
 # ---- the config each training start used ----------------------------------------------------------------
 
+@pytest.mark.unit
+def test_the_config_file_is_omegaconfs_yaml():
+    """config.yaml's text (kimi.run.runlog.config_yaml, PyYAML's C emitter) is OmegaConf.to_yaml's for the
+    default config and for strings that would load back as another type."""
+    from kimi.config import config_dict, to_config
+    from kimi.run.runlog import config_yaml
+
+    cfg = config_dict(to_config(run_cfg(Path("runs/x"), [], "model=kimi_k3")))
+    odd = {"float": "1e-3", "bool": "true", "int": "10", "null": "null", "tilde": "~", "colon": "a: b",
+           "unicode": "ünï", "list": [1.5, 1e-8, None, "x", float("inf")], "empty": "", "nested": {"k": [[]]}}
+    for config in (cfg, odd):
+        assert config_yaml(config) == OmegaConf.to_yaml(config)
+        assert OmegaConf.to_container(OmegaConf.create(config_yaml(config))) == config
+
+
+
 @pytest.mark.e2e
 def test_config_of_the_training_is_kept_when_a_later_command_fails(tmp_path, data, trained):
     run = copy_run(trained, tmp_path)
