@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_leaves
 
 from kimi.config import ModelConfig
 from kimi.ops import SCRATCH
+from kimi.plan import disk_cache
 from kimi.plan.compiled import compile_regions, fused_away
 from kimi.plan.shapes import section_key
 
@@ -450,5 +451,13 @@ def trace(m: ModelConfig, ac: str, mode: Mode = Mode()) -> Trace:
     (cached per shape)."""
     key = (section_key(m), ac, mode)
     if key not in _CACHE:
-        _CACHE[key] = _trace(m, ac, mode)
+        _CACHE[key] = disk_cache.cached("activations", repr(key), lambda: _trace(m, ac, mode),
+                                        dataclasses.asdict, _trace_from)
     return _CACHE[key]
+
+
+def _trace_from(fields: dict) -> Trace:
+    """The Trace whose dataclasses.asdict (through JSON: tuples read back as lists) `fields` is."""
+    pairs = {"first", "last", "casts_ends"}
+    return Trace(**{k: tuple(v) if k in pairs else [tuple(x) for x in v] if k in ("blocks", "blocks_row")
+                    else v for k, v in fields.items()})

@@ -37,7 +37,16 @@ def help_text(argv: Sequence[str]) -> str:
 
 
 def plan(argv: Sequence[str], progress: bool = True):
-    """(the plan's text, its JSON dict) for these arguments."""
+    """(the plan's text, its JSON dict) for these arguments; the traces kept on disk between plans."""
+    from kimi.run.cpu import default_cache_dir
+
+    from .disk_cache import enabled
+
+    with enabled(default_cache_dir() / "plan"):
+        return _plan(argv, progress)
+
+
+def _plan(argv: Sequence[str], progress: bool):
     from kimi.summary import compose_config, vocab_note
 
     from .model_facts import ModelFacts

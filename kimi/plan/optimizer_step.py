@@ -18,6 +18,7 @@ from typing import Dict, Tuple
 import torch
 
 from kimi.config import Config
+from kimi.plan import disk_cache
 from kimi.plan.activations import _Live, _track
 from kimi.plan.shapes import muonclip, section_key
 
@@ -86,5 +87,5 @@ def _traced(cfg: Config) -> Tuple[float, float]:
     keep = cfg.trainer.device == "cpu" and muonclip(cfg)
     key = (section_key(cfg.model, cfg.optim), keep)
     if key not in _CACHE:
-        _CACHE[key] = _trace(cfg, keep)
+        _CACHE[key] = disk_cache.cached("optimizer_step", repr(key), lambda: _trace(cfg, keep), list, tuple)
     return _CACHE[key]
