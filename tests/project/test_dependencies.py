@@ -37,6 +37,9 @@ FLOORS = {
                           "pass with hydra-core 1.3.0"),
     "omegaconf": ("2.3", "hydra-core 1.3's own floor; test_config and test_summary pass with omegaconf "
                          "2.3.0"),
+    "pyyaml": ("5.1", "imported by kimi.run.runlog (config.yaml through its C emitter); omegaconf 2.3's own "
+                      "floor, which sets it (yaml.dump's sort_keys, which config_yaml passes, came in 5.1); "
+                      "not run with 5.1 here"),
     "wandb": ("0.18", "test_wandb_runs passes with wandb 0.18.0 (offline runs, define_metric's tokens axis, "
                       "checkpoint artifacts staged offline; the record reader's protobuf types)"),
     "datasets": ("3.0", "test_data, test_bad_data and test_blend pass with datasets 3.0.0 (text/json/parquet "
