@@ -458,6 +458,9 @@ def trace(m: ModelConfig, ac: str, mode: Mode = Mode()) -> Trace:
 
 def _trace_from(fields: dict) -> Trace:
     """The Trace whose dataclasses.asdict (through JSON: tuples read back as lists) `fields` is."""
-    pairs = {"first", "last", "casts_ends"}
-    return Trace(**{k: tuple(v) if k in pairs else [tuple(x) for x in v] if k in ("blocks", "blocks_row")
-                    else v for k, v in fields.items()})
+    fields = dict(fields)
+    for name in ("first", "last", "casts_ends"):
+        fields[name] = tuple(fields[name])
+    for name in ("blocks", "blocks_row"):
+        fields[name] = [tuple(x) for x in fields[name]]
+    return Trace(**fields)
