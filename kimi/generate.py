@@ -8,6 +8,8 @@ From a shell, on a run directory (or one checkpoint directory, <run>/checkpoints
 Arguments are key=value, split at the first '='; the prompt is taken as written (prompt=ROMEO: is the text
 "ROMEO:", prompt=yes the text "yes"), and one with spaces needs shell quotes: 'prompt=The king'. A bad
 argument or run directory is one line on stderr and exit code 2 (kimi/errors.py); `--help` lists the keys.
+torch and the model are imported where they are used, so `--help` and a malformed command line answer
+without torch's start-up (seconds).
 """
 
 from __future__ import annotations
@@ -20,13 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from kimi.cli import key_value_main
 from kimi.config import ConfigError
 from kimi.errors import EXIT_OK
-from kimi.model import KimiModel
-from kimi.model.decode import generate
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -68,6 +66,7 @@ def load_from_checkpoint(path: str | Path, device: str = "cpu", found: bool = Fa
     from kimi.config import ModelConfig, check_sizes
     from kimi.data import Tokenizer
     from kimi.errors import RunError
+    from kimi.model import KimiModel
     from kimi.model.footprint import check_fits
 
     ckpt = Path(path) if found else find_checkpoint(path)
@@ -153,6 +152,8 @@ def _temperature(text: str) -> float:
 
 def _device(text: str) -> str:
     """A torch device this machine has: torch.device alone accepts cuda:7 on a machine without CUDA."""
+    import torch
+
     try:
         device = torch.device(text)
     except RuntimeError:
@@ -251,6 +252,10 @@ def parse_args(argv: list[str]) -> GenerateArgs:
 
 
 def _generate(args: GenerateArgs) -> int:
+    import torch
+
+    from kimi.model.decode import generate
+
     run = Path(args.run)
     if not run.exists():
         raise FileNotFoundError(f"run={args.run}: no such directory")

@@ -23,6 +23,8 @@ parameter, two moments per AdamW parameter; AdamW: two moments for all), after
 With dp_shard x cp > 1 it also shows, apart, the transient all-gathered copy of the largest FSDP unit (a token
 mixer, an MLP, or the root: embedding, LM head, norms and queries) in the compute dtype. Activations are not
 counted.
+
+torch and the model are imported by summarize(), so that --help answers without torch's start-up.
 """
 
 from __future__ import annotations
@@ -31,20 +33,18 @@ import math
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
-
-import torch
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from kimi.config import Config, ConfigError, check_stage_split, mixer_pattern, resolve_vocab, stages_per_rank
-from kimi.model import KimiModel
 from kimi.model.registry import legend
-from kimi.model.rules import validate_model
-from kimi.optim.optimizers import MuonClipKind
 from kimi.optim.registry import OptimizerKind, optimizer_for
 from kimi.optim.rules import validate_optim
 from kimi.parallel.rules import validate_parallel
 from kimi.precision.registry import precision_for
 from kimi.schema.run import tokens_per_step
+
+if TYPE_CHECKING:
+    from kimi.model import KimiModel
 
 GIB = 1024**3
 
@@ -256,6 +256,12 @@ def rank_state(cfg: Config, model: KimiModel, routes: Dict[str, str], pp_rank: i
 # ---- the summary -------------------------------------------------------------------------------------------
 def summarize(cfg: Config) -> Summary:
     """Everything the report prints, from a composed config (model.vocab_size is resolved in place)."""
+    import torch
+
+    from kimi.model import KimiModel
+    from kimi.model.rules import validate_model
+    from kimi.optim.optimizers import MuonClipKind
+
     # the sections it reads; not the rules of a training step (micro-batches, sequence splits), which a
     # layout being sized may not have settled yet
     validate_model(cfg.model)

@@ -1,5 +1,6 @@
 """Helpers shared by test files (pytest puts tests/ on sys.path, so `from helpers import ...` works)."""
 
+import re
 import socket
 from pathlib import Path
 
@@ -8,6 +9,15 @@ import huggingface_hub.constants
 import pytest
 
 from kimi.config import ModelConfig
+
+# a subprocess's environment entry that has Python list each module it imports on stderr (-X importtime)
+IMPORT_TIMES = {"PYTHONPROFILEIMPORTTIME": "1"}
+
+
+def imported(stderr: str, module: str) -> bool:
+    """Whether a process run with IMPORT_TIMES imported `module` (its line in the stderr it wrote)."""
+    return re.search(rf"\|\s+{re.escape(module)}$", stderr, re.M) is not None
+
 
 # A model small enough for fp64 checks in milliseconds: KDA, MLA, KDA (3 blocks, 6 sublayers).
 TINY_MODEL = dict(vocab_size=61, d_model=32, num_layers=3, mla_layers=[1], kda=dict(num_heads=2, head_dim=16),

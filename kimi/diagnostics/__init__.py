@@ -6,7 +6,17 @@
   runner.py   the trainer's side: which steps, the diagnostic forward, gathering to rank 0
 """
 
+from typing import TYPE_CHECKING
+
+from kimi import lazy_getattr
+
 from .record import attnres_matrix, attnres_sources, head_matrix, moe_matrix, per_block
-from .runner import Diagnostics
+
+# the trainer's side (runner.py: torch, the model's probe, dynamo) on first use: the dashboard reads the
+# parsers above and must not pay torch's start-up
+__getattr__ = lazy_getattr(__name__, {"Diagnostics": "runner"})
 
 __all__ = ["Diagnostics", "attnres_matrix", "attnres_sources", "head_matrix", "moe_matrix", "per_block"]
+
+if TYPE_CHECKING:
+    from .runner import Diagnostics  # noqa: F401

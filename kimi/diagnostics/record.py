@@ -19,8 +19,6 @@ import math
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import torch
-
 from kimi.model.config import ModelConfig
 from kimi.run.metrics import qk_clip_record
 
@@ -94,6 +92,8 @@ def _qk_heads(tallies: Sequence, cfg: ModelConfig, tau: Optional[float]) -> Dict
     record = {f"qk_max_logit/{layer}/h{h}": v for layer, values in heads.items()
               for h, v in enumerate(values)}
     if clip:  # QK-Clip's stats computed as it computes them (fp32), here over every pipeline stage's layers
+        import torch  # here: the parsers below (the dashboard's) need no torch
+
         stats = {}
         for layer, v in heads.items():
             s_max = torch.tensor(v, dtype=torch.float32)

@@ -9,8 +9,6 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-import torch
-
 from kimi.config import LoggingConfig
 from kimi.schema.stages import stage_index, tokens_at
 from kimi.run.wandb_run import offline_sync_hint, start_wandb, wandb_mode
@@ -121,6 +119,8 @@ class MetricsLogger:
         only, at the same step, as wandb.Image and wandb.Table under their keys."""
         if not self.enabled:
             return
+        import torch  # here, not at the top: read_metrics' readers (kimi.dashboard) need no torch
+
         record = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in record.items()}
         record.update(self._stage(record["step"]))
         if self.stages and "tokens" in record:  # the earlier stages' tokens, at their own tokens per step

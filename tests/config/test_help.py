@@ -3,15 +3,19 @@ each `python -m kimi...` that README.md or docs/ names, and train.py. Each must 
 list its keys in the key=value table every kimi command uses (kimi.cli.keyvalue.table): a few keys with a
 description (all of them where it has fewer), and no argparse `--flag` listing. The commands run in this
 process (runpy, and each script's entry point as its generated wrapper calls it): one torch import for all,
-where a subprocess each took 8-10 s on a 2-core CPU."""
+where a subprocess each took 8-10 s on a 2-core CPU. And each answers without importing torch (its start-up
+is 3-4 s of that), but kimi.convert, whose list of layouts is read from the export modules."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import re
 import runpy
 import signal
+import subprocess
 import sys
+import textwrap
 import tomllib
 from pathlib import Path
 
@@ -97,3 +101,35 @@ def test_every_command_answers_help(kind, name, args, capsys, monkeypatch):
 def test_every_script_and_documented_module_is_listed():
     kinds = [k for k, _, _ in commands()]
     assert kinds.count("script") >= 9 and kinds.count("module") >= 9, commands()
+
+
+# --help without torch, each command in turn in one fresh process (the first one that imports it is named)
+FRESH_HELP = textwrap.dedent("""
+    import contextlib, importlib.metadata, io, json, runpy, sys
+    for kind, name, args in json.loads(sys.argv[1]):
+        sys.argv = [name, *args, "--help"]
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                if kind == "script":
+                    (entry,) = importlib.metadata.entry_points(group="console_scripts", name=name)
+                    entry.load()()
+                elif kind == "module":
+                    runpy.run_module(name, run_name="__main__")
+                else:
+                    runpy.run_path(name, run_name="__main__")
+        except SystemExit:
+            pass
+        if "torch" in sys.modules:
+            print(" ".join([name, *args]))
+            break
+""")
+NEEDS_TORCH = {"kimi-convert", "kimi.convert"}  # kimi.interop.layouts: the layouts' help from their modules
+
+
+def test_help_starts_without_torch():
+    light = [c for c in commands() if c[1] not in NEEDS_TORCH]
+    proc = subprocess.run([sys.executable, "-c", FRESH_HELP, json.dumps(light)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == "", f"--help of {proc.stdout.strip()} imports torch"
+    assert len(light) >= 18, light

@@ -1,5 +1,6 @@
-"""`python -m kimi.data.prepare` end to end (the command writes what the trainer's own prepare then reuses),
-and the trainer on a blend: per-source validation losses, exact resume."""
+"""`python -m kimi.data.prepare` end to end (the command writes what the trainer's own prepare then reuses,
+without importing torch: a worker of a preparation across machines skips its seconds of start-up), and the
+trainer on a blend: per-source validation losses, exact resume."""
 
 import json
 import os
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, make_corpus
+from helpers import IMPORT_TIMES, ROOT, imported, make_corpus
 
 pytestmark = pytest.mark.e2e
 
@@ -26,10 +27,11 @@ def test_prepare_command_writes_shards_the_trainer_reuses(tmp_path, offline):
     overrides = ["data=files", f"data.data_files=[{corpus}/*.txt]", f"data.cache_dir={tmp_path / 'cache'}",
                  "data.shard_mb=0.002", "data.num_proc=2", "data.tokenizer.vocab_size=300",
                  "data.val_fraction=0.2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **IMPORT_TIMES}
     done = _run(*overrides, env=env)
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, done.stderr[-3000:]
     assert "[data] ready:" in done.stdout and "tokens/s" in done.stdout
+    assert imported(done.stderr, "kimi.data.pack") and not imported(done.stderr, "torch")
     data = prepare(compose_config(overrides).data)  # finds the command's output: nothing tokenised again
     manifest = json.loads((data.data_dir / "manifest.json").read_text())
     assert len(manifest["splits"]["train"]["shards"]) == len(data.shards["train"]) > 1

@@ -260,7 +260,8 @@ def test_from_hf_makes_a_run_that_samples_and_trains_from_the_weights(torch_kda,
     import sentencepiece as spm
 
     from kimi.convert import main
-    from kimi.generate import generate, load_from_checkpoint
+    from kimi.generate import load_from_checkpoint
+    from kimi.model.decode import generate
 
     theirs = random_hf(small_hf_config(vocab_size=512))
     hf = tmp_path / "hf"
@@ -315,7 +316,8 @@ def test_from_hf_carries_a_kimi_release_tiktoken_tokenizer(torch_kda, tmp_path, 
 
     from kimi.convert import from_hf, main
     from kimi.data import Tokenizer
-    from kimi.generate import generate, load_from_checkpoint
+    from kimi.generate import load_from_checkpoint
+    from kimi.model.decode import generate
 
     source = Tokenizer(write_kimi_tiktoken(tmp_path / "hf"))
     random_hf(small_hf_config(vocab_size=source.vocab_size)).save_pretrained(tmp_path / "hf")

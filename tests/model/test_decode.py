@@ -6,7 +6,7 @@ import torch
 import kimi.model.kda as kda_module
 from kimi.config import ModelConfig
 from helpers import tiny_model_cfg
-from kimi.generate import generate
+from kimi.model.decode import generate
 from kimi.model import KimiModel
 
 pytestmark = pytest.mark.unit

@@ -3,14 +3,20 @@
 package is imported. Across machines: ``parts.py`` (a worker's share of the files), ``merge.py`` (the
 parts into the single-process output), ``executor.py`` (datatrove runs both; optional)."""
 
-from typing import Union
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Union
 
 from kimi.data import pack
-from kimi.data.blend import PreparedBlend, prepare_blend
 from kimi.data.config import DataConfig
 from kimi.data.pack import PreparedData
 
-__all__ = ["PreparedBlend", "PreparedData", "prepare"]
+# kimi.data.blend (its validation batches are torch tensors) only for a blend: one source's preparation, a
+# worker's part and the merge run without torch's start-up (seconds per worker)
+if TYPE_CHECKING:
+    from kimi.data.blend import PreparedBlend
+
+__all__ = ["PreparedData", "prepare"]
 
 
 def prepare(cfg: DataConfig, limit: bool = True) -> Union[PreparedData, PreparedBlend]:
@@ -18,6 +24,8 @@ def prepare(cfg: DataConfig, limit: bool = True) -> Union[PreparedData, Prepared
     (data.sources) prepares each source. ``limit``: refuse a corpus over data.inline_max_mb (the trainer's
     call; the prepare command lifts it)."""
     if cfg.sources:
+        from kimi.data.blend import prepare_blend
+
         return prepare_blend(cfg, pack.prepare, limit)
     if cfg.streaming:
         from kimi.data.streaming import prepare_stream
