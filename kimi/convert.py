@@ -60,13 +60,24 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kimi.interop import layouts
-from kimi.interop.hf import NotExpressible
-from kimi.interop.hf_folder import load_hf, save_hf
-from kimi.interop.remote import save_remote
+
+if TYPE_CHECKING:  # for type checkers: the names __getattr__ below imports at run time
+    from kimi.interop.hf_folder import load_hf, save_hf  # noqa: F401
 
 __all__ = ["from_hf", "load_hf", "main", "save_hf", "to_hf"]  # load_hf and save_hf: kimi.interop.hf_folder
+
+
+def __getattr__(name: str):
+    """load_hf and save_hf (kimi.interop.hf_folder) on first use: that module imports torch and the model,
+    which --help and a malformed command line do without."""
+    if name in ("load_hf", "save_hf"):
+        from kimi.interop import hf_folder
+
+        return getattr(hf_folder, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def from_hf(hf_dir: str | Path, run_dir: str | Path) -> list[str]:
@@ -80,6 +91,7 @@ def from_hf(hf_dir: str | Path, run_dir: str | Path) -> list[str]:
     from kimi.data import Tokenizer
     from kimi.errors import DataError
     from kimi.folders import require_inside
+    from kimi.interop.hf_folder import load_hf
 
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
     if (run_dir / "init").exists() or checkpoint.list_checkpoints(run_dir / "checkpoints"):
@@ -125,8 +137,11 @@ def to_hf(run: str, out: str, layout: str = layouts.DEFAULT, shard_gb: float = 5
     """`to-hf` (module docstring), whichever grammar gave its arguments; prints what it wrote, returns 0."""
     from kimi import checkpoint
     from kimi.generate import GenerateArgs, find_checkpoint, load_from_checkpoint, run_of
+    from kimi.interop.hf import NotExpressible
+    from kimi.interop.hf_folder import save_hf
     from kimi.interop.model_card import write_generation_config, write_model_card
     from kimi.interop.publish import check_target, fresh_folder
+    from kimi.interop.remote import save_remote
     from kimi.interop.tokenizer_files import check_packages, write_tokenizer
 
     if remote_code and (layout != layouts.DEFAULT or mxfp4_experts):

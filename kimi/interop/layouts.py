@@ -15,10 +15,14 @@ REMOTE_CODE here, so that import detects it and to-hf's message names it the sam
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import TYPE_CHECKING, Any, Dict, List
 
-from kimi.interop import hf, k3, remote
 from kimi.model.config import ModelConfig
+
+# each layout imports its module (torch, the model) when it is used: the registry alone (to-hf's --help, its
+# layout= choices) starts without torch
+if TYPE_CHECKING:
+    from kimi.interop import hf
 
 DEFAULT = "release"
 
@@ -55,12 +59,18 @@ class Release(Layout):
     falls_back = "not for KimiLinearForCausalLM"
 
     def config(self, cfg: ModelConfig) -> Dict[str, Any]:
+        from kimi.interop import hf
+
         return hf.release_config(cfg)
 
     def file_map(self, cfg: ModelConfig) -> List[hf.FileEntry]:
+        from kimi.interop import hf
+
         return hf.file_map(cfg, self.name)
 
     def model_fields(self, config: Dict[str, Any]) -> Dict[str, Any]:
+        from kimi.interop import hf
+
         return hf.model_fields(config)
 
 
@@ -78,15 +88,23 @@ class K3(Layout):
     wrote = " in Kimi K3's layout"
 
     def detect(self, config: Dict[str, Any]) -> bool:
+        from kimi.interop import k3
+
         return k3.is_k3(config)
 
     def config(self, cfg: ModelConfig) -> Dict[str, Any]:
+        from kimi.interop import k3
+
         return k3.k3_config(cfg)
 
     def file_map(self, cfg: ModelConfig) -> List[hf.FileEntry]:
+        from kimi.interop import k3
+
         return k3.k3_file_map(cfg)
 
     def model_fields(self, config: Dict[str, Any]) -> Dict[str, Any]:
+        from kimi.interop import k3
+
         return k3.k3_model_fields(config)
 
 
@@ -96,6 +114,8 @@ class RemoteCode(Layout):
     own_code = True
 
     def detect(self, config: Dict[str, Any]) -> bool:
+        from kimi.interop import remote
+
         return remote.is_remote(config)
 
 

@@ -4,7 +4,7 @@ list its keys in the key=value table every kimi command uses (kimi.cli.keyvalue.
 description (all of them where it has fewer), and no argparse `--flag` listing. The commands run in this
 process (runpy, and each script's entry point as its generated wrapper calls it): one torch import for all,
 where a subprocess each took 8-10 s on a 2-core CPU. And each answers without importing torch (its start-up
-is 3-4 s of that), but kimi.convert, whose list of layouts is read from the export modules."""
+is 3-4 s of that)."""
 
 from __future__ import annotations
 
@@ -123,13 +123,10 @@ FRESH_HELP = textwrap.dedent("""
             print(" ".join([name, *args]))
             break
 """)
-NEEDS_TORCH = {"kimi-convert", "kimi.convert"}  # kimi.interop.layouts: the layouts' help from their modules
 
 
 def test_help_starts_without_torch():
-    light = [c for c in commands() if c[1] not in NEEDS_TORCH]
-    proc = subprocess.run([sys.executable, "-c", FRESH_HELP, json.dumps(light)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-c", FRESH_HELP, json.dumps(commands())], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == "", f"--help of {proc.stdout.strip()} imports torch"
-    assert len(light) >= 18, light
