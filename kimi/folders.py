@@ -13,6 +13,12 @@ import os
 from pathlib import Path
 
 
+def default_cache_dir() -> Path:
+    """The kimi cache (prepared data, the CPU's measured peak, the planner's traces): $KIMI_CACHE_DIR, else
+    ~/.cache/kimi."""
+    return Path(os.environ.get("KIMI_CACHE_DIR") or "~/.cache/kimi").expanduser()
+
+
 def inside(folder: str | os.PathLike, name) -> Path | None:
     """``folder / name`` when `name` (a str) resolves to a path strictly inside `folder`, else None (also
     for a name that is not a string, is empty, or is the folder itself)."""

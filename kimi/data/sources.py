@@ -28,6 +28,7 @@ from kimi.data import checks
 from kimi.data.config import DataConfig
 from kimi.data.files import file_format, resolve_files
 from kimi.data.source_registry import DataSource, names_where, source_for
+from kimi.folders import default_cache_dir
 from kimi.schema.vocabulary import check
 
 # Re-exported: kimi.cli, kimi.trainer, kimi.data.loader and tests import DataError from here.
@@ -47,8 +48,7 @@ SPLIT_SEED = 20240601
 
 def cache_root(cfg: DataConfig) -> Path:
     """The kimi cache: data.cache_dir, else $KIMI_CACHE_DIR, else ~/.cache/kimi."""
-    root = cfg.cache_dir or os.environ.get("KIMI_CACHE_DIR") or "~/.cache/kimi"
-    return Path(root).expanduser().resolve()
+    return Path(cfg.cache_dir or default_cache_dir()).expanduser().resolve()
 
 
 # ---------------------------------------------------------------------------------------------- shakespeare

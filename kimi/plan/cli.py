@@ -38,7 +38,7 @@ def help_text(argv: Sequence[str]) -> str:
 
 def plan(argv: Sequence[str], progress: bool = True):
     """(the plan's text, its JSON dict) for these arguments; the traces kept on disk between plans."""
-    from kimi.run.cpu import default_cache_dir
+    from kimi.folders import default_cache_dir
 
     from .disk_cache import enabled
 
@@ -49,10 +49,6 @@ def plan(argv: Sequence[str], progress: bool = True):
 def _plan(argv: Sequence[str], progress: bool):
     from kimi.summary import compose_config, vocab_note
 
-    from .model_facts import ModelFacts
-    from .report import as_json, text
-    from .search import make_search, progress_printer
-
     args = split_args(argv)
     cfg = compose_config(args.overrides)
     vocab_note(cfg)  # model.vocab_size=null: the tokenizer's, as the trainer sets it
@@ -61,6 +57,12 @@ def _plan(argv: Sequence[str], progress: bool):
     if tokens % t.seq_len:
         raise ConfigError(f"trainer.tokens_per_step={tokens} is not a multiple of trainer.seq_len="
                           f"{t.seq_len}: give a whole number of rows")
+    # the search's modules (torch, the model) once the command line is known good: a mistake in it is
+    # reported without torch's start-up
+    from .model_facts import ModelFacts
+    from .report import as_json, text
+    from .search import make_search, progress_printer
+
     search = make_search(cfg, args.cluster, tokens, ModelFacts.of(cfg))
     show = progress_printer() if progress else None
     # measure=K tries the next layout when one fails: the plan keeps a few spare

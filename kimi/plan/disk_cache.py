@@ -23,8 +23,6 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
-import torch
-
 T = TypeVar("T")
 PACKAGE = Path(__file__).resolve().parents[1]
 _DIR: Optional[Path] = None
@@ -44,6 +42,8 @@ def enabled(directory: Path) -> Iterator[None]:
 @functools.lru_cache(maxsize=1)
 def fingerprint() -> str:
     """torch's version and the bytes of every .py file of the kimi package (some 220 files: tens of ms)."""
+    import torch  # here: the planner checks its command line before anything imports torch
+
     digest = hashlib.sha256(torch.__version__.encode())
     for path in sorted(PACKAGE.rglob("*.py")):
         digest.update(str(path.relative_to(PACKAGE)).encode())

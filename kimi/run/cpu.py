@@ -99,10 +99,6 @@ def peak_key(model: str, cores: int) -> str:
     return f"{model} | {cores} cores | torch {torch.__version__}"
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("KIMI_CACHE_DIR") or "~/.cache/kimi").expanduser()
-
-
 def per_core_peak(cache_dir: Path, key: str, remeasure: bool = False,
                   measure: Optional[Callable[[], float]] = None) -> Tuple[float, bool]:
     """(one core's matmul FLOP/s as `measure` takes it, fp32 by default, whether it came from the cache).

@@ -10,6 +10,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from kimi.folders import default_cache_dir
 from kimi.run import cpu
 
 
@@ -60,7 +61,7 @@ class PeakFlops:
             (self.per_device, self.source), self.kind = _cuda_peak(device), "the datasheet peak"
             self.fix = "set trainer.peak_flops to the device's peak"
         else:
-            cache = Path(cache_dir) if cache_dir else cpu.default_cache_dir()
+            cache = Path(cache_dir) if cache_dir else default_cache_dir()
             cores = cpu.usable_cores()
             remeasure = os.environ.get(cpu.REMEASURE_ENV, "") not in ("", "0")
             key = cpu.peak_key(cpu.cpu_model(), cores)

@@ -4,7 +4,7 @@ list its keys in the key=value table every kimi command uses (kimi.cli.keyvalue.
 description (all of them where it has fewer), and no argparse `--flag` listing. The commands run in this
 process (runpy, and each script's entry point as its generated wrapper calls it): one torch import for all,
 where a subprocess each took 8-10 s on a 2-core CPU. And each answers without importing torch (its start-up
-is 3-4 s of that)."""
+is 3-4 s of that), as a mistake in each command line is reported."""
 
 from __future__ import annotations
 
@@ -103,13 +103,13 @@ def test_every_script_and_documented_module_is_listed():
     assert kinds.count("script") >= 9 and kinds.count("module") >= 9, commands()
 
 
-# --help without torch, each command in turn in one fresh process (the first one that imports it is named)
-FRESH_HELP = textwrap.dedent("""
+# commands without torch, each in turn in one fresh process (the first one that imports it is named)
+FRESH = textwrap.dedent("""
     import contextlib, importlib.metadata, io, json, runpy, sys
-    for kind, name, args in json.loads(sys.argv[1]):
-        sys.argv = [name, *args, "--help"]
+    for kind, name, argv in json.loads(sys.argv[1]):
+        sys.argv = [name, *argv]
         try:
-            with contextlib.redirect_stdout(io.StringIO()):
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                 if kind == "script":
                     (entry,) = importlib.metadata.entry_points(group="console_scripts", name=name)
                     entry.load()()
@@ -120,13 +120,28 @@ FRESH_HELP = textwrap.dedent("""
         except SystemExit:
             pass
         if "torch" in sys.modules:
-            print(" ".join([name, *args]))
+            print(" ".join([name, *argv]))
             break
 """)
+# a mistake in each kind of command line: an unknown key, or the planner's step that is not whole rows
+MISTAKES = [("file", str(ROOT / "train.py"), ["model.nosuch=1"]),
+            *[("module", m, ["nosuch=1"]) for m in ("kimi.generate", "kimi.eval", "kimi.dashboard")],
+            ("module", "kimi.convert", ["to-hf", "nosuch=1"]), ("module", "kimi.summary", ["model.nosuch=1"]),
+            ("module", "kimi.data.prepare", ["data.nosuch=1"]),
+            ("module", "kimi.plan", ["cluster.gpus=8", "trainer.tokens_per_step=1000"])]
+
+
+def without_torch(commands: list) -> str:
+    """The first of `commands` ((kind, name, argv) each) whose run imports torch, or ""."""
+    proc = subprocess.run([sys.executable, "-c", FRESH, json.dumps(commands)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip()
 
 
 def test_help_starts_without_torch():
-    proc = subprocess.run([sys.executable, "-c", FRESH_HELP, json.dumps(commands())], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout == "", f"--help of {proc.stdout.strip()} imports torch"
+    assert without_torch([(k, n, [*a, "--help"]) for k, n, a in commands()]) == ""
+
+
+def test_a_mistake_in_the_command_line_is_reported_without_torch():
+    assert without_torch(MISTAKES) == ""
