@@ -23,9 +23,8 @@ With no process group (one process) the plan still applies, every transfer is lo
 
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -53,14 +52,16 @@ class Piece:
     shape: Tuple[int, ...]
     holders: Tuple[int, ...]
     flat: bool = False
+    numel: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        # taken at once: the planner's owner plans (kimi/plan) read it millions of times, and a cached
+        # property's first read (a lock, Python's descriptor) costs several times this
+        object.__setattr__(self, "numel", math.prod(self.shape))
 
     @property
     def slices(self) -> Tuple[slice, ...]:
         return tuple(slice(o, o + s) for o, s in zip(self.offset, self.shape))
-
-    @functools.cached_property  # asked millions of times by the planner's owner plans (kimi/plan)
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
     def of(self, full: torch.Tensor) -> torch.Tensor:
         """This piece of the full tensor (a view, except for a flat piece of a non-contiguous tensor)."""
@@ -153,16 +154,16 @@ def assign(everyone: Sequence[Sequence[tuple]], muon: Sequence[bool], rank: int,
     for i, (dtype, device) in enumerate(kinds):
         by_block = {}
         name, full_shape = everyone[rank][i][:2]
-        for r in range(world):
-            _, _, _, offset, shape, flat = everyone[r][i]
-            if math.prod(shape) > 0:
+        for r, layouts in enumerate(everyone):
+            _, _, _, offset, shape, flat = layouts[i]
+            if 0 not in shape:  # not an empty block
                 by_block.setdefault((offset, shape, flat), []).append(r)
         pieces = [Piece(o, s, tuple(h), f) for (o, s, f), h in by_block.items()]
         if sum(pc.numel for pc in pieces) != math.prod(full_shape):
             raise ValueError(f"{name}: the ranks' blocks do not tile its {full_shape} elements exactly")
         keepers = []
         for pc in pieces:
-            keeper = min(pc.holders, key=lambda r: (keep_load[r], r))
+            keeper = min(pc.holders, key=keep_load.__getitem__)  # ties: the lowest rank (holders ascend)
             keep_load[keeper] += pc.numel
             keepers.append(keeper)
         plans.append(ParamPlan(name, full_shape, dtype, device, pieces, [], keepers,
@@ -174,7 +175,7 @@ def assign(everyone: Sequence[Sequence[tuple]], muon: Sequence[bool], rank: int,
         for pc in plan.pieces:
             for r in pc.holders:
                 held[r] += pc.numel
-        plan.owner = min(range(world), key=lambda r: (flops_load[r], -held[r], r))
+        plan.owner = min(zip(flops_load, [-h for h in held], range(world)))[2]
         flops_load[plan.owner] += ns_flops(plan.shape)
         # Each piece is sent by one holder: the owner when it holds it, else one chosen by position.
         plan.senders = [plan.owner if plan.owner in pc.holders else pc.holders[(i + k) % len(pc.holders)]

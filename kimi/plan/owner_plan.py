@@ -92,38 +92,44 @@ def _flat_blocks(cfg: Config, params) -> List[list]:
     return everyone
 
 
+def _cut(lo: int, size: int, index: int, parts: int) -> Tuple[int, int]:
+    """(start, size) along one dimension of the index-th of `parts` even pieces (ceil) of [lo, lo + size)."""
+    chunk = _ceil(size, parts)
+    start = min(index * chunk, size)
+    return lo + start, min(chunk, size - start)
+
+
 def _blocks_of(cfg: Config, params) -> List[list]:
     """Every rank's block layout of each parameter (kimi.optim.owners' layout tuples), in the order of the
-    stage group: (dp_replicate, dp_shard, cp, tp), tp innermost."""
+    stage group: (dp_replicate, dp_shard, cp, tp), tp innermost. A block is cut along dim 0 by expert
+    parallelism, then along its split dim by tensor parallelism, then along dim 0 by FSDP; the ranks whose
+    cuts agree share one tuple (the plan asks millions of them of a large model's search)."""
     p = cfg.parallel
     if p.engine == DEEPSPEED:
         return _flat_blocks(cfg, params)
     fsdp = p.dp_replicate * p.dp_shard * p.cp > 1
-    once = []  # the (dp_shard, cp, tp) ranks' layouts: every replica of dp_replicate holds the same blocks
-    for s in range(p.dp_shard):
-        for c in range(p.cp):
-            for t in range(p.tp):
-                mine = []
-                for name, shape, dim, ep, _ in params:
-                    lo, size = [0] * len(shape), list(shape)
-
-                    def cut(d, index, parts):
-                        chunk = _ceil(size[d], parts)
-                        start = min(index * chunk, size[d])
-                        lo[d] += start
-                        size[d] = min(chunk, size[d] - start)
-
-                    if ep:
-                        cut(0, s % p.ep, p.ep)
-                    if dim is not None and p.tp > 1:
-                        cut(dim, t, p.tp)
-                    if fsdp and shape:
-                        if ep:
-                            cut(0, s // p.ep, p.dp_shard // p.ep)
-                        else:
-                            cut(0, s * p.cp + c, p.dp_shard * p.cp)
-                    mine.append((name, shape, "float32", tuple(lo), tuple(size), False))
-                once.append(mine)
+    ranks = [(s, c, t) for s in range(p.dp_shard) for c in range(p.cp) for t in range(p.tp)]
+    once = [[] for _ in ranks]  # the (dp_shard, cp, tp) ranks' layouts: every replica holds the same blocks
+    for name, shape, dim, ep, _ in params:
+        tp = dim is not None and p.tp > 1
+        cut0 = bool(fsdp and shape)
+        blocks: Dict[tuple, tuple] = {}
+        for mine, (s, c, t) in zip(once, ranks):
+            # the indices the cuts take: expert, tensor-parallel, FSDP
+            key = (s % p.ep if ep else 0, t if tp else 0,
+                   (s // p.ep if ep else s * p.cp + c) if cut0 else 0)
+            block = blocks.get(key)
+            if block is None:
+                lo, size = [0] * len(shape), list(shape)
+                if ep:
+                    lo[0], size[0] = _cut(lo[0], size[0], key[0], p.ep)
+                if tp:
+                    lo[dim], size[dim] = _cut(lo[dim], size[dim], t, p.tp)
+                if cut0:
+                    lo[0], size[0] = _cut(lo[0], size[0], key[2],
+                                          p.dp_shard // p.ep if ep else p.dp_shard * p.cp)
+                block = blocks[key] = (name, shape, "float32", tuple(lo), tuple(size), False)
+            mine.append(block)
     return once * p.dp_replicate
 
 
