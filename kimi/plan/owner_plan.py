@@ -99,37 +99,49 @@ def _cut(lo: int, size: int, index: int, parts: int) -> Tuple[int, int]:
     return lo + start, min(chunk, size - start)
 
 
+def _column(p, shape: Tuple[int, ...], dim: Optional[int], ep: bool, fsdp: bool, ranks) -> list:
+    """Each rank's (offset, block shape) of a parameter of `shape`: cut along dim 0 by expert parallelism,
+    then along its split dim by tensor parallelism, then along dim 0 by FSDP; ranks cut alike share one."""
+    tp = dim is not None and p.tp > 1
+    cut0 = bool(fsdp and shape)
+    blocks: Dict[tuple, tuple] = {}
+    column = []
+    for s, c, t in ranks:
+        # the indices the cuts take: expert, tensor-parallel, FSDP
+        key = (s % p.ep if ep else 0, t if tp else 0, (s // p.ep if ep else s * p.cp + c) if cut0 else 0)
+        block = blocks.get(key)
+        if block is None:
+            lo, size = [0] * len(shape), list(shape)
+            if ep:
+                lo[0], size[0] = _cut(lo[0], size[0], key[0], p.ep)
+            if tp:
+                lo[dim], size[dim] = _cut(lo[dim], size[dim], t, p.tp)
+            if cut0:
+                lo[0], size[0] = _cut(lo[0], size[0], key[2], p.dp_shard // p.ep if ep else p.dp_shard * p.cp)
+            block = blocks[key] = (tuple(lo), tuple(size))
+        column.append(block)
+    return column
+
+
 def _blocks_of(cfg: Config, params) -> List[list]:
     """Every rank's block layout of each parameter (kimi.optim.owners' layout tuples), in the order of the
-    stage group: (dp_replicate, dp_shard, cp, tp), tp innermost. A block is cut along dim 0 by expert
-    parallelism, then along its split dim by tensor parallelism, then along dim 0 by FSDP; the ranks whose
-    cuts agree share one tuple (the plan asks millions of them of a large model's search)."""
+    stage group: (dp_replicate, dp_shard, cp, tp), tp innermost (a large model's search asks for millions
+    of them)."""
     p = cfg.parallel
     if p.engine == DEEPSPEED:
         return _flat_blocks(cfg, params)
     fsdp = p.dp_replicate * p.dp_shard * p.cp > 1
     ranks = [(s, c, t) for s in range(p.dp_shard) for c in range(p.cp) for t in range(p.tp)]
     once = [[] for _ in ranks]  # the (dp_shard, cp, tp) ranks' layouts: every replica holds the same blocks
+    # every rank's (offset, block shape) per (shape, split dim, ep): each layer's parameters of one shape are
+    # cut alike
+    columns: Dict[tuple, list] = {}
     for name, shape, dim, ep, _ in params:
-        tp = dim is not None and p.tp > 1
-        cut0 = bool(fsdp and shape)
-        blocks: Dict[tuple, tuple] = {}
-        for mine, (s, c, t) in zip(once, ranks):
-            # the indices the cuts take: expert, tensor-parallel, FSDP
-            key = (s % p.ep if ep else 0, t if tp else 0,
-                   (s // p.ep if ep else s * p.cp + c) if cut0 else 0)
-            block = blocks.get(key)
-            if block is None:
-                lo, size = [0] * len(shape), list(shape)
-                if ep:
-                    lo[0], size[0] = _cut(lo[0], size[0], key[0], p.ep)
-                if tp:
-                    lo[dim], size[dim] = _cut(lo[dim], size[dim], t, p.tp)
-                if cut0:
-                    lo[0], size[0] = _cut(lo[0], size[0], key[2],
-                                          p.dp_shard // p.ep if ep else p.dp_shard * p.cp)
-                block = blocks[key] = (name, shape, "float32", tuple(lo), tuple(size), False)
-            mine.append(block)
+        column = columns.get((tuple(shape), dim, ep))
+        if column is None:
+            column = columns[tuple(shape), dim, ep] = _column(p, shape, dim, ep, fsdp, ranks)
+        for mine, (lo, size) in zip(once, column):
+            mine.append((name, shape, "float32", lo, size, False))
     return once * p.dp_replicate
 
 
