@@ -62,6 +62,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kimi import lazy_getattr
 from kimi.interop import layouts
 
 if TYPE_CHECKING:  # for type checkers: the names __getattr__ below imports at run time
@@ -70,14 +71,9 @@ if TYPE_CHECKING:  # for type checkers: the names __getattr__ below imports at r
 __all__ = ["from_hf", "load_hf", "main", "save_hf", "to_hf"]  # load_hf and save_hf: kimi.interop.hf_folder
 
 
-def __getattr__(name: str):
-    """load_hf and save_hf (kimi.interop.hf_folder) on first use: that module imports torch and the model,
-    which --help and a malformed command line do without."""
-    if name in ("load_hf", "save_hf"):
-        from kimi.interop import hf_folder
-
-        return getattr(hf_folder, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# load_hf and save_hf on first use: kimi.interop.hf_folder imports torch and the model, which --help and a
+# malformed command line do without
+__getattr__ = lazy_getattr(__name__, dict.fromkeys(["load_hf", "save_hf"], "kimi.interop.hf_folder"))
 
 
 def from_hf(hf_dir: str | Path, run_dir: str | Path) -> list[str]:
