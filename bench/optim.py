@@ -1,14 +1,19 @@
 """What an optimizer step costs: MuonClip vs AdamW vs torch.optim.Muon (with AdamW for the rest).
 
 One process: optimizer.step() time on the tiny and small models with random gradients (the optimizers
-interleaved in every repeat, so a shared machine slows them alike), as ratios to torch.optim.Muon + AdamW \
-and to
-AdamW. With --ranks N (gloo, CPU; this script relaunches itself under torchrun): the model fully sharded
-with FSDP2 over N ranks, and per rank per step the bytes it puts into collectives, the number of
-collectives and the matmul FLOPs it runs (both counted below DTensor, on the local tensors), ours against
-torch.optim.Muon on the same DTensors.
+interleaved in every repeat, so a shared machine slows them alike), as ratios to torch.optim.Muon + AdamW and
+to AdamW. With --ranks N (gloo, CPU; this script relaunches itself under torchrun): the model fully sharded
+with FSDP2 over N ranks, and per rank per step the bytes it puts into collectives, the number of collectives
+and the matmul FLOPs it runs (both counted below DTensor, on the local tensors), ours against torch.optim.Muon
+on the same DTensors. Beside them, the global gradient-norm clip over the ranks: torch's clip_grad_norm_ on
+the DTensor gradients against the trainer's (kimi.parallel.tensor_parallel.clip_grad_norm_, on their local
+pieces), at its first call and after, on that model's gradients and on the gradients of --clip-model's shapes
+cut to 8 per dim (DTensor's sharding rules see shapes and placements, not sizes) over a 1-D mesh (FSDP) and a
+2-D one (HSDP: replicate x shard).
 
     python bench/optim.py [--models tiny small] [--repeats 3] [--ranks 4] [--dist-model tiny]
+                          [--clip-model 1b]
+    python bench/optim.py --models --ranks 4 --out bench/results/optim_ranks.json   # only the ranks' tables
     python bench/optim.py --device cuda --models 1b --ranks 0    # one GPU: the step on CUDA tensors
 
 Prints markdown tables and writes bench/results/optim.json.
@@ -142,7 +147,38 @@ def single_process(models: list[str], repeats: int, device: str = "cpu") -> list
     return rows
 
 
-def distributed(model_name: str, repeats: int, out: Path) -> None:
+def clip_times(params: list, repeats: int) -> dict:
+    """Seconds of the first call and the median of `repeats` later calls of each global-norm clip on the
+    gradients of `params` (scaled in place; the time does not depend on their values). The trainer's runs
+    first: it dispatches no DTensor op, so torch's sharding-propagation cache it leaves is empty."""
+    from kimi.parallel.tensor_parallel import clip_grad_norm_
+
+    out: dict = {"tensors": len(params)}
+    for name, clip in (("kimi", clip_grad_norm_), ("torch", torch.nn.utils.clip_grad_norm_)):
+        times = []
+        for _ in range(repeats + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            clip(params, 1.0)
+            times.append(time.perf_counter() - start)
+        out[name] = {"first_s": times[0], "later_s": statistics.median(times[1:])}
+    return out
+
+
+def cut_grads(model_name: str, mesh, placements) -> list:
+    """Parameters with gradients shaped as `model_name`'s, every dim cut to 8, as DTensors on `mesh`."""
+    with torch.device("meta"):
+        shapes = [p.shape for p in KimiModel(model_config(model_name)).parameters()]
+    params = []
+    for shape in shapes:
+        cut = [min(n, 8) for n in shape]
+        p = torch.nn.Parameter(distribute_tensor(torch.zeros(cut), mesh, placements))
+        p.grad = distribute_tensor(torch.randn(cut), mesh, placements)
+        params.append(p)
+    return params
+
+
+def distributed(model_name: str, repeats: int, out: Path, clip_model: str) -> None:
     """Runs under torchrun: FSDP2 over all ranks, both Muon implementations on the same sharded weights."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -174,6 +210,17 @@ def distributed(model_name: str, repeats: int, out: Path) -> None:
         result[name] = {"bytes": counter.total_bytes, "collectives": counter.collectives,
                         "flops": counter.flops,
                         "step_s": seconds}
+    # the clip, on this model's FSDP2 gradients and on clip_model's shapes over a 1-D and a 2-D mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    fill_grads(model)
+    result["clip"] = {f"{model_name}, FSDP2": clip_times(list(model.parameters()), repeats),
+                      f"{clip_model} shapes, 1-D mesh": clip_times(cut_grads(clip_model, mesh, [Shard(0)]),
+                                                                   repeats)}
+    if world % 2 == 0 and world > 2:
+        mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        result["clip"][f"{clip_model} shapes, 2-D mesh"] = clip_times(
+            cut_grads(clip_model, mesh2, [Replicate(), Shard(0)]), repeats)
     everyone = [None] * world
     dist.all_gather_object(everyone, result)
     if rank == 0:
@@ -184,14 +231,32 @@ def distributed(model_name: str, repeats: int, out: Path) -> None:
     gc.collect()
 
 
-def launch_distributed(ranks: int, model_name: str, repeats: int) -> list[dict]:
+def launch_distributed(ranks: int, model_name: str, repeats: int, clip_model: str) -> list[dict]:
     tmp = ROOT / "bench" / "results" / ".optim_dist.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           __file__, "--worker", str(tmp), "--dist-model", model_name, "--repeats", str(repeats)]
+           __file__, "--worker", str(tmp), "--dist-model", model_name, "--repeats", str(repeats),
+           "--clip-model", clip_model]
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     per_rank = json.loads(tmp.read_text())
     tmp.unlink()
     return per_rank
+
+
+def clip_table(per_rank: list[dict], ranks: int, repeats: int) -> dict:
+    """Prints the clip's times (the slowest rank's) and returns them by case."""
+    print(f"\nglobal gradient-norm clip over the {ranks} ranks, the slowest rank's time: the first call, and "
+          f"the median of {repeats} later calls\n")
+    print("| gradients | tensors | kimi first | kimi later | torch first | torch later | torch / kimi, 1st |")
+    print("|---|---|---|---|---|---|---|")
+    cases = {}
+    for case, first in per_rank[0]["clip"].items():
+        t = {k: {m: max(r["clip"][case][k][m] for r in per_rank) for m in ("first_s", "later_s")}
+             for k in ("kimi", "torch")}
+        cases[case] = {"tensors": first["tensors"], **t}
+        ms = [f"{t[k][m] * 1e3:.1f} ms" for k in ("kimi", "torch") for m in ("first_s", "later_s")]
+        print(f"| {case} | {first['tensors']} | {' | '.join(ms)} | "
+              f"{t['torch']['first_s'] / t['kimi']['first_s']:.0f}x |")
+    return cases
 
 
 def fmt_bytes(n: float) -> str:
@@ -201,28 +266,31 @@ def fmt_bytes(n: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["tiny", "small"])
+    parser.add_argument("--models", nargs="*", default=["tiny", "small"],
+                        help="of the single-process table; none: only the distributed tables")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ranks", type=int, default=4, help="0 skips the distributed table")
     parser.add_argument("--dist-model", default="tiny")
+    parser.add_argument("--clip-model", default="1b", help="whose gradient shapes the clip table cuts")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--device", default="cpu", help="of the single-process table: cpu or cuda")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "optim.json")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return distributed(args.dist_model, args.repeats, args.worker)
+        return distributed(args.dist_model, args.repeats, args.worker, args.clip_model)
 
     torch.set_num_threads(args.threads)
     record = {"threads": args.threads, "torch": torch.__version__, "device": args.device,
               "single": single_process(args.models, args.repeats, args.device)}
     record["machine"] = machine() + (f"; {torch.cuda.get_device_name()}" if args.device.startswith("cuda")
                                      else "")
-    print(f"\noptimizer.step() on random gradients on {args.device}, {args.threads} threads, median of "
-          f"{args.repeats} interleaved repeats; in brackets: x AdamW, x torch.optim.Muon + AdamW\n"
-          f"({record['machine']})\n")
-    print("| model | params | AdamW | MuonClip fp32 NS | MuonClip bf16 NS | torch.optim.Muon + AdamW |")
-    print("|---|---|---|---|---|---|")
+    print(f"\n({record['machine']})")
+    if args.models:
+        print(f"\noptimizer.step() on random gradients on {args.device}, {args.threads} threads, median of "
+              f"{args.repeats} interleaved repeats; in brackets: x AdamW, x torch.optim.Muon + AdamW\n")
+        print("| model | params | AdamW | MuonClip fp32 NS | MuonClip bf16 NS | torch.optim.Muon + AdamW |")
+        print("|---|---|---|---|---|---|")
     for r in record["single"]:
         t, x, y = r["step_s"], r["ratio_to_adamw"], r["ratio_to_torch_muon"]
         cells = [f"{t[k] * 1e3:.1f} ms ({x[k]:.1f}x, {y[k]:.2f}x)"
@@ -231,7 +299,7 @@ def main() -> None:
               + " | ".join(cells) + " |")
 
     if args.ranks > 1:
-        per_rank = launch_distributed(args.ranks, args.dist_model, args.repeats)
+        per_rank = launch_distributed(args.ranks, args.dist_model, args.repeats, args.clip_model)
         record["distributed"] = {"ranks": args.ranks, "model": args.dist_model, "per_rank": per_rank}
         print(f"\n{args.dist_model} model, FSDP2 over {args.ranks} gloo ranks (CPU), one optimizer step, per "
               "rank\n")
@@ -253,6 +321,7 @@ def main() -> None:
               f"{total['torch_muon']['collectives'] / max(1, total['muonclip']['collectives']):.1f}x fewer, "
               f"matmul FLOPs {total['torch_muon']['flops'] / max(1, total['muonclip']['flops']):.1f}x fewer "
               "with ours than with torch.optim.Muon")
+        record["distributed"]["clip"] = clip_table(per_rank, args.ranks, args.repeats)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"\nwrote {args.out}")

@@ -1,5 +1,7 @@
 """torchrun worker for tests/optim/test_muonclip_dist.py: MuonClip on the problem of tests/muonclip_problem.py
-with its weights laid out in several ways; rank 0 writes the full weights and per-step counters of each case.
+with its weights laid out in several ways; rank 0 writes the full weights and per-step counters of each case,
+and, for the layouts the torch engine makes (plain replicas and DTensors), what the trainer's global-norm clip
+over the ranks (kimi.parallel.tensor_parallel.clip_grad_norm_) returns and leaves in each step's gradients.
 
     torchrun --nproc_per_node N tests/dist_muonclip.py OUT_DIR CASE [CASE ...]
 """
@@ -10,6 +12,7 @@ import gc
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -21,6 +24,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from kimi.optim.owners import Fragment  # noqa: E402
+from kimi.parallel.tensor_parallel import clip_grad_norm_  # noqa: E402
 from kimi.parallel.zero_client import FragmentGather  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -97,6 +101,17 @@ class Weights(torch.nn.Module):
         return distribute(full, self.mesh, placements)
 
 
+def clipped(model: Weights, full: dict[str, torch.Tensor]) -> dict:
+    """The trainer's clip on copies of this rank's gradient blocks, to half their norm: the norm it returns
+    and every gradient afterwards, whole (the weights' own gradients stay as they are)."""
+    copies = [SimpleNamespace(grad=model.lay_out(n, g)) for n, g in full.items()]
+    want = torch.sqrt(sum(g.double().square().sum() for g in full.values())).item()
+    norm = clip_grad_norm_(copies, want / 2).item()
+    grads = {n: (c.grad.full_tensor() if isinstance(c.grad, DTensor) else c.grad).clone()
+             for n, c in zip(full, copies)}
+    return {"norm": norm, "grads": grads}
+
+
 def run(case: str, out: Path, steps: range, name: str | None = None, load: str | None = None,
         save_after: int | None = None, logit_ranks: int | None = None) -> None:
     # logit_ranks: pretend the logits came from that many ranks (a resumed run must see the same ones)
@@ -111,10 +126,12 @@ def run(case: str, out: Path, steps: range, name: str | None = None, load: str |
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=str(out / load))
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    stats = []
+    stats, clips = [], []
     for step in steps:
         for n, g in gradients(step, shapes).items():
             getattr(model, n).grad = model.lay_out(n, g)
+        if model.fragments is None:
+            clips.append(clipped(model, gradients(step, shapes)))
         current["step"] = step
         opt.step()
         current["step"] = None
@@ -133,7 +150,7 @@ def run(case: str, out: Path, steps: range, name: str | None = None, load: str |
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, {"steps": stats, "state_numel": state_numel})
     if rank == 0:
-        torch.save({"weights": weights, "stats": everyone}, out / f"{name or case}.pt")
+        torch.save({"weights": weights, "stats": everyone, "clips": clips}, out / f"{name or case}.pt")
 
 
 def main() -> None:

@@ -198,8 +198,9 @@ class TorchEngine(EngineBase):
         pp_group = self.mesh["pp"] if self.dims.pp > 1 else None
         uncounted = self.tied_ends.duplicate(self.model) if self.tied_ends else None
         families = FamilyStats(self.optimizer, pp_group, uncounted) if family_stats else None
-        if self.dims.tp > 1 or self.dims.pp > 1 or self.dims.ep > 1:
-            # plain and DTensor gradients on different meshes, stages' norms summed: torch's cannot do either
+        if self.dims.world > 1:
+            # plain and DTensor gradients on different meshes, stages' norms summed: torch's cannot do either,
+            # and its foreach calls on DTensors cost seconds of sharding propagation at the first step
             grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, pp_group, uncounted)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)

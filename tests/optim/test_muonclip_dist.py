@@ -7,7 +7,8 @@ parallelism (experts split over ep, FSDP-sharded over the other dp ranks) and De
 (flat fragments: an equal share of all weights concatenated, cut mid-row, or of each weight): after
 3 steps every layout equals single-process MuonClip. Per step each logical matrix is orthogonalised exactly
 once over all ranks, the collectives do not grow with the number of matrices, no rank duplicates optimizer
-state, and a checkpoint written at dp=2 continues exactly at 4 ranks and in one process.
+state, and a checkpoint written at dp=2 continues exactly at 4 ranks and in one process. On the same layouts
+the trainer's global-norm clip over ranks returns the whole gradients' norm and scales every block alike.
 """
 
 import os
@@ -81,6 +82,23 @@ def test_each_matrix_is_orthogonalised_once_per_step(runs, case):
         per_rank = [r["steps"][step]["ns_matrices"] for r in ranks]
         assert sum(per_rank) == expected, per_rank
         assert max(per_rank) < expected  # shared out, not all on one rank
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", ["replicated", "fsdp", "tp", "fsdp4", "dp2tp2", "ep2fsdp2"])
+def test_the_gradient_clip_over_ranks_is_the_whole_gradients(runs, case):
+    """kimi.parallel.tensor_parallel.clip_grad_norm_ on this layout's blocks, clipping to half the norm: the
+    norm of the whole gradients (fp64 from the full tensors) and every gradient halved."""
+    clips = result(runs, case)["clips"]
+    assert len(clips) == 3
+    for step, clip in enumerate(clips):
+        full = gradients(step)
+        want = torch.sqrt(sum(g.double().square().sum() for g in full.values())).item()
+        assert clip["norm"] == pytest.approx(want, rel=1e-6)
+        assert clip["grads"].keys() == full.keys()
+        for n, g in full.items():
+            torch.testing.assert_close(clip["grads"][n], g * (want / 2) / (clip["norm"] + 1e-6),
+                                       rtol=1e-6, atol=1e-7, msg=lambda m: f"step {step}, {n}: {m}")
 
 
 @pytest.mark.dist
