@@ -461,15 +461,13 @@ def _step(cfg: Config, params, blocks, first: bool, last: bool, tally: _Tally,
     model, _, _ = model_shapes(cfg)
     if p.engine == DEEPSPEED:
         _zero(cfg, params, tally)
-    elif p.tp > 1 or p.pp > 1 or p.ep > 1:  # kimi's clip: one reduction per (mesh, sharded dims) group
+    else:  # kimi's clip (every layout of more than one rank): one reduction per (mesh, sharded dims) group
         meshes = _clip_meshes(params, p.dp_replicate * p.dp_shard * p.cp > 1, p.tp > 1)
         for _, split in meshes:
             for d in split:
                 tally.add("all_reduce", d, 1, 4)
         if p.pp > 1:
             tally.add("all_reduce", "pp", 1, 4)
-    else:  # torch's clip over FSDP's DTensors: the per-tensor norms stacked, reduced once
-        tally.add("all_reduce", "dp_shard", 1, 4 * len(params))
     stage = world // p.pp
     dim = _world_dim(p, stage=True)
     if owners and muonclip(cfg):
