@@ -128,10 +128,11 @@ def run(case: str, out: Path, steps: range, name: str | None = None, load: str |
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     stats, clips = [], []
     for step in steps:
-        for n, g in gradients(step, shapes).items():
+        full = gradients(step, shapes)
+        for n, g in full.items():
             getattr(model, n).grad = model.lay_out(n, g)
         if model.fragments is None:
-            clips.append(clipped(model, gradients(step, shapes)))
+            clips.append(clipped(model, full))
         current["step"] = step
         opt.step()
         current["step"] = None

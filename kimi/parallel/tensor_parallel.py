@@ -146,21 +146,21 @@ def squared_norm(tensors, pp_group=None, device=None) -> torch.Tensor:
     costs milliseconds per tensor the first time it sees the list (seconds for a model's gradients)."""
     tensors = list(tensors)
     device = device if device is not None else tensors[0].device if tensors else "cpu"
-    groups: dict = {None: []}  # (mesh, sharded dims) -> local pieces; None: plain tensors
+    groups: dict = {(None, ()): []}  # (mesh, sharded dims) -> local pieces; plain tensors: no mesh
     partial = []
     for g in tensors:
         if not isinstance(g, DTensor):
-            groups[None].append(g)
+            groups[None, ()].append(g)
         elif any(pl.is_partial() for pl in g.placements):  # not seen from our plans: let DTensor reduce it
             partial.append(torch.linalg.vector_norm(g, dtype=torch.float32).full_tensor() ** 2)
         else:
             dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
             groups.setdefault((g.device_mesh, dims), []).append(g.to_local())
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for key, pieces in groups.items():
+    for (mesh, dims), pieces in groups.items():
         square = _sum_of_squares(pieces, device)
-        for dim in key[1] if key is not None else ():
-            square = funcol.all_reduce(square, "sum", group=(key[0], dim)).wait()
+        for dim in dims:
+            square = funcol.all_reduce(square, "sum", group=(mesh, dim)).wait()
         total = total + square
     for square in partial:
         total = total + square
