@@ -9,9 +9,10 @@ are timed: tokens/s and its ratio to the one-process layout, MFU, and the peak m
 allocations; resident memory on CPU).
 gloo on CPU, NCCL on GPUs.
 
-The payload table compares, per stage boundary, what kimi sends (the stream's sources: completed block sums
-plus the running partial sum) with sending every sublayer output so far (what a pipeline that forwards the
-whole residual history, as Full AttnRes needs, would send), for the tiny and small presets.
+The payload table (printed when a layout has pipeline stages) compares, per stage boundary, what kimi sends
+(the stream's sources: completed block sums plus the running partial sum) with sending every sublayer output
+so far (what a pipeline that forwards the whole residual history, as Full AttnRes needs, would send), for the
+tiny and small presets.
 
     python bench/parallel.py [--layouts single dp_shard2 tp2 pp2 ...] [--model tiny] [--set key=value ...]
     # expert parallelism against FSDP alone, on the mixture-of-experts preset:
@@ -36,9 +37,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from comm_count import CommCounter, write_every_rank
 from hydra import compose, initialize_config_dir
+
+# torch is imported where a step runs (the worker), not here: the parent only launches and prints, and a
+# start of torch there cost each run about 4 s of a CPU dry run's 22
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {  # name: (processes, data-parallel ranks, overrides)
@@ -117,6 +119,7 @@ def _profile(trainer, top: int = 25) -> dict:
     busy time (the union of its kernels' intervals) against the step's wall time, the kernels launched and
     the aten ops the host dispatched. The profiler slows the host, so the wall time set beside the busy time
     is the unprofiled steps' (`step_s`): 1 - busy / step_s is the share of the step the GPU waited."""
+    import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -145,6 +148,9 @@ def _profile(trainer, top: int = 25) -> dict:
 
 
 def worker(out: Path, model: str, overrides: list[str], steps: int, profile: bool = False) -> None:
+    import torch
+    from comm_count import CommCounter, write_every_rank
+
     from kimi.config import register_configs
     from kimi.model import KimiModel
     from kimi.parallel import destroy_distributed
@@ -321,12 +327,15 @@ def main() -> None:
         print(f"| {name} | {len(ranks)} | {r['step_s'] * 1e3:.0f} ms | {r['tokens_per_s']:,.0f} | {ratio} | "
               f"{100 * r['mfu']:.2f}% | {fmt_bytes(memory)} |")
 
+    # beside a run with pipeline stages only: it composes four configs, seconds a one-process run need not pay
+    piped = any(o.startswith("parallel.pp=") for name in args.layouts for o in LAYOUTS[name][2])
     payloads = [row for model in ("tiny", "small") for pp in (2, 4)
-                for row in attnres_payloads(model, pp, 128)]
-    print("\nAttnRes payload per pipeline boundary: tensors of [tokens, d_model] sent\n")
-    print("| model | pp | boundary (after block) | kimi: block sums + partial | every sublayer output so far "
-          "| ratio |")
-    print("|---|---|---|---|---|---|")
+                for row in attnres_payloads(model, pp, 128)] if piped else []
+    if payloads:
+        print("\nAttnRes payload per pipeline boundary: tensors of [tokens, d_model] sent\n")
+        print("| model | pp | boundary (after block) | kimi: block sums + partial | every sublayer output so "
+              "far | ratio |")
+        print("|---|---|---|---|---|---|")
     for r in payloads:
         print(f"| {r['model']} | {r['pp']} | {r['boundary']} ({r['after_block']}) | {r['tensors']} | "
               f"{r['all_outputs']} | {r['all_outputs'] / r['tensors']:.1f}x |")

@@ -29,6 +29,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_ENV, TAG = "TITAN_PEER_SPEC", "TITAN_PEER_METRICS "
+UNUSABLE = "TITAN_PEER_UNUSABLE "  # the child's line when torchtitan does not import
 
 
 def like(preset: str, overrides: list[str], seq_len: int | None) -> dict:
@@ -105,8 +106,15 @@ def child() -> None:
     """torchtitan.train.main() behind the shims, printing each step's metrics dict as a tagged JSON line."""
     sys.path.pop(0)
     shims()
-    if not torch.cuda.is_available():
+    cpu = not torch.cuda.is_available()
+    if cpu:  # before torchtitan's import, which reads the device type into its modules
         torch._utils._get_available_device_type = lambda: "cpu"
+    try:
+        import torchtitan.train  # noqa: F401 (a torchtitan newer than this torch fails here)
+    except Exception as e:  # ImportError or AttributeError: what a torch it does not know raises at import
+        print(UNUSABLE + f"{type(e).__name__}: {e}".splitlines()[0][:200], flush=True)
+        sys.exit(3)
+    if cpu:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         peaks = ("active_bytes.all.peak", "reserved_bytes.all.peak")
         for name, fn in dict(get_device_name=lambda *_: "cpu", empty_cache=lambda: None,
@@ -169,20 +177,10 @@ def find_site(site: Path | None) -> Path | None:
     return None
 
 
-def unusable(site: Path | None) -> str | None:
-    """Why torchtitan's trainer cannot be imported with this python (None: it can), from a child process: a
-    torchtitan newer than the torch it finds fails at import (0.3.0 needs torch.distributed.fsdp's
-    DataParallelMeshDims, which torch 2.11 lacks), and that is known in seconds, not after its build."""
-    site = find_site(site)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [site and str(site.resolve()),
-                                                                     os.environ.get("PYTHONPATH")]))}
-    probe = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import titan_peer; "
-             "titan_peer.shims(); import torchtitan.train")
-    proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
-    if proc.returncode == 0:
-        return None
-    last = next((line for line in reversed(proc.stderr.splitlines()) if line.strip()), "no output")
-    return f"torchtitan does not import with torch {torch_version()}: {last.strip()[:200]}"
+class Unusable(Exception):
+    """torchtitan's trainer does not import with this python (its message says why): a torchtitan newer than
+    the torch it finds fails at import (0.3.0 needs torch.distributed.fsdp's DataParallelMeshDims, which
+    torch 2.11 lacks). The training child finds that out first, in seconds, before it builds anything."""
 
 
 def torch_version() -> str:
@@ -206,6 +204,8 @@ def run(spec: dict, site: Path | None, warmup: int, steps: int) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--module", "__main__", "--config", "titan_config"]
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
     (work / "titan.log").write_text(log := proc.stdout + proc.stderr)
+    if said := [line[len(UNUSABLE):] for line in proc.stdout.splitlines() if line.startswith(UNUSABLE)]:
+        raise Unusable(f"torchtitan does not import with torch {torch_version()}: {said[0]}")
     logged = [json.loads(line[len(TAG):]) for line in proc.stdout.splitlines() if line.startswith(TAG)]
     if proc.returncode or len(logged) < warmup + steps:
         sys.exit(f"torchtitan failed ({proc.returncode}), {work}/titan.log:\n{log[-4000:]}")
@@ -241,7 +241,10 @@ def main(argv: list[str] | None = None) -> dict:
         vocab=a.vocab, rope_theta=500000.0, tied=False, seq_len=a.seq_len or 64)
     spec = {**shape, "batch": a.batch, "compile": a.compile, "dtype": "bfloat16" if a.bf16 else "float32",
             "ac": a.ac, "autotune": not a.no_autotune}
-    record = {"model": a.like or "custom", "shape": shape, **run(spec, a.site, a.warmup, a.steps)}
+    try:
+        record = {"model": a.like or "custom", "shape": shape, **run(spec, a.site, a.warmup, a.steps)}
+    except Unusable as e:
+        sys.exit(str(e))
     print(json.dumps(record, indent=2))
     return record
 

@@ -50,6 +50,34 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError("\n".join(wrong))
 
 
+# ---- CPU time per test ----------------------------------------------------------------------------------
+# Each test's CPU seconds (its worker's own and those of every process it started and waited for, torchrun's
+# ranks included) go into the JUnit report as the property cpu_s, which tests/suite_times.py sums: the suite
+# is CPU-bound on 2 cores, and unlike wall time, CPU time hardly grows when the other worker or another job
+# shares the cores. A module's fixtures count in the test that sets them up or tears them down; what SLURM's
+# daemons run for a test (tests/parallel/test_slurm.py) is not counted.
+
+CPU_START = pytest.StashKey[float]()
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, waited = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)  # before the fixtures are set up
+def pytest_runtest_setup(item):
+    item.stash[CPU_START] = _cpu_seconds()
+
+
+@pytest.hookimpl(tryfirst=True)  # the teardown report carries it: after the fixtures are torn down
+def pytest_runtest_makereport(item, call):
+    if call.when == "teardown" and CPU_START in item.stash:
+        item.user_properties.append(("cpu_s", f"{_cpu_seconds() - item.stash[CPU_START]:.2f}"))
+
+
 # ---- fixtures shared by several modules (one of each per module, as when each module defined its own) ---
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,10 @@
     .venv/bin/python tests/suite_times.py REPORT --write   # put it into docs/testing.md, between its markers
 
 Each test's time is pytest's own (setup, call and teardown); a tier's is the sum over its tests, which the
-two xdist workers share, so the wall time is about half the sum. The run's wall time, and the commit, the
+two xdist workers share, so the wall time is about half the sum. Each test's CPU time is the property cpu_s
+tests/conftest.py records (its worker's and its child processes'): the suite is CPU-bound, so its CPU time
+over the cores is a floor of the wall time, and it hardly moves with the machine's load, as wall time does;
+the slowest files are ranked by it. The run's wall time, and the commit, the
 machine's load and its CPU that `.ci/run` writes beside the report (run.txt), are stated with it, so
 docs/testing.md never carries a time copied by hand. Tiers come from a fresh collection (as
 tests/count_tests.py counts them), matched to the report's test ids."""
@@ -59,11 +62,17 @@ def node_id(case: ET.Element) -> str:
     return "::".join([path, *parts[module:], case.get("name", "")])
 
 
-def read(report: Path) -> tuple[list[tuple[str, float, bool]], float]:
-    """([(node id, seconds, skipped)], the run's wall seconds) of a JUnit report."""
+def cpu_seconds(case: ET.Element) -> float | None:
+    """The testcase's cpu_s property (tests/conftest.py), None in a report made without it."""
+    value = next((p.get("value") for p in case.iter("property") if p.get("name") == "cpu_s"), None)
+    return None if value is None else float(value)
+
+
+def read(report: Path) -> tuple[list[tuple[str, float, bool, float | None]], float]:
+    """([(node id, seconds, skipped, CPU seconds or None)], the run's wall seconds) of a JUnit report."""
     root = ET.parse(report).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    cases = [(node_id(c), float(c.get("time", 0)), c.find("skipped") is not None)
+    cases = [(node_id(c), float(c.get("time", 0)), c.find("skipped") is not None, cpu_seconds(c))
              for s in suites for c in s.iter("testcase")]
     return cases, sum(float(s.get("time", 0)) for s in suites)
 
@@ -84,31 +93,43 @@ def minutes(seconds: float) -> str:
 def table(report: Path) -> str:
     cases, wall = read(report)
     of = tiers()
-    seconds, counts, files = Counter(), Counter(), Counter()
-    for nid, t, skipped in cases:
+    seconds, cpu, counts, files, files_cpu = Counter(), Counter(), Counter(), Counter(), Counter()
+    for nid, t, skipped, c in cases:
         tier, slow = of.get(nid, ("not collected now", False))
         key = f"{tier}, slow" if slow else tier
         seconds[key] += t
+        cpu[key] += c or 0.0
         counts[key] += 1
         files[nid.split("::")[0]] += t
+        files_cpu[nid.split("::")[0]] += c or 0.0
+    measured = all(c is not None for *_, c in cases)  # a report made before tests/conftest.py recorded cpu_s
     facts = run_facts(report)
     load = (f"load average {facts['load_start']} at its start, {facts['load_end']} at its end"
             if "load_start" in facts and "load_end" in facts else "its load not recorded")
     machine = (f"a {facts['cores']}-core {facts['cpu']}" if "cpu" in facts and "cores" in facts
                else "a machine whose cores and CPU were not recorded")
+    total_cpu = sum(cpu.values())
+    floor = (f", {minutes(total_cpu / int(facts['cores']))} of wall time at the least on its "
+             f"{facts['cores']} cores" if facts.get("cores", "").isdigit() else "")
+    used = (f" The tests and the processes they started used {minutes(total_cpu)} of CPU time{floor}."
+            if measured else " (CPU time was not recorded in this report.)")
     rows = [BEGIN, "",
             f"`.ci/run` at commit {facts.get('commit', '(not recorded)')}: {len(cases):,} tests in "
-            f"{minutes(wall)} of pytest's wall time on {machine} ({load}). Time per tier, summed over its "
-            "tests (the two workers share it):", "",
-            "| tier | tests | summed time | share |", "|---|---|---|---|"]
-    total = sum(seconds.values()) or 1.0
+            f"{minutes(wall)} of pytest's wall time on {machine} ({load}).{used} Time per tier, summed over "
+            "its tests (the two workers share it):", "",
+            f"| tier | tests | summed time | CPU time | share{' of CPU' if measured else ''} |",
+            "|---|---|---|---|---|"]
+    share = cpu if measured else seconds
+    whole = sum(share.values()) or 1.0
     for tier in [f"{t}{s}" for t in TIERS for s in ("", ", slow")] + ["not collected now"]:
         if counts[tier]:
             rows.append(f"| {tier} | {counts[tier]:,} | {minutes(seconds[tier])} | "
-                        f"{100 * seconds[tier] / total:.0f}% |")
-    rows += ["", f"The {SLOWEST} files that take longest, summed:", "",
-             "| file | summed time |", "|---|---|"]
-    rows += [f"| `{f}` | {minutes(t)} |" for f, t in files.most_common(SLOWEST)]
+                        f"{minutes(cpu[tier]) if measured else '-'} | {100 * share[tier] / whole:.0f}% |")
+    rank = files_cpu if measured else files
+    rows += ["", f"The {SLOWEST} files that use the most {'CPU' if measured else 'time'}, summed over their "
+             "tests:", "", "| file | CPU time | summed time |", "|---|---|---|"]
+    rows += [f"| `{f}` | {minutes(files_cpu[f]) if measured else '-'} | {minutes(files[f])} |"
+             for f, _ in rank.most_common(SLOWEST)]
     rows += ["", END]
     return "\n".join(rows)
 

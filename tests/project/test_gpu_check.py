@@ -152,6 +152,24 @@ def test_planted_failures_fail_the_run_and_are_named(tmp_path):
     assert "not run yet" not in summary and "attention_check" not in summary
 
 
+@pytest.mark.e2e
+def test_a_torchtitan_that_does_not_import_is_named_not_trained(tmp_path):
+    """The peer step's torchtitan where this torch cannot import it (0.3.0 on torch 2.11): the training child
+    says why before it builds anything, and bench/peer.py records that reason in place of the row."""
+    import titan_peer
+
+    site = tmp_path / "site" / "torchtitan"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("")
+    (site / "train.py").write_text("raise ImportError('cannot import name DataParallelMeshDims')\n")
+    spec = {"layers": 1, "dim": 16, "heads": 1, "kv_heads": 1, "ffn_dim": 32, "vocab": 300, "rope_theta": 1e4,
+            "tied": False, "seq_len": 16, "batch": 1, "micro_batch": 1, "compile": False, "autotune": False,
+            "dtype": "float32", "ac": "none"}
+    with pytest.raises(titan_peer.Unusable, match=r"^torchtitan does not import with torch \S+: ImportError: "
+                                                    r"cannot import name DataParallelMeshDims$"):
+        titan_peer.run(spec, site.parent, warmup=1, steps=1)
+
+
 @pytest.mark.unit
 def test_the_plan_fits_one_device_call():
     """make gpu-check's default plan: the priority order, one call of at most 480 s (the wheels' install and
