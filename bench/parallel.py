@@ -39,8 +39,8 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-# torch is imported where a step runs (the worker), not here: the parent only launches and prints, and a
-# start of torch there cost each run about 4 s of a CPU dry run's 22
+# torch is imported where a step runs (the worker), not here: the parent only launches and prints, and torch's
+# start there delayed each layout's worker by about 4 s on a CPU
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {  # name: (processes, data-parallel ranks, overrides)
@@ -336,9 +336,9 @@ def main() -> None:
         print("| model | pp | boundary (after block) | kimi: block sums + partial | every sublayer output so "
               "far | ratio |")
         print("|---|---|---|---|---|---|")
-    for r in payloads:
-        print(f"| {r['model']} | {r['pp']} | {r['boundary']} ({r['after_block']}) | {r['tensors']} | "
-              f"{r['all_outputs']} | {r['all_outputs'] / r['tensors']:.1f}x |")
+        for r in payloads:
+            print(f"| {r['model']} | {r['pp']} | {r['boundary']} ({r['after_block']}) | {r['tensors']} | "
+                  f"{r['all_outputs']} | {r['all_outputs'] / r['tensors']:.1f}x |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": args.model, "batch": args.batch, "set": args.set,
                                     "steps": args.steps,

@@ -100,8 +100,9 @@ def table(report: Path) -> str:
         seconds[key] += t
         cpu[key] += c or 0.0
         counts[key] += 1
-        files[nid.split("::")[0]] += t
-        files_cpu[nid.split("::")[0]] += c or 0.0
+        file = nid.split("::")[0]
+        files[file] += t
+        files_cpu[file] += c or 0.0
     measured = all(c is not None for *_, c in cases)  # a report made before tests/conftest.py recorded cpu_s
     facts = run_facts(report)
     load = (f"load average {facts['load_start']} at its start, {facts['load_end']} at its end"
